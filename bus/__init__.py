@@ -1,0 +1,1 @@
+"""The message bus: every cross-process message, sockets, run dir."""

@@ -1,0 +1,401 @@
+"""Every message that crosses a process boundary in llmbus, and nothing else.
+
+Wire layout: a two-frame ZeroMQ multipart message, ``[kind, payload]``. Frame 0 is one byte, the
+message kind (``Kind``); frame 1 is msgpack: the message's fields as an array, in declaration order,
+nested structs likewise as arrays. The receiver picks the class from the kind byte before decoding.
+
+Evolution rules (the wire is a protocol, like TGI's generate.proto):
+- Add fields only at the end of a struct, always with a default; never reorder, rename the kind byte or
+  reuse a number. A decoder fills missing trailing fields from their defaults and ignores extra ones, so
+  a newer sender can talk to an older receiver within one ``WIRE_VERSION``.
+- A change that breaks that (a field's meaning, a removed field) bumps ``WIRE_VERSION``, which the
+  handshakes (``WorkerHello``, ``FrontendHello``) check. ``tests/test_wire_golden.py`` pins the bytes.
+
+Token ids only: workers never see text. Hot-path messages (``StepCommand``, ``StepResult``,
+``TokenBatch``) are columnar (one list per field) so a step is one message, not one per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+WIRE_VERSION = 1
+
+# Decoders refuse payloads above this size instead of allocating for them; a step with a few
+# thousand prompts of max length stays far below it.
+MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+
+
+class Kind(enum.IntEnum):
+    """Frame 0 of every message. Stable wire ids: never renumber."""
+
+    ADD_REQUEST = 0x01
+    ABORT_REQUEST = 0x02
+    FRONTEND_HELLO = 0x03
+    STEP = 0x10
+    SHUTDOWN = 0x11
+    STEP_RESULT = 0x20
+    WORKER_HELLO = 0x21
+    WORKER_READY = 0x22
+    WORKER_FATAL = 0x23
+    TOKEN_BATCH = 0x30
+    REQUEST_FAILED = 0x31
+    SCHEDULER_HELLO = 0x32
+    ENGINE_DEAD = 0x3F
+    SERVICE_READY = 0x40
+    SERVICE_FATAL = 0x41
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped, in ``TokenBatch.finish_reasons``. The names are TGI's."""
+
+    NONE = 0  # still running
+    LENGTH = 1  # max_new_tokens reached (checked before EOS, as TGI does)
+    EOS_TOKEN = 2  # an EOS / stop token id was sampled
+    STOP_SEQUENCE = 3  # a stop sequence matched (decided by the frontend, which owns text)
+    ABORTED = 4  # cancelled: client gone, or the engine dropped it
+
+    @property
+    def tgi_name(self) -> str:
+        return {1: "length", 2: "eos_token", 3: "stop_sequence"}.get(int(self), "aborted")
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this wire version."""
+
+
+# (owner class name, field name) -> (nested message class, is a list of them)
+_NESTED: dict[tuple[str, str], tuple[type, bool]] = {}
+
+
+class Message:
+    """Base of every wire struct: array encoding in field order, defaults for missing trailing fields."""
+
+    KIND: ClassVar[Kind]
+
+    def to_wire(self) -> list:
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            nested = _NESTED.get((type(self).__name__, f.name))
+            if nested is not None:
+                value = [v.to_wire() for v in value] if nested[1] else value.to_wire()
+            out.append(value)
+        return out
+
+    @classmethod
+    def from_wire(cls, values: Any):
+        if not isinstance(values, (list, tuple)):
+            raise ProtocolError(f"{cls.__name__}: expected an array, got {type(values).__name__}")
+        fields = dataclasses.fields(cls)
+        kwargs = {}
+        for f, value in zip(fields, values):
+            nested = _NESTED.get((cls.__name__, f.name))
+            if nested is not None:
+                nested_cls, many = nested
+                if many:
+                    if not isinstance(value, list):
+                        raise ProtocolError(f"{cls.__name__}.{f.name}: expected an array")
+                    value = [nested_cls.from_wire(v) for v in value]
+                else:
+                    value = nested_cls.from_wire(value)
+            kwargs[f.name] = value
+        missing = [f for f in fields[len(values):] if f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ProtocolError(f"{cls.__name__}: missing required field {missing[0].name!r}")
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ProtocolError(f"{cls.__name__}: {e}") from None
+
+
+def _nested(owner: str, name: str, cls: type, many: bool = False) -> None:
+    _NESTED[(owner, name)] = (cls, many)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters embedded in requests
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SamplingParams(Message):
+    """How to choose the next token. Validated by the frontend; workers trust it."""
+
+    temperature: float = 1.0  # > 0; 1.0 leaves logits unchanged
+    top_k: int = 0  # 0 = off; else keep the k most likely tokens
+    top_p: float = 1.0  # 1.0 = off; else nucleus sampling
+    typical_p: float = 1.0  # 1.0 = off; else typical sampling
+    do_sample: bool = False  # False = greedy argmax (all warpers ignored)
+    seed: int = 0  # per-request RNG seed; the frontend draws one when the client gave none
+    repetition_penalty: float = 1.0  # 1.0 = off (CTRL-style, over prompt and generated ids)
+    frequency_penalty: float = 0.0  # 0.0 = off (OpenAI-style, over generated ids)
+    top_n_tokens: int = 0  # how many alternatives to return per generated token
+    watermark: bool = False  # Kirchenbauer et al. green-list bias
+
+
+@dataclass(slots=True)
+class StoppingParams(Message):
+    """When the scheduler finishes a request without the frontend's help."""
+
+    max_new_tokens: int  # >= 1
+    stop_token_ids: list[int] = field(default_factory=list)  # EOS ids (generation_config + tokenizer)
+    ignore_eos: bool = False  # benchmark mode: only max_new_tokens ends the request
+
+
+# ---------------------------------------------------------------------------------------------
+# frontend -> scheduler (PUSH -> PULL "requests")
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class FrontendHello(Message):
+    """First message of a frontend: where the scheduler should PUSH its events."""
+
+    KIND: ClassVar[Kind] = Kind.FRONTEND_HELLO
+    frontend_id: str  # unique per frontend process
+    events_endpoint: str  # the frontend's bound PULL endpoint
+    wire_version: int = WIRE_VERSION
+
+
+@dataclass(slots=True)
+class AddRequest(Message):
+    """A validated, tokenized generation request."""
+
+    KIND: ClassVar[Kind] = Kind.ADD_REQUEST
+    rid: str  # unique across frontends (the frontend id is its prefix)
+    frontend_id: str  # where the events go
+    input_ids: list[int]  # the prompt, already truncated; never empty
+    sampling: SamplingParams
+    stopping: StoppingParams
+    prompt_logprobs: bool = False  # decoder_input_details: return logprobs of the prompt tokens
+    arrival_time: float = 0.0  # time.time() when the HTTP request arrived
+
+
+_nested("AddRequest", "sampling", SamplingParams)
+_nested("AddRequest", "stopping", StoppingParams)
+
+
+@dataclass(slots=True)
+class AbortRequest(Message):
+    """Drop these requests wherever they are (client gone, stop sequence matched)."""
+
+    KIND: ClassVar[Kind] = Kind.ABORT_REQUEST
+    rids: list[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler -> workers (XPUB -> SUB "steps"): one StepCommand per forward pass
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class NewRequestData(Message):
+    """A request the workers have not seen: everything they must keep for it, keyed by rid."""
+
+    rid: str
+    sampling: SamplingParams
+    block_table: list[int]  # KV blocks owned by this request, in order
+    prompt_len: int  # tokens of the prompt (the rest of its tokens are generated ones)
+    prompt_logprobs: bool = False
+
+
+_nested("NewRequestData", "sampling", SamplingParams)
+
+
+@dataclass(slots=True)
+class StepCommand(Message):
+    """One forward pass over a batch, as a diff against what the workers already hold.
+
+    Scheduled requests are listed in batch order by ``rids``; ``token_ids`` concatenates the tokens each
+    computes this step (a whole prompt or a chunk of it for a new request, the last sampled token for a
+    running one). Positions run from ``num_computed[i]`` for ``num_new[i]`` tokens. Every rank computes
+    the same thing, so ranks other than 0 learn the sampled tokens from the next step's ``token_ids``.
+    """
+
+    KIND: ClassVar[Kind] = Kind.STEP
+    step_id: int  # 1, 2, 3, ... per scheduler run; a rank that sees a gap dies
+    new_requests: list[NewRequestData]  # requests scheduled for the first time (or after preemption)
+    rids: list[str]  # scheduled requests, in batch order
+    num_computed: list[int]  # per scheduled request: tokens already in its KV cache
+    num_new: list[int]  # per scheduled request: tokens in token_ids for it
+    token_ids: list[int]  # concatenation of every scheduled request's new tokens
+    sample: list[bool]  # per scheduled request: sample a token after this step (False mid-prompt)
+    added_blocks: list[list] = field(default_factory=list)  # [[rid, [block ids]]]: blocks appended
+    finished_rids: list[str] = field(default_factory=list)  # drop state: finished, aborted, preempted
+
+
+_nested("StepCommand", "new_requests", NewRequestData, many=True)
+
+
+@dataclass(slots=True)
+class Shutdown(Message):
+    """Stop after this message (sent on the step channel so every rank stops at the same point)."""
+
+    KIND: ClassVar[Kind] = Kind.SHUTDOWN
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# worker rank 0 -> scheduler (PUSH -> PULL "results"), and every rank -> scheduler ("control")
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StepResult(Message):
+    """Rank 0's answer to one StepCommand, for the whole batch."""
+
+    KIND: ClassVar[Kind] = Kind.STEP_RESULT
+    step_id: int  # echoes StepCommand.step_id
+    rids: list[str]  # the requests that sampled, in batch order
+    token_ids: list[int]  # per sampled request: the new token
+    logprobs: list[float]  # per sampled request: log-softmax of the new token (after warpers)
+    forward_time: float = 0.0  # seconds spent in the forward pass
+    sample_time: float = 0.0  # seconds spent sampling
+    top_tokens: list[list] = field(default_factory=list)  # per sampled request: [[ids], [logprobs]]
+    prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprob per prompt token]]]
+
+
+@dataclass(slots=True)
+class WorkerHello(Message):
+    """A rank is subscribed to the step channel and speaks this wire version."""
+
+    KIND: ClassVar[Kind] = Kind.WORKER_HELLO
+    rank: int
+    world_size: int
+    pid: int
+    wire_version: int = WIRE_VERSION
+
+
+@dataclass(slots=True)
+class WorkerReady(Message):
+    """A rank loaded its weights, warmed up and sized its KV block pool."""
+
+    KIND: ClassVar[Kind] = Kind.WORKER_READY
+    rank: int
+    num_blocks: int  # KV blocks this rank can hold; the scheduler takes the minimum over ranks
+    block_size: int  # tokens per KV block
+    dtype: str = ""
+    device: str = ""
+    max_position_embeddings: int = 0
+
+
+@dataclass(slots=True)
+class WorkerFatal(Message):
+    """A rank hit an error it cannot recover from; it exits right after sending this."""
+
+    KIND: ClassVar[Kind] = Kind.WORKER_FATAL
+    rank: int
+    error: str
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler -> frontend (PUSH -> the frontend's PULL "events-<frontend id>")
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SchedulerHello(Message):
+    """The scheduler's answer to FrontendHello: limits fixed at warmup."""
+
+    KIND: ClassVar[Kind] = Kind.SCHEDULER_HELLO
+    max_batch_total_tokens: int
+    block_size: int
+    wire_version: int = WIRE_VERSION
+
+
+@dataclass(slots=True)
+class TokenBatch(Message):
+    """New tokens of one step for one frontend, columnar."""
+
+    KIND: ClassVar[Kind] = Kind.TOKEN_BATCH
+    rids: list[str]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reasons: list[int]  # FinishReason per token; NONE while running
+    top_tokens: list[list] = field(default_factory=list)  # per token [[ids], [logprobs]] when asked
+    prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprobs]]] on first tokens
+    queue_times: list[float] = field(default_factory=list)  # per token: seconds queued (first token only, else 0)
+
+
+@dataclass(slots=True)
+class RequestFailed(Message):
+    """One request ended with an error; the rest of the batch goes on."""
+
+    KIND: ClassVar[Kind] = Kind.REQUEST_FAILED
+    rid: str
+    error_type: str  # TGI's: validation, generation, overloaded, ...
+    message: str
+
+
+@dataclass(slots=True)
+class EngineDead(Message):
+    """The engine cannot serve anymore: every in-flight request fails (424)."""
+
+    KIND: ClassVar[Kind] = Kind.ENGINE_DEAD
+    reason: str
+
+
+# ---------------------------------------------------------------------------------------------
+# any service -> supervisor (PUSH -> PULL "supervisor"), only when launched by `llmbus up`
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ServiceReady(Message):
+    """A service is ready to do its job (the scheduler: every rank is Ready; the frontend: listening)."""
+
+    KIND: ClassVar[Kind] = Kind.SERVICE_READY
+    service: str  # "scheduler", "workers", "frontend"
+    pid: int
+    detail: str = ""  # free text for the operator, e.g. the URL or the KV capacity
+
+
+@dataclass(slots=True)
+class ServiceFatal(Message):
+    """A service is about to exit because of this error."""
+
+    KIND: ClassVar[Kind] = Kind.SERVICE_FATAL
+    service: str
+    pid: int
+    error: str
+
+
+MESSAGE_TYPES: dict[Kind, type[Message]] = {
+    cls.KIND: cls
+    for cls in (FrontendHello, AddRequest, AbortRequest, StepCommand, Shutdown, StepResult, WorkerHello,
+                WorkerReady, WorkerFatal, SchedulerHello, TokenBatch, RequestFailed, EngineDead,
+                ServiceReady, ServiceFatal)
+}
+assert len(MESSAGE_TYPES) == len(Kind), "every Kind has exactly one message class"
+
+
+def encode(msg: Message) -> list[bytes]:
+    """The two frames of ``msg``."""
+    return [bytes((msg.KIND,)), msgpack.packb(msg.to_wire(), use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Parse two frames into a message; raises ProtocolError for anything malformed."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    kind_frame, payload = frames
+    if len(kind_frame) != 1:
+        raise ProtocolError(f"kind frame must be 1 byte, got {len(kind_frame)}")
+    try:
+        cls = MESSAGE_TYPES[Kind(kind_frame[0])]
+    except ValueError:
+        raise ProtocolError(f"unknown message kind 0x{kind_frame[0]:02x}") from None
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"{cls.__name__} payload of {len(payload)} bytes exceeds the limit")
+    try:
+        values = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for corrupt input
+        raise ProtocolError(f"{cls.__name__}: undecodable payload ({e})") from None
+    return cls.from_wire(values)
