@@ -1,0 +1,137 @@
+"""The one entry shape every llmbus process uses.
+
+``run_service(name, body)``: set up logging, die with the parent, run ``body`` (which builds, calls
+``ctx.ready()`` and loops), and on a fatal error log the traceback and send a typed ``ServiceFatal`` to
+the supervisor before exiting non-zero, so the other side reports a clear error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import structlog
+import zmq
+
+from llmbus.bus import messages as m
+from llmbus.bus.sockets import open_socket, send
+
+ENV_SUPERVISOR = "LLMBUS_SUPERVISOR_ENDPOINT"
+ENV_JSON_LOGS = "LLMBUS_JSON_OUTPUT"
+
+_PR_SET_PDEATHSIG = 1
+
+
+def setup_logging(service: str, *, rank: int | None = None, json_output: bool | None = None) -> None:
+    """structlog to stderr: readable lines, or JSON lines; every line carries the service (and rank)."""
+    if json_output is None:
+        json_output = os.environ.get(ENV_JSON_LOGS, "").lower() in ("1", "true", "yes")
+    level = logging.getLevelNamesMapping().get(os.environ.get("LOG_LEVEL", "INFO").upper(), logging.INFO)
+    renderer = (structlog.processors.JSONRenderer() if json_output
+                else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+    bound = {"service": service}
+    if rank is not None:
+        bound["rank"] = rank
+    structlog.contextvars.bind_contextvars(**bound)
+
+
+def die_with_parent() -> None:
+    """Make the kernel SIGTERM us when the parent dies (Linux), with a polling thread as fallback."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            threading.Event().wait(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+@dataclass
+class ServiceContext:
+    """What a service body gets: its name, a zmq context, and how to tell the supervisor about itself."""
+
+    name: str
+    zmq_ctx: zmq.Context
+    supervisor_endpoint: str | None = None
+    log: structlog.stdlib.BoundLogger = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.log = structlog.get_logger(f"llmbus.{self.name}")
+
+    def _tell_supervisor(self, msg: m.Message) -> None:
+        if not self.supervisor_endpoint:
+            return
+        sock = open_socket(self.zmq_ctx, zmq.PUSH, self.supervisor_endpoint, linger_ms=2000)
+        try:
+            send(sock, msg)
+        finally:
+            sock.close()
+
+    def ready(self, detail: str = "") -> None:
+        self.log.info("ready", detail=detail)
+        self._tell_supervisor(m.ServiceReady(service=self.name, pid=os.getpid(), detail=detail))
+
+    def fatal(self, error: str) -> None:
+        self._tell_supervisor(m.ServiceFatal(service=self.name, pid=os.getpid(), error=error))
+
+
+class Terminate(Exception):
+    """Raised in the main thread by SIGTERM/SIGINT when a service asks for it (see install_stop_signals)."""
+
+
+def install_stop_signals(on_stop: Callable[[int], None]) -> None:
+    """Route SIGTERM and SIGINT to ``on_stop(signum)`` (services decide between drain and abort)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: on_stop(signum))
+
+
+def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int | None = None,
+                json_output: bool | None = None) -> int:
+    """Run one llmbus process: the shared skeleton. Returns the exit code."""
+    setup_logging(name, rank=rank, json_output=json_output)
+    die_with_parent()
+    zmq_ctx = zmq.Context()
+    ctx = ServiceContext(name=name, zmq_ctx=zmq_ctx, supervisor_endpoint=os.environ.get(ENV_SUPERVISOR))
+    code = 0
+    try:
+        body(ctx)
+    except (KeyboardInterrupt, Terminate):
+        ctx.log.info("stopped by signal")
+    except Exception as e:  # noqa: BLE001 - the last line of defence: report, then exit non-zero
+        error = f"{type(e).__name__}: {e}"
+        ctx.log.error("fatal error", error=error, traceback=traceback.format_exc())
+        ctx.fatal(error)
+        code = 1
+    finally:
+        zmq_ctx.destroy(linger=2000)
+    return code

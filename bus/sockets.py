@@ -1,0 +1,81 @@
+"""The only place that opens ZeroMQ sockets and moves messages through them.
+
+Rules (see ARCHITECTURE.md): receivers and publishers bind, senders and subscribers connect; high-water
+marks are finite; LINGER is 0 except where a last message must get out (``linger_ms``). A malformed frame
+is logged and dropped: ``recv`` returns None, it never raises into the caller's loop.
+"""
+
+from __future__ import annotations
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from llmbus.bus.messages import Message, ProtocolError, decode, encode
+
+log = structlog.get_logger("llmbus.bus")
+
+# Bounded queues: admission control in the frontend keeps them from filling; if they do, PUSH blocks
+# (back-pressure) rather than growing memory without limit.
+DEFAULT_HWM = 10_000
+
+_BINDS = {zmq.PULL, zmq.PUB, zmq.XPUB}
+
+
+def open_socket(ctx: zmq.Context, sock_type: int, endpoint: str, *, hwm: int = DEFAULT_HWM,
+                linger_ms: int = 0, subscribe: bytes | None = None):
+    """Create ``sock_type`` on ``endpoint``: bind for PULL/PUB/XPUB, connect for the rest."""
+    sock = ctx.socket(sock_type)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if sock_type == zmq.XPUB:
+        # Every SUBSCRIBE reaches us, duplicates too, so the publisher can count its subscribers.
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+    if sock_type == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, subscribe or b"")
+    try:
+        if sock_type in _BINDS:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    except zmq.ZMQError:
+        sock.close(0)
+        raise
+    return sock
+
+
+def send(sock: zmq.Socket, msg: Message, flags: int = 0) -> None:
+    sock.send_multipart(encode(msg), flags=flags, copy=True)
+
+
+def recv(sock: zmq.Socket, flags: int = 0) -> Message | None:
+    """Next message, or None if the frames were malformed (logged). Raises zmq.Again with NOBLOCK."""
+    frames = sock.recv_multipart(flags=flags)
+    return _decode_or_log(frames)
+
+
+async def asend(sock: zmq.asyncio.Socket, msg: Message) -> None:
+    await sock.send_multipart(encode(msg), copy=True)
+
+
+async def arecv(sock: zmq.asyncio.Socket) -> Message | None:
+    frames = await sock.recv_multipart()
+    return _decode_or_log(frames)
+
+
+def _decode_or_log(frames: list[bytes]) -> Message | None:
+    try:
+        return decode(frames)
+    except ProtocolError as e:
+        log.error("dropped malformed message", error=str(e), frames=len(frames),
+                  sizes=[len(f) for f in frames][:4])
+        return None
+
+
+def poll(sockets: list[zmq.Socket], timeout_ms: int | None) -> set[zmq.Socket]:
+    """The subset of ``sockets`` with a message ready within ``timeout_ms`` (None waits forever)."""
+    poller = zmq.Poller()
+    for s in sockets:
+        poller.register(s, zmq.POLLIN)
+    return {s for s, _ in poller.poll(timeout_ms)}
