@@ -1,0 +1,5 @@
+import sys
+
+from llmbus.scheduler.process import main
+
+sys.exit(main())

@@ -1,0 +1,303 @@
+"""The scheduler process: wires the pure policy to the bus.
+
+Sockets (all bound here, see bus/rundir.Endpoints): PULL ``requests`` from frontends, XPUB ``steps``
+to every rank, PULL ``results`` from rank 0, PULL ``control`` from every rank; plus one PUSH per
+frontend, connected to the PULL that frontend announced in its FrontendHello (receivers bind, and a
+PUSH never drops what it sends before the connection is up, unlike PUB/SUB).
+
+Lock-step: one StepCommand in flight at a time; requests that arrive meanwhile are queued by the policy
+and join the next step. Any rank failure, a step id mismatch or a step past its deadline is fatal: every
+frontend gets EngineDead and the process exits non-zero so the supervisor tears the launch down.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from llmbus.bus import messages as m
+from llmbus.bus.rundir import Endpoints
+from llmbus.bus.service import ServiceContext, Terminate, install_stop_signals, run_service
+from llmbus.bus.sockets import open_socket, poll, recv, send
+from llmbus.scheduler.policy import BlockAllocator, Request, ScheduledBatch, Scheduler, SchedulerConfig
+
+
+class EngineFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class SchedulerProcessConfig:
+    run_dir: str
+    world_size: int = 1
+    max_batch_prefill_tokens: int = 4096
+    max_batch_size: int | None = None
+    max_total_tokens: int | None = None  # checked against the KV capacity the ranks report
+    worker_start_timeout_s: float = 600.0  # weights loading + warmup
+    step_timeout_s: float = 300.0
+
+    @property
+    def endpoints(self) -> Endpoints:
+        return Endpoints.in_dir(self.run_dir)
+
+
+class SchedulerService:
+    def __init__(self, cfg: SchedulerProcessConfig, ctx: ServiceContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.log = ctx.log
+        self.step_id = 0
+        self.frontends: dict[str, zmq.Socket] = {}
+        self.stopping = False
+        self.policy: Scheduler | None = None
+        self.kv_info: tuple[int, int] | None = None  # (num_blocks, block_size)
+        self._init_sockets()
+
+    def _init_sockets(self) -> None:
+        ep, z = self.cfg.endpoints, self.ctx.zmq_ctx
+        self.requests = open_socket(z, zmq.PULL, ep.requests)
+        self.steps = open_socket(z, zmq.XPUB, ep.steps)
+        self.results = open_socket(z, zmq.PULL, ep.results)
+        self.control = open_socket(z, zmq.PULL, ep.control)
+
+    # ------------------------------------------------------------------ startup
+
+    def wait_for_workers(self) -> None:
+        """Hello from every rank and a subscription from every rank, then Ready from every rank."""
+        n = self.cfg.world_size
+        deadline = time.monotonic() + self.cfg.worker_start_timeout_s
+        subscriptions, hellos, ready = 0, set(), {}
+        while subscriptions < n or len(hellos) < n or len(ready) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineFailure(
+                    f"timed out after {self.cfg.worker_start_timeout_s:.0f}s waiting for {n} worker rank(s) "
+                    f"(subscribed {subscriptions}, hello {sorted(hellos)}, ready {sorted(ready)}); weight "
+                    f"loading or warmup may be slow: raise --worker-start-timeout")
+            for sock in poll([self.steps, self.control], int(min(remaining, 1.0) * 1000)):
+                if sock is self.steps:
+                    frame = self.steps.recv()
+                    if frame[:1] == b"\x01":
+                        subscriptions += 1
+                    continue
+                msg = recv(self.control, zmq.NOBLOCK)
+                if isinstance(msg, m.WorkerHello):
+                    if msg.wire_version != m.WIRE_VERSION:
+                        raise EngineFailure(f"rank {msg.rank} speaks wire version {msg.wire_version}, "
+                                            f"the scheduler {m.WIRE_VERSION}: mixed llmbus versions")
+                    if msg.world_size != n:
+                        raise EngineFailure(f"rank {msg.rank} was started with world size {msg.world_size}, "
+                                            f"the scheduler expects {n}")
+                    hellos.add(msg.rank)
+                elif isinstance(msg, m.WorkerReady):
+                    ready[msg.rank] = msg
+                elif isinstance(msg, m.WorkerFatal):
+                    raise EngineFailure(f"worker rank {msg.rank} failed during startup: {msg.error}")
+        num_blocks = min(r.num_blocks for r in ready.values())
+        block_size = ready[0].block_size
+        capacity = num_blocks * block_size
+        if self.cfg.max_total_tokens is not None and self.cfg.max_total_tokens > capacity:
+            raise EngineFailure(f"Not enough memory to handle `max_total_tokens={self.cfg.max_total_tokens}`: "
+                                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}); "
+                                f"lower --max-total-tokens or give the KV cache more memory")
+        self.kv_info = (num_blocks, block_size)
+        self.policy = Scheduler(
+            SchedulerConfig(self.cfg.max_batch_prefill_tokens, self.cfg.max_batch_size),
+            BlockAllocator(num_blocks, block_size))
+        self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
+                      max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device)
+
+    # ------------------------------------------------------------------ intake
+
+    def handle_intake(self, msg: m.Message | None) -> None:
+        if isinstance(msg, m.AddRequest):
+            self._add(msg)
+        elif isinstance(msg, m.AbortRequest):
+            for req in self.policy.abort(msg.rids):
+                self.log.debug("aborted", rid=req.rid)
+        elif isinstance(msg, m.FrontendHello):
+            self._hello(msg)
+        elif msg is not None:
+            self.log.warning("unexpected message on the requests socket", kind=type(msg).__name__)
+
+    def _hello(self, msg: m.FrontendHello) -> None:
+        if msg.wire_version != m.WIRE_VERSION:
+            self.log.error("frontend speaks another wire version; ignored", frontend=msg.frontend_id,
+                           version=msg.wire_version)
+            return
+        old = self.frontends.pop(msg.frontend_id, None)
+        if old is not None:
+            old.close(0)
+        sock = open_socket(self.ctx.zmq_ctx, zmq.PUSH, msg.events_endpoint)
+        self.frontends[msg.frontend_id] = sock
+        num_blocks, block_size = self.kv_info
+        send(sock, m.SchedulerHello(max_batch_total_tokens=num_blocks * block_size, block_size=block_size))
+        self.log.info("frontend connected", frontend=msg.frontend_id)
+
+    def _add(self, msg: m.AddRequest) -> None:
+        req = Request(rid=msg.rid, frontend_id=msg.frontend_id, prompt_ids=list(msg.input_ids),
+                      sampling=msg.sampling, stopping=msg.stopping, prompt_logprobs=msg.prompt_logprobs,
+                      arrival_time=msg.arrival_time)
+        try:
+            if self.stopping:
+                raise ValueError("the server is shutting down")
+            self.policy.add(req)
+        except ValueError as e:
+            self._to_frontend(msg.frontend_id, m.RequestFailed(rid=msg.rid, error_type="validation",
+                                                               message=str(e)))
+
+    def _to_frontend(self, frontend_id: str, msg: m.Message) -> None:
+        sock = self.frontends.get(frontend_id)
+        if sock is None:
+            self.log.warning("event for an unknown frontend dropped", frontend=frontend_id)
+            return
+        send(sock, msg)
+
+    def drain_intake(self) -> None:
+        while True:
+            try:
+                msg = recv(self.requests, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle_intake(msg)
+
+    # ------------------------------------------------------------------ stepping
+
+    def run_step(self, batch: ScheduledBatch) -> None:
+        self.step_id += 1
+        cmd = m.StepCommand(
+            step_id=self.step_id,
+            new_requests=[m.NewRequestData(rid=r.rid, sampling=r.sampling, block_table=r.block_table,
+                                           prompt_len=len(r.prompt_ids), prompt_logprobs=r.prompt_logprobs)
+                          for r in batch.new_requests],
+            rids=[s.request.rid for s in batch.seqs],
+            num_computed=[s.num_computed for s in batch.seqs],
+            num_new=[len(s.token_ids) for s in batch.seqs],
+            token_ids=[t for s in batch.seqs for t in s.token_ids],
+            sample=[s.sample for s in batch.seqs],
+            finished_rids=batch.finished_rids,
+        )
+        send(self.steps, cmd)
+        result = self._await_result()
+        sampled = dict(zip(result.rids, zip(result.token_ids, result.logprobs)))
+        events = self.policy.update(batch, sampled)
+        self._publish(events)
+
+    def _await_result(self) -> m.StepResult:
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineFailure(f"step {self.step_id} got no result within {self.cfg.step_timeout_s:.0f}s")
+            ready = poll([self.results, self.control, self.requests], int(min(remaining, 1.0) * 1000))
+            if self.control in ready:
+                msg = recv(self.control, zmq.NOBLOCK)
+                if isinstance(msg, m.WorkerFatal):
+                    raise EngineFailure(f"worker rank {msg.rank} failed: {msg.error}")
+            if self.requests in ready:
+                self.drain_intake()  # requests arriving mid-step join the next one
+            if self.results in ready:
+                msg = recv(self.results, zmq.NOBLOCK)
+                if not isinstance(msg, m.StepResult):
+                    continue
+                if msg.step_id != self.step_id:
+                    raise EngineFailure(f"rank 0 answered step {msg.step_id} while step {self.step_id} was due")
+                return msg
+
+    def _publish(self, events) -> None:
+        per_frontend: dict[str, m.TokenBatch] = {}
+        for ev in events:
+            tb = per_frontend.get(ev.request.frontend_id)
+            if tb is None:
+                tb = per_frontend[ev.request.frontend_id] = m.TokenBatch([], [], [], [])
+            tb.rids.append(ev.request.rid)
+            tb.token_ids.append(ev.token_id)
+            tb.logprobs.append(ev.logprob)
+            tb.finish_reasons.append(int(ev.finish_reason))
+        for frontend_id, tb in per_frontend.items():
+            self._to_frontend(frontend_id, tb)
+
+    def fail_everything(self, reason: str) -> None:
+        for sock in self.frontends.values():
+            try:
+                send(sock, m.EngineDead(reason=reason), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            sock.setsockopt(zmq.LINGER, 2000)
+
+    # ------------------------------------------------------------------ main loop
+
+    def loop(self) -> None:
+        while not self.stopping or self.policy.has_work:
+            self.drain_intake()
+            batch = self.policy.schedule(time.time())
+            if batch is not None:
+                self.run_step(batch)
+                continue
+            # Idle: block until a request (or a rank's death notice) arrives.
+            ready = poll([self.requests, self.control], 1000)
+            if self.control in ready:
+                msg = recv(self.control, zmq.NOBLOCK)
+                if isinstance(msg, m.WorkerFatal):
+                    raise EngineFailure(f"worker rank {msg.rank} failed: {msg.error}")
+
+    def shutdown_workers(self, reason: str) -> None:
+        try:
+            send(self.steps, m.Shutdown(reason=reason), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self.steps.setsockopt(zmq.LINGER, 1000)
+
+
+def run_scheduler(cfg: SchedulerProcessConfig) -> int:
+    def body(ctx: ServiceContext) -> None:
+        service = SchedulerService(cfg, ctx)
+
+        def on_signal(signum: int) -> None:
+            # First signal: finish what is running, admit nothing new. Second: stop now.
+            if service.stopping:
+                raise Terminate()
+            service.stopping = True
+            ctx.log.info("draining before exit", requests=service.policy.num_requests if service.policy else 0)
+
+        install_stop_signals(on_signal)
+        try:
+            service.wait_for_workers()
+            ctx.ready(f"{service.kv_info[0]} KV blocks of {service.kv_info[1]} tokens")
+            service.loop()
+            service.shutdown_workers("scheduler stopped")
+        except EngineFailure as e:
+            service.fail_everything(str(e))
+            service.shutdown_workers(str(e))
+            raise
+        except Terminate:
+            left = service.policy.abort_all() if service.policy else []
+            if left:
+                ctx.log.warning("stopped with requests in flight", aborted=len(left))
+            service.fail_everything("the server is shutting down")
+            service.shutdown_workers("scheduler stopped")
+            raise
+
+    return run_service("scheduler", body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="llmbus scheduler")
+    p.add_argument("--run-dir", default=os.environ.get("LLMBUS_RUN_DIR"), required=False)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--worker-start-timeout", type=float, default=600.0)
+    a = p.parse_args(argv)
+    if not a.run_dir:
+        p.error("--run-dir (or LLMBUS_RUN_DIR) is required")
+    return run_scheduler(SchedulerProcessConfig(
+        run_dir=a.run_dir, world_size=a.world_size, max_batch_prefill_tokens=a.max_batch_prefill_tokens,
+        max_batch_size=a.max_batch_size, max_total_tokens=a.max_total_tokens,
+        worker_start_timeout_s=a.worker_start_timeout))

@@ -1,0 +1,162 @@
+"""The `llmbus` command line: thin click commands that validate, then delegate."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from llmbus.supervisor.plan import LaunchConfig, build_plan
+
+
+class InvalidArgument(click.ClickException):
+    """A bad flag value: one clear line and exit code 2, before anything is spawned (as TGI's launcher)."""
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(f"Invalid argument: {message}")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="llmbus")
+def main() -> None:
+    """llmbus: a TGI-compatible LLM server built from ZeroMQ microservices."""
+
+
+@main.command()
+@click.option("--model-id", envvar="MODEL_ID", default=None,
+              help="Hub id or local Hugging Face model folder. Default: the built-in demo model.")
+@click.option("--revision", envvar="REVISION", default=None, help="Hub revision (branch, tag or commit).")
+@click.option("--huggingface-hub-cache", envvar="HUGGINGFACE_HUB_CACHE", default=None)
+@click.option("--hostname", envvar="HOSTNAME", default="0.0.0.0", show_default=True)
+@click.option("-p", "--port", envvar="PORT", type=int, default=3000, show_default=True)
+@click.option("--gpus", "--num-shard", "num_shard", envvar="NUM_SHARD", type=int, default=1, show_default=True,
+              help="Tensor-parallel ranks (one per GPU; on CPU, processes).")
+@click.option("--dtype", envvar="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto", show_default=True, help="auto: bfloat16 where the hardware runs it fast.")
+@click.option("--device", envvar="DEVICE", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--max-input-tokens", envvar="MAX_INPUT_TOKENS", type=int, default=None,
+              help="Default: max_total_tokens - 1.")
+@click.option("--max-total-tokens", envvar="MAX_TOTAL_TOKENS", type=int, default=None,
+              help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
+@click.option("--max-batch-prefill-tokens", envvar="MAX_BATCH_PREFILL_TOKENS", type=int, default=None,
+              help="Default: max(4096, max_input_tokens).")
+@click.option("--max-batch-size", envvar="MAX_BATCH_SIZE", type=int, default=None)
+@click.option("--max-concurrent-requests", envvar="MAX_CONCURRENT_REQUESTS", type=int, default=128,
+              show_default=True)
+@click.option("--max-best-of", envvar="MAX_BEST_OF", type=int, default=2, show_default=True)
+@click.option("--max-stop-sequences", envvar="MAX_STOP_SEQUENCES", type=int, default=4, show_default=True)
+@click.option("--max-top-n-tokens", envvar="MAX_TOP_N_TOKENS", type=int, default=5, show_default=True)
+@click.option("--max-client-batch-size", envvar="MAX_CLIENT_BATCH_SIZE", type=int, default=4, show_default=True)
+@click.option("--block-size", envvar="BLOCK_SIZE", type=int, default=16, show_default=True,
+              help="Tokens per KV cache block.")
+@click.option("--kv-cache-memory", envvar="KV_CACHE_MEMORY", type=int, default=None,
+              help="Bytes of KV cache per rank on CPU.")
+@click.option("--num-blocks", envvar="NUM_BLOCKS", type=int, default=None, help="Fix the KV block count.")
+@click.option("--run-dir", envvar="LLMBUS_RUN_DIR", default=None, help="Private directory for ipc sockets.")
+@click.option("--json-output", envvar="JSON_OUTPUT", is_flag=True, help="Log JSON lines.")
+@click.option("--graceful-termination-timeout", envvar="GRACEFUL_TERMINATION_TIMEOUT", type=float, default=90.0,
+              show_default=True, help="Seconds in-flight requests get to finish on SIGTERM.")
+def up(**kw) -> None:
+    """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
+    from llmbus.bus.rundir import RunDir, RunDirInUse
+    from llmbus.supervisor.launcher import Launcher
+    from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_model
+
+    _check_static(kw)
+    if kw["model_id"] is None:
+        click.echo("llmbus: serving the built-in demo model (built on first use)", err=True)
+    try:
+        model_dir = resolve_model(kw["model_id"], revision=kw["revision"], cache_dir=kw["huggingface_hub_cache"])
+    except ModelNotFound as e:
+        raise click.ClickException(str(e)) from None
+    max_positions = int(read_config(model_dir).get("max_position_embeddings") or 2048)
+    max_total = kw["max_total_tokens"] or max_positions
+    max_input = kw["max_input_tokens"] if kw["max_input_tokens"] is not None else max_total - 1
+    max_prefill = kw["max_batch_prefill_tokens"] or max(4096, max_input)
+    _check_limits(max_input, max_total, max_prefill, max_positions)
+    try:
+        run_dir = RunDir(kw["run_dir"])
+    except RunDirInUse as e:
+        raise click.ClickException(str(e)) from None
+    cfg = LaunchConfig(
+        model_dir=str(model_dir), model_id=kw["model_id"] or "llmbus/demo-small", run_dir=str(run_dir.path),
+        world_size=kw["num_shard"], hostname=kw["hostname"], port=kw["port"], dtype=kw["dtype"],
+        device=kw["device"], max_input_tokens=max_input, max_total_tokens=max_total,
+        max_batch_prefill_tokens=max_prefill, max_batch_size=kw["max_batch_size"],
+        max_concurrent_requests=kw["max_concurrent_requests"], max_best_of=kw["max_best_of"],
+        max_stop_sequences=kw["max_stop_sequences"], max_top_n_tokens=kw["max_top_n_tokens"],
+        max_client_batch_size=kw["max_client_batch_size"], block_size=kw["block_size"],
+        kv_cache_memory=kw["kv_cache_memory"], num_blocks=kw["num_blocks"])
+    with run_dir:
+        code = Launcher(build_plan(cfg), run_dir, graceful_timeout_s=kw["graceful_termination_timeout"],
+                        json_output=kw["json_output"]).run()
+    sys.exit(code)
+
+
+def _check_static(kw: dict) -> None:
+    if kw["num_shard"] < 1:
+        raise InvalidArgument("`num_shard` cannot be < 1")
+    if kw["max_batch_size"] is not None and kw["max_batch_size"] < 1:
+        raise InvalidArgument("`max_batch_size` must be > 0")
+    for name in ("max_concurrent_requests", "block_size", "max_best_of"):
+        if kw[name] < 1:
+            raise InvalidArgument(f"`{name}` must be > 0")
+    if not 0 < kw["port"] < 65536:
+        raise InvalidArgument(f"`port` must be between 1 and 65535. Given: {kw['port']}")
+
+
+def _check_limits(max_input: int, max_total: int, max_prefill: int, max_positions: int) -> None:
+    if max_input < 1:
+        raise InvalidArgument("`max_input_tokens` must be > 0")
+    if max_input >= max_total:
+        raise InvalidArgument(f"`max_input_tokens`({max_input}) must be < `max_total_tokens`({max_total})")
+    if max_prefill < max_input:
+        raise InvalidArgument(f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
+                              f"Given: {max_prefill} and {max_input}")
+    if max_total > max_positions:
+        raise InvalidArgument(f"`max_total_tokens`({max_total}) must be <= the model's "
+                              f"`max_position_embeddings`({max_positions})")
+
+
+@main.command("demo-model")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--size", type=click.Choice(["tiny", "small"]), default="small", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def demo_model(out_dir: str, size: str, seed: int) -> None:
+    """Write the built-in demo model (random weights, trained tokenizer) as a Hugging Face folder."""
+    from llmbus.supervisor.demo_model import build_demo_model
+
+    path = build_demo_model(out_dir, size, seed=seed)
+    click.echo(str(path))
+
+
+_PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+@main.command(context_settings=_PASSTHROUGH)
+@click.pass_context
+def scheduler(ctx: click.Context) -> None:
+    """Run the scheduler service alone (flags: see `llmbus scheduler --help`)."""
+    from llmbus.scheduler.process import main as scheduler_main
+
+    sys.exit(scheduler_main(ctx.args))
+
+
+@main.command(context_settings=_PASSTHROUGH)
+@click.pass_context
+def workers(ctx: click.Context) -> None:
+    """Run every rank of a tensor-parallel worker group (flags: `llmbus workers --help`)."""
+    from llmbus.workers.group import main as workers_main
+
+    sys.exit(workers_main(ctx.args))
+
+
+@main.command(context_settings=_PASSTHROUGH)
+@click.pass_context
+def frontend(ctx: click.Context) -> None:
+    """Run the HTTP frontend alone (flags: `llmbus frontend --help`)."""
+    from llmbus.frontend.__main__ import main as frontend_main
+
+    sys.exit(frontend_main(ctx.args))

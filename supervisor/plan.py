@@ -1,0 +1,66 @@
+"""The process plan: one description of a launch that both `llmbus up` and the Procfile render."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from llmbus.supervisor.launcher import ProcessSpec
+
+FRONTEND_ID = "f0"
+
+
+@dataclass
+class LaunchConfig:
+    """Every setting of a launch, already validated and with defaults resolved."""
+
+    model_dir: str
+    model_id: str
+    run_dir: str
+    world_size: int = 1
+    hostname: str = "0.0.0.0"
+    port: int = 3000
+    dtype: str = "auto"
+    device: str = "auto"
+    max_input_tokens: int = 2047
+    max_total_tokens: int = 2048
+    max_batch_prefill_tokens: int = 4096
+    max_batch_size: int | None = None
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_client_batch_size: int = 4
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_blocks: int | None = None
+
+
+def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessSpec]:
+    common = ["--run-dir", cfg.run_dir]
+    scheduler = [python, "-m", "llmbus.scheduler", *common, "--world-size", str(cfg.world_size),
+                 "--max-batch-prefill-tokens", str(cfg.max_batch_prefill_tokens),
+                 "--max-total-tokens", str(cfg.max_total_tokens)]
+    if cfg.max_batch_size is not None:
+        scheduler += ["--max-batch-size", str(cfg.max_batch_size)]
+    workers = [python, "-m", "llmbus.workers", *common, "--model-dir", cfg.model_dir,
+               "--gpus", str(cfg.world_size), "--dtype", cfg.dtype, "--device", cfg.device,
+               "--block-size", str(cfg.block_size),
+               "--max-batch-prefill-tokens", str(cfg.max_batch_prefill_tokens)]
+    if cfg.kv_cache_memory is not None:
+        workers += ["--kv-cache-memory", str(cfg.kv_cache_memory)]
+    if cfg.num_blocks is not None:
+        workers += ["--num-blocks", str(cfg.num_blocks)]
+    frontend = [python, "-m", "llmbus.frontend", *common, "--model-dir", cfg.model_dir,
+                "--model-id", cfg.model_id, "--hostname", cfg.hostname, "--port", str(cfg.port),
+                "--frontend-id", FRONTEND_ID,
+                "--max-input-tokens", str(cfg.max_input_tokens), "--max-total-tokens", str(cfg.max_total_tokens),
+                "--max-concurrent-requests", str(cfg.max_concurrent_requests),
+                "--max-best-of", str(cfg.max_best_of), "--max-stop-sequences", str(cfg.max_stop_sequences),
+                "--max-top-n-tokens", str(cfg.max_top_n_tokens),
+                "--max-client-batch-size", str(cfg.max_client_batch_size)]
+    return [
+        ProcessSpec("scheduler", scheduler),
+        ProcessSpec("workers", workers),
+        ProcessSpec("frontend", frontend, ready_after="scheduler"),
+    ]

@@ -1,0 +1,5 @@
+import sys
+
+from llmbus.workers.group import main
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""`llmbus workers --gpus N`: one entry that owns every rank of a tensor-parallel group.
+
+It spawns ranks 0..N-1 as child processes and treats them as one unit: when any rank exits, the others
+are stopped (SIGTERM, then SIGKILL after a grace period) and the group exits with the first failing
+rank's code. A dead rank therefore never leaves the others blocked in a collective, and under honcho a
+single Procfile entry (one process group) takes the whole TP group down with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import structlog
+
+from llmbus.bus.rundir import ENV_RUN_DIR
+from llmbus.bus.service import die_with_parent, setup_logging
+from llmbus.workers.process import WorkerConfig, run_worker
+
+GRACE_S = 5.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmbus workers")
+    p.add_argument("--run-dir", default=os.environ.get(ENV_RUN_DIR))
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--gpus", "--num-shard", dest="world_size", type=int, default=1)
+    p.add_argument("--rank", type=int, default=None, help="run one rank in this process (internal)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per rank (CPU)")
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
+    return p
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_group(argv: list[str], world_size: int) -> int:
+    setup_logging("workers")
+    die_with_parent()
+    log = structlog.get_logger("llmbus.workers")
+    procs = [subprocess.Popen([sys.executable, "-m", "llmbus.workers", *argv, "--rank", str(rank)])
+             for rank in range(world_size)]
+    by_pid = {p.pid: (rank, p) for rank, p in enumerate(procs)}
+    stopping = False
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    pid, status = os.waitpid(-1, 0)
+    code = os.waitstatus_to_exitcode(status)
+    rank, proc = by_pid[pid]
+    proc.returncode = code
+    if code != 0 and not stopping:
+        what = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        log.error("rank exited; stopping the group", rank=rank, exit=what)
+    _stop(procs)
+    codes = [code] + [p.returncode for p in procs if p is not proc]
+    failed = [c for c in codes if c not in (0, -signal.SIGTERM)] if stopping else [c for c in codes if c != 0]
+    if not failed:
+        return 0
+    first = failed[0]
+    return 128 - first if first < 0 else first
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    if not a.run_dir:
+        print("llmbus workers: --run-dir (or LLMBUS_RUN_DIR) is required", file=sys.stderr)
+        return 2
+    if a.rank is None:
+        return run_group(argv, a.world_size)
+    return run_worker(WorkerConfig(
+        run_dir=a.run_dir, model_dir=a.model_dir, rank=a.rank, world_size=a.world_size, dtype=a.dtype,
+        device=a.device, block_size=a.block_size, kv_cache_bytes=a.kv_cache_memory, num_blocks=a.num_blocks,
+        max_batch_prefill_tokens=a.max_batch_prefill_tokens))

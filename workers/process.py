@@ -1,0 +1,182 @@
+"""One tensor-parallel rank: subscribe to steps, load the model, run every step, rank 0 answers.
+
+Each rank keeps the state of the requests it has seen (sampling parameters, KV block table), updated
+from the diffs in each StepCommand and dropped when a step lists the request as finished. Steps are
+numbered: a rank that sees a gap stops with a WorkerFatal rather than compute with missing state.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from llmbus.bus import messages as m
+from llmbus.bus.rundir import Endpoints
+from llmbus.bus.service import ServiceContext, Terminate, install_stop_signals, run_service
+from llmbus.bus.sockets import open_socket, recv, send
+
+
+@dataclass
+class WorkerConfig:
+    run_dir: str
+    model_dir: str
+    rank: int = 0
+    world_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    num_blocks: int | None = None
+    max_batch_prefill_tokens: int = 4096
+    dist_init: str | None = None  # torch.distributed init_method; default: a file in the run dir
+
+
+@dataclass(slots=True)
+class _RequestState:
+    sampling: m.SamplingParams
+    block_table: list[int]
+
+
+class StepGap(RuntimeError):
+    pass
+
+
+def resolve_device(device: str, rank: int) -> "torch.device":
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device) -> "torch.dtype":
+    """float32/bfloat16/float16 by name; 'auto' picks bf16 where the hardware runs it fast."""
+    import torch
+
+    if dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    try:
+        # oneDNN runs bf16 GEMMs natively with avx512_bf16 / AMX; elsewhere bf16 is emulated and slower.
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return torch.bfloat16
+    except (AttributeError, RuntimeError):
+        pass
+    return torch.float32
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, ctx: ServiceContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.log = ctx.log
+        self.states: dict[str, _RequestState] = {}
+        self.last_step = 0
+        ep = Endpoints.in_dir(cfg.run_dir)
+        z = ctx.zmq_ctx
+        # Subscribe before saying hello: the scheduler counts subscriptions before its first step.
+        self.steps = open_socket(z, zmq.SUB, ep.steps)
+        self.control = open_socket(z, zmq.PUSH, ep.control, linger_ms=2000)
+        self.results = open_socket(z, zmq.PUSH, ep.results, linger_ms=2000) if cfg.rank == 0 else None
+
+    def start(self) -> None:
+        import torch
+
+        send(self.control, m.WorkerHello(rank=self.cfg.rank, world_size=self.cfg.world_size, pid=os.getpid()))
+        device = resolve_device(self.cfg.device, self.cfg.rank)
+        dtype = resolve_dtype(self.cfg.dtype, device)
+        if device.type == "cpu":
+            # Ranks share the machine's cores; oversubscribing them makes every rank slower.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.cfg.world_size))
+        if self.cfg.world_size > 1:
+            import torch.distributed as dist
+
+            init = self.cfg.dist_init or f"file://{os.path.join(self.cfg.run_dir, 'dist-init')}"
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, init_method=init, rank=self.cfg.rank, world_size=self.cfg.world_size)
+        from llmbus.workers.model_runner import ModelRunner
+
+        t0 = time.monotonic()
+        self.runner = ModelRunner(self.cfg.model_dir, rank=self.cfg.rank, world_size=self.cfg.world_size,
+                                  dtype=dtype, device=device, block_size=self.cfg.block_size,
+                                  kv_cache_bytes=self.cfg.kv_cache_bytes, num_blocks=self.cfg.num_blocks,
+                                  max_batch_prefill_tokens=self.cfg.max_batch_prefill_tokens)
+        load_s = time.monotonic() - t0
+        self.runner.warmup()
+        self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
+                      device=str(device), load_s=round(load_s, 2),
+                      warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks)
+        send(self.control, m.WorkerReady(rank=self.cfg.rank, num_blocks=self.runner.num_blocks,
+                                         block_size=self.runner.block_size,
+                                         dtype=str(dtype).removeprefix("torch."), device=str(device),
+                                         max_position_embeddings=self.runner.max_position_embeddings))
+
+    def loop(self) -> None:
+        while True:
+            msg = recv(self.steps)
+            if isinstance(msg, m.Shutdown):
+                self.log.info("shutdown", reason=msg.reason)
+                return
+            if not isinstance(msg, m.StepCommand):
+                continue
+            if msg.step_id != self.last_step + 1:
+                raise StepGap(f"rank {self.cfg.rank} got step {msg.step_id} after step {self.last_step}")
+            self.last_step = msg.step_id
+            out = self.runner.step(self.apply(msg))
+            if self.results is not None:
+                send(self.results, m.StepResult(step_id=msg.step_id, rids=out.rids, token_ids=out.token_ids,
+                                                logprobs=out.logprobs, forward_time=out.forward_time,
+                                                sample_time=out.sample_time))
+
+    def apply(self, cmd: m.StepCommand) -> list:
+        from llmbus.workers.model_runner import SeqInput
+
+        if cmd.finished_rids:
+            for rid in cmd.finished_rids:
+                self.states.pop(rid, None)
+            self.runner.drop(cmd.finished_rids)
+        for new in cmd.new_requests:
+            self.states[new.rid] = _RequestState(new.sampling, list(new.block_table))
+        for rid, blocks in cmd.added_blocks:
+            self.states[rid].block_table.extend(blocks)
+        seqs, offset = [], 0
+        for rid, num_computed, num_new, sample in zip(cmd.rids, cmd.num_computed, cmd.num_new, cmd.sample):
+            state = self.states[rid]
+            seqs.append(SeqInput(rid=rid, token_ids=cmd.token_ids[offset:offset + num_new],
+                                 num_computed=num_computed, block_table=state.block_table, sample=sample,
+                                 sampling=state.sampling))
+            offset += num_new
+        return seqs
+
+    def report_fatal(self, error: str) -> None:
+        try:
+            send(self.control, m.WorkerFatal(rank=self.cfg.rank, error=error), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+
+def run_worker(cfg: WorkerConfig) -> int:
+    def body(ctx: ServiceContext) -> None:
+        def on_signal(signum: int) -> None:
+            raise Terminate()
+
+        install_stop_signals(on_signal)
+        worker = Worker(cfg, ctx)
+        try:
+            worker.start()
+            worker.loop()
+        except Terminate:
+            raise
+        except Exception as e:
+            worker.report_fatal(f"{type(e).__name__}: {e}")
+            raise
+
+    return run_service("worker", body, rank=cfg.rank)
