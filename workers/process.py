@@ -32,6 +32,7 @@ class WorkerConfig:
     num_blocks: int | None = None
     max_batch_prefill_tokens: int = 4096
     dist_init: str | None = None  # torch.distributed init_method; default: a file in the run dir
+    runner: str = "model"  # "fake": deterministic tokens without a model (tests, overhead benchmarks)
 
 
 @dataclass(slots=True)
@@ -102,10 +103,12 @@ class Worker:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=init, rank=self.cfg.rank, world_size=self.cfg.world_size)
+        from llmbus.workers.fake import FakeRunner
         from llmbus.workers.model_runner import ModelRunner
 
         t0 = time.monotonic()
-        self.runner = ModelRunner(self.cfg.model_dir, rank=self.cfg.rank, world_size=self.cfg.world_size,
+        runner_cls = FakeRunner if self.cfg.runner == "fake" else ModelRunner
+        self.runner = runner_cls(self.cfg.model_dir, rank=self.cfg.rank, world_size=self.cfg.world_size,
                                   dtype=dtype, device=device, block_size=self.cfg.block_size,
                                   kv_cache_bytes=self.cfg.kv_cache_bytes, num_blocks=self.cfg.num_blocks,
                                   max_batch_prefill_tokens=self.cfg.max_batch_prefill_tokens)

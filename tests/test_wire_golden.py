@@ -1,0 +1,63 @@
+"""The wire format is a protocol: these bytes may only change together with WIRE_VERSION.
+
+Regenerate (only when bumping WIRE_VERSION): python tests/test_wire_golden.py --regenerate
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmbus.bus import messages as m
+
+sys.path.insert(0, str(Path(__file__).parent))
+from wire_samples import SAMPLES  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "wire"
+
+
+def fixture_path(kind: m.Kind) -> Path:
+    return FIXTURES / f"v{m.WIRE_VERSION}-{kind.value:02x}-{kind.name.lower()}.bin"
+
+
+def test_every_kind_has_a_sample():
+    assert set(SAMPLES) == set(m.Kind)
+
+
+@pytest.mark.parametrize("kind", list(m.Kind), ids=lambda k: k.name)
+def test_golden_bytes(kind):
+    frames = m.encode(SAMPLES[kind])
+    assert frames[0] == bytes([kind.value])
+    golden = fixture_path(kind).read_bytes()
+    assert frames[0] + frames[1] == golden, f"{kind.name} encodes differently: bump WIRE_VERSION"
+    assert m.decode([golden[:1], golden[1:]]) == SAMPLES[kind]
+
+
+def test_missing_trailing_fields_take_defaults():
+    # An older sender omits fields added later: the receiver fills defaults.
+    full = m.encode(SAMPLES[m.Kind.STEP_RESULT])
+    import msgpack
+    values = msgpack.unpackb(full[1])[:4]
+    msg = m.decode([full[0], msgpack.packb(values)])
+    assert msg.forward_time == 0.0 and msg.top_tokens == []
+
+
+@pytest.mark.parametrize("frames", [
+    [b"\x01"],
+    [b"\x01\x02", b"\x90"],
+    [b"\xee", b"\x90"],
+    [b"\x01", b"\xc1garbage"],
+    [b"\x01", b"\x90"],  # AddRequest without its required fields
+    [b"\x02", b"\x81\xa1a\x01"],  # a map where an array is due
+])
+def test_malformed_frames_raise_protocol_error(frames):
+    with pytest.raises(m.ProtocolError):
+        m.decode(frames)
+
+
+if __name__ == "__main__" and "--regenerate" in sys.argv:
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    for kind, msg in SAMPLES.items():
+        kind_frame, payload = m.encode(msg)
+        fixture_path(kind).write_bytes(kind_frame + payload)
+    print(f"wrote {len(SAMPLES)} fixtures to {FIXTURES}")

@@ -1,0 +1,30 @@
+"""One hand-built instance of every wire message: the golden-bytes test pins their encoding."""
+
+from llmbus.bus import messages as m
+
+SAMPLING = m.SamplingParams(temperature=0.5, top_k=10, top_p=0.9, typical_p=1.0, do_sample=True, seed=42,
+                            repetition_penalty=1.1, frequency_penalty=0.2, top_n_tokens=2, watermark=False)
+STOPPING = m.StoppingParams(max_new_tokens=20, stop_token_ids=[2], ignore_eos=False)
+
+SAMPLES: dict[m.Kind, m.Message] = {
+    m.Kind.FRONTEND_HELLO: m.FrontendHello("f0", "ipc:///tmp/llmbus-x/events-f0.sock"),
+    m.Kind.ADD_REQUEST: m.AddRequest("f0-1", "f0", [1, 300, 301], SAMPLING, STOPPING, True, 1700000000.5),
+    m.Kind.ABORT_REQUEST: m.AbortRequest(["f0-1", "f0-2"]),
+    m.Kind.STEP: m.StepCommand(
+        step_id=7, new_requests=[m.NewRequestData("f0-2", SAMPLING, [4, 5], 20, False)],
+        rids=["f0-1", "f0-2"], num_computed=[33, 0], num_new=[1, 20], token_ids=[9] + list(range(20)),
+        sample=[True, True], added_blocks=[["f0-1", [6]]], finished_rids=["f0-0"]),
+    m.Kind.SHUTDOWN: m.Shutdown("scheduler stopped"),
+    m.Kind.STEP_RESULT: m.StepResult(7, ["f0-1", "f0-2"], [11, 12], [-0.25, -1.5], 0.01, 0.001,
+                                     [[[11, 13], [-0.25, -2.0]], [[12, 14], [-1.5, -1.75]]], []),
+    m.Kind.WORKER_HELLO: m.WorkerHello(rank=1, world_size=2, pid=4242),
+    m.Kind.WORKER_READY: m.WorkerReady(rank=0, num_blocks=1024, block_size=16, dtype="bfloat16", device="cpu",
+                                       max_position_embeddings=2048),
+    m.Kind.WORKER_FATAL: m.WorkerFatal(rank=1, error="RuntimeError: boom"),
+    m.Kind.SCHEDULER_HELLO: m.SchedulerHello(max_batch_total_tokens=16384, block_size=16),
+    m.Kind.TOKEN_BATCH: m.TokenBatch(["f0-1", "f0-2"], [11, 12], [-0.25, -1.5], [0, 1]),
+    m.Kind.REQUEST_FAILED: m.RequestFailed("f0-3", "validation", "empty prompt"),
+    m.Kind.ENGINE_DEAD: m.EngineDead("worker rank 1 failed: RuntimeError: boom"),
+    m.Kind.SERVICE_READY: m.ServiceReady("frontend", 4243, "http://0.0.0.0:3000"),
+    m.Kind.SERVICE_FATAL: m.ServiceFatal("scheduler", 4244, "EngineFailure: step 3 got no result"),
+}

@@ -1,0 +1,42 @@
+"""A model runner that computes nothing: deterministic tokens with ModelRunner's interface.
+
+For fast scheduler and bus tests, and for measuring the overhead of everything around the model
+(`--runner fake`). The next token depends only on the request's own history (its last token and
+position), so outputs do not depend on batch composition — like a real model's.
+"""
+
+from __future__ import annotations
+
+import time
+
+from llmbus.workers.model_runner import SeqInput, StepOutput
+
+
+class FakeRunner:
+    def __init__(self, model_dir: str | None = None, *, rank: int = 0, world_size: int = 1, vocab_size: int = 1000,
+                 block_size: int = 16, num_blocks: int | None = None, **_ignored):
+        self.rank = rank
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.num_blocks = num_blocks or 4096
+        self.max_position_embeddings = 1 << 20
+        self.steps = 0
+
+    def warmup(self) -> None:
+        pass
+
+    def next_token(self, last_token: int, position: int) -> int:
+        return (last_token * 31 + position * 7 + 3) % self.vocab_size
+
+    def step(self, seqs: list[SeqInput]) -> StepOutput | None:
+        self.steps += 1
+        t0 = time.perf_counter()
+        sampled = [s for s in seqs if s.sample]
+        tokens = [self.next_token(s.token_ids[-1], s.num_computed + len(s.token_ids)) for s in sampled]
+        if self.rank != 0:
+            return None
+        return StepOutput(rids=[s.rid for s in sampled], token_ids=tokens, logprobs=[-1.0] * len(tokens),
+                          forward_time=time.perf_counter() - t0, sample_time=0.0)
+
+    def drop(self, rids: list[str]) -> None:
+        pass
