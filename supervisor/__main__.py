@@ -1,0 +1,3 @@
+from llmbus.supervisor.cli import main
+
+main(prog_name="llmbus")

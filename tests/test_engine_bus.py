@@ -1,0 +1,154 @@
+"""Scheduler and worker ranks as real processes over real ipc sockets, with the fake runner.
+
+The test plays the frontend with raw sockets, so what is checked is the bus contract itself: handshake,
+continuous batching, finishing, aborts, and failure reporting.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from llmbus.bus import messages as m
+from llmbus.bus.rundir import RunDir
+from llmbus.bus.sockets import open_socket, recv, send
+from llmbus.workers.fake import FakeRunner
+
+from harness import SupervisorSocket
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def engine():
+    run_dir = RunDir()
+    sup = SupervisorSocket(run_dir.path)
+    env = dict(os.environ, **sup.env)
+    common = ["--run-dir", str(run_dir.path)]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", str(WORLD_SIZE)],
+                         env=env),
+        subprocess.Popen([sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none",
+                          "--gpus", str(WORLD_SIZE), "--runner", "fake", "--num-blocks", "64", "--block-size", "4"],
+                         env=env),
+    ]
+    try:
+        sup.wait_ready("scheduler", timeout=120)
+        yield run_dir, procs
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(30)
+        sup.close()
+        run_dir.close()
+
+
+class RawFrontend:
+    def __init__(self, run_dir: RunDir, frontend_id: str):
+        self.ctx = zmq.Context()
+        self.id = frontend_id
+        self.events_endpoint = run_dir.endpoints.frontend_events(run_dir.path, frontend_id)
+        self.events = open_socket(self.ctx, zmq.PULL, self.events_endpoint)
+        self.requests = open_socket(self.ctx, zmq.PUSH, run_dir.endpoints.requests)
+        send(self.requests, m.FrontendHello(frontend_id, self.events_endpoint))
+        self.hello = self.next_event(timeout=30)
+        assert isinstance(self.hello, m.SchedulerHello)
+
+    def next_event(self, timeout: float = 30):
+        assert self.events.poll(int(timeout * 1000)), "no event from the scheduler"
+        return recv(self.events)
+
+    def add(self, rid: str, prompt: list[int], max_new_tokens: int, eos: list[int] = ()):
+        send(self.requests, m.AddRequest(f"{self.id}-{rid}", self.id, prompt, m.SamplingParams(),
+                                         m.StoppingParams(max_new_tokens, list(eos))))
+
+    def collect(self, n_requests: int, timeout: float = 60):
+        """Tokens per request until n_requests finished; also the number of TokenBatch messages."""
+        tokens, reasons, batches = {}, {}, 0
+        deadline = time.monotonic() + timeout
+        while len(reasons) < n_requests:
+            ev = self.next_event(deadline - time.monotonic())
+            assert isinstance(ev, m.TokenBatch), ev
+            batches += 1
+            for rid, tok, fin in zip(ev.rids, ev.token_ids, ev.finish_reasons):
+                tokens.setdefault(rid, []).append(tok)
+                if fin:
+                    reasons[rid] = m.FinishReason(fin)
+        return tokens, reasons, batches
+
+    def close(self):
+        self.events.close(0)
+        self.requests.close(0)
+        self.ctx.term()
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    fake = FakeRunner()
+    out, last, pos = [], prompt[-1], len(prompt)
+    for _ in range(n):
+        last = fake.next_token(last, pos)
+        out.append(last)
+        pos += 1
+    return out
+
+
+def test_hello_reports_kv_capacity(engine):
+    fe = RawFrontend(engine[0], "hello")
+    assert fe.hello.max_batch_total_tokens == 64 * 4 and fe.hello.block_size == 4
+    fe.close()
+
+
+def test_concurrent_requests_batch_together_and_finish(engine):
+    fe = RawFrontend(engine[0], "batch")
+    prompts = {str(i): list(range(1, 2 + i)) for i in range(8)}
+    for rid, prompt in prompts.items():
+        fe.add(rid, prompt, max_new_tokens=5)
+    tokens, reasons, batches = fe.collect(len(prompts))
+    for rid, prompt in prompts.items():
+        assert tokens[f"batch-{rid}"] == expected_tokens(prompt, 5)
+        assert reasons[f"batch-{rid}"] is m.FinishReason.LENGTH
+    # one message per step, not one per token: 8 requests x 5 tokens in far fewer than 40 messages
+    assert batches < 8 * 5
+    fe.close()
+
+
+def test_eos_and_abort(engine):
+    fe = RawFrontend(engine[0], "abort")
+    prompt = [5, 6, 7]
+    eos_at_3 = expected_tokens(prompt, 3)[-1]
+    fe.add("eos", prompt, max_new_tokens=10, eos=[eos_at_3])
+    fe.add("long", [9, 9], max_new_tokens=60)
+    seen_long = 0
+    eos_done = False
+    while not (eos_done and seen_long >= 2):
+        ev = fe.next_event()
+        for rid, tok, fin in zip(ev.rids, ev.token_ids, ev.finish_reasons):
+            if rid == "abort-eos" and fin:
+                assert fin == m.FinishReason.EOS_TOKEN and tok == eos_at_3
+                eos_done = True
+            if rid == "abort-long":
+                seen_long += 1
+    send(fe.requests, m.AbortRequest(["abort-long"]))
+    # a fresh request after the abort still completes, and the aborted one sends at most one more step
+    fe.add("after", [1], max_new_tokens=3)
+    tokens, reasons, _ = fe.collect(1)
+    assert reasons == {"abort-after": m.FinishReason.LENGTH}
+    assert len(tokens.get("abort-long", [])) <= 1
+    fe.close()
+
+
+def test_malformed_frames_do_not_kill_the_scheduler(engine):
+    fe = RawFrontend(engine[0], "junk")
+    fe.requests.send_multipart([b"\x01", b"\xc1not msgpack"])
+    fe.requests.send_multipart([b"\xff", b"\x90"])
+    fe.requests.send(b"single frame")
+    fe.add("ok", [3, 4], max_new_tokens=2)
+    tokens, reasons, _ = fe.collect(1)
+    assert tokens["junk-ok"] == expected_tokens([3, 4], 2)
+    assert all(p.poll() is None for p in engine[1])
+    fe.close()
