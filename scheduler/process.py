@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from llmbus.bus import messages as m
 from llmbus.bus.rundir import Endpoints
@@ -62,6 +63,9 @@ class SchedulerService:
         self.steps = open_socket(z, zmq.XPUB, ep.steps)
         self.results = open_socket(z, zmq.PULL, ep.results)
         self.control = open_socket(z, zmq.PULL, ep.control)
+        # Every rank keeps a connection to `control` for its whole life, so a disconnect there is a rank
+        # that died (even by SIGKILL): fail fast instead of waiting for a step deadline.
+        self.control_monitor = self.control.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     # ------------------------------------------------------------------ startup
 
@@ -192,11 +196,9 @@ class SchedulerService:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineFailure(f"step {self.step_id} got no result within {self.cfg.step_timeout_s:.0f}s")
-            ready = poll([self.results, self.control, self.requests], int(min(remaining, 1.0) * 1000))
-            if self.control in ready:
-                msg = recv(self.control, zmq.NOBLOCK)
-                if isinstance(msg, m.WorkerFatal):
-                    raise EngineFailure(f"worker rank {msg.rank} failed: {msg.error}")
+            ready = poll([self.results, self.control, self.control_monitor, self.requests],
+                         int(min(remaining, 1.0) * 1000))
+            self.check_workers(ready)
             if self.requests in ready:
                 self.drain_intake()  # requests arriving mid-step join the next one
             if self.results in ready:
@@ -238,11 +240,21 @@ class SchedulerService:
                 self.run_step(batch)
                 continue
             # Idle: block until a request (or a rank's death notice) arrives.
-            ready = poll([self.requests, self.control], 1000)
-            if self.control in ready:
-                msg = recv(self.control, zmq.NOBLOCK)
-                if isinstance(msg, m.WorkerFatal):
-                    raise EngineFailure(f"worker rank {msg.rank} failed: {msg.error}")
+            self.check_workers(poll([self.requests, self.control, self.control_monitor], 1000))
+
+    def check_workers(self, ready: set) -> None:
+        """Raise EngineFailure if a rank reported a fatal error or its process went away."""
+        if self.control in ready:
+            msg = recv(self.control, zmq.NOBLOCK)
+            if isinstance(msg, m.WorkerFatal):
+                raise EngineFailure(f"worker rank {msg.rank} failed: {msg.error}")
+        if self.control_monitor in ready:
+            event = recv_monitor_message(self.control_monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and (self.policy.has_work or not self.stopping):
+                # A fatal report may be right behind the disconnect: prefer its text.
+                if poll([self.control], 200):
+                    self.check_workers({self.control})
+                raise EngineFailure("a worker rank disconnected: its process died")
 
     def shutdown_workers(self, reason: str) -> None:
         try:

@@ -152,3 +152,23 @@ def test_malformed_frames_do_not_kill_the_scheduler(engine):
     assert tokens["junk-ok"] == expected_tokens([3, 4], 2)
     assert all(p.poll() is None for p in engine[1])
     fe.close()
+
+
+def test_killed_rank_turns_into_engine_dead(engine):
+    """Runs last in this module: it takes the engine down."""
+    run_dir, (scheduler, group) = engine
+    fe = RawFrontend(run_dir, "kill")
+    fe.add("x", [1, 2], max_new_tokens=200)
+    assert isinstance(fe.next_event(), m.TokenBatch)
+    rank_pids = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(group.pid)]).split()]
+    assert len(rank_pids) == WORLD_SIZE
+    os.kill(rank_pids[-1], signal.SIGKILL)
+    while True:
+        ev = fe.next_event(timeout=30)
+        if isinstance(ev, m.EngineDead):
+            break
+        assert isinstance(ev, m.TokenBatch)
+    assert "worker rank" in ev.reason
+    assert scheduler.wait(30) == 1  # the scheduler exits non-zero so a supervisor tears everything down
+    assert group.wait(30) != 0
+    fe.close()
