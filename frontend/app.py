@@ -1,0 +1,98 @@
+"""Build the aiohttp app, serve it, and run it as an llmbus service.
+
+Start order: load the tokenizer; connect to the scheduler and finish the handshake (aiohttp's
+``cleanup_ctx``, so a missing scheduler fails start-up with a clear error instead of a server that
+answers nothing); only then listen for HTTP, then report ready to the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Callable
+
+import structlog
+import zmq.asyncio
+from aiohttp import web
+
+from llmbus.bus.service import ServiceContext, run_service
+from llmbus.frontend.config import FrontendConfig, resolve_limits
+from llmbus.frontend.engine_client import EngineClient
+from llmbus.frontend.generation import Generator
+from llmbus.frontend.routes import STATE, FrontendState, auth_middleware, error_middleware, setup_routes
+from llmbus.frontend.tokenizer import ModelTokenizer, load_tokenizer
+
+log = structlog.get_logger("llmbus.frontend")
+
+
+def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
+             zmq_ctx: zmq.asyncio.Context | None = None) -> web.Application:
+    """The frontend app; the scheduler handshake runs when the app starts (runner.setup())."""
+    middlewares = [error_middleware]
+    if config.api_key:
+        middlewares.insert(0, auth_middleware(config.api_key))
+    app = web.Application(client_max_size=config.payload_limit, middlewares=middlewares)
+    state = FrontendState(config=config, tokenizer=tokenizer or load_tokenizer(config.model_dir))
+    app[STATE] = state
+
+    async def engine_ctx(app: web.Application):
+        engine = EngineClient(config.requests_endpoint, config.events_endpoint, config.frontend_id, zmq_ctx)
+        hello = await engine.start(config.scheduler_timeout_s)
+        try:
+            limits = resolve_limits(config, state.tokenizer.model_max_length, hello.max_batch_total_tokens)
+        except ValueError:
+            await engine.close()
+            raise
+        state.engine, state.limits = engine, limits
+        state.generator = Generator(engine, state.tokenizer, limits, config.max_concurrent_requests,
+                                    config.validation_workers)
+        log.info("limits", max_input_tokens=limits.max_input_tokens,
+                 max_total_tokens=limits.max_total_tokens, eos_token_ids=state.tokenizer.eos_token_ids)
+        yield
+        state.generator.shutdown()
+        await engine.close()
+
+    app.cleanup_ctx.append(engine_ctx)
+    setup_routes(app)
+    return app
+
+
+def make_runner(app: web.Application, config: FrontendConfig) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
+    return web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                         shutdown_timeout=config.shutdown_timeout_s, access_log=None)
+
+
+async def serve(config: FrontendConfig, *, on_ready: Callable[[str], None] | None = None,
+                stop: asyncio.Event | None = None, install_signals: bool = True,
+                tokenizer: ModelTokenizer | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT when ``install_signals``); calls ``on_ready(url)``."""
+    stop = stop or asyncio.Event()
+    if install_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    app = make_app(config, tokenizer=tokenizer)
+    runner = make_runner(app, config)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.hostname, config.port, reuse_address=True)
+        await site.start()
+        port = runner.addresses[0][1] if runner.addresses else config.port
+        url = f"http://{config.hostname}:{port}"
+        log.info("listening", url=url, frontend_id=config.frontend_id)
+        if on_ready is not None:
+            on_ready(url)
+        await stop.wait()
+        log.info("stopping: draining requests in flight", timeout_s=config.shutdown_timeout_s)
+    finally:
+        await runner.cleanup()
+
+
+def run_frontend(config: FrontendConfig) -> int:
+    """Run the frontend as an llmbus service (logging, parent death, ServiceReady/Fatal); exit code."""
+
+    def body(ctx: ServiceContext) -> None:
+        asyncio.run(serve(config, on_ready=ctx.ready))
+
+    return run_service("frontend", body)

@@ -1,0 +1,232 @@
+"""The frontend's side of the bus: one PUSH to the scheduler, one bound PULL for its events.
+
+``start`` binds the events PULL, connects the requests PUSH, sends ``FrontendHello`` and waits for
+``SchedulerHello``. Then one reader task demultiplexes the columnar ``TokenBatch`` into one
+``asyncio.Queue`` per request (one item per request per batch), turns ``RequestFailed`` into an error for
+that request and ``EngineDead`` into an error for every request in flight (and an unhealthy engine).
+Aborts are batched: ``abort`` never blocks (it is called from ``finally`` blocks of cancelled handlers)
+and a sender task ships every pending rid in one ``AbortRequest``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from llmbus.bus import messages as m
+from llmbus.bus.sockets import arecv, asend, open_socket
+from llmbus.frontend.errors import ApiError, engine_error, generation_error
+
+log = structlog.get_logger("llmbus.frontend")
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token_id: int
+    logprob: float
+    finish_reason: int  # FinishReason
+    top_tokens: list | None  # [[ids], [logprobs]] or None
+    queue_time: float  # seconds queued (first token only, else 0)
+
+
+@dataclass(slots=True)
+class EngineTokens:
+    """What one TokenBatch carried for one request."""
+
+    tokens: list[TokenEvent]
+    prompt_logprobs: list | None = None
+    received_at: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineFailure:
+    error: ApiError
+
+
+@dataclass
+class _Channel:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class EngineClient:
+    def __init__(self, requests_endpoint: str, events_endpoint: str, frontend_id: str,
+                 zmq_ctx: zmq.asyncio.Context | None = None):
+        self.requests_endpoint = requests_endpoint
+        self.events_endpoint = events_endpoint
+        self.frontend_id = frontend_id
+        self._own_ctx = zmq_ctx is None
+        self._ctx = zmq_ctx or zmq.asyncio.Context()
+        self._push = None
+        self._pull = None
+        self._channels: dict[str, _Channel] = {}
+        self._next_id = 0
+        self._pending_aborts: list[str] = []
+        self._abort_wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.hello: m.SchedulerHello | None = None
+        self.dead_reason: str | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float) -> m.SchedulerHello:
+        self._pull = open_socket(self._ctx, zmq.PULL, self.events_endpoint)
+        self._push = open_socket(self._ctx, zmq.PUSH, self.requests_endpoint, linger_ms=1000)
+        await asend(self._push, m.FrontendHello(frontend_id=self.frontend_id,
+                                                events_endpoint=self.events_endpoint))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await self._pull.poll(timeout=int(remaining * 1000) + 1):
+                self._push.setsockopt(zmq.LINGER, 0)  # the unanswered hello need not get out
+                await self.close()
+                raise RuntimeError(
+                    f"no SchedulerHello within {timeout_s:g} s: is the scheduler running and reading "
+                    f"{self.requests_endpoint}? (this frontend listens on {self.events_endpoint})")
+            msg = await arecv(self._pull)
+            if isinstance(msg, m.SchedulerHello):
+                break
+            log.warning("message before SchedulerHello ignored", kind=type(msg).__name__)
+        if msg.wire_version != m.WIRE_VERSION:
+            await self.close()
+            raise RuntimeError(f"scheduler speaks wire version {msg.wire_version}, this frontend "
+                               f"{m.WIRE_VERSION}: run the same llmbus version everywhere")
+        self.hello = msg
+        self._tasks = [asyncio.create_task(self._read_loop(), name="engine-reader"),
+                       asyncio.create_task(self._abort_loop(), name="engine-aborts")]
+        log.info("connected to scheduler", max_batch_total_tokens=msg.max_batch_total_tokens,
+                 block_size=msg.block_size)
+        return msg
+
+    async def close(self) -> None:
+        """Abort what is still in flight, stop the tasks, close the sockets."""
+        if self._push is not None and self._channels and self.dead_reason is None:
+            try:
+                await asyncio.wait_for(asend(self._push, m.AbortRequest(rids=list(self._channels))), 1.0)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        self._tasks = []
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close()
+        self._push = self._pull = None
+        if self._own_ctx:
+            self._ctx.term()
+
+    # --- state ----------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self.hello is not None and self.dead_reason is None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._channels)
+
+    def new_rid(self) -> str:
+        self._next_id += 1
+        return f"{self.frontend_id}-{self._next_id}"
+
+    # --- per request ----------------------------------------------------------------------------
+
+    async def submit(self, request: m.AddRequest) -> asyncio.Queue:
+        """Register ``request.rid`` and send it; its events arrive on the returned queue."""
+        if self.dead_reason is not None:
+            raise generation_error(self.dead_reason)
+        channel = _Channel()
+        self._channels[request.rid] = channel
+        try:
+            await asend(self._push, request)
+        except BaseException:
+            self._channels.pop(request.rid, None)
+            raise
+        return channel.queue
+
+    def release(self, rid: str, *, abort: bool) -> None:
+        """Forget ``rid``; with ``abort`` tell the scheduler to drop it (never blocks)."""
+        if self._channels.pop(rid, None) is not None and abort and self.dead_reason is None:
+            self._pending_aborts.append(rid)
+            self._abort_wakeup.set()
+
+    async def _abort_loop(self) -> None:
+        while True:
+            await self._abort_wakeup.wait()
+            self._abort_wakeup.clear()
+            rids, self._pending_aborts = self._pending_aborts, []
+            if rids:
+                await asend(self._push, m.AbortRequest(rids=rids))
+
+    # --- events ---------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await arecv(self._pull)
+                if msg is None:
+                    continue  # malformed, already logged
+                try:
+                    self._dispatch(msg)
+                except Exception as e:  # noqa: BLE001 - one bad message must not stop the reader
+                    log.error("cannot dispatch engine message", kind=type(msg).__name__, error=repr(e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the reader is gone: nothing can be served anymore
+            log.error("engine reader failed", error=repr(e))
+            self._engine_dead(f"frontend lost the event channel: {e}")
+
+    def _dispatch(self, msg: m.Message) -> None:
+        if isinstance(msg, m.TokenBatch):
+            self._on_tokens(msg)
+        elif isinstance(msg, m.RequestFailed):
+            channel = self._channels.pop(msg.rid, None)
+            if channel is not None:
+                channel.queue.put_nowait(EngineFailure(engine_error(msg.error_type, msg.message)))
+        elif isinstance(msg, m.EngineDead):
+            self._engine_dead(msg.reason)
+        elif isinstance(msg, m.SchedulerHello):
+            log.info("scheduler said hello again", max_batch_total_tokens=msg.max_batch_total_tokens)
+        else:
+            log.warning("unexpected message on the events channel", kind=type(msg).__name__)
+
+    def _on_tokens(self, batch: m.TokenBatch) -> None:
+        now = asyncio.get_running_loop().time()
+        n = len(batch.rids)
+        top = batch.top_tokens if len(batch.top_tokens) == n else None
+        queue_times = batch.queue_times if len(batch.queue_times) == n else None
+        per_request: dict[str, EngineTokens] = {}
+        for i in range(n):
+            rid = batch.rids[i]
+            if rid not in self._channels:
+                continue  # finished, aborted or unknown: drop
+            item = per_request.get(rid)
+            if item is None:
+                item = per_request[rid] = EngineTokens(tokens=[], received_at=now)
+            item.tokens.append(TokenEvent(
+                token_id=batch.token_ids[i], logprob=batch.logprobs[i],
+                finish_reason=batch.finish_reasons[i], top_tokens=top[i] if top else None,
+                queue_time=queue_times[i] if queue_times else 0.0))
+        for entry in batch.prompt_logprobs:
+            if isinstance(entry, list) and len(entry) == 2 and entry[0] in per_request:
+                per_request[entry[0]].prompt_logprobs = entry[1]
+        for rid, item in per_request.items():
+            self._channels[rid].queue.put_nowait(item)
+
+    def _engine_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            log.error("engine dead: failing every request in flight", reason=reason,
+                      in_flight=len(self._channels))
+        self.dead_reason = reason
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            channel.queue.put_nowait(EngineFailure(generation_error(reason)))

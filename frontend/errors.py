@@ -1,0 +1,82 @@
+"""Every error the frontend answers with: one table from kind to HTTP status, error_type and TGI's text.
+
+The body is always ``{"error": "<text>", "error_type": "<type>"}`` (TGI's ``ErrorResponse``). On the
+streaming routes the same body travels in-band as an SSE event with HTTP 200.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    VALIDATION = "validation"  # a rule of validation.py
+    BODY = "body"  # the body is not JSON, or not a GenerateRequest
+    OVERLOADED = "overloaded"  # max_concurrent_requests in flight
+    GENERATION = "generation"  # the engine failed the request, or died
+    INCOMPLETE = "incomplete_generation"  # the engine ended a request without a finish reason
+    INCOMPLETE_STREAM = "incomplete_generation_stream"
+    UNHEALTHY = "healthcheck"  # /health when the engine is gone
+    UNAUTHORIZED = "unauthorized"  # --api-key set and the Bearer token is missing or wrong
+
+
+# kind -> (HTTP status, error_type, text; "{}" takes the detail)
+ERROR_TABLE: dict[ErrorKind, tuple[int, str, str]] = {
+    ErrorKind.VALIDATION: (422, "validation", "Input validation error: {}"),
+    ErrorKind.BODY: (422, "validation", "{}"),
+    ErrorKind.OVERLOADED: (429, "overloaded", "Model is overloaded"),
+    ErrorKind.GENERATION: (424, "generation", "Request failed during generation: {}"),
+    ErrorKind.INCOMPLETE: (500, "incomplete_generation", "Incomplete generation"),
+    ErrorKind.INCOMPLETE_STREAM: (500, "incomplete_generation_stream", "Incomplete generation stream"),
+    ErrorKind.UNHEALTHY: (503, "healthcheck", "unhealthy"),
+    ErrorKind.UNAUTHORIZED: (401, "unauthorized", "Unauthorized"),
+}
+
+# error_type strings the scheduler may put in RequestFailed, mapped back to a kind
+_BY_ERROR_TYPE = {error_type: kind for kind, (_, error_type, _) in ERROR_TABLE.items()
+                  if kind is not ErrorKind.BODY}
+
+
+class ApiError(Exception):
+    """An error answer. ``detail`` fills the "{}" of the kind's text."""
+
+    def __init__(self, kind: ErrorKind, detail: str = ""):
+        status, error_type, template = ERROR_TABLE[kind]
+        self.kind = kind
+        self.status = status
+        self.error_type = error_type
+        self.message = template.format(detail) if "{}" in template else template
+        super().__init__(self.message)
+
+    def body(self) -> dict:
+        return {"error": self.message, "error_type": self.error_type}
+
+
+def validation_error(detail: str) -> ApiError:
+    return ApiError(ErrorKind.VALIDATION, detail)
+
+
+def body_parse_error(detail: str) -> ApiError:
+    return ApiError(ErrorKind.BODY, f"Failed to parse the request body as JSON: {detail}")
+
+
+def body_type_error(detail: str) -> ApiError:
+    return ApiError(ErrorKind.BODY, f"Failed to deserialize the JSON body into the target type: {detail}")
+
+
+def generation_error(reason: str) -> ApiError:
+    return ApiError(ErrorKind.GENERATION, reason)
+
+
+def engine_error(error_type: str, message: str) -> ApiError:
+    """The ApiError for a scheduler's ``RequestFailed(error_type, message)``.
+
+    The message is used as the detail; when the scheduler already wrote TGI's full text (with its
+    prefix) it is not prefixed twice. Unknown error types count as generation errors.
+    """
+    kind = _BY_ERROR_TYPE.get(error_type, ErrorKind.GENERATION)
+    template = ERROR_TABLE[kind][2]
+    prefix = template.split("{}")[0] if "{}" in template else None
+    if prefix and message.startswith(prefix):
+        message = message[len(prefix):]
+    return ApiError(kind, message)

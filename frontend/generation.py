@@ -1,0 +1,275 @@
+"""One generation request from validation to its last token.
+
+``Generator.prepare`` takes an admission permit (429 when ``max_concurrent_requests`` are in flight),
+validates, tokenizes (long prompts on a worker thread) and checks lengths; ``Generation.start`` sends the
+``AddRequest``; ``Generation.next_tokens`` turns engine events into TGI tokens: incremental text,
+special flag, top tokens, and the finish reason, matching stop sequences on the text. ``close`` releases
+the permit and aborts the request in the scheduler unless it finished there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from llmbus.bus import messages as m
+from llmbus.bus.messages import FinishReason
+from llmbus.frontend.config import Limits
+from llmbus.frontend.engine_client import EngineClient, EngineFailure, EngineTokens
+from llmbus.frontend.errors import ApiError, ErrorKind, generation_error, validation_error
+from llmbus.frontend.tokenizer import ModelTokenizer
+from llmbus.frontend.validation import GenerateParameters, ValidParameters, validate_lengths, validate_parameters
+
+# prompts longer than this many characters are tokenized on a worker thread
+INLINE_TOKENIZE_CHARS = 2000
+
+
+@dataclass(slots=True)
+class TokenOut:
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+    top_tokens: list[dict]  # [{"id","text","logprob","special"}], empty unless top_n_tokens
+    finish_reason: str | None  # "length" | "eos_token" | "stop_sequence" on the last token
+
+
+@dataclass
+class Prepared:
+    """A validated, tokenized request holding an admission permit."""
+
+    inputs: str
+    input_ids: list[int]
+    params: ValidParameters
+    max_new_tokens: int
+    start_time: float  # time.monotonic() when the HTTP request arrived
+    arrival_time: float  # time.time() likewise, for the scheduler
+    prompt_logprobs: bool = False  # decoder_input_details
+
+
+class Generator:
+    """Admission, validation and tokenization in front of the engine."""
+
+    def __init__(self, engine: EngineClient, tokenizer: ModelTokenizer, limits: Limits,
+                 max_concurrent_requests: int, validation_workers: int = 2):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.max_concurrent_requests = max_concurrent_requests
+        self.permits_in_use = 0
+        self._executor = ThreadPoolExecutor(max_workers=validation_workers, thread_name_prefix="tokenize")
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def acquire(self) -> None:
+        if self.permits_in_use >= self.max_concurrent_requests:
+            raise ApiError(ErrorKind.OVERLOADED)
+        self.permits_in_use += 1
+
+    def release(self) -> None:
+        self.permits_in_use -= 1
+
+    async def tokenize(self, text: str) -> list[int]:
+        try:
+            if len(text) <= INLINE_TOKENIZE_CHARS:
+                return self.tokenizer.encode(text)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self.tokenizer.encode, text)
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as TGI reports it
+            raise validation_error(f"tokenizer error {e}") from None
+
+    async def prepare(self, inputs: str, parameters: GenerateParameters, start_time: float,
+                      arrival_time: float) -> "Generation":
+        """A Generation ready to start; raises ApiError (422, 429, 424). Holds a permit until closed."""
+        self.acquire()
+        try:
+            params = validate_parameters(inputs, parameters, self.limits)
+            ids = await self.tokenize(inputs)
+            input_length, max_new = validate_lengths(len(ids), params.truncate, params.max_new_tokens,
+                                                     self.limits)
+            if self.engine.dead_reason is not None:
+                raise generation_error(self.engine.dead_reason)
+            prepared = Prepared(inputs=inputs, input_ids=ids[len(ids) - input_length:], params=params,
+                                max_new_tokens=max_new, start_time=start_time, arrival_time=arrival_time,
+                                prompt_logprobs=parameters.decoder_input_details)
+        except BaseException:
+            self.release()
+            raise
+        return Generation(self, prepared)
+
+
+@dataclass
+class Timings:
+    queued: float = 0.0  # monotonic: AddRequest sent
+    first_token: float = 0.0  # monotonic: first token received
+    queue_time: float | None = None  # seconds the scheduler reports the request waited
+    end: float = 0.0
+
+    def headers_ms(self, start: float, generated_tokens: int) -> dict[str, int]:
+        """TGI's timing split: validation, queue, inference (ms)."""
+        queue = self.queue_time if self.queue_time is not None else max(self.first_token - self.queued, 0.0)
+        inference_start = min(self.queued + queue, self.end)
+        inference = max(self.end - inference_start, 0.0)
+        return {
+            "x-total-time": int((self.end - start) * 1000),
+            "x-validation-time": int((self.queued - start) * 1000),
+            "x-queue-time": int(queue * 1000),
+            "x-inference-time": int(inference * 1000),
+            "x-time-per-token": int(inference * 1000 / max(generated_tokens, 1)),
+        }
+
+
+@dataclass
+class Generation:
+    generator: Generator
+    prepared: Prepared
+    rid: str = ""
+    tokens: list[TokenOut] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)  # texts of the non-special tokens
+    finish_reason: str | None = None
+    prompt_logprobs: list | None = None
+    timings: Timings = field(default_factory=Timings)
+    _queue: asyncio.Queue | None = None
+    _pending: asyncio.Future | None = None
+    _closed: bool = False
+    _stop_tail: str = ""
+
+    def __post_init__(self) -> None:
+        tok = self.generator.tokenizer
+        self._detok = tok.detokenizer(self.prepared.input_ids)
+        self._max_stop = max((len(s) for s in self.prepared.params.stop), default=0)
+
+    @property
+    def input_length(self) -> int:
+        return len(self.prepared.input_ids)
+
+    @property
+    def seed(self) -> int | None:
+        return self.prepared.params.seed
+
+    @property
+    def generated_text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    async def start(self) -> None:
+        engine = self.generator.engine
+        p = self.prepared
+        self.rid = engine.new_rid()
+        request = m.AddRequest(
+            rid=self.rid, frontend_id=engine.frontend_id, input_ids=p.input_ids, sampling=p.params.sampling,
+            stopping=m.StoppingParams(max_new_tokens=p.max_new_tokens,
+                                      stop_token_ids=list(self.generator.tokenizer.eos_token_ids)),
+            prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time)
+        self.timings.queued = time.monotonic()
+        self._queue = await engine.submit(request)
+
+    def close(self) -> None:
+        """Release the permit; abort in the scheduler if the request did not finish there."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        if self.rid:
+            self.generator.engine.release(self.rid, abort=not self.done)
+        self.generator.release()
+
+    async def next_tokens(self, timeout: float | None = None) -> list[TokenOut] | None:
+        """The tokens of the next engine event ([] once done); None if ``timeout`` passed first.
+
+        Raises ApiError when the engine fails the request. Safe to call again after a timeout: the
+        pending read is kept, never cancelled, so no event is lost.
+        """
+        if self.done:
+            return []
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._queue.get())
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
+        if not done:
+            return None
+        item = self._pending.result()
+        self._pending = None
+        if isinstance(item, EngineFailure):
+            self.finish_reason = "error"  # finished in the engine: nothing to abort
+            raise item.error
+        return self._accept(item)
+
+    async def run_to_end(self) -> None:
+        while not self.done:
+            await self.next_tokens()
+
+    # --- turning engine tokens into TGI tokens ----------------------------------------------------
+
+    def _accept(self, item: EngineTokens) -> list[TokenOut]:
+        tok = self.generator.tokenizer
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs = item.prompt_logprobs
+        if not self.timings.first_token:
+            self.timings.first_token = time.monotonic()
+            if item.tokens and item.tokens[0].queue_time:
+                self.timings.queue_time = float(item.tokens[0].queue_time)
+        out = []
+        for ev in item.tokens:
+            special = tok.is_special(ev.token_id)
+            text = self._detok.step(ev.token_id)
+            finish = self._finish(ev.finish_reason, text)
+            if finish is not None:
+                text += self._detok.flush()  # a last token that ends inside a character
+            if not special:
+                self.text_parts.append(text)
+            top = self._top_tokens(ev.top_tokens) if ev.top_tokens else []
+            token = TokenOut(id=ev.token_id, text=text, logprob=ev.logprob, special=special,
+                             top_tokens=top, finish_reason=finish)
+            self.tokens.append(token)
+            out.append(token)
+            if finish is not None:
+                self.finish_reason = finish
+                self.timings.end = time.monotonic()
+                # The scheduler still runs the request when the frontend decided (stop sequence) or
+                # when its finish was not a TGI one (ABORTED): tell it to drop the request.
+                self.generator.engine.release(self.rid, abort=ev.finish_reason in (FinishReason.NONE,
+                                                                                   FinishReason.STOP_SEQUENCE))
+                if ev.finish_reason == FinishReason.ABORTED:
+                    raise generation_error("request aborted by the engine")
+                break
+        return out
+
+    def _finish(self, engine_reason: int, text: str) -> str | None:
+        """TGI's order: length, then EOS (both decided by the scheduler), then stop sequences."""
+        if engine_reason in (FinishReason.LENGTH, FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE):
+            return FinishReason(engine_reason).tgi_name
+        if engine_reason == FinishReason.ABORTED:
+            return "aborted"
+        if self._max_stop and self._matches_stop(text):
+            return "stop_sequence"
+        if len(self.tokens) + 1 >= self.prepared.max_new_tokens:
+            return "length"  # the scheduler should have said so; never run past the budget
+        return None
+
+    def _matches_stop(self, text: str) -> bool:
+        """A stop sequence that ends inside this token's text (TGI only looks at the very end; a stop
+        sequence in the middle of a token counts too, so stops need not align with token boundaries)."""
+        if not text:
+            return False
+        tail = self._stop_tail + text
+        start = max(len(self._stop_tail) - self._max_stop + 1, 0)
+        matched = any(tail.find(stop, start) != -1 for stop in self.prepared.params.stop if stop)
+        self._stop_tail = tail[-self._max_stop:]
+        return matched
+
+    def _top_tokens(self, top) -> list[dict]:
+        tok = self.generator.tokenizer
+        try:
+            ids, logprobs = top
+        except (TypeError, ValueError):
+            return []
+        texts = tok.token_texts(list(ids))
+        return [{"id": i, "text": t, "logprob": lp, "special": tok.is_special(i)}
+                for i, t, lp in zip(ids, texts, logprobs)]

@@ -1,0 +1,251 @@
+"""TGI's native routes: /generate, /generate_stream, POST / (compat), /health, /ping, GET /, /info.
+
+Errors before a response starts are JSON ``{"error","error_type"}`` with TGI's status (middleware);
+once an SSE stream has started they travel in-band with HTTP 200, as TGI does. A client that goes away
+cancels its handler (the runner sets ``handler_cancellation``), and ``Generation.close`` in the
+``finally`` aborts the request in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from dataclasses import dataclass
+from importlib import metadata
+
+import structlog
+from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
+
+from llmbus.frontend import responses
+from llmbus.frontend.config import FrontendConfig, Limits
+from llmbus.frontend.engine_client import EngineClient
+from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+from llmbus.frontend.generation import Generation, Generator
+from llmbus.frontend.responses import dumps
+from llmbus.frontend.tokenizer import ModelTokenizer
+from llmbus.frontend.validation import GenerateRequest, parse_request, validate_best_of
+
+log = structlog.get_logger("llmbus.frontend")
+
+try:
+    VERSION = metadata.version("llmbus")
+except metadata.PackageNotFoundError:  # running from a source tree
+    VERSION = "0.0.0"
+
+
+@dataclass
+class FrontendState:
+    config: FrontendConfig
+    tokenizer: ModelTokenizer
+    engine: EngineClient | None = None
+    generator: Generator | None = None
+    limits: Limits | None = None
+
+    @property
+    def compat_return_full_text(self) -> bool:
+        # TGI: POST / returns the prompt too unless the hub pipeline tag says otherwise
+        tag = self.config.model_pipeline_tag
+        return tag is None or tag == "text-generation"
+
+
+STATE = web.AppKey("llmbus_frontend_state", FrontendState)
+
+_AUTH_PATHS = {"/", "/generate", "/generate_stream"}
+_DISCONNECTED = (ConnectionResetError, ClientConnectionResetError)
+
+
+def _json_response(body, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=dumps(body), status=status, headers=headers, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return _json_response(e.body(), status=e.status)
+
+
+def auth_middleware(api_key: str):
+    expected = f"bearer {api_key}".lower().encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.method == "POST" and request.path in _AUTH_PATHS:
+            given = request.headers.get("Authorization", "").lower().encode()
+            if not hmac.compare_digest(given, expected):
+                return web.Response(status=401)
+        return await handler(request)
+
+    return check
+
+
+async def _read(request: web.Request, *, compat: bool) -> GenerateRequest:
+    return parse_request(await request.read(), compat=compat)
+
+
+# --- generation -----------------------------------------------------------------------------------
+
+
+async def _generate_one(state: FrontendState, req: GenerateRequest, start: float, arrival: float) -> Generation:
+    gen = await state.generator.prepare(req.inputs, req.parameters, start, arrival)
+    try:
+        await gen.start()
+        await gen.run_to_end()
+    finally:
+        gen.close()
+    return gen
+
+
+async def _generate_json(state: FrontendState, req: GenerateRequest, start: float, arrival: float,
+                         *, as_list: bool) -> web.Response:
+    p = req.parameters
+    others = None
+    if p.best_of is not None and p.best_of > 1:
+        validate_best_of(p.best_of, state.limits)
+        gens = await _gather_all([_generate_one(state, req, start, arrival) for _ in range(p.best_of)])
+        # TGI keeps the sequence with the highest mean token logprob
+        best = max(range(len(gens)), key=lambda i: _mean_logprob(gens[i]))
+        gen = gens.pop(best)
+        others = gens
+    else:
+        gen = await _generate_one(state, req, start, arrival)
+    body = responses.generate_body(gen, return_full_text=bool(p.return_full_text),
+                                   details=p.details or p.decoder_input_details, others=others)
+    headers = responses.generate_headers(gen, state.config.compute_type, len(req.inputs))
+    return _json_response([body] if as_list else body, headers=headers)
+
+
+async def _gather_all(coros) -> list:
+    """All results, or the first error with the other requests cancelled (and so aborted)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _mean_logprob(gen: Generation) -> float:
+    values = [t.logprob for t in gen.tokens if t.logprob is not None]
+    return sum(values) / len(values) if values else float("-inf")
+
+
+async def _stream(request: web.Request, state: FrontendState, req: GenerateRequest, start: float,
+                  arrival: float) -> web.StreamResponse:
+    p = req.parameters
+    resp = web.StreamResponse(status=200, headers=responses.stream_headers(state.config.compute_type,
+                                                                           len(req.inputs)))
+    await resp.prepare(request)
+    gen = None
+    details = p.details
+    return_full_text = bool(p.return_full_text)
+    try:
+        if (1 if p.best_of is None else p.best_of) != 1:
+            raise validation_error("`best_of` != 1 is not supported when streaming tokens")
+        if p.decoder_input_details:
+            raise validation_error("`decoder_input_details` == true is not supported when streaming tokens")
+        gen = await state.generator.prepare(req.inputs, p, start, arrival)
+        await gen.start()
+        index = 0
+        keepalive = state.config.keepalive_s
+        while not gen.done:
+            tokens = await gen.next_tokens(timeout=keepalive)
+            if tokens is None:
+                await resp.write(responses.KEEPALIVE)
+                continue
+            chunk = []
+            for token in tokens:
+                index += 1
+                chunk.append(responses.stream_event(index, token, gen, return_full_text=return_full_text,
+                                                    details=details))
+            if chunk:
+                await resp.write(b"".join(chunk))
+    except ApiError as e:
+        try:
+            await resp.write(responses.error_event(e))
+        except _DISCONNECTED:
+            return resp
+    except _DISCONNECTED:
+        return resp  # the finally aborts the request
+    finally:
+        if gen is not None:
+            gen.close()
+    try:
+        await resp.write_eof()
+    except _DISCONNECTED:
+        pass
+    return resp
+
+
+# --- handlers -------------------------------------------------------------------------------------
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    start, arrival = time.monotonic(), time.time()
+    state = request.app[STATE]
+    req = await _read(request, compat=False)
+    if req.parameters.return_full_text is None:
+        req.parameters.return_full_text = False
+    return await _generate_json(state, req, start, arrival, as_list=False)
+
+
+async def generate_stream(request: web.Request) -> web.StreamResponse:
+    start, arrival = time.monotonic(), time.time()
+    state = request.app[STATE]
+    req = await _read(request, compat=False)
+    if req.parameters.return_full_text is None:
+        req.parameters.return_full_text = False
+    return await _stream(request, state, req, start, arrival)
+
+
+async def compat_generate(request: web.Request) -> web.StreamResponse:
+    start, arrival = time.monotonic(), time.time()
+    state = request.app[STATE]
+    req = await _read(request, compat=True)
+    if req.parameters.return_full_text is None:
+        req.parameters.return_full_text = state.compat_return_full_text
+    if req.stream:
+        return await _stream(request, state, req, start, arrival)
+    return await _generate_json(state, req, start, arrival, as_list=True)
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    if engine is None or not engine.healthy:
+        raise ApiError(ErrorKind.UNHEALTHY)
+    return web.Response(status=200)
+
+
+async def info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    c, limits = state.config, state.limits
+    return _json_response({
+        "model_id": c.model_id,
+        "model_sha": None,
+        "model_pipeline_tag": c.model_pipeline_tag,
+        "max_concurrent_requests": c.max_concurrent_requests,
+        "max_best_of": c.max_best_of,
+        "max_stop_sequences": c.max_stop_sequences,
+        "max_input_tokens": limits.max_input_tokens if limits else c.max_input_tokens,
+        "max_total_tokens": limits.max_total_tokens if limits else c.max_total_tokens,
+        "validation_workers": c.validation_workers,
+        "max_client_batch_size": c.max_client_batch_size,
+        "router": "text-generation-router",
+        "version": VERSION,
+        "sha": None,
+        "docker_label": None,
+    })
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/generate_stream", generate_stream)
+    app.router.add_post("/", compat_generate)
+    app.router.add_get("/", health)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_get("/info", info)

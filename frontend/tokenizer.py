@@ -1,0 +1,119 @@
+"""The model's tokenizer as the frontend needs it: encode prompts, name special tokens, find EOS ids.
+
+Only the fast ``tokenizer.json`` is supported (``tokenizers``; no transformers, no torch). EOS ids are the
+union of ``generation_config.json`` ``eos_token_id`` (an int or a list) and ``tokenizer_config.json``
+``eos_token``, falling back to ``config.json`` ``eos_token_id``; the scheduler stops on any of them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from llmbus.frontend.detokenizer import IncrementalDetokenizer
+
+# transformers' "no limit" sentinel for model_max_length is 1e30; anything this large means "unknown".
+_UNBOUNDED = 10**9
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_id_list(value) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+@dataclass
+class ModelTokenizer:
+    tokenizer: Tokenizer
+    eos_token_ids: list[int]
+    special_ids: frozenset[int]
+    model_max_length: int | None  # None when neither config.json nor tokenizer_config.json says
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id decoded on its own, special tokens kept (TGI's prefill / top-token texts)."""
+        if not ids:
+            return []
+        return self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
+    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids)
+
+
+def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {model_dir}: the frontend needs a fast tokenizer")
+    tokenizer = Tokenizer.from_file(str(path))
+    # Validation measures and truncates prompts itself (TGI semantics); the file's own settings must not.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+
+    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    gen_config = _read_json(model_dir / "generation_config.json")
+    model_config = _read_json(model_dir / "config.json")
+
+    eos: list[int] = []
+    for token_id in _as_id_list(gen_config.get("eos_token_id")):
+        if token_id not in eos:
+            eos.append(token_id)
+    eos_text = _token_content(tok_config.get("eos_token"))
+    if eos_text is not None:
+        token_id = tokenizer.token_to_id(eos_text)
+        if token_id is not None and token_id not in eos:
+            eos.append(token_id)
+    if not eos:
+        eos = _as_id_list(model_config.get("eos_token_id"))
+
+    special = {i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        text = _token_content(tok_config.get(key))
+        token_id = tokenizer.token_to_id(text) if text is not None else None
+        if token_id is not None:
+            special.add(token_id)
+
+    lengths = []
+    positions = next((model_config[k] for k in _LENGTH_KEYS if isinstance(model_config.get(k), int)
+                      and not isinstance(model_config[k], bool) and model_config[k] > 0), None)
+    if positions is not None:
+        lengths.append(positions)
+    mml = tok_config.get("model_max_length")
+    if isinstance(mml, (int, float)) and not isinstance(mml, bool) and 0 < mml < _UNBOUNDED:
+        lengths.append(int(mml))
+    model_max_length = min(lengths) if lengths else None
+
+    return ModelTokenizer(tokenizer=tokenizer, eos_token_ids=eos, special_ids=frozenset(special),
+                          model_max_length=model_max_length)

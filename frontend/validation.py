@@ -1,0 +1,287 @@
+"""Request bodies and TGI's validation rules, with TGI's exact messages and order.
+
+``parse_request`` plays serde: the body must be JSON, ``inputs`` a string, every parameter of its Rust
+type (unknown keys ignored). ``validate_parameters`` then applies router/src/validation.rs ``validate``
+in its order, and ``validate_lengths`` the token-count checks that need the tokenized prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+from llmbus.bus.messages import SamplingParams
+from llmbus.frontend.config import Limits
+from llmbus.frontend.errors import body_parse_error, body_type_error, validation_error
+
+# TGI schedules at most this many new tokens when the client sets none (validation.rs).
+DEFAULT_GENERATION_LENGTH = 1024
+
+_INT_RANGES = {"u32": (0, 2**32 - 1), "u64": (0, 2**64 - 1), "usize": (0, 2**64 - 1),
+               "i32": (-(2**31), 2**31 - 1)}
+
+
+@dataclass
+class GenerateParameters:
+    """TGI's GenerateParameters with its serde defaults (``parameters: {}``)."""
+
+    best_of: int | None = None
+    temperature: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    do_sample: bool = False
+    max_new_tokens: int | None = None
+    return_full_text: bool | None = None
+    stop: list[str] = field(default_factory=list)
+    truncate: int | None = None
+    watermark: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    seed: int | None = None
+    top_n_tokens: int | None = None
+    grammar: dict | None = None
+    adapter_id: str | None = None
+
+
+# field -> (serde type, nullable)
+_PARAMETER_TYPES: dict[str, tuple[str, bool]] = {
+    "best_of": ("usize", True), "temperature": ("f32", True), "repetition_penalty": ("f32", True),
+    "frequency_penalty": ("f32", True), "top_k": ("i32", True), "top_p": ("f32", True),
+    "typical_p": ("f32", True), "do_sample": ("bool", False), "max_new_tokens": ("u32", True),
+    "return_full_text": ("bool", True), "stop": ("[string]", False), "truncate": ("usize", True),
+    "watermark": ("bool", False), "details": ("bool", False), "decoder_input_details": ("bool", False),
+    "seed": ("u64", True), "top_n_tokens": ("u32", True), "grammar": ("grammar", True),
+    "adapter_id": ("string", True),
+}
+
+
+@dataclass
+class GenerateRequest:
+    inputs: str
+    parameters: GenerateParameters
+    stream: bool = False  # only read on POST /
+
+
+def default_parameters() -> GenerateParameters:
+    """What TGI uses when the body has no ``parameters`` key: note ``do_sample`` is true (a TGI quirk)."""
+    return GenerateParameters(do_sample=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Body parsing (serde semantics)
+# ------------------------------------------------------------------------------------------------
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"invalid number `{name}`")
+
+
+def _unexpected(value) -> str:
+    """serde's description of a JSON value in 'invalid type' messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean `{'true' if value else 'false'}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value!r}`"
+    if isinstance(value, str):
+        return f"string {json.dumps(value, ensure_ascii=False)}"
+    if isinstance(value, list):
+        return "sequence"
+    return "map"
+
+
+def _convert(path: str, value, serde_type: str):
+    """``value`` as ``serde_type``, or a body_type_error worded like serde_json's."""
+    if serde_type == "bool":
+        if isinstance(value, bool):
+            return value
+        raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected a boolean")
+    if serde_type == "string":
+        if isinstance(value, str):
+            return value
+        raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected a string")
+    if serde_type == "f32":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected f32")
+    if serde_type in _INT_RANGES:
+        if isinstance(value, int) and not isinstance(value, bool):
+            lo, hi = _INT_RANGES[serde_type]
+            if lo <= value <= hi:
+                return value
+            raise body_type_error(f"{path}: invalid value: integer `{value}`, expected {serde_type}")
+        raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected {serde_type}")
+    if serde_type == "[string]":
+        if not isinstance(value, list):
+            raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected a sequence")
+        return [_convert(f"{path}[{i}]", v, "string") for i, v in enumerate(value)]
+    if serde_type == "grammar":
+        if not isinstance(value, dict):
+            raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected internally "
+                                  f"tagged enum GrammarType")
+        return value
+    raise AssertionError(serde_type)
+
+
+def _parse_parameters(value) -> GenerateParameters:
+    if not isinstance(value, dict):
+        raise body_type_error(f"parameters: invalid type: {_unexpected(value)}, "
+                              f"expected struct GenerateParameters")
+    params = GenerateParameters()
+    for name, (serde_type, nullable) in _PARAMETER_TYPES.items():
+        if name not in value:
+            continue
+        raw = value[name]
+        if raw is None and nullable:
+            continue
+        setattr(params, name, _convert(f"parameters.{name}", raw, serde_type))
+    return params
+
+
+def parse_request(raw: bytes, *, compat: bool = False) -> GenerateRequest:
+    """A GenerateRequest (CompatGenerateRequest when ``compat``) from a request body."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise body_parse_error(f"invalid UTF-8 at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise body_parse_error(f"{e.msg} at line {e.lineno} column {e.colno}") from None
+    except (ValueError, RecursionError) as e:
+        raise body_parse_error(str(e)) from None
+    struct = "CompatGenerateRequest" if compat else "GenerateRequest"
+    if not isinstance(body, dict):
+        raise body_type_error(f"invalid type: {_unexpected(body)}, expected struct {struct}")
+    if "inputs" not in body:
+        raise body_type_error("missing field `inputs`")
+    inputs = _convert("inputs", body["inputs"], "string")
+    parameters = _parse_parameters(body["parameters"]) if "parameters" in body else default_parameters()
+    stream = _convert("stream", body["stream"], "bool") if compat and "stream" in body else False
+    return GenerateRequest(inputs=inputs, parameters=parameters, stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# TGI's rules
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ValidParameters:
+    """Parameters that passed every check that does not need the tokenized prompt."""
+
+    sampling: SamplingParams
+    seed: int | None  # reported in details: None for greedy
+    best_of: int
+    truncate: int | None
+    max_new_tokens: int | None
+    stop: list[str]
+
+
+def validate_best_of(best_of: int, limits: Limits) -> int:
+    """Infer::generate_best_of's check, run before the others when best_of > 1."""
+    if limits.max_best_of == 1 and best_of != 1:
+        raise validation_error("`best_of` != 1 is not allowed for this endpoint")
+    if best_of > limits.max_best_of:
+        raise validation_error(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
+    return best_of
+
+
+def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
+                        rng: random.Random | None = None) -> ValidParameters:
+    """validation.rs ``validate`` up to tokenization, in TGI's order."""
+    best_of = 1 if p.best_of is None else p.best_of
+    sampling_requested = (p.do_sample or p.temperature is not None or p.top_k is not None
+                          or p.top_p is not None or p.typical_p is not None)
+    if best_of > 1 and not sampling_requested:
+        raise validation_error("you must use sampling when `best_of` is > 1")
+
+    temperature = 1.0 if p.temperature is None else p.temperature
+    if not temperature > 0.0:
+        raise validation_error("`temperature` must be strictly positive")
+    repetition_penalty = 1.0 if p.repetition_penalty is None else p.repetition_penalty
+    if not repetition_penalty > 0.0:
+        raise validation_error("`repetition_penalty` must be strictly positive")
+    frequency_penalty = 0.0 if p.frequency_penalty is None else p.frequency_penalty
+    if not -2.0 <= frequency_penalty <= 2.0:
+        raise validation_error("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    top_p = 1.0
+    if p.top_p is not None:
+        if not 0.0 < p.top_p < 1.0:
+            raise validation_error("`top_p` must be > 0.0 and < 1.0")
+        top_p = p.top_p
+    typical_p = 1.0
+    if p.typical_p is not None:
+        if not 0.0 < p.typical_p < 1.0:
+            raise validation_error("`typical_p` must be > 0.0 and < 1.0")
+        typical_p = p.typical_p
+    top_k = 0
+    if p.top_k is not None:
+        if p.top_k <= 0:
+            raise validation_error("`top_k` must be strictly positive")
+        top_k = p.top_k
+    if p.max_new_tokens == 0:
+        raise validation_error("`max_new_tokens` must be strictly positive")
+    if len(p.stop) > limits.max_stop_sequences:
+        raise validation_error(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+                               f"Given: {len(p.stop)}")
+    if p.seed is None:
+        seed = (rng or random).getrandbits(64)
+    else:
+        if best_of > 1:
+            raise validation_error("`seed` must not be set when `best_of` > 1")
+        seed = p.seed
+    top_n_tokens = 0
+    if p.top_n_tokens is not None:
+        if p.top_n_tokens > limits.max_top_n_tokens:
+            raise validation_error(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. "
+                                   f"Given: {p.top_n_tokens}")
+        top_n_tokens = p.top_n_tokens
+    if not inputs:
+        raise validation_error("`inputs` cannot be empty")
+    if p.truncate is not None and (p.truncate == 0 or p.truncate > limits.max_input_tokens):
+        raise validation_error(f"`truncate` must be strictly positive and less than "
+                               f"{limits.max_input_tokens}. Given: {p.truncate}")
+    if p.grammar is not None:
+        # the engine has no constrained decoding yet: answer like TGI with --disable-grammar-support
+        raise validation_error("grammar is not supported")
+
+    # The server samples when asked to or when any warper changes the distribution
+    # (text_generation_server/utils/tokens.py); greedy requests report no seed.
+    do_sample = (p.do_sample or temperature != 1.0 or top_k != 0 or top_p < 1.0 or typical_p < 1.0)
+    sampling = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p, do_sample=do_sample,
+        seed=seed, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+        top_n_tokens=top_n_tokens, watermark=p.watermark)
+    return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
+                           truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop))
+
+
+def validate_lengths(num_tokens: int, truncate: int | None, max_new_tokens: int | None,
+                     limits: Limits) -> tuple[int, int]:
+    """(input_length, max_new_tokens to schedule) for a prompt of ``num_tokens`` tokens.
+
+    TGI checks the total before the input length. Without ``max_new_tokens`` the request may run to
+    ``max_total_tokens``; TGI checks only its first 1024-token chunk (it re-queues long generations), and
+    so do we, while the scheduler gets the whole budget in one request.
+    """
+    input_length = min(num_tokens, truncate) if truncate is not None else num_tokens
+    if max_new_tokens is not None:
+        checked = scheduled = max_new_tokens
+    else:
+        scheduled = max(limits.max_total_tokens - input_length, 0)
+        checked = min(scheduled, DEFAULT_GENERATION_LENGTH)
+    if input_length + checked > limits.max_total_tokens:
+        raise validation_error(f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
+                               f"Given: {input_length} `inputs` tokens and {checked} `max_new_tokens`")
+    if input_length > limits.max_input_tokens:
+        raise validation_error(f"`inputs` must have less than {limits.max_input_tokens} tokens. "
+                               f"Given: {input_length}")
+    return input_length, scheduled
+

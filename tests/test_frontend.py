@@ -1,0 +1,820 @@
+"""The aiohttp frontend against a fake scheduler, over real sockets (zmq ipc + HTTP on localhost).
+
+The fake scheduler is a thread with real zmq sockets: it answers FrontendHello with SchedulerHello and
+each AddRequest with a scripted reply in TokenBatch messages (three tokens per batch, one emoji split
+into its four UTF-8 bytes, EOS at the end), and records what it receives. Words in the prompt pick
+the script: HOLD (wait for ``release``), FAIL (RequestFailed). Tests wait on conditions, never sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from llmbus.bus import messages as m
+from llmbus.bus.sockets import open_socket, recv, send
+from llmbus.frontend.app import serve
+from llmbus.frontend.config import FrontendConfig
+from llmbus.frontend.engine_client import EngineClient
+from llmbus.frontend.tokenizer import load_tokenizer
+
+WAIT = 10.0  # seconds any condition may take before a test fails
+BOS, EOS = 0, 1
+REPLY = "Hello wörld 🙂 日本語 done"
+
+
+# ------------------------------------------------------------------------------------------------
+# A tiny byte-level BPE model folder
+# ------------------------------------------------------------------------------------------------
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable char table, which the ByteLevel pre-tokenizer uses."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def build_model_dir(path: Path) -> Path:
+    rng = random.Random(0)
+    words = ["hello", "world", "Hello", "wörld", "the", "quick", "brown", "fox", "café", "naïve",
+             "日本語", "done", "jumps", "over", "lazy", "dog", "🙂", "stop", "here"]
+    sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(300)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sentences, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    assert tok.token_to_id("<s>") == BOS and tok.token_to_id("</s>") == EOS
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "model_max_length": 1000000000000000019884624838656}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    return path
+
+
+def reply_ids(tok: Tokenizer) -> list[int]:
+    """REPLY as token ids, with the emoji as four single-byte tokens (a char split across tokens)."""
+    b2u = _byte_to_unicode()
+    head, tail = REPLY.split(" 🙂")
+    ids = tok.encode(head, add_special_tokens=False).ids
+    ids.append(tok.token_to_id(b2u[ord(" ")]))
+    ids += [tok.token_to_id(b2u[b]) for b in "🙂".encode()]
+    ids += tok.encode(tail, add_special_tokens=False).ids
+    assert tok.decode(ids) == REPLY and None not in ids
+    return ids
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    d = Path(tempfile.mkdtemp(prefix="llmbus-fe-model-"))
+    build_model_dir(d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# The fake scheduler
+# ------------------------------------------------------------------------------------------------
+
+
+class FakeScheduler:
+    TOKENS_PER_BATCH = 3
+
+    def __init__(self, endpoint: str, model_dir: Path, max_batch_total_tokens: int = 100_000):
+        self.endpoint = endpoint
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.reply = reply_ids(self.tok)
+        self.max_batch_total_tokens = max_batch_total_tokens
+        self.adds: dict[str, m.AddRequest] = {}
+        self.aborts: list[str] = []
+        self.hellos: list[m.FrontendHello] = []
+        self.cond = threading.Condition()
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._pull = open_socket(self._ctx, zmq.PULL, endpoint)
+        self._push = None
+        self._held: dict[str, m.AddRequest] = {}
+        self._thread = threading.Thread(target=self._run, name="fake-scheduler", daemon=True)
+        self._thread.start()
+
+    # test-side API
+    def wait_for(self, predicate, what: str):
+        with self.cond:
+            assert self.cond.wait_for(predicate, timeout=WAIT), f"fake scheduler: timed out waiting for {what}"
+
+    def release(self, rid: str) -> None:
+        self._commands.put(("release", rid))
+
+    def engine_dead(self, reason: str) -> None:
+        self._commands.put(("dead", reason))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(WAIT)
+        self._pull.close()
+        if self._push is not None:
+            self._push.close()
+        self._ctx.term()
+
+    # scheduler thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._pull.poll(10):
+                msg = recv(self._pull)
+                if msg is not None:
+                    self._handle(msg)
+            while not self._commands.empty():
+                cmd, arg = self._commands.get()
+                if cmd == "release":
+                    self._answer(self._held.pop(arg))
+                elif cmd == "dead":
+                    send(self._push, m.EngineDead(reason=arg))
+
+    def _handle(self, msg) -> None:
+        with self.cond:  # record first: the frontend may answer its client as soon as we reply
+            if isinstance(msg, m.FrontendHello):
+                self.hellos.append(msg)
+            elif isinstance(msg, m.AddRequest):
+                self.adds[msg.rid] = msg
+            elif isinstance(msg, m.AbortRequest):
+                self.aborts.extend(msg.rids)
+            self.cond.notify_all()
+        if isinstance(msg, m.FrontendHello):
+            self._push = open_socket(self._ctx, zmq.PUSH, msg.events_endpoint, linger_ms=1000)
+            send(self._push, m.SchedulerHello(max_batch_total_tokens=self.max_batch_total_tokens, block_size=16))
+        elif isinstance(msg, m.AddRequest):
+            prompt = self.tok.decode(msg.input_ids)
+            if "HOLD" in prompt:
+                self._held[msg.rid] = msg
+            elif "FAIL" in prompt:
+                send(self._push, m.RequestFailed(rid=msg.rid, error_type="validation", message="bad thing"))
+            else:
+                self._answer(msg)
+
+    def _answer(self, req: m.AddRequest) -> None:
+        ids = (self.reply + [EOS])[:req.stopping.max_new_tokens]
+        reasons = [m.FinishReason.NONE] * len(ids)
+        reasons[-1] = (m.FinishReason.LENGTH if len(ids) == req.stopping.max_new_tokens
+                       else m.FinishReason.EOS_TOKEN)
+        n_top = req.sampling.top_n_tokens
+        for start in range(0, len(ids), self.TOKENS_PER_BATCH):
+            part = range(start, min(start + self.TOKENS_PER_BATCH, len(ids)))
+            batch = m.TokenBatch(
+                rids=[req.rid] * len(part), token_ids=[ids[i] for i in part],
+                logprobs=[-0.25 * (i + 1) for i in part], finish_reasons=[int(reasons[i]) for i in part],
+                top_tokens=[[[ids[i]] + [EOS] * (n_top - 1), [-0.25 * (i + 1)] + [-5.0] * (n_top - 1)]
+                            for i in part] if n_top else [],
+                prompt_logprobs=([[req.rid, [-1.5] * (len(req.input_ids) - 1)]]
+                                 if start == 0 and req.prompt_logprobs else []),
+                queue_times=[0.002 if i == 0 else 0.0 for i in part])
+            send(self._push, batch)
+
+
+# ------------------------------------------------------------------------------------------------
+# The frontend under test, in a thread with its own event loop
+# ------------------------------------------------------------------------------------------------
+
+
+class Frontend:
+    def __init__(self, model_dir: Path, **overrides):
+        self.dir = tempfile.mkdtemp(prefix="llmbus-fe-", dir="/tmp")
+        requests = f"ipc://{self.dir}/requests.sock"
+        self.sched = FakeScheduler(requests, model_dir)
+        cfg = dict(model_dir=str(model_dir), model_id="tiny-test", hostname="127.0.0.1", port=0,
+                   requests_endpoint=requests, events_endpoint=f"ipc://{self.dir}/events-fe1.sock",
+                   frontend_id="fe1", max_input_tokens=40, max_total_tokens=64, scheduler_timeout_s=WAIT,
+                   shutdown_timeout_s=1.0)
+        cfg.update(overrides)
+        self.config = FrontendConfig(**cfg)
+        self.url = None
+        self.error = None
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(target=self._run, name="frontend", daemon=True)
+        self._thread.start()
+        assert self._ready.wait(WAIT), "frontend did not start"
+        if self.error:
+            raise self.error
+        self.host, self.port = "127.0.0.1", int(self.url.rsplit(":", 1)[1])
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        def ready(url):
+            self.url = url
+            self._ready.set()
+        try:
+            self._loop.run_until_complete(serve(self.config, on_ready=ready, stop=self._stop,
+                                                install_signals=False))
+        except Exception as e:  # noqa: BLE001 - reported to the test thread
+            self.error = e
+            self._ready.set()
+        finally:
+            self._loop.close()
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(WAIT)
+        assert not self._thread.is_alive(), "frontend did not stop"
+        self.sched.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # HTTP helpers (stdlib only)
+    def request(self, method: str, path: str, body=None, headers=None):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=WAIT)
+        try:
+            if body is not None and not isinstance(body, (bytes, str)):
+                body = json.dumps(body)
+            conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def post(self, path: str, body):
+        status, headers, raw = self.request("POST", path, body)
+        return status, headers, (json.loads(raw) if raw else None)
+
+
+@pytest.fixture
+def make_frontend(model_dir):
+    made = []
+
+    def make(**overrides) -> Frontend:
+        fe = Frontend(model_dir, **overrides)
+        made.append(fe)
+        return fe
+    yield make
+    for fe in made:
+        fe.close()
+
+
+@pytest.fixture
+def fe(make_frontend):
+    return make_frontend()
+
+
+def parse_sse(raw: bytes) -> list[dict]:
+    """Events of an SSE body; asserts TGI's exact framing."""
+    assert raw.endswith(b"\n\n"), raw[-50:]
+    events = []
+    for chunk in raw[:-2].split(b"\n\n"):
+        if chunk == b":":
+            continue  # keep-alive
+        assert chunk.startswith(b"data: "), chunk
+        obj = json.loads(chunk[len(b"data: "):])
+        assert chunk[len(b"data: "):] == json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        events.append(obj)
+    return events
+
+
+def last_rid(fe: Frontend) -> str:
+    with fe.sched.cond:
+        return list(fe.sched.adds)[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation: shapes, headers, text
+# ------------------------------------------------------------------------------------------------
+
+
+def test_generate_shape_headers_and_text(fe):
+    status, headers, body = fe.post("/generate", {"inputs": "hello world",
+                                                  "parameters": {"details": True, "max_new_tokens": 50}})
+    assert status == 200, body
+    assert list(body) == ["generated_text", "details"]
+    assert body["generated_text"] == REPLY
+    d = body["details"]
+    assert list(d) == ["finish_reason", "generated_tokens", "seed", "prefill", "tokens"]  # no top_tokens
+    assert d["finish_reason"] == "eos_token" and d["seed"] is None and d["prefill"] == []
+    tokens = d["tokens"]
+    assert d["generated_tokens"] == len(tokens) == len(fe.sched.reply) + 1
+    assert all(list(t) == ["id", "text", "logprob", "special"] for t in tokens)
+    assert tokens[0]["logprob"] == -0.25
+    # the emoji's four byte tokens: three empty texts, the fourth carries the whole char
+    texts = [t["text"] for t in tokens]
+    i = texts.index("🙂")
+    assert texts[i - 3:i] == ["", "", ""]
+    assert tokens[-1] == {"id": EOS, "text": "</s>", "logprob": tokens[-1]["logprob"], "special": True}
+    assert "".join(t["text"] for t in tokens if not t["special"]) == body["generated_text"]
+    for name in ("x-compute-time", "x-compute-characters", "x-prompt-tokens", "x-generated-tokens",
+                 "x-total-time", "x-validation-time", "x-queue-time", "x-inference-time",
+                 "x-time-per-token", "x-compute-type"):
+        assert name in headers, name
+    assert headers["x-compute-characters"] == str(len("hello world"))
+    assert headers["x-generated-tokens"] == str(len(tokens))
+    assert float(headers["x-compute-time"]) >= 0 and int(headers["x-total-time"]) >= 0
+    req = fe.sched.adds[last_rid(fe)]
+    assert req.rid.startswith("fe1-") and req.frontend_id == "fe1"
+    assert headers["x-prompt-tokens"] == str(len(req.input_ids))
+    assert req.input_ids[0] == BOS and req.stopping.stop_token_ids == [EOS]
+    assert req.stopping.max_new_tokens == 50 and req.sampling.do_sample is False
+    assert req.arrival_time > 0 and req.prompt_logprobs is False
+
+
+def test_generate_without_details_and_length_finish(fe):
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 4}})
+    assert status == 200 and list(body) == ["generated_text"]
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 4, "details": True}})
+    assert body["details"]["finish_reason"] == "length" and body["details"]["generated_tokens"] == 4
+    assert body["generated_text"] == fe.sched.tok.decode(fe.sched.reply[:4])
+    # the 4th token is the emoji's first byte: the text ends with U+FFFD, carried by the last token
+    assert body["generated_text"].endswith(" \ufffd")
+    assert body["details"]["tokens"][-1]["text"] == "\ufffd"
+
+
+def test_default_max_new_tokens_fills_max_total(fe):
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {}})
+    assert status == 200
+    req = fe.sched.adds[last_rid(fe)]
+    assert req.stopping.max_new_tokens == 64 - len(req.input_ids)
+
+
+def test_stream_bytes_match_generate(fe):
+    payload = {"inputs": "hello world", "parameters": {"details": True, "max_new_tokens": 50}}
+    _, _, full = fe.post("/generate", payload)
+    status, headers, raw = fe.request("POST", "/generate_stream", payload)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert headers["x-accel-buffering"] == "no" and headers["x-compute-characters"] == "11"
+    events = parse_sse(raw)
+    assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+    for e in events[:-1]:
+        assert list(e) == ["index", "token", "generated_text", "details"]
+        assert e["generated_text"] is None and e["details"] is None
+    last = events[-1]
+    assert last["generated_text"] == full["generated_text"] == REPLY
+    rid = last_rid(fe)
+    assert last["details"] == {"finish_reason": "eos_token", "generated_tokens": len(events), "seed": None,
+                               "input_length": len(fe.sched.adds[rid].input_ids)}
+    assert [e["token"] for e in events] == full["details"]["tokens"]
+    assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == REPLY
+    # details=false: the last event has the text but null details
+    _, _, raw = fe.request("POST", "/generate_stream", {"inputs": "hi", "parameters": {"max_new_tokens": 3}})
+    events = parse_sse(raw)
+    assert events[-1]["details"] is None and events[-1]["generated_text"] == fe.sched.tok.decode(fe.sched.reply[:3])
+
+
+def test_compat_route_list_stream_and_full_text(fe):
+    status, _, body = fe.post("/", {"inputs": "hello", "parameters": {"max_new_tokens": 50}})
+    assert status == 200 and isinstance(body, list) and len(body) == 1
+    assert body[0] == {"generated_text": "hello" + REPLY}  # no pipeline tag: return_full_text defaults on
+    _, _, body = fe.post("/", {"inputs": "hello", "parameters": {"return_full_text": False}})
+    assert body == [{"generated_text": REPLY}]
+    status, headers, raw = fe.request("POST", "/", {"inputs": "hello", "stream": True,
+                                                     "parameters": {"return_full_text": False}})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert parse_sse(raw)[-1]["generated_text"] == REPLY
+    _, _, body = fe.post("/generate", {"inputs": "hello", "parameters": {"return_full_text": True}})
+    assert body == {"generated_text": "hello" + REPLY}
+
+
+def test_sampling_seed_and_do_sample_default(fe):
+    # no `parameters` at all: TGI's default_parameters() sets do_sample=true
+    fe.post("/generate", {"inputs": "hi"})
+    req = fe.sched.adds[last_rid(fe)]
+    assert req.sampling.do_sample is True
+    # `parameters: {}`: do_sample=false, greedy, seed null
+    fe.post("/generate", {"inputs": "hi", "parameters": {}})
+    assert fe.sched.adds[last_rid(fe)].sampling.do_sample is False
+    # a client seed is passed on and reported
+    _, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"do_sample": True, "seed": 42, "details": True}})
+    req = fe.sched.adds[last_rid(fe)]
+    assert body["details"]["seed"] == 42 and req.sampling.seed == 42 and req.sampling.do_sample
+    # a warper alone turns sampling on; the drawn 64-bit seed is the one reported
+    _, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"temperature": 0.7, "top_k": 5,
+                                                                      "top_p": 0.9, "typical_p": 0.5,
+                                                                      "repetition_penalty": 1.2,
+                                                                      "frequency_penalty": 0.5,
+                                                                      "watermark": True, "details": True}})
+    req = fe.sched.adds[last_rid(fe)]
+    s = req.sampling
+    assert s.do_sample and body["details"]["seed"] == s.seed and 0 <= s.seed < 2**64
+    assert (s.temperature, s.top_k, s.top_p, s.typical_p, s.repetition_penalty, s.frequency_penalty,
+            s.watermark) == (pytest.approx(0.7), 5, pytest.approx(0.9), 0.5, pytest.approx(1.2), 0.5, True)
+
+
+def test_top_tokens_and_prefill(fe):
+    status, _, body = fe.post("/generate", {"inputs": "hello world", "parameters": {
+        "max_new_tokens": 3, "top_n_tokens": 2, "decoder_input_details": True}})
+    assert status == 200
+    d = body["details"]
+    assert list(d) == ["finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens"]
+    req = fe.sched.adds[last_rid(fe)]
+    assert req.prompt_logprobs is True and req.sampling.top_n_tokens == 2
+    assert [p["id"] for p in d["prefill"]] == req.input_ids
+    assert d["prefill"][0] == {"id": BOS, "text": "<s>", "logprob": None}
+    assert all(p["logprob"] == -1.5 for p in d["prefill"][1:])
+    assert len(d["top_tokens"]) == 3
+    first = d["top_tokens"][0]
+    assert first[0]["id"] == d["tokens"][0]["id"] and first[1] == {"id": EOS, "text": "</s>", "logprob": -5.0,
+                                                                   "special": True}
+    _, _, raw = fe.request("POST", "/generate_stream", {"inputs": "hi", "parameters": {"max_new_tokens": 2,
+                                                                                        "top_n_tokens": 2}})
+    events = parse_sse(raw)
+    assert list(events[0]) == ["index", "token", "top_tokens", "generated_text", "details"]
+
+
+def test_best_of(fe):
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {
+        "best_of": 2, "do_sample": True, "details": True, "max_new_tokens": 5}})
+    assert status == 200, body
+    seqs = body["details"]["best_of_sequences"]
+    assert len(seqs) == 1 and seqs[0]["generated_text"] == body["generated_text"]
+    assert list(seqs[0]) == ["generated_text", "finish_reason", "generated_tokens", "seed", "prefill", "tokens"]
+
+
+def test_stop_sequence_finishes_and_aborts(fe):
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {
+        "stop": ["nothing", "wörld"], "details": True, "max_new_tokens": 50}})
+    assert status == 200
+    assert body["details"]["finish_reason"] == "stop_sequence"
+    assert body["generated_text"].endswith("wörld") and body["generated_text"] == REPLY[:REPLY.index("wörld") + 5]
+    rid = last_rid(fe)
+    fe.sched.wait_for(lambda: rid in fe.sched.aborts, "AbortRequest after the stop sequence")
+    # streaming: the last event is the one that completed the stop sequence
+    _, _, raw = fe.request("POST", "/generate_stream", {"inputs": "hi", "parameters": {"stop": ["🙂"], "details": True}})
+    events = parse_sse(raw)
+    assert events[-1]["token"]["text"] == "🙂" and events[-1]["details"]["finish_reason"] == "stop_sequence"
+    rid = last_rid(fe)
+    fe.sched.wait_for(lambda: rid in fe.sched.aborts, "AbortRequest after the streamed stop sequence")
+
+
+def test_health_info_and_ping(fe):
+    for path in ("/health", "/", "/ping"):
+        status, _, raw = fe.request("GET", path)
+        assert status == 200 and raw == b"", path
+    status, _, raw = fe.request("GET", "/info")
+    info = json.loads(raw)
+    assert status == 200
+    assert list(info) == ["model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
+                          "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
+                          "max_client_batch_size", "router", "version", "sha", "docker_label"]
+    assert info["model_id"] == "tiny-test" and info["router"] == "text-generation-router"
+    assert (info["max_input_tokens"], info["max_total_tokens"]) == (40, 64)
+    assert (info["max_concurrent_requests"], info["max_best_of"], info["max_stop_sequences"],
+            info["max_client_batch_size"]) == (128, 2, 4, 4)
+    assert len(fe.sched.hellos) == 1 and fe.sched.hellos[0].frontend_id == "fe1"
+
+
+def test_limits_follow_model_and_scheduler(make_frontend):
+    fe = make_frontend(max_input_tokens=None, max_total_tokens=None)
+    info = json.loads(fe.request("GET", "/info")[2])
+    assert (info["max_input_tokens"], info["max_total_tokens"]) == (255, 256)  # config.json positions
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation and bad bodies
+# ------------------------------------------------------------------------------------------------
+
+VALIDATION_CASES = [
+    ({"temperature": 0}, "`temperature` must be strictly positive"),
+    ({"temperature": -1.5, "top_p": 1.0}, "`temperature` must be strictly positive"),  # TGI's order
+    ({"repetition_penalty": 0.0}, "`repetition_penalty` must be strictly positive"),
+    ({"frequency_penalty": 2.5}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"frequency_penalty": -2.1}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"top_p": 0}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"typical_p": 1.0}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"top_k": 0}, "`top_k` must be strictly positive"),
+    ({"top_k": -3}, "`top_k` must be strictly positive"),
+    ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
+    ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+    ({"truncate": 0}, "`truncate` must be strictly positive and less than 40. Given: 0"),
+    ({"truncate": 41}, "`truncate` must be strictly positive and less than 40. Given: 41"),
+    ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
+    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
+    ({"best_of": 2, "do_sample": True, "seed": 7}, "`seed` must not be set when `best_of` > 1"),
+    ({"grammar": {"type": "regex", "value": "a+"}}, "grammar is not supported"),
+]
+
+
+def test_validation_rules(fe):
+    for params, message in VALIDATION_CASES:
+        status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": params})
+        assert (status, body) == (422, {"error": f"Input validation error: {message}",
+                                        "error_type": "validation"}), params
+    status, _, body = fe.post("/generate", {"inputs": "", "parameters": {}})
+    assert (status, body["error"]) == (422, "Input validation error: `inputs` cannot be empty")
+    assert fe.sched.adds == {}, "nothing invalid reaches the scheduler"
+
+
+def test_stream_validation_errors_are_in_band(fe):
+    cases = [({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+             ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not supported when streaming tokens"),
+             ({"decoder_input_details": True},
+              "`decoder_input_details` == true is not supported when streaming tokens")]
+    for params, message in cases:
+        status, headers, raw = fe.request("POST", "/generate_stream", {"inputs": "hi", "parameters": params})
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        assert raw == b'data: {"error":"Input validation error: ' + message.encode() + \
+            b'","error_type":"validation"}\n\n'
+
+
+def test_bad_bodies_are_422_json(fe):
+    cases = [
+        (b"{not json", "Failed to parse the request body as JSON: "),
+        (b'{"inputs":"x","parameters":{"temperature":NaN}}', "Failed to parse the request body as JSON: "),
+        (b"", "Failed to parse the request body as JSON: "),
+        (b'{"parameters":{}}', "Failed to deserialize the JSON body into the target type: missing field `inputs`"),
+        (b"[]", "Failed to deserialize the JSON body into the target type: invalid type: sequence, "
+                "expected struct "),
+        (b'{"inputs":5}', "Failed to deserialize the JSON body into the target type: inputs: invalid type: "
+                          "integer `5`, expected a string"),
+        (b'{"inputs":"x","parameters":{"max_new_tokens":"x"}}', "Failed to deserialize the JSON body into the "
+         'target type: parameters.max_new_tokens: invalid type: string "x", expected u32'),
+        (b'{"inputs":"x","parameters":{"max_new_tokens":-1}}', "Failed to deserialize the JSON body into the "
+         "target type: parameters.max_new_tokens: invalid value: integer `-1`, expected u32"),
+        (b'{"inputs":"x","parameters":{"max_new_tokens":2.5}}', "Failed to deserialize the JSON body into the "
+         "target type: parameters.max_new_tokens: invalid type: floating point `2.5`, expected u32"),
+        (b'{"inputs":"x","parameters":{"do_sample":null}}', "Failed to deserialize the JSON body into the "
+         "target type: parameters.do_sample: invalid type: null, expected a boolean"),
+        (b'{"inputs":"x","parameters":{"stop":["a",1]}}', "Failed to deserialize the JSON body into the "
+         "target type: parameters.stop[1]: invalid type: integer `1`, expected a string"),
+        (b'{"inputs":"x","parameters":null}', "Failed to deserialize the JSON body into the target type: "
+         "parameters: invalid type: null, expected struct GenerateParameters"),
+    ]
+    for path in ("/generate", "/generate_stream", "/"):
+        for raw, message in cases:
+            status, headers, body = fe.request("POST", path, raw)
+            assert status == 422 and headers["content-type"].startswith("application/json"), (path, raw)
+            body = json.loads(body)
+            assert body["error_type"] == "validation" and body["error"].startswith(message), (path, raw, body)
+    assert b"struct CompatGenerateRequest" in fe.request("POST", "/", b"[]")[2]
+    assert b"struct GenerateRequest" in fe.request("POST", "/generate", b"[]")[2]
+    status, _, body = fe.request("POST", "/", b'{"inputs":"x","stream":"yes"}')
+    assert status == 422 and b"stream: invalid type" in body
+    # unknown keys are ignored, like serde
+    status, _, _ = fe.post("/generate", {"inputs": "x", "foo": 1, "parameters": {"bar": [], "max_new_tokens": 2}})
+    assert status == 200
+
+
+def test_prompt_length_limits_and_truncate(fe):
+    tok = fe.sched.tok
+    prompt = " ".join(["hello"] * 44)
+    n = len(tok.encode(prompt).ids)
+    assert 40 < n < 64
+    status, _, body = fe.post("/generate", {"inputs": prompt, "parameters": {"max_new_tokens": 30}})
+    assert (status, body["error"]) == (422, "Input validation error: `inputs` tokens + `max_new_tokens` must be "
+                                            f"<= 64. Given: {n} `inputs` tokens and 30 `max_new_tokens`")
+    status, _, body = fe.post("/generate", {"inputs": prompt, "parameters": {"max_new_tokens": 2}})
+    assert (status, body["error"]) == (422, f"Input validation error: `inputs` must have less than 40 tokens. "
+                                            f"Given: {n}")
+    status, _, body = fe.post("/generate", {"inputs": prompt, "parameters": {}})  # default max_new_tokens
+    assert (status, body["error"]) == (422, f"Input validation error: `inputs` must have less than 40 tokens. "
+                                            f"Given: {n}")
+    long_prompt = " ".join(["hello"] * 80)
+    m_ = len(tok.encode(long_prompt).ids)
+    status, _, body = fe.post("/generate", {"inputs": long_prompt, "parameters": {}})
+    assert body["error"] == ("Input validation error: `inputs` tokens + `max_new_tokens` must be <= 64. "
+                             f"Given: {m_} `inputs` tokens and 0 `max_new_tokens`")
+    status, _, body = fe.post("/generate", {"inputs": prompt, "parameters": {"truncate": 10, "max_new_tokens": 2,
+                                                                              "details": True}})
+    assert status == 200, body
+    req = fe.sched.adds[last_rid(fe)]
+    assert req.input_ids == tok.encode(prompt).ids[-10:]
+    assert fe.request("POST", "/generate", {"inputs": prompt, "parameters": {"truncate": 10}})[1][
+        "x-prompt-tokens"] == "10"
+
+
+# ------------------------------------------------------------------------------------------------
+# Admission, cancellation, keep-alive, engine failures
+# ------------------------------------------------------------------------------------------------
+
+
+class Background:
+    """An HTTP request on a thread; ``result()`` joins it."""
+
+    def __init__(self, fe: Frontend, path: str, body):
+        self.value = None
+        self._thread = threading.Thread(target=self._run, args=(fe, path, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, fe, path, body):
+        self.value = fe.request("POST", path, body)
+
+    def result(self):
+        self._thread.join(WAIT)
+        assert not self._thread.is_alive(), "request did not finish"
+        return self.value
+
+
+def test_overloaded_429(make_frontend):
+    fe = make_frontend(max_concurrent_requests=2)
+    held = [Background(fe, "/generate", {"inputs": "HOLD", "parameters": {"max_new_tokens": 5}}) for _ in range(2)]
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 2, "two requests in flight")
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5}})
+    assert (status, body) == (429, {"error": "Model is overloaded", "error_type": "overloaded"})
+    status, _, raw = fe.request("POST", "/generate_stream", {"inputs": "hi"})
+    assert (status, raw) == (200, b'data: {"error":"Model is overloaded","error_type":"overloaded"}\n\n')
+    for rid in list(fe.sched.adds):
+        fe.sched.release(rid)
+    assert [h.result()[0] for h in held] == [200, 200]
+    assert fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}})[0] == 200
+
+
+def _open_and_drop(fe: Frontend, path: str, body: dict) -> None:
+    """Send a request on a raw socket and hang up once the scheduler has it."""
+    before = len(fe.sched.adds)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((fe.host, fe.port), timeout=WAIT)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    fe.sched.wait_for(lambda: len(fe.sched.adds) > before, "the request to reach the scheduler")
+    sock.close()
+
+
+@pytest.mark.parametrize("path", ["/generate_stream", "/generate", "/"])
+def test_client_disconnect_aborts(make_frontend, path):
+    fe = make_frontend(max_concurrent_requests=1)
+    _open_and_drop(fe, path, {"inputs": "HOLD", "stream": True})
+    rid = last_rid(fe)
+    fe.sched.wait_for(lambda: rid in fe.sched.aborts, f"AbortRequest for {rid}")
+    # the admission permit came back with the abort
+    assert fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}})[0] == 200
+
+
+def test_keepalive_comments_while_waiting(make_frontend):
+    fe = make_frontend(keepalive_s=0.05)
+    conn = http.client.HTTPConnection(fe.host, fe.port, timeout=WAIT)
+    conn.request("POST", "/generate_stream", body=json.dumps({"inputs": "HOLD", "parameters": {"max_new_tokens": 50}}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    seen = b""
+    while b":\n\n" not in seen:
+        chunk = resp.read1(64)
+        assert chunk, "stream ended before a keep-alive"
+        seen += chunk
+    assert seen.startswith(b":\n\n")
+    fe.sched.release(last_rid(fe))
+    raw = seen + resp.read()
+    conn.close()
+    events = parse_sse(raw)
+    assert events[-1]["generated_text"] == REPLY
+
+
+def test_engine_dead_fails_in_flight_and_health(fe):
+    blocking = Background(fe, "/generate", {"inputs": "HOLD", "parameters": {"max_new_tokens": 5}})
+    streaming = Background(fe, "/generate_stream", {"inputs": "HOLD", "parameters": {"max_new_tokens": 5}})
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 2, "two requests in flight")
+    fe.sched.engine_dead("worker rank 1 died")
+    expected = {"error": "Request failed during generation: worker rank 1 died", "error_type": "generation"}
+    status, _, raw = blocking.result()
+    assert (status, json.loads(raw)) == (424, expected)
+    status, _, raw = streaming.result()
+    assert status == 200 and parse_sse(raw) == [expected]
+    for path in ("/health", "/", "/ping"):
+        status, _, raw = fe.request("GET", path)
+        assert (status, json.loads(raw)) == (503, {"error": "unhealthy", "error_type": "healthcheck"})
+    status, _, body = fe.post("/generate", {"inputs": "hi"})
+    assert (status, body) == (424, expected)
+    assert fe.sched.aborts == []
+
+
+def test_request_failed_maps_to_its_error(fe):
+    status, _, body = fe.post("/generate", {"inputs": "FAIL"})
+    assert (status, body) == (422, {"error": "Input validation error: bad thing", "error_type": "validation"})
+    status, _, raw = fe.request("POST", "/generate_stream", {"inputs": "FAIL"})
+    assert (status, parse_sse(raw)) == (200, [body])
+    assert fe.request("GET", "/health")[0] == 200
+
+
+def test_api_key(make_frontend):
+    fe = make_frontend(api_key="Secret")
+    assert fe.request("POST", "/generate", {"inputs": "hi"})[0] == 401
+    status, _, _ = fe.request("POST", "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}},
+                              headers={"Authorization": "bearer SECRET", "Content-Type": "application/json"})
+    assert status == 200
+    assert fe.request("GET", "/health")[0] == 200 and fe.request("GET", "/info")[0] == 200
+
+
+# ------------------------------------------------------------------------------------------------
+# Start-up: handshake, CLI, service protocol
+# ------------------------------------------------------------------------------------------------
+
+
+def test_handshake_timeout_names_the_endpoint(tmp_path):
+    d = tempfile.mkdtemp(prefix="llmbus-fe-", dir="/tmp")
+    try:
+        client = EngineClient(f"ipc://{d}/nobody.sock", f"ipc://{d}/ev.sock", "fe9")
+        with pytest.raises(RuntimeError, match="no SchedulerHello within 0.2 s.*nobody.sock"):
+            asyncio.run(client.start(0.2))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _cli(model_dir: Path, d: str, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, LLMBUS_SUPERVISOR_ENDPOINT=f"ipc://{d}/supervisor.sock")
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmbus.frontend", "--model-dir", str(model_dir), "--hostname", "127.0.0.1",
+         "--port", "0", "--requests-endpoint", f"ipc://{d}/requests.sock", "--events-endpoint",
+         f"ipc://{d}/events-fe7.sock", "--frontend-id", "fe7", "--max-total-tokens", "64", *extra],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_cli_ready_serves_and_stops_on_sigterm(model_dir):
+    d = tempfile.mkdtemp(prefix="llmbus-fe-", dir="/tmp")
+    ctx = zmq.Context()
+    supervisor = open_socket(ctx, zmq.PULL, f"ipc://{d}/supervisor.sock")
+    sched = FakeScheduler(f"ipc://{d}/requests.sock", model_dir)
+    proc = _cli(model_dir, d)
+    try:
+        assert supervisor.poll(int(WAIT * 1000)), "no ServiceReady from the frontend"
+        ready = recv(supervisor)
+        assert isinstance(ready, m.ServiceReady) and ready.service == "frontend" and ready.pid == proc.pid
+        host, port = ready.detail.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+        conn.request("POST", "/generate", body=json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 50}}))
+        assert json.loads(conn.getresponse().read()) == {"generated_text": REPLY}
+        conn.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        sched.close()
+        supervisor.close()
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_cli_without_scheduler_reports_fatal(model_dir):
+    d = tempfile.mkdtemp(prefix="llmbus-fe-", dir="/tmp")
+    ctx = zmq.Context()
+    supervisor = open_socket(ctx, zmq.PULL, f"ipc://{d}/supervisor.sock")
+    proc = _cli(model_dir, d, "--scheduler-timeout", "0.3")
+    try:
+        assert proc.wait(WAIT) == 1
+        assert supervisor.poll(int(WAIT * 1000))
+        fatal = recv(supervisor)
+        assert isinstance(fatal, m.ServiceFatal) and "no SchedulerHello" in fatal.error
+        assert "requests.sock" in fatal.error
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        supervisor.close()
+        ctx.term()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Detokenizer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_detokenizer_multibyte_both_implementations(model_dir, monkeypatch):
+    from llmbus.frontend import detokenizer
+    tok = load_tokenizer(model_dir)
+    ids = reply_ids(tok.tokenizer) + [EOS]
+    prompt = tok.encode("hello")
+
+    def run():
+        d = tok.detokenizer(prompt)
+        return [d.step(i) for i in ids]
+
+    rust = run()
+    monkeypatch.setattr(detokenizer, "DecodeStream", None)
+    python = run()
+    assert rust == python
+    assert "".join(rust) == REPLY + "</s>"
+    i = rust.index("🙂")
+    assert rust[i - 3:i] == ["", "", ""]
+    assert tok.eos_token_ids == [EOS] and tok.special_ids == {BOS, EOS}
+    assert tok.model_max_length == 256
