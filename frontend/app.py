@@ -74,7 +74,17 @@ async def serve(config: FrontendConfig, *, on_ready: Callable[[str], None] | Non
             loop.add_signal_handler(sig, stop.set)
     app = make_app(config, tokenizer=tokenizer)
     runner = make_runner(app, config)
-    await runner.setup()
+    # the handshake may wait long for the scheduler: a stop request must not wait for it
+    setup = asyncio.ensure_future(runner.setup())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({setup, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not setup.done():
+        setup.cancel()
+        await asyncio.gather(setup, return_exceptions=True)
+        log.info("stopped before the scheduler answered")
+        return
+    stopping.cancel()
+    setup.result()  # raises the handshake's error
     try:
         site = web.TCPSite(runner, config.hostname, config.port, reuse_address=True)
         await site.start()

@@ -73,6 +73,21 @@ class EngineClient:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self, timeout_s: float) -> m.SchedulerHello:
+        try:
+            msg = await self._handshake(timeout_s)
+        except BaseException:
+            if self._push is not None:
+                self._push.setsockopt(zmq.LINGER, 0)  # an unanswered hello need not get out
+            await self.close()
+            raise
+        self.hello = msg
+        self._tasks = [asyncio.create_task(self._read_loop(), name="engine-reader"),
+                       asyncio.create_task(self._abort_loop(), name="engine-aborts")]
+        log.info("connected to scheduler", max_batch_total_tokens=msg.max_batch_total_tokens,
+                 block_size=msg.block_size)
+        return msg
+
+    async def _handshake(self, timeout_s: float) -> m.SchedulerHello:
         self._pull = open_socket(self._ctx, zmq.PULL, self.events_endpoint)
         self._push = open_socket(self._ctx, zmq.PUSH, self.requests_endpoint, linger_ms=1000)
         await asend(self._push, m.FrontendHello(frontend_id=self.frontend_id,
@@ -82,8 +97,6 @@ class EngineClient:
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0 or not await self._pull.poll(timeout=int(remaining * 1000) + 1):
-                self._push.setsockopt(zmq.LINGER, 0)  # the unanswered hello need not get out
-                await self.close()
                 raise RuntimeError(
                     f"no SchedulerHello within {timeout_s:g} s: is the scheduler running and reading "
                     f"{self.requests_endpoint}? (this frontend listens on {self.events_endpoint})")
@@ -92,21 +105,17 @@ class EngineClient:
                 break
             log.warning("message before SchedulerHello ignored", kind=type(msg).__name__)
         if msg.wire_version != m.WIRE_VERSION:
-            await self.close()
             raise RuntimeError(f"scheduler speaks wire version {msg.wire_version}, this frontend "
                                f"{m.WIRE_VERSION}: run the same llmbus version everywhere")
-        self.hello = msg
-        self._tasks = [asyncio.create_task(self._read_loop(), name="engine-reader"),
-                       asyncio.create_task(self._abort_loop(), name="engine-aborts")]
-        log.info("connected to scheduler", max_batch_total_tokens=msg.max_batch_total_tokens,
-                 block_size=msg.block_size)
         return msg
 
     async def close(self) -> None:
         """Abort what is still in flight, stop the tasks, close the sockets."""
-        if self._push is not None and self._channels and self.dead_reason is None:
+        rids = self._pending_aborts + list(self._channels)
+        self._pending_aborts, self._channels = [], {}
+        if self._push is not None and rids and self.dead_reason is None:
             try:
-                await asyncio.wait_for(asend(self._push, m.AbortRequest(rids=list(self._channels))), 1.0)
+                await asyncio.wait_for(asend(self._push, m.AbortRequest(rids=rids)), 1.0)
             except (asyncio.TimeoutError, zmq.ZMQError):
                 pass
         for task in self._tasks:
@@ -121,7 +130,7 @@ class EngineClient:
             if sock is not None:
                 sock.close()
         self._push = self._pull = None
-        if self._own_ctx:
+        if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
 
     # --- state ----------------------------------------------------------------------------------
@@ -149,7 +158,8 @@ class EngineClient:
         try:
             await asend(self._push, request)
         except BaseException:
-            self._channels.pop(request.rid, None)
+            # cancelled (client gone) or failed mid-send: it may have gone out, so abort it too
+            self.release(request.rid, abort=True)
             raise
         return channel.queue
 

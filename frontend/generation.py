@@ -189,13 +189,18 @@ class Generation:
         """
         if self.done:
             return []
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(self._queue.get())
-        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-        if not done:
-            return None
-        item = self._pending.result()
-        self._pending = None
+        if self._pending is None and not self._queue.empty():
+            item = self._queue.get_nowait()
+        elif self._pending is None and timeout is None:
+            item = await self._queue.get()  # Queue.get loses nothing when cancelled
+        else:
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(self._queue.get())
+            done, _ = await asyncio.wait({self._pending}, timeout=timeout)
+            if not done:
+                return None
+            item = self._pending.result()
+            self._pending = None
         if isinstance(item, EngineFailure):
             self.finish_reason = "error"  # finished in the engine: nothing to abort
             raise item.error
@@ -232,10 +237,8 @@ class Generation:
             if finish is not None:
                 self.finish_reason = finish
                 self.timings.end = time.monotonic()
-                # The scheduler still runs the request when the frontend decided (stop sequence) or
-                # when its finish was not a TGI one (ABORTED): tell it to drop the request.
-                self.generator.engine.release(self.rid, abort=ev.finish_reason in (FinishReason.NONE,
-                                                                                   FinishReason.STOP_SEQUENCE))
+                # When the frontend decided (stop sequence, budget), the scheduler still runs it.
+                self.generator.engine.release(self.rid, abort=ev.finish_reason == FinishReason.NONE)
                 if ev.finish_reason == FinishReason.ABORTED:
                     raise generation_error("request aborted by the engine")
                 break

@@ -31,7 +31,9 @@ def f32(value) -> float | None:
         rounded = _F32.unpack(_F32.pack(value))[0]
     except OverflowError:
         return None
-    for digits in range(1, 10):
+    # 9 significant digits always read back; a value with a shorter form is found at 6 already,
+    # because %g drops trailing zeros
+    for digits in range(6, 10):
         candidate = float(f"{rounded:.{digits}g}")
         if _F32.unpack(_F32.pack(candidate))[0] == rounded:
             return candidate

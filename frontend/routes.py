@@ -16,7 +16,6 @@ from importlib import metadata
 
 import structlog
 from aiohttp import web
-from aiohttp.client_exceptions import ClientConnectionResetError
 
 from llmbus.frontend import responses
 from llmbus.frontend.config import FrontendConfig, Limits
@@ -53,7 +52,7 @@ class FrontendState:
 STATE = web.AppKey("llmbus_frontend_state", FrontendState)
 
 _AUTH_PATHS = {"/", "/generate", "/generate_stream"}
-_DISCONNECTED = (ConnectionResetError, ClientConnectionResetError)
+_DISCONNECTED = ConnectionResetError  # aiohttp's ClientConnectionResetError is one
 
 
 def _json_response(body, status: int = 200, headers: dict | None = None) -> web.Response:

@@ -794,6 +794,25 @@ def test_cli_without_scheduler_reports_fatal(model_dir):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_cli_sigterm_during_handshake_exits_cleanly(model_dir):
+    d = tempfile.mkdtemp(prefix="llmbus-fe-", dir="/tmp")
+    proc = _cli(model_dir, d, "--scheduler-timeout", "60")
+    try:
+        events = Path(d) / "events-fe7.sock"  # bound right before the FrontendHello goes out
+        deadline = time.monotonic() + WAIT
+        while not events.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "frontend never bound its events socket"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Detokenizer
 # ------------------------------------------------------------------------------------------------
