@@ -47,7 +47,10 @@ def _save_tiny_llama(path: str, *, tied: bool, vocab_size: int) -> None:
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, WEIGHT_STD)
-    model.save_pretrained(path)
+    # The untied checkpoint is split into several files, so model.safetensors.index.json is read too.
+    model.save_pretrained(path, max_shard_size="200KB" if not tied else "1GB")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert (len(files) > 1) == (not tied), files
 
 
 @dataclass
@@ -168,8 +171,11 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
 
 
 def _mixed_requests(prompts: list[list[int]]) -> list[Request]:
-    arrivals = (0, 0, 2, 3, 5)
-    chunks = (None, None, None, None, 16)  # the 40-token prompt takes 3 steps, beside others' decodes
+    # Step 0: a 1-token prompt (decode group) beside two prompts of different lengths (padded prefill
+    # group). Step 4: the 40-token prompt's second chunk (offset 16) beside a fresh 19-token prompt, with
+    # the first three decoding; its chunks take 3 steps, sampling only after the last one.
+    arrivals = (0, 0, 0, 4, 3)
+    chunks = (None, None, None, None, 16)
     return [Request(rid=f"r{i}", prompt=p, arrival_step=a, prefill_chunk=c)
             for i, (p, a, c) in enumerate(zip(prompts, arrivals, chunks))]
 
@@ -246,3 +252,128 @@ def test_tensor_parallel_2_matches_single_rank(checkpoint, runner, tmp_path):
 def test_tensor_parallel_rejects_indivisible_heads(checkpoint):
     with pytest.raises(ValueError, match="divisible by 3"):
         ModelRunner(checkpoint.path, rank=0, world_size=3, num_blocks=8)
+
+
+# -- RoPE scaling --------------------------------------------------------------------------------
+
+ROPE_VARIANTS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    # Prompts stay below the trained length (24) and decoding goes past it: there transformers rescales
+    # per decoded position, as the runner does; over a long prefill they differ by design (see llama.py).
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
+def test_rope_scaling_matches_transformers(variant, tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=512, max_position_embeddings=24, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={**ROPE_VARIANTS[variant], "rope_theta": 10000.0})
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, WEIGHT_STD)
+    model.save_pretrained(str(tmp_path))
+    prompts = [p for p in _prompts(512) if 1 < len(p) < 24]
+    reference = _reference(str(tmp_path), prompts)
+    rope_runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=64)
+    results = drive(rope_runner, [Request(rid=f"p{i}", prompt=p, arrival_step=i) for i, p in enumerate(prompts)])
+    for i in range(len(prompts)):
+        assert results[f"p{i}"].tokens == reference.tokens[i], f"prompt {i} (length {len(prompts[i])})"
+
+
+def test_legacy_rope_config_keys_are_read():
+    from llmbus.workers.models.llama import DecoderConfig
+
+    config = DecoderConfig.from_hf({
+        "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert config.num_kv_heads == 2 and config.head_dim == 4
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+
+def test_warpers_match_transformers_processors():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
+
+    torch.manual_seed(3)
+    logits = torch.randn(5, 200) * 3
+    params = [SamplingParams(do_sample=True, top_k=10),
+              SamplingParams(do_sample=True, top_p=0.7),
+              SamplingParams(do_sample=True, typical_p=0.6),
+              SamplingParams(do_sample=True, top_k=40, top_p=0.9, typical_p=0.8),
+              SamplingParams(do_sample=True)]
+    ours = apply_warpers(logits, params)
+    for row, p in enumerate(params):
+        expected = logits[row:row + 1]
+        if p.top_k:
+            expected = TopKLogitsWarper(p.top_k)(None, expected)
+        if p.top_p < 1.0:
+            expected = TopPLogitsWarper(p.top_p)(None, expected)
+        if p.typical_p < 1.0:
+            expected = TypicalLogitsWarper(p.typical_p)(None, expected)
+        assert torch.equal(ours[row:row + 1], expected), f"row {row}: {p}"
+    assert torch.isfinite(ours[4]).all()  # no warper asked, nothing masked
+
+    # top-p over a vocabulary larger than its candidate shortlist: a peaked row (nucleus inside the
+    # shortlist) alone, then together with a flat row (which forces the full sort).
+    peaked, flat = torch.randn(1, 3000) * 8, torch.randn(1, 3000) * 0.1
+    top_p = SamplingParams(do_sample=True, top_p=0.9)
+    for batch in (peaked, torch.cat((peaked, flat))):
+        ours = apply_warpers(batch, [top_p] * len(batch))
+        assert torch.equal(ours, TopPLogitsWarper(0.9)(None, batch))
+    assert torch.isfinite(ours[1]).sum() > 256  # the flat row's nucleus did exceed the shortlist
+
+
+def test_sampler_follows_the_warped_distribution():
+    # 4000 requests sample once from the same logits, each from its own seeded generator: the token
+    # frequencies must follow softmax(logits / temperature) restricted by top-k, and every logprob must
+    # be the warped log-softmax of its token.
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -5.0]]).repeat(4000, 1)
+    params = [SamplingParams(do_sample=True, temperature=0.7, top_k=4, seed=i) for i in range(4000)]
+    token_ids, logprobs = Sampler()(logits, [f"s{i}" for i in range(4000)], params)
+    warped_logprobs = torch.log_softmax(apply_warpers(logits[:1] / 0.7, params[:1]), dim=-1)[0]
+    assert token_ids.max() < 4, "a token outside the top-k was sampled"
+    torch.testing.assert_close(logprobs, warped_logprobs[token_ids], rtol=0, atol=1e-6)
+    frequencies = torch.bincount(token_ids, minlength=6).float() / 4000
+    torch.testing.assert_close(frequencies, warped_logprobs.exp(), rtol=0, atol=0.03)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(checkpoint, runner):
+    prompts = checkpoint.prompts
+    seeded = SamplingParams(do_sample=True, temperature=1.5, top_k=100, top_p=0.95, seed=1234)
+    alone = drive(runner, [Request(rid="seeded", prompt=prompts[2], sampling=seeded)])["seeded"].tokens
+    batch = [Request(rid="greedy", prompt=prompts[4], prefill_chunk=16),
+             Request(rid="other", prompt=prompts[3],
+                     sampling=SamplingParams(do_sample=True, typical_p=0.5, seed=99), arrival_step=1),
+             Request(rid="seeded", prompt=prompts[2], sampling=seeded, arrival_step=2),
+             Request(rid="twin", prompt=prompts[2], sampling=seeded, arrival_step=4)]
+    results = drive(runner, batch)
+    assert results["seeded"].tokens == alone
+    assert results["twin"].tokens == alone  # same seed, other rid, other steps
+    reseeded = SamplingParams(do_sample=True, temperature=1.5, top_k=100, top_p=0.95, seed=1235)
+    other_seed = drive(runner, [Request(rid="reseeded", prompt=prompts[2], sampling=reseeded)])["reseeded"]
+    assert other_seed.tokens != alone, "sampling ignores the seed (or is greedy)"
+
+
+# -- KV pool -------------------------------------------------------------------------------------
+
+
+def test_kv_pool_sizing_fits_the_budget():
+    shape = dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    budget = 10 * 1024 * 1024
+    num_blocks = num_blocks_for_bytes(budget, **shape)
+    pool = PagedKVCache(num_blocks=num_blocks, device="cpu", **shape)
+    assert pool.nbytes <= budget
+    assert PagedKVCache(num_blocks=num_blocks + 1, device="cpu", **shape).nbytes > budget
+    assert pool.key[:, num_blocks].abs().sum() == 0  # the padding block is readable zeros

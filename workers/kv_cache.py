@@ -1,0 +1,67 @@
+"""The paged KV block pool of one rank.
+
+The scheduler owns block ids ``0 .. num_blocks - 1`` and hands them to requests; this module only holds
+the memory. One K and one V tensor cover every layer, ``[num_layers, num_blocks + 1, block_size,
+num_kv_heads_per_rank, head_dim]``, allocated once: blocks are overwritten in place, never reallocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes one block id costs across all layers, K and V together (``num_kv_heads`` of this rank)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def num_blocks_for_bytes(budget_bytes: int, *, num_layers: int, block_size: int, num_kv_heads: int,
+                         head_dim: int, dtype: torch.dtype) -> int:
+    """How many blocks fit in ``budget_bytes`` (the pool's extra padding block included)."""
+    per_block = bytes_per_block(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                                head_dim=head_dim, dtype=dtype)
+    return max(0, budget_bytes // per_block - 1)
+
+
+class PagedKVCache:
+    """Preallocated K/V storage addressed by (block id, offset in block), for every layer of one rank.
+
+    Block ``num_blocks`` (one past the scheduler's range) is a private padding block: padded gather
+    indices point at it, so attention never reads uninitialised memory (a NaN bit pattern there would
+    survive masking, since 0 * NaN is NaN). Only that block is zeroed; the rest stays ``torch.empty``
+    because every slot a sequence reads was written by that sequence first.
+    """
+
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.key = torch.empty(shape, dtype=dtype, device=device)
+        self.value = torch.empty(shape, dtype=dtype, device=device)
+        self.key[:, num_blocks].zero_()
+        self.value[:, num_blocks].zero_()
+        # Flat slot views per layer: slot = block_id * block_size + offset. Views share the storage.
+        flat_shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        self.key_slots = self.key.view(flat_shape)
+        self.value_slots = self.value.view(flat_shape)
+
+    @property
+    def padding_slot(self) -> int:
+        """A slot that always holds finite values; padded gather positions read it."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[(num_blocks + 1) * block_size, num_kv_heads, head_dim]`` K and V views of one layer."""
+        return self.key_slots[layer], self.value_slots[layer]

@@ -1,0 +1,99 @@
+"""Reading a local Hugging Face model folder: ``config.json`` and ``*.safetensors``.
+
+Each rank reads only its own slices through ``safe_open(...).get_slice(name)[...]``: a tensor-parallel
+rank never materialises a full sharded weight. Both a single ``model.safetensors`` and a sharded
+``model.safetensors.index.json`` are handled. Which weights are sliced along which dimension is the
+model's business (see ``models/llama.py``); this module only reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+class CheckpointReader:
+    """Name -> tensor access over a folder's safetensors files, reading slices only.
+
+    Use as a context manager: files are opened lazily and closed on exit.
+    """
+
+    def __init__(self, model_dir: str, device: torch.device | str = "cpu"):
+        self.model_dir = model_dir
+        self.device = str(device)
+        index_path = os.path.join(model_dir, INDEX_FILE)
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                self._file_of: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(model_dir, SINGLE_FILE)
+            if not os.path.exists(single):
+                raise FileNotFoundError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+            with safe_open(single, framework="pt") as f:
+                self._file_of = {name: SINGLE_FILE for name in f.keys()}
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _slice(self, name: str):
+        if name not in self._file_of:
+            raise KeyError(f"{self.model_dir}: weight {name!r} not in the checkpoint")
+        file_name = self._file_of[name]
+        handle = self._handles.get(file_name)
+        if handle is None:
+            handle = self._stack.enter_context(
+                safe_open(os.path.join(self.model_dir, file_name), framework="pt", device=self.device))
+            self._handles[file_name] = handle
+        return handle.get_slice(name)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor: for replicated weights (norms, unsharded layers)."""
+        return self._slice(name)[:]
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dimension 0 (column-parallel weights, biases, vocab shards)."""
+        return self._slice(name)[start:stop]
+
+    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` of dimension 1 (row-parallel weights)."""
+        return self._slice(name)[:, start:stop]
+
+
+def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu"):
+    """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards."""
+    from llmbus.workers.models import llama
+
+    config = read_config(model_dir)
+    model_type = config.get("model_type")
+    builders = {"llama": llama.LlamaForCausalLM}
+    if model_type not in builders:
+        raise ValueError(f"{model_dir}: model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(sorted(builders))})")
+    with CheckpointReader(model_dir, device="cpu") as reader:
+        return builders[model_type].from_checkpoint(config, reader, rank=rank, world_size=world_size,
+                                                    dtype=dtype, device=torch.device(device))

@@ -1,0 +1,205 @@
+"""One rank's inference engine: weights, KV block pool, one forward pass per step, sampling on rank 0.
+
+No sockets and no processes here: the worker process feeds ``step`` from the scheduler's StepCommands.
+Block ids come from the scheduler; this class trusts them (it only checks that a sequence's table
+covers its tokens, since a short table would silently write into the padding block).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from llmbus.bus.messages import SamplingParams
+from llmbus.workers.kv_cache import PagedKVCache, num_blocks_for_bytes
+from llmbus.workers.loader import load_model
+from llmbus.workers.sampling import Sampler
+
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024  # when neither num_blocks nor kv_cache_bytes is given, off CUDA
+CUDA_MEMORY_FRACTION = 0.9  # of the memory free after warmup, for the KV pool on CUDA
+WARMUP_RID_PREFIX = "__warmup__"
+
+
+@dataclass(slots=True)
+class SeqInput:
+    """One sequence's share of a step."""
+
+    rid: str
+    token_ids: list[int]  # new tokens to compute this step (whole prompt, a chunk, or 1 decode token)
+    num_computed: int  # tokens of this sequence already in the KV cache; positions start here
+    block_table: list[int]  # KV block ids of this sequence, in order (covers num_computed+len(token_ids) tokens)
+    sample: bool  # sample a next token from the last position's logits
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Rank 0's result of a step: one token per sequence that sampled, in input order."""
+
+    rids: list[str]
+    token_ids: list[int]
+    logprobs: list[float]
+    forward_time: float  # seconds
+    sample_time: float
+
+
+class ModelRunner:
+    """Loads this rank's shard of a Hugging Face model folder and runs batched steps over a paged KV pool.
+
+    With ``world_size > 1`` the caller has initialised ``torch.distributed``; every rank must call
+    ``warmup`` and ``step`` with identical arguments, since the forward pass runs collectives.
+    ``num_blocks`` is known after ``__init__``, except on CUDA with neither ``num_blocks`` nor
+    ``kv_cache_bytes`` given: then ``warmup`` measures the activation peak and sizes the pool from the
+    free memory.
+    """
+
+    def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
+                 max_batch_prefill_tokens: int = 4096):
+        self.rank = rank
+        self.world_size = world_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device)
+        self.max_position_embeddings = self.model.max_position_embeddings
+        self.sampler = Sampler()
+        self.kv_cache: PagedKVCache | None = None
+        self.num_blocks = 0
+        if num_blocks is None and kv_cache_bytes is None and self.device.type == "cuda":
+            return  # sized by warmup()
+        if num_blocks is None:
+            num_blocks = self._blocks_for_bytes(kv_cache_bytes if kv_cache_bytes is not None
+                                                else DEFAULT_KV_CACHE_BYTES)
+        self.kv_cache = self._new_cache(num_blocks)
+        self.num_blocks = num_blocks
+
+    # -- KV pool ---------------------------------------------------------------------------------
+
+    def _blocks_for_bytes(self, budget_bytes: int) -> int:
+        return num_blocks_for_bytes(budget_bytes, num_layers=self.model.num_layers, block_size=self.block_size,
+                                    num_kv_heads=self.model.num_local_kv_heads,
+                                    head_dim=self.model.config.head_dim, dtype=self.dtype)
+
+    def _new_cache(self, num_blocks: int) -> PagedKVCache:
+        return PagedKVCache(num_layers=self.model.num_layers, num_blocks=num_blocks, block_size=self.block_size,
+                            num_kv_heads=self.model.num_local_kv_heads, head_dim=self.model.config.head_dim,
+                            dtype=self.dtype, device=self.device)
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def _forward(self, seqs: list[SeqInput], kv_cache: PagedKVCache) -> torch.Tensor | None:
+        """Logits ``[num sampled seqs, vocab]`` (float32) on rank 0, None elsewhere."""
+        query_lens = [len(s.token_ids) for s in seqs]
+        num_computed = [s.num_computed for s in seqs]
+        block_tables = [s.block_table for s in seqs]
+        for seq, n in zip(seqs, query_lens):
+            if n == 0:
+                raise ValueError(f"{seq.rid}: no tokens to compute")
+            if seq.num_computed + n > len(seq.block_table) * self.block_size:
+                raise ValueError(f"{seq.rid}: {len(seq.block_table)} blocks of {self.block_size} cannot hold "
+                                 f"{seq.num_computed + n} tokens")
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
+                                 dtype=torch.long, device=self.device)
+        meta = self.model.attention_backend.build_metadata(
+            query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
+            kv_cache=kv_cache, device=self.device)
+        last_rows = list(itertools.accumulate(query_lens))
+        logits_index = torch.tensor([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample],
+                                    dtype=torch.long, device=self.device)
+        return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, seqs: list[SeqInput]) -> StepOutput | None:
+        """One forward pass over every sequence's new tokens; rank 0 samples the ``sample=True`` ones."""
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is sized by warmup() on CUDA: call it before step()")
+        if not seqs:
+            return StepOutput([], [], [], 0.0, 0.0) if self.rank == 0 else None
+        with torch.inference_mode():
+            started = time.perf_counter()
+            logits = self._forward(seqs, self.kv_cache)
+            self._synchronize()
+            forward_done = time.perf_counter()
+            if self.rank != 0:
+                return None
+            sampled = [s for s in seqs if s.sample]
+            if not sampled:
+                return StepOutput([], [], [], forward_done - started, 0.0)
+            rids = [s.rid for s in sampled]
+            token_ids, logprobs = self.sampler(logits, rids, [s.sampling for s in sampled])
+            token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
+            return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
+                              forward_time=forward_done - started,
+                              sample_time=time.perf_counter() - forward_done)
+
+    def drop(self, rids: list[str]) -> None:
+        """Forget per-request state (sampling generators) of finished, aborted or preempted requests."""
+        self.sampler.drop(rids)
+
+    # -- warmup ----------------------------------------------------------------------------------
+
+    def _warmup_batch(self) -> list[SeqInput]:
+        """``max_batch_prefill_tokens`` prompt tokens, split into sequences the model can position."""
+        total = self.max_batch_prefill_tokens
+        longest = max(1, min(total, self.max_position_embeddings))
+        lengths = [longest] * (total // longest) + ([total % longest] if total % longest else [])
+        seqs, next_block = [], 0
+        for i, length in enumerate(lengths):
+            num_blocks = -(-length // self.block_size)
+            # The last sequence also exercises the sampling warpers; the rest sample greedily.
+            sampling = (SamplingParams(do_sample=True, top_k=50, top_p=0.9, typical_p=0.95)
+                        if i == len(lengths) - 1 else SamplingParams())
+            seqs.append(SeqInput(rid=f"{WARMUP_RID_PREFIX}{i}", token_ids=[0] * length, num_computed=0,
+                                 block_table=list(range(next_block, next_block + num_blocks)), sample=True,
+                                 sampling=sampling))
+            next_block += num_blocks
+        return seqs
+
+    def warmup(self) -> None:
+        """A real worst-case prefill (all ``max_batch_prefill_tokens`` at once), results discarded.
+
+        It fails here rather than on the first real batch if memory is short, and on CUDA without an
+        explicit budget it sizes the KV pool from what is free once the activation peak is known.
+        """
+        seqs = self._warmup_batch()
+        blocks_needed = sum(len(s.block_table) for s in seqs)
+        size_from_free_memory = self.kv_cache is None
+        if size_from_free_memory:
+            self._synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            allocated_before = torch.cuda.memory_allocated(self.device)
+        # The warmup's blocks are overwritten before any real request reads them, so the real pool can
+        # serve as scratch; a separate one only when the pool is too small or not there yet.
+        if self.kv_cache is not None and self.kv_cache.num_blocks >= blocks_needed:
+            cache = self.kv_cache
+        else:
+            cache = self._new_cache(blocks_needed)
+        with torch.inference_mode():
+            logits = self._forward(seqs, cache)
+            if self.rank == 0:
+                self.sampler(logits, [s.rid for s in seqs], [s.sampling for s in seqs])
+        self.sampler.drop([s.rid for s in seqs])
+        self._synchronize()
+        if not size_from_free_memory:
+            return
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated_before - cache.nbytes
+        del cache, logits
+        torch.cuda.empty_cache()
+        free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free_bytes * CUDA_MEMORY_FRACTION) - activation_peak
+        num_blocks = self._blocks_for_bytes(budget)
+        if num_blocks < 1:
+            raise RuntimeError(f"no GPU memory left for the KV cache after warmup: {free_bytes} bytes free, "
+                               f"activation peak {activation_peak} bytes")
+        self.kv_cache = self._new_cache(num_blocks)
+        self.num_blocks = num_blocks

@@ -1,0 +1,364 @@
+"""A native Llama-family decoder over a paged KV cache, tensor-parallel across ranks.
+
+The forward pass works on one flat ``[T, hidden]`` batch: the new tokens of every sequence of a step,
+concatenated. Attention is delegated to a backend (``workers/attention.py``) that knows how the tokens
+map to sequences and KV slots.
+
+Tensor parallelism (Megatron style): QKV and gate/up are column-parallel (each rank holds whole heads
+and a slice of the intermediate size), ``o_proj`` and ``down_proj`` are row-parallel and followed by an
+all-reduce; the embedding and the LM head are split over the vocabulary. Projections are fused at load
+time (one QKV matmul, one gate/up matmul) so a layer runs two matmuls before attention and two after.
+
+Variants fit through ``DecoderConfig``: biases are loaded whenever the checkpoint has them (Llama's
+``attention_bias``/``mlp_bias``, Qwen2's q/k/v biases), and a sliding window would be a mask term in
+the attention backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llmbus.workers.attention import AttentionMetadata, make_attention_backend
+from llmbus.workers.kv_cache import PagedKVCache
+
+
+@dataclass(slots=True)
+class DecoderConfig:
+    """What the forward pass needs from a Hugging Face ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict  # {"rope_type": ..., "factor": ..., ...}; {"rope_type": "default"} when none
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "DecoderConfig":
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        num_heads = config["num_attention_heads"]
+        # transformers >= 5 writes rope_parameters (theta included); older configs rope_theta + rope_scaling.
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+        rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default"))
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope,
+        )
+
+
+class TensorParallel:
+    """This rank's place in the tensor-parallel group and the two collectives the model uses."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def gather_last_dim_to_first_rank(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's ``tensor`` along the last dimension, on rank 0 only."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(tensor, parts, dst=0)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+
+class RotaryEmbedding:
+    """RoPE with the default, ``linear``, ``dynamic`` (NTK) and ``llama3`` frequency schemes.
+
+    cos/sin are computed per step from the positions (one ``[T, head_dim]`` pair shared by all layers)
+    rather than kept as a table of every position, which for long-context models is large.
+    """
+
+    SUPPORTED = ("default", "linear", "dynamic", "llama3")
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict, max_position_embeddings: int,
+                 device: torch.device):
+        self.rope_type = scaling.get("rope_type", "default")
+        if self.rope_type not in self.SUPPORTED:
+            raise ValueError(f"rope type {self.rope_type!r} is not supported (supported: {self.SUPPORTED})")
+        self.head_dim = head_dim
+        self.theta = theta
+        self.exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        inv_freq = 1.0 / (theta ** self.exponents)
+        self.max_positions = max_position_embeddings
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif self.rope_type == "dynamic":
+            # NTK scaling grows the base once a position passes the trained length; done per position
+            # (as transformers does for a decoded token) so a token's rotation never depends on its batch.
+            self.factor = scaling["factor"]
+            self.original_max_positions = max_position_embeddings
+            self.max_positions = int(max_position_embeddings * self.factor)
+        self.inv_freq = inv_freq
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, head_dim]`` cos and signed sin for ``positions [T]``, broadcastable over heads."""
+        pos = positions.float()[:, None]
+        if self.rope_type == "dynamic":
+            seq_len = torch.clamp(pos + 1, min=self.original_max_positions)
+            factor, dim = self.factor, self.head_dim
+            base = self.theta * ((factor * seq_len / self.original_max_positions) - (factor - 1)) ** (dim / (dim - 2))
+            freqs = pos * (1.0 / base ** self.exponents[None, :])
+        else:
+            freqs = pos * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        # The sine carries rotate-half's sign: x * cos + cat(x2, x1) * cat(-sin, sin) is the usual
+        # x * cos + cat(-x2, x1) * sin with one negation per step instead of one per layer.
+        return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
+                torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with ``signed_sin`` from ``RotaryEmbedding.cos_sin`` (the sign of rotate-half folded in)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+class RMSNorm:
+    """Normalises in float32 and scales in the model dtype, as transformers' LlamaRMSNorm does."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention:
+    """Fused column-parallel QKV, RoPE, paged attention, row-parallel output projection."""
+
+    def __init__(self, *, layer: int, qkv_weight, qkv_bias, o_weight, o_bias, num_heads: int, num_kv_heads: int,
+                 head_dim: int, tp: TensorParallel):
+        self.layer = layer
+        self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias
+        self.o_weight, self.o_bias = o_weight, o_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.split_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.scale = head_dim ** -0.5
+        self.tp = tp
+
+    def __call__(self, hidden, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        num_tokens = hidden.shape[0]
+        query, key, value = F.linear(hidden, self.qkv_weight, self.qkv_bias).split(self.split_sizes, dim=-1)
+        query = apply_rotary(query.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        key = apply_rotary(key.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        attended = backend.forward(self.layer, query, key, value, kv_cache, meta, self.scale)
+        out = self.tp.all_reduce(F.linear(attended.view(num_tokens, -1), self.o_weight))
+        # The bias of a row-parallel layer is added once, after the reduction.
+        return out + self.o_bias if self.o_bias is not None else out
+
+
+class LlamaMLP:
+    """SwiGLU with a fused column-parallel gate/up projection and a row-parallel down projection."""
+
+    def __init__(self, *, gate_up_weight, gate_up_bias, down_weight, down_bias, tp: TensorParallel):
+        self.gate_up_weight, self.gate_up_bias = gate_up_weight, gate_up_bias
+        self.down_weight, self.down_bias = down_weight, down_bias
+        self.tp = tp
+
+    def __call__(self, hidden):
+        gate, up = F.linear(hidden, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        out = self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        return out + self.down_bias if self.down_bias is not None else out
+
+
+class LlamaDecoderLayer:
+    def __init__(self, *, input_norm: RMSNorm, attention: LlamaAttention, post_attention_norm: RMSNorm,
+                 mlp: LlamaMLP):
+        self.input_norm, self.attention = input_norm, attention
+        self.post_attention_norm, self.mlp = post_attention_norm, mlp
+
+    def __call__(self, hidden, cos, sin, backend, kv_cache, meta):
+        hidden = hidden + self.attention(self.input_norm(hidden), cos, sin, backend, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_norm(hidden))
+
+
+class LlamaForCausalLM:
+    """Llama decoder with vocab-parallel embedding and LM head; logits come back on rank 0 only."""
+
+    def __init__(self, *, config: DecoderConfig, tp: TensorParallel, embed_weight: torch.Tensor,
+                 layers: list[LlamaDecoderLayer], norm: RMSNorm, lm_head_weight: torch.Tensor,
+                 device: torch.device):
+        self.config = config
+        self.tp = tp
+        self.embed_weight = embed_weight  # [vocab_per_rank, hidden], zero rows past the real vocabulary
+        self.layers = layers
+        self.norm = norm
+        self.lm_head_weight = lm_head_weight  # [vocab_per_rank, hidden]; the embedding itself when tied
+        self.vocab_per_rank = embed_weight.shape[0]
+        self.vocab_start = tp.rank * self.vocab_per_rank
+        self.num_local_heads = config.num_heads // tp.world_size
+        self.num_local_kv_heads = config.num_kv_heads // tp.world_size
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                      config.max_position_embeddings, device)
+        self.max_position_embeddings = self.rotary.max_positions
+        self.attention_backend = make_attention_backend(device)
+        self.dtype = embed_weight.dtype
+        self.device = device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.embed_weight)
+        # Each rank embeds the ids in its vocabulary range, zeros for the rest; the sum is the embedding.
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.vocab_per_rank)
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.embed_weight)
+        hidden.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor | None:
+        """Run the flat batch ``input_ids [T]`` at ``positions [T]``; return float32 logits
+        ``[len(logits_index), vocab]`` of the rows ``logits_index`` on rank 0, None elsewhere.
+
+        Every rank must call this with the same shapes (the collectives pair up)."""
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, self.attention_backend, kv_cache, meta)
+        if logits_index.numel() == 0:
+            return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32) if self.tp.rank == 0 else None
+        # The final norm is per token, so it only runs on the rows that need logits.
+        last_hidden = self.norm(hidden.index_select(0, logits_index))
+        logits = self.tp.gather_last_dim_to_first_rank(F.linear(last_hidden, self.lm_head_weight))
+        if logits is None:
+            return None
+        return logits[:, : self.config.vocab_size].float()
+
+    @classmethod
+    def from_checkpoint(cls, hf_config: dict, reader, *, rank: int, world_size: int, dtype: torch.dtype,
+                        device: torch.device) -> "LlamaForCausalLM":
+        """Read this rank's shards from ``reader`` (a ``loader.CheckpointReader``) and fuse them."""
+        config = DecoderConfig.from_hf(hf_config)
+        if config.num_heads % world_size or config.num_kv_heads % world_size:
+            raise ValueError(
+                f"tensor parallelism over {world_size} ranks needs the number of attention heads "
+                f"({config.num_heads}) and of key/value heads ({config.num_kv_heads}) to be divisible by "
+                f"{world_size}")
+        if config.intermediate_size % world_size:
+            raise ValueError(f"tensor parallelism over {world_size} ranks needs intermediate_size "
+                             f"({config.intermediate_size}) divisible by {world_size}")
+        tp = TensorParallel(rank, world_size)
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        def rows(name: str, per_rank: int) -> torch.Tensor:
+            return reader.read_rows(name, rank * per_rank, (rank + 1) * per_rank)
+
+        def optional_rows(name: str, per_rank: int):
+            return rows(name, per_rank) if reader.has(name) else None
+
+        def fused(parts: list) -> torch.Tensor | None:
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts):
+                raise ValueError("a fused projection has biases on some of its parts only")
+            return place(torch.cat(parts, dim=0))
+
+        head_dim = config.head_dim
+        q_rows = config.num_heads // world_size * head_dim
+        kv_rows = config.num_kv_heads // world_size * head_dim
+        inter_rows = config.intermediate_size // world_size
+        layers = []
+        for i in range(config.num_layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            attention = LlamaAttention(
+                layer=i,
+                qkv_weight=fused([rows(attn + f"{p}_proj.weight", n)
+                                  for p, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]),
+                qkv_bias=fused([optional_rows(attn + f"{p}_proj.bias", n)
+                                for p, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]),
+                o_weight=place(reader.read_cols(attn + "o_proj.weight", rank * q_rows, (rank + 1) * q_rows)),
+                o_bias=place(reader.read(attn + "o_proj.bias")) if reader.has(attn + "o_proj.bias") else None,
+                num_heads=config.num_heads // world_size, num_kv_heads=config.num_kv_heads // world_size,
+                head_dim=head_dim, tp=tp)
+            mlp_block = LlamaMLP(
+                gate_up_weight=fused([rows(mlp + "gate_proj.weight", inter_rows),
+                                      rows(mlp + "up_proj.weight", inter_rows)]),
+                gate_up_bias=fused([optional_rows(mlp + "gate_proj.bias", inter_rows),
+                                    optional_rows(mlp + "up_proj.bias", inter_rows)]),
+                down_weight=place(reader.read_cols(mlp + "down_proj.weight", rank * inter_rows,
+                                                   (rank + 1) * inter_rows)),
+                down_bias=place(reader.read(mlp + "down_proj.bias")) if reader.has(mlp + "down_proj.bias") else None,
+                tp=tp)
+            layers.append(LlamaDecoderLayer(
+                input_norm=RMSNorm(place(reader.read(prefix + "input_layernorm.weight")), config.rms_norm_eps),
+                attention=attention,
+                post_attention_norm=RMSNorm(place(reader.read(prefix + "post_attention_layernorm.weight")),
+                                            config.rms_norm_eps),
+                mlp=mlp_block))
+
+        vocab_per_rank = -(-config.vocab_size // world_size)
+        vocab_start = min(rank * vocab_per_rank, config.vocab_size)
+        vocab_stop = min(vocab_start + vocab_per_rank, config.vocab_size)
+
+        def vocab_shard(name: str) -> torch.Tensor:
+            # Every rank holds vocab_per_rank rows (zeros past the vocabulary) so gathers are even.
+            shard = torch.zeros(vocab_per_rank, config.hidden_size, dtype=dtype, device=device)
+            shard[: vocab_stop - vocab_start] = place(reader.read_rows(name, vocab_start, vocab_stop))
+            return shard
+
+        embed_weight = vocab_shard("model.embed_tokens.weight")
+        tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
+        lm_head_weight = embed_weight if tied else vocab_shard("lm_head.weight")
+        return cls(config=config, tp=tp, embed_weight=embed_weight, layers=layers,
+                   norm=RMSNorm(place(reader.read("model.norm.weight")), config.rms_norm_eps),
+                   lm_head_weight=lm_head_weight, device=device)
