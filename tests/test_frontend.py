@@ -243,6 +243,9 @@ class Frontend:
         finally:
             self._loop.close()
 
+    def request_stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+
     def close(self) -> None:
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._stop.set)
@@ -701,6 +704,25 @@ def test_engine_dead_fails_in_flight_and_health(fe):
         assert (status, json.loads(raw)) == (503, {"error": "unhealthy", "error_type": "healthcheck"})
     status, _, body = fe.post("/generate", {"inputs": "hi"})
     assert (status, body) == (424, expected)
+    assert fe.sched.aborts == []
+
+
+def test_stop_drains_requests_in_flight(make_frontend):
+    fe = make_frontend(shutdown_timeout_s=WAIT)
+    held = Background(fe, "/generate_stream", {"inputs": "HOLD", "parameters": {"max_new_tokens": 50}})
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 1, "the request in flight")
+    fe.request_stop()
+    deadline = time.monotonic() + WAIT
+    while True:  # wait until the frontend stopped listening
+        try:
+            socket.create_connection((fe.host, fe.port), timeout=WAIT).close()
+        except ConnectionRefusedError:
+            break
+        assert time.monotonic() < deadline, "frontend kept listening after stop"
+        time.sleep(0.01)
+    fe.sched.release(last_rid(fe))
+    status, _, raw = held.result()
+    assert status == 200 and parse_sse(raw)[-1]["generated_text"] == REPLY
     assert fe.sched.aborts == []
 
 
