@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import threading
-import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -129,7 +128,7 @@ def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int 
         ctx.log.info("stopped by signal")
     except Exception as e:  # noqa: BLE001 - the last line of defence: report, then exit non-zero
         error = f"{type(e).__name__}: {e}"
-        ctx.log.error("fatal error", error=error, traceback=traceback.format_exc())
+        ctx.log.error("fatal error", error=error, exc_info=True)
         ctx.fatal(error)
         code = 1
     finally:

@@ -39,6 +39,7 @@ class ProcessSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     ready_after: str | None = None  # start only once this service said ready
+    reports_ready: bool = True  # False: its readiness is implied by another's (the scheduler's for workers)
 
 
 class Child:
@@ -124,7 +125,8 @@ class Launcher:
     def _run(self) -> int:
         t0 = time.monotonic()
         pending = list(self.plan)
-        while pending or len(self.ready) < len(self.plan):
+        expected = {s.name for s in self.plan if s.reports_ready}
+        while pending or not expected <= set(self.ready):
             for spec in [s for s in pending if s.ready_after is None or s.ready_after in self.ready]:
                 pending.remove(spec)
                 self.children.append(Child(spec, self._env(spec)))
@@ -132,7 +134,7 @@ class Launcher:
                 self.echo("llmbus: interrupted during startup")
                 return 0
             if time.monotonic() - t0 > self.ready_timeout_s:
-                waiting = [s.name for s in self.plan if s.name not in self.ready]
+                waiting = sorted(expected - set(self.ready))
                 self.echo(f"llmbus: {', '.join(waiting)} not ready after {self.ready_timeout_s:.0f}s")
                 return 1
             failed = self._watch_once()

@@ -61,6 +61,7 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
                 "--max-client-batch-size", str(cfg.max_client_batch_size)]
     return [
         ProcessSpec("scheduler", scheduler),
-        ProcessSpec("workers", workers),
+        # The scheduler is ready only once every rank is: the group itself has nothing more to say.
+        ProcessSpec("workers", workers, reports_ready=False),
         ProcessSpec("frontend", frontend, ready_after="scheduler"),
     ]

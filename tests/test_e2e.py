@@ -117,11 +117,11 @@ def test_stream_concatenation_equals_generate(server):
     (json.dumps({"parameters": {"max_new_tokens": 5}}).encode(), "missing field `inputs`"),
     (json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 0}}).encode(),
      "Input validation error: `max_new_tokens` must be strictly positive"),
-    (json.dumps({"inputs": "word " * 400, "parameters": {"max_new_tokens": 5}}).encode(),
+    (json.dumps({"inputs": "word " * 150, "parameters": {"max_new_tokens": 5}}).encode(),
      "Input validation error: `inputs` must have less than 128 tokens. Given: "),
     (json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 1000}}).encode(),
      "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 256. Given: "),
-])
+], ids=["malformed-json", "missing-inputs", "max-new-tokens-0", "prompt-too-long", "total-too-long"])
 def test_bad_input_is_422_and_server_keeps_serving(server, raw, message):
     status, _, body = post(f"{server.url}/generate", None, raw=raw)
     assert status == 422

@@ -1,0 +1,82 @@
+"""Failure semantics of `llmbus up`: a dead worker takes the launch down loudly and cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+
+from harness import Server, free_port
+from httputil import post
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_killed_worker_stops_everything(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
+                  "--num-blocks", "64", "--run-dir", str(run_dir)])
+    try:
+        assert any(p.name.endswith(".sock") for p in run_dir.iterdir())
+        procs = descendants(srv.proc.pid)
+        ranks = [p for p in procs if "--rank" in cmdline(p)]
+        assert len(ranks) == 1 and len(procs) >= 4  # scheduler, workers group, rank 0, frontend
+        # a request in flight when the worker dies gets an error, not a hang
+        result = {}
+        t = threading.Thread(target=lambda: result.update(
+            r=post(f"{srv.url}/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 200}}, timeout=60)))
+        t.start()
+        os.kill(ranks[0], signal.SIGKILL)
+        code = srv.proc.wait(60)
+        t.join(60)
+    finally:
+        srv.stop()
+    assert code != 0
+    log = srv.stderr.text
+    assert "llmbus: workers exited with code" in log and "stderr lines of workers" in log, log[-3000:]
+    assert "SIGKILL" in log
+    leftovers = [p for p in procs if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read().lower()]
+    assert leftovers == [], [cmdline(p) for p in leftovers]
+    assert not run_dir.exists()
+    if "r" in result:  # the request either failed with 424 or its connection was closed
+        assert result["r"][0] in (200, 424), result
+
+
+def test_broken_checkpoint_fails_startup_with_the_workers_error(tmp_path, tiny_model_dir):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = subprocess.run(["llmbus", "up", "--model-id", str(broken), "--port", str(free_port()),
+                           "--max-total-tokens", "256"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    # whichever dies first (the rank's group, or the scheduler it told) is reported with the root cause
+    assert "exited with code" in proc.stderr and "stopping the other services" in proc.stderr
+    assert "safetensors" in proc.stderr.lower() or "header" in proc.stderr.lower(), proc.stderr[-3000:]
