@@ -1,0 +1,29 @@
+"""Tensor parallelism through the whole stack: `llmbus up --gpus 2` on CPU (two gloo ranks).
+
+Same acceptance bar as at TP=1: greedy output token-identical to transformers (see test_e2e.py for why
+the comparison is meaningful), alone and in a concurrent batch.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from harness import Server
+from test_e2e import MAX_NEW, PROMPTS, generate, ids_of, reference  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_model_dir):
+    srv = Server(["--model-id", str(tiny_model_dir), "--gpus", "2", "--dtype", "float32",
+                  "--max-total-tokens", "256", "--num-blocks", "128"])
+    yield srv
+    assert srv.stop() == 0, srv.stderr.text[-3000:]
+
+
+def test_tp2_greedy_matches_transformers_alone_and_batched(tp_server, reference):
+    expected = [reference(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: ids_of(generate(tp_server, p)[0]), PROMPTS))
+    for prompt, exp, got in zip(PROMPTS, expected, together):
+        assert got == exp[:len(got)] and (len(got) == MAX_NEW or got[-1] == 1), prompt
+    assert "world_size" in tp_server.stderr.text or "ranks=2" in tp_server.stderr.text
