@@ -42,6 +42,13 @@ class Endpoints:
         return f"ipc://{Path(run_dir) / f'events-{frontend_id}'}.sock"
 
 
+def ensure_run_dir(path: str | os.PathLike) -> Path:
+    """For services started on their own (Procfile): make the shared run dir, private, if none did yet."""
+    d = Path(path)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return d
+
+
 class RunDir:
     """Owns a run directory: creates it private, locks it, removes it on ``close``."""
 

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
+from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir
 from llmbus.frontend.app import run_frontend
 from llmbus.frontend.config import FrontendConfig
 
@@ -51,6 +51,7 @@ def from_args(argv: list[str] | None = None) -> FrontendConfig:
         extra["frontend_id"] = a.frontend_id
     requests, events = a.requests_endpoint, a.events_endpoint
     if a.run_dir:
+        ensure_run_dir(a.run_dir)
         endpoints = Endpoints.in_dir(a.run_dir)
         requests = requests or endpoints.requests
         if events is None:

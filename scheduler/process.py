@@ -20,7 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from llmbus.bus import messages as m
-from llmbus.bus.rundir import Endpoints
+from llmbus.bus.rundir import Endpoints, ensure_run_dir
 from llmbus.bus.service import ServiceContext, Terminate, install_stop_signals, run_service
 from llmbus.bus.sockets import open_socket, poll, recv, send
 from llmbus.scheduler.policy import BlockAllocator, Request, ScheduledBatch, Scheduler, SchedulerConfig
@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not a.run_dir:
         p.error("--run-dir (or LLMBUS_RUN_DIR) is required")
+    ensure_run_dir(a.run_dir)
     return run_scheduler(SchedulerProcessConfig(
         run_dir=a.run_dir, world_size=a.world_size, max_batch_prefill_tokens=a.max_batch_prefill_tokens,
         max_batch_size=a.max_batch_size, max_total_tokens=a.max_total_tokens,

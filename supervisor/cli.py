@@ -132,6 +132,19 @@ def demo_model(out_dir: str, size: str, seed: int) -> None:
     click.echo(str(path))
 
 
+@main.command("model-dir")
+@click.argument("model_id", required=False, default=None)
+@click.option("--revision", envvar="REVISION", default=None)
+def model_dir(model_id: str | None, revision: str | None) -> None:
+    """Print the local folder of MODEL_ID (default: the demo model), downloading or building it first."""
+    from llmbus.supervisor.weights import ModelNotFound, resolve_model
+
+    try:
+        click.echo(str(resolve_model(model_id or None, revision=revision)))
+    except ModelNotFound as e:
+        raise click.ClickException(str(e)) from None
+
+
 _PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 
 

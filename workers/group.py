@@ -17,7 +17,7 @@ import time
 
 import structlog
 
-from llmbus.bus.rundir import ENV_RUN_DIR
+from llmbus.bus.rundir import ENV_RUN_DIR, ensure_run_dir
 from llmbus.bus.service import die_with_parent, setup_logging
 from llmbus.workers.process import WorkerConfig, run_worker
 
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.run_dir:
         print("llmbus workers: --run-dir (or LLMBUS_RUN_DIR) is required", file=sys.stderr)
         return 2
+    ensure_run_dir(a.run_dir)
     if a.rank is None:
         return run_group(argv, a.world_size)
     return run_worker(WorkerConfig(
