@@ -158,7 +158,14 @@ class SchedulerService:
         if sock is None:
             self.log.warning("event for an unknown frontend dropped", frontend=frontend_id)
             return
-        send(sock, msg)
+        try:
+            # Never block the engine on one frontend: a dead one would otherwise stall every request
+            # once its queue fills up.
+            send(sock, msg, zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.error("frontend not draining its events; dropping its requests", frontend=frontend_id)
+            self.policy.abort([r.rid for r in self.policy.running + list(self.policy.waiting)
+                               if r.frontend_id == frontend_id])
 
     def drain_intake(self) -> None:
         while True:
