@@ -16,7 +16,7 @@ import torch
 from llmbus.bus.messages import SamplingParams
 from llmbus.workers.kv_cache import PagedKVCache, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
-from llmbus.workers.sampling import Sampler
+from llmbus.workers.sampling import Sampler, has_penalties
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024  # when neither num_blocks nor kv_cache_bytes is given, off CUDA
 CUDA_MEMORY_FRACTION = 0.9  # of the memory free after warmup, for the KV pool on CUDA
@@ -46,6 +46,31 @@ class StepOutput:
     sample_time: float
 
 
+class TokenHistory:
+    """Every token computed so far for one request, in a CPU long buffer grown by doubling."""
+
+    __slots__ = ("buffer", "length")
+
+    def __init__(self, capacity: int = 64):
+        self.buffer = torch.empty(capacity, dtype=torch.long)
+        self.length = 0
+
+    def write(self, start: int, token_ids: list[int]) -> None:
+        """Put ``token_ids`` at positions ``start..``; anything recorded past ``start`` is replaced."""
+        if start > self.length:
+            raise ValueError(f"token history has {self.length} tokens, cannot write at position {start}")
+        end = start + len(token_ids)
+        if end > len(self.buffer):
+            grown = torch.empty(max(end, 2 * len(self.buffer)), dtype=torch.long)
+            grown[:start] = self.buffer[:start]
+            self.buffer = grown
+        self.buffer[start:end] = torch.tensor(token_ids, dtype=torch.long)
+        self.length = end
+
+    def tokens(self) -> torch.Tensor:
+        return self.buffer[:self.length]
+
+
 class ModelRunner:
     """Loads this rank's shard of a Hugging Face model folder and runs batched steps over a paged KV pool.
 
@@ -69,6 +94,8 @@ class ModelRunner:
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device)
         self.max_position_embeddings = self.model.max_position_embeddings
         self.sampler = Sampler()
+        # Rank 0 only, and only for requests with a repetition or frequency penalty.
+        self.histories: dict[str, TokenHistory] = {}
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0
         if num_blocks is None and kv_cache_bytes is None and self.device.type == "cuda":
@@ -133,17 +160,38 @@ class ModelRunner:
                 return None
             sampled = [s for s in seqs if s.sample]
             if not sampled:
+                self._record_histories(seqs, sampled)
                 return StepOutput([], [], [], forward_done - started, 0.0)
+            histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
-            token_ids, logprobs = self.sampler(logits, rids, [s.sampling for s in sampled])
+            token_ids, logprobs = self.sampler(logits, rids, [s.sampling for s in sampled], histories)
             token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,
                               sample_time=time.perf_counter() - forward_done)
 
+    def _record_histories(self, seqs: list[SeqInput],
+                          sampled: list[SeqInput]) -> list[torch.Tensor | None] | None:
+        """Append this step's tokens to the penalised requests' histories (chunks land at their
+        ``num_computed``); the histories of the sampled sequences, None where not penalised."""
+        penalised = False
+        for seq in seqs:
+            if has_penalties(seq.sampling):
+                penalised = True
+                history = self.histories.get(seq.rid)
+                if history is None:
+                    history = self.histories[seq.rid] = TokenHistory()
+                history.write(seq.num_computed, seq.token_ids)
+        if not penalised:
+            return None
+        return [self.histories[s.rid].tokens() if has_penalties(s.sampling) else None for s in sampled]
+
     def drop(self, rids: list[str]) -> None:
-        """Forget per-request state (sampling generators) of finished, aborted or preempted requests."""
+        """Forget per-request state (sampling generators, token histories) of finished, aborted or
+        preempted requests."""
         self.sampler.drop(rids)
+        for rid in rids:
+            self.histories.pop(rid, None)
 
     # -- warmup ----------------------------------------------------------------------------------
 

@@ -1,13 +1,17 @@
 """Choosing the next token for a batch of requests, vectorised over the batch.
 
-Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and typical-p (in that
+First the penalties, on the raw logits of the rows that asked for them (greedy rows too): the
+repetition penalty exactly as transformers' ``RepetitionPenaltyLogitsProcessor``, then the frequency
+penalty as TGI's ``HeterogeneousFrequencyPenaltyLogitsProcessor``. Both read the request's token history
+(prompt and generated tokens so far), which the caller (rank 0's ModelRunner) keeps. Then greedy rows
+take the argmax. Sampled rows go through temperature, top-k, top-p and typical-p (in that
 order, as TGI does) expressed as masks over the whole ``[S, vocab]`` batch, then draw one token each by
 inverse-CDF sampling with a single uniform number from the request's own ``torch.Generator``. The
 generator is seeded with ``SamplingParams.seed`` on the request's first sampled token and kept until
 ``drop``: a seeded request yields the same tokens whatever else shares its batch.
 
-Not applied here: ``repetition_penalty`` and ``frequency_penalty`` (they need each request's token
-history), ``watermark`` and ``top_n_tokens``.
+Returned logprobs are those of the processed distribution (penalties, temperature and warpers).
+Not applied here: ``watermark`` and ``top_n_tokens``.
 """
 
 from __future__ import annotations
@@ -42,10 +46,16 @@ class Sampler:
             self.generators[rid] = generator
         return generator
 
-    def __call__(self, logits: torch.Tensor, rids: list[str],
-                 params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids ``[S]`` (long) and their logprobs ``[S]`` (float32) for ``logits [S, vocab]``."""
+    def __call__(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams],
+                 histories: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids ``[S]`` (long) and their logprobs ``[S]`` (float32) for ``logits [S, vocab]``.
+
+        ``histories[i]`` is row i's token history (1-D long, any device), needed only where
+        ``has_penalties(params[i])``; other entries (or the whole list) may be None.
+        """
         logits = logits.float()
+        if any(has_penalties(p) for p in params):
+            logits = apply_penalties(logits, params, histories)
         greedy_ids = logits.argmax(dim=-1)
         if not any(p.do_sample for p in params):
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, greedy_ids[:, None]).squeeze(1)
@@ -73,6 +83,54 @@ class Sampler:
         # Greedy rows are untouched by the warpers (temperature 1.0, no masks), so one log-softmax
         # serves both kinds of rows.
         return token_ids, warped_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    histories: list[torch.Tensor | None] | None) -> torch.Tensor:
+    """Repetition then frequency penalty on the raw ``logits [S, vocab]`` (float32) of the rows that ask.
+
+    The penalised rows' histories go into one ``[P, max_len]`` index padded with ``vocab``, which points
+    at an extra scratch column dropped at the end (as transformers does for ids beyond the logits).
+
+    - repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``, CTRL): every token id
+      present in the history gets ``logit * penalty`` if its logit is negative, else ``logit / penalty``.
+    - frequency penalty, TGI's formula (``HeterogeneousFrequencyPenaltyLogitsProcessor``):
+      ``logit -= penalty * count(token in history) / len(history)``, over the whole history (prompt and
+      generated). TGI divides by its padded batch width and also counts its padding id 0; here each row
+      divides by its own history's length and padding counts for nothing, which is what TGI gives a
+      request that is alone in its batch.
+    """
+    rows = [i for i, p in enumerate(params) if has_penalties(p)]
+    if histories is None or any(histories[i] is None or len(histories[i]) == 0 for i in rows):
+        raise ValueError("a penalised row has no token history")
+    device = logits.device
+    vocab = logits.shape[1]
+    seqs = [histories[i].to(device=device, dtype=torch.long) for i in rows]
+    index = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=vocab).clamp_(max=vocab)
+    row_index = torch.tensor(rows, device=device)
+    scores = torch.nn.functional.pad(logits.index_select(0, row_index), (0, 1))
+
+    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32,
+                              device=device)[:, None]
+    if bool((repetition != 1.0).any()):  # a penalty of 1.0 leaves its row exactly as it was
+        picked = scores.gather(1, index)
+        # Duplicated ids write the same value twice, so scatter_ is deterministic here.
+        scores.scatter_(1, index, torch.where(picked < 0, picked * repetition, picked / repetition))
+
+    frequency = [params[i].frequency_penalty for i in rows]
+    if any(frequency):
+        lengths = torch.tensor([len(h) for h in seqs], dtype=torch.float32, device=device)
+        counts = torch.zeros_like(scores).scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+        penalty = torch.tensor(frequency, dtype=torch.float32, device=device)
+        # TGI's order of operations: frequency = count / length, then times the penalty. A 0.0 penalty
+        # subtracts exact zeros.
+        scores -= counts / lengths[:, None] * penalty[:, None]
+
+    return logits.index_copy(0, row_index, scores[:, :vocab])
 
 
 def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,0 +1,152 @@
+"""Repetition and frequency penalties: the Sampler against transformers and TGI's formula, and greedy
+decoding through ModelRunner against ``generate(repetition_penalty=...)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmbus.bus.messages import SamplingParams
+from llmbus.workers.model_runner import ModelRunner, TokenHistory
+from llmbus.workers.sampling import Sampler, apply_penalties, apply_warpers
+
+from test_model_runner import (BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, _prompts,
+                               _save_tiny_llama, drive)
+
+VOCAB = 300
+
+
+def _histories(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    # A narrow id range makes repeats (and so counts above 1) common.
+    return [torch.randint(0, 40, (n,), generator=generator) for n in lengths]
+
+
+def test_repetition_penalty_matches_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(5)
+    logits = torch.randn(6, VOCAB) * 3  # both signs among the penalised ids
+    histories = _histories([1, 7, 30, 12, 50, 3])
+    params = [SamplingParams(repetition_penalty=1.3),
+              SamplingParams(),  # unpenalised, between penalised rows
+              SamplingParams(repetition_penalty=0.7, do_sample=True, temperature=0.8),
+              SamplingParams(repetition_penalty=2.0),
+              SamplingParams(do_sample=True, top_k=5),
+              SamplingParams(repetition_penalty=1.1, do_sample=True)]
+    original = logits.clone()
+    ours = apply_penalties(logits, params, histories)
+    assert torch.equal(logits, original), "the caller's logits were modified in place"
+    for row, p in enumerate(params):
+        expected = logits[row:row + 1]
+        if p.repetition_penalty != 1.0:
+            expected = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(histories[row][None], expected)
+        assert torch.equal(ours[row:row + 1], expected), f"row {row}: {p}"
+
+    # The distributions the Sampler draws from: penalty, then temperature and warpers, as transformers'
+    # processor list does; logprobs of greedy rows are the penalised log-softmax.
+    sampler = Sampler()
+    token_ids, logprobs = sampler(logits, [f"r{i}" for i in range(6)], params,
+                                  [h if p.repetition_penalty != 1.0 else None for h, p in zip(histories, params)])
+    for row, p in enumerate(params):
+        expected = logits[row:row + 1]
+        if p.repetition_penalty != 1.0:
+            expected = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(histories[row][None], expected)
+        if p.do_sample:
+            expected = apply_warpers(expected / p.temperature, [p])
+        else:
+            assert token_ids[row] == expected.argmax()
+        expected_logprobs = torch.log_softmax(expected, dim=-1)[0]
+        torch.testing.assert_close(logprobs[row], expected_logprobs[token_ids[row]], rtol=0, atol=1e-6)
+
+
+def test_frequency_penalty_matches_tgi_formula():
+    torch.manual_seed(6)
+    logits = torch.randn(5, VOCAB) * 3
+    histories = _histories([4, 25, 9, 1, 60], seed=1)
+    params = [SamplingParams(frequency_penalty=0.5),
+              SamplingParams(),
+              SamplingParams(frequency_penalty=-1.5, repetition_penalty=1.2),
+              SamplingParams(frequency_penalty=2.0, do_sample=True),
+              SamplingParams(repetition_penalty=0.9)]
+    ours = apply_penalties(logits, params, histories)
+    for row, p in enumerate(params):
+        # By hand, one token at a time: repetition penalty on each distinct id, then TGI's
+        # logit -= penalty * count / len(history).
+        expected = logits[row].clone()
+        history = histories[row].tolist()
+        for token in set(history):
+            if p.repetition_penalty != 1.0:
+                value = expected[token]
+                expected[token] = value * p.repetition_penalty if value < 0 else value / p.repetition_penalty
+        for token in set(history):
+            if p.frequency_penalty != 0.0:
+                expected[token] -= p.frequency_penalty * history.count(token) / len(history)
+        torch.testing.assert_close(ours[row], expected, rtol=0, atol=1e-5, msg=f"row {row}: {p}")
+        untouched = torch.ones(VOCAB, dtype=torch.bool)
+        untouched[histories[row]] = False
+        assert torch.equal(ours[row][untouched], logits[row][untouched])
+
+    # Nothing penalised anywhere: the logits come back as they were.
+    assert torch.equal(Sampler()(logits, ["a"] * 5, [SamplingParams()] * 5)[0], logits.argmax(dim=-1))
+
+
+def test_penalised_row_without_history_is_refused():
+    with pytest.raises(ValueError):
+        apply_penalties(torch.zeros(1, 10), [SamplingParams(repetition_penalty=1.2)], None)
+
+
+def test_token_history_follows_chunks_and_grows():
+    history = TokenHistory(capacity=2)
+    history.write(0, [1, 2, 3])
+    history.write(3, [4, 5])
+    history.write(5, [6])
+    assert history.tokens().tolist() == [1, 2, 3, 4, 5, 6]
+    history.write(4, [9])  # a recomputed position replaces what followed
+    assert history.tokens().tolist() == [1, 2, 3, 4, 9]
+    with pytest.raises(ValueError):
+        history.write(7, [1])
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+PENALTY = 1.3
+
+
+@pytest.fixture(scope="module")
+def penalty_checkpoint(tmp_path_factory):
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("penalties"))
+    _save_tiny_llama(path, tied=True, vocab_size=512)
+    prompts = _prompts(512)
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    references = {}
+    for penalty in (1.0, PENALTY):
+        for i in (1, 4):  # 3 and 40 tokens (the 40 is prefilled in chunks below)
+            out = model.generate(torch.tensor([prompts[i]]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                                 repetition_penalty=penalty, output_scores=True, return_dict_in_generate=True)
+            processed = torch.stack(out.scores)[:, 0].float()  # after the penalty: what the argmax saw
+            sequence = out.sequences[0]
+            top2 = processed.topk(2, dim=-1).values
+            assert (top2[:, 0] - top2[:, 1]).min() > MIN_MARGIN, "reference margins too thin to compare tokens"
+            references[penalty, i] = sequence[len(prompts[i]):].tolist()
+    # The penalty must actually change something, or the test proves nothing.
+    assert references[PENALTY, 1] != references[1.0, 1] or references[PENALTY, 4] != references[1.0, 4]
+    return path, prompts, references
+
+
+def test_greedy_repetition_penalty_matches_generate_in_a_mixed_batch(penalty_checkpoint):
+    path, prompts, references = penalty_checkpoint
+    runner = ModelRunner(path, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=512)
+    penalised = SamplingParams(repetition_penalty=PENALTY)
+    batch = [Request(rid="plain", prompt=prompts[4], prefill_chunk=16),
+             Request(rid="penalised", prompt=prompts[1], sampling=penalised, arrival_step=1),
+             Request(rid="penalised_chunked", prompt=prompts[4], sampling=penalised, prefill_chunk=16),
+             Request(rid="plain_short", prompt=prompts[1], arrival_step=2)]
+    results = drive(runner, batch)
+    assert results["plain"].tokens == references[1.0, 4]
+    assert results["plain_short"].tokens == references[1.0, 1]
+    assert results["penalised"].tokens == references[PENALTY, 1]
+    assert results["penalised_chunked"].tokens == references[PENALTY, 4]
+    assert runner.histories == {}, "drop() left token histories behind"
