@@ -135,7 +135,7 @@ class SamplingParams(Message):
     do_sample: bool = False  # False = greedy argmax (all warpers ignored)
     seed: int = 0  # per-request RNG seed; the frontend draws one when the client gave none
     repetition_penalty: float = 1.0  # 1.0 = off (CTRL-style, over prompt and generated ids)
-    frequency_penalty: float = 0.0  # 0.0 = off (OpenAI-style, over generated ids)
+    frequency_penalty: float = 0.0  # 0.0 = off; TGI: logit -= penalty * count / len, over prompt + generated
     top_n_tokens: int = 0  # how many alternatives to return per generated token
     watermark: bool = False  # Kirchenbauer et al. green-list bias
 
