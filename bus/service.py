@@ -11,8 +11,10 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -102,6 +104,26 @@ class ServiceContext:
 
     def fatal(self, error: str) -> None:
         self._tell_supervisor(m.ServiceFatal(service=self.name, pid=os.getpid(), error=error))
+
+
+def terminate_all(procs: list[subprocess.Popen], grace_s: float,
+                  on_kill: Callable[[subprocess.Popen], None] | None = None) -> None:
+    """SIGTERM every live process, wait up to ``grace_s`` for all of them together, SIGKILL the rest."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            if on_kill is not None:
+                on_kill(p)
+            p.kill()
+            p.wait()
 
 
 class Terminate(Exception):

@@ -118,10 +118,6 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq]  # batch order: running decodes first, then new prefills
     finished_rids: list[str]  # workers drop these before the step
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs if s.num_computed == 0)
-
 
 @dataclass(slots=True)
 class TokenEvent:
@@ -233,10 +229,6 @@ class Scheduler:
                 self._finish(req)
             events.append(TokenEvent(req, token_id, logprob, reason))
         return events
-
-    def fail_running(self) -> list[Request]:
-        """The engine failed mid-step: every admitted request is lost."""
-        return self.abort([r.rid for r in list(self.running)])
 
     # ------------------------------------------------------------------ helpers
 

@@ -25,7 +25,7 @@ import zmq
 
 from llmbus.bus import messages as m
 from llmbus.bus.rundir import ENV_RUN_DIR, RunDir
-from llmbus.bus.service import ENV_JSON_LOGS, ENV_SUPERVISOR
+from llmbus.bus.service import ENV_JSON_LOGS, ENV_SUPERVISOR, terminate_all
 from llmbus.bus.sockets import open_socket, poll, recv
 
 STDERR_TAIL_LINES = 40
@@ -70,10 +70,6 @@ class Child:
                 self.proc.send_signal(sig)
             except ProcessLookupError:
                 pass
-
-
-class LaunchFailed(RuntimeError):
-    pass
 
 
 class Launcher:
@@ -202,16 +198,10 @@ class Launcher:
         return 0 if all(code in (0, None) for code in codes) else 1
 
     def _teardown(self, graceful: bool) -> None:
-        for c in self.children:
-            c.signal(signal.SIGTERM)
-        deadline = time.monotonic() + (self.graceful_timeout_s if graceful else self.kill_grace_s)
-        for c in self.children:
-            try:
-                c.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.echo(f"llmbus: {c.spec.name} ignored SIGTERM; sending SIGKILL")
-                c.proc.kill()
-                c.proc.wait()
+        names = {c.proc.pid: c.spec.name for c in self.children}
+        terminate_all([c.proc for c in self.children],
+                      self.graceful_timeout_s if graceful else self.kill_grace_s,
+                      on_kill=lambda p: self.echo(f"llmbus: {names[p.pid]} ignored SIGTERM; sending SIGKILL"))
         for c in self.children:
             c._pump.join(timeout=2.0)
         self.children = [c for c in self.children if c.alive()]

@@ -13,12 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import structlog
 
 from llmbus.bus.rundir import ENV_RUN_DIR, ensure_run_dir
-from llmbus.bus.service import die_with_parent, setup_logging
+from llmbus.bus.service import die_with_parent, setup_logging, terminate_all
 from llmbus.workers.process import WorkerConfig, run_worker
 
 GRACE_S = 5.0
@@ -39,19 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runner", choices=["model", "fake"], default="model",
                    help="fake: deterministic tokens, no model (tests and overhead benchmarks)")
     return p
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def run_group(argv: list[str], world_size: int) -> int:
@@ -79,7 +65,7 @@ def run_group(argv: list[str], world_size: int) -> int:
     if code != 0 and not stopping:
         what = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
         log.error("rank exited; stopping the group", rank=rank, exit=what)
-    _stop(procs)
+    terminate_all(procs, GRACE_S)
     codes = [code] + [p.returncode for p in procs if p is not proc]
     failed = [c for c in codes if c not in (0, -signal.SIGTERM)] if stopping else [c for c in codes if c != 0]
     if not failed:

@@ -104,7 +104,9 @@ class Worker:
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=init, rank=self.cfg.rank, world_size=self.cfg.world_size)
         from llmbus.workers.fake import FakeRunner
-        from llmbus.workers.model_runner import ModelRunner
+        from llmbus.workers.model_runner import ModelRunner, SeqInput
+
+        self._seq_input = SeqInput  # torch-importing module: loaded here, not at import of this one
 
         t0 = time.monotonic()
         runner_cls = FakeRunner if self.cfg.runner == "fake" else ModelRunner
@@ -140,8 +142,7 @@ class Worker:
                                                 sample_time=out.sample_time))
 
     def apply(self, cmd: m.StepCommand) -> list:
-        from llmbus.workers.model_runner import SeqInput
-
+        SeqInput = self._seq_input
         if cmd.finished_rids:
             for rid in cmd.finished_rids:
                 self.states.pop(rid, None)
