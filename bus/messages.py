@@ -46,6 +46,7 @@ class Kind(enum.IntEnum):
     TOKEN_BATCH = 0x30
     REQUEST_FAILED = 0x31
     SCHEDULER_HELLO = 0x32
+    SCHEDULER_STATS = 0x33
     ENGINE_DEAD = 0x3F
     SERVICE_READY = 0x40
     SERVICE_FATAL = 0x41
@@ -325,6 +326,20 @@ class TokenBatch(Message):
 
 
 @dataclass(slots=True)
+class SchedulerStats(Message):
+    """The scheduler's gauges, to every frontend for /metrics: sent after a step at most a few times a
+    second, and whenever the scheduler goes idle (so an idle server reports its final state)."""
+
+    KIND: ClassVar[Kind] = Kind.SCHEDULER_STATS
+    queue_size: int  # requests waiting for admission
+    batch_size: int  # requests in the running batch
+    batch_max_tokens: int  # KV tokens the running batch holds blocks for (TGI's batch max_tokens)
+    kv_blocks_total: int  # blocks in the pool (the minimum over ranks)
+    kv_blocks_free: int  # blocks owned by no request
+    block_size: int
+
+
+@dataclass(slots=True)
 class RequestFailed(Message):
     """One request ended with an error; the rest of the batch goes on."""
 
@@ -370,7 +385,7 @@ class ServiceFatal(Message):
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
     for cls in (FrontendHello, AddRequest, AbortRequest, StepCommand, Shutdown, StepResult, WorkerHello,
-                WorkerReady, WorkerFatal, SchedulerHello, TokenBatch, RequestFailed, EngineDead,
+                WorkerReady, WorkerFatal, SchedulerHello, SchedulerStats, TokenBatch, RequestFailed, EngineDead,
                 ServiceReady, ServiceFatal)
 }
 assert len(MESSAGE_TYPES) == len(Kind), "every Kind has exactly one message class"

@@ -126,6 +126,11 @@ def terminate_all(procs: list[subprocess.Popen], grace_s: float,
             p.wait()
 
 
+class ServiceError(RuntimeError):
+    """A fatal error whose message says everything (bad settings, a dead peer): logged without a
+    traceback, which would only bury the message."""
+
+
 class Terminate(Exception):
     """Raised in the main thread by SIGTERM/SIGINT when a service asks for it (see install_stop_signals)."""
 
@@ -150,9 +155,13 @@ def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int 
         ctx.log.info("stopped by signal")
     except Exception as e:  # noqa: BLE001 - the last line of defence: report, then exit non-zero
         error = f"{type(e).__name__}: {e}"
-        ctx.log.error("fatal error", error=error, exc_info=True)
+        ctx.log.error("fatal error", error=error, exc_info=not isinstance(e, ServiceError))
         ctx.fatal(error)
         code = 1
     finally:
+        # A second stop signal during cleanup would raise Terminate out of the socket teardown; the
+        # sender follows up with SIGKILL if cleanup hangs, so ignoring it here loses nothing.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         zmq_ctx.destroy(linger=2000)
     return code

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-best-of", type=int, default=2)
     p.add_argument("--max-stop-sequences", type=int, default=4)
     p.add_argument("--max-top-n-tokens", type=int, default=5)
+    p.add_argument("--enable-prefill-logprobs", action="store_true",
+                   help="compute prompt logprobs for decoder_input_details (costs a logits row per prompt token)")
     p.add_argument("--max-client-batch-size", type=int, default=4)
     p.add_argument("--validation-workers", type=int, default=2)
     p.add_argument("--scheduler-timeout", type=float, default=60.0, dest="scheduler_timeout_s",
@@ -67,6 +69,7 @@ def from_args(argv: list[str] | None = None) -> FrontendConfig:
             max_total_tokens=a.max_total_tokens, max_concurrent_requests=a.max_concurrent_requests,
             max_best_of=a.max_best_of, max_stop_sequences=a.max_stop_sequences,
             max_top_n_tokens=a.max_top_n_tokens, max_client_batch_size=a.max_client_batch_size,
+            enable_prefill_logprobs=a.enable_prefill_logprobs,
             validation_workers=a.validation_workers, scheduler_timeout_s=a.scheduler_timeout_s,
             payload_limit=a.payload_limit, api_key=a.api_key, model_pipeline_tag=a.model_pipeline_tag,
             **extra)

@@ -45,7 +45,7 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
             raise
         state.engine, state.limits = engine, limits
         state.generator = Generator(engine, state.tokenizer, limits, config.max_concurrent_requests,
-                                    config.validation_workers)
+                                    config.validation_workers, config.enable_prefill_logprobs)
         log.info("limits", max_input_tokens=limits.max_input_tokens,
                  max_total_tokens=limits.max_total_tokens, eos_token_ids=state.tokenizer.eos_token_ids)
         yield

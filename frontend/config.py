@@ -34,6 +34,7 @@ class FrontendConfig:
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_client_batch_size: int = 4
+    enable_prefill_logprobs: bool = False  # decoder_input_details returns prompt logprobs (TGI >= 3: opt-in)
     scheduler_timeout_s: float = 60.0  # FrontendHello -> SchedulerHello handshake
     keepalive_s: float = 15.0  # SSE comment `:` after this long without an event
     payload_limit: int = 2_000_000  # bytes of request body (TGI --payload-limit)

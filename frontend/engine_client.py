@@ -68,6 +68,7 @@ class EngineClient:
         self._abort_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.hello: m.SchedulerHello | None = None
+        self.stats: m.SchedulerStats | None = None  # the scheduler's latest gauges
         self.dead_reason: str | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -204,6 +205,8 @@ class EngineClient:
                 channel.queue.put_nowait(EngineFailure(engine_error(msg.error_type, msg.message)))
         elif isinstance(msg, m.EngineDead):
             self._engine_dead(msg.reason)
+        elif isinstance(msg, m.SchedulerStats):
+            self.stats = msg
         elif isinstance(msg, m.SchedulerHello):
             log.info("scheduler said hello again", max_batch_total_tokens=msg.max_batch_total_tokens)
         else:

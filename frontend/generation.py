@@ -53,8 +53,9 @@ class Generator:
     """Admission, validation and tokenization in front of the engine."""
 
     def __init__(self, engine: EngineClient, tokenizer: ModelTokenizer, limits: Limits,
-                 max_concurrent_requests: int, validation_workers: int = 2):
+                 max_concurrent_requests: int, validation_workers: int = 2, enable_prefill_logprobs: bool = False):
         self.engine = engine
+        self.enable_prefill_logprobs = enable_prefill_logprobs
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_concurrent_requests = max_concurrent_requests
@@ -94,7 +95,8 @@ class Generator:
                 raise generation_error(self.engine.dead_reason)
             prepared = Prepared(inputs=inputs, input_ids=ids[len(ids) - input_length:], params=params,
                                 max_new_tokens=max_new, start_time=start_time, arrival_time=arrival_time,
-                                prompt_logprobs=parameters.decoder_input_details)
+                                prompt_logprobs=(parameters.decoder_input_details
+                                                 and self.enable_prefill_logprobs))
         except BaseException:
             self.release()
             raise

@@ -11,17 +11,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 
 import structlog
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from llmbus.frontend import responses
 from llmbus.frontend.config import FrontendConfig, Limits
 from llmbus.frontend.engine_client import EngineClient
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend.generation import Generation, Generator
+from llmbus.frontend.metrics import make_registry, render
 from llmbus.frontend.responses import dumps
 from llmbus.frontend.tokenizer import ModelTokenizer
 from llmbus.frontend.validation import GenerateRequest, parse_request, validate_best_of
@@ -41,6 +43,10 @@ class FrontendState:
     engine: EngineClient | None = None
     generator: Generator | None = None
     limits: Limits | None = None
+    metrics: CollectorRegistry = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None)
 
     @property
     def compat_return_full_text(self) -> bool:
@@ -240,6 +246,14 @@ async def info(request: web.Request) -> web.Response:
     })
 
 
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = render(request.app[STATE].metrics)
+    # aiohttp wants the charset apart from the media type
+    media_type, _, params = content_type.partition(";")
+    charset = params.split("charset=")[-1].strip() if "charset=" in params else None
+    return web.Response(body=body, content_type=media_type.strip(), charset=charset)
+
+
 def setup_routes(app: web.Application) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate_stream", generate_stream)
@@ -248,3 +262,4 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)
     app.router.add_get("/info", info)
+    app.router.add_get("/metrics", metrics)

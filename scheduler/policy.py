@@ -45,6 +45,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
     admitted_time: float | None = None
+    prompt_logprob_values: list[float] = field(default_factory=list)  # prompt tokens 1..n-1, as computed
 
     @property
     def num_tokens(self) -> int:
@@ -125,6 +126,7 @@ class TokenEvent:
     token_id: int
     logprob: float
     finish_reason: FinishReason
+    prompt_logprobs: list[float] | None = None  # on a request's first token, when it asked for them
 
 
 class Scheduler:
@@ -212,14 +214,20 @@ class Scheduler:
             return None
         return ScheduledBatch(new_requests=new, seqs=seqs, finished_rids=finished)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple[int, float]]) -> list[TokenEvent]:
-        """Apply one step's sampled tokens; returns one event per token that reaches a client."""
+    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple[int, float]],
+               prompt_logprobs: dict[str, list[float]] | None = None) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (and the prompt logprobs computed in it, per rid); returns one
+        event per token that reaches a client."""
         events = []
         for seq in batch.seqs:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran: its token is dropped
             req.num_computed = seq.num_computed + len(seq.token_ids)
+            if prompt_logprobs and req.rid in prompt_logprobs:
+                # A recomputed prompt (after preemption) reports its values again: keep the first ones.
+                room = len(req.prompt_ids) - 1 - len(req.prompt_logprob_values)
+                req.prompt_logprob_values.extend(prompt_logprobs[req.rid][:max(0, room)])
             if not seq.sample:
                 continue
             token_id, logprob = sampled[req.rid]
@@ -227,7 +235,9 @@ class Scheduler:
             reason = self._finish_reason(req, token_id)
             if reason is not FinishReason.NONE:
                 self._finish(req)
-            events.append(TokenEvent(req, token_id, logprob, reason))
+            first_with_prompt = req.prompt_logprobs and len(req.output_ids) == 1
+            events.append(TokenEvent(req, token_id, logprob, reason,
+                                     req.prompt_logprob_values if first_with_prompt else None))
         return events
 
     # ------------------------------------------------------------------ helpers

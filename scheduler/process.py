@@ -21,12 +21,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from llmbus.bus import messages as m
 from llmbus.bus.rundir import Endpoints, ensure_run_dir
-from llmbus.bus.service import ServiceContext, Terminate, install_stop_signals, run_service
+from llmbus.bus.service import ServiceContext, ServiceError, Terminate, install_stop_signals, run_service
 from llmbus.bus.sockets import open_socket, poll, recv, send
 from llmbus.scheduler.policy import BlockAllocator, Request, ScheduledBatch, Scheduler, SchedulerConfig
 
 
-class EngineFailure(RuntimeError):
+STATS_INTERVAL_S = 0.25  # SchedulerStats while steps run back to back
+
+
+class EngineFailure(ServiceError):
     pass
 
 
@@ -55,6 +58,8 @@ class SchedulerService:
         self.stopping = False
         self.policy: Scheduler | None = None
         self.kv_info: tuple[int, int] | None = None  # (num_blocks, block_size)
+        self._stats_dirty = True
+        self._stats_sent_at = 0.0
         self._init_sockets()
 
     def _init_sockets(self) -> None:
@@ -117,6 +122,7 @@ class SchedulerService:
     # ------------------------------------------------------------------ intake
 
     def handle_intake(self, msg: m.Message | None) -> None:
+        self._stats_dirty = True
         if isinstance(msg, m.AddRequest):
             self._add(msg)
         elif isinstance(msg, m.AbortRequest):
@@ -139,6 +145,7 @@ class SchedulerService:
         self.frontends[msg.frontend_id] = sock
         num_blocks, block_size = self.kv_info
         send(sock, m.SchedulerHello(max_batch_total_tokens=num_blocks * block_size, block_size=block_size))
+        self._to_frontend(msg.frontend_id, self._stats())
         self.log.info("frontend connected", frontend=msg.frontend_id)
 
     def _add(self, msg: m.AddRequest) -> None:
@@ -194,7 +201,8 @@ class SchedulerService:
         send(self.steps, cmd)
         result = self._await_result()
         sampled = dict(zip(result.rids, zip(result.token_ids, result.logprobs)))
-        events = self.policy.update(batch, sampled)
+        prompt_logprobs = {rid: values for rid, values in result.prompt_logprobs} if result.prompt_logprobs else None
+        events = self.policy.update(batch, sampled, prompt_logprobs)
         self._publish(events)
 
     def _await_result(self) -> m.StepResult:
@@ -226,8 +234,29 @@ class SchedulerService:
             tb.token_ids.append(ev.token_id)
             tb.logprobs.append(ev.logprob)
             tb.finish_reasons.append(int(ev.finish_reason))
+            if ev.prompt_logprobs is not None:
+                tb.prompt_logprobs.append([ev.request.rid, ev.prompt_logprobs])
         for frontend_id, tb in per_frontend.items():
             self._to_frontend(frontend_id, tb)
+
+    def _stats(self) -> m.SchedulerStats:
+        policy = self.policy
+        return m.SchedulerStats(
+            queue_size=len(policy.waiting), batch_size=len(policy.running),
+            batch_max_tokens=sum(len(r.prompt_ids) + r.stopping.max_new_tokens for r in policy.running),
+            kv_blocks_total=policy.allocator.num_blocks, kv_blocks_free=policy.allocator.num_free,
+            block_size=policy.allocator.block_size)
+
+    def publish_stats(self, force: bool = False) -> None:
+        """Gauges to every frontend: when ``force``d (a request joined or left the batch, or the
+        scheduler went idle), otherwise at most every STATS_INTERVAL_S."""
+        now = time.monotonic()
+        if not self._stats_dirty or (not force and now - self._stats_sent_at < STATS_INTERVAL_S):
+            return
+        stats = self._stats()
+        for frontend_id in list(self.frontends):
+            self._to_frontend(frontend_id, stats)
+        self._stats_dirty, self._stats_sent_at = False, now
 
     def fail_everything(self, reason: str) -> None:
         for sock in self.frontends.values():
@@ -244,8 +273,12 @@ class SchedulerService:
             self.drain_intake()
             batch = self.policy.schedule(time.time())
             if batch is not None:
+                running_before = len(self.policy.running) - len(batch.new_requests)
                 self.run_step(batch)
+                self._stats_dirty = True
+                self.publish_stats(force=bool(batch.new_requests) or len(self.policy.running) != running_before)
                 continue
+            self.publish_stats(force=True)
             # Idle: block until a request (or a rank's death notice) arrives.
             self.check_workers(poll([self.requests, self.control, self.control_monitor], 1000))
 

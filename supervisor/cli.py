@@ -54,6 +54,10 @@ def main() -> None:
 @click.option("--kv-cache-memory", envvar="KV_CACHE_MEMORY", type=int, default=None,
               help="Bytes of KV cache per rank on CPU.")
 @click.option("--num-blocks", envvar="NUM_BLOCKS", type=int, default=None, help="Fix the KV block count.")
+@click.option("--cuda-memory-fraction", envvar="CUDA_MEMORY_FRACTION", type=float, default=1.0, show_default=True,
+              help="Share of each GPU's memory llmbus may use (weights, activations, KV cache).")
+@click.option("--enable-prefill-logprobs", envvar="REQUEST_LOGPROBS", is_flag=True,
+              help="Return prompt-token logprobs for decoder_input_details (off by default, as in TGI 3).")
 @click.option("--run-dir", envvar="LLMBUS_RUN_DIR", default=None, help="Private directory for ipc sockets.")
 @click.option("--json-output", envvar="JSON_OUTPUT", is_flag=True, help="Log JSON lines.")
 @click.option("--graceful-termination-timeout", envvar="GRACEFUL_TERMINATION_TIMEOUT", type=float, default=90.0,
@@ -88,7 +92,8 @@ def up(**kw) -> None:
         max_concurrent_requests=kw["max_concurrent_requests"], max_best_of=kw["max_best_of"],
         max_stop_sequences=kw["max_stop_sequences"], max_top_n_tokens=kw["max_top_n_tokens"],
         max_client_batch_size=kw["max_client_batch_size"], block_size=kw["block_size"],
-        kv_cache_memory=kw["kv_cache_memory"], num_blocks=kw["num_blocks"])
+        kv_cache_memory=kw["kv_cache_memory"], num_blocks=kw["num_blocks"],
+        cuda_memory_fraction=kw["cuda_memory_fraction"], enable_prefill_logprobs=kw["enable_prefill_logprobs"])
     with run_dir:
         code = Launcher(build_plan(cfg), run_dir, graceful_timeout_s=kw["graceful_termination_timeout"],
                         json_output=kw["json_output"]).run()
@@ -103,6 +108,10 @@ def _check_static(kw: dict) -> None:
     for name in ("max_concurrent_requests", "block_size", "max_best_of"):
         if kw[name] < 1:
             raise InvalidArgument(f"`{name}` must be > 0")
+    if not 0 < kw["cuda_memory_fraction"] <= 1:
+        raise InvalidArgument(f"`cuda_memory_fraction` must be in (0, 1]. Given: {kw['cuda_memory_fraction']}")
+    if kw["kv_cache_memory"] is not None and kw["kv_cache_memory"] < 1:
+        raise InvalidArgument("`kv_cache_memory` must be > 0")
     if not 0 < kw["port"] < 65536:
         raise InvalidArgument(f"`port` must be between 1 and 65535. Given: {kw['port']}")
 

@@ -34,6 +34,8 @@ class LaunchConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_blocks: int | None = None
+    cuda_memory_fraction: float = 1.0
+    enable_prefill_logprobs: bool = False
 
 
 def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessSpec]:
@@ -51,6 +53,8 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
         workers += ["--kv-cache-memory", str(cfg.kv_cache_memory)]
     if cfg.num_blocks is not None:
         workers += ["--num-blocks", str(cfg.num_blocks)]
+    if cfg.cuda_memory_fraction != 1.0:
+        workers += ["--cuda-memory-fraction", str(cfg.cuda_memory_fraction)]
     frontend = [python, "-m", "llmbus.frontend", *common, "--model-dir", cfg.model_dir,
                 "--model-id", cfg.model_id, "--hostname", cfg.hostname, "--port", str(cfg.port),
                 "--frontend-id", FRONTEND_ID,
@@ -59,6 +63,8 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
                 "--max-best-of", str(cfg.max_best_of), "--max-stop-sequences", str(cfg.max_stop_sequences),
                 "--max-top-n-tokens", str(cfg.max_top_n_tokens),
                 "--max-client-batch-size", str(cfg.max_client_batch_size)]
+    if cfg.enable_prefill_logprobs:
+        frontend.append("--enable-prefill-logprobs")
     return [
         ProcessSpec("scheduler", scheduler),
         # The scheduler is ready only once every rank is: the group itself has nothing more to say.

@@ -10,6 +10,8 @@ above float32 noise) — so a mismatch here is a real bug, never a coin flip.
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -53,7 +55,8 @@ def reference(tiny_model_dir):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
-                  "--max-input-tokens", "128", "--num-blocks", "256", "--block-size", "16"])
+                  "--max-input-tokens", "128", "--num-blocks", "256", "--block-size", "16",
+                  "--enable-prefill-logprobs"])
     yield srv
     assert srv.stop() == 0, srv.stderr.text[-3000:]
 
@@ -135,3 +138,64 @@ def test_info(server, tiny_model_dir):
     assert status == 200
     assert info["max_input_tokens"] == 128 and info["max_total_tokens"] == 256
     assert info["model_id"] == str(tiny_model_dir)
+
+
+def test_logprobs_match_transformers_log_softmax(server, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompt = PROMPTS[2]
+    body, _ = generate(server, prompt, 6, decoder_input_details=True)
+    prefill, tokens = body["details"]["prefill"], body["details"]["tokens"]
+    ids = tok(prompt).input_ids
+    assert [p["id"] for p in prefill] == ids
+    assert prefill[0]["logprob"] is None  # nothing predicts the first token
+    full = torch.tensor([ids + [t["id"] for t in tokens]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(full).logits[0].float(), dim=-1)
+    expected = logprobs[:-1].gather(1, full[0, 1:, None]).squeeze(1)
+    got = torch.tensor([p["logprob"] for p in prefill[1:]] + [t["logprob"] for t in tokens])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def _gauges(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = get(f"{server.url}/metrics")
+    assert status == 200
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _wait_for_gauges(server, condition, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until ``condition(gauges)``: the scheduler's stats reach the frontend asynchronously."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = _gauges(server)
+        if condition(gauges):
+            return gauges
+        assert time.monotonic() < deadline, f"/metrics never satisfied the condition: {gauges}"
+        time.sleep(0.05)
+
+
+def test_every_kv_block_is_free_again_after_requests_end(server):
+    all_free = lambda g: g.get("tgi_batch_current_size") == 0 and g.get("tgi_queue_size") == 0 and \
+        g.get("llmbus_kv_blocks_free") == g.get("llmbus_kv_blocks_total")  # noqa: E731
+    # A stream held open: its blocks are in use while it runs.
+    req = urllib.request.Request(f"{server.url}/generate_stream", method="POST",
+                                 data=json.dumps({"inputs": PROMPTS[2], "parameters": {
+                                     "max_new_tokens": 200}}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    assert resp.readline().startswith(b"data: ")
+    busy = _wait_for_gauges(server, lambda g: g.get("tgi_batch_current_size") == 1)
+    assert busy["llmbus_kv_blocks_free"] < busy["llmbus_kv_blocks_total"]
+    assert busy["tgi_batch_max_total_tokens"] == busy["llmbus_kv_blocks_total"] * 16
+    resp.close()  # client gone mid-generation: the request is aborted and its blocks freed
+    _wait_for_gauges(server, all_free)
+    # Finished requests (EOS, length, stop sequences, best_of) free theirs too.
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: generate(server, PROMPTS[i % len(PROMPTS)], 3 + i,
+                                         **({"stop": ["e"]} if i % 3 == 0 else {})), range(12)))
+    generate(server, PROMPTS[1], 5, best_of=2, do_sample=True)
+    _wait_for_gauges(server, all_free)

@@ -56,12 +56,31 @@ class RawFrontend:
         self.events = open_socket(self.ctx, zmq.PULL, self.events_endpoint)
         self.requests = open_socket(self.ctx, zmq.PUSH, run_dir.endpoints.requests)
         send(self.requests, m.FrontendHello(frontend_id, self.events_endpoint))
+        self.stats: m.SchedulerStats | None = None
         self.hello = self.next_event(timeout=30)
         assert isinstance(self.hello, m.SchedulerHello)
 
     def next_event(self, timeout: float = 30):
-        assert self.events.poll(int(timeout * 1000)), "no event from the scheduler"
-        return recv(self.events)
+        """The next event other than SchedulerStats (those are kept in ``self.stats``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            assert self.events.poll(int(remaining * 1000)), "no event from the scheduler"
+            msg = recv(self.events)
+            if not isinstance(msg, m.SchedulerStats):
+                return msg
+            self.stats = msg
+
+    def wait_for_idle_stats(self, timeout: float = 30) -> m.SchedulerStats:
+        """Stats until one shows an empty queue and batch (sent whenever the scheduler goes idle)."""
+        deadline = time.monotonic() + timeout
+        while self.stats is None or self.stats.batch_size or self.stats.queue_size:
+            remaining = max(0.0, deadline - time.monotonic())
+            assert self.events.poll(int(remaining * 1000)), f"scheduler never reported idle: {self.stats}"
+            msg = recv(self.events)
+            if isinstance(msg, m.SchedulerStats):
+                self.stats = msg
+        return self.stats
 
     def add(self, rid: str, prompt: list[int], max_new_tokens: int, eos: list[int] = ()):
         send(self.requests, m.AddRequest(f"{self.id}-{rid}", self.id, prompt, m.SamplingParams(),
@@ -114,6 +133,8 @@ def test_concurrent_requests_batch_together_and_finish(engine):
         assert reasons[f"batch-{rid}"] is m.FinishReason.LENGTH
     # one message per step, not one per token: 8 requests x 5 tokens in far fewer than 40 messages
     assert batches < 8 * 5
+    stats = fe.wait_for_idle_stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total == 64, stats
     fe.close()
 
 
@@ -139,6 +160,8 @@ def test_eos_and_abort(engine):
     tokens, reasons, _ = fe.collect(1)
     assert reasons == {"abort-after": m.FinishReason.LENGTH}
     assert len(tokens.get("abort-long", [])) <= 1
+    stats = fe.wait_for_idle_stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total, "the aborted request kept its blocks"
     fe.close()
 
 

@@ -213,7 +213,7 @@ class Frontend:
         cfg = dict(model_dir=str(model_dir), model_id="tiny-test", hostname="127.0.0.1", port=0,
                    requests_endpoint=requests, events_endpoint=f"ipc://{self.dir}/events-fe1.sock",
                    frontend_id="fe1", max_input_tokens=40, max_total_tokens=64, scheduler_timeout_s=WAIT,
-                   shutdown_timeout_s=1.0)
+                   shutdown_timeout_s=1.0, enable_prefill_logprobs=True)
         cfg.update(overrides)
         self.config = FrontendConfig(**cfg)
         self.url = None
@@ -447,6 +447,17 @@ def test_top_tokens_and_prefill(fe):
                                                                                         "top_n_tokens": 2}})
     events = parse_sse(raw)
     assert list(events[0]) == ["index", "token", "top_tokens", "generated_text", "details"]
+
+
+def test_prefill_logprobs_are_opt_in_at_launch(make_frontend):
+    # TGI >= 3: without --enable-prefill-logprobs, decoder_input_details gives an empty prefill and the
+    # engine is not asked to compute prompt logprobs.
+    fe = make_frontend(enable_prefill_logprobs=False)
+    status, _, body = fe.post("/generate", {"inputs": "hello world", "parameters": {
+        "max_new_tokens": 2, "decoder_input_details": True}})
+    assert status == 200
+    assert body["details"]["prefill"] == []
+    assert fe.sched.adds[last_rid(fe)].prompt_logprobs is False
 
 
 def test_best_of(fe):

@@ -22,6 +22,8 @@ SAMPLES: dict[m.Kind, m.Message] = {
                                        max_position_embeddings=2048),
     m.Kind.WORKER_FATAL: m.WorkerFatal(rank=1, error="RuntimeError: boom"),
     m.Kind.SCHEDULER_HELLO: m.SchedulerHello(max_batch_total_tokens=16384, block_size=16),
+    m.Kind.SCHEDULER_STATS: m.SchedulerStats(queue_size=3, batch_size=5, batch_max_tokens=1024,
+                                             kv_blocks_total=512, kv_blocks_free=448, block_size=16),
     m.Kind.TOKEN_BATCH: m.TokenBatch(["f0-1", "f0-2"], [11, 12], [-0.25, -1.5], [0, 1]),
     m.Kind.REQUEST_FAILED: m.RequestFailed("f0-3", "validation", "empty prompt"),
     m.Kind.ENGINE_DEAD: m.EngineDead("worker rank 1 failed: RuntimeError: boom"),

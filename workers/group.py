@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per rank (CPU)")
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--cuda-memory-fraction", type=float, default=1.0,
+                   help="share of the GPU's total memory this rank may use (weights + activations + KV)")
     p.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
     p.add_argument("--runner", choices=["model", "fake"], default="model",
                    help="fake: deterministic tokens, no model (tests and overhead benchmarks)")
@@ -86,4 +88,5 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(WorkerConfig(
         run_dir=a.run_dir, model_dir=a.model_dir, rank=a.rank, world_size=a.world_size, dtype=a.dtype,
         device=a.device, block_size=a.block_size, kv_cache_bytes=a.kv_cache_memory, num_blocks=a.num_blocks,
-        max_batch_prefill_tokens=a.max_batch_prefill_tokens, runner=a.runner))
+        max_batch_prefill_tokens=a.max_batch_prefill_tokens, runner=a.runner,
+        cuda_memory_fraction=a.cuda_memory_fraction))

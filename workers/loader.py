@@ -12,6 +12,7 @@ import json
 import os
 from contextlib import ExitStack
 
+import structlog
 import torch
 from safetensors import safe_open
 
@@ -85,15 +86,23 @@ class CheckpointReader:
 
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu"):
-    """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards."""
+    """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards; any other
+    ``model_type`` gets the transformers fallback (``models/hf_fallback.py``, single rank only)."""
     from llmbus.workers.models import llama
 
     config = read_config(model_dir)
     model_type = config.get("model_type")
     builders = {"llama": llama.LlamaForCausalLM}
+    log = structlog.get_logger("llmbus.workers")
     if model_type not in builders:
-        raise ValueError(f"{model_dir}: model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(sorted(builders))})")
+        # Any other causal LM runs through transformers' modeling code over the same paged KV cache.
+        from llmbus.workers.models.hf_fallback import HFFallbackForCausalLM
+
+        log.info("model path", model_type=model_type, path="transformers fallback",
+                 native=", ".join(sorted(builders)))
+        return HFFallbackForCausalLM.from_pretrained(model_dir, model_type=model_type, rank=rank,
+                                                     world_size=world_size, dtype=dtype, device=device, log=log)
+    log.info("model path", model_type=model_type, path="native")
     with CheckpointReader(model_dir, device="cpu") as reader:
         return builders[model_type].from_checkpoint(config, reader, rank=rank, world_size=world_size,
                                                     dtype=dtype, device=torch.device(device))

@@ -9,18 +9,37 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from llmbus.bus.messages import SamplingParams
-from llmbus.workers.kv_cache import PagedKVCache, num_blocks_for_bytes
+from llmbus.bus.service import ServiceError
+from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
 from llmbus.workers.sampling import Sampler, has_penalties
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024  # when neither num_blocks nor kv_cache_bytes is given, off CUDA
-CUDA_MEMORY_FRACTION = 0.9  # of the memory free after warmup, for the KV pool on CUDA
+# Of what the memory fraction leaves free after warmup, the KV pool takes this much: allocator
+# fragmentation and the CUDA context grow a little after warmup (TGI keeps a similar margin).
+CUDA_KV_HEADROOM = 0.95
 WARMUP_RID_PREFIX = "__warmup__"
+
+
+def _available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class WarmupOutOfMemory(ServiceError):
+    """The worst-case batch or the KV pool does not fit: a startup error, with TGI's wording."""
 
 
 @dataclass(slots=True)
@@ -33,6 +52,8 @@ class SeqInput:
     block_table: list[int]  # KV block ids of this sequence, in order (covers num_computed+len(token_ids) tokens)
     sample: bool  # sample a next token from the last position's logits
     sampling: SamplingParams
+    prompt_len: int = 0  # tokens of the prompt; positions from here on hold generated tokens
+    prompt_logprobs: bool = False  # return the log-probability of every prompt token after the first
 
 
 @dataclass(slots=True)
@@ -44,6 +65,9 @@ class StepOutput:
     logprobs: list[float]
     forward_time: float  # seconds
     sample_time: float
+    # [[rid, [logprob of prompt tokens computed this step]]]; a request's lists over its chunks concatenate
+    # to its prompt tokens 1..n-1 (the first token has nothing to be predicted from).
+    prompt_logprobs: list[list] = field(default_factory=list)
 
 
 class TokenHistory:
@@ -71,6 +95,53 @@ class TokenHistory:
         return self.buffer[:self.length]
 
 
+@dataclass(slots=True)
+class _PromptLogprobRows:
+    """Which logits rows a step needs when some sequences want prompt logprobs: every row of their
+    prompt tokens, besides the last row of each sampled sequence."""
+
+    logits_index: torch.Tensor  # rows of the flat token batch to compute logits for
+    sample_rows: torch.Tensor  # positions in logits_index of the sampled sequences' last rows
+    spans: list[tuple[SeqInput, int, int]]  # (sequence, first position in logits_index, prompt tokens in it)
+
+    @classmethod
+    def plan(cls, seqs: list[SeqInput], device: torch.device) -> "_PromptLogprobRows | None":
+        if not any(s.prompt_logprobs and s.num_computed < s.prompt_len for s in seqs):
+            return None
+        pieces, sample_rows, spans = [], [], []
+        row, taken = 0, 0
+        for seq in seqs:
+            n = len(seq.token_ids)
+            if seq.prompt_logprobs and seq.num_computed < seq.prompt_len:
+                spans.append((seq, taken, min(n, seq.prompt_len - seq.num_computed)))
+                pieces.append(torch.arange(row, row + n))
+                taken += n
+                if seq.sample:
+                    sample_rows.append(taken - 1)
+            elif seq.sample:
+                pieces.append(torch.tensor([row + n - 1]))
+                sample_rows.append(taken)
+                taken += 1
+            row += n
+        return cls(torch.cat(pieces).to(device), torch.tensor(sample_rows, dtype=torch.long, device=device), spans)
+
+    def gather(self, logits: torch.Tensor, pending: dict[str, torch.Tensor]) -> list[list]:
+        """``[[rid, [logprobs]]]`` of the prompt tokens of this step; updates ``pending`` (see ModelRunner)."""
+        out = []
+        for seq, first, n in self.spans:
+            logprobs = torch.log_softmax(logits[first:first + n].float(), dim=-1)
+            tokens = torch.tensor(seq.token_ids[:n], dtype=torch.long, device=logits.device)
+            # Row i scores token i + 1 of this chunk; the previous chunk's last row scores token 0.
+            values = logprobs[:-1].gather(1, tokens[1:, None]).squeeze(1)
+            previous = pending.pop(seq.rid, None)
+            if previous is not None:
+                values = torch.cat((previous[tokens[0]].view(1), values))
+            if seq.num_computed + n < seq.prompt_len:
+                pending[seq.rid] = logprobs[-1]
+            out.append([seq.rid, values.tolist()])
+        return out
+
+
 class ModelRunner:
     """Loads this rank's shard of a Hugging Face model folder and runs batched steps over a paged KV pool.
 
@@ -84,18 +155,22 @@ class ModelRunner:
     def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
-                 max_batch_prefill_tokens: int = 4096):
+                 max_batch_prefill_tokens: int = 4096, cuda_memory_fraction: float = 1.0):
         self.rank = rank
         self.world_size = world_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device)
         self.max_position_embeddings = self.model.max_position_embeddings
         self.sampler = Sampler()
         # Rank 0 only, and only for requests with a repetition or frequency penalty.
         self.histories: dict[str, TokenHistory] = {}
+        # Rank 0, prompt logprobs of a chunked prompt: the log-softmax of a chunk's last row, which
+        # scores the first token of the next chunk.
+        self.pending_prompt_rows: dict[str, torch.Tensor] = {}
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0
         if num_blocks is None and kv_cache_bytes is None and self.device.type == "cuda":
@@ -103,6 +178,11 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = self._blocks_for_bytes(kv_cache_bytes if kv_cache_bytes is not None
                                                 else DEFAULT_KV_CACHE_BYTES)
+            if num_blocks < 1:
+                raise WarmupOutOfMemory(f"`--kv-cache-memory` {kv_cache_bytes} bytes cannot hold one KV block "
+                                        f"of {self.block_size} tokens")
+        if self.device.type == "cpu":
+            self._check_host_memory(num_blocks)
         self.kv_cache = self._new_cache(num_blocks)
         self.num_blocks = num_blocks
 
@@ -113,6 +193,22 @@ class ModelRunner:
                                     num_kv_heads=self.model.num_local_kv_heads,
                                     head_dim=self.model.config.head_dim, dtype=self.dtype)
 
+    def _check_host_memory(self, num_blocks: int) -> None:
+        """Refuse a CPU pool the machine cannot back: ``torch.empty`` would succeed (pages are committed
+        lazily) and the kernel's OOM killer would end the process mid-generation instead."""
+        available = _available_host_memory()
+        if available is None:
+            return
+        per_rank = bytes_per_block(num_layers=self.model.num_layers, block_size=self.block_size,
+                                   num_kv_heads=self.model.num_local_kv_heads, head_dim=self.model.config.head_dim,
+                                   dtype=self.dtype) * (num_blocks + 1)
+        # Every rank of a CPU group shares this machine's memory.
+        if per_rank * self.world_size > available:
+            raise WarmupOutOfMemory(
+                f"Not enough memory for the KV cache: {num_blocks} blocks take {per_rank} bytes per rank "
+                f"x {self.world_size} rank(s), but only {available} bytes are available. "
+                f"Decrease `--kv-cache-memory` (or `--num-blocks`)")
+
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
         return PagedKVCache(num_layers=self.model.num_layers, num_blocks=num_blocks, block_size=self.block_size,
                             num_kv_heads=self.model.num_local_kv_heads, head_dim=self.model.config.head_dim,
@@ -120,8 +216,10 @@ class ModelRunner:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def _forward(self, seqs: list[SeqInput], kv_cache: PagedKVCache) -> torch.Tensor | None:
-        """Logits ``[num sampled seqs, vocab]`` (float32) on rank 0, None elsewhere."""
+    def _forward(self, seqs: list[SeqInput], kv_cache: PagedKVCache,
+                 logits_index: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Float32 logits of the rows ``logits_index`` of the flat token batch (default: the last row of
+        every sampled sequence) on rank 0, None elsewhere."""
         query_lens = [len(s.token_ids) for s in seqs]
         num_computed = [s.num_computed for s in seqs]
         block_tables = [s.block_table for s in seqs]
@@ -136,9 +234,10 @@ class ModelRunner:
         meta = self.model.attention_backend.build_metadata(
             query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
             kv_cache=kv_cache, device=self.device)
-        last_rows = list(itertools.accumulate(query_lens))
-        logits_index = torch.tensor([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample],
-                                    dtype=torch.long, device=self.device)
+        if logits_index is None:
+            last_rows = list(itertools.accumulate(query_lens))
+            logits_index = torch.tensor([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample],
+                                        dtype=torch.long, device=self.device)
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
 
     def _synchronize(self) -> None:
@@ -153,22 +252,27 @@ class ModelRunner:
             return StepOutput([], [], [], 0.0, 0.0) if self.rank == 0 else None
         with torch.inference_mode():
             started = time.perf_counter()
-            logits = self._forward(seqs, self.kv_cache)
+            prompt_rows = _PromptLogprobRows.plan(seqs, self.device)
+            logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None)
             self._synchronize()
             forward_done = time.perf_counter()
             if self.rank != 0:
                 return None
+            prompt_logprobs = []
+            if prompt_rows is not None:
+                prompt_logprobs = prompt_rows.gather(logits, self.pending_prompt_rows)
+                logits = logits.index_select(0, prompt_rows.sample_rows)
             sampled = [s for s in seqs if s.sample]
             if not sampled:
                 self._record_histories(seqs, sampled)
-                return StepOutput([], [], [], forward_done - started, 0.0)
+                return StepOutput([], [], [], forward_done - started, 0.0, prompt_logprobs)
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
             token_ids, logprobs = self.sampler(logits, rids, [s.sampling for s in sampled], histories)
             token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,
-                              sample_time=time.perf_counter() - forward_done)
+                              sample_time=time.perf_counter() - forward_done, prompt_logprobs=prompt_logprobs)
 
     def _record_histories(self, seqs: list[SeqInput],
                           sampled: list[SeqInput]) -> list[torch.Tensor | None] | None:
@@ -192,6 +296,7 @@ class ModelRunner:
         self.sampler.drop(rids)
         for rid in rids:
             self.histories.pop(rid, None)
+            self.pending_prompt_rows.pop(rid, None)
 
     # -- warmup ----------------------------------------------------------------------------------
 
@@ -232,10 +337,15 @@ class ModelRunner:
             cache = self.kv_cache
         else:
             cache = self._new_cache(blocks_needed)
-        with torch.inference_mode():
-            logits = self._forward(seqs, cache)
-            if self.rank == 0:
-                self.sampler(logits, [s.rid for s in seqs], [s.sampling for s in seqs])
+        try:
+            with torch.inference_mode():
+                logits = self._forward(seqs, cache)
+                if self.rank == 0:
+                    self.sampler(logits, [s.rid for s in seqs], [s.sampling for s in seqs])
+        except torch.OutOfMemoryError as e:
+            raise WarmupOutOfMemory(
+                f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "
+                f"You need to decrease `--max-batch-prefill-tokens`") from e
         self.sampler.drop([s.rid for s in seqs])
         self._synchronize()
         if not size_from_free_memory:
@@ -243,11 +353,14 @@ class ModelRunner:
         activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated_before - cache.nbytes
         del cache, logits
         torch.cuda.empty_cache()
-        free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(free_bytes * CUDA_MEMORY_FRACTION) - activation_peak
+        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+        usable = free_bytes - (1.0 - self.cuda_memory_fraction) * total_bytes
+        budget = int(usable * CUDA_KV_HEADROOM) - activation_peak
         num_blocks = self._blocks_for_bytes(budget)
         if num_blocks < 1:
-            raise RuntimeError(f"no GPU memory left for the KV cache after warmup: {free_bytes} bytes free, "
-                               f"activation peak {activation_peak} bytes")
+            raise WarmupOutOfMemory(
+                f"no GPU memory left for the KV cache after warmup: {free_bytes} bytes free of {total_bytes}, "
+                f"`--cuda-memory-fraction` {self.cuda_memory_fraction}, activation peak {activation_peak} "
+                f"bytes. Decrease `--max-batch-prefill-tokens` or raise `--cuda-memory-fraction`")
         self.kv_cache = self._new_cache(num_blocks)
         self.num_blocks = num_blocks

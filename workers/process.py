@@ -33,12 +33,15 @@ class WorkerConfig:
     max_batch_prefill_tokens: int = 4096
     dist_init: str | None = None  # torch.distributed init_method; default: a file in the run dir
     runner: str = "model"  # "fake": deterministic tokens without a model (tests, overhead benchmarks)
+    cuda_memory_fraction: float = 1.0
 
 
 @dataclass(slots=True)
 class _RequestState:
     sampling: m.SamplingParams
     block_table: list[int]
+    prompt_len: int
+    prompt_logprobs: bool
 
 
 class StepGap(RuntimeError):
@@ -113,7 +116,8 @@ class Worker:
         self.runner = runner_cls(self.cfg.model_dir, rank=self.cfg.rank, world_size=self.cfg.world_size,
                                   dtype=dtype, device=device, block_size=self.cfg.block_size,
                                   kv_cache_bytes=self.cfg.kv_cache_bytes, num_blocks=self.cfg.num_blocks,
-                                  max_batch_prefill_tokens=self.cfg.max_batch_prefill_tokens)
+                                  max_batch_prefill_tokens=self.cfg.max_batch_prefill_tokens,
+                                  cuda_memory_fraction=self.cfg.cuda_memory_fraction)
         load_s = time.monotonic() - t0
         self.runner.warmup()
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
@@ -139,7 +143,8 @@ class Worker:
             if self.results is not None:
                 send(self.results, m.StepResult(step_id=msg.step_id, rids=out.rids, token_ids=out.token_ids,
                                                 logprobs=out.logprobs, forward_time=out.forward_time,
-                                                sample_time=out.sample_time))
+                                                sample_time=out.sample_time,
+                                                prompt_logprobs=out.prompt_logprobs))
 
     def apply(self, cmd: m.StepCommand) -> list:
         SeqInput = self._seq_input
@@ -148,7 +153,8 @@ class Worker:
                 self.states.pop(rid, None)
             self.runner.drop(cmd.finished_rids)
         for new in cmd.new_requests:
-            self.states[new.rid] = _RequestState(new.sampling, list(new.block_table))
+            self.states[new.rid] = _RequestState(new.sampling, list(new.block_table), new.prompt_len,
+                                                   new.prompt_logprobs)
         for rid, blocks in cmd.added_blocks:
             self.states[rid].block_table.extend(blocks)
         seqs, offset = [], 0
@@ -156,7 +162,8 @@ class Worker:
             state = self.states[rid]
             seqs.append(SeqInput(rid=rid, token_ids=cmd.token_ids[offset:offset + num_new],
                                  num_computed=num_computed, block_table=state.block_table, sample=sample,
-                                 sampling=state.sampling))
+                                 sampling=state.sampling, prompt_len=state.prompt_len,
+                                 prompt_logprobs=state.prompt_logprobs))
             offset += num_new
         return seqs
 

@@ -1,0 +1,215 @@
+"""The transformers fallback (``workers/models/hf_fallback.py``) against transformers itself.
+
+Model types without a native implementation run through transformers' modeling code with a registered
+paged attention function. Tiny GPT-2 (learned absolute positions) and GPT-NeoX (partial rotary)
+checkpoints go through ``ModelRunner`` in a continuous batch and must give transformers' greedy tokens
+and log-probabilities; one GPT-2 serves through the whole ``llmbus up`` stack.
+
+As in ``test_model_runner.py``, weights are re-initialised with a wide normal and every compared
+reference step must have a top-1/top-2 logit margin above ``MIN_MARGIN``, so a match is meaningful.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from harness import Server
+from httputil import post
+from llmbus.workers.attention import make_attention_backend
+from llmbus.workers.model_runner import ModelRunner
+from llmbus.workers.models.hf_fallback import HFFallbackForCausalLM
+
+try:
+    from runner_driver import Request, drive
+except ImportError:
+    from test_model_runner import Request, drive
+
+BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
+NUM_BLOCKS = 96
+MAX_NEW_TOKENS = 10
+MIN_MARGIN = 1e-3
+WEIGHT_STD = 0.3
+VOCAB_SIZE = 500
+# (prompt length, arrival step, prefill chunk): the 37-token prompt's first chunk runs alone (a step that
+# samples nothing), its second beside three fresh prompts (a 1-token one in the decode group), and the
+# 23-token prompt arrives while the others decode.
+WORKLOAD = ((37, 0, 16), (1, 1, None), (4, 1, None), (9, 1, None), (23, 3, None))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _tiny_config(family: str, vocab_size: int, **special_tokens):
+    import transformers
+
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=vocab_size,
+                                       **special_tokens)
+    if family == "gpt_neox":
+        return transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=128, max_position_embeddings=256, rotary_pct=0.5,
+                                          vocab_size=vocab_size, **special_tokens)
+    raise ValueError(family)
+
+
+def _save_tiny(path, config) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, WEIGHT_STD)
+    model.save_pretrained(path)
+
+
+def _greedy(model, prompt: list[int], max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
+    """transformers' float32 greedy continuation of ``prompt`` (EOS ignored) and the log_softmax of each
+    chosen token; every step's top-1/top-2 margin must be decisive."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits)[:, 0].float()
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > MIN_MARGIN, "reference margins too thin to compare tokens"
+    tokens = out.sequences[0, len(prompt):]
+    return tokens.tolist(), torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "gpt_neox"])
+def batched(request, tmp_path_factory):
+    """A tiny checkpoint of the family, transformers' greedy references, and the same prompts run through
+    ModelRunner as one continuous batch."""
+    import transformers
+
+    path = str(tmp_path_factory.mktemp(request.param))
+    _save_tiny(path, _tiny_config(request.param, VOCAB_SIZE, bos_token_id=None, eos_token_id=None,
+                                  pad_token_id=None))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n, _, _ in WORKLOAD]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    references = [_greedy(model, prompt) for prompt in prompts]
+    runner = ModelRunner(path, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=300)
+    runner.warmup()  # uses the pool as scratch: the batch below also checks that this is harmless
+    requests = [Request(rid=f"r{i}", prompt=p, arrival_step=arrival, prefill_chunk=chunk,
+                        max_new_tokens=MAX_NEW_TOKENS)
+                for i, (p, (_, arrival, chunk)) in enumerate(zip(prompts, WORKLOAD))]
+    results = drive(runner, requests)
+    return path, runner, references, [results[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_other_model_types_take_the_fallback_with_their_shapes(batched):
+    _, runner, _, _ = batched
+    model = runner.model
+    assert isinstance(model, HFFallbackForCausalLM)
+    assert (model.num_layers, model.num_local_kv_heads, model.config.head_dim) == (2, 4, 16)
+    assert model.max_position_embeddings == runner.max_position_embeddings == 256  # n_positions for GPT-2
+    assert model.config.vocab_size == VOCAB_SIZE
+
+
+def test_greedy_continuous_batching_matches_transformers(batched):
+    _, _, references, results = batched
+    for i, ((expected, _), result) in enumerate(zip(references, results)):
+        assert result.tokens == expected, f"prompt {i} (length {len(result.prompt)})"
+
+
+def test_logprobs_match_transformers_log_softmax(batched):
+    _, _, references, results = batched
+    for (_, expected), result in zip(references, results):
+        torch.testing.assert_close(torch.tensor(result.logprobs), expected, rtol=0, atol=1e-4)
+
+
+def test_tensor_parallelism_is_refused_clearly(batched):
+    path = batched[0]
+    with pytest.raises(ValueError, match=r"runs through the transformers fallback, which does not support "
+                                         r"tensor parallelism; use --gpus 1"):
+        ModelRunner(path, rank=0, world_size=2, num_blocks=8)
+
+
+def test_sliding_window_layers_match_transformers(tmp_path):
+    import transformers
+
+    if "sliding_windows" not in inspect.signature(make_attention_backend).parameters:
+        pytest.skip("this attention backend has no sliding windows (the fallback limits the context instead)")
+    config = transformers.Starcoder2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                                           sliding_window=8, vocab_size=VOCAB_SIZE, bos_token_id=None,
+                                           eos_token_id=None, pad_token_id=None)
+    _save_tiny(str(tmp_path), config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (13, 5)]  # past the window, and within
+    runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    results = drive(runner, [Request(rid=f"w{i}", prompt=p, max_new_tokens=MAX_NEW_TOKENS, prefill_chunk=6)
+                             for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert results[f"w{i}"].tokens == _greedy(model, prompt)[0]
+
+
+def test_models_whose_attention_cannot_be_paged_fail_at_load(tmp_path):
+    import transformers
+
+    # BLOOM adds ALiBi inside its own attention code, never calling the attention interface.
+    config = transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"model_type 'bloom' cannot run through the transformers fallback: "
+                                         r"its attention does not go through transformers' AttentionInterface"):
+        ModelRunner(str(tmp_path), num_blocks=8)
+
+
+# -- the whole stack ---------------------------------------------------------------------------------
+
+E2E_PROMPTS = ["The quick brown fox jumps over the lazy dog", "Hello", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12"]
+E2E_MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tiny_model_dir, tmp_path_factory):
+    """A tiny GPT-2 with the demo model's tokenizer (vocabulary 4096; <s>=0, </s>=1, <pad>=2)."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("gpt2-served")
+    special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    _save_tiny(path, _tiny_config("gpt2", 4096, **special))
+    transformers.GenerationConfig(**special).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tiny_model_dir / name, path / name)
+    return path
+
+
+def test_served_end_to_end_matches_transformers(gpt2_folder):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpt2_folder, dtype=torch.float32).eval()
+    expected = [_greedy(model, tokenizer(p).input_ids, E2E_MAX_NEW) for p in E2E_PROMPTS]
+
+    server = Server(["--model-id", str(gpt2_folder), "--dtype", "float32", "--max-total-tokens", "256",
+                     "--max-input-tokens", "128", "--max-batch-prefill-tokens", "256", "--num-blocks", "64",
+                     "--block-size", "16"])
+    try:
+        def generate(prompt: str) -> dict:
+            status, _, body = post(f"{server.url}/generate", {
+                "inputs": prompt, "parameters": {"max_new_tokens": E2E_MAX_NEW, "details": True}})
+            assert status == 200, body
+            return body
+
+        with ThreadPoolExecutor(len(E2E_PROMPTS)) as pool:
+            bodies = list(pool.map(generate, E2E_PROMPTS))
+    finally:
+        code = server.stop()
+    assert code == 0, server.stderr.text[-3000:]
+    assert "transformers fallback" in server.stderr.text
+    for prompt, body, (tokens, logprobs) in zip(E2E_PROMPTS, bodies, expected):
+        got = [t["id"] for t in body["details"]["tokens"]]
+        # The server stops at EOS (the reference does not): compare what it generated.
+        assert got == tokens[:len(got)], prompt
+        assert body["details"]["finish_reason"] == ("length" if len(got) == E2E_MAX_NEW else "eos_token")
+        assert body["generated_text"] == tokenizer.decode(got, skip_special_tokens=True)
+        torch.testing.assert_close(torch.tensor([t["logprob"] for t in body["details"]["tokens"]]),
+                                   logprobs[:len(got)], rtol=0, atol=1e-4)
