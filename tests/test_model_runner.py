@@ -3,35 +3,26 @@
 The checkpoints are tiny random Llamas saved with ``save_pretrained``. Random weights give near-tied
 logits, so the weights are re-initialised with a wide normal (std 0.3) and every compared position
 asserts that the reference's top-1/top-2 logit margin exceeds 1e-3: a match is then meaningful, not a
-coin flip between two almost equal logits, and a mismatch is a real bug.
+coin flip between two almost equal logits, and a mismatch is a real bug. The harness (a hand-driven
+scheduler, the reference, the TP=2 run) is ``runner_driver.py``; other model families are in
+``test_model_families.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.workers.kv_cache import PagedKVCache, num_blocks_for_bytes
-from llmbus.workers.model_runner import ModelRunner, SeqInput
+from llmbus.workers.model_runner import ModelRunner
 from llmbus.workers.sampling import Sampler, apply_warpers
 
-BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
-NUM_BLOCKS = 160
-MAX_NEW_TOKENS = 12
-MIN_MARGIN = 1e-3
-PROMPT_LENGTHS = (1, 3, 7, 19, 40)  # a 1-token prompt runs in the decode group; 40 is prefilled in chunks
-WEIGHT_STD = 0.3
-
-
-def _prompts(vocab_size: int) -> list[list[int]]:
-    rng = random.Random(1)
-    return [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+from runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Reference, Request, drive, drive_tensor_parallel,
+                           make_prompts, mixed_requests, reference, widen_weights)
 
 
 def _save_tiny_llama(path: str, *, tied: bool, vocab_size: int) -> None:
@@ -43,38 +34,11 @@ def _save_tiny_llama(path: str, *, tied: bool, vocab_size: int) -> None:
         vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=tied,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no EOS: generate runs all its tokens
     model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, WEIGHT_STD)
+    widen_weights(model)
     # The untied checkpoint is split into several files, so model.safetensors.index.json is read too.
     model.save_pretrained(path, max_shard_size="200KB" if not tied else "1GB")
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     assert (len(files) > 1) == (not tied), files
-
-
-@dataclass
-class Reference:
-    tokens: list[list[int]]  # per prompt, greedy continuation
-    logits: list[torch.Tensor]  # per prompt, [MAX_NEW_TOKENS, vocab] raw logits
-
-
-def _reference(path: str, prompts: list[list[int]]) -> Reference:
-    import transformers
-
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens, logits = [], []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-        generated = out.sequences[0, len(prompt):].tolist()
-        step_logits = torch.stack(out.logits)[:, 0].float()
-        assert len(generated) == MAX_NEW_TOKENS
-        top2 = step_logits.topk(2, dim=-1).values
-        assert (top2[:, 0] - top2[:, 1]).min() > MIN_MARGIN, "reference margins too thin to compare tokens"
-        tokens.append(generated)
-        logits.append(step_logits)
-    return Reference(tokens, logits)
 
 
 @dataclass
@@ -92,8 +56,8 @@ def checkpoint(request, tmp_path_factory) -> Checkpoint:
     vocab_size = 512 if tied else 509
     path = str(tmp_path_factory.mktemp(request.param))
     _save_tiny_llama(path, tied=tied, vocab_size=vocab_size)
-    prompts = _prompts(vocab_size)
-    return Checkpoint(path, tied, prompts, _reference(path, prompts))
+    prompts = make_prompts(vocab_size)
+    return Checkpoint(path, tied, prompts, reference(path, prompts))
 
 
 @pytest.fixture(scope="module")
@@ -104,147 +68,41 @@ def runner(checkpoint):
     return model_runner
 
 
-# -- a minimal scheduler -------------------------------------------------------------------------
-
-
-@dataclass
-class Request:
-    rid: str
-    prompt: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    arrival_step: int = 0
-    prefill_chunk: int | None = None  # None: the whole prompt in one step
-    max_new_tokens: int = MAX_NEW_TOKENS
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return len(self.tokens) >= self.max_new_tokens
-
-
-def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> dict[str, Request]:
-    """Continuous batching by hand: arrivals mid-way, chunked prefills next to decodes, block tables
-    grown on demand from a shuffled free list (so tables are never contiguous), blocks freed on finish.
-
-    ``share_tokens`` lets TP ranks other than 0 learn rank 0's sampled tokens (the scheduler's job)."""
-    free_blocks = list(range(runner.num_blocks))
-    random.Random(0).shuffle(free_blocks)
-    step = 0
-    while not all(r.done for r in requests):
-        scheduled, seqs = [], []
-        for req in requests:
-            if req.done or req.arrival_step > step:
-                continue
-            if req.computed < len(req.prompt):
-                remaining = len(req.prompt) - req.computed
-                take = remaining if req.prefill_chunk is None else min(req.prefill_chunk, remaining)
-                new_tokens = req.prompt[req.computed:req.computed + take]
-            else:
-                new_tokens = [req.tokens[-1]]
-            blocks_needed = -(-(req.computed + len(new_tokens)) // runner.block_size)
-            while len(req.blocks) < blocks_needed:
-                req.blocks.append(free_blocks.pop())
-            sample = req.computed + len(new_tokens) >= len(req.prompt)
-            scheduled.append((req, len(new_tokens), sample))
-            seqs.append(SeqInput(rid=req.rid, token_ids=new_tokens, num_computed=req.computed,
-                                 block_table=list(req.blocks), sample=sample, sampling=req.sampling))
-        out = runner.step(seqs)
-        sampled = ({rid: (t, lp) for rid, t, lp in zip(out.rids, out.token_ids, out.logprobs)}
-                   if out is not None else None)
-        if share_tokens is not None:
-            sampled = share_tokens(sampled)
-        for req, num_new, sample in scheduled:
-            req.computed += num_new
-            if sample:
-                token, logprob = sampled[req.rid]
-                req.tokens.append(token)
-                req.logprobs.append(logprob)
-            if req.done:
-                free_blocks.extend(req.blocks)
-                req.blocks = []
-                runner.drop([req.rid])
-        step += 1
-    return {r.rid: r for r in requests}
-
-
-def _mixed_requests(prompts: list[list[int]]) -> list[Request]:
-    # Step 0: a 1-token prompt (decode group) beside two prompts of different lengths (padded prefill
-    # group). Step 4: the 40-token prompt's second chunk (offset 16) beside a fresh 19-token prompt, with
-    # the first three decoding; its chunks take 3 steps, sampling only after the last one.
-    arrivals = (0, 0, 0, 4, 3)
-    chunks = (None, None, None, None, 16)
-    return [Request(rid=f"r{i}", prompt=p, arrival_step=a, prefill_chunk=c)
-            for i, (p, a, c) in enumerate(zip(prompts, arrivals, chunks))]
-
-
 # -- greedy exactness ----------------------------------------------------------------------------
 
 
 def test_greedy_one_at_a_time_matches_transformers(checkpoint, runner):
-    prompts, reference = checkpoint.prompts, checkpoint.reference
+    prompts, ref = checkpoint.prompts, checkpoint.reference
     for i, prompt in enumerate(prompts):
         result = drive(runner, [Request(rid=f"solo{i}", prompt=prompt)])[f"solo{i}"]
-        assert result.tokens == reference.tokens[i], f"prompt {i} (length {len(prompt)})"
+        assert result.tokens == ref.tokens[i], f"prompt {i} (length {len(prompt)})"
 
 
 def test_greedy_continuous_batching_matches_transformers(checkpoint, runner):
-    prompts, reference = checkpoint.prompts, checkpoint.reference
-    results = drive(runner, _mixed_requests(prompts))
+    prompts, ref = checkpoint.prompts, checkpoint.reference
+    results = drive(runner, mixed_requests(prompts))
     for i in range(len(prompts)):
-        assert results[f"r{i}"].tokens == reference.tokens[i], f"prompt {i} (length {len(prompts[i])})"
+        assert results[f"r{i}"].tokens == ref.tokens[i], f"prompt {i} (length {len(prompts[i])})"
 
 
 def test_greedy_logprobs_match_transformers_log_softmax(checkpoint, runner):
-    prompts, reference = checkpoint.prompts, checkpoint.reference
-    results = drive(runner, _mixed_requests(prompts))
+    prompts, ref = checkpoint.prompts, checkpoint.reference
+    results = drive(runner, mixed_requests(prompts))
     for i in range(len(prompts)):
-        expected = torch.log_softmax(reference.logits[i], dim=-1)
-        expected = expected.gather(1, torch.tensor(reference.tokens[i])[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(results[f"r{i}"].logprobs), expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(results[f"r{i}"].logprobs), ref.greedy_logprobs(i),
+                                   rtol=0, atol=1e-4)
 
 
 # -- tensor parallelism --------------------------------------------------------------------------
 
 
-def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_file: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                         world_size=world_size)
-    try:
-        tp_runner = ModelRunner(model_dir, rank=rank, world_size=world_size, block_size=BLOCK_SIZE,
-                                num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
-        tp_runner.warmup()
-
-        def share_tokens(sampled):
-            box = [sampled]
-            torch.distributed.broadcast_object_list(box, src=0)
-            return box[0]
-
-        with open(os.path.join(model_dir, "prompts.json")) as f:
-            prompts = json.load(f)
-        results = drive(tp_runner, _mixed_requests(prompts), share_tokens=share_tokens)
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump({rid: [r.tokens, r.logprobs] for rid, r in results.items()}, f)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def test_tensor_parallel_2_matches_single_rank(checkpoint, runner, tmp_path):
-    model_dir, prompts, reference = checkpoint.path, checkpoint.prompts, checkpoint.reference
-    with open(os.path.join(model_dir, "prompts.json"), "w") as f:
-        json.dump(prompts, f)
-    out_file = str(tmp_path / "tp_out.json")
-    torch.multiprocessing.spawn(_tp_worker, args=(2, model_dir, str(tmp_path / "init"), out_file), nprocs=2)
-    with open(out_file) as f:
-        tp_results = json.load(f)
-    single = drive(runner, _mixed_requests(prompts))
+    prompts, ref = checkpoint.prompts, checkpoint.reference
+    tp_results = drive_tensor_parallel(checkpoint.path, {"mixed": mixed_requests(prompts)}, str(tmp_path))["mixed"]
+    single = drive(runner, mixed_requests(prompts))
     for i in range(len(prompts)):
         tp_tokens, tp_logprobs = tp_results[f"r{i}"]
-        assert tp_tokens == single[f"r{i}"].tokens == reference.tokens[i]
+        assert tp_tokens == single[f"r{i}"].tokens == ref.tokens[i]
         torch.testing.assert_close(torch.tensor(tp_logprobs), torch.tensor(single[f"r{i}"].logprobs),
                                    rtol=0, atol=1e-4)
 
@@ -276,17 +134,14 @@ def test_rope_scaling_matches_transformers(variant, tmp_path):
         vocab_size=512, max_position_embeddings=24, bos_token_id=None, eos_token_id=None, pad_token_id=None,
         rope_parameters={**ROPE_VARIANTS[variant], "rope_theta": 10000.0})
     model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, WEIGHT_STD)
+    widen_weights(model)
     model.save_pretrained(str(tmp_path))
-    prompts = [p for p in _prompts(512) if 1 < len(p) < 24]
-    reference = _reference(str(tmp_path), prompts)
+    prompts = [p for p in make_prompts(512) if 1 < len(p) < 24]
+    ref = reference(str(tmp_path), prompts)
     rope_runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=64)
     results = drive(rope_runner, [Request(rid=f"p{i}", prompt=p, arrival_step=i) for i, p in enumerate(prompts)])
     for i in range(len(prompts)):
-        assert results[f"p{i}"].tokens == reference.tokens[i], f"prompt {i} (length {len(prompts[i])})"
+        assert results[f"p{i}"].tokens == ref.tokens[i], f"prompt {i} (length {len(prompts[i])})"
 
 
 def test_legacy_rope_config_keys_are_read():

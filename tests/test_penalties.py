@@ -10,8 +10,8 @@ from llmbus.bus.messages import SamplingParams
 from llmbus.workers.model_runner import ModelRunner, TokenHistory
 from llmbus.workers.sampling import Sampler, apply_penalties, apply_warpers
 
-from test_model_runner import (BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, _prompts,
-                               _save_tiny_llama, drive)
+from runner_driver import BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive, make_prompts
+from test_model_runner import _save_tiny_llama
 
 VOCAB = 300
 
@@ -119,7 +119,7 @@ def penalty_checkpoint(tmp_path_factory):
 
     path = str(tmp_path_factory.mktemp("penalties"))
     _save_tiny_llama(path, tied=True, vocab_size=512)
-    prompts = _prompts(512)
+    prompts = make_prompts(512)
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     references = {}
     for penalty in (1.0, PENALTY):

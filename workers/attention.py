@@ -7,6 +7,13 @@ the portable path: it gathers each sequence's K/V into a padded ``[B, max_ctx]``
 its length. Single-token queries (decodes) and multi-token queries (prefills, chunks) are separate
 groups, so one long prompt does not pad every decode row to its length. A flash-attention backend for
 CUDA can implement the same two methods over the same cache layout.
+
+Sliding-window attention (Mistral, Qwen2's windowed layers) is one more mask term: a query at position
+``q`` sees the keys ``k`` with ``q - window < k <= q``, transformers' ``sliding_window_overlay``. The
+backend is told each layer's window (None: full attention) when it is made, and ``build_metadata`` builds
+one mask per distinct window per group, so a model whose layers all share a window (or none) pays for
+one mask, and one mixing full and windowed layers for two. Keys outside the window stay in the cache and
+are still gathered, only masked out: the scheduler owns a request's blocks and frees none before it ends.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ class AttentionGroup:
     token_index: torch.Tensor | None  # [Tg] rows of the step's flat token batch in this group; None: all, in order
     padded_row: torch.Tensor | None  # [Tg] row of each token in the [batch * max_query_len] layout; None: no padding
     slot_index: torch.Tensor  # [batch, max_ctx] KV slot of each context position, the padding slot past the end
-    mask: torch.Tensor  # [batch, 1, max_query_len, max_ctx] True where the query may attend the key
+    # [batch, 1, max_query_len, max_ctx] True where the query may attend the key: one mask per distinct
+    # window of the backend (``TorchSDPABackend.windows``), in that order.
+    masks: tuple[torch.Tensor, ...]
 
 
 @dataclass(slots=True)
@@ -49,6 +58,13 @@ class TorchSDPABackend:
     """Portable paged attention: gather K/V by slot, then ``F.scaled_dot_product_attention``."""
 
     name = "torch_sdpa"
+
+    def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = ()):
+        """``sliding_windows[layer]``: that layer's window in tokens, None for full attention (layers
+        not listed attend fully)."""
+        windows = list(dict.fromkeys(sliding_windows)) or [None]
+        self.windows: tuple[int | None, ...] = tuple(windows)
+        self.mask_of_layer: tuple[int, ...] = tuple(windows.index(w) for w in sliding_windows)
 
     def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
                        kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
@@ -115,11 +131,23 @@ class TorchSDPABackend:
             # Padded query rows (beyond a sequence's length) still see its whole context: never a fully
             # masked row, so SDPA returns finite values that are then dropped.
             mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
+            masks = tuple(self._windowed(mask, key_pos, query_pos, context_lens, window).unsqueeze(1)
+                          for window in self.windows)
             groups.append(AttentionGroup(batch=batch, max_query_len=max_query_len,
                                          token_index=None if group_tokens == num_tokens else token_index,
-                                         padded_row=padded_row, slot_index=slot_index,
-                                         mask=mask.unsqueeze(1)))
+                                         padded_row=padded_row, slot_index=slot_index, masks=masks))
         return AttentionMetadata(positions=positions, slot_mapping=slot_mapping, groups=groups)
+
+    @staticmethod
+    def _windowed(mask: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor,
+                  context_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+        """``mask`` restricted to the keys less than ``window`` positions behind each query."""
+        if window is None or window >= key_pos.numel():  # every key is inside every query's window
+            return mask
+        # Padded query rows take the window of their sequence's last token, so they are never fully
+        # masked either.
+        last_pos = torch.minimum(query_pos, context_lens[:, None] - 1)
+        return mask & (key_pos[None, None, :] > (last_pos - window)[:, :, None])
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -131,6 +159,7 @@ class TorchSDPABackend:
         num_heads, head_dim = query.shape[1], query.shape[2]
         grouped_query = num_heads != key.shape[1]
         out = None if len(meta.groups) == 1 else torch.empty_like(query)
+        mask_index = self.mask_of_layer[layer] if len(self.windows) > 1 else 0
         for group in meta.groups:
             batch, max_q = group.batch, group.max_query_len
             group_queries = query if group.token_index is None else query.index_select(0, group.token_index)
@@ -144,7 +173,7 @@ class TorchSDPABackend:
             values = value_slots[group.slot_index]
             attended = F.scaled_dot_product_attention(
                 padded_queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=group.mask, scale=scale, enable_gqa=grouped_query)
+                attn_mask=group.masks[mask_index], scale=scale, enable_gqa=grouped_query)
             attended = attended.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
             if group.padded_row is not None:
                 attended = attended.index_select(0, group.padded_row)
@@ -154,6 +183,8 @@ class TorchSDPABackend:
         return out
 
 
-def make_attention_backend(device: torch.device) -> TorchSDPABackend:
-    """The attention backend for ``device``; SDPA everywhere for now (it picks fused kernels itself)."""
-    return TorchSDPABackend()
+def make_attention_backend(device: torch.device,
+                           sliding_windows: list[int | None] | tuple[int | None, ...] = ()) -> TorchSDPABackend:
+    """The attention backend for ``device``; SDPA everywhere for now (it picks fused kernels itself).
+    ``sliding_windows``: each layer's window, None for full attention (see ``TorchSDPABackend``)."""
+    return TorchSDPABackend(sliding_windows)

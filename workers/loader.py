@@ -3,7 +3,8 @@
 Each rank reads only its own slices through ``safe_open(...).get_slice(name)[...]``: a tensor-parallel
 rank never materialises a full sharded weight. Both a single ``model.safetensors`` and a sharded
 ``model.safetensors.index.json`` are handled. Which weights are sliced along which dimension is the
-model's business (see ``models/llama.py``); this module only reads.
+model's business (see ``models/llama.py``, which serves the ``model_type``s llama, mistral and qwen2);
+this module only reads.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
 
     config = read_config(model_dir)
     model_type = config.get("model_type")
-    builders = {"llama": llama.LlamaForCausalLM}
+    builders = {"llama": llama.LlamaForCausalLM, "mistral": llama.LlamaForCausalLM, "qwen2": llama.LlamaForCausalLM}
     log = structlog.get_logger("llmbus.workers")
     if model_type not in builders:
         # Any other causal LM runs through transformers' modeling code over the same paged KV cache.

@@ -1,4 +1,5 @@
-"""A native Llama-family decoder over a paged KV cache, tensor-parallel across ranks.
+"""A native Llama-family decoder over a paged KV cache, tensor-parallel across ranks: serves the
+``model_type``s "llama", "mistral" and "qwen2".
 
 The forward pass works on one flat ``[T, hidden]`` batch: the new tokens of every sequence of a step,
 concatenated. Attention is delegated to a backend (``workers/attention.py``) that knows how the tokens
@@ -10,8 +11,10 @@ all-reduce; the embedding and the LM head are split over the vocabulary. Project
 time (one QKV matmul, one gate/up matmul) so a layer runs two matmuls before attention and two after.
 
 Variants fit through ``DecoderConfig``: biases are loaded whenever the checkpoint has them (Llama's
-``attention_bias``/``mlp_bias``, Qwen2's q/k/v biases), and a sliding window would be a mask term in
-the attention backend.
+``attention_bias``/``mlp_bias``, Qwen2's q/k/v biases), and each layer's sliding window (Mistral's
+``sliding_window``, Qwen2's ``layer_types`` or ``use_sliding_window``/``max_window_layers``) is a mask
+term in the attention backend. Keys that slide out of a window keep their KV blocks until the request
+ends (the scheduler owns the blocks); they are only masked.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class DecoderConfig:
     tie_word_embeddings: bool
     rope_theta: float
     rope_scaling: dict  # {"rope_type": ..., "factor": ..., ...}; {"rope_type": "default"} when none
+    # Per layer: a query at position q attends the keys k with q - window < k <= q; None: every k <= q.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -67,7 +72,34 @@ class DecoderConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rope_theta=float(rope_theta),
             rope_scaling=rope,
+            sliding_windows=_sliding_windows(config),
         )
+
+
+DEFAULT_SLIDING_WINDOW = 4096  # MistralConfig's and Qwen2Config's when config.json has no sliding_window
+
+
+def _sliding_windows(config: dict) -> tuple[int | None, ...]:
+    """Each layer's attention window, read as transformers' config class of ``model_type`` reads it."""
+    num_layers = config["num_hidden_layers"]
+    model_type = config.get("model_type", "llama")
+    if model_type == "mistral":  # one window for every layer; null means full attention
+        return (config.get("sliding_window", DEFAULT_SLIDING_WINDOW),) * num_layers
+    if model_type == "qwen2":
+        # Qwen2Config drops the window unless use_sliding_window; then transformers 5's layer_types
+        # names each layer's kind, and older configs window the layers from max_window_layers on.
+        window = (config.get("sliding_window", DEFAULT_SLIDING_WINDOW) if config.get("use_sliding_window", False)
+                  else None)
+        if window is None:
+            return (None,) * num_layers
+        layer_types = config.get("layer_types")
+        if layer_types is None:
+            first = config.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return (None,) * num_layers
 
 
 class TensorParallel:
@@ -244,7 +276,7 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings, device)
         self.max_position_embeddings = self.rotary.max_positions
-        self.attention_backend = make_attention_backend(device)
+        self.attention_backend = make_attention_backend(device, config.sliding_windows)
         self.dtype = embed_weight.dtype
         self.device = device
 

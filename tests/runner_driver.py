@@ -1,0 +1,192 @@
+"""Driving a ModelRunner by hand and checking it against transformers (shared by the model-runner tests).
+
+A minimal scheduler (``Request``, ``drive``), the mixed continuous-batching workload, the transformers
+reference with its top-1/top-2 margin check, and a two-rank tensor-parallel run. Random weights give
+near-tied logits, so checkpoints are re-initialised with a wide normal (``widen_weights``) and every
+compared reference position must have a top-1/top-2 logit margin above ``MIN_MARGIN``: a token match is
+then meaningful, not a coin flip between two almost equal logits, and a mismatch is a real bug.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from llmbus.bus.messages import SamplingParams
+from llmbus.workers.model_runner import ModelRunner, SeqInput
+
+BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
+NUM_BLOCKS = 160
+MAX_NEW_TOKENS = 12
+MIN_MARGIN = 1e-3
+PROMPT_LENGTHS = (1, 3, 7, 19, 40)  # a 1-token prompt runs in the decode group; 40 is prefilled in chunks
+WEIGHT_STD = 0.3
+
+
+def make_prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def widen_weights(model) -> None:
+    """Matrices and biases drawn from N(0, WEIGHT_STD) (norm weights stay ones), for clear margins."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1 or name.endswith(".bias"):
+                param.normal_(0.0, WEIGHT_STD)
+
+
+@dataclass
+class Reference:
+    tokens: list[list[int]]  # per prompt, greedy continuation
+    logits: list[torch.Tensor]  # per prompt, [MAX_NEW_TOKENS, vocab] raw logits
+
+    def greedy_logprobs(self, i: int) -> torch.Tensor:
+        """transformers' log_softmax of prompt ``i``'s greedy tokens, ``[MAX_NEW_TOKENS]``."""
+        logprobs = torch.log_softmax(self.logits[i], dim=-1)
+        return logprobs.gather(1, torch.tensor(self.tokens[i])[:, None]).squeeze(1)
+
+
+def reference(path: str, prompts: list[list[int]], *, check_margins: bool = True, **config_overrides) -> Reference:
+    """transformers' float32 greedy ``generate`` of every prompt, one at a time; ``config_overrides``
+    go to ``from_pretrained`` (to run the same weights under another attention pattern)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              **config_overrides).eval()
+    tokens, logits = [], []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        generated = out.sequences[0, len(prompt):].tolist()
+        step_logits = torch.stack(out.logits)[:, 0].float()
+        assert len(generated) == MAX_NEW_TOKENS
+        if check_margins:
+            top2 = step_logits.topk(2, dim=-1).values
+            assert (top2[:, 0] - top2[:, 1]).min() > MIN_MARGIN, "reference margins too thin to compare tokens"
+        tokens.append(generated)
+        logits.append(step_logits)
+    return Reference(tokens, logits)
+
+
+# -- a minimal scheduler -------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_step: int = 0
+    prefill_chunk: int | None = None  # None: the whole prompt in one step
+    max_new_tokens: int = MAX_NEW_TOKENS
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_new_tokens
+
+
+def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> dict[str, Request]:
+    """Continuous batching by hand: arrivals mid-way, chunked prefills next to decodes, block tables
+    grown on demand from a shuffled free list (so tables are never contiguous), blocks freed on finish.
+
+    ``share_tokens`` lets TP ranks other than 0 learn rank 0's sampled tokens (the scheduler's job)."""
+    free_blocks = list(range(runner.num_blocks))
+    random.Random(0).shuffle(free_blocks)
+    step = 0
+    while not all(r.done for r in requests):
+        scheduled, seqs = [], []
+        for req in requests:
+            if req.done or req.arrival_step > step:
+                continue
+            if req.computed < len(req.prompt):
+                remaining = len(req.prompt) - req.computed
+                take = remaining if req.prefill_chunk is None else min(req.prefill_chunk, remaining)
+                new_tokens = req.prompt[req.computed:req.computed + take]
+            else:
+                new_tokens = [req.tokens[-1]]
+            blocks_needed = -(-(req.computed + len(new_tokens)) // runner.block_size)
+            while len(req.blocks) < blocks_needed:
+                req.blocks.append(free_blocks.pop())
+            sample = req.computed + len(new_tokens) >= len(req.prompt)
+            scheduled.append((req, len(new_tokens), sample))
+            seqs.append(SeqInput(rid=req.rid, token_ids=new_tokens, num_computed=req.computed,
+                                 block_table=list(req.blocks), sample=sample, sampling=req.sampling))
+        out = runner.step(seqs)
+        sampled = ({rid: (t, lp) for rid, t, lp in zip(out.rids, out.token_ids, out.logprobs)}
+                   if out is not None else None)
+        if share_tokens is not None:
+            sampled = share_tokens(sampled)
+        for req, num_new, sample in scheduled:
+            req.computed += num_new
+            if sample:
+                token, logprob = sampled[req.rid]
+                req.tokens.append(token)
+                req.logprobs.append(logprob)
+            if req.done:
+                free_blocks.extend(req.blocks)
+                req.blocks = []
+                runner.drop([req.rid])
+        step += 1
+    return {r.rid: r for r in requests}
+
+
+def mixed_requests(prompts: list[list[int]]) -> list[Request]:
+    """Request ``r{i}`` per prompt of ``PROMPT_LENGTHS``, in a continuous batch.
+
+    Step 0: a 1-token prompt (decode group) beside two prompts of different lengths (padded prefill
+    group). Step 4: the 40-token prompt's second chunk (offset 16) beside a fresh 19-token prompt, with
+    the first three decoding; its chunks take 3 steps, sampling only after the last one."""
+    arrivals = (0, 0, 0, 4, 3)
+    chunks = (None, None, None, None, 16)
+    return [Request(rid=f"r{i}", prompt=p, arrival_step=a, prefill_chunk=c)
+            for i, (p, a, c) in enumerate(zip(prompts, arrivals, chunks))]
+
+
+# -- tensor parallelism --------------------------------------------------------------------------
+
+
+def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_file: str,
+               batches: dict[str, list[Request]]) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                         world_size=world_size)
+    try:
+        tp_runner = ModelRunner(model_dir, rank=rank, world_size=world_size, block_size=BLOCK_SIZE,
+                                num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+        tp_runner.warmup()
+
+        def share_tokens(sampled):
+            box = [sampled]
+            torch.distributed.broadcast_object_list(box, src=0)
+            return box[0]
+
+        results = {name: {rid: [r.tokens, r.logprobs]
+                          for rid, r in drive(tp_runner, requests, share_tokens=share_tokens).items()}
+                   for name, requests in batches.items()}
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(results, f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def drive_tensor_parallel(model_dir: str, batches: dict[str, list[Request]], work_dir: str,
+                          world_size: int = 2) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """``drive`` each batch in turn on ``world_size`` gloo ranks (one spawn for all of them); per batch
+    name, rank 0's ``{rid: (tokens, logprobs)}``."""
+    out_file = os.path.join(work_dir, "tp_out.json")
+    init_file = os.path.join(work_dir, "tp_init")
+    torch.multiprocessing.spawn(_tp_worker, args=(world_size, model_dir, init_file, out_file, batches),
+                                nprocs=world_size)
+    with open(out_file) as f:
+        return {name: {rid: (tokens, logprobs) for rid, (tokens, logprobs) in results.items()}
+                for name, results in json.load(f).items()}
