@@ -20,6 +20,12 @@ _UNBOUNDED = 10**9
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 
+def config_max_positions(model_config: dict) -> int | None:
+    """The positions a model's ``config.json`` says it can embed, whatever its family calls them."""
+    return next((model_config[k] for k in _LENGTH_KEYS if isinstance(model_config.get(k), int)
+                 and not isinstance(model_config[k], bool) and model_config[k] > 0), None)
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -106,8 +112,7 @@ def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
             special.add(token_id)
 
     lengths = []
-    positions = next((model_config[k] for k in _LENGTH_KEYS if isinstance(model_config.get(k), int)
-                      and not isinstance(model_config[k], bool) and model_config[k] > 0), None)
+    positions = config_max_positions(model_config)
     if positions is not None:
         lengths.append(positions)
     mml = tok_config.get("model_max_length")

@@ -65,6 +65,7 @@ def main() -> None:
 def up(**kw) -> None:
     """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
     from llmbus.bus.rundir import RunDir, RunDirInUse
+    from llmbus.frontend.tokenizer import config_max_positions
     from llmbus.supervisor.launcher import Launcher
     from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_model
 
@@ -75,7 +76,8 @@ def up(**kw) -> None:
         model_dir = resolve_model(kw["model_id"], revision=kw["revision"], cache_dir=kw["huggingface_hub_cache"])
     except ModelNotFound as e:
         raise click.ClickException(str(e)) from None
-    max_positions = int(read_config(model_dir).get("max_position_embeddings") or 2048)
+    # GPT-2 and friends call it n_positions: a default above it would crash the model at long requests.
+    max_positions = config_max_positions(read_config(model_dir)) or 2048
     max_total = kw["max_total_tokens"] or max_positions
     max_input = kw["max_input_tokens"] if kw["max_input_tokens"] is not None else max_total - 1
     max_prefill = kw["max_batch_prefill_tokens"] or max(4096, max_input)

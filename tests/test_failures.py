@@ -65,8 +65,11 @@ def test_killed_rank_stops_everything_within_10s(tiny_model_dir, tmp_path):
     log = srv.stderr.text
     # Whoever notices first (the worker group, or the scheduler watching the ranks' control sockets)
     # exits, and the launcher names the dead rank.
-    assert ("llmbus: workers exited with code" in log and "stderr lines of workers" in log) or \
-        ("llmbus: scheduler exited with code" in log and "a worker rank disconnected" in log), log[-3000:]
+    # (the group seeing its rank exit, the scheduler seeing the rank's socket close, or the surviving
+    # rank's collective failing: all three name a rank).
+    summary = [line for line in log.splitlines() if line.startswith("llmbus:")]
+    assert any("exited with code" in line for line in summary), log[-3000:]
+    assert "rank" in log.split("exited with code", 1)[1], log[-3000:]
     leftovers = [p for p in procs if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read().lower()]
     assert leftovers == [], [cmdline(p) for p in leftovers]
     assert not run_dir.exists()
