@@ -231,4 +231,4 @@ def test_kv_pool_sizing_fits_the_budget():
     pool = PagedKVCache(num_blocks=num_blocks, device="cpu", **shape)
     assert pool.nbytes <= budget
     assert PagedKVCache(num_blocks=num_blocks + 1, device="cpu", **shape).nbytes > budget
-    assert pool.key[:, num_blocks].abs().sum() == 0  # the padding block is readable zeros
+    assert pool.key[:, :, num_blocks].abs().sum() == 0  # the padding block is readable zeros

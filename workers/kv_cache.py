@@ -1,8 +1,10 @@
 """The paged KV block pool of one rank.
 
 The scheduler owns block ids ``0 .. num_blocks - 1`` and hands them to requests; this module only holds
-the memory. One K and one V tensor cover every layer, ``[num_layers, num_blocks + 1, block_size,
-num_kv_heads_per_rank, head_dim]``, allocated once: blocks are overwritten in place, never reallocated.
+the memory. One K and one V tensor cover every layer, ``[num_layers, num_kv_heads_per_rank,
+num_blocks + 1, block_size, head_dim]``, allocated once: blocks are overwritten in place, never
+reallocated. Heads come before blocks so that gathering a batch's context by slot yields
+``[heads, batch, context, head_dim]`` directly, the layout batched attention matmuls consume.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ def num_blocks_for_bytes(budget_bytes: int, *, num_layers: int, block_size: int,
 class PagedKVCache:
     """Preallocated K/V storage addressed by (block id, offset in block), for every layer of one rank.
 
-    Block ``num_blocks`` (one past the scheduler's range) is a private padding block: padded gather
-    indices point at it, so attention never reads uninitialised memory (a NaN bit pattern there would
-    survive masking, since 0 * NaN is NaN). Only that block is zeroed; the rest stays ``torch.empty``
-    because every slot a sequence reads was written by that sequence first.
+    Block ``num_blocks`` (one past the scheduler's range) is a private padding block that padded block
+    tables point at. Attention gathers whole blocks, so it also reads the unwritten tail of a sequence's
+    last block (masked, but a NaN bit pattern would survive masking, since 0 * NaN is NaN): the pool is
+    zeroed once at allocation, after which every slot holds finite values. Zeroing also commits the
+    memory at startup, so a pool the machine cannot back fails there rather than mid-generation.
     """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -43,25 +46,27 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.key = torch.empty(shape, dtype=dtype, device=device)
-        self.value = torch.empty(shape, dtype=dtype, device=device)
-        self.key[:, num_blocks].zero_()
-        self.value[:, num_blocks].zero_()
+        shape = (num_layers, num_kv_heads, num_blocks + 1, block_size, head_dim)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)
+        self.value = torch.zeros(shape, dtype=dtype, device=device)
         # Flat slot views per layer: slot = block_id * block_size + offset. Views share the storage.
-        flat_shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        flat_shape = (num_layers, num_kv_heads, (num_blocks + 1) * block_size, head_dim)
         self.key_slots = self.key.view(flat_shape)
         self.value_slots = self.value.view(flat_shape)
 
     @property
     def padding_slot(self) -> int:
-        """A slot that always holds finite values; padded gather positions read it."""
+        """A slot no sequence owns (the first of the padding block)."""
         return self.num_blocks * self.block_size
 
     @property
     def nbytes(self) -> int:
         return self.key.nbytes + self.value.nbytes
 
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[num_kv_heads, num_blocks + 1, block_size, head_dim]`` K and V views of one layer."""
+        return self.key[layer], self.value[layer]
+
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[(num_blocks + 1) * block_size, num_kv_heads, head_dim]`` K and V views of one layer."""
+        """``[num_kv_heads, (num_blocks + 1) * block_size, head_dim]`` K and V views of one layer."""
         return self.key_slots[layer], self.value_slots[layer]

@@ -55,6 +55,9 @@ class CheckpointReader:
         self._stack.close()
         self._handles.clear()
 
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
     def has(self, name: str) -> bool:
         return name in self._file_of
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from llmbus.workers.attention import AttentionMetadata, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.linear import Linear
 
 
 @dataclass(slots=True)
@@ -213,21 +214,23 @@ class LlamaAttention:
     def __init__(self, *, layer: int, qkv_weight, qkv_bias, o_weight, o_bias, num_heads: int, num_kv_heads: int,
                  head_dim: int, tp: TensorParallel):
         self.layer = layer
-        self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias
-        self.o_weight, self.o_bias = o_weight, o_bias
+        self.qkv = Linear(qkv_weight, qkv_bias)
+        self.o_proj = Linear(o_weight)
+        self.o_bias = o_bias
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.split_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.qk_width = (num_heads + num_kv_heads) * head_dim
         self.scale = head_dim ** -0.5
         self.tp = tp
 
     def __call__(self, hidden, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
-        query, key, value = F.linear(hidden, self.qkv_weight, self.qkv_bias).split(self.split_sizes, dim=-1)
-        query = apply_rotary(query.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        key = apply_rotary(key.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(hidden)
+        # Queries and keys side by side get one rotary application instead of two.
+        qk = apply_rotary(qkv[:, :self.qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
+        query, key = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        value = qkv[:, self.qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attended = backend.forward(self.layer, query, key, value, kv_cache, meta, self.scale)
-        out = self.tp.all_reduce(F.linear(attended.view(num_tokens, -1), self.o_weight))
+        out = self.tp.all_reduce(self.o_proj(attended.reshape(num_tokens, -1)))
         # The bias of a row-parallel layer is added once, after the reduction.
         return out + self.o_bias if self.o_bias is not None else out
 
@@ -236,13 +239,14 @@ class LlamaMLP:
     """SwiGLU with a fused column-parallel gate/up projection and a row-parallel down projection."""
 
     def __init__(self, *, gate_up_weight, gate_up_bias, down_weight, down_bias, tp: TensorParallel):
-        self.gate_up_weight, self.gate_up_bias = gate_up_weight, gate_up_bias
-        self.down_weight, self.down_bias = down_weight, down_bias
+        self.gate_up = Linear(gate_up_weight, gate_up_bias)
+        self.down = Linear(down_weight)
+        self.down_bias = down_bias
         self.tp = tp
 
     def __call__(self, hidden):
-        gate, up = F.linear(hidden, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        out = self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        gate, up = self.gate_up(hidden).chunk(2, dim=-1)
+        out = self.tp.all_reduce(self.down(F.silu(gate).mul_(up)))
         return out + self.down_bias if self.down_bias is not None else out
 
 
@@ -268,7 +272,7 @@ class LlamaForCausalLM:
         self.embed_weight = embed_weight  # [vocab_per_rank, hidden], zero rows past the real vocabulary
         self.layers = layers
         self.norm = norm
-        self.lm_head_weight = lm_head_weight  # [vocab_per_rank, hidden]; the embedding itself when tied
+        self.lm_head = Linear(lm_head_weight)  # [vocab_per_rank, hidden] rows; a packed copy when tied
         self.vocab_per_rank = embed_weight.shape[0]
         self.vocab_start = tp.rank * self.vocab_per_rank
         self.num_local_heads = config.num_heads // tp.world_size
@@ -308,7 +312,7 @@ class LlamaForCausalLM:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32) if self.tp.rank == 0 else None
         # The final norm is per token, so it only runs on the rows that need logits.
         last_hidden = self.norm(hidden.index_select(0, logits_index))
-        logits = self.tp.gather_last_dim_to_first_rank(F.linear(last_hidden, self.lm_head_weight))
+        logits = self.tp.gather_last_dim_to_first_rank(self.lm_head(last_hidden))
         if logits is None:
             return None
         return logits[:, : self.config.vocab_size].float()
