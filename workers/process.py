@@ -95,6 +95,12 @@ class Worker:
         send(self.control, m.WorkerHello(rank=self.cfg.rank, world_size=self.cfg.world_size, pid=os.getpid()))
         device = resolve_device(self.cfg.device, self.cfg.rank)
         dtype = resolve_dtype(self.cfg.dtype, device)
+        if self.cfg.dtype == "auto" and self.cfg.rank == 0:
+            why = {("cpu", torch.bfloat16): "this CPU runs bf16 matmuls natively (oneDNN: avx512_bf16/AMX)",
+                   ("cpu", torch.float32): "this CPU has no native bf16 matmuls; bf16 would be emulated",
+                   ("cuda", torch.bfloat16): "the GPU supports bf16",
+                   ("cuda", torch.float16): "the GPU lacks bf16"}.get((device.type, dtype), "")
+            self.log.info("dtype auto", dtype=str(dtype).removeprefix("torch."), device=str(device), reason=why)
         if device.type == "cpu":
             # Ranks share the machine's cores; oversubscribing them makes every rank slower.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.cfg.world_size))
