@@ -17,7 +17,8 @@ from llmbus.frontend.detokenizer import IncrementalDetokenizer
 
 # transformers' "no limit" sentinel for model_max_length is 1e30; anything this large means "unknown".
 _UNBOUNDED = 10**9
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "n_ctx")
 
 
 def config_max_positions(model_config: dict) -> int | None:

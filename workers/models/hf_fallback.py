@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmbus.frontend.tokenizer import config_max_positions
 from llmbus.workers.attention import AttentionMetadata, TorchSDPABackend, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
 
@@ -43,8 +44,6 @@ DEFAULT_MAX_POSITIONS = 2048  # when the config names no context length
 # The step of the forward running on this thread, for models whose decoder layers do not pass the forward
 # kwargs on to attention (StableLM); everywhere else the step arrives through the kwargs.
 _running = threading.local()
-# Config attributes that name the context length, in order of preference.
-MAX_POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
 
 
 @dataclass(slots=True)
@@ -130,11 +129,7 @@ def _register_attention() -> None:
 
 
 def _max_positions(hf_config) -> int:
-    for name in MAX_POSITION_ATTRIBUTES:
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return DEFAULT_MAX_POSITIONS
+    return config_max_positions(hf_config.to_dict()) or DEFAULT_MAX_POSITIONS
 
 
 class HFFallbackForCausalLM:
