@@ -189,21 +189,23 @@ async def _stream(request: web.Request, state: FrontendState, req: GenerateReque
 # --- handlers -------------------------------------------------------------------------------------
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
+async def _read_native(request: web.Request) -> tuple[FrontendState, GenerateRequest, float, float]:
+    """State, parsed body and timestamps of a /generate or /generate_stream call (prompt not echoed
+    unless asked)."""
     start, arrival = time.monotonic(), time.time()
-    state = request.app[STATE]
     req = await _read(request, compat=False)
     if req.parameters.return_full_text is None:
         req.parameters.return_full_text = False
+    return request.app[STATE], req, start, arrival
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state, req, start, arrival = await _read_native(request)
     return await _generate_json(state, req, start, arrival, as_list=False)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    start, arrival = time.monotonic(), time.time()
-    state = request.app[STATE]
-    req = await _read(request, compat=False)
-    if req.parameters.return_full_text is None:
-        req.parameters.return_full_text = False
+    state, req, start, arrival = await _read_native(request)
     return await _stream(request, state, req, start, arrival)
 
 
