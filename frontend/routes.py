@@ -250,10 +250,7 @@ async def info(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body, content_type = render(request.app[STATE].metrics)
-    # aiohttp wants the charset apart from the media type
-    media_type, _, params = content_type.partition(";")
-    charset = params.split("charset=")[-1].strip() if "charset=" in params else None
-    return web.Response(body=body, content_type=media_type.strip(), charset=charset)
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 def setup_routes(app: web.Application) -> None:

@@ -55,11 +55,6 @@ class PagedKVCache:
         self.value_slots = self.value.view(flat_shape)
 
     @property
-    def padding_slot(self) -> int:
-        """A slot no sequence owns (the first of the padding block)."""
-        return self.num_blocks * self.block_size
-
-    @property
     def nbytes(self) -> int:
         return self.key.nbytes + self.value.nbytes
 

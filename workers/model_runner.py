@@ -188,10 +188,15 @@ class ModelRunner:
 
     # -- KV pool ---------------------------------------------------------------------------------
 
+    @property
+    def _kv_layout(self) -> dict:
+        """The pool's shape arguments, as kv_cache's sizing functions and PagedKVCache take them."""
+        return dict(num_layers=self.model.num_layers, block_size=self.block_size,
+                    num_kv_heads=self.model.num_local_kv_heads, head_dim=self.model.config.head_dim,
+                    dtype=self.dtype)
+
     def _blocks_for_bytes(self, budget_bytes: int) -> int:
-        return num_blocks_for_bytes(budget_bytes, num_layers=self.model.num_layers, block_size=self.block_size,
-                                    num_kv_heads=self.model.num_local_kv_heads,
-                                    head_dim=self.model.config.head_dim, dtype=self.dtype)
+        return num_blocks_for_bytes(budget_bytes, **self._kv_layout)
 
     def _check_host_memory(self, num_blocks: int) -> None:
         """Refuse a CPU pool the machine cannot back: ``torch.empty`` would succeed (pages are committed
@@ -199,9 +204,7 @@ class ModelRunner:
         available = _available_host_memory()
         if available is None:
             return
-        per_rank = bytes_per_block(num_layers=self.model.num_layers, block_size=self.block_size,
-                                   num_kv_heads=self.model.num_local_kv_heads, head_dim=self.model.config.head_dim,
-                                   dtype=self.dtype) * (num_blocks + 1)
+        per_rank = bytes_per_block(**self._kv_layout) * (num_blocks + 1)
         # Every rank of a CPU group shares this machine's memory.
         if per_rank * self.world_size > available:
             raise WarmupOutOfMemory(
@@ -210,9 +213,7 @@ class ModelRunner:
                 f"Decrease `--kv-cache-memory` (or `--num-blocks`)")
 
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
-        return PagedKVCache(num_layers=self.model.num_layers, num_blocks=num_blocks, block_size=self.block_size,
-                            num_kv_heads=self.model.num_local_kv_heads, head_dim=self.model.config.head_dim,
-                            dtype=self.dtype, device=self.device)
+        return PagedKVCache(num_blocks=num_blocks, device=self.device, **self._kv_layout)
 
     # -- steps -----------------------------------------------------------------------------------
 
