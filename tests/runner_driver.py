@@ -82,12 +82,24 @@ class Request:
     prompt: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_step: int = 0
-    prefill_chunk: int | None = None  # None: the whole prompt in one step
+    prefill_chunk: int | None = None  # None: a prompt (or a recomputation) in one step
     max_new_tokens: int = MAX_NEW_TOKENS
+    # A prefix-cache hit: start with ``computed`` = len(blocks) * block_size tokens already in ``blocks``
+    # (written by another request). Blocks given up front are also how a request lends its first blocks
+    # to one arriving later in the same drive. Either way ``drive`` hands them to no one else.
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    # Preemption: once this many tokens are generated, drop the request from the runner and release its
+    # blocks, but for the first ``resume_cached_blocks`` (a prefix-cache hit on its own blocks); it comes
+    # back ``preempt_steps`` steps later as a new sequence recomputing its prompt and generated tokens.
+    preempt_after: int | None = None
+    resume_cached_blocks: int = 0
+    preempt_steps: int = 1
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    cached_ids: list[int] = field(default_factory=list)  # what NewRequestData.cached_ids would carry
+    resume_step: int = 0
+    preemptions: int = 0
 
     @property
     def done(self) -> bool:
@@ -96,30 +108,43 @@ class Request:
 
 def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> dict[str, Request]:
     """Continuous batching by hand: arrivals mid-way, chunked prefills next to decodes, block tables
-    grown on demand from a shuffled free list (so tables are never contiguous), blocks freed on finish.
+    grown on demand from a shuffled free list (so tables are never contiguous), blocks freed once no
+    unfinished request holds them, prefix-cache hits and preemptions as the requests ask.
+
+    Each step a request computes its tokens (prompt, then generated) from ``computed`` on, in chunks of
+    ``prefill_chunk``, and samples after the last one: the first prompt chunk, a decode token, or after
+    a preemption its prompt and every token it generated, as the scheduler re-sends it.
 
     ``share_tokens`` lets TP ranks other than 0 learn rank 0's sampled tokens (the scheduler's job)."""
-    free_blocks = list(range(runner.num_blocks))
+    held = {b for r in requests for b in r.blocks}
+    free_blocks = [b for b in range(runner.num_blocks) if b not in held]
     random.Random(0).shuffle(free_blocks)
+    for req in requests:
+        assert req.computed in (0, len(req.blocks) * runner.block_size), f"{req.rid}: a cached prefix is whole blocks"
+        req.cached_ids = req.prompt[:req.computed]
+
+    def release(blocks: list[int]) -> None:
+        in_use = {b for r in requests if not r.done for b in r.blocks}
+        free_blocks.extend(b for b in blocks if b not in in_use)
+
     step = 0
     while not all(r.done for r in requests):
         scheduled, seqs = [], []
         for req in requests:
-            if req.done or req.arrival_step > step:
+            if req.done or max(req.arrival_step, req.resume_step) > step:
                 continue
-            if req.computed < len(req.prompt):
-                remaining = len(req.prompt) - req.computed
-                take = remaining if req.prefill_chunk is None else min(req.prefill_chunk, remaining)
-                new_tokens = req.prompt[req.computed:req.computed + take]
-            else:
-                new_tokens = [req.tokens[-1]]
-            blocks_needed = -(-(req.computed + len(new_tokens)) // runner.block_size)
+            sequence = req.prompt + req.tokens
+            remaining = len(sequence) - req.computed
+            take = remaining if req.prefill_chunk is None else min(req.prefill_chunk, remaining)
+            new_tokens = sequence[req.computed:req.computed + take]
+            blocks_needed = -(-(req.computed + take) // runner.block_size)
             while len(req.blocks) < blocks_needed:
                 req.blocks.append(free_blocks.pop())
-            sample = req.computed + len(new_tokens) >= len(req.prompt)
-            scheduled.append((req, len(new_tokens), sample))
+            sample = take == remaining
+            scheduled.append((req, take, sample))
             seqs.append(SeqInput(rid=req.rid, token_ids=new_tokens, num_computed=req.computed,
-                                 block_table=list(req.blocks), sample=sample, sampling=req.sampling))
+                                 block_table=list(req.blocks), sample=sample, sampling=req.sampling,
+                                 prompt_len=len(req.prompt), cached_ids=req.cached_ids))
         out = runner.step(seqs)
         sampled = ({rid: (t, lp) for rid, t, lp in zip(out.rids, out.token_ids, out.logprobs)}
                    if out is not None else None)
@@ -132,9 +157,18 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
                 req.tokens.append(token)
                 req.logprobs.append(logprob)
             if req.done:
-                free_blocks.extend(req.blocks)
-                req.blocks = []
+                release(req.blocks)  # the list stays, for tests that reuse the blocks' contents
                 runner.drop([req.rid])
+            elif sample and len(req.tokens) == req.preempt_after:
+                runner.drop([req.rid])  # what a StepCommand's finished_rids does on every rank
+                kept, dropped = req.blocks[:req.resume_cached_blocks], req.blocks[req.resume_cached_blocks:]
+                assert len(kept) * runner.block_size <= req.computed, "only full blocks are cached"
+                req.blocks = kept
+                release(dropped)
+                req.computed = len(kept) * runner.block_size
+                req.cached_ids = (req.prompt + req.tokens)[:req.computed]
+                req.resume_step = step + 1 + req.preempt_steps
+                req.preemptions += 1
         step += 1
     return {r.rid: r for r in requests}
 

@@ -19,7 +19,7 @@ import torch
 from llmbus.bus.messages import SamplingParams
 from llmbus.workers.kv_cache import PagedKVCache, num_blocks_for_bytes
 from llmbus.workers.model_runner import ModelRunner
-from llmbus.workers.sampling import Sampler, apply_warpers
+from llmbus.workers.sampling import apply_warpers, sample, seeded_uniform
 
 from runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Reference, Request, drive, drive_tensor_parallel,
                            make_prompts, mixed_requests, reference, widen_weights)
@@ -190,18 +190,39 @@ def test_warpers_match_transformers_processors():
     assert torch.isfinite(ours[1]).sum() > 256  # the flat row's nucleus did exceed the shortlist
 
 
-def test_sampler_follows_the_warped_distribution():
-    # 4000 requests sample once from the same logits, each from its own seeded generator: the token
-    # frequencies must follow softmax(logits / temperature) restricted by top-k, and every logprob must
-    # be the warped log-softmax of its token.
+@pytest.mark.parametrize("vary", ["seed", "position"])
+def test_sampler_follows_the_warped_distribution(vary):
+    # 4000 draws from the same logits, by 4000 seeds at one position or by one seed at 4000 positions:
+    # the token frequencies must follow softmax(logits / temperature) restricted by top-k, and every
+    # logprob must be the warped log-softmax of its token.
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -5.0]]).repeat(4000, 1)
-    params = [SamplingParams(do_sample=True, temperature=0.7, top_k=4, seed=i) for i in range(4000)]
-    token_ids, logprobs = Sampler()(logits, [f"s{i}" for i in range(4000)], params)
+    seeds = range(4000) if vary == "seed" else [2**64 - 1] * 4000
+    positions = [17] * 4000 if vary == "seed" else list(range(4000))
+    params = [SamplingParams(do_sample=True, temperature=0.7, top_k=4, seed=seed) for seed in seeds]
+    token_ids, logprobs = sample(logits, params, positions)
     warped_logprobs = torch.log_softmax(apply_warpers(logits[:1] / 0.7, params[:1]), dim=-1)[0]
     assert token_ids.max() < 4, "a token outside the top-k was sampled"
     torch.testing.assert_close(logprobs, warped_logprobs[token_ids], rtol=0, atol=1e-6)
     frequencies = torch.bincount(token_ids, minlength=6).float() / 4000
     torch.testing.assert_close(frequencies, warped_logprobs.exp(), rtol=0, atol=0.03)
+
+
+def test_seeded_draws_depend_only_on_seed_and_position():
+    uniforms = [seeded_uniform(seed, position) for seed in (0, 1, 2**63, 2**64 - 1) for position in range(256)]
+    assert all(0.0 <= u < 1.0 for u in uniforms)
+    assert len(set(uniforms)) == len(uniforms), "two (seed, position) pairs drew the same number"
+    assert seeded_uniform(5, 100) == seeded_uniform(5, 100)
+    assert seeded_uniform(-1, 3) == seeded_uniform(2**64 - 1, 3)  # seeds are taken modulo 2**64
+    # A row's token depends on its own logits, seed and position, not on the rows beside it or their order.
+    torch.manual_seed(4)
+    logits = torch.randn(6, 50) * 2
+    params = [SamplingParams(do_sample=True, temperature=1.3, seed=s) for s in (3, 3, 4, 5, 6, 7)]
+    positions = [10, 11, 10, 12, 13, 14]
+    together = sample(logits, params, positions)[0]
+    for row in range(6):
+        assert sample(logits[row:row + 1], params[row:row + 1], positions[row:row + 1])[0] == together[row]
+    reversed_rows = sample(logits.flip(0), params[::-1], positions[::-1])[0]
+    assert torch.equal(reversed_rows.flip(0), together)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(checkpoint, runner):

@@ -1,4 +1,4 @@
-"""Repetition and frequency penalties: the Sampler against transformers and TGI's formula, and greedy
+"""Repetition and frequency penalties: the sampler against transformers and TGI's formula, and greedy
 decoding through ModelRunner against ``generate(repetition_penalty=...)``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.workers.model_runner import ModelRunner, TokenHistory
-from llmbus.workers.sampling import Sampler, apply_penalties, apply_warpers
+from llmbus.workers.sampling import apply_penalties, apply_warpers, sample
 
 from runner_driver import BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive, make_prompts
 from test_model_runner import _save_tiny_llama
@@ -43,11 +43,10 @@ def test_repetition_penalty_matches_transformers_processor():
             expected = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(histories[row][None], expected)
         assert torch.equal(ours[row:row + 1], expected), f"row {row}: {p}"
 
-    # The distributions the Sampler draws from: penalty, then temperature and warpers, as transformers'
+    # The distributions sample() draws from: penalty, then temperature and warpers, as transformers'
     # processor list does; logprobs of greedy rows are the penalised log-softmax.
-    sampler = Sampler()
-    token_ids, logprobs = sampler(logits, [f"r{i}" for i in range(6)], params,
-                                  [h if p.repetition_penalty != 1.0 else None for h, p in zip(histories, params)])
+    token_ids, logprobs = sample(logits, params, [len(h) for h in histories],
+                                 [h if p.repetition_penalty != 1.0 else None for h, p in zip(histories, params)])
     for row, p in enumerate(params):
         expected = logits[row:row + 1]
         if p.repetition_penalty != 1.0:
@@ -88,7 +87,7 @@ def test_frequency_penalty_matches_tgi_formula():
         assert torch.equal(ours[row][untouched], logits[row][untouched])
 
     # Nothing penalised anywhere: the logits come back as they were.
-    assert torch.equal(Sampler()(logits, ["a"] * 5, [SamplingParams()] * 5)[0], logits.argmax(dim=-1))
+    assert torch.equal(sample(logits, [SamplingParams()] * 5, [1] * 5)[0], logits.argmax(dim=-1))
 
 
 def test_penalised_row_without_history_is_refused():

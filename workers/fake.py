@@ -2,7 +2,8 @@
 
 For fast scheduler and bus tests, and for measuring the overhead of everything around the model
 (`--runner fake`). The next token depends only on the request's own history (its last token and
-position), so outputs do not depend on batch composition — like a real model's.
+position), so outputs do not depend on batch composition, on a prefix-cache hit (``num_computed > 0`` on
+a first step) or on a preemption followed by recomputation — like a real model's with seeded sampling.
 """
 
 from __future__ import annotations

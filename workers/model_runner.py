@@ -3,6 +3,13 @@
 No sockets and no processes here: the worker process feeds ``step`` from the scheduler's StepCommands.
 Block ids come from the scheduler; this class trusts them (it only checks that a sequence's table
 covers its tokens, since a short table would silently write into the padding block).
+
+The KV pool holds no notion of ownership: a step reads whatever its block tables name. So a sequence may
+first appear with ``num_computed > 0`` and a table whose first blocks another request wrote (a prefix
+cache hit; the pool keeps their contents after that request is dropped), and a request that was dropped
+(preempted) may come back as a new sequence that recomputes its prompt and generated tokens. Nothing
+else about a request survives ``drop``, and nothing needs to: sampling is stateless (see sampling.py)
+and the token history of a penalised request restarts from the step's tokens and ``cached_ids``.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from llmbus.bus.messages import SamplingParams
 from llmbus.bus.service import ServiceError
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
-from llmbus.workers.sampling import Sampler, has_penalties
+from llmbus.workers.sampling import has_penalties, sample
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024  # when neither num_blocks nor kv_cache_bytes is given, off CUDA
 # Of what the memory fraction leaves free after warmup, the KV pool takes this much: allocator
@@ -54,6 +61,10 @@ class SeqInput:
     sampling: SamplingParams
     prompt_len: int = 0  # tokens of the prompt; positions from here on hold generated tokens
     prompt_logprobs: bool = False  # return the log-probability of every prompt token after the first
+    # Tokens at positions 0..len-1 whose K/V the request found already in its first blocks when it
+    # (re)started (NewRequestData.cached_ids; its first step has num_computed == len(cached_ids)). Read
+    # only when rank 0 starts the token history of a request with penalties.
+    cached_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -165,7 +176,6 @@ class ModelRunner:
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device)
         self.max_position_embeddings = self.model.max_position_embeddings
-        self.sampler = Sampler()
         # Rank 0 only, and only for requests with a repetition or frequency penalty.
         self.histories: dict[str, TokenHistory] = {}
         # Rank 0, prompt logprobs of a chunked prompt: the log-softmax of a chunk's last row, which
@@ -269,7 +279,8 @@ class ModelRunner:
                 return StepOutput([], [], [], forward_done - started, 0.0, prompt_logprobs)
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
-            token_ids, logprobs = self.sampler(logits, rids, [s.sampling for s in sampled], histories)
+            token_ids, logprobs = sample(logits, [s.sampling for s in sampled],
+                                         [s.num_computed + len(s.token_ids) for s in sampled], histories)
             token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,
@@ -278,7 +289,8 @@ class ModelRunner:
     def _record_histories(self, seqs: list[SeqInput],
                           sampled: list[SeqInput]) -> list[torch.Tensor | None] | None:
         """Append this step's tokens to the penalised requests' histories (chunks land at their
-        ``num_computed``); the histories of the sampled sequences, None where not penalised."""
+        ``num_computed``; a new history starts with the sequence's ``cached_ids``); the histories of the
+        sampled sequences, None where not penalised."""
         penalised = False
         for seq in seqs:
             if has_penalties(seq.sampling):
@@ -286,15 +298,17 @@ class ModelRunner:
                 history = self.histories.get(seq.rid)
                 if history is None:
                     history = self.histories[seq.rid] = TokenHistory()
+                    if seq.cached_ids:
+                        history.write(0, seq.cached_ids)
                 history.write(seq.num_computed, seq.token_ids)
         if not penalised:
             return None
         return [self.histories[s.rid].tokens() if has_penalties(s.sampling) else None for s in sampled]
 
     def drop(self, rids: list[str]) -> None:
-        """Forget per-request state (sampling generators, token histories) of finished, aborted or
-        preempted requests."""
-        self.sampler.drop(rids)
+        """Forget per-request state (token histories, pending prompt-logprob rows) of finished, aborted or
+        preempted requests. Their KV blocks are left as they are: the scheduler may hand them to another
+        request as a cached prefix."""
         for rid in rids:
             self.histories.pop(rid, None)
             self.pending_prompt_rows.pop(rid, None)
@@ -342,12 +356,11 @@ class ModelRunner:
             with torch.inference_mode():
                 logits = self._forward(seqs, cache)
                 if self.rank == 0:
-                    self.sampler(logits, [s.rid for s in seqs], [s.sampling for s in seqs])
+                    sample(logits, [s.sampling for s in seqs], [len(s.token_ids) for s in seqs])
         except torch.OutOfMemoryError as e:
             raise WarmupOutOfMemory(
                 f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "
                 f"You need to decrease `--max-batch-prefill-tokens`") from e
-        self.sampler.drop([s.rid for s in seqs])
         self._synchronize()
         if not size_from_free_memory:
             return

@@ -1,7 +1,8 @@
 """One tensor-parallel rank: subscribe to steps, load the model, run every step, rank 0 answers.
 
-Each rank keeps the state of the requests it has seen (sampling parameters, KV block table), updated
-from the diffs in each StepCommand and dropped when a step lists the request as finished. Steps are
+Each rank keeps the state of the requests it has seen (sampling parameters, KV block table, cached prefix
+tokens), updated from the diffs in each StepCommand and dropped when a step lists the request as finished
+(or preempted: it may come back later as a new request with the same rid). Steps are
 numbered: a rank that sees a gap stops with a WorkerFatal rather than compute with missing state.
 """
 
@@ -42,6 +43,7 @@ class _RequestState:
     block_table: list[int]
     prompt_len: int
     prompt_logprobs: bool
+    cached_ids: list[int]  # NewRequestData.cached_ids: the prefix its first step found already computed
 
 
 class StepGap(RuntimeError):
@@ -158,9 +160,14 @@ class Worker:
             for rid in cmd.finished_rids:
                 self.states.pop(rid, None)
             self.runner.drop(cmd.finished_rids)
+        # A preempted request comes back as a new one under the same rid, normally after a step listed it
+        # as finished; should it come back without that, its old state goes all the same.
+        restarted = [new.rid for new in cmd.new_requests if new.rid in self.states]
+        if restarted:
+            self.runner.drop(restarted)
         for new in cmd.new_requests:
             self.states[new.rid] = _RequestState(new.sampling, list(new.block_table), new.prompt_len,
-                                                   new.prompt_logprobs)
+                                                   new.prompt_logprobs, new.cached_ids)
         for rid, blocks in cmd.added_blocks:
             self.states[rid].block_table.extend(blocks)
         seqs, offset = [], 0
@@ -169,7 +176,7 @@ class Worker:
             seqs.append(SeqInput(rid=rid, token_ids=cmd.token_ids[offset:offset + num_new],
                                  num_computed=num_computed, block_table=state.block_table, sample=sample,
                                  sampling=state.sampling, prompt_len=state.prompt_len,
-                                 prompt_logprobs=state.prompt_logprobs))
+                                 prompt_logprobs=state.prompt_logprobs, cached_ids=state.cached_ids))
             offset += num_new
         return seqs
 
