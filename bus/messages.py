@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -84,7 +84,7 @@ class Message:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             nested = _NESTED.get((type(self).__name__, f.name))
-            if nested is not None:
+            if nested is not None and value is not None:
                 value = [v.to_wire() for v in value] if nested[1] else value.to_wire()
             out.append(value)
         return out
@@ -97,7 +97,7 @@ class Message:
         kwargs = {}
         for f, value in zip(fields, values):
             nested = _NESTED.get((cls.__name__, f.name))
-            if nested is not None:
+            if nested is not None and value is not None:  # None: an optional nested struct left out
                 nested_cls, many = nested
                 if many:
                     if not isinstance(value, list):
@@ -205,6 +205,10 @@ class NewRequestData(Message):
     block_table: list[int]  # KV blocks owned by this request, in order
     prompt_len: int  # tokens of the prompt (the rest of its tokens are generated ones)
     prompt_logprobs: bool = False
+    # Tokens whose K/V this request finds already in its first blocks (a prefix-cache hit; the step's
+    # num_computed for it starts at len(cached_ids)). Ranks need them only for the token history that
+    # repetition and frequency penalties read; empty when nothing was cached.
+    cached_ids: list[int] = field(default_factory=list)
 
 
 _nested("NewRequestData", "sampling", SamplingParams)
@@ -326,6 +330,15 @@ class TokenBatch(Message):
 
 
 @dataclass(slots=True)
+class Histogram(Message):
+    """A Prometheus histogram as the scheduler accumulates it: counts per bucket since start."""
+
+    buckets: list[float]  # upper bounds, ascending; an implicit last bucket is +Inf
+    counts: list[int]  # observations per bucket (not cumulative), len(buckets) + 1
+    sum: float = 0.0  # sum of every observation
+
+
+@dataclass(slots=True)
 class SchedulerStats(Message):
     """The scheduler's gauges, to every frontend for /metrics: sent after a step at most a few times a
     second, and whenever the scheduler goes idle (so an idle server reports its final state)."""
@@ -335,8 +348,28 @@ class SchedulerStats(Message):
     batch_size: int  # requests in the running batch
     batch_max_tokens: int  # KV tokens the running batch holds blocks for (TGI's batch max_tokens)
     kv_blocks_total: int  # blocks in the pool (the minimum over ranks)
-    kv_blocks_free: int  # blocks owned by no request
+    kv_blocks_free: int  # blocks owned by no request (blocks kept only by the prefix cache count as free)
     block_size: int
+    kv_blocks_cached: int = 0  # of the free ones: blocks the prefix cache keeps for reuse (evicted on demand)
+    # Counters since the scheduler started (Prometheus counters on the frontend):
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (their prefill was skipped)
+    preemptions: int = 0  # running requests sent back to the queue for lack of KV blocks
+    prefill_steps: int = 0  # steps that computed prompt tokens (TGI's method="prefill")
+    decode_steps: int = 0  # steps with decode tokens only (method="decode")
+    concat_chunking: int = 0  # steps where new requests joined a running batch, chunked prefill on
+    concat_backpressure: int = 0  # the same with chunking off, admitted on waiting_served_ratio
+    concat_wait_exceeded: int = 0  # the same with chunking off, admitted after max_waiting_tokens steps
+    # Histograms since the scheduler started; durations in seconds:
+    prefill_forward: Histogram | None = None  # rank 0's forward time of prefill steps
+    decode_forward: Histogram | None = None  # rank 0's forward time of decode steps
+    prefill_duration: Histogram | None = None  # whole prefill steps: command sent to result back
+    decode_duration: Histogram | None = None  # whole decode steps
+    next_batch_size: Histogram | None = None  # requests admitted by each step that admitted any
+
+
+for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size"):
+    _nested("SchedulerStats", _name, Histogram)
 
 
 @dataclass(slots=True)

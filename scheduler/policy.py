@@ -1,17 +1,27 @@
-"""The scheduling policy: a pure object (no sockets, no torch, no clocks it does not get handed).
+"""The scheduling policy: a pure object (no sockets, no torch, no clock it is not handed).
 
-Algorithm, once per step:
-1. Every running request decodes one token (its last sampled one) — continuous batching: the batch is
-   re-formed every step, finished requests leave it immediately.
-2. Waiting requests are admitted first-come-first-served (head-of-line: a request that does not fit
-   blocks the ones behind it, so long prompts are not starved) while the batch stays under
-   ``max_batch_size``, the new prompts under ``max_batch_prefill_tokens``, and the KV blocks for the
-   whole request (prompt + max_new_tokens) can be reserved now, as TGI v3 does; reserving up front
-   means a running request can never run out of KV memory mid-generation.
-3. New prompts and decode tokens go into the same forward pass.
-``update`` takes the sampled tokens of that step and decides which requests finished (length before
-EOS, as TGI checks). Finished and aborted requests free their blocks at once; their ids ride on the next
-step so workers drop their state.
+Every step, ``schedule`` builds one forward pass and ``update`` applies its sampled tokens.
+
+1. **Running requests** come first, oldest admission first. A request with one token left to compute
+   (the token it sampled last) decodes; one still inside its prompt computes its next chunk. Each grows
+   its KV blocks as it needs them. When no block is left, the most recently admitted request is
+   *preempted*: its blocks are freed (their full chunks stay in the prefix cache) and it goes back to
+   the head of the queue, to recompute its prompt and generated tokens later. Its output is the same as
+   if it had run on; the oldest request always progresses, so every request finishes.
+2. **Waiting requests** are admitted first come, first served; a request that does not fit stops the
+   ones behind it (head-of-line blocking, as TGI: long prompts are not starved). Admission takes the
+   blocks of the prompt's cached prefix (always leaving at least one token to compute), plus fresh
+   blocks for the tokens computed this step, keeping a small watermark free for the running requests'
+   growth. Nobody is admitted in a step that preempted.
+3. **Budgets, TGI's semantics.** ``max_batch_prefill_tokens`` caps the tokens computed per step. With
+   chunked prefill (the default) decode tokens count against it and the last prompt admitted is cut to
+   what is left, so a long prompt is spread over several steps that also carry every running request's
+   decode token. Without chunking a prompt is computed whole (a single one may exceed the budget), and
+   while a batch runs, new requests join only in groups of ``waiting_served_ratio`` x the batch size,
+   or after ``max_waiting_tokens`` steps without admission. ``max_batch_size`` caps the batch.
+
+Finished, aborted and preempted requests release their blocks at once; their ids ride on the next
+step so the workers drop their state.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmbus.bus.messages import FinishReason, SamplingParams, StoppingParams
+from llmbus.scheduler.kv_blocks import KVBlockManager
 
 
 class RequestStatus(enum.Enum):
@@ -29,7 +40,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
     """The scheduler's view of one request."""
 
@@ -44,8 +55,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
-    admitted_time: float | None = None
+    admitted_time: float | None = None  # first admission
     prompt_logprob_values: list[float] = field(default_factory=list)  # prompt tokens 1..n-1, as computed
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -56,51 +68,37 @@ class Request:
         # The last sampled token is never fed back, so its K/V is never written.
         return len(self.prompt_ids) + self.stopping.max_new_tokens - 1
 
-
-class BlockAllocator:
-    """Fixed pool of KV block ids; O(1) allocate and free."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
-        self._owned = [False] * num_blocks
-
     @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: they go out with the first token, so not after it."""
+        return self.prompt_logprobs and not self.output_ids
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def allocate(self, count: int) -> list[int] | None:
-        if count > len(self._free):
-            return None
-        blocks = [self._free.pop() for _ in range(count)]
-        for b in blocks:
-            self._owned[b] = True
-        return blocks
-
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if not self._owned[b]:
-                raise AssertionError(f"block {b} freed twice")
-            self._owned[b] = False
-            self._free.append(b)
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start..end-1`` of prompt + output, without copying the whole sequence."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
     max_batch_prefill_tokens: int = 4096
     max_batch_size: int | None = None  # None = bounded by KV blocks only
+    prefill_chunking: bool = True
+    waiting_served_ratio: float = 0.3  # without chunking: admit while a batch runs only this many x its size
+    max_waiting_tokens: int = 20  # without chunking: ... or after this many steps without admission
+    watermark: float = 0.01  # share of KV blocks admission leaves free for running requests to grow into
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens < 1:
             raise ValueError("`max_batch_prefill_tokens` must be > 0")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("`max_batch_size` must be > 0")
+        if self.waiting_served_ratio < 0 or self.max_waiting_tokens < 0:
+            raise ValueError("`waiting_served_ratio` and `max_waiting_tokens` must be >= 0")
 
 
 @dataclass(slots=True)
@@ -109,15 +107,22 @@ class ScheduledSeq:
     token_ids: list[int]  # tokens computed this step
     num_computed: int  # before this step
     sample: bool
+    is_decode: bool = False  # computes only the token sampled last (else prompt or recomputed tokens)
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
     """One step's work, from which the process builds a StepCommand."""
 
-    new_requests: list[Request]  # first time on the workers
-    seqs: list[ScheduledSeq]  # batch order: running decodes first, then new prefills
+    new_requests: list[Request]  # first time on the workers (or again after preemption)
+    seqs: list[ScheduledSeq]  # batch order: running requests by admission, then newly admitted ones
     finished_rids: list[str]  # workers drop these before the step
+    added_blocks: list[tuple[str, list[int]]] = field(default_factory=list)  # running requests' new blocks
+    concat_reason: str | None = None  # why new requests joined a running batch (TGI's tgi_batch_concat)
+
+    @property
+    def has_prefill(self) -> bool:
+        return not all(seq.is_decode for seq in self.seqs)
 
 
 @dataclass(slots=True)
@@ -129,16 +134,31 @@ class TokenEvent:
     prompt_logprobs: list[float] | None = None  # on a request's first token, when it asked for them
 
 
-class Scheduler:
-    """Waiting queue + running batch + KV block accounting. Drive it with schedule() / update()."""
+@dataclass(slots=True)
+class PolicyCounters:
+    """Cumulative, for metrics."""
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    concat: dict[str, int] = field(default_factory=lambda: {"chunking": 0, "backpressure": 0,
+                                                              "wait_exceeded": 0})
+
+
+class Scheduler:
+    """Waiting queue + running batch + KV blocks. Drive it with schedule() / update()."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVBlockManager):
         self.config = config
-        self.allocator = allocator
+        self.kv = kv
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
         self._by_rid: dict[str, Request] = {}
         self._dropped_rids: list[str] = []  # workers must forget these on the next step
+        self._steps_without_admission = 0
+        self._budget_left = 0  # prefill tokens a step has left once the running requests are scheduled
+        self._watermark_blocks = int(config.watermark * kv.num_blocks)
+        self.counters = PolicyCounters()
 
     # ------------------------------------------------------------------ intake
 
@@ -147,9 +167,9 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.rid!r}")
         if not request.prompt_ids:
             raise ValueError("empty prompt")
-        if self.allocator.blocks_for(request.max_kv_tokens) > self.allocator.num_blocks:
+        if self.kv.blocks_for(request.max_kv_tokens) > self.kv.num_blocks:
             raise ValueError(f"request needs {request.max_kv_tokens} KV tokens, more than the "
-                             f"{self.allocator.num_blocks * self.allocator.block_size} the cache holds")
+                             f"{self.kv.num_blocks * self.kv.block_size} the cache holds")
         request.status = RequestStatus.WAITING
         self._by_rid[request.rid] = request
         self.waiting.append(request)
@@ -184,35 +204,129 @@ class Scheduler:
         return len(self._by_rid)
 
     def schedule(self, now: float = 0.0) -> ScheduledBatch | None:
-        seqs = [ScheduledSeq(r, [r.output_ids[-1]], r.num_computed, True) for r in self.running]
-        new: list[Request] = []
+        batch = ScheduledBatch(new_requests=[], seqs=[], finished_rids=[])
+        preempted = self._schedule_running(batch)
+        if not preempted and self.waiting and self._admit(batch, now):
+            self._steps_without_admission = 1  # counted like TGI's waiting_tokens: 1 after a prefill
+        else:
+            self._steps_without_admission += 1
+        batch.finished_rids, self._dropped_rids = self._dropped_rids, []
+        if not batch.seqs:
+            self._dropped_rids = batch.finished_rids
+            return None
+        return batch
+
+    def _prefill_budget(self) -> int:
+        if not self.config.prefill_chunking:
+            return self.config.max_batch_prefill_tokens
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed == 1)
+        return self.config.max_batch_prefill_tokens - decodes
+
+    def _schedule_running(self, batch: ScheduledBatch) -> bool:
+        """Decode tokens and prompt chunks of the running requests; returns whether any was preempted."""
+        budget = self._prefill_budget()
+        self._budget_left = budget
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed
+            n = 1 if remaining == 1 else min(remaining, self._budget_left)
+            if n <= 0:
+                i += 1
+                continue
+            need = self.kv.blocks_for(req.num_computed + n) - len(req.block_table)
+            blocks = self.kv.allocate(need) if need > 0 else []
+            while blocks is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                blocks = self.kv.allocate(need)
+            if blocks is None:
+                continue  # req itself went back to the queue; running[i] is the next one, if any
+            if blocks:
+                req.block_table.extend(blocks)
+                batch.added_blocks.append((req.rid, blocks))
+            if remaining > 1:
+                self._budget_left -= n
+            batch.seqs.append(ScheduledSeq(req, req.tokens(req.num_computed, req.num_computed + n),
+                                           req.num_computed, n == remaining,
+                                           is_decode=remaining == 1 and bool(req.output_ids)))
+            i += 1
+        return preempted
+
+    def _admit(self, batch: ScheduledBatch, now: float) -> bool:
+        cfg, kv = self.config, self.kv
+        chunking = cfg.prefill_chunking
+        was_running = bool(self.running)
+        min_size, reason = 0, None
+        if was_running:
+            if chunking:
+                reason = "chunking"
+            elif self._steps_without_admission >= cfg.max_waiting_tokens:
+                reason = "wait_exceeded"
+            else:
+                min_size, reason = int(len(self.running) * cfg.waiting_served_ratio), "backpressure"
+        budget = self._budget_left
         prefill_tokens = 0
-        max_size = self.config.max_batch_size
+        admitted: list[tuple[Request, ScheduledSeq]] = []
         while self.waiting:
-            if max_size is not None and len(seqs) >= max_size:
+            if cfg.max_batch_size is not None and len(self.running) >= cfg.max_batch_size:
+                break
+            if chunking and budget <= 0:
                 break
             req = self.waiting[0]
-            prompt_len = len(req.prompt_ids)
-            # The first prompt of an empty batch is always admitted budget-wise: validation keeps prompts
-            # under max_input_tokens <= max_batch_prefill_tokens, and refusing it would stall forever.
-            if prefill_tokens + prompt_len > self.config.max_batch_prefill_tokens and (new or seqs):
-                break
-            blocks = self.allocator.allocate(self.allocator.blocks_for(req.max_kv_tokens))
+            total = req.num_tokens
+            all_tokens = req.tokens(0, total)
+            cached_blocks = [] if req.wants_prompt_logprobs else kv.match(all_tokens, (total - 1) // kv.block_size)
+            cached = len(cached_blocks) * kv.block_size
+            todo = total - cached
+            if chunking:
+                n = min(todo, budget)
+            else:
+                if prefill_tokens and todo > budget:
+                    break  # alone, a prompt may exceed the budget; recomputed requests can be that long
+                n = todo
+            kv.acquire(cached_blocks)
+            need = kv.blocks_for(cached + n) - len(cached_blocks)
+            reserve = self._watermark_blocks if self.running else 0
+            blocks = kv.allocate(need) if kv.num_available - need >= reserve else None
             if blocks is None:
+                kv.release(cached_blocks)
                 break
             self.waiting.popleft()
-            req.block_table = blocks
+            self.counters.prefix_cache_queried_tokens += total
+            self.counters.prefix_cache_hit_tokens += cached
+            req.block_table = cached_blocks + blocks
+            req.num_computed = cached
             req.status = RequestStatus.RUNNING
-            req.admitted_time = now
+            if req.admitted_time is None:
+                req.admitted_time = now
             self.running.append(req)
-            new.append(req)
-            seqs.append(ScheduledSeq(req, list(req.prompt_ids), 0, True))
-            prefill_tokens += prompt_len
-        finished, self._dropped_rids = self._dropped_rids, []
-        if not seqs:
-            self._dropped_rids = finished
-            return None
-        return ScheduledBatch(new_requests=new, seqs=seqs, finished_rids=finished)
+            seq = ScheduledSeq(req, all_tokens[cached:cached + n], cached, n == todo)
+            admitted.append((req, seq))
+            budget -= n
+            prefill_tokens += n
+        if admitted and len(admitted) < min_size:
+            for req, seq in reversed(admitted):  # not worth pausing the batch for: put them back
+                self.running.pop()
+                kv.release(req.block_table)
+                req.block_table, req.num_computed, req.status = [], 0, RequestStatus.WAITING
+                self.waiting.appendleft(req)
+                self.counters.prefix_cache_queried_tokens -= req.num_tokens
+                self.counters.prefix_cache_hit_tokens -= seq.num_computed
+            admitted = []
+        if not admitted:
+            return False
+        if reason is not None:
+            self.counters.concat[reason] += 1
+            batch.concat_reason = reason
+        for req, seq in admitted:
+            batch.new_requests.append(req)
+            batch.seqs.append(seq)
+        return True
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, tuple[int, float]],
                prompt_logprobs: dict[str, list[float]] | None = None) -> list[TokenEvent]:
@@ -225,9 +339,11 @@ class Scheduler:
                 continue  # aborted while the step ran: its token is dropped
             req.num_computed = seq.num_computed + len(seq.token_ids)
             if prompt_logprobs and req.rid in prompt_logprobs:
-                # A recomputed prompt (after preemption) reports its values again: keep the first ones.
-                room = len(req.prompt_ids) - 1 - len(req.prompt_logprob_values)
-                req.prompt_logprob_values.extend(prompt_logprobs[req.rid][:max(0, room)])
+                req.prompt_logprob_values.extend(prompt_logprobs[req.rid])
+            prompt_len = len(req.prompt_ids)
+            if seq.num_computed < prompt_len <= req.num_computed:
+                # The prompt is in the cache now: later requests sharing it can skip it at once.
+                self.kv.insert(req.prompt_ids, req.block_table, releasing=False)
             if not seq.sample:
                 continue
             token_id, logprob = sampled[req.rid]
@@ -250,10 +366,26 @@ class Scheduler:
             return FinishReason.EOS_TOKEN
         return FinishReason.NONE
 
+    def _release_blocks(self, req: Request) -> None:
+        """Cache the request's computed full chunks, then drop its references."""
+        self.kv.insert(req.tokens(0, req.num_computed), req.block_table, releasing=True)
+        self.kv.release(req.block_table)
+        req.block_table = []
+        self._dropped_rids.append(req.rid)
+
     def _finish(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
         self.running.remove(req)
         del self._by_rid[req.rid]
-        self.allocator.free(req.block_table)
-        req.block_table = []
-        self._dropped_rids.append(req.rid)
+        self._release_blocks(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_blocks(req)
+        req.num_computed = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        if req.wants_prompt_logprobs:
+            req.prompt_logprob_values.clear()  # recomputed from the first chunk on
+        self.waiting.appendleft(req)
+        self.counters.preemptions += 1

@@ -23,7 +23,9 @@ from llmbus.bus import messages as m
 from llmbus.bus.rundir import Endpoints, ensure_run_dir
 from llmbus.bus.service import ServiceContext, ServiceError, Terminate, install_stop_signals, run_service
 from llmbus.bus.sockets import open_socket, poll, recv, send
-from llmbus.scheduler.policy import BlockAllocator, Request, ScheduledBatch, Scheduler, SchedulerConfig
+from llmbus.scheduler.batch_metrics import BatchMetrics
+from llmbus.scheduler.kv_blocks import KVBlockManager
+from llmbus.scheduler.policy import Request, ScheduledBatch, Scheduler, SchedulerConfig
 
 
 STATS_INTERVAL_S = 0.25  # SchedulerStats while steps run back to back
@@ -40,6 +42,11 @@ class SchedulerProcessConfig:
     max_batch_prefill_tokens: int = 4096
     max_batch_size: int | None = None
     max_total_tokens: int | None = None  # checked against the KV capacity the ranks report
+    fit_prefill_tokens_to_kv: bool = False  # a default budget above the KV capacity is lowered, not refused
+    prefill_chunking: bool = True
+    prefix_caching: bool = True
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
     worker_start_timeout_s: float = 600.0  # weights loading + warmup
     step_timeout_s: float = 300.0
 
@@ -60,6 +67,7 @@ class SchedulerService:
         self.kv_info: tuple[int, int] | None = None  # (num_blocks, block_size)
         self._stats_dirty = True
         self._stats_sent_at = 0.0
+        self.metrics = BatchMetrics()
         self._init_sockets()
 
     def _init_sockets(self) -> None:
@@ -112,12 +120,22 @@ class SchedulerService:
             raise EngineFailure(f"Not enough memory to handle `max_total_tokens={self.cfg.max_total_tokens}`: "
                                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}); "
                                 f"lower --max-total-tokens or give the KV cache more memory")
+        if self.cfg.max_batch_prefill_tokens > capacity and self.cfg.fit_prefill_tokens_to_kv:
+            self.log.info("max_batch_prefill_tokens lowered to the KV capacity",
+                          default=self.cfg.max_batch_prefill_tokens, capacity=capacity)
+            self.cfg.max_batch_prefill_tokens = capacity
+        if self.cfg.max_batch_prefill_tokens > capacity:
+            raise EngineFailure(f"`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: "
+                                f"{self.cfg.max_batch_prefill_tokens} and {capacity}")
         self.kv_info = (num_blocks, block_size)
+        cfg = self.cfg
         self.policy = Scheduler(
-            SchedulerConfig(self.cfg.max_batch_prefill_tokens, self.cfg.max_batch_size),
-            BlockAllocator(num_blocks, block_size))
+            SchedulerConfig(cfg.max_batch_prefill_tokens, cfg.max_batch_size, prefill_chunking=cfg.prefill_chunking,
+                            waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens),
+            KVBlockManager(num_blocks, block_size, prefix_caching=cfg.prefix_caching))
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
-                      max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device)
+                      max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,
+                      prefix_caching=cfg.prefix_caching, prefill_chunking=cfg.prefill_chunking)
 
     # ------------------------------------------------------------------ intake
 
@@ -188,18 +206,23 @@ class SchedulerService:
         self.step_id += 1
         cmd = m.StepCommand(
             step_id=self.step_id,
-            new_requests=[m.NewRequestData(rid=r.rid, sampling=r.sampling, block_table=r.block_table,
-                                           prompt_len=len(r.prompt_ids), prompt_logprobs=r.prompt_logprobs)
+            new_requests=[m.NewRequestData(rid=r.rid, sampling=r.sampling, block_table=list(r.block_table),
+                                           prompt_len=len(r.prompt_ids), prompt_logprobs=r.wants_prompt_logprobs,
+                                           cached_ids=r.tokens(0, r.num_computed))
                           for r in batch.new_requests],
             rids=[s.request.rid for s in batch.seqs],
             num_computed=[s.num_computed for s in batch.seqs],
             num_new=[len(s.token_ids) for s in batch.seqs],
             token_ids=[t for s in batch.seqs for t in s.token_ids],
             sample=[s.sample for s in batch.seqs],
+            added_blocks=[[rid, blocks] for rid, blocks in batch.added_blocks],
             finished_rids=batch.finished_rids,
         )
+        started = time.monotonic()
         send(self.steps, cmd)
         result = self._await_result()
+        self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
+                                 time.monotonic() - started)
         sampled = dict(zip(result.rids, zip(result.token_ids, result.logprobs)))
         prompt_logprobs = {rid: values for rid, values in result.prompt_logprobs} if result.prompt_logprobs else None
         events = self.policy.update(batch, sampled, prompt_logprobs)
@@ -240,12 +263,15 @@ class SchedulerService:
             self._to_frontend(frontend_id, tb)
 
     def _stats(self) -> m.SchedulerStats:
-        policy = self.policy
-        return m.SchedulerStats(
+        policy, kv, counters = self.policy, self.policy.kv, self.policy.counters
+        return self.metrics.fill(m.SchedulerStats(
             queue_size=len(policy.waiting), batch_size=len(policy.running),
             batch_max_tokens=sum(len(r.prompt_ids) + r.stopping.max_new_tokens for r in policy.running),
-            kv_blocks_total=policy.allocator.num_blocks, kv_blocks_free=policy.allocator.num_free,
-            block_size=policy.allocator.block_size)
+            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_available, block_size=kv.block_size,
+            kv_blocks_cached=kv.num_cached, prefix_cache_queried_tokens=counters.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=counters.prefix_cache_hit_tokens, preemptions=counters.preemptions,
+            concat_chunking=counters.concat["chunking"], concat_backpressure=counters.concat["backpressure"],
+            concat_wait_exceeded=counters.concat["wait_exceeded"]))
 
     def publish_stats(self, force: bool = False) -> None:
         """Gauges to every frontend: when ``force``d (a request joined or left the batch, or the
@@ -342,15 +368,34 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmbus scheduler")
     p.add_argument("--run-dir", default=os.environ.get("LLMBUS_RUN_DIR"), required=False)
     p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=None,
+                   help="default: 4096, lowered to the KV capacity if that is smaller")
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--fit-prefill-tokens-to-kv", action="store_true",
+                   help="lower --max-batch-prefill-tokens to the KV capacity instead of failing")
+    p.add_argument("--prefill-chunking", type=_boolean, default=True, metavar="true|false")
+    p.add_argument("--prefix-caching", type=_boolean, default=True, metavar="true|false")
+    p.add_argument("--waiting-served-ratio", type=float, default=0.3)
+    p.add_argument("--max-waiting-tokens", type=int, default=20)
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
     a = p.parse_args(argv)
     if not a.run_dir:
         p.error("--run-dir (or LLMBUS_RUN_DIR) is required")
     ensure_run_dir(a.run_dir)
     return run_scheduler(SchedulerProcessConfig(
-        run_dir=a.run_dir, world_size=a.world_size, max_batch_prefill_tokens=a.max_batch_prefill_tokens,
+        run_dir=a.run_dir, world_size=a.world_size, max_batch_prefill_tokens=a.max_batch_prefill_tokens or 4096,
         max_batch_size=a.max_batch_size, max_total_tokens=a.max_total_tokens,
+        fit_prefill_tokens_to_kv=a.fit_prefill_tokens_to_kv or a.max_batch_prefill_tokens is None,
+        prefill_chunking=a.prefill_chunking, prefix_caching=a.prefix_caching,
+        waiting_served_ratio=a.waiting_served_ratio, max_waiting_tokens=a.max_waiting_tokens,
         worker_start_timeout_s=a.worker_start_timeout))
+
+
+def _boolean(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(value)

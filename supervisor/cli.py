@@ -41,7 +41,16 @@ def main() -> None:
 @click.option("--max-total-tokens", envvar="MAX_TOTAL_TOKENS", type=int, default=None,
               help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
 @click.option("--max-batch-prefill-tokens", envvar="MAX_BATCH_PREFILL_TOKENS", type=int, default=None,
-              help="Default: max(4096, max_input_tokens).")
+              help="Tokens computed per step (prompt chunks + decodes). Default: 4096, at most the KV capacity; "
+                   "without chunking at least max_input_tokens.")
+@click.option("--prefill-chunking", envvar="PREFILL_CHUNKING", type=click.BOOL, default=True, show_default=True,
+              help="Split long prompts over steps that also carry the running requests' decodes.")
+@click.option("--prefix-caching", envvar="PREFIX_CACHING", type=click.BOOL, default=True, show_default=True,
+              help="Reuse the KV blocks of prompt prefixes computed before.")
+@click.option("--waiting-served-ratio", envvar="WAITING_SERVED_RATIO", type=float, default=0.3, show_default=True,
+              help="Without chunking: admit while a batch runs only when this many x its size wait.")
+@click.option("--max-waiting-tokens", envvar="MAX_WAITING_TOKENS", type=int, default=20, show_default=True,
+              help="Without chunking: ... or once this many steps passed without admitting anyone.")
 @click.option("--max-batch-size", envvar="MAX_BATCH_SIZE", type=int, default=None)
 @click.option("--max-concurrent-requests", envvar="MAX_CONCURRENT_REQUESTS", type=int, default=128,
               show_default=True)
@@ -80,8 +89,10 @@ def up(**kw) -> None:
     max_positions = config_max_positions(read_config(model_dir)) or 2048
     max_total = kw["max_total_tokens"] or max_positions
     max_input = kw["max_input_tokens"] if kw["max_input_tokens"] is not None else max_total - 1
-    max_prefill = kw["max_batch_prefill_tokens"] or max(4096, max_input)
-    _check_limits(max_input, max_total, max_prefill, max_positions)
+    explicit_prefill = kw["max_batch_prefill_tokens"]
+    max_prefill = explicit_prefill if explicit_prefill is not None else (
+        4096 if kw["prefill_chunking"] else max(4096, max_input))
+    _check_limits(max_input, max_total, max_prefill, max_positions, kw["prefill_chunking"])
     try:
         run_dir = RunDir(kw["run_dir"])
     except RunDirInUse as e:
@@ -90,7 +101,10 @@ def up(**kw) -> None:
         model_dir=str(model_dir), model_id=kw["model_id"] or "llmbus/demo-small", run_dir=str(run_dir.path),
         world_size=kw["num_shard"], hostname=kw["hostname"], port=kw["port"], dtype=kw["dtype"],
         device=kw["device"], max_input_tokens=max_input, max_total_tokens=max_total,
-        max_batch_prefill_tokens=max_prefill, max_batch_size=kw["max_batch_size"],
+        max_batch_prefill_tokens=max_prefill, prefill_tokens_explicit=explicit_prefill is not None,
+        prefill_chunking=kw["prefill_chunking"], prefix_caching=kw["prefix_caching"],
+        waiting_served_ratio=kw["waiting_served_ratio"], max_waiting_tokens=kw["max_waiting_tokens"],
+        max_batch_size=kw["max_batch_size"],
         max_concurrent_requests=kw["max_concurrent_requests"], max_best_of=kw["max_best_of"],
         max_stop_sequences=kw["max_stop_sequences"], max_top_n_tokens=kw["max_top_n_tokens"],
         max_client_batch_size=kw["max_client_batch_size"], block_size=kw["block_size"],
@@ -112,18 +126,24 @@ def _check_static(kw: dict) -> None:
             raise InvalidArgument(f"`{name}` must be > 0")
     if not 0 < kw["cuda_memory_fraction"] <= 1:
         raise InvalidArgument(f"`cuda_memory_fraction` must be in (0, 1]. Given: {kw['cuda_memory_fraction']}")
+    if kw["waiting_served_ratio"] < 0:
+        raise InvalidArgument(f"`waiting_served_ratio` must be >= 0. Given: {kw['waiting_served_ratio']}")
+    if kw["max_waiting_tokens"] < 0:
+        raise InvalidArgument(f"`max_waiting_tokens` must be >= 0. Given: {kw['max_waiting_tokens']}")
     if kw["kv_cache_memory"] is not None and kw["kv_cache_memory"] < 1:
         raise InvalidArgument("`kv_cache_memory` must be > 0")
     if not 0 < kw["port"] < 65536:
         raise InvalidArgument(f"`port` must be between 1 and 65535. Given: {kw['port']}")
 
 
-def _check_limits(max_input: int, max_total: int, max_prefill: int, max_positions: int) -> None:
+def _check_limits(max_input: int, max_total: int, max_prefill: int, max_positions: int, chunking: bool) -> None:
     if max_input < 1:
         raise InvalidArgument("`max_input_tokens` must be > 0")
     if max_input >= max_total:
         raise InvalidArgument(f"`max_input_tokens`({max_input}) must be < `max_total_tokens`({max_total})")
-    if max_prefill < max_input:
+    if max_prefill < 1:
+        raise InvalidArgument("`max_batch_prefill_tokens` must be > 0")
+    if not chunking and max_prefill < max_input:
         raise InvalidArgument(f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
                               f"Given: {max_prefill} and {max_input}")
     if max_total > max_positions:

@@ -25,6 +25,11 @@ class LaunchConfig:
     max_input_tokens: int = 2047
     max_total_tokens: int = 2048
     max_batch_prefill_tokens: int = 4096
+    prefill_tokens_explicit: bool = False  # False: the scheduler may lower it to the KV capacity
+    prefill_chunking: bool = True
+    prefix_caching: bool = True
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
     max_batch_size: int | None = None
     max_concurrent_requests: int = 128
     max_best_of: int = 2
@@ -42,7 +47,13 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
     common = ["--run-dir", cfg.run_dir]
     scheduler = [python, "-m", "llmbus.scheduler", *common, "--world-size", str(cfg.world_size),
                  "--max-batch-prefill-tokens", str(cfg.max_batch_prefill_tokens),
-                 "--max-total-tokens", str(cfg.max_total_tokens)]
+                 "--max-total-tokens", str(cfg.max_total_tokens),
+                 "--prefill-chunking", str(cfg.prefill_chunking).lower(),
+                 "--prefix-caching", str(cfg.prefix_caching).lower(),
+                 "--waiting-served-ratio", str(cfg.waiting_served_ratio),
+                 "--max-waiting-tokens", str(cfg.max_waiting_tokens)]
+    if not cfg.prefill_tokens_explicit:
+        scheduler.append("--fit-prefill-tokens-to-kv")
     if cfg.max_batch_size is not None:
         scheduler += ["--max-batch-size", str(cfg.max_batch_size)]
     workers = [python, "-m", "llmbus.workers", *common, "--model-dir", cfg.model_dir,

@@ -10,8 +10,14 @@ from llmbus.supervisor.cli import main
     (["--num-shard", "0"], "Invalid argument: `num_shard` cannot be < 1"),
     (["--max-input-tokens", "300", "--max-total-tokens", "200"],
      "Invalid argument: `max_input_tokens`(300) must be < `max_total_tokens`(200)"),
-    (["--max-input-tokens", "100", "--max-total-tokens", "200", "--max-batch-prefill-tokens", "50"],
+    # Only without chunking, as in TGI: with it, a prompt longer than the budget is computed in chunks.
+    (["--max-input-tokens", "100", "--max-total-tokens", "200", "--max-batch-prefill-tokens", "50",
+      "--prefill-chunking", "false"],
      "Invalid argument: `max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 50 and 100"),
+    (["--max-batch-prefill-tokens", "0"], "Invalid argument: `max_batch_prefill_tokens` must be > 0"),
+    (["--waiting-served-ratio", "-1"], "Invalid argument: `waiting_served_ratio` must be >= 0. Given: -1.0"),
+    (["--max-waiting-tokens", "-2"], "Invalid argument: `max_waiting_tokens` must be >= 0. Given: -2"),
+    (["--prefix-caching", "maybe"], "is not a valid boolean"),
     (["--max-total-tokens", "100000"], "must be <= the model's `max_position_embeddings`(2048)"),
     (["--max-batch-size", "0"], "Invalid argument: `max_batch_size` must be > 0"),
 ])
@@ -19,6 +25,13 @@ def test_invalid_arguments_exit_2(tiny_model_dir, args, message):
     result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), *args])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_env_vars_are_read_for_scheduler_flags(tiny_model_dir):
+    result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), "--max-input-tokens", "100",
+                                       "--max-total-tokens", "200", "--max-batch-prefill-tokens", "50"],
+                                env={"PREFILL_CHUNKING": "false"})
+    assert result.exit_code == 2 and "must be >= `max_input_tokens`" in result.output
 
 
 def test_env_vars_are_read(tiny_model_dir):
