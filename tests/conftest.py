@@ -12,3 +12,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from llmbus.supervisor.demo_model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+# Greedy margins the reference must show at every compared step (see test_e2e's docstring).
+MIN_MARGIN = 1e-3
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def reference_greedy(prompt: str, max_new_tokens: int = 12) -> list[int]:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True,
+                             eos_token_id=None, pad_token_id=tok.pad_token_id)
+        for scores in out.scores:
+            top2 = torch.topk(scores[0].float(), 2).values
+            assert top2[0] - top2[1] > MIN_MARGIN, "reference margin not decisive: rebuild the test checkpoint"
+        return out.sequences[0, ids.shape[1]:].tolist()
+
+    return reference_greedy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -41,6 +42,32 @@ def sse_events(raw: bytes) -> list[dict]:
         if block.startswith("data: "):
             events.append(json.loads(block[len("data: "):]))
     return events
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    """Every sample of ``/metrics`` by name (labelled samples: the last one wins)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = get(f"{base_url}/metrics")
+    assert status == 200
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_for_metrics(base_url: str, condition, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until ``condition(samples)``: the scheduler's stats reach the frontend asynchronously."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = metrics(base_url)
+        if condition(samples):
+            return samples
+        assert time.monotonic() < deadline, f"/metrics never satisfied the condition: {samples}"
+        time.sleep(0.05)
+
+
+def all_blocks_free(samples: dict[str, float]) -> bool:
+    """Idle: nothing queued or running and every KV block owned by no request."""
+    return samples.get("tgi_batch_current_size") == 0 and samples.get("tgi_queue_size") == 0 and \
+        samples.get("llmbus_kv_blocks_free") == samples.get("llmbus_kv_blocks_total")
 
 
 def _parse(body: bytes):

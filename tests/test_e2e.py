@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from harness import Server
-from httputil import get, post, sse_events, stream
+from httputil import all_blocks_free, get, post, sse_events, stream, wait_for_metrics
 
-MIN_MARGIN = 1e-3
 PROMPTS = [
     "Hello",
     "The quick brown fox jumps over the lazy dog",
@@ -30,26 +29,6 @@ PROMPTS = [
     "a",
 ]
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-    def reference_greedy(prompt: str, max_new_tokens: int = MAX_NEW) -> list[int]:
-        ids = tok(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True,
-                             eos_token_id=None, pad_token_id=tok.pad_token_id)
-        for scores in out.scores:
-            top2 = torch.topk(scores[0].float(), 2).values
-            assert top2[0] - top2[1] > MIN_MARGIN, "reference margin not decisive: rebuild the test checkpoint"
-        return out.sequences[0, ids.shape[1]:].tolist()
-
-    return reference_greedy
 
 
 @pytest.fixture(scope="module")
@@ -159,28 +138,12 @@ def test_logprobs_match_transformers_log_softmax(server, tiny_model_dir):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
-def _gauges(server) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    status, text = get(f"{server.url}/metrics")
-    assert status == 200
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def _wait_for_gauges(server, condition, timeout: float = 30.0) -> dict[str, float]:
-    """Poll /metrics until ``condition(gauges)``: the scheduler's stats reach the frontend asynchronously."""
-    deadline = time.monotonic() + timeout
-    while True:
-        gauges = _gauges(server)
-        if condition(gauges):
-            return gauges
-        assert time.monotonic() < deadline, f"/metrics never satisfied the condition: {gauges}"
-        time.sleep(0.05)
+    return wait_for_metrics(server.url, condition, timeout)
 
 
 def test_every_kv_block_is_free_again_after_requests_end(server):
-    all_free = lambda g: g.get("tgi_batch_current_size") == 0 and g.get("tgi_queue_size") == 0 and \
-        g.get("llmbus_kv_blocks_free") == g.get("llmbus_kv_blocks_total")  # noqa: E731
+    all_free = all_blocks_free
     # A stream held open: its blocks are in use while it runs.
     req = urllib.request.Request(f"{server.url}/generate_stream", method="POST",
                                  data=json.dumps({"inputs": PROMPTS[2], "parameters": {
