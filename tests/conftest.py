@@ -14,8 +14,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
 
-# Greedy margins the reference must show at every compared step (see test_e2e's docstring).
-MIN_MARGIN = 1e-3
+from runner_driver import MIN_MARGIN  # noqa: E402  (the margin every compared reference step must show)
 
 
 @pytest.fixture(scope="session")

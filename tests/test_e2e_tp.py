@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import Server
-from test_e2e import MAX_NEW, PROMPTS, generate, ids_of, reference  # noqa: F401 (fixture)
+from test_e2e import MAX_NEW, PROMPTS, generate, ids_of
 
 
 @pytest.fixture(scope="module")
