@@ -253,6 +253,10 @@ class SchedulerService:
             tb = per_frontend.get(ev.request.frontend_id)
             if tb is None:
                 tb = per_frontend[ev.request.frontend_id] = m.TokenBatch([], [], [], [])
+            req = ev.request
+            # TGI's queue time: arrival to first admission, reported once, with the first token.
+            first = len(req.output_ids) == 1 and req.arrival_time > 0 and req.admitted_time is not None
+            tb.queue_times.append(max(req.admitted_time - req.arrival_time, 1e-6) if first else 0.0)
             tb.rids.append(ev.request.rid)
             tb.token_ids.append(ev.token_id)
             tb.logprobs.append(ev.logprob)

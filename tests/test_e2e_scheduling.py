@@ -128,3 +128,22 @@ def test_200_streams_cut_mid_stream_leave_every_block_free(servers, reference):
     assert status == 200
     prompt = SYSTEM + QUESTIONS[0]
     assert_matches_reference(generate(server, prompt), reference(prompt, MAX_NEW))
+
+
+def test_queue_time_header_counts_the_wait_for_admission(servers):
+    # On the tight server most of 12 concurrent requests wait for blocks: that wait is x-queue-time,
+    # and the inference time no longer includes it.
+    server = servers["tight"]
+
+    def timed(prompt):
+        status, headers, body = post(f"{server.url}/generate", {
+            "inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW}})
+        assert status == 200, body
+        headers = {k.lower(): v for k, v in headers.items()}
+        return {k: int(headers[k]) for k in ("x-queue-time", "x-inference-time", "x-total-time")}
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        timings = list(pool.map(timed, [SYSTEM + q for q in QUESTIONS]))
+    assert max(t["x-queue-time"] for t in timings) > 0
+    for t in timings:
+        assert t["x-queue-time"] + t["x-inference-time"] <= t["x-total-time"] + 2

@@ -138,6 +138,19 @@ def test_concurrent_requests_batch_together_and_finish(engine):
     fe.close()
 
 
+def test_queue_time_rides_on_the_first_token_only(engine):
+    fe = RawFrontend(engine[0], "queue")
+    arrived = time.time() - 5.0  # as if validation had taken 5 s: the scheduler counts from arrival
+    send(fe.requests, m.AddRequest("queue-a", fe.id, [3, 4], m.SamplingParams(), m.StoppingParams(3, []),
+                                   arrival_time=arrived))
+    queue_times = []
+    while len(queue_times) < 3:
+        ev = fe.next_event()
+        queue_times += [q for rid, q in zip(ev.rids, ev.queue_times) if rid == "queue-a"]
+    assert 5.0 <= queue_times[0] < 60 and queue_times[1:] == [0.0, 0.0]
+    fe.close()
+
+
 def test_eos_and_abort(engine):
     fe = RawFrontend(engine[0], "abort")
     prompt = [5, 6, 7]
