@@ -156,7 +156,6 @@ class Scheduler:
         self._by_rid: dict[str, Request] = {}
         self._dropped_rids: list[str] = []  # workers must forget these on the next step
         self._steps_without_admission = 0
-        self._budget_left = 0  # prefill tokens a step has left once the running requests are scheduled
         self._watermark_blocks = int(config.watermark * kv.num_blocks)
         self.counters = PolicyCounters()
 
@@ -205,8 +204,8 @@ class Scheduler:
 
     def schedule(self, now: float = 0.0) -> ScheduledBatch | None:
         batch = ScheduledBatch(new_requests=[], seqs=[], finished_rids=[])
-        preempted = self._schedule_running(batch)
-        if not preempted and self.waiting and self._admit(batch, now):
+        preempted, budget_left = self._schedule_running(batch)
+        if not preempted and self.waiting and self._admit(batch, budget_left, now):
             self._steps_without_admission = 1  # counted like TGI's waiting_tokens: 1 after a prefill
         else:
             self._steps_without_admission += 1
@@ -222,16 +221,16 @@ class Scheduler:
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed == 1)
         return self.config.max_batch_prefill_tokens - decodes
 
-    def _schedule_running(self, batch: ScheduledBatch) -> bool:
-        """Decode tokens and prompt chunks of the running requests; returns whether any was preempted."""
+    def _schedule_running(self, batch: ScheduledBatch) -> tuple[bool, int]:
+        """Decode tokens and prompt chunks of the running requests; returns whether any was preempted and
+        the prefill budget left for admissions."""
         budget = self._prefill_budget()
-        self._budget_left = budget
         preempted = False
         i = 0
         while i < len(self.running):
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed
-            n = 1 if remaining == 1 else min(remaining, self._budget_left)
+            n = 1 if remaining == 1 else min(remaining, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -250,14 +249,14 @@ class Scheduler:
                 req.block_table.extend(blocks)
                 batch.added_blocks.append((req.rid, blocks))
             if remaining > 1:
-                self._budget_left -= n
+                budget -= n
             batch.seqs.append(ScheduledSeq(req, req.tokens(req.num_computed, req.num_computed + n),
                                            req.num_computed, n == remaining,
                                            is_decode=remaining == 1 and bool(req.output_ids)))
             i += 1
-        return preempted
+        return preempted, budget
 
-    def _admit(self, batch: ScheduledBatch, now: float) -> bool:
+    def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> bool:
         cfg, kv = self.config, self.kv
         chunking = cfg.prefill_chunking
         was_running = bool(self.running)
@@ -269,7 +268,6 @@ class Scheduler:
                 reason = "wait_exceeded"
             else:
                 min_size, reason = int(len(self.running) * cfg.waiting_served_ratio), "backpressure"
-        budget = self._budget_left
         prefill_tokens = 0
         admitted: list[tuple[Request, ScheduledSeq]] = []
         while self.waiting:
