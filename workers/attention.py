@@ -41,9 +41,10 @@ class AttentionGroup:
     # [batch, 1, max_query_len, max_ctx] True where the query may attend the key: one mask per distinct
     # window of the backend (``TorchSDPABackend.windows``), in that order.
     masks: tuple[torch.Tensor, ...]
-    # Decode groups only: the masks as additive biases (0 or -inf, cache dtype), [Hkv * batch, 1, max_ctx]
-    # in the head-major order of the batched matmuls; () for prefill groups.
-    decode_biases: tuple[torch.Tensor, ...] = ()
+    # Small-query groups only (decodes, short prompt chunks; see SMALL_QUERY_MAX): the masks as additive
+    # biases (0 or -inf, cache dtype) in the head-major order of the batched matmuls, [Hkv * batch, 1,
+    # max_ctx] for decodes and [Hkv * batch, max_query_len, 1, max_ctx] for chunks; () for other groups.
+    matmul_biases: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(slots=True)
@@ -62,6 +63,12 @@ def _gather(blocks: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
     num_kv_heads, _, block_size, head_dim = blocks.shape
     batch, n = block_index.shape
     return blocks.index_select(1, block_index.reshape(-1)).view(num_kv_heads, batch, n * block_size, head_dim)
+
+
+# Groups whose sequences bring at most this many query tokens attend with two batched matmuls instead of
+# SDPA: a short chunk of a long prompt (chunked prefill beside decodes) measured ~2x faster that way on
+# CPU at a 2k-token context, where SDPA's tiling costs more than the work; longer queries favour SDPA.
+SMALL_QUERY_MAX = 8
 
 
 def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
@@ -148,16 +155,17 @@ class TorchSDPABackend:
             mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
             masks = tuple(self._windowed(mask, key_pos, query_pos, context_lens, window).unsqueeze(1)
                           for window in self.windows)
-            decode_biases = ()
-            if max_query_len == 1:
-                decode_biases = tuple(
-                    torch.zeros(m.shape, dtype=kv_cache.key.dtype, device=device)
-                    .masked_fill_(~m, float("-inf")).view(batch, 1, max_ctx).repeat(kv_cache.num_kv_heads, 1, 1)
+            matmul_biases = ()
+            if max_query_len <= SMALL_QUERY_MAX:
+                shape = (batch, 1, max_ctx) if max_query_len == 1 else (batch, max_query_len, 1, max_ctx)
+                matmul_biases = tuple(
+                    torch.zeros(m.shape, dtype=kv_cache.key.dtype, device=device).masked_fill_(~m, float("-inf"))
+                    .view(shape).repeat(kv_cache.num_kv_heads, *[1] * (len(shape) - 1))
                     for m in masks)
             groups.append(AttentionGroup(batch=batch, max_query_len=max_query_len,
                                          token_index=None if group_tokens == num_tokens else token_index,
                                          padded_row=padded_row, block_index=block_index, masks=masks,
-                                         decode_biases=decode_biases))
+                                         matmul_biases=matmul_biases))
         return AttentionMetadata(positions=positions, slot_mapping=slot_mapping, groups=groups)
 
     @staticmethod
@@ -183,8 +191,8 @@ class TorchSDPABackend:
         mask_index = self.mask_of_layer[layer] if len(self.windows) > 1 else 0
         for group in meta.groups:
             group_queries = query if group.token_index is None else query.index_select(0, group.token_index)
-            if group.decode_biases:
-                attended = self._decode(group_queries, key_blocks, value_blocks, group, mask_index, scale)
+            if group.matmul_biases:
+                attended = self._matmul(group_queries, key_blocks, value_blocks, group, mask_index, scale)
             else:
                 attended = self._prefill(group_queries, key_blocks, value_blocks, group, mask_index, scale)
             if group.token_index is None:
@@ -193,42 +201,58 @@ class TorchSDPABackend:
         return out
 
     @staticmethod
-    def _decode(queries, key_blocks, value_blocks, group: AttentionGroup, mask_index: int, scale: float):
-        """One query per sequence: two batched matmuls over ``[Hkv * B]`` with the GQA group as rows,
-        softmax in float32 (as transformers' eager attention). A fused SDPA kernel tiles for long queries
-        and measured several times slower here at batch 64."""
-        batch, num_heads, head_dim = queries.shape
+    def _matmul(queries, key_blocks, value_blocks, group: AttentionGroup, mask_index: int, scale: float):
+        """Few queries per sequence: two batched matmuls over ``[Hkv * B]`` with each sequence's queries
+        times the GQA group as rows, softmax in float32 (as transformers' eager attention). A fused SDPA
+        kernel tiles for long queries and measured several times slower here for decodes at batch 64."""
+        batch, max_q = group.batch, group.max_query_len
+        num_heads, head_dim = queries.shape[1], queries.shape[2]
         num_kv_heads = key_blocks.shape[0]
         per_kv = num_heads // num_kv_heads
-        q = queries.view(batch, num_kv_heads, per_kv, head_dim).transpose(0, 1).reshape(-1, per_kv, head_dim)
+        padded = _padded_queries(queries, group)  # [B, max_q, Hq, D]
+        # rows of sequence b under kv head h: its queries in order, each times the heads sharing h
+        q = padded.view(batch, max_q, num_kv_heads, per_kv, head_dim).permute(2, 0, 1, 3, 4)
+        q = q.reshape(num_kv_heads * batch, max_q * per_kv, head_dim)
         keys = _gather(key_blocks, group.block_index).flatten(0, 1)  # [Hkv * B, ctx, D]
         values = _gather(value_blocks, group.block_index).flatten(0, 1)
-        scores = torch.baddbmm(group.decode_biases[mask_index], q, keys.transpose(1, 2), alpha=scale)
+        bias = group.matmul_biases[mask_index]
+        if max_q == 1:
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)
+        else:
+            scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
+            scores.view(num_kv_heads * batch, max_q, per_kv, -1).add_(bias)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        attended = torch.bmm(probs, values)  # [Hkv * B, per_kv, D]
-        return attended.view(num_kv_heads, batch, per_kv, head_dim).transpose(0, 1).reshape(batch, num_heads,
-                                                                                            head_dim)
+        attended = torch.bmm(probs, values)  # [Hkv * B, max_q * per_kv, D]
+        attended = attended.view(num_kv_heads, batch, max_q, per_kv, head_dim).permute(1, 2, 0, 3, 4)
+        return _unpadded(attended.reshape(batch * max_q, num_heads, head_dim), group)
 
     @staticmethod
     def _prefill(queries, key_blocks, value_blocks, group: AttentionGroup, mask_index: int, scale: float):
         """Multi-token queries: one padded SDPA call with the group's boolean mask."""
         batch, max_q = group.batch, group.max_query_len
-        num_heads, head_dim = queries.shape[1], queries.shape[2]
-        if group.padded_row is None:
-            padded_queries = queries.reshape(batch, max_q, num_heads, head_dim)
-        else:
-            padded_queries = queries.new_zeros(batch * max_q, num_heads, head_dim)
-            padded_queries.index_copy_(0, group.padded_row, queries)
-            padded_queries = padded_queries.view(batch, max_q, num_heads, head_dim)
+        num_heads = queries.shape[1]
+        padded_queries = _padded_queries(queries, group)
         keys = _gather(key_blocks, group.block_index).transpose(0, 1)  # [B, Hkv, ctx, D]
         values = _gather(value_blocks, group.block_index).transpose(0, 1)
         attended = F.scaled_dot_product_attention(
             padded_queries.transpose(1, 2), keys, values, attn_mask=group.masks[mask_index], scale=scale,
             enable_gqa=num_heads != keys.shape[1])
-        attended = attended.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
-        if group.padded_row is not None:
-            attended = attended.index_select(0, group.padded_row)
-        return attended
+        return _unpadded(attended.transpose(1, 2).reshape(batch * max_q, num_heads, -1), group)
+
+
+def _padded_queries(queries: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's ``[Tg, Hq, D]`` queries as ``[B, max_query_len, Hq, D]``, zeros where a sequence is short."""
+    num_heads, head_dim = queries.shape[1], queries.shape[2]
+    if group.padded_row is None:
+        return queries.reshape(group.batch, group.max_query_len, num_heads, head_dim)
+    padded = queries.new_zeros(group.batch * group.max_query_len, num_heads, head_dim)
+    padded.index_copy_(0, group.padded_row, queries)
+    return padded.view(group.batch, group.max_query_len, num_heads, head_dim)
+
+
+def _unpadded(attended: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """``[B * max_query_len, Hq, D]`` back to the group's ``[Tg, Hq, D]`` rows."""
+    return attended if group.padded_row is None else attended.index_select(0, group.padded_row)
 
 
 def make_attention_backend(device: torch.device,
