@@ -295,26 +295,20 @@ class Scheduler:
                 kv.release(cached_blocks)
                 break
             self.waiting.popleft()
-            self.counters.prefix_cache_queried_tokens += total
-            self.counters.prefix_cache_hit_tokens += cached
             req.block_table = cached_blocks + blocks
             req.num_computed = cached
             req.status = RequestStatus.RUNNING
-            if req.admitted_time is None:
-                req.admitted_time = now
             self.running.append(req)
             seq = ScheduledSeq(req, all_tokens[cached:cached + n], cached, n == todo)
             admitted.append((req, seq))
             budget -= n
             prefill_tokens += n
         if admitted and len(admitted) < min_size:
-            for req, seq in reversed(admitted):  # not worth pausing the batch for: put them back
+            for req, _ in reversed(admitted):  # not worth pausing the batch for: put them back
                 self.running.pop()
                 kv.release(req.block_table)
                 req.block_table, req.num_computed, req.status = [], 0, RequestStatus.WAITING
                 self.waiting.appendleft(req)
-                self.counters.prefix_cache_queried_tokens -= req.num_tokens
-                self.counters.prefix_cache_hit_tokens -= seq.num_computed
             admitted = []
         if not admitted:
             return False
@@ -322,6 +316,10 @@ class Scheduler:
             self.counters.concat[reason] += 1
             batch.concat_reason = reason
         for req, seq in admitted:
+            if req.admitted_time is None:
+                req.admitted_time = now
+            self.counters.prefix_cache_queried_tokens += req.num_tokens
+            self.counters.prefix_cache_hit_tokens += seq.num_computed
             batch.new_requests.append(req)
             batch.seqs.append(seq)
         return True
