@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the scheduler's handshake")
     p.add_argument("--payload-limit", type=int, default=2_000_000)
     p.add_argument("--api-key", default=os.environ.get("API_KEY"))
+    p.add_argument("--cors-allow-origin", action="append", default=[],
+                   help="an origin browsers may call from (repeat for several; default: any)")
     p.add_argument("--model-pipeline-tag")
     return p
 
@@ -72,6 +74,7 @@ def from_args(argv: list[str] | None = None) -> FrontendConfig:
             enable_prefill_logprobs=a.enable_prefill_logprobs,
             validation_workers=a.validation_workers, scheduler_timeout_s=a.scheduler_timeout_s,
             payload_limit=a.payload_limit, api_key=a.api_key, model_pipeline_tag=a.model_pipeline_tag,
+            cors_allow_origin=a.cors_allow_origin,
             **extra)
     except ValueError as e:
         parser.error(str(e))

@@ -19,7 +19,9 @@ from llmbus.bus.service import ServiceContext, run_service
 from llmbus.frontend.config import FrontendConfig, resolve_limits
 from llmbus.frontend.engine_client import EngineClient
 from llmbus.frontend.generation import Generator
-from llmbus.frontend.routes import STATE, FrontendState, auth_middleware, error_middleware, setup_routes
+from llmbus.frontend.middleware import auth_middleware, cors_middleware, error_middleware
+from llmbus.frontend.routes import setup_routes
+from llmbus.frontend.state import STATE, FrontendState
 from llmbus.frontend.tokenizer import ModelTokenizer, load_tokenizer
 
 log = structlog.get_logger("llmbus.frontend")
@@ -28,9 +30,11 @@ log = structlog.get_logger("llmbus.frontend")
 def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
              zmq_ctx: zmq.asyncio.Context | None = None) -> web.Application:
     """The frontend app; the scheduler handshake runs when the app starts (runner.setup())."""
-    middlewares = [error_middleware]
+    # outermost first: CORS headers go on every answer, 401s included
+    middlewares = [cors_middleware(config.cors_allow_origin)]
     if config.api_key:
-        middlewares.insert(0, auth_middleware(config.api_key))
+        middlewares.append(auth_middleware(config.api_key))
+    middlewares.append(error_middleware)
     app = web.Application(client_max_size=config.payload_limit, middlewares=middlewares)
     state = FrontendState(config=config, tokenizer=tokenizer or load_tokenizer(config.model_dir))
     app[STATE] = state

@@ -40,6 +40,7 @@ class FrontendConfig:
     payload_limit: int = 2_000_000  # bytes of request body (TGI --payload-limit)
     validation_workers: int = 2  # threads that tokenize long prompts off the event loop
     api_key: str | None = None  # Bearer token required on the generation routes (TGI --api-key)
+    cors_allow_origin: list[str] = field(default_factory=list)  # empty: any origin (as TGI)
     model_pipeline_tag: str | None = None  # /info; decides POST / return_full_text default like TGI
     compute_type: str = field(default_factory=_default_compute_type)  # x-compute-type header
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may finish after SIGTERM

@@ -18,6 +18,11 @@ class ErrorKind(enum.Enum):
     INCOMPLETE_STREAM = "incomplete_generation_stream"
     UNHEALTHY = "healthcheck"  # /health when the engine is gone
     UNAUTHORIZED = "unauthorized"  # --api-key set and the Bearer token is missing or wrong
+    TEMPLATE = "template_error"  # no chat template, or the template failed on these messages
+    TOOL = "tool_error"  # tools asked for, which need constrained decoding
+    BATCH_SIZE = "batch size exceeded"  # more prompts (x choices) than --max-client-batch-size
+    SUFFIX = "suffix not supported"  # /v1/completions with a suffix
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # a body over --payload-limit
 
 
 # kind -> (HTTP status, error_type, text; "{}" takes the detail)
@@ -30,6 +35,21 @@ ERROR_TABLE: dict[ErrorKind, tuple[int, str, str]] = {
     ErrorKind.INCOMPLETE_STREAM: (500, "incomplete_generation_stream", "Incomplete generation stream"),
     ErrorKind.UNHEALTHY: (503, "healthcheck", "unhealthy"),
     ErrorKind.UNAUTHORIZED: (401, "unauthorized", "Unauthorized"),
+    ErrorKind.TEMPLATE: (422, "template_error", "Template error: {}"),
+    ErrorKind.TOOL: (422, "tool_error", "Tool error: {}"),
+    ErrorKind.BATCH_SIZE: (422, "batch size exceeded", "Number of prompts exceeds the maximum allowed batch size of {}"),
+    ErrorKind.SUFFIX: (422, "suffix not supported",
+                       "Suffix is not supported and can be achieved by preprocessing the prompt."),
+    ErrorKind.PAYLOAD_TOO_LARGE: (413, "payload_too_large", "Failed to buffer the request body: {}"),
+}
+
+# OpenAI's error.type for the kinds (the routes under /v1 answer in OpenAI's envelope)
+OPENAI_TYPES: dict[ErrorKind, str] = {
+    ErrorKind.VALIDATION: "invalid_request_error", ErrorKind.BODY: "invalid_request_error",
+    ErrorKind.TEMPLATE: "invalid_request_error", ErrorKind.TOOL: "invalid_request_error",
+    ErrorKind.BATCH_SIZE: "invalid_request_error", ErrorKind.SUFFIX: "invalid_request_error",
+    ErrorKind.PAYLOAD_TOO_LARGE: "invalid_request_error", ErrorKind.UNAUTHORIZED: "authentication_error",
+    ErrorKind.OVERLOADED: "rate_limit_error",
 }
 
 # error_type strings the scheduler may put in RequestFailed, mapped back to a kind
@@ -40,9 +60,10 @@ _BY_ERROR_TYPE = {error_type: kind for kind, (_, error_type, _) in ERROR_TABLE.i
 class ApiError(Exception):
     """An error answer. ``detail`` fills the "{}" of the kind's text."""
 
-    def __init__(self, kind: ErrorKind, detail: str = ""):
+    def __init__(self, kind: ErrorKind, detail: str = "", *, param: str | None = None):
         status, error_type, template = ERROR_TABLE[kind]
         self.kind = kind
+        self.param = param  # the request field at fault, when known (OpenAI's error.param)
         self.status = status
         self.error_type = error_type
         self.message = template.format(detail) if "{}" in template else template
@@ -51,9 +72,16 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": self.message, "error_type": self.error_type}
 
+    def openai_body(self) -> dict:
+        """OpenAI's envelope; TGI's ``error_type`` rides along at the top so that TGI clients
+        (huggingface_hub raises its typed errors from it) still tell the errors apart."""
+        return {"error": {"message": self.message, "type": OPENAI_TYPES.get(self.kind, "server_error"),
+                          "param": self.param, "code": self.error_type},
+                "error_type": self.error_type}
 
-def validation_error(detail: str) -> ApiError:
-    return ApiError(ErrorKind.VALIDATION, detail)
+
+def validation_error(detail: str, param: str | None = None) -> ApiError:
+    return ApiError(ErrorKind.VALIDATION, detail, param=param)
 
 
 def body_parse_error(detail: str) -> ApiError:

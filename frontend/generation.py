@@ -73,22 +73,24 @@ class Generator:
     def release(self) -> None:
         self.permits_in_use -= 1
 
-    async def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             if len(text) <= INLINE_TOKENIZE_CHARS:
-                return self.tokenizer.encode(text)
+                return self.tokenizer.encode(text, add_special_tokens)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self.tokenizer.encode, text)
+            return await loop.run_in_executor(self._executor, self.tokenizer.encode, text, add_special_tokens)
         except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as TGI reports it
             raise validation_error(f"tokenizer error {e}") from None
 
     async def prepare(self, inputs: str, parameters: GenerateParameters, start_time: float,
-                      arrival_time: float) -> "Generation":
-        """A Generation ready to start; raises ApiError (422, 429, 424). Holds a permit until closed."""
+                      arrival_time: float, *, add_special_tokens: bool = True) -> "Generation":
+        """A Generation ready to start; raises ApiError (422, 429, 424). Holds a permit until closed.
+
+        ``add_special_tokens=False`` for text that already carries them (a rendered chat template)."""
         self.acquire()
         try:
             params = validate_parameters(inputs, parameters, self.limits)
-            ids = await self.tokenize(inputs)
+            ids = await self.tokenize(inputs, add_special_tokens)
             input_length, max_new = validate_lengths(len(ids), params.truncate, params.max_new_tokens,
                                                      self.limits)
             if self.engine.dead_reason is not None:
@@ -167,7 +169,8 @@ class Generation:
         request = m.AddRequest(
             rid=self.rid, frontend_id=engine.frontend_id, input_ids=p.input_ids, sampling=p.params.sampling,
             stopping=m.StoppingParams(max_new_tokens=p.max_new_tokens,
-                                      stop_token_ids=list(self.generator.tokenizer.eos_token_ids)),
+                                      stop_token_ids=list(self.generator.tokenizer.eos_token_ids),
+                                      ignore_eos=p.params.ignore_eos),
             prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time)
         self.timings.queued = time.monotonic()
         self._queue = await engine.submit(request)

@@ -1,4 +1,5 @@
-"""TGI's native routes: /generate, /generate_stream, POST / (compat), /health, /ping, GET /, /info.
+"""TGI's native routes: /generate, /generate_stream, POST / (compat), /tokenize, /chat_tokenize,
+/invocations, /health, /ping, GET /, /info, /metrics; the OpenAI ones are in openai_routes.py.
 
 Errors before a response starts are JSON ``{"error","error_type"}`` with TGI's status (middleware);
 once an SSE stream has started they travel in-band with HTTP 200, as TGI does. A client that goes away
@@ -9,82 +10,24 @@ cancels its handler (the runner sets ``handler_cancellation``), and ``Generation
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
-from dataclasses import dataclass, field
-from importlib import metadata
 
 import structlog
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
 from llmbus.frontend import responses
-from llmbus.frontend.config import FrontendConfig, Limits
-from llmbus.frontend.engine_client import EngineClient
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
-from llmbus.frontend.generation import Generation, Generator
-from llmbus.frontend.metrics import make_registry, render
-from llmbus.frontend.responses import dumps
-from llmbus.frontend.tokenizer import ModelTokenizer
+from llmbus.frontend.generation import Generation
+from llmbus.frontend.metrics import render
+from llmbus.frontend.openapi import add_openapi_routes
+from llmbus.frontend.openai_requests import parse_chat, read_json_object
+from llmbus.frontend.openai_routes import chat_completions, completions, setup_openai_routes
+from llmbus.frontend.state import STATE, VERSION, FrontendState, json_response
 from llmbus.frontend.validation import GenerateRequest, parse_request, validate_best_of
 
 log = structlog.get_logger("llmbus.frontend")
 
-try:
-    VERSION = metadata.version("llmbus")
-except metadata.PackageNotFoundError:  # running from a source tree
-    VERSION = "0.0.0"
-
-
-@dataclass
-class FrontendState:
-    config: FrontendConfig
-    tokenizer: ModelTokenizer
-    engine: EngineClient | None = None
-    generator: Generator | None = None
-    limits: Limits | None = None
-    metrics: CollectorRegistry = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None)
-
-    @property
-    def compat_return_full_text(self) -> bool:
-        # TGI: POST / returns the prompt too unless the hub pipeline tag says otherwise
-        tag = self.config.model_pipeline_tag
-        return tag is None or tag == "text-generation"
-
-
-STATE = web.AppKey("llmbus_frontend_state", FrontendState)
-
-_AUTH_PATHS = {"/", "/generate", "/generate_stream"}
 _DISCONNECTED = ConnectionResetError  # aiohttp's ClientConnectionResetError is one
-
-
-def _json_response(body, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=dumps(body), status=status, headers=headers, content_type="application/json")
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return _json_response(e.body(), status=e.status)
-
-
-def auth_middleware(api_key: str):
-    expected = f"bearer {api_key}".lower().encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler):
-        if request.method == "POST" and request.path in _AUTH_PATHS:
-            given = request.headers.get("Authorization", "").lower().encode()
-            if not hmac.compare_digest(given, expected):
-                return web.Response(status=401)
-        return await handler(request)
-
-    return check
 
 
 async def _read(request: web.Request, *, compat: bool) -> GenerateRequest:
@@ -120,7 +63,7 @@ async def _generate_json(state: FrontendState, req: GenerateRequest, start: floa
     body = responses.generate_body(gen, return_full_text=bool(p.return_full_text),
                                    details=p.details or p.decoder_input_details, others=others)
     headers = responses.generate_headers(gen, state.config.compute_type, len(req.inputs))
-    return _json_response([body] if as_list else body, headers=headers)
+    return json_response([body] if as_list else body, headers=headers)
 
 
 async def _gather_all(coros) -> list:
@@ -220,6 +163,37 @@ async def compat_generate(request: web.Request) -> web.StreamResponse:
     return await _generate_json(state, req, start, arrival, as_list=True)
 
 
+def _token_spans(text: str, spans: list[tuple[int, int, int]]) -> list[dict]:
+    return [{"id": i, "text": text[start:stop], "start": start, "stop": stop} for i, start, stop in spans]
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """The prompt's tokens with their character spans, as validation would tokenize it."""
+    state = request.app[STATE]
+    req = await _read(request, compat=False)
+    return json_response(_token_spans(req.inputs, state.tokenizer.encode_with_offsets(req.inputs)))
+
+
+async def chat_tokenize(request: web.Request) -> web.Response:
+    """What /v1/chat/completions would feed the model: the templated text and its tokens."""
+    state = request.app[STATE]
+    chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
+                      state.config.max_client_batch_size)
+    text = state.chat_template.render(chat.messages, chat.tools)
+    spans = state.tokenizer.encode_with_offsets(text, add_special_tokens=False)
+    return json_response({"tokenize_response": _token_spans(text, spans), "templated_text": text})
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's single route: a chat body (``messages``), a completion body (``prompt``) or TGI's."""
+    body = read_json_object(await request.read(), "a generate, chat or completion request")
+    if "messages" in body:
+        return await chat_completions(request)  # aiohttp keeps the body: it can be read again
+    if "prompt" in body:
+        return await completions(request)
+    return await compat_generate(request)
+
+
 async def health(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     if engine is None or not engine.healthy:
@@ -230,7 +204,7 @@ async def health(request: web.Request) -> web.Response:
 async def info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     c, limits = state.config, state.limits
-    return _json_response({
+    return json_response({
         "model_id": c.model_id,
         "model_sha": None,
         "model_pipeline_tag": c.model_pipeline_tag,
@@ -262,3 +236,8 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/ping", health)
     app.router.add_get("/info", info)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/chat_tokenize", chat_tokenize)
+    app.router.add_post("/invocations", invocations)
+    setup_openai_routes(app)
+    add_openapi_routes(app, VERSION, lambda: app[STATE].config.model_id)

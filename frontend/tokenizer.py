@@ -66,6 +66,12 @@ class ModelTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
+        """``(id, start, stop)`` per token; start/stop index characters of ``text`` (0, 0 for added
+        special tokens)."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return [(i, start, stop) for i, (start, stop) in zip(encoding.ids, encoding.offsets)]
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
 

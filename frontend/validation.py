@@ -45,6 +45,7 @@ class GenerateParameters:
     top_n_tokens: int | None = None
     grammar: dict | None = None
     adapter_id: str | None = None
+    ignore_eos_token: bool = False  # benchmarks: only max_new_tokens ends the request (vLLM's TGI client sends it)
 
 
 # field -> (serde type, nullable)
@@ -55,7 +56,7 @@ _PARAMETER_TYPES: dict[str, tuple[str, bool]] = {
     "return_full_text": ("bool", True), "stop": ("[string]", False), "truncate": ("usize", True),
     "watermark": ("bool", False), "details": ("bool", False), "decoder_input_details": ("bool", False),
     "seed": ("u64", True), "top_n_tokens": ("u32", True), "grammar": ("grammar", True),
-    "adapter_id": ("string", True),
+    "adapter_id": ("string", True), "ignore_eos_token": ("bool", False),
 }
 
 
@@ -145,17 +146,21 @@ def _parse_parameters(value) -> GenerateParameters:
     return params
 
 
-def parse_request(raw: bytes, *, compat: bool = False) -> GenerateRequest:
-    """A GenerateRequest (CompatGenerateRequest when ``compat``) from a request body."""
+def load_json(raw: bytes):
+    """The JSON value of a body (NaN and Infinity refused, as serde does), or a body_parse_error."""
     try:
-        text = raw.decode("utf-8")
-        body = json.loads(text, parse_constant=_reject_constant)
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
         raise body_parse_error(f"invalid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
         raise body_parse_error(f"{e.msg} at line {e.lineno} column {e.colno}") from None
     except (ValueError, RecursionError) as e:
         raise body_parse_error(str(e)) from None
+
+
+def parse_request(raw: bytes, *, compat: bool = False) -> GenerateRequest:
+    """A GenerateRequest (CompatGenerateRequest when ``compat``) from a request body."""
+    body = load_json(raw)
     struct = "CompatGenerateRequest" if compat else "GenerateRequest"
     if not isinstance(body, dict):
         raise body_type_error(f"invalid type: {_unexpected(body)}, expected struct {struct}")
@@ -182,6 +187,7 @@ class ValidParameters:
     truncate: int | None
     max_new_tokens: int | None
     stop: list[str]
+    ignore_eos: bool = False
 
 
 def validate_best_of(best_of: int, limits: Limits) -> int:
@@ -260,7 +266,8 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
         seed=seed, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
         top_n_tokens=top_n_tokens, watermark=p.watermark)
     return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
-                           truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop))
+                           truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop),
+                           ignore_eos=p.ignore_eos_token)
 
 
 def validate_lengths(num_tokens: int, truncate: int | None, max_new_tokens: int | None,

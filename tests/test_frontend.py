@@ -275,8 +275,8 @@ class Frontend:
 def make_frontend(model_dir):
     made = []
 
-    def make(**overrides) -> Frontend:
-        fe = Frontend(model_dir, **overrides)
+    def make(directory: Path | None = None, **overrides) -> Frontend:
+        fe = Frontend(directory or model_dir, **overrides)
         made.append(fe)
         return fe
     yield make

@@ -1,0 +1,100 @@
+"""The model's chat template: found where transformers looks for it, rendered by transformers' own
+Jinja renderer, so a conversation becomes exactly the text ``tokenizer.apply_chat_template`` would give.
+
+Where to look, first hit wins (transformers 5 and TGI agree on the order): ``chat_template.jinja``,
+``chat_template.json``, then ``tokenizer_config.json`` ``chat_template`` (a string, or a list of named
+templates of which ``default`` is used). The template sees ``messages``, ``add_generation_prompt``, the
+special tokens (``bos_token``, ``eos_token``, ...) and ``tools`` when given. As in TGI, a conversation
+that ends with an assistant message is continued (the prompt stops right after that message's content)
+instead of being answered.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmbus.frontend.errors import ApiError, ErrorKind
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                       "mask_token")
+
+
+def template_error(detail: str) -> ApiError:
+    return ApiError(ErrorKind.TEMPLATE, detail)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _pick(template) -> str | None:
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        chosen = named.get("default")
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+def find_chat_template(model_dir: str | Path) -> str | None:
+    model_dir = Path(model_dir)
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for path in (model_dir / "chat_template.json", model_dir / "tokenizer_config.json"):
+        if path.is_file():
+            template = _pick(_read_json(path).get("chat_template"))
+            if template is not None:
+                return template
+    return None
+
+
+def _special_tokens(model_dir: Path) -> dict[str, str]:
+    config = _read_json(model_dir / "tokenizer_config.json")
+    out = {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+class ChatTemplate:
+    """Renders conversations with the model's template; ``TEMPLATE`` errors (422) when it has none."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        self.source = find_chat_template(model_dir)
+        self.special_tokens = _special_tokens(model_dir)
+        self._render = None
+
+    @property
+    def available(self) -> bool:
+        return self.source is not None
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        if self.source is None:
+            raise template_error("template not found")
+        if self._render is None:
+            # transformers' renderer (sandboxed Jinja with its filters and raise_exception); imported on
+            # first use so that a frontend serving no chat requests never pays for the import
+            from transformers.utils.chat_template_utils import render_jinja_template
+            self._render = render_jinja_template
+        continue_final = bool(messages) and messages[-1].get("role") == "assistant"
+        try:
+            rendered, _ = self._render(
+                [messages], tools=tools or None, chat_template=self.source,
+                add_generation_prompt=not continue_final, continue_final_message=continue_final,
+                **self.special_tokens)
+        except Exception as e:  # noqa: BLE001 - any template failure is the template's error, not ours
+            # raise_exception('...') in a template arrives here with the template's own words
+            raise template_error(str(e) or type(e).__name__) from None
+        return rendered[0]

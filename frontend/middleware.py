@@ -1,0 +1,79 @@
+"""What wraps every route: errors to JSON, the ``--api-key`` check and CORS.
+
+Errors are answered in one place, from ``errors.ERROR_TABLE``: TGI's ``{"error","error_type"}`` body, or
+OpenAI's envelope on the ``/v1/`` routes. The API key guards the routes that generate or tokenize, as in
+TGI (``/health``, ``/info``, ``/metrics`` and the docs stay open for probes and scrapers).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from llmbus.frontend.errors import ApiError, ErrorKind
+from llmbus.frontend.state import json_response
+
+AUTH_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
+                        "/invocations", "/tokenize"})
+OPENAI_PREFIX = "/v1/"
+CORS_METHODS = "GET,POST"
+CORS_HEADERS = "content-type,authorization"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        error = e
+    except web.HTTPRequestEntityTooLarge:
+        error = ApiError(ErrorKind.PAYLOAD_TOO_LARGE, "length limit exceeded")
+    body = error.openai_body() if request.path.startswith(OPENAI_PREFIX) else error.body()
+    return json_response(body, status=error.status)
+
+
+def auth_middleware(api_key: str):
+    # TGI compares the whole header case-insensitively
+    expected = f"bearer {api_key}".lower().encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.method == "POST" and request.path in AUTH_PATHS:
+            given = request.headers.get("Authorization", "").lower().encode()
+            if not hmac.compare_digest(given, expected):
+                return web.Response(status=401)
+        return await handler(request)
+
+    return check
+
+
+def cors_middleware(allowed_origins: list[str]):
+    """TGI's CORS layer: GET and POST from the ``--cors-allow-origin`` origins, or from any origin when
+    none is given; preflight requests are answered here."""
+    allowed = frozenset(allowed_origins)
+
+    def allow_origin(origin: str) -> str | None:
+        if not allowed:
+            return "*"
+        return origin if origin in allowed else None
+
+    @web.middleware
+    async def cors(request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return await handler(request)
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            response = web.Response(status=200)
+            response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
+            response.headers["Access-Control-Allow-Headers"] = CORS_HEADERS
+        else:
+            response = await handler(request)
+        granted = allow_origin(origin)
+        if granted is not None:
+            response.headers["Access-Control-Allow-Origin"] = granted
+        if allowed:
+            response.headers.add("Vary", "Origin")
+        return response
+
+    return cors

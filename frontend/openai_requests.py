@@ -1,0 +1,237 @@
+"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) read into TGI's parameters.
+
+Where TGI falls short of OpenAI's API we follow OpenAI: ``temperature`` 0 means greedy, ``top_p`` 1.0 is
+accepted (and means no nucleus cut), ``n`` > 1 returns n choices, ``stop`` may be a string. The mapped
+``GenerateParameters`` then pass TGI's own rules (``validate_parameters``) with TGI's messages. Unknown
+keys are ignored, as both OpenAI's and TGI's servers do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from llmbus.frontend.config import Limits
+from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
+from llmbus.frontend.validation import GenerateParameters, load_json
+
+_TYPE_CHECKS = {
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+_ARTICLE = {"integer": "an", "object": "an", "array": "an"}
+
+
+def read_json_object(raw: bytes, what: str) -> dict:
+    body = load_json(raw)
+    if not isinstance(body, dict):
+        raise body_type_error(f"expected a JSON object ({what})")
+    return body
+
+
+def _get(body: dict, name: str, kind: str, default=None):
+    """``body[name]`` if present and not null, checked to be of JSON type ``kind``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _TYPE_CHECKS[kind](value):
+        raise validation_error(f"`{name}` must be {_ARTICLE.get(kind, 'a')} {kind}. Given: {json.dumps(value)}",
+                               param=name)
+    return value
+
+
+def _in_range(name: str, value, low, high, *, low_open: bool = False) -> None:
+    if value is None:
+        return
+    if value < low or value > high or (low_open and value == low):
+        lower = f"> {low}" if low_open else f">= {low}"
+        raise validation_error(f"`{name}` must be {lower} and <= {high}. Given: {value}", param=name)
+
+
+@dataclass
+class OpenAIOptions:
+    """What the OpenAI routes read beyond TGI's parameters."""
+
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs; 0: the chosen tokens' logprobs only
+    presence_penalty: float
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    tools: list[dict] | None
+    params: GenerateParameters
+    options: OpenAIOptions
+
+
+@dataclass
+class CompletionRequest:
+    prompts: list[str]
+    echo: bool
+    params: GenerateParameters
+    options: OpenAIOptions
+
+
+def _stop_sequences(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise validation_error("`stop` must be a string or an array of strings", param="stop")
+
+
+def _common(body: dict, max_choices: int,
+            max_tokens_keys: tuple[str, ...]) -> tuple[GenerateParameters, OpenAIOptions]:
+    """The parameters both routes share, mapped onto TGI's GenerateParameters."""
+    p = GenerateParameters(do_sample=True, details=True)  # OpenAI samples at temperature 1 by default
+    max_tokens = None
+    for key in max_tokens_keys:  # max_completion_tokens wins over the deprecated max_tokens
+        value = _get(body, key, "integer")
+        if value is not None:
+            if value < 1:
+                raise validation_error(f"`{key}` must be >= 1. Given: {value}", param=key)
+            max_tokens = value
+    p.max_new_tokens = max_tokens
+
+    temperature = _get(body, "temperature", "number")
+    _in_range("temperature", temperature, 0.0, 2.0)
+    if temperature == 0:
+        p.do_sample = False  # greedy
+    elif temperature is not None:
+        p.temperature = float(temperature)
+    top_p = _get(body, "top_p", "number")
+    _in_range("top_p", top_p, 0.0, 1.0, low_open=True)
+    if top_p is not None and top_p < 1.0:
+        p.top_p = float(top_p)
+    top_k = _get(body, "top_k", "integer")  # vLLM's extension; -1 and 0 mean off there
+    if top_k is not None and top_k > 0:
+        p.top_k = top_k
+    frequency = _get(body, "frequency_penalty", "number")
+    _in_range("frequency_penalty", frequency, -2.0, 2.0)
+    if frequency:
+        p.frequency_penalty = float(frequency)
+    presence = _get(body, "presence_penalty", "number", 0.0)
+    _in_range("presence_penalty", presence, -2.0, 2.0)
+    repetition = _get(body, "repetition_penalty", "number")  # TGI's and vLLM's extension
+    if repetition is not None:
+        p.repetition_penalty = float(repetition)
+    p.stop = _stop_sequences(body)
+    seed = _get(body, "seed", "integer")
+    if seed is not None:
+        p.seed = seed % 2**64  # OpenAI's seed is a signed 64-bit integer, ours unsigned
+    p.ignore_eos_token = _get(body, "ignore_eos", "boolean", False)
+    logit_bias = _get(body, "logit_bias", "object")
+    if logit_bias:
+        raise validation_error("`logit_bias` is not supported", param="logit_bias")
+
+    n = _get(body, "n", "integer", 1)
+    if not 1 <= n <= max_choices:
+        raise validation_error(f"`n` must be >= 1 and <= {max_choices}. Given: {n}", param="n")
+    stream = _get(body, "stream", "boolean", False)
+    stream_options = _get(body, "stream_options", "object") or {}
+    include_usage = _get(stream_options, "include_usage", "boolean", False)
+    options = OpenAIOptions(model=_get(body, "model", "string"), n=n, stream=stream,
+                            include_usage=stream and include_usage, top_logprobs=None,
+                            presence_penalty=float(presence))
+    return p, options
+
+
+def _set_top_logprobs(p: GenerateParameters, options: OpenAIOptions, count: int | None, name: str,
+                      limits: Limits) -> None:
+    if count is None:
+        return
+    if not 0 <= count <= limits.max_top_n_tokens:
+        raise validation_error(f"`{name}` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {count}",
+                               param=name)
+    options.top_logprobs = count
+    if count:
+        p.top_n_tokens = count
+
+
+def _message_content(message: dict, index: int) -> str | None:
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise validation_error(f"`messages[{index}].content` must be a string or an array of content parts",
+                               param="messages")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise validation_error(f"`messages[{index}].content`: {kind or 'this'} content is not supported "
+                                   f"by this model; only text parts are", param="messages")
+    return "".join(texts)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = _get(body, "messages", "array")
+    if not messages:
+        raise validation_error("`messages` must be a non-empty array", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise validation_error(f"`messages[{i}]` must be an object with a string `role`", param="messages")
+        # a plain copy for the template: text parts joined into one string, which every template reads
+        clean = dict(message)
+        clean["content"] = _message_content(message, i)
+        out.append(clean)
+    return out
+
+
+def parse_chat(body: dict, limits: Limits, max_choices: int) -> ChatRequest:
+    p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"))
+    messages = _messages(body)
+    if _get(body, "logprobs", "boolean", False):
+        _set_top_logprobs(p, options, _get(body, "top_logprobs", "integer", 0), "top_logprobs", limits)
+    elif body.get("top_logprobs") is not None:
+        raise validation_error("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
+    tools = _get(body, "tools", "array")
+    tool_choice = body.get("tool_choice")
+    if tools and tool_choice != "none":
+        raise ApiError(ErrorKind.TOOL, "tool calls need constrained decoding, which this server does not "
+                                       "have; send `tool_choice: \"none\"` to only show the tools to the model")
+    response_format = _get(body, "response_format", "object")
+    if response_format and response_format.get("type") not in (None, "text"):
+        raise validation_error("grammar is not supported", param="response_format")
+    return ChatRequest(messages=messages, tools=tools or None, params=p, options=options)
+
+
+def parse_completion(body: dict, limits: Limits, max_client_batch_size: int) -> CompletionRequest:
+    suffix = body.get("suffix")
+    if suffix:
+        raise ApiError(ErrorKind.SUFFIX)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(s, str) for s in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise validation_error("Empty array detected. Do not use an empty array for the prompt.", param="prompt")
+    else:
+        raise validation_error("`prompt` must be a string or a non-empty array of strings", param="prompt")
+    if len(prompts) > max_client_batch_size:
+        raise ApiError(ErrorKind.BATCH_SIZE, str(max_client_batch_size))
+    p, options = _common(body, max_client_batch_size, ("max_tokens",))
+    if body.get("max_tokens") is None:
+        p.max_new_tokens = 16  # OpenAI's default for completions
+    best_of = _get(body, "best_of", "integer")
+    if best_of is not None and best_of != options.n:
+        raise validation_error(f"`best_of` must equal `n` ({options.n}): choosing among extra samples is "
+                               f"not supported. Given: {best_of}", param="best_of")
+    _set_top_logprobs(p, options, _get(body, "logprobs", "integer"), "logprobs", limits)
+    return CompletionRequest(prompts=prompts, echo=_get(body, "echo", "boolean", False), params=p,
+                             options=options)

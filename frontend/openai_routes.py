@@ -1,0 +1,363 @@
+"""OpenAI's routes: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``.
+
+Each choice (``n`` per prompt) is one generation in the engine; they run concurrently and a stream
+interleaves their chunks as tokens arrive. Everything is validated and tokenized before a response
+starts, so a bad request is an HTTP error the SDKs raise, never a broken stream; errors after that travel
+in-band as ``data: {"error": ...}`` before ``data: [DONE]``.
+
+Text follows OpenAI, not TGI: a matched stop sequence is cut from the text (so a stream holds back the
+last characters that could still begin one), finish reasons are ``stop`` / ``length``, ids are unique.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from llmbus.frontend.errors import ApiError
+from llmbus.frontend.generation import Generation, TokenOut
+from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
+                                             parse_completion, read_json_object)
+from llmbus.frontend.responses import KEEPALIVE, dumps, f32, stream_headers
+from llmbus.frontend.state import STATE, FrontendState, json_response
+from llmbus.frontend.validation import GenerateParameters
+
+_FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+_DISCONNECTED = ConnectionResetError
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Job:
+    """One choice to generate: the prompt text and its parameters."""
+
+    index: int  # the choice's index in the response
+    prompt_index: int
+    text: str
+    params: GenerateParameters
+    add_special_tokens: bool
+    echo: str = ""  # completions with echo: the prompt, written before the generated text
+
+
+class Choice:
+    """A generation seen through OpenAI's eyes: the text it may show so far, and its logprobs."""
+
+    def __init__(self, job: Job, gen: Generation):
+        self.job = job
+        self.gen = gen
+        self.sent = 0  # characters of visible_text() already streamed
+        stops = gen.prepared.params.stop
+        self._stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+
+    @property
+    def index(self) -> int:
+        return self.job.index
+
+    def visible_text(self) -> str:
+        """The generated text without a matched stop sequence; while running, minus the tail that might
+        still turn into one."""
+        text = self.gen.generated_text
+        if self.gen.finish_reason == "stop_sequence":
+            cuts = [i for i in (text.find(s) for s in self._stops) if i != -1]
+            return text[:min(cuts)] if cuts else text
+        if not self.gen.done and self._hold:
+            return text[:max(len(text) - self._hold, 0)]
+        return text
+
+    def next_delta(self) -> str:
+        text = self.visible_text()
+        delta = text[self.sent:] if len(text) > self.sent else ""
+        self.sent = max(self.sent, len(text))
+        return delta
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self.gen.finish_reason
+        return None if reason is None else _FINISH_REASONS.get(reason, reason)
+
+    def finish_reason_of(self, tokens: list[TokenOut]) -> str | None:
+        """The finish reason if ``tokens`` (an event's) hold the last token. A stream renders events
+        after the generation may have moved on, so the live state cannot tell."""
+        return self.finish_reason if tokens and tokens[-1].finish_reason is not None else None
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _header(state: FrontendState, object_name: str, rid: str, created: int) -> dict:
+    return {"id": rid, "object": object_name, "created": created, "model": state.config.model_id,
+            "system_fingerprint": state.system_fingerprint}
+
+
+def _usage(choices: list[Choice]) -> dict:
+    prompts = {c.job.prompt_index: c.gen.input_length for c in choices}
+    prompt_tokens = sum(prompts.values())
+    completion_tokens = sum(len(c.gen.tokens) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# --- logprobs ---------------------------------------------------------------------------------------
+
+
+def _chat_logprob(token: TokenOut) -> dict:
+    return {"token": token.text, "logprob": f32(token.logprob), "bytes": list(token.text.encode("utf-8")),
+            "top_logprobs": [{"token": t["text"], "logprob": f32(t["logprob"]),
+                              "bytes": list(t["text"].encode("utf-8"))} for t in token.top_tokens]}
+
+
+def _chat_logprobs(tokens: list[TokenOut], options: OpenAIOptions) -> dict | None:
+    if options.top_logprobs is None:
+        return None
+    return {"content": [_chat_logprob(t) for t in tokens]}
+
+
+def _completion_logprobs(tokens: list[TokenOut], options: OpenAIOptions, offset: int,
+                         prompt: list[dict] | None = None) -> dict | None:
+    """The legacy shape: parallel lists, ``text_offset`` counting from ``offset`` characters."""
+    if options.top_logprobs is None:
+        return None
+    rows = list(prompt or []) + [{"text": t.text, "logprob": t.logprob,
+                                  "top": {x["text"]: f32(x["logprob"]) for x in t.top_tokens}}
+                                 for t in tokens]
+    offsets = []
+    for row in rows:
+        offsets.append(offset)
+        offset += len(row.get("shown", row["text"]))
+    return {"tokens": [r["text"] for r in rows], "token_logprobs": [f32(r["logprob"]) for r in rows],
+            "top_logprobs": [r["top"] if options.top_logprobs else None for r in rows],
+            "text_offset": offsets}
+
+
+def _prompt_rows(gen: Generation) -> list[dict]:
+    """Prompt tokens for ``echo`` with ``logprobs``: their logprobs when the engine computed them. Special
+    tokens (a BOS) are listed but take no room in the echoed text (``shown``)."""
+    tokenizer = gen.generator.tokenizer
+    ids = gen.prepared.input_ids
+    texts = tokenizer.token_texts(ids)
+    given = gen.prompt_logprobs if isinstance(gen.prompt_logprobs, list) else []
+    logprobs = [None] * (len(ids) - len(given)) + list(given)
+    return [{"text": t, "shown": "" if tokenizer.is_special(i) else t, "logprob": lp, "top": None}
+            for i, t, lp in zip(ids, texts, logprobs)]
+
+
+# --- running choices ---------------------------------------------------------------------------------
+
+
+def _choice_params(params: GenerateParameters, choice: int) -> GenerateParameters:
+    """Choice i of a seeded request gets seed + i: n identical samples would be of no use."""
+    if choice == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + choice) % 2**64)
+
+
+async def _prepare(state: FrontendState, jobs: list[Job], start: float, arrival: float) -> list[Choice]:
+    """Validate, tokenize and take a permit for every job; on any error, release those taken."""
+    choices: list[Choice] = []
+    try:
+        for job in jobs:
+            gen = await state.generator.prepare(job.text, job.params, start, arrival,
+                                                add_special_tokens=job.add_special_tokens)
+            choices.append(Choice(job, gen))
+    except BaseException:
+        for c in choices:
+            c.gen.close()
+        raise
+    return choices
+
+
+async def _run_all(choices: list[Choice]) -> None:
+    async def run(c: Choice) -> None:
+        await c.gen.start()
+        await c.gen.run_to_end()
+
+    tasks = [asyncio.ensure_future(run(c)) for c in choices]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await _end(tasks, choices)
+
+
+async def _end(tasks: list[asyncio.Future], choices: list[Choice]) -> None:
+    """Stop the tasks and close every generation (aborting in the engine those not finished)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for c in choices:
+        c.gen.close()
+
+
+async def _stream(request: web.Request, state: FrontendState, choices: list[Choice], options: OpenAIOptions,
+                  render) -> web.StreamResponse:
+    """SSE: ``render(choice, tokens)`` gives the chunks (dicts) for a choice's new tokens; ``render(c,
+    None)`` its opening chunks. Then the usage chunk when asked, then ``[DONE]``."""
+    resp = web.StreamResponse(status=200, headers=stream_headers(state.config.compute_type,
+                                                                 sum(len(c.job.text) for c in choices)))
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            await c.gen.start()
+            while not c.gen.done:
+                events.put_nowait((c, await c.gen.next_tokens()))
+        except ApiError as e:
+            events.put_nowait((c, e))
+        finally:
+            events.put_nowait((c, None))
+
+    tasks = []
+    try:
+        await resp.prepare(request)
+        opening = [chunk for c in choices for chunk in render(c, None)]
+        if opening:
+            await resp.write(b"".join(_event(chunk) for chunk in opening))
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        running = len(choices)
+        while running:
+            try:
+                c, item = await asyncio.wait_for(events.get(), state.config.keepalive_s)
+            except asyncio.TimeoutError:
+                await resp.write(KEEPALIVE)
+                continue
+            if item is None:
+                running -= 1
+            elif isinstance(item, ApiError):
+                await resp.write(_event(item.openai_body()) + DONE)
+                return resp
+            elif item:
+                chunks = render(c, item)
+                if chunks:
+                    await resp.write(b"".join(_event(chunk) for chunk in chunks))
+        if options.include_usage:
+            await resp.write(_event({**render.header, "choices": [], "usage": _usage(choices)}))
+        await resp.write(DONE)
+        await resp.write_eof()
+    except _DISCONNECTED:
+        pass  # the finally aborts what is still running
+    finally:
+        await _end(tasks, choices)
+    return resp
+
+
+def _event(obj) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+# --- chat ------------------------------------------------------------------------------------------
+
+
+class _Chunks:
+    """Renders a stream's chunks: ``self(choice, None)`` opens a choice, ``self(choice, tokens)`` carries
+    an event's tokens. With include_usage, every chunk has ``usage: null`` until the usage chunk."""
+
+    def __init__(self, header: dict, options: OpenAIOptions):
+        self.header = header
+        self.options = options
+        self.usage_null = {"usage": None} if options.include_usage else {}
+
+    def _chunk(self, choice: dict) -> dict:
+        return {**self.header, "choices": [choice], **self.usage_null}
+
+
+class _ChatChunks(_Chunks):
+    def _delta(self, c: Choice, delta: dict, logprobs, finish) -> dict:
+        return self._chunk({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+
+    def __call__(self, c: Choice, tokens: list[TokenOut] | None) -> list[dict]:
+        if tokens is None:  # OpenAI opens every choice with its role
+            return [self._delta(c, {"role": "assistant", "content": ""}, None, None)]
+        text = c.next_delta()
+        logprobs = _chat_logprobs(tokens, self.options)
+        finish = c.finish_reason_of(tokens)
+        if not text and logprobs is None and finish is None:
+            return []  # a token whose text is held back, or a special token
+        return [self._delta(c, {"content": text} if text or finish is None else {}, logprobs, finish)]
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    start, arrival = time.monotonic(), time.time()
+    state = request.app[STATE]
+    chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
+                      state.config.max_client_batch_size)
+    prompt = state.chat_template.render(chat.messages, chat.tools)
+    # the rendered template already holds the BOS and other special tokens
+    jobs = [Job(i, 0, prompt, _choice_params(chat.params, i), add_special_tokens=False)
+            for i in range(chat.options.n)]
+    choices = await _prepare(state, jobs, start, arrival)
+    header = _header(state, "chat.completion", _new_id("chatcmpl"), int(arrival))
+    if chat.options.stream:
+        render = _ChatChunks({**header, "object": "chat.completion.chunk"}, chat.options)
+        return await _stream(request, state, choices, chat.options, render)
+    await _run_all(choices)
+    return json_response({**header, "choices": [
+        {"index": c.index, "message": {"role": "assistant", "content": c.visible_text()},
+         "logprobs": _chat_logprobs(c.gen.tokens, chat.options), "finish_reason": c.finish_reason}
+        for c in choices], "usage": _usage(choices)})
+
+
+# --- completions -----------------------------------------------------------------------------------
+
+
+class _CompletionChunks(_Chunks):
+    def __call__(self, c: Choice, tokens: list[TokenOut] | None) -> list[dict]:
+        if tokens is None:
+            if not c.job.echo:
+                return []
+            return [self._text(c, c.job.echo, None, None)]
+        offset = len(c.job.echo) + c.sent
+        text = c.next_delta()
+        logprobs = _completion_logprobs(tokens, self.options, offset)
+        finish = c.finish_reason_of(tokens)
+        if not text and logprobs is None and finish is None:
+            return []
+        return [self._text(c, text, logprobs, finish)]
+
+    def _text(self, c: Choice, text: str, logprobs, finish) -> dict:
+        return self._chunk({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+
+
+def _completion_choice(c: Choice, options: OpenAIOptions) -> dict:
+    prompt = _prompt_rows(c.gen) if c.job.echo and options.top_logprobs is not None else None
+    return {"index": c.index, "text": c.job.echo + c.visible_text(),
+            "logprobs": _completion_logprobs(c.gen.tokens, options, 0 if prompt else len(c.job.echo), prompt),
+            "finish_reason": c.finish_reason}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    start, arrival = time.monotonic(), time.time()
+    state = request.app[STATE]
+    req: CompletionRequest = parse_completion(read_json_object(await request.read(), "CompletionRequest"),
+                                              state.limits, state.config.max_client_batch_size)
+    n = req.options.n
+    params = req.params
+    if req.echo and req.options.top_logprobs is not None and not req.options.stream:
+        params = dataclasses.replace(params, decoder_input_details=True)  # prompt logprobs, if enabled
+    jobs = [Job(p * n + i, p, prompt, _choice_params(params, i), add_special_tokens=True,
+                echo=prompt if req.echo else "")
+            for p, prompt in enumerate(req.prompts) for i in range(n)]
+    choices = await _prepare(state, jobs, start, arrival)
+    header = _header(state, "text_completion", _new_id("cmpl"), int(arrival))
+    if req.options.stream:
+        return await _stream(request, state, choices, req.options, _CompletionChunks(header, req.options))
+    await _run_all(choices)
+    return json_response({**header, "choices": [_completion_choice(c, req.options) for c in choices],
+                          "usage": _usage(choices)})
+
+
+async def models(request: web.Request) -> web.Response:
+    model_id = request.app[STATE].config.model_id
+    return json_response({"object": "list", "data": [
+        {"id": model_id, "object": "model", "created": 0, "owned_by": model_id}]})
+
+
+def setup_openai_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)

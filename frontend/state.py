@@ -1,0 +1,54 @@
+"""What every route handler shares: the frontend's state, kept on the aiohttp app under ``STATE``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from llmbus.frontend.chat import ChatTemplate
+from llmbus.frontend.config import FrontendConfig, Limits
+from llmbus.frontend.engine_client import EngineClient
+from llmbus.frontend.generation import Generator
+from llmbus.frontend.metrics import make_registry
+from llmbus.frontend.responses import dumps
+from llmbus.frontend.tokenizer import ModelTokenizer
+
+try:
+    VERSION = metadata.version("llmbus")
+except metadata.PackageNotFoundError:  # running from a source tree
+    VERSION = "0.0.0"
+
+
+@dataclass
+class FrontendState:
+    config: FrontendConfig
+    tokenizer: ModelTokenizer
+    engine: EngineClient | None = None
+    generator: Generator | None = None
+    limits: Limits | None = None
+    metrics: CollectorRegistry = field(init=False)
+    chat_template: ChatTemplate = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None)
+        self.chat_template = ChatTemplate(self.config.model_dir)
+
+    @property
+    def system_fingerprint(self) -> str:
+        return f"{VERSION}-native"  # TGI's form: version, then the docker label or "native"
+
+    @property
+    def compat_return_full_text(self) -> bool:
+        # TGI: POST / returns the prompt too unless the hub pipeline tag says otherwise
+        tag = self.config.model_pipeline_tag
+        return tag is None or tag == "text-generation"
+
+
+STATE = web.AppKey("llmbus_frontend_state", FrontendState)
+
+
+def json_response(body, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=dumps(body), status=status, headers=headers, content_type="application/json")

@@ -1,0 +1,407 @@
+"""The OpenAI routes, /tokenize, /chat_tokenize, /invocations and the guards, against the fake scheduler
+of test_frontend.py (real zmq sockets and HTTP; the reply is a fixed script, so texts are exact).
+
+The fake scheduler answers every request with REPLY (then EOS), three tokens per event; a prompt with
+HOLD waits for ``release``, one with FAIL fails with a validation error.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from test_frontend import EOS, REPLY, WAIT, build_model_dir, last_rid, parse_sse
+# fixtures: test_frontend's frontend factory, and its model folder (which has no chat template)
+from test_frontend import make_frontend, model_dir  # noqa: F401
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir():
+    d = Path(tempfile.mkdtemp(prefix="llmbus-fe-chat-"))
+    build_model_dir(d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_fe(make_frontend, chat_model_dir):
+    """test_frontend's make_frontend, on the model folder with a chat template unless told otherwise."""
+    return lambda directory=None, **overrides: make_frontend(directory or chat_model_dir, **overrides)
+
+
+@pytest.fixture
+def fe(make_fe):
+    return make_fe()
+
+
+def chat(fe, **body):
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return fe.post("/v1/chat/completions", body)
+
+
+def stream_events(raw: bytes) -> list:
+    """The events of an OpenAI stream, which must end with exactly one ``data: [DONE]``."""
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"[DONE]") == 1, raw[-80:]
+    return parse_sse(raw[:-len(b"data: [DONE]\n\n")])
+
+
+def openai_error(status, body, expected_status: int, code: str, fragment: str, param=None):
+    assert status == expected_status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, body
+    assert error["code"] == code and body["error_type"] == code
+    assert fragment in error["message"], error["message"]
+    assert error["param"] == param
+
+
+# --- chat ------------------------------------------------------------------------------------------
+
+
+def test_chat_completion_shape_and_template(fe):
+    status, _, body = chat(fe, messages=[{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": [{"type": "text", "text": "h"},
+                                                                      {"type": "text", "text": "i"}]}])
+    assert status == 200, body
+    assert list(body) == ["id", "object", "created", "model", "system_fingerprint", "choices", "usage"]
+    assert body["id"].startswith("chatcmpl-") and len(body["id"]) > 12
+    assert body["object"] == "chat.completion" and body["model"] == "tiny-test"
+    assert isinstance(body["created"], int) and body["system_fingerprint"].endswith("-native")
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": REPLY},
+                                "logprobs": None, "finish_reason": "stop"}]
+    add = fe.sched.adds[last_rid(fe)]
+    templated = fe.sched.tok.decode(add.input_ids, skip_special_tokens=False)
+    assert templated == "<s><system>be brief\n<user>hi\n<assistant>"
+    assert add.input_ids.count(0) == 1, "the template's BOS is not doubled by the tokenizer"
+    assert add.sampling.do_sample, "OpenAI samples unless temperature is 0"
+    usage = body["usage"]
+    assert usage == {"prompt_tokens": len(add.input_ids), "completion_tokens": usage["completion_tokens"],
+                     "total_tokens": len(add.input_ids) + usage["completion_tokens"]}
+    assert usage["completion_tokens"] == len(fe.sched.reply) + 1  # the EOS counts
+    assert chat(fe)[2]["id"] != body["id"], "ids are unique"
+
+
+def test_chat_parameters_map_onto_sampling(fe):
+    status, _, body = chat(fe, temperature=0, top_p=1.0, max_tokens=3, seed=-1, frequency_penalty=0.5,
+                           stop="x", ignore_eos=True)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    add = fe.sched.adds[last_rid(fe)]
+    assert not add.sampling.do_sample and add.sampling.top_p == 1.0
+    assert add.sampling.frequency_penalty == 0.5 and add.stopping.max_new_tokens == 3
+    assert add.stopping.ignore_eos
+    chat(fe, temperature=0.5, top_p=0.9, max_completion_tokens=2, max_tokens=9, seed=7)
+    add = fe.sched.adds[last_rid(fe)]
+    assert add.sampling.do_sample and (add.sampling.temperature, add.sampling.seed) == (0.5, 7)
+    assert add.sampling.top_p == pytest.approx(0.9) and add.stopping.max_new_tokens == 2
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"top_p": 1.5}, "top_p", "`top_p` must be > 0.0 and <= 1.0. Given: 1.5"),
+    ({"top_p": 0}, "top_p", "`top_p` must be > 0.0"),
+    ({"temperature": 2.5}, "temperature", "`temperature` must be >= 0.0 and <= 2.0"),
+    ({"temperature": "hot"}, "temperature", "`temperature` must be a number"),
+    ({"max_tokens": 0}, "max_tokens", "`max_tokens` must be >= 1"),
+    ({"n": 0}, "n", "`n` must be >= 1 and <= 4. Given: 0"),
+    ({"n": 5}, "n", "`n` must be >= 1 and <= 4. Given: 5"),
+    ({"presence_penalty": 3}, "presence_penalty", "`presence_penalty` must be >= -2.0 and <= 2.0"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "`frequency_penalty` must be >= -2.0"),
+    ({"stop": ["a", 1]}, "stop", "`stop` must be a string or an array of strings"),
+    ({"top_logprobs": 2}, "top_logprobs", "`top_logprobs` needs `logprobs`"),
+    ({"logprobs": True, "top_logprobs": 6}, "top_logprobs", "`top_logprobs` must be >= 0 and <= 5. Given: 6"),
+    ({"messages": []}, "messages", "`messages` must be a non-empty array"),
+    ({"messages": [{"content": "x"}]}, "messages", "`messages[0]` must be an object with a string `role`"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", "image_url content is not supported"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "`logit_bias` is not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "grammar is not supported"),
+])
+def test_chat_validation_errors_use_openai_envelope(fe, body, param, fragment):
+    status, _, answer = chat(fe, **body)
+    openai_error(status, answer, 422, "validation", fragment, param)
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_tgi_rules_still_apply(fe):
+    status, _, body = chat(fe, stop=["a", "b", "c", "d", "e"])
+    openai_error(status, body, 422, "validation", "`stop` supports up to 4 stop sequences. Given: 5")
+    status, _, body = chat(fe, max_tokens=60)  # the prompt plus 60 exceeds max_total_tokens 64
+    openai_error(status, body, 422, "validation", "`inputs` tokens + `max_new_tokens` must be <= 64")
+    assert fe.sched.adds == {}, "nothing invalid reaches the scheduler"
+
+
+def test_missing_chat_template_is_tgi_template_error(make_fe, model_dir):
+    fe = make_fe(model_dir)  # test_frontend's model folder has no chat template
+    status, _, body = chat(fe)
+    openai_error(status, body, 422, "template_error", "Template error: template not found")
+    status, _, body = fe.post("/chat_tokenize", {"messages": [{"role": "user", "content": "x"}]})
+    assert (status, body) == (422, {"error": "Template error: template not found", "error_type": "template_error"})
+
+
+def test_template_exceptions_are_template_errors(make_fe, chat_model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(chat_model_dir, d)
+    (d / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    status, _, body = chat(make_fe(d))
+    openai_error(status, body, 422, "template_error", "Template error: roles must alternate")
+
+
+def test_tools_need_constrained_decoding(fe):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    status, _, body = chat(fe, tools=tools)
+    openai_error(status, body, 422, "tool_error", "Tool error: tool calls need constrained decoding")
+    status, _, _ = chat(fe, tools=tools, tool_choice="none")
+    assert status == 200
+
+
+def test_stop_text_is_cut_from_openai_answers(fe):
+    stop = "wörld"
+    status, _, body = chat(fe, stop=[stop, "zzz"])
+    assert body["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "Hello "},
+                                  "logprobs": None, "finish_reason": "stop"}
+    status, _, raw = fe.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stop": stop, "stream": True})
+    events = stream_events(raw)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == "Hello " and stop[0] not in text.replace("Hello ", "")
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    # TGI's native route keeps the stop sequence in the text
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"stop": [stop]}})
+    assert body["generated_text"] == "Hello wörld"
+
+
+def test_chat_stream_bytes_usage_and_done(fe):
+    status, headers, raw = fe.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = stream_events(raw)
+    ids = {e["id"] for e in events}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]
+    *tokens, last, usage = events
+    assert all(e["usage"] is None for e in events[:-1])
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == REPLY
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(fe.sched.reply) + 1
+    # without include_usage: no usage key at all, no usage chunk
+    _, _, raw = fe.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    events = stream_events(raw)
+    assert all("usage" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_n_choices_get_distinct_seeds(fe):
+    status, _, body = chat(fe, n=3, seed=10, temperature=0.8)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == REPLY for c in body["choices"])
+    seeds = sorted(add.sampling.seed for add in fe.sched.adds.values())
+    assert seeds == [10, 11, 12]
+    assert body["usage"]["prompt_tokens"] == len(next(iter(fe.sched.adds.values())).input_ids)
+    assert body["usage"]["completion_tokens"] == 3 * (len(fe.sched.reply) + 1)
+    _, _, raw = fe.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2})
+    events = stream_events(raw)
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        assert "".join(c["delta"].get("content", "") for c in mine) == REPLY
+        assert mine[-1]["finish_reason"] == "stop"
+
+
+def test_chat_logprobs(fe):
+    status, _, body = chat(fe, logprobs=True, top_logprobs=2, max_tokens=4)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    first = content[0]
+    assert set(first) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert first["logprob"] == -0.25 and first["bytes"] == list(first["token"].encode())
+    assert [t["logprob"] for t in first["top_logprobs"]] == [-0.25, -5.0]
+    assert fe.sched.adds[last_rid(fe)].sampling.top_n_tokens == 2
+    _, _, body = chat(fe, logprobs=True, max_tokens=2)
+    assert body["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+
+
+def test_in_stream_errors_then_done(fe):
+    _, _, raw = fe.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "FAIL"}], "stream": True})
+    events = stream_events(raw)
+    assert events[-1]["error"]["message"] == "Input validation error: bad thing"
+
+
+# --- completions -----------------------------------------------------------------------------------
+
+
+def test_completions_prompts_n_and_usage(fe):
+    status, _, body = fe.post("/v1/completions", {"prompt": ["hello world", "the fox"], "n": 2,
+                                                  "max_tokens": 5})
+    assert status == 200, body
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in body["choices"])
+    prompts = sorted(len(a.input_ids) for a in fe.sched.adds.values())
+    assert len(prompts) == 4
+    assert body["usage"]["prompt_tokens"] == prompts[0] + prompts[2]
+    assert body["usage"]["completion_tokens"] == 20
+    _, _, body = fe.post("/v1/completions", {"prompt": "hi"})
+    assert fe.sched.adds[last_rid(fe)].stopping.max_new_tokens == 16, "OpenAI's default max_tokens"
+
+
+def test_completions_echo_and_logprobs(fe):
+    _, _, body = fe.post("/v1/completions", {"prompt": "the fox", "echo": True, "logprobs": 1,
+                                             "max_tokens": 3})
+    choice = body["choices"][0]
+    assert choice["text"].startswith("the fox")
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert lp["tokens"][0] == "<s>" and lp["token_logprobs"][0] is None
+    assert "".join(lp["tokens"][1:]) == choice["text"]
+    assert lp["text_offset"][1] == 0 and lp["text_offset"][-1] == len(choice["text"]) - len(lp["tokens"][-1])
+    assert lp["token_logprobs"][-3:] == [-0.25, -0.5, -0.75]
+    assert list(lp["top_logprobs"][-1].values()) == [-0.75]
+
+
+def test_completions_stream(fe):
+    _, _, raw = fe.request("POST", "/v1/completions", {"prompt": ["a", "b"], "stream": True, "max_tokens": 30,
+                                                       "stream_options": {"include_usage": True}})
+    events = stream_events(raw)
+    assert all(e["object"] == "text_completion" for e in events)
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == REPLY
+        assert [c["finish_reason"] for c in mine][-2:] == [None, "stop"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2 * (len(fe.sched.reply) + 1)
+
+
+@pytest.mark.parametrize("body, status, error_type, message", [
+    ({"prompt": "x", "suffix": "y"}, 422, "suffix not supported",
+     "Suffix is not supported and can be achieved by preprocessing the prompt."),
+    ({"prompt": ["a"] * 5}, 422, "batch size exceeded",
+     "Number of prompts exceeds the maximum allowed batch size of 4"),
+    ({"prompt": []}, 422, "validation",
+     "Input validation error: Empty array detected. Do not use an empty array for the prompt."),
+    ({"prompt": [1, 2]}, 422, "validation",
+     "Input validation error: `prompt` must be a string or a non-empty array of strings"),
+    ({"prompt": "x", "logprobs": 9}, 422, "validation",
+     "Input validation error: `logprobs` must be >= 0 and <= 5. Given: 9"),
+    ({"prompt": "x", "best_of": 3}, 422, "validation", "Input validation error: `best_of` must equal `n`"),
+])
+def test_completion_errors(fe, body, status, error_type, message):
+    got_status, _, answer = fe.post("/v1/completions", body)
+    assert got_status == status and answer["error_type"] == error_type, answer
+    assert answer["error"]["message"].startswith(message)
+
+
+# --- other routes ----------------------------------------------------------------------------------
+
+
+def test_models_tokenize_and_chat_tokenize(fe):
+    status, _, body = fe.post("/tokenize", {"inputs": "hello wörld"})
+    assert status == 200
+    assert [t["id"] for t in body] == fe.sched.tok.encode("hello wörld").ids
+    assert body[0] == {"id": 0, "text": "", "start": 0, "stop": 0}
+    assert "".join(t["text"] for t in body) == "hello wörld"
+    assert all("hello wörld"[t["start"]:t["stop"]] == t["text"] for t in body)
+    status, _, body = fe.post("/chat_tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert body["templated_text"] == "<s><user>hi\n<assistant>"
+    assert [t["id"] for t in body["tokenize_response"]] == fe.sched.tok.encode(
+        body["templated_text"], add_special_tokens=False).ids
+    status, _, body = fe.request("GET", "/v1/models")
+    assert json.loads(body) == {"object": "list", "data": [{"id": "tiny-test", "object": "model", "created": 0,
+                                                            "owned_by": "tiny-test"}]}
+
+
+def test_invocations_dispatch(fe):
+    _, _, body = fe.post("/invocations", {"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+    assert isinstance(body, list) and "generated_text" in body[0]
+    _, _, body = fe.post("/invocations", {"messages": [{"role": "user", "content": "hi"}]})
+    assert body["object"] == "chat.completion"
+    _, _, body = fe.post("/invocations", {"prompt": "hi", "max_tokens": 2})
+    assert body["object"] == "text_completion"
+    status, _, body = fe.post("/invocations", [1])
+    assert status == 422 and body["error_type"] == "validation"
+
+
+# --- guards ----------------------------------------------------------------------------------------
+
+GENERATION_ROUTES = {"/": {"inputs": "hi"}, "/generate": {"inputs": "hi"}, "/generate_stream": {"inputs": "hi"},
+                     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+                     "/v1/completions": {"prompt": "hi"}, "/invocations": {"inputs": "hi"},
+                     "/tokenize": {"inputs": "hi"}}
+
+
+def test_api_key_guards_every_generation_route(make_fe):
+    fe = make_fe(api_key="Secret")
+    for path, body in GENERATION_ROUTES.items():
+        assert fe.request("POST", path, body)[0] == 401, path
+        status, _, _ = fe.request("POST", path, body, headers={"Authorization": "Bearer secret",
+                                                               "Content-Type": "application/json"})
+        assert status == 200, path
+    for path in ("/health", "/info", "/metrics", "/v1/models"):
+        assert fe.request("GET", path)[0] == 200, path
+    assert fe.request("POST", "/chat_tokenize", {"messages": [{"role": "user", "content": "x"}]})[0] == 200
+
+
+def test_cors_any_origin_by_default(fe):
+    status, headers, _ = fe.request("OPTIONS", "/generate", headers={
+        "Origin": "https://a.example", "Access-Control-Request-Method": "POST"})
+    assert status == 200 and headers["access-control-allow-origin"] == "*"
+    assert set(headers["access-control-allow-methods"].split(",")) == {"GET", "POST"}
+    assert "content-type" in headers["access-control-allow-headers"]
+    status, headers, _ = fe.request("GET", "/info", headers={"Origin": "https://a.example"})
+    assert status == 200 and headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_listed_origins_only(make_fe):
+    fe = make_fe(cors_allow_origin=["https://ok.example"])
+    _, headers, _ = fe.request("GET", "/info", headers={"Origin": "https://ok.example"})
+    assert headers["access-control-allow-origin"] == "https://ok.example"
+    _, headers, _ = fe.request("GET", "/info", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in headers
+
+
+def test_payload_limit_is_413_json(make_fe):
+    fe = make_fe(payload_limit=1000)
+    status, _, raw = fe.request("POST", "/generate", {"inputs": "x" * 2000})
+    assert (status, json.loads(raw)) == (413, {"error": "Failed to buffer the request body: length limit "
+                                                        "exceeded", "error_type": "payload_too_large"})
+    status, _, raw = fe.request("POST", "/v1/chat/completions", {"messages": [{"role": "user",
+                                                                               "content": "x" * 2000}]})
+    assert status == 413 and json.loads(raw)["error"]["code"] == "payload_too_large"
+    assert fe.post("/generate", {"inputs": "hi"})[0] == 200
+
+
+def test_overloaded_on_openai_routes_and_choices_take_permits(make_fe):
+    fe = make_fe(max_concurrent_requests=2)
+    conn = socket.create_connection((fe.host, fe.port), timeout=WAIT)
+    body = json.dumps({"messages": [{"role": "user", "content": "HOLD"}], "n": 2}).encode()
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 2, "both choices to arrive")
+    status, _, answer = chat(fe)
+    openai_error(status, answer, 429, "overloaded", "Model is overloaded")
+    assert answer["error"]["type"] == "rate_limit_error"
+    status, _, answer = fe.post("/v1/completions", {"prompt": "hi"})
+    assert status == 429
+    conn.close()  # the client leaves: both choices are aborted and their permits return
+    fe.sched.wait_for(lambda: len(fe.sched.aborts) == 2, "both choices to be aborted")
+    for rid in list(fe.sched.adds):
+        fe.sched.release(rid)
+    assert chat(fe)[0] == 200
+
+
+def test_eos_id_is_stop_for_openai(fe):
+    # EOS ends the reply: OpenAI calls it "stop"; the native route says eos_token
+    _, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"details": True}})
+    assert body["details"]["finish_reason"] == "eos_token"
+    assert body["details"]["tokens"][-1]["id"] == EOS
