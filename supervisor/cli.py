@@ -58,6 +58,12 @@ def main() -> None:
 @click.option("--max-stop-sequences", envvar="MAX_STOP_SEQUENCES", type=int, default=4, show_default=True)
 @click.option("--max-top-n-tokens", envvar="MAX_TOP_N_TOKENS", type=int, default=5, show_default=True)
 @click.option("--max-client-batch-size", envvar="MAX_CLIENT_BATCH_SIZE", type=int, default=4, show_default=True)
+@click.option("--api-key", envvar="API_KEY", default=None,
+              help="Require `Authorization: Bearer <key>` on the generation routes.")
+@click.option("--cors-allow-origin", envvar="CORS_ALLOW_ORIGIN", multiple=True,
+              help="An origin browsers may call from (repeat for several). Default: any.")
+@click.option("--payload-limit", envvar="PAYLOAD_LIMIT", type=int, default=2_000_000, show_default=True,
+              help="Largest request body in bytes; larger ones get 413.")
 @click.option("--block-size", envvar="BLOCK_SIZE", type=int, default=16, show_default=True,
               help="Tokens per KV cache block.")
 @click.option("--kv-cache-memory", envvar="KV_CACHE_MEMORY", type=int, default=None,
@@ -109,7 +115,9 @@ def up(**kw) -> None:
         max_stop_sequences=kw["max_stop_sequences"], max_top_n_tokens=kw["max_top_n_tokens"],
         max_client_batch_size=kw["max_client_batch_size"], block_size=kw["block_size"],
         kv_cache_memory=kw["kv_cache_memory"], num_blocks=kw["num_blocks"],
-        cuda_memory_fraction=kw["cuda_memory_fraction"], enable_prefill_logprobs=kw["enable_prefill_logprobs"])
+        cuda_memory_fraction=kw["cuda_memory_fraction"], enable_prefill_logprobs=kw["enable_prefill_logprobs"],
+        api_key=kw["api_key"] or None, cors_allow_origin=tuple(kw["cors_allow_origin"]),
+        payload_limit=kw["payload_limit"])
     with run_dir:
         code = Launcher(build_plan(cfg), run_dir, graceful_timeout_s=kw["graceful_termination_timeout"],
                         json_output=kw["json_output"]).run()
@@ -121,7 +129,7 @@ def _check_static(kw: dict) -> None:
         raise InvalidArgument("`num_shard` cannot be < 1")
     if kw["max_batch_size"] is not None and kw["max_batch_size"] < 1:
         raise InvalidArgument("`max_batch_size` must be > 0")
-    for name in ("max_concurrent_requests", "block_size", "max_best_of"):
+    for name in ("max_concurrent_requests", "block_size", "max_best_of", "max_client_batch_size", "payload_limit"):
         if kw[name] < 1:
             raise InvalidArgument(f"`{name}` must be > 0")
     if not 0 < kw["cuda_memory_fraction"] <= 1:

@@ -41,6 +41,9 @@ class LaunchConfig:
     num_blocks: int | None = None
     cuda_memory_fraction: float = 1.0
     enable_prefill_logprobs: bool = False
+    api_key: str | None = None
+    cors_allow_origin: tuple[str, ...] = ()
+    payload_limit: int = 2_000_000
 
 
 def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessSpec]:
@@ -76,9 +79,14 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
                 "--max-client-batch-size", str(cfg.max_client_batch_size)]
     if cfg.enable_prefill_logprobs:
         frontend.append("--enable-prefill-logprobs")
+    frontend += ["--payload-limit", str(cfg.payload_limit)]
+    for origin in cfg.cors_allow_origin:
+        frontend += ["--cors-allow-origin", origin]
+    # the key travels in the environment: a command line is readable by every user of the machine
+    frontend_env = {"API_KEY": cfg.api_key} if cfg.api_key else {}
     return [
         ProcessSpec("scheduler", scheduler),
         # The scheduler is ready only once every rank is: the group itself has nothing more to say.
         ProcessSpec("workers", workers, reports_ready=False),
-        ProcessSpec("frontend", frontend, ready_after="scheduler"),
+        ProcessSpec("frontend", frontend, ready_after="scheduler", env=frontend_env),
     ]
