@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-WIRE_VERSION = 2  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 3  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+# 3: SamplingParams.presence_penalty
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -139,6 +140,7 @@ class SamplingParams(Message):
     frequency_penalty: float = 0.0  # 0.0 = off; TGI: logit -= penalty * count / len, over prompt + generated
     top_n_tokens: int = 0  # how many alternatives to return per generated token
     watermark: bool = False  # Kirchenbauer et al. green-list bias
+    presence_penalty: float = 0.0  # 0.0 = off; OpenAI's: logit -= penalty if the token was generated before
 
 
 @dataclass(slots=True)

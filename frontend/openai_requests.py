@@ -61,7 +61,6 @@ class OpenAIOptions:
     stream: bool
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs; 0: the chosen tokens' logprobs only
-    presence_penalty: float
 
 
 @dataclass
@@ -121,8 +120,10 @@ def _common(body: dict, max_choices: int,
     _in_range("frequency_penalty", frequency, -2.0, 2.0)
     if frequency:
         p.frequency_penalty = float(frequency)
-    presence = _get(body, "presence_penalty", "number", 0.0)
+    presence = _get(body, "presence_penalty", "number")
     _in_range("presence_penalty", presence, -2.0, 2.0)
+    if presence:
+        p.presence_penalty = float(presence)
     repetition = _get(body, "repetition_penalty", "number")  # TGI's and vLLM's extension
     if repetition is not None:
         p.repetition_penalty = float(repetition)
@@ -142,8 +143,7 @@ def _common(body: dict, max_choices: int,
     stream_options = _get(body, "stream_options", "object") or {}
     include_usage = _get(stream_options, "include_usage", "boolean", False)
     options = OpenAIOptions(model=_get(body, "model", "string"), n=n, stream=stream,
-                            include_usage=stream and include_usage, top_logprobs=None,
-                            presence_penalty=float(presence))
+                            include_usage=stream and include_usage, top_logprobs=None)
     return p, options
 
 

@@ -106,8 +106,11 @@ def _generate_parameters() -> dict:
                           "flattens. Setting it turns sampling on.", nullable=True, exclusiveMinimum=0),
         "repetition_penalty": _t(f32, "Penalty for tokens already in the prompt or output (1.0 = none; "
                                  "above 1 discourages repeats).", nullable=True, exclusiveMinimum=0),
-        "frequency_penalty": _t(f32, "Subtracted from a token's logit once per earlier occurrence in the "
-                                "output (0 = none).", nullable=True, minimum=-2, maximum=2),
+        "frequency_penalty": _t(f32, "TGI's frequency penalty: the logit loses penalty x (occurrences in "
+                                "prompt and output / their length); 0 = none.", nullable=True, minimum=-2,
+                                maximum=2),
+        "presence_penalty": _t(f32, "llmbus extension (OpenAI's): subtracted from the logit of every token "
+                               "already generated; 0 = none.", nullable=True, minimum=-2, maximum=2),
         "top_k": _t("integer", "Sample only among the k most likely tokens.", nullable=True, minimum=1),
         "top_p": _t(f32, "Nucleus sampling: keep the smallest set of tokens whose probabilities add up to "
                     "top_p. 1.0 itself is rejected, as in TGI.", nullable=True,
@@ -250,8 +253,8 @@ def _openai_common(model_id: str) -> dict:
                 nullable=True, minimum=1, default=1),
         "frequency_penalty": _t("number", "Penalise tokens by how often they already occurred.",
                                 nullable=True, minimum=-2, maximum=2),
-        "presence_penalty": _t("number", "Penalise tokens that already occurred at all.", nullable=True,
-                               minimum=-2, maximum=2),
+        "presence_penalty": _t("number", "Subtracted from the logit of every token already generated.",
+                               nullable=True, minimum=-2, maximum=2),
         "stream": _t("boolean", "Answer with an SSE stream ending with `data: [DONE]`.", default=False),
         "stream_options": _maybe(_ref("StreamOptions")),
         "ignore_eos": _t("boolean", "llmbus extension: keep generating past end-of-sequence tokens until "

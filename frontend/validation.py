@@ -46,6 +46,7 @@ class GenerateParameters:
     grammar: dict | None = None
     adapter_id: str | None = None
     ignore_eos_token: bool = False  # benchmarks: only max_new_tokens ends the request (vLLM's TGI client sends it)
+    presence_penalty: float | None = None  # OpenAI's, also accepted here (TGI has none): -2.0 to 2.0
 
 
 # field -> (serde type, nullable)
@@ -56,7 +57,7 @@ _PARAMETER_TYPES: dict[str, tuple[str, bool]] = {
     "return_full_text": ("bool", True), "stop": ("[string]", False), "truncate": ("usize", True),
     "watermark": ("bool", False), "details": ("bool", False), "decoder_input_details": ("bool", False),
     "seed": ("u64", True), "top_n_tokens": ("u32", True), "grammar": ("grammar", True),
-    "adapter_id": ("string", True), "ignore_eos_token": ("bool", False),
+    "adapter_id": ("string", True), "ignore_eos_token": ("bool", False), "presence_penalty": ("f32", True),
 }
 
 
@@ -217,6 +218,9 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
     frequency_penalty = 0.0 if p.frequency_penalty is None else p.frequency_penalty
     if not -2.0 <= frequency_penalty <= 2.0:
         raise validation_error("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    presence_penalty = 0.0 if p.presence_penalty is None else p.presence_penalty
+    if not -2.0 <= presence_penalty <= 2.0:
+        raise validation_error("`presence_penalty` must be >= -2.0 and <= 2.0")
     top_p = 1.0
     if p.top_p is not None:
         if not 0.0 < p.top_p < 1.0:
@@ -264,7 +268,7 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
     sampling = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p, do_sample=do_sample,
         seed=seed, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-        top_n_tokens=top_n_tokens, watermark=p.watermark)
+        top_n_tokens=top_n_tokens, watermark=p.watermark, presence_penalty=presence_penalty)
     return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
                            truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop),
                            ignore_eos=p.ignore_eos_token)

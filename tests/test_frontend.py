@@ -521,6 +521,8 @@ VALIDATION_CASES = [
     ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
     ({"top_p": 0}, "`top_p` must be > 0.0 and < 1.0"),
     ({"typical_p": 1.0}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"typical_p": 0.0}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"presence_penalty": 2.5}, "`presence_penalty` must be >= -2.0 and <= 2.0"),
     ({"top_k": 0}, "`top_k` must be strictly positive"),
     ({"top_k": -3}, "`top_k` must be strictly positive"),
     ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
@@ -535,14 +537,30 @@ VALIDATION_CASES = [
 ]
 
 
-def test_validation_rules(fe):
-    for params, message in VALIDATION_CASES:
-        status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": params})
-        assert (status, body) == (422, {"error": f"Input validation error: {message}",
-                                        "error_type": "validation"}), params
-    status, _, body = fe.post("/generate", {"inputs": "", "parameters": {}})
-    assert (status, body["error"]) == (422, "Input validation error: `inputs` cannot be empty")
-    assert fe.sched.adds == {}, "nothing invalid reaches the scheduler"
+@pytest.fixture(scope="module")
+def shared_fe(model_dir):
+    fe = Frontend(model_dir)
+    yield fe
+    fe.close()
+
+
+@pytest.mark.parametrize("params, message", VALIDATION_CASES + [(None, "`inputs` cannot be empty")],
+                         ids=lambda v: next(iter(v), "inputs") if isinstance(v, dict) else None)
+def test_validation_rule(shared_fe, params, message):
+    fe = shared_fe
+    before = len(fe.sched.adds)
+    body = {"inputs": "hi", "parameters": params} if params is not None else {"inputs": "", "parameters": {}}
+    status, _, answer = fe.post("/generate", body)
+    assert (status, answer) == (422, {"error": f"Input validation error: {message}",
+                                      "error_type": "validation"})
+    assert len(fe.sched.adds) == before, "nothing invalid reaches the scheduler"
+
+
+def test_best_of_not_allowed_when_max_best_of_is_1(make_frontend):
+    fe = make_frontend(max_best_of=1)
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"best_of": 2, "do_sample": True}})
+    assert (status, body["error"]) == (422, "Input validation error: `best_of` != 1 is not allowed for this "
+                                            "endpoint")
 
 
 def test_stream_validation_errors_are_in_band(fe):
