@@ -226,7 +226,9 @@ class SchedulerService:
         sampled = dict(zip(result.rids, zip(result.token_ids, result.logprobs)))
         prompt_logprobs = {rid: values for rid, values in result.prompt_logprobs} if result.prompt_logprobs else None
         events = self.policy.update(batch, sampled, prompt_logprobs)
-        self._publish(events)
+        # Per sampled rid, [[ids], [logprobs]] or [] (it asked for none); None when no request asked.
+        top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None
+        self._publish(events, top_tokens)
 
     def _await_result(self) -> m.StepResult:
         deadline = time.monotonic() + self.cfg.step_timeout_s
@@ -247,7 +249,7 @@ class SchedulerService:
                     raise EngineFailure(f"rank 0 answered step {msg.step_id} while step {self.step_id} was due")
                 return msg
 
-    def _publish(self, events) -> None:
+    def _publish(self, events, top_tokens: dict[str, list] | None = None) -> None:
         per_frontend: dict[str, m.TokenBatch] = {}
         for ev in events:
             tb = per_frontend.get(ev.request.frontend_id)
@@ -263,7 +265,11 @@ class SchedulerService:
             tb.finish_reasons.append(int(ev.finish_reason))
             if ev.prompt_logprobs is not None:
                 tb.prompt_logprobs.append([ev.request.rid, ev.prompt_logprobs])
+            if top_tokens is not None:
+                tb.top_tokens.append(top_tokens.get(req.rid, []))
         for frontend_id, tb in per_frontend.items():
+            if not any(tb.top_tokens):
+                tb.top_tokens = []  # none of this frontend's tokens asked: the list stays empty
             self._to_frontend(frontend_id, tb)
 
     def _stats(self) -> m.SchedulerStats:

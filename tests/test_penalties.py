@@ -45,8 +45,8 @@ def test_repetition_penalty_matches_transformers_processor():
 
     # The distributions sample() draws from: penalty, then temperature and warpers, as transformers'
     # processor list does; logprobs of greedy rows are the penalised log-softmax.
-    token_ids, logprobs = sample(logits, params, [len(h) for h in histories],
-                                 [h if p.repetition_penalty != 1.0 else None for h, p in zip(histories, params)])
+    token_ids, logprobs, _ = sample(logits, params, [len(h) for h in histories],
+                                    [h if p.repetition_penalty != 1.0 else None for h, p in zip(histories, params)])
     for row, p in enumerate(params):
         expected = logits[row:row + 1]
         if p.repetition_penalty != 1.0:

@@ -79,6 +79,8 @@ class StepOutput:
     # [[rid, [logprob of prompt tokens computed this step]]]; a request's lists over its chunks concatenate
     # to its prompt tokens 1..n-1 (the first token has nothing to be predicted from).
     prompt_logprobs: list[list] = field(default_factory=list)
+    # Per sampled sequence [[ids], [logprobs]] of its top_n_tokens ([] where none asked); [] if none did.
+    top_tokens: list[list] = field(default_factory=list)
 
 
 class TokenHistory:
@@ -279,12 +281,14 @@ class ModelRunner:
                 return StepOutput([], [], [], forward_done - started, 0.0, prompt_logprobs)
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
-            token_ids, logprobs = sample(logits, [s.sampling for s in sampled],
-                                         [s.num_computed + len(s.token_ids) for s in sampled], histories)
-            token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
+            # The watermark seeds on the token before the sampled one: the last one fed this step.
+            out = sample(logits, [s.sampling for s in sampled], [s.num_computed + len(s.token_ids) for s in sampled],
+                         histories, [s.token_ids[-1] for s in sampled])
+            token_list, logprob_list = out.token_ids.tolist(), out.logprobs.tolist()
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,
-                              sample_time=time.perf_counter() - forward_done, prompt_logprobs=prompt_logprobs)
+                              sample_time=time.perf_counter() - forward_done, prompt_logprobs=prompt_logprobs,
+                              top_tokens=out.top_tokens)
 
     def _record_histories(self, seqs: list[SeqInput],
                           sampled: list[SeqInput]) -> list[torch.Tensor | None] | None:
@@ -323,8 +327,10 @@ class ModelRunner:
         seqs, next_block = [], 0
         for i, length in enumerate(lengths):
             num_blocks = -(-length // self.block_size)
-            # The last sequence also exercises the sampling warpers; the rest sample greedily.
-            sampling = (SamplingParams(do_sample=True, top_k=50, top_p=0.9, typical_p=0.95)
+            # The last sequence also exercises the sampling warpers, the watermark and top tokens; the rest
+            # sample greedily.
+            sampling = (SamplingParams(do_sample=True, top_k=50, top_p=0.9, typical_p=0.95, top_n_tokens=5,
+                                       watermark=True)
                         if i == len(lengths) - 1 else SamplingParams())
             seqs.append(SeqInput(rid=f"{WARMUP_RID_PREFIX}{i}", token_ids=[0] * length, num_computed=0,
                                  block_table=list(range(next_block, next_block + num_blocks)), sample=True,
@@ -356,7 +362,8 @@ class ModelRunner:
             with torch.inference_mode():
                 logits = self._forward(seqs, cache)
                 if self.rank == 0:
-                    sample(logits, [s.sampling for s in seqs], [len(s.token_ids) for s in seqs])
+                    sample(logits, [s.sampling for s in seqs], [len(s.token_ids) for s in seqs],
+                           last_tokens=[s.token_ids[-1] for s in seqs])
         except torch.OutOfMemoryError as e:
             raise WarmupOutOfMemory(
                 f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "

@@ -152,7 +152,8 @@ class Worker:
                 send(self.results, m.StepResult(step_id=msg.step_id, rids=out.rids, token_ids=out.token_ids,
                                                 logprobs=out.logprobs, forward_time=out.forward_time,
                                                 sample_time=out.sample_time,
-                                                prompt_logprobs=out.prompt_logprobs))
+                                                prompt_logprobs=out.prompt_logprobs,
+                                                top_tokens=out.top_tokens))
 
     def apply(self, cmd: m.StepCommand) -> list:
         SeqInput = self._seq_input
