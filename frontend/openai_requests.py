@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
-from llmbus.frontend.validation import GenerateParameters, load_json
+from llmbus.frontend.validation import GenerateParameters, load_json, to_f32
 
 _TYPE_CHECKS = {
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -41,6 +41,12 @@ def _get(body: dict, name: str, kind: str, default=None):
     if not _TYPE_CHECKS[kind](value):
         raise validation_error(f"`{name}` must be {_ARTICLE.get(kind, 'a')} {kind}. Given: {json.dumps(value)}",
                                param=name)
+    if kind == "number":
+        # the engine computes in f32: 1e-300 is a temperature of 0 there, so it is one here too
+        rounded = to_f32(value)
+        if rounded is None:
+            raise validation_error(f"`{name}` is out of range. Given: {json.dumps(value)}", param=name)
+        return rounded
     return value
 
 

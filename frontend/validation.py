@@ -8,12 +8,16 @@ in its order, and ``validate_lengths`` the token-count checks that need the toke
 from __future__ import annotations
 
 import json
+import math
 import random
+import struct
 from dataclasses import dataclass, field
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import body_parse_error, body_type_error, validation_error
+
+_F32 = struct.Struct("<f")
 
 # TGI schedules at most this many new tokens when the client sets none (validation.rs).
 DEFAULT_GENERATION_LENGTH = 1024
@@ -78,6 +82,16 @@ def default_parameters() -> GenerateParameters:
 # ------------------------------------------------------------------------------------------------
 
 
+def to_f32(value) -> float | None:
+    """``value`` rounded to the nearest f32, as TGI reads these fields (so 1e-45 is 0.0 and rejected
+    where 0 is), or None when it does not fit in one."""
+    try:
+        rounded = _F32.unpack(_F32.pack(float(value)))[0]
+    except OverflowError:
+        return None
+    return rounded if math.isfinite(rounded) else None
+
+
 def _reject_constant(name: str):
     raise ValueError(f"invalid number `{name}`")
 
@@ -111,7 +125,10 @@ def _convert(path: str, value, serde_type: str):
         raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected a string")
     if serde_type == "f32":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            rounded = to_f32(value)
+            if rounded is None:
+                raise body_type_error(f"{path}: invalid value: {_unexpected(value)}, expected f32")
+            return rounded
         raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected f32")
     if serde_type in _INT_RANGES:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -27,13 +27,18 @@ def server(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def chat_reference(tiny_model_dir):
-    """Greedy ids transformers generates for MESSAGES through the model's chat template."""
+def hf(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return tok, AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_reference(hf):
+    """Greedy ids transformers generates for MESSAGES through the model's chat template."""
+    tok, model = hf
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None,
                          pad_token_id=tok.pad_token_id)
@@ -167,3 +172,36 @@ def test_openai_errors_are_typed(openai_client):
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         openai_client.chat.completions.create(model="tgi", messages=MESSAGES, top_p=1.5)
     assert raised.value.body["code"] == "validation" and raised.value.body["param"] == "top_p"
+
+
+def test_presence_penalty_matches_a_transformers_logits_processor(server, hf, openai_client):
+    """OpenAI's presence penalty, written as a transformers LogitsProcessor over the generated tokens,
+    gives the same greedy tokens as llmbus (through both the native and the OpenAI route)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from httputil import post
+
+    tok, model = hf
+    penalty, max_new = -2.0, 16  # negative: rewards repeats, which this random model rarely makes unasked
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+
+    def presence(input_ids, scores):
+        generated = input_ids[:, ids.shape[1]:]
+        present = torch.zeros_like(scores).scatter_(1, generated, 1.0) if generated.numel() else 0.0
+        return scores - penalty * present
+
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                         eos_token_id=None, pad_token_id=tok.pad_token_id,
+                         logits_processor=LogitsProcessorList([presence]))
+    expected = out[0, ids.shape[1]:].tolist()
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                           eos_token_id=None, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    assert expected != plain, "the penalty must change this greedy continuation for the test to mean anything"
+
+    status, _, body = post(f"{server.url}/generate", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": max_new, "presence_penalty": penalty, "details": True}})
+    assert status == 200 and [t["id"] for t in body["details"]["tokens"]] == expected
+    completion = openai_client.completions.create(model="tgi", prompt=PROMPT, max_tokens=max_new, temperature=0,
+                                                  presence_penalty=penalty)
+    assert completion.choices[0].text == tok.decode(expected, skip_special_tokens=True)

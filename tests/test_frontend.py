@@ -515,6 +515,8 @@ def test_limits_follow_model_and_scheduler(make_frontend):
 VALIDATION_CASES = [
     ({"temperature": 0}, "`temperature` must be strictly positive"),
     ({"temperature": -1.5, "top_p": 1.0}, "`temperature` must be strictly positive"),  # TGI's order
+    ({"temperature": 5e-324}, "`temperature` must be strictly positive"),  # 0 as the f32 TGI reads
+    ({"top_p": 1e-46}, "`top_p` must be > 0.0 and < 1.0"),
     ({"repetition_penalty": 0.0}, "`repetition_penalty` must be strictly positive"),
     ({"frequency_penalty": 2.5}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
     ({"frequency_penalty": -2.1}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),

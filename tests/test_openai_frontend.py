@@ -99,6 +99,8 @@ def test_chat_parameters_map_onto_sampling(fe):
     assert not add.sampling.do_sample and add.sampling.top_p == 1.0
     assert add.sampling.frequency_penalty == 0.5 and add.stopping.max_new_tokens == 3
     assert add.stopping.ignore_eos
+    chat(fe, temperature=1e-300)  # 0 in the f32 the engine computes in: greedy, not a division by zero
+    assert not fe.sched.adds[last_rid(fe)].sampling.do_sample
     chat(fe, temperature=0.5, top_p=0.9, max_completion_tokens=2, max_tokens=9, seed=7)
     add = fe.sched.adds[last_rid(fe)]
     assert add.sampling.do_sample and (add.sampling.temperature, add.sampling.seed) == (0.5, 7)

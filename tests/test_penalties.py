@@ -149,3 +149,40 @@ def test_greedy_repetition_penalty_matches_generate_in_a_mixed_batch(penalty_che
     assert results["penalised"].tokens == references[PENALTY, 1]
     assert results["penalised_chunked"].tokens == references[PENALTY, 4]
     assert runner.histories == {}, "drop() left token histories behind"
+
+
+def test_presence_penalty_counts_generated_tokens_only():
+    torch.manual_seed(11)
+    logits = torch.randn(3, VOCAB)
+    prompt = torch.tensor([5, 6, 7])
+    histories = [torch.cat([prompt, torch.tensor([7, 8, 8])]), torch.cat([prompt, torch.tensor([9])]), prompt]
+    params = [SamplingParams(presence_penalty=0.5), SamplingParams(presence_penalty=-1.0),
+              SamplingParams(presence_penalty=2.0)]  # nothing generated yet: nothing to penalise
+    ours = apply_penalties(logits, params, histories, prompt_lens=[3, 3, 3])
+    expected = logits.clone()
+    expected[0, [7, 8]] -= 0.5  # once per token, however often it was generated
+    expected[1, 9] += 1.0
+    assert torch.equal(ours, expected)
+
+
+def test_presence_penalty_changes_greedy_choice_and_stacks_with_frequency():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 4] = 2.0, 1.8
+    history = [torch.tensor([1, 2, 3])]  # token 3 was generated (prompt_len 2)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3)]
+    out = sample(logits, params, [3], history, prompt_lens=[2])
+    assert out.token_ids.tolist() == [4]
+    penalised = apply_penalties(logits, params, history, prompt_lens=[2])
+    assert penalised[0, 3].item() == pytest.approx(2.0 - 0.3 / 3 - 0.5)
+
+
+def test_overflowing_temperature_samples_the_argmax_instead_of_crashing():
+    torch.manual_seed(3)
+    logits = torch.randn(4, VOCAB) * 50
+    params = [SamplingParams(do_sample=True, temperature=1e-38, seed=s) for s in range(3)]
+    params.append(SamplingParams(do_sample=True, temperature=0.7, seed=9))
+    out = sample(logits, params, [10, 10, 10, 10])
+    assert out.token_ids[:3].tolist() == logits[:3].argmax(dim=-1).tolist()
+    assert out.logprobs[:3].tolist() == [0.0, 0.0, 0.0]
+    nan_row = torch.full((1, VOCAB), float("nan"))
+    assert 0 <= sample(nan_row, [SamplingParams(do_sample=True, seed=1)], [0]).token_ids.item() < VOCAB

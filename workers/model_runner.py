@@ -282,8 +282,9 @@ class ModelRunner:
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
             # The watermark seeds on the token before the sampled one: the last one fed this step.
-            out = sample(logits, [s.sampling for s in sampled], [s.num_computed + len(s.token_ids) for s in sampled],
-                         histories, [s.token_ids[-1] for s in sampled])
+            out = sample(logits, [s.sampling for s in sampled],
+                         [s.num_computed + len(s.token_ids) for s in sampled], histories,
+                         [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled])
             token_list, logprob_list = out.token_ids.tolist(), out.logprobs.tolist()
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,

@@ -79,21 +79,22 @@ class Sampled(NamedTuple):
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
            histories: list[torch.Tensor | None] | None = None,
-           last_tokens: list[int] | None = None) -> Sampled:
+           last_tokens: list[int] | None = None, prompt_lens: list[int] | None = None) -> Sampled:
     """Token ids, their logprobs and the requested top tokens for ``logits [S, vocab]``.
 
     ``positions[i]`` is the position row i's token will take in its sequence (the tokens before it:
     ``num_computed + len(token_ids)`` of the step that samples it); with the seed it picks the row's
     uniform number (``seeded_uniform``). ``histories[i]`` is row i's token history (1-D long, any
     device), needed only where ``has_penalties(params[i])``; ``last_tokens[i]`` the token before the one
-    being sampled (the last one fed for row i), needed only where ``params[i].watermark``. Other entries
-    (or the whole lists) may be None.
+    being sampled (the last one fed for row i), needed only where ``params[i].watermark``;
+    ``prompt_lens[i]`` where the generated part of the history starts, needed only for a presence
+    penalty. Other entries (or the whole lists) may be None.
     """
     logits = logits.float()
     if any(p.watermark for p in params):
         logits = apply_watermark(logits, params, last_tokens)
     if any(has_penalties(p) for p in params):
-        logits = apply_penalties(logits, params, histories)
+        logits = apply_penalties(logits, params, histories, prompt_lens)
     greedy_ids = logits.argmax(dim=-1)
     if not any(p.do_sample for p in params):
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -105,6 +106,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
                                dtype=torch.float32, device=device)
     warped = apply_warpers(logits / temperature[:, None], params)
     warped_logprobs = torch.log_softmax(warped, dim=-1)
+    overflowed = torch.isnan(warped_logprobs).any(dim=-1)
+    if bool(overflowed.any()):
+        # A temperature so small that logits / temperature overflow f32: sample from the limit of the
+        # distribution as the temperature falls, all mass on the argmax, instead of from NaNs.
+        limit = torch.full_like(warped_logprobs, float("-inf")).scatter_(1, greedy_ids[:, None], 0.0)
+        warped_logprobs = torch.where(overflowed[:, None], limit, warped_logprobs)
 
     # Made on the CPU and sent over with one copy; greedy rows get a dummy 0.
     uniforms = torch.tensor([seeded_uniform(p.seed, position) if p.do_sample else 0.0
@@ -114,7 +121,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     # Kept strictly below the total, the target falls where the CDF jumps, which is never at a masked
     # token (adding a zero probability leaves the CDF flat); u * total alone could round up to it.
     targets = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    sampled_ids = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    # never an id past the vocabulary, whatever the numbers did: one bad row must not kill the worker
+    sampled_ids = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
 
     token_ids = torch.where(do_sample, sampled_ids, greedy_ids)
     # Greedy rows are untouched by the warpers (temperature 1.0, no masks), so one log-softmax
@@ -182,12 +190,15 @@ def apply_watermark(logits: torch.Tensor, params: list[SamplingParams], last_tok
 
 
 def has_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                    histories: list[torch.Tensor | None] | None) -> torch.Tensor:
-    """Repetition then frequency penalty on the raw ``logits [S, vocab]`` (float32) of the rows that ask.
+                    histories: list[torch.Tensor | None] | None,
+                    prompt_lens: list[int] | None = None) -> torch.Tensor:
+    """Repetition, frequency then presence penalty on the raw ``logits [S, vocab]`` (float32) of the
+    rows that ask.
 
     The penalised rows' histories go into one ``[P, max_len]`` index padded with ``vocab``, which points
     at an extra scratch column dropped at the end (as transformers does for ids beyond the logits).
@@ -199,6 +210,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
       generated). TGI divides by its padded batch width and also counts its padding id 0; here each row
       divides by its own history's length and padding counts for nothing, which is what TGI gives a
       request that is alone in its batch.
+    - presence penalty, OpenAI's: ``logit -= penalty`` for every token id present in the generated part
+      of the history (from ``prompt_lens[i]`` on). Not the prompt: a chat prompt holds the template's
+      role and end-of-turn markers, and penalising those would keep the model from ending its answer.
     """
     rows = [i for i, p in enumerate(params) if has_penalties(p)]
     if histories is None or any(histories[i] is None or len(histories[i]) == 0 for i in rows):
@@ -225,6 +239,16 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         # TGI's order of operations: frequency = count / length, then times the penalty. A 0.0 penalty
         # subtracts exact zeros.
         scores -= counts / lengths[:, None] * penalty[:, None]
+
+    presence = [params[i].presence_penalty for i in rows]
+    if any(presence):
+        if prompt_lens is None:
+            raise ValueError("a presence penalty needs the prompt lengths")
+        generated = [seq[prompt_lens[i]:] for i, seq in zip(rows, seqs)]
+        if any(len(g) for g in generated):
+            gen_index = torch.nn.utils.rnn.pad_sequence(generated, batch_first=True, padding_value=vocab)
+            present = torch.zeros_like(scores).scatter_(1, gen_index.clamp_(max=vocab), 1.0)
+            scores -= present * torch.tensor(presence, dtype=torch.float32, device=device)[:, None]
 
     return logits.index_copy(0, row_index, scores[:, :vocab])
 
