@@ -421,8 +421,14 @@ def _errors(*, openai: bool = False, secured: bool = True, engine: bool = True) 
     return dict(sorted(out.items()))
 
 
-def _sse(event: dict) -> dict:
-    return {"text/event-stream": {"schema": event}}
+def _sse(data: dict, *, done: bool = False) -> dict:
+    """An SSE stream, schema'd one event at a time (as schemathesis and OpenAPI 3.2 read them): an event
+    whose ``data`` is JSON matching ``data``, or with ``done`` (the OpenAI routes) the literal ``[DONE]``."""
+    payload = {"type": "string", "contentMediaType": "application/json", "contentSchema": data}
+    if done:
+        payload = {"anyOf": [{"const": "[DONE]"}, payload]}
+    return {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+        "data": payload, "event": {"type": "string"}, "id": {"type": "string"}}}}}
 
 
 _TGI_STREAM_TEXT = ("An SSE stream: one `data: <StreamResponse>` event per token, the last with "
@@ -435,7 +441,7 @@ def _openai_ok(body: str, chunk: str) -> dict:
     return _response(f"A {body}; with `stream: true`, an SSE stream of `data: <{chunk}>` events ending "
                      "with `data: [DONE]` (an error after the stream started arrives in-band as "
                      "`data: <OpenAIError>`).",
-                     {**_json(_ref(body)), **_sse({"oneOf": [_ref(chunk), _ref("OpenAIError")]})})
+                     {**_json(_ref(body)), **_sse({"oneOf": [_ref(chunk), _ref("OpenAIError")]}, done=True)})
 
 
 def _op(op_id: str, tag: str, summary: str, responses: dict, *, body: dict | None = None,
@@ -446,7 +452,8 @@ def _op(op_id: str, tag: str, summary: str, responses: dict, *, body: dict | Non
     if body is not None:
         op["requestBody"] = {"required": True, "content": _json(body)}
     if secured:
-        op["security"] = [{"bearer": []}]
+        # the key is checked only when the server runs with --api-key: either requirement holds
+        op["security"] = [{"bearer": []}, {}]
     op["responses"] = responses
     return op
 
@@ -499,7 +506,7 @@ def _paths() -> dict:
                                                   _ref("Completion")]}),
                                **_sse({"anyOf": [_ref(n) for n in (
                                    "StreamResponse", "ChatCompletionChunk", "CompletionChunk",
-                                   "ErrorResponse", "OpenAIError")]})}),
+                                   "ErrorResponse", "OpenAIError")]}, done=True)}),
              **_errors()},
             body={"anyOf": [_ref("CompatGenerateRequest"), _ref("ChatRequest"), _ref("CompletionRequest")]},
             secured=True, description="The body is a CompatGenerateRequest (has `inputs`), a ChatRequest "
