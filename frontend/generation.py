@@ -82,6 +82,21 @@ class Generator:
         except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as TGI reports it
             raise validation_error(f"tokenizer error {e}") from None
 
+    async def prepare_all(self, jobs: list[tuple[str, GenerateParameters, bool]], start_time: float,
+                          arrival_time: float) -> list["Generation"]:
+        """``prepare`` for each ``(inputs, parameters, add_special_tokens)``: every one validated before
+        any starts; on an error the permits already taken are given back."""
+        gens: list[Generation] = []
+        try:
+            for inputs, parameters, add_special_tokens in jobs:
+                gens.append(await self.prepare(inputs, parameters, start_time, arrival_time,
+                                               add_special_tokens=add_special_tokens))
+        except BaseException:
+            for gen in gens:
+                gen.close()
+            raise
+        return gens
+
     async def prepare(self, inputs: str, parameters: GenerateParameters, start_time: float,
                       arrival_time: float, *, add_special_tokens: bool = True) -> "Generation":
         """A Generation ready to start; raises ApiError (422, 429, 424). Holds a permit until closed.
@@ -103,6 +118,29 @@ class Generator:
             self.release()
             raise
         return Generation(self, prepared)
+
+
+async def run_all(gens: list["Generation"]) -> None:
+    """Start every generation and run it to its end, concurrently. The first error cancels the others
+    and is raised. Every generation is closed when this returns (unfinished ones aborted in the engine)."""
+    async def run(gen: Generation) -> None:
+        await gen.start()
+        await gen.run_to_end()
+
+    tasks = [asyncio.ensure_future(run(g)) for g in gens]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await cancel_and_close(tasks, gens)
+
+
+async def cancel_and_close(tasks: list[asyncio.Future], gens: list["Generation"]) -> None:
+    """Stop the tasks driving ``gens``, then close every generation."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for gen in gens:
+        gen.close()
 
 
 @dataclass

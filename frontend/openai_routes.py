@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from llmbus.frontend.errors import ApiError
-from llmbus.frontend.generation import Generation, TokenOut
-from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
+from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, run_all
+from llmbus.frontend.openai_requests import (CompletionRequest, OpenAIOptions, parse_chat,
                                              parse_completion, read_json_object)
 from llmbus.frontend.responses import KEEPALIVE, dumps, f32, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
@@ -159,39 +159,9 @@ def _choice_params(params: GenerateParameters, choice: int) -> GenerateParameter
 
 
 async def _prepare(state: FrontendState, jobs: list[Job], start: float, arrival: float) -> list[Choice]:
-    """Validate, tokenize and take a permit for every job; on any error, release those taken."""
-    choices: list[Choice] = []
-    try:
-        for job in jobs:
-            gen = await state.generator.prepare(job.text, job.params, start, arrival,
-                                                add_special_tokens=job.add_special_tokens)
-            choices.append(Choice(job, gen))
-    except BaseException:
-        for c in choices:
-            c.gen.close()
-        raise
-    return choices
-
-
-async def _run_all(choices: list[Choice]) -> None:
-    async def run(c: Choice) -> None:
-        await c.gen.start()
-        await c.gen.run_to_end()
-
-    tasks = [asyncio.ensure_future(run(c)) for c in choices]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        await _end(tasks, choices)
-
-
-async def _end(tasks: list[asyncio.Future], choices: list[Choice]) -> None:
-    """Stop the tasks and close every generation (aborting in the engine those not finished)."""
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for c in choices:
-        c.gen.close()
+    gens = await state.generator.prepare_all([(j.text, j.params, j.add_special_tokens) for j in jobs],
+                                             start, arrival)
+    return [Choice(job, gen) for job, gen in zip(jobs, gens)]
 
 
 async def _stream(request: web.Request, state: FrontendState, choices: list[Choice], options: OpenAIOptions,
@@ -242,7 +212,7 @@ async def _stream(request: web.Request, state: FrontendState, choices: list[Choi
     except _DISCONNECTED:
         pass  # the finally aborts what is still running
     finally:
-        await _end(tasks, choices)
+        await cancel_and_close(tasks, [c.gen for c in choices])
     return resp
 
 
@@ -295,7 +265,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if chat.options.stream:
         render = _ChatChunks({**header, "object": "chat.completion.chunk"}, chat.options)
         return await _stream(request, state, choices, chat.options, render)
-    await _run_all(choices)
+    await run_all([c.gen for c in choices])
     return json_response({**header, "choices": [
         {"index": c.index, "message": {"role": "assistant", "content": c.visible_text()},
          "logprobs": _chat_logprobs(c.gen.tokens, chat.options), "finish_reason": c.finish_reason}
@@ -346,7 +316,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     header = _header(state, "text_completion", _new_id("cmpl"), int(arrival))
     if req.options.stream:
         return await _stream(request, state, choices, req.options, _CompletionChunks(header, req.options))
-    await _run_all(choices)
+    await run_all([c.gen for c in choices])
     return json_response({**header, "choices": [_completion_choice(c, req.options) for c in choices],
                           "usage": _usage(choices)})
 

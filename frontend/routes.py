@@ -9,7 +9,6 @@ cancels its handler (the runner sets ``handler_cancellation``), and ``Generation
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import structlog
@@ -17,7 +16,7 @@ from aiohttp import web
 
 from llmbus.frontend import responses
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
-from llmbus.frontend.generation import Generation
+from llmbus.frontend.generation import Generation, run_all
 from llmbus.frontend.metrics import render
 from llmbus.frontend.openapi import add_openapi_routes
 from llmbus.frontend.openai_requests import parse_chat, read_json_object
@@ -37,44 +36,25 @@ async def _read(request: web.Request, *, compat: bool) -> GenerateRequest:
 # --- generation -----------------------------------------------------------------------------------
 
 
-async def _generate_one(state: FrontendState, req: GenerateRequest, start: float, arrival: float) -> Generation:
-    gen = await state.generator.prepare(req.inputs, req.parameters, start, arrival)
-    try:
-        await gen.start()
-        await gen.run_to_end()
-    finally:
-        gen.close()
-    return gen
-
-
 async def _generate_json(state: FrontendState, req: GenerateRequest, start: float, arrival: float,
                          *, as_list: bool) -> web.Response:
     p = req.parameters
+    best_of = 1 if p.best_of is None else p.best_of
+    if best_of > 1:
+        validate_best_of(best_of, state.limits)
+    gens = await state.generator.prepare_all([(req.inputs, p, True)] * best_of, start, arrival)
+    await run_all(gens)
     others = None
-    if p.best_of is not None and p.best_of > 1:
-        validate_best_of(p.best_of, state.limits)
-        gens = await _gather_all([_generate_one(state, req, start, arrival) for _ in range(p.best_of)])
+    if best_of > 1:
         # TGI keeps the sequence with the highest mean token logprob
-        best = max(range(len(gens)), key=lambda i: _mean_logprob(gens[i]))
-        gen = gens.pop(best)
+        gen = gens.pop(max(range(len(gens)), key=lambda i: _mean_logprob(gens[i])))
         others = gens
     else:
-        gen = await _generate_one(state, req, start, arrival)
+        gen = gens[0]
     body = responses.generate_body(gen, return_full_text=bool(p.return_full_text),
                                    details=p.details or p.decoder_input_details, others=others)
     headers = responses.generate_headers(gen, state.config.compute_type, len(req.inputs))
     return json_response([body] if as_list else body, headers=headers)
-
-
-async def _gather_all(coros) -> list:
-    """All results, or the first error with the other requests cancelled (and so aborted)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _mean_logprob(gen: Generation) -> float:
