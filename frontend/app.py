@@ -40,8 +40,11 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
     app[STATE] = state
 
     async def engine_ctx(app: web.Application):
+        # the chat template's renderer loads while the scheduler answers
+        template_loaded = asyncio.get_running_loop().run_in_executor(None, state.chat_template.load)
         engine = EngineClient(config.requests_endpoint, config.events_endpoint, config.frontend_id, zmq_ctx)
         hello = await engine.start(config.scheduler_timeout_s)
+        await template_loaded
         try:
             limits = resolve_limits(config, state.tokenizer.model_max_length, hello.max_batch_total_tokens)
         except ValueError:

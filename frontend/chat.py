@@ -80,14 +80,18 @@ class ChatTemplate:
     def available(self) -> bool:
         return self.source is not None
 
+    def load(self) -> None:
+        """Import transformers' renderer (sandboxed Jinja with its filters and raise_exception): 0.6 s,
+        which the frontend pays at start-up, off its event loop, rather than in the first chat request,
+        where it would stall every stream."""
+        if self.source is not None and self._render is None:
+            from transformers.utils.chat_template_utils import render_jinja_template
+            self._render = render_jinja_template
+
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self.source is None:
             raise template_error("template not found")
-        if self._render is None:
-            # transformers' renderer (sandboxed Jinja with its filters and raise_exception); imported on
-            # first use so that a frontend serving no chat requests never pays for the import
-            from transformers.utils.chat_template_utils import render_jinja_template
-            self._render = render_jinja_template
+        self.load()
         continue_final = bool(messages) and messages[-1].get("role") == "assistant"
         try:
             rendered, _ = self._render(

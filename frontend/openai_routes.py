@@ -23,7 +23,7 @@ from llmbus.frontend.errors import ApiError
 from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, run_all
 from llmbus.frontend.openai_requests import (CompletionRequest, OpenAIOptions, parse_chat,
                                              parse_completion, read_json_object)
-from llmbus.frontend.responses import KEEPALIVE, dumps, f32, stream_headers
+from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
 from llmbus.frontend.validation import GenerateParameters
 
@@ -140,12 +140,8 @@ def _prompt_rows(gen: Generation) -> list[dict]:
     """Prompt tokens for ``echo`` with ``logprobs``: their logprobs when the engine computed them. Special
     tokens (a BOS) are listed but take no room in the echoed text (``shown``)."""
     tokenizer = gen.generator.tokenizer
-    ids = gen.prepared.input_ids
-    texts = tokenizer.token_texts(ids)
-    given = gen.prompt_logprobs if isinstance(gen.prompt_logprobs, list) else []
-    logprobs = [None] * (len(ids) - len(given)) + list(given)
     return [{"text": t, "shown": "" if tokenizer.is_special(i) else t, "logprob": lp, "top": None}
-            for i, t, lp in zip(ids, texts, logprobs)]
+            for i, t, lp in prompt_tokens(gen)]
 
 
 # --- running choices ---------------------------------------------------------------------------------

@@ -49,10 +49,8 @@ def _top_json(top: list[dict]) -> list[dict]:
             for t in top]
 
 
-def prefill_json(gen: Generation) -> list[dict]:
-    """The prompt tokens, only when decoder_input_details asked for them; logprob null where unknown."""
-    if not gen.prepared.prompt_logprobs:
-        return []
+def prompt_tokens(gen: Generation) -> list[tuple[int, str, float | None]]:
+    """``(id, text, logprob)`` of each prompt token; logprob None where the engine sent none."""
     ids = gen.prepared.input_ids
     texts = gen.generator.tokenizer.token_texts(ids)
     logprobs: list = [None] * len(ids)
@@ -60,7 +58,14 @@ def prefill_json(gen: Generation) -> list[dict]:
     if isinstance(given, list) and len(given) <= len(ids):
         # aligned to the end: the first prompt token has no logprob when the engine sends n - 1
         logprobs[len(ids) - len(given):] = given
-    return [{"id": i, "text": t, "logprob": f32(lp)} for i, t, lp in zip(ids, texts, logprobs)]
+    return list(zip(ids, texts, logprobs))
+
+
+def prefill_json(gen: Generation) -> list[dict]:
+    """The prompt tokens, only when decoder_input_details asked for them; logprob null where unknown."""
+    if not gen.prepared.prompt_logprobs:
+        return []
+    return [{"id": i, "text": t, "logprob": f32(lp)} for i, t, lp in prompt_tokens(gen)]
 
 
 def full_text(gen: Generation, return_full_text: bool) -> str:
