@@ -46,14 +46,16 @@ def main() -> None:
         "greedy": [SamplingParams() for _ in range(args.rows)],
         "sampled (temperature, top-k, top-p, typical-p)": [
             SamplingParams(seed=i, **warped) for i in range(args.rows)],
-        "sampled + top_n_tokens=5": [SamplingParams(seed=i, top_n_tokens=5, **warped) for i in range(args.rows)],
+        "sampled + top_n_tokens=5": [
+            SamplingParams(seed=i, top_n_tokens=5, **warped) for i in range(args.rows)],
         "sampled + watermark": [SamplingParams(seed=i, watermark=True, **warped) for i in range(args.rows)],
         "sampled + repetition, frequency, presence penalties": [
-            SamplingParams(seed=i, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5, **warped)
-            for i in range(args.rows)],
+            SamplingParams(seed=i, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5,
+                           **warped) for i in range(args.rows)],
     }
     base = None
-    print(f"{args.rows} rows x {args.vocab} vocab, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{args.rows} rows x {args.vocab} vocab, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
     for name, params in cases.items():
         ms = _median_ms(lambda: sample(logits, params, positions, histories, last, prompt_lens))
         base = base or ms
