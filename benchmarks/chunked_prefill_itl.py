@@ -64,8 +64,8 @@ from _server import (LlmbusServer, Stream, client_session, default_model_dir,  #
                      stream_tokens, wait_metrics)
 
 TARGET = 2.0
-PREFILL_STEPS = 'tgi_batch_inference_count_total{method="prefill"}'
-DECODE_STEPS = 'tgi_batch_inference_count_total{method="decode"}'
+PREFILL_STEPS = 'tgi_batch_inference_count{method="prefill"}'
+DECODE_STEPS = 'tgi_batch_inference_count{method="decode"}'
 PREEMPTIONS = "llmbus_preemptions_total"
 FORWARD = 'tgi_batch_forward_duration_{}{{method="{}"}}'
 STEP = 'tgi_batch_inference_duration_{}{{method="{}"}}'

@@ -19,7 +19,8 @@ from llmbus.bus.service import ServiceContext, run_service
 from llmbus.frontend.config import FrontendConfig, resolve_limits
 from llmbus.frontend.engine_client import EngineClient
 from llmbus.frontend.generation import Generator
-from llmbus.frontend.middleware import auth_middleware, cors_middleware, error_middleware
+from llmbus.frontend.middleware import (auth_middleware, cors_middleware, error_middleware,
+                                         request_metrics_middleware)
 from llmbus.frontend.routes import setup_routes
 from llmbus.frontend.state import STATE, FrontendState
 from llmbus.frontend.tokenizer import ModelTokenizer, load_tokenizer
@@ -34,7 +35,7 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
     middlewares = [cors_middleware(config.cors_allow_origin)]
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
-    middlewares.append(error_middleware)
+    middlewares += [error_middleware, request_metrics_middleware]
     app = web.Application(client_max_size=config.payload_limit, middlewares=middlewares)
     state = FrontendState(config=config, tokenizer=tokenizer or load_tokenizer(config.model_dir))
     app[STATE] = state
@@ -51,8 +52,10 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
             await engine.close()
             raise
         state.engine, state.limits = engine, limits
+        state.request_metrics.set_limits(limits.max_input_tokens, limits.max_total_tokens)
         state.generator = Generator(engine, state.tokenizer, limits, config.max_concurrent_requests,
-                                    config.validation_workers, config.enable_prefill_logprobs)
+                                    config.validation_workers, config.enable_prefill_logprobs,
+                                    on_finished=state.request_metrics.generation_finished)
         log.info("limits", max_input_tokens=limits.max_input_tokens,
                  max_total_tokens=limits.max_total_tokens, eos_token_ids=state.tokenizer.eos_token_ids)
         yield

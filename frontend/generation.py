@@ -13,6 +13,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from llmbus.bus import messages as m
 from llmbus.bus.messages import FinishReason
@@ -53,8 +54,10 @@ class Generator:
     """Admission, validation and tokenization in front of the engine."""
 
     def __init__(self, engine: EngineClient, tokenizer: ModelTokenizer, limits: Limits,
-                 max_concurrent_requests: int, validation_workers: int = 2, enable_prefill_logprobs: bool = False):
+                 max_concurrent_requests: int, validation_workers: int = 2, enable_prefill_logprobs: bool = False,
+                 on_finished: Callable[["Generation"], None] | None = None):
         self.engine = engine
+        self.on_finished = on_finished  # called with each generation that finishes (metrics)
         self.enable_prefill_logprobs = enable_prefill_logprobs
         self.tokenizer = tokenizer
         self.limits = limits
@@ -280,6 +283,8 @@ class Generation:
             if finish is not None:
                 self.finish_reason = finish
                 self.timings.end = time.monotonic()
+                if self.generator.on_finished is not None and ev.finish_reason != FinishReason.ABORTED:
+                    self.generator.on_finished(self)
                 # When the frontend decided (stop sequence, budget), the scheduler still runs it.
                 self.generator.engine.release(self.rid, abort=ev.finish_reason == FinishReason.NONE)
                 if ev.finish_reason == FinishReason.ABORTED:

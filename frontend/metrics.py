@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from llmbus.bus import messages as m
 
@@ -39,20 +40,17 @@ class SchedulerStatsCollector(Collector):
                                 value=stats.kv_blocks_free)
         yield GaugeMetricFamily("llmbus_kv_blocks_cached", "Free KV blocks the prefix cache keeps for reuse",
                                 value=stats.kv_blocks_cached)
-        yield CounterMetricFamily("llmbus_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=stats.prefix_cache_queried_tokens)
-        yield CounterMetricFamily("llmbus_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
-                                  value=stats.prefix_cache_hit_tokens)
-        yield CounterMetricFamily("llmbus_preemptions", "Running requests sent back to the queue for lack of KV blocks",
-                                  value=stats.preemptions)
-        steps = CounterMetricFamily("tgi_batch_inference_count", "Steps run", labels=["method"])
-        steps.add_metric(["prefill"], stats.prefill_steps)
-        steps.add_metric(["decode"], stats.decode_steps)
-        yield steps
-        concat = CounterMetricFamily("tgi_batch_concat", "New requests joining a running batch", labels=["reason"])
-        for reason in ("chunking", "backpressure", "wait_exceeded"):
-            concat.add_metric([reason], getattr(stats, f"concat_{reason}"))
-        yield concat
+        yield counter("llmbus_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache",
+                      {(): stats.prefix_cache_queried_tokens})
+        yield counter("llmbus_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache",
+                      {(): stats.prefix_cache_hit_tokens})
+        yield counter("llmbus_preemptions_total", "Running requests sent back to the queue for lack of KV blocks",
+                      {(): stats.preemptions})
+        yield counter("tgi_batch_inference_count", "Steps run",
+                      {("prefill",): stats.prefill_steps, ("decode",): stats.decode_steps}, ("method",))
+        yield counter("tgi_batch_concat", "New requests joining a running batch",
+                      {(reason,): getattr(stats, f"concat_{reason}")
+                       for reason in ("chunking", "backpressure", "wait_exceeded")}, ("reason",))
         for name, doc, pair in (
                 ("tgi_batch_forward_duration", "Forward pass time (rank 0)", (stats.prefill_forward, stats.decode_forward)),
                 ("tgi_batch_inference_duration", "Step time, command to result",
@@ -68,21 +66,56 @@ class SchedulerStatsCollector(Collector):
             yield family
 
 
-def _buckets(histogram: m.Histogram) -> tuple[list[tuple[str, float]], float]:
-    """prometheus_client's cumulative (upper bound, count) pairs, ending with +Inf, and the sum."""
+def cumulative(bounds: list[float], counts: list[int]) -> list[tuple[str, float]]:
+    """prometheus_client's cumulative (upper bound, count) pairs for per-bucket ``counts`` (the last one
+    past every bound), ending with +Inf."""
     pairs, total = [], 0
-    for bound, count in zip([*map(float, histogram.buckets), float("inf")], histogram.counts):
+    for bound, count in zip([*map(float, bounds), float("inf")], counts):
         total += count
         pairs.append(("+Inf" if bound == float("inf") else repr(bound), total))
-    return pairs, histogram.sum
+    return pairs
 
 
-def make_registry(latest_stats: Callable[[], m.SchedulerStats | None]) -> CollectorRegistry:
+def _buckets(histogram: m.Histogram) -> tuple[list[tuple[str, float]], float]:
+    return cumulative(histogram.buckets, histogram.counts), histogram.sum
+
+
+def counter(name: str, documentation: str, values: dict[tuple, float], label_names: tuple[str, ...] = ()
+            ) -> Metric:
+    """A counter whose samples are named exactly ``name``: TGI's counters have no ``_total`` suffix
+    (its Rust exporter writes names as given), and dashboards built for TGI query them so."""
+    metric = Metric(name, documentation, "counter")
+    for label_values, value in values.items():
+        metric.add_sample(name, dict(zip(label_names, label_values)), value)
+    return metric
+
+
+def make_registry(latest_stats: Callable[[], m.SchedulerStats | None], *others: Collector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(SchedulerStatsCollector(latest_stats))
+    for collector in others:
+        registry.register(collector)
     return registry
 
 
 def render(registry: CollectorRegistry) -> tuple[bytes, str]:
-    """The exposition body and its Content-Type."""
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+    """The text exposition (format 0.0.4) and its Content-Type.
+
+    prometheus_client's own writer would name every counter's HELP and TYPE lines ``<name>_total``, which
+    does not match samples named as TGI names them; here the lines take the samples' name."""
+    lines = []
+    for family in registry.collect():
+        name = family.name
+        if family.type == "counter" and family.samples and family.samples[0].name != name:
+            name = family.samples[0].name  # a counter declared with its _total (llmbus_* ones)
+        documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        lines.append(f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n")
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sample.labels.items())
+            lines.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}\n" if labels
+                         else f"{sample.name} {floatToGoString(sample.value)}\n")
+    return "".join(lines).encode("utf-8"), CONTENT_TYPE_LATEST
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')

@@ -7,15 +7,20 @@ TGI (``/health``, ``/info``, ``/metrics`` and the docs stay open for probes and 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from aiohttp import web
 
 from llmbus.frontend.errors import ApiError, ErrorKind
-from llmbus.frontend.state import json_response
+from llmbus.frontend.request_metrics import DROPPED, FAILURE_LABELS
+from llmbus.frontend.state import STATE, json_response
 
-AUTH_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
-                        "/invocations", "/tokenize"})
+GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
+                              "/invocations"})
+AUTH_PATHS = GENERATION_PATHS | {"/tokenize"}
+# a streaming handler that answered 200 but then failed in-band (or lost its client) says so here
+OUTCOME = web.RequestKey("llmbus_outcome", str)
 OPENAI_PREFIX = "/v1/"
 CORS_METHODS = "GET,POST"
 CORS_HEADERS = "content-type,authorization"
@@ -31,6 +36,34 @@ async def error_middleware(request: web.Request, handler):
         error = ApiError(ErrorKind.PAYLOAD_TOO_LARGE, "length limit exceeded")
     body = error.openai_body() if request.path.startswith(OPENAI_PREFIX) else error.body()
     return json_response(body, status=error.status)
+
+
+@web.middleware
+async def request_metrics_middleware(request: web.Request, handler):
+    """tgi_request_count / _success / _failure{err}: once per generation request, whatever its route."""
+    if request.method != "POST" or request.path not in GENERATION_PATHS:
+        return await handler(request)
+    metrics = request.app[STATE].request_metrics
+    metrics.started()
+    try:
+        response = await handler(request)
+    except ApiError as e:
+        metrics.failed(FAILURE_LABELS.get(e.kind, "generation"))
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        metrics.failed(DROPPED)  # the client went away before the answer
+        raise
+    outcome = request.get(OUTCOME)
+    if outcome is None:
+        metrics.succeeded()
+    else:
+        metrics.failed(outcome)
+    return response
+
+
+def mark_failed(request: web.Request, error: ApiError | None) -> None:
+    """A stream's outcome after its 200: failed in-band with ``error``, or dropped (None)."""
+    request[OUTCOME] = DROPPED if error is None else FAILURE_LABELS.get(error.kind, "generation")
 
 
 def auth_middleware(api_key: str):

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from llmbus.frontend.errors import ApiError
 from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, run_all
+from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import (CompletionRequest, OpenAIOptions, parse_chat,
                                              parse_completion, read_json_object)
 from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers
@@ -195,6 +196,7 @@ async def _stream(request: web.Request, state: FrontendState, choices: list[Choi
             if item is None:
                 running -= 1
             elif isinstance(item, ApiError):
+                mark_failed(request, item)
                 await resp.write(_event(item.openai_body()) + DONE)
                 return resp
             elif item:
@@ -206,7 +208,7 @@ async def _stream(request: web.Request, state: FrontendState, choices: list[Choi
         await resp.write(DONE)
         await resp.write_eof()
     except _DISCONNECTED:
-        pass  # the finally aborts what is still running
+        mark_failed(request, None)  # the finally aborts what is still running
     finally:
         await cancel_and_close(tasks, [c.gen for c in choices])
     return resp

@@ -18,6 +18,7 @@ from llmbus.frontend import responses
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend.generation import Generation, run_all
 from llmbus.frontend.metrics import render
+from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openapi import add_openapi_routes
 from llmbus.frontend.openai_requests import parse_chat, read_json_object
 from llmbus.frontend.openai_routes import chat_completions, completions, setup_openai_routes
@@ -93,11 +94,13 @@ async def _stream(request: web.Request, state: FrontendState, req: GenerateReque
             if chunk:
                 await resp.write(b"".join(chunk))
     except ApiError as e:
+        mark_failed(request, e)
         try:
             await resp.write(responses.error_event(e))
         except _DISCONNECTED:
             return resp
     except _DISCONNECTED:
+        mark_failed(request, None)
         return resp  # the finally aborts the request
     finally:
         if gen is not None:

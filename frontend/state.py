@@ -13,6 +13,7 @@ from llmbus.frontend.config import FrontendConfig, Limits
 from llmbus.frontend.engine_client import EngineClient
 from llmbus.frontend.generation import Generator
 from llmbus.frontend.metrics import make_registry
+from llmbus.frontend.request_metrics import RequestMetrics
 from llmbus.frontend.responses import dumps
 from llmbus.frontend.tokenizer import ModelTokenizer
 
@@ -30,10 +31,13 @@ class FrontendState:
     generator: Generator | None = None
     limits: Limits | None = None
     metrics: CollectorRegistry = field(init=False)
+    request_metrics: RequestMetrics = field(init=False)
     chat_template: ChatTemplate = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None)
+        self.request_metrics = RequestMetrics()
+        self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None,
+                                     self.request_metrics)
         self.chat_template = ChatTemplate(self.config.model_dir)
 
     @property

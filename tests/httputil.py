@@ -44,13 +44,24 @@ def sse_events(raw: bytes) -> list[dict]:
     return events
 
 
-def metrics(base_url: str) -> dict[str, float]:
-    """Every sample of ``/metrics`` by name (labelled samples: the last one wins)."""
-    from prometheus_client.parser import text_string_to_metric_families
+def parse_exposition(text: str, *, labels: bool = False) -> dict[str, float]:
+    """Samples of a Prometheus text exposition under their names exactly as written (prometheus_client's
+    parser renames counters to ``*_total``, which would hide TGI's names). With ``labels`` the key keeps
+    the label set as written (``name{k="v"}``); without, labelled samples of a name: the last one wins."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        samples[key if labels else key.split("{", 1)[0]] = float(value)
+    return samples
 
+
+def metrics(base_url: str, *, labels: bool = False) -> dict[str, float]:
+    """Every sample of ``/metrics`` (see parse_exposition)."""
     status, text = get(f"{base_url}/metrics")
     assert status == 200
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return parse_exposition(text, labels=labels)
 
 
 def wait_for_metrics(base_url: str, condition, timeout: float = 30.0) -> dict[str, float]:

@@ -205,3 +205,20 @@ def test_presence_penalty_matches_a_transformers_logits_processor(server, hf, op
     completion = openai_client.completions.create(model="tgi", prompt=PROMPT, max_tokens=max_new, temperature=0,
                                                   presence_penalty=penalty)
     assert completion.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_metrics_count_every_request(server):
+    from httputil import metrics, post
+
+    n, generated = 5, 0
+    before = metrics(server.url)
+    for i in range(n):
+        status, _, body = post(f"{server.url}/generate", {"inputs": f"{PROMPT} {i}",
+                                                          "parameters": {"max_new_tokens": 3, "details": True}})
+        assert status == 200
+        generated += body["details"]["generated_tokens"]
+    after = metrics(server.url)
+    for name in ("tgi_request_count", "tgi_request_success", "tgi_request_duration_count",
+                 "tgi_request_queue_duration_count", "tgi_request_generated_tokens_count"):
+        assert after[name] - before.get(name, 0) == n, name
+    assert after["tgi_request_generated_tokens_sum"] - before.get("tgi_request_generated_tokens_sum", 0) == generated

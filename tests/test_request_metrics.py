@@ -1,0 +1,73 @@
+"""TGI's per-request metrics on /metrics, against the fake scheduler of test_frontend.py: every outcome
+a generation request can have, on every route, counted once, with TGI's exact names."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from httputil import parse_exposition
+from test_frontend import WAIT, parse_sse
+from test_frontend import make_frontend, model_dir  # noqa: F401  (fixtures)
+from test_openai_frontend import chat_model_dir  # noqa: F401  (fixture)
+
+
+def scrape(fe) -> tuple[str, dict]:
+    status, _, raw = fe.request("GET", "/metrics")
+    assert status == 200
+    text = raw.decode()
+    return text, parse_exposition(text, labels=True)
+
+
+def test_request_counters_and_histograms(make_frontend, chat_model_dir):  # noqa: F811
+    fe = make_frontend(chat_model_dir)
+    ok = [("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5}}),
+          ("/", {"inputs": "hi", "parameters": {"max_new_tokens": 5}}),
+          ("/generate_stream", {"inputs": "hi"}),
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+          ("/v1/completions", {"prompt": "hi", "stream": True}),
+          ("/invocations", {"inputs": "hi"})]
+    for path, body in ok:
+        status, _, raw = fe.request("POST", path, body)
+        assert status == 200, raw
+        if path in ("/generate_stream", "/v1/completions"):
+            assert b'"error"' not in raw
+    # one request, two generations: counted once, observed twice
+    assert fe.request("POST", "/generate", {"inputs": "hi", "parameters": {"best_of": 2, "do_sample": True}})[0] == 200
+    failures = [("/generate", {"inputs": "hi", "parameters": {"top_p": 1.0}}),  # validation
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 9}),  # validation
+                ("/generate", {"inputs": "FAIL"})]  # the engine fails it: RequestFailed(validation)
+    for path, body in failures:
+        assert fe.request("POST", path, body)[0] == 422
+    status, _, raw = fe.request("POST", "/generate_stream", {"inputs": "FAIL"})  # in-band, HTTP 200
+    assert status == 200 and parse_sse(raw)[0]["error_type"] == "validation"
+    assert fe.request("GET", "/health")[0] == 200 and fe.request("POST", "/tokenize", {"inputs": "x"})[0] == 200
+
+    text, samples = scrape(fe)
+    assert "# TYPE tgi_request_count counter\ntgi_request_count 11.0\n" in text  # TGI's names: no _total
+    assert samples["tgi_request_success"] == 7
+    assert samples['tgi_request_failure{err="validation"}'] == 4
+    generations = 6 + 2  # best_of 2 made two
+    for name in ("duration", "validation_duration", "queue_duration", "inference_duration",
+                 "mean_time_per_token_duration", "input_length", "generated_tokens", "max_new_tokens"):
+        assert samples[f"tgi_request_{name}_count"] == generations, name
+    assert samples["tgi_request_queue_duration_sum"] > 0
+    assert samples["tgi_request_max_new_tokens_sum"] >= 5 + 5
+
+
+def test_overloaded_and_dropped(make_frontend):  # noqa: F811
+    fe = make_frontend(max_concurrent_requests=1)
+    conn = socket.create_connection((fe.host, fe.port), timeout=WAIT)
+    body = json.dumps({"inputs": "HOLD", "parameters": {"max_new_tokens": 3}}).encode()
+    conn.sendall(b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 1, "the held request")
+    assert fe.request("POST", "/generate", {"inputs": "hi"})[0] == 429
+    conn.close()
+    fe.sched.wait_for(lambda: fe.sched.aborts, "the abort of the dropped stream")
+    _, samples = scrape(fe)
+    assert samples["tgi_request_count"] == 2
+    assert samples['tgi_request_failure{err="overloaded"}'] == 1
+    # the abort is sent from the handler's finally, in the same event-loop step as the outcome is counted
+    assert samples['tgi_request_failure{err="dropped"}'] == 1
+    assert samples["tgi_request_success"] == 0
