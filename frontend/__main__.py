@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler-timeout", type=float, default=60.0, dest="scheduler_timeout_s",
                    help="seconds to wait for the scheduler's handshake")
     p.add_argument("--payload-limit", type=int, default=2_000_000)
+    p.add_argument("--graceful-termination-timeout", type=float, dest="shutdown_timeout_s",
+                   default=float(os.environ.get("GRACEFUL_TERMINATION_TIMEOUT", 90.0)),
+                   help="seconds in-flight requests get to finish after SIGTERM (new ones get 503)")
     p.add_argument("--api-key", default=os.environ.get("API_KEY"))
     p.add_argument("--cors-allow-origin", action="append", default=[],
                    help="an origin browsers may call from (repeat for several; default: any)")
@@ -74,7 +77,7 @@ def from_args(argv: list[str] | None = None) -> FrontendConfig:
             enable_prefill_logprobs=a.enable_prefill_logprobs,
             validation_workers=a.validation_workers, scheduler_timeout_s=a.scheduler_timeout_s,
             payload_limit=a.payload_limit, api_key=a.api_key, model_pipeline_tag=a.model_pipeline_tag,
-            cors_allow_origin=a.cors_allow_origin,
+            cors_allow_origin=a.cors_allow_origin, shutdown_timeout_s=a.shutdown_timeout_s,
             **extra)
     except ValueError as e:
         parser.error(str(e))

@@ -18,6 +18,7 @@ from aiohttp import web
 from llmbus.bus.service import ServiceContext, run_service
 from llmbus.frontend.config import FrontendConfig, resolve_limits
 from llmbus.frontend.engine_client import EngineClient
+from llmbus.frontend.errors import ApiError, ErrorKind
 from llmbus.frontend.generation import Generator
 from llmbus.frontend.middleware import (auth_middleware, cors_middleware, error_middleware,
                                          request_metrics_middleware)
@@ -26,6 +27,8 @@ from llmbus.frontend.state import STATE, FrontendState
 from llmbus.frontend.tokenizer import ModelTokenizer, load_tokenizer
 
 log = structlog.get_logger("llmbus.frontend")
+
+ABORTED_ANSWER_S = 2.0  # after a drain is cut short: time for handlers to write their error
 
 
 def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
@@ -70,18 +73,25 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
 def make_runner(app: web.Application, config: FrontendConfig) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
     return web.AppRunner(app, handle_signals=False, handler_cancellation=True,
-                         shutdown_timeout=config.shutdown_timeout_s, access_log=None)
+                         shutdown_timeout=ABORTED_ANSWER_S, access_log=None)  # after our own drain
 
 
 async def serve(config: FrontendConfig, *, on_ready: Callable[[str], None] | None = None,
-                stop: asyncio.Event | None = None, install_signals: bool = True,
-                tokenizer: ModelTokenizer | None = None) -> None:
-    """Serve until ``stop`` is set (or SIGTERM/SIGINT when ``install_signals``); calls ``on_ready(url)``."""
+                stop: asyncio.Event | None = None, abort: asyncio.Event | None = None,
+                install_signals: bool = True, tokenizer: ModelTokenizer | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT when ``install_signals``); calls ``on_ready(url)``.
+
+    Then drain: new requests get 503 while those in flight finish, for up to ``shutdown_timeout_s``;
+    ``abort`` (a second signal) or the timeout ends what is left with a 503 error."""
     stop = stop or asyncio.Event()
+    abort = abort or asyncio.Event()
     if install_signals:
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            (abort if stop.is_set() else stop).set()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
     app = make_app(config, tokenizer=tokenizer)
     runner = make_runner(app, config)
     # the handshake may wait long for the scheduler: a stop request must not wait for it
@@ -104,9 +114,27 @@ async def serve(config: FrontendConfig, *, on_ready: Callable[[str], None] | Non
         if on_ready is not None:
             on_ready(url)
         await stop.wait()
-        log.info("stopping: draining requests in flight", timeout_s=config.shutdown_timeout_s)
+        await _drain(app[STATE], config.shutdown_timeout_s, abort)
     finally:
         await runner.cleanup()
+
+
+async def _drain(state: FrontendState, timeout_s: float, abort: asyncio.Event) -> None:
+    generator = state.generator
+    generator.draining = True
+    log.info("stopping: draining requests in flight", in_flight=generator.permits_in_use, timeout_s=timeout_s)
+    idle = asyncio.ensure_future(generator.wait_idle())
+    aborted = asyncio.ensure_future(abort.wait())
+    await asyncio.wait({idle, aborted}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    aborted.cancel()
+    if not idle.done():
+        rids = state.engine.fail_all(ApiError(ErrorKind.SHUTTING_DOWN))
+        log.warning("stopping: ending the requests still in flight", rids=rids,
+                    reason="second signal" if abort.is_set() else f"not done after {timeout_s:g}s")
+        # their handlers now answer the error; give them a moment to write it
+        await asyncio.wait({idle}, timeout=ABORTED_ANSWER_S)
+    idle.cancel()
+    log.info("drained")
 
 
 def run_frontend(config: FrontendConfig) -> int:

@@ -43,7 +43,7 @@ class FrontendConfig:
     cors_allow_origin: list[str] = field(default_factory=list)  # empty: any origin (as TGI)
     model_pipeline_tag: str | None = None  # /info; decides POST / return_full_text default like TGI
     compute_type: str = field(default_factory=_default_compute_type)  # x-compute-type header
-    shutdown_timeout_s: float = 30.0  # how long in-flight requests may finish after SIGTERM
+    shutdown_timeout_s: float = 90.0  # how long in-flight requests may finish after SIGTERM (TGI's default)
 
     def __post_init__(self) -> None:
         if self.model_id is None:

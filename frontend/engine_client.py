@@ -235,11 +235,20 @@ class EngineClient:
         for rid, item in per_request.items():
             self._channels[rid].queue.put_nowait(item)
 
+    def fail_all(self, error: ApiError) -> list[str]:
+        """End every request in flight with ``error`` (their handlers answer it) and abort them in the
+        scheduler; the rids."""
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            channel.queue.put_nowait(EngineFailure(error))
+        if self.dead_reason is None and channels:
+            self._pending_aborts.extend(channels)
+            self._abort_wakeup.set()
+        return list(channels)
+
     def _engine_dead(self, reason: str) -> None:
         if self.dead_reason is None:
             log.error("engine dead: failing every request in flight", reason=reason,
                       in_flight=len(self._channels))
         self.dead_reason = reason
-        channels, self._channels = self._channels, {}
-        for channel in channels.values():
-            channel.queue.put_nowait(EngineFailure(generation_error(reason)))
+        self.fail_all(generation_error(reason))

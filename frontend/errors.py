@@ -23,6 +23,7 @@ class ErrorKind(enum.Enum):
     BATCH_SIZE = "batch size exceeded"  # more prompts (x choices) than --max-client-batch-size
     SUFFIX = "suffix not supported"  # /v1/completions with a suffix
     PAYLOAD_TOO_LARGE = "payload_too_large"  # a body over --payload-limit
+    SHUTTING_DOWN = "shutting_down"  # SIGTERM: no new requests; or one still running when the drain ended
 
 
 # kind -> (HTTP status, error_type, text; "{}" takes the detail)
@@ -42,6 +43,7 @@ ERROR_TABLE: dict[ErrorKind, tuple[int, str, str]] = {
     ErrorKind.SUFFIX: (422, "suffix not supported",
                        "Suffix is not supported and can be achieved by preprocessing the prompt."),
     ErrorKind.PAYLOAD_TOO_LARGE: (413, "payload_too_large", "Failed to buffer the request body: {}"),
+    ErrorKind.SHUTTING_DOWN: (503, "shutting_down", "The server is shutting down"),
 }
 
 # OpenAI's error.type for the kinds (the routes under /v1 answer in OpenAI's envelope)
@@ -50,7 +52,7 @@ OPENAI_TYPES: dict[ErrorKind, str] = {
     ErrorKind.TEMPLATE: "invalid_request_error", ErrorKind.TOOL: "invalid_request_error",
     ErrorKind.BATCH_SIZE: "invalid_request_error", ErrorKind.SUFFIX: "invalid_request_error",
     ErrorKind.PAYLOAD_TOO_LARGE: "invalid_request_error", ErrorKind.UNAUTHORIZED: "authentication_error",
-    ErrorKind.OVERLOADED: "rate_limit_error",
+    ErrorKind.OVERLOADED: "rate_limit_error", ErrorKind.SHUTTING_DOWN: "service_unavailable",
 }
 
 # error_type strings the scheduler may put in RequestFailed, mapped back to a kind

@@ -63,18 +63,30 @@ class Generator:
         self.limits = limits
         self.max_concurrent_requests = max_concurrent_requests
         self.permits_in_use = 0
+        self.draining = False  # after SIGTERM: new requests get 503
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._executor = ThreadPoolExecutor(max_workers=validation_workers, thread_name_prefix="tokenize")
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def acquire(self) -> None:
+        if self.draining:
+            raise ApiError(ErrorKind.SHUTTING_DOWN)
         if self.permits_in_use >= self.max_concurrent_requests:
             raise ApiError(ErrorKind.OVERLOADED)
         self.permits_in_use += 1
+        self._idle.clear()
 
     def release(self) -> None:
         self.permits_in_use -= 1
+        if self.permits_in_use == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no request holds a permit (every generation in flight has been closed)."""
+        await self._idle.wait()
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:

@@ -32,6 +32,7 @@ FAILURE_LABELS = {
     ErrorKind.BATCH_SIZE: "validation", ErrorKind.SUFFIX: "validation", ErrorKind.TOOL: "validation",
     ErrorKind.OVERLOADED: "overloaded", ErrorKind.GENERATION: "generation", ErrorKind.INCOMPLETE: "incomplete",
     ErrorKind.INCOMPLETE_STREAM: "incomplete", ErrorKind.TEMPLATE: "template",
+    ErrorKind.SHUTTING_DOWN: "shutdown",
 }
 DROPPED = "dropped"
 

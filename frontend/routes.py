@@ -178,9 +178,11 @@ async def invocations(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
-    if engine is None or not engine.healthy:
+    state = request.app[STATE]
+    if state.engine is None or not state.engine.healthy:
         raise ApiError(ErrorKind.UNHEALTHY)
+    if state.generator is not None and state.generator.draining:
+        raise ApiError(ErrorKind.SHUTTING_DOWN)  # load balancers stop sending here
     return web.Response(status=200)
 
 

@@ -117,7 +117,7 @@ def up(**kw) -> None:
         kv_cache_memory=kw["kv_cache_memory"], num_blocks=kw["num_blocks"],
         cuda_memory_fraction=kw["cuda_memory_fraction"], enable_prefill_logprobs=kw["enable_prefill_logprobs"],
         api_key=kw["api_key"] or None, cors_allow_origin=tuple(kw["cors_allow_origin"]),
-        payload_limit=kw["payload_limit"])
+        payload_limit=kw["payload_limit"], graceful_termination_timeout=kw["graceful_termination_timeout"])
     with run_dir:
         code = Launcher(build_plan(cfg), run_dir, graceful_timeout_s=kw["graceful_termination_timeout"],
                         json_output=kw["json_output"]).run()

@@ -29,6 +29,7 @@ from llmbus.bus.service import ENV_JSON_LOGS, ENV_SUPERVISOR, terminate_all
 from llmbus.bus.sockets import open_socket, poll, recv
 
 STDERR_TAIL_LINES = 40
+FRONTEND_EXIT_GRACE_S = 10.0  # beyond the graceful timeout: a frontend's own cut-short drain and exit
 
 
 @dataclass
@@ -182,12 +183,16 @@ class Launcher:
         frontends = [c for c in self.children if c.spec.name.startswith("frontend")]
         for c in frontends:
             c.signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.graceful_timeout_s
+        # the frontends cut their own drain at the same timeout, then need a moment to answer and exit
+        deadline = time.monotonic() + self.graceful_timeout_s + FRONTEND_EXIT_GRACE_S
         seen = self.signals
         while any(c.alive() for c in frontends) and time.monotonic() < deadline:
             if self.signals > seen:
                 self.echo("llmbus: second signal: aborting what is left")
-                break
+                seen = self.signals
+                for c in frontends:
+                    c.signal(signal.SIGTERM)  # a frontend's second signal ends its drain now
+                deadline = min(deadline, time.monotonic() + FRONTEND_EXIT_GRACE_S)
             self._watch_once()
         codes = []
         for c in frontends:

@@ -44,6 +44,7 @@ class LaunchConfig:
     api_key: str | None = None
     cors_allow_origin: tuple[str, ...] = ()
     payload_limit: int = 2_000_000
+    graceful_termination_timeout: float = 90.0
 
 
 def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessSpec]:
@@ -79,7 +80,8 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
                 "--max-client-batch-size", str(cfg.max_client_batch_size)]
     if cfg.enable_prefill_logprobs:
         frontend.append("--enable-prefill-logprobs")
-    frontend += ["--payload-limit", str(cfg.payload_limit)]
+    frontend += ["--payload-limit", str(cfg.payload_limit),
+                 "--graceful-termination-timeout", str(cfg.graceful_termination_timeout)]
     for origin in cfg.cors_allow_origin:
         frontend += ["--cors-allow-origin", origin]
     # the key travels in the environment: a command line is readable by every user of the machine

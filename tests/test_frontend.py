@@ -221,6 +221,7 @@ class Frontend:
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
+        self._abort = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="frontend", daemon=True)
         self._thread.start()
         assert self._ready.wait(WAIT), "frontend did not start"
@@ -235,7 +236,7 @@ class Frontend:
             self.url = url
             self._ready.set()
         try:
-            self._loop.run_until_complete(serve(self.config, on_ready=ready, stop=self._stop,
+            self._loop.run_until_complete(serve(self.config, on_ready=ready, stop=self._stop, abort=self._abort,
                                                 install_signals=False))
         except Exception as e:  # noqa: BLE001 - reported to the test thread
             self.error = e
@@ -245,6 +246,9 @@ class Frontend:
 
     def request_stop(self) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
+
+    def request_abort(self) -> None:
+        self._loop.call_soon_threadsafe(self._abort.set)
 
     def close(self) -> None:
         if self._loop.is_running():
@@ -738,23 +742,45 @@ def test_engine_dead_fails_in_flight_and_health(fe):
     assert fe.sched.aborts == []
 
 
-def test_stop_drains_requests_in_flight(make_frontend):
+SHUTTING_DOWN = {"error": "The server is shutting down", "error_type": "shutting_down"}
+
+
+def test_stop_drains_requests_in_flight_and_refuses_new_ones(make_frontend):
     fe = make_frontend(shutdown_timeout_s=WAIT)
     held = Background(fe, "/generate_stream", {"inputs": "HOLD", "parameters": {"max_new_tokens": 50}})
     fe.sched.wait_for(lambda: len(fe.sched.adds) == 1, "the request in flight")
     fe.request_stop()
     deadline = time.monotonic() + WAIT
-    while True:  # wait until the frontend stopped listening
-        try:
-            socket.create_connection((fe.host, fe.port), timeout=WAIT).close()
-        except (ConnectionRefusedError, ConnectionResetError):  # a connect racing the close gets a reset
-            break
-        assert time.monotonic() < deadline, "frontend kept listening after stop"
-        time.sleep(0.01)
+    while fe.request("GET", "/health")[0] != 503:  # the stop is handled on the frontend's loop
+        assert time.monotonic() < deadline, "the frontend did not start draining"
+    status, _, raw = fe.request("GET", "/health")
+    assert (status, json.loads(raw)) == (503, SHUTTING_DOWN)
+    status, _, body = fe.post("/generate", {"inputs": "hi"})
+    assert (status, body) == (503, SHUTTING_DOWN)
+    status, _, raw = fe.request("POST", "/v1/completions", {"prompt": "hi"})
+    assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down"
+    assert len(fe.sched.adds) == 1, "nothing new reached the scheduler"
     fe.sched.release(last_rid(fe))
     status, _, raw = held.result()
     assert status == 200 and parse_sse(raw)[-1]["generated_text"] == REPLY
+    fe._thread.join(WAIT)
+    assert not fe._thread.is_alive(), "the frontend did not exit once drained"
     assert fe.sched.aborts == []
+
+
+@pytest.mark.parametrize("how", ["second signal", "timeout"])
+def test_drain_cut_short_ends_what_is_left(make_frontend, how):
+    fe = make_frontend(shutdown_timeout_s=WAIT if how == "second signal" else 0.3)
+    held = Background(fe, "/generate_stream", {"inputs": "HOLD", "parameters": {"max_new_tokens": 50}})
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 1, "the request in flight")
+    fe.request_stop()
+    if how == "second signal":
+        fe.request_abort()
+    status, _, raw = held.result()
+    assert status == 200 and parse_sse(raw) == [SHUTTING_DOWN]  # in-band, as every stream error
+    fe.sched.wait_for(lambda: fe.sched.aborts == [last_rid(fe)], "the abort of what was left")
+    fe._thread.join(WAIT)
+    assert not fe._thread.is_alive()
 
 
 def test_request_failed_maps_to_its_error(fe):
