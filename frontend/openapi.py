@@ -45,8 +45,10 @@ _TGI_ERRORS = {
     "Overloaded": ("429", "--max-concurrent-requests are already in flight (error_type `overloaded`)."),
     "IncompleteGeneration": ("500", "The engine ended the request without a finish reason."),
     "PayloadTooLarge": ("413", "The body is larger than --payload-limit (error_type `payload_too_large`)."),
+    "ShuttingDown": ("503", "The server got SIGTERM and finishes the requests in flight without taking "
+                            "new ones (error_type `shutting_down`)."),
 }
-_ENGINE_ERRORS = ("GenerationError", "Overloaded", "IncompleteGeneration")
+_ENGINE_ERRORS = ("GenerationError", "Overloaded", "IncompleteGeneration", "ShuttingDown")
 
 
 def _json(schema: dict) -> dict:
@@ -130,7 +132,8 @@ def _op(op_id: str, tag: str, summary: str, responses: dict, *, body: dict | Non
 def _health_op(op_id: str, summary: str) -> dict:
     return _op(op_id, INFO_TAG, summary, {
         "200": _response("The engine is up (empty body)."),
-        "503": _response("The engine is gone (`unhealthy`, error_type `healthcheck`).",
+        "503": _response("The engine is gone (`unhealthy`, error_type `healthcheck`), or the server is "
+                         "draining after SIGTERM (error_type `shutting_down`).",
                          _json(ref("ErrorResponse")))})
 
 
