@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -31,13 +34,22 @@ def main() -> None:
 @click.option("--huggingface-hub-cache", envvar="HUGGINGFACE_HUB_CACHE", default=None)
 @click.option("--hostname", envvar="HOSTNAME", default="0.0.0.0", show_default=True)
 @click.option("-p", "--port", envvar="PORT", type=int, default=3000, show_default=True)
-@click.option("--gpus", "--num-shard", "num_shard", envvar="NUM_SHARD", type=int, default=1, show_default=True,
-              help="Tensor-parallel ranks (one per GPU; on CPU, processes).")
+@click.option("--gpus", "--num-shard", "num_shard", envvar="NUM_SHARD", type=int, default=None,
+              help="Tensor-parallel ranks (one per GPU; on CPU, processes). Default: the GPUs "
+                   "CUDA_VISIBLE_DEVICES lists, else 1.")
+@click.option("--sharded", envvar="SHARDED", type=click.BOOL, default=None,
+              help="Shard the model (true needs more than one rank).")
+@click.option("--trust-remote-code", envvar="TRUST_REMOTE_CODE", is_flag=True,
+              help="Let transformers run the model repository's own code (fallback models).")
 @click.option("--dtype", envvar="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               default="auto", show_default=True, help="auto: bfloat16 where the hardware runs it fast.")
 @click.option("--device", envvar="DEVICE", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--max-input-tokens", envvar="MAX_INPUT_TOKENS", type=int, default=None,
               help="Default: max_total_tokens - 1.")
+@click.option("--max-input-length", envvar="MAX_INPUT_LENGTH", type=int, default=None,
+              help="Deprecated name of --max-input-tokens.")
+@click.option("--max-batch-total-tokens", envvar="MAX_BATCH_TOTAL_TOKENS", type=int, default=None,
+              help="KV cache capacity in tokens (default: what memory allows).")
 @click.option("--max-total-tokens", envvar="MAX_TOTAL_TOKENS", type=int, default=None,
               help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
 @click.option("--max-batch-prefill-tokens", envvar="MAX_BATCH_PREFILL_TOKENS", type=int, default=None,
@@ -64,6 +76,16 @@ def main() -> None:
               help="An origin browsers may call from (repeat for several). Default: any.")
 @click.option("--payload-limit", envvar="PAYLOAD_LIMIT", type=int, default=2_000_000, show_default=True,
               help="Largest request body in bytes; larger ones get 413.")
+@click.option("--validation-workers", envvar="VALIDATION_WORKERS", type=int, default=2, show_default=True,
+              help="Threads that tokenize long prompts.")
+@click.option("--watermark-gamma", envvar="WATERMARK_GAMMA", type=float, default=None,
+              help="Share of the vocabulary in the watermark's green list (default 0.5).")
+@click.option("--watermark-delta", envvar="WATERMARK_DELTA", type=float, default=None,
+              help="Bias added to green-list logits (default 2.0).")
+@click.option("--disable-grammar-support", envvar="DISABLE_GRAMMAR_SUPPORT", is_flag=True,
+              help="Accepted for TGI parity: llmbus has no constrained decoding, `grammar` is always refused.")
+@click.option("--env", "-e", "print_env", envvar="ENV", is_flag=True,
+              help="Print the runtime environment (versions, devices) before starting.")
 @click.option("--block-size", envvar="BLOCK_SIZE", type=int, default=16, show_default=True,
               help="Tokens per KV cache block.")
 @click.option("--kv-cache-memory", envvar="KV_CACHE_MEMORY", type=int, default=None,
@@ -80,8 +102,49 @@ def main() -> None:
 def up(**kw) -> None:
     """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
     from llmbus.bus.rundir import RunDir, RunDirInUse
-    from llmbus.frontend.tokenizer import config_max_positions
     from llmbus.supervisor.launcher import Launcher
+
+    if kw["print_env"]:
+        click.echo(runtime_env(), err=True)
+    settings = _resolve(kw)
+    try:
+        run_dir = RunDir(kw["run_dir"])
+    except RunDirInUse as e:
+        raise click.ClickException(str(e)) from None
+    cfg = _launch_config(kw, settings, str(run_dir.path))
+    with run_dir:
+        code = Launcher(build_plan(cfg), run_dir, graceful_timeout_s=kw["graceful_termination_timeout"],
+                        json_output=kw["json_output"]).run()
+    sys.exit(code)
+
+
+@main.command()
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="Folder to write Procfile and .env into.")
+def procfile(out_dir: str, **kw) -> None:
+    """Write a Procfile (and .env) for honcho/foreman: the same services, flags and environment that
+    `llmbus up` with these flags would start. Takes every flag of `llmbus up`."""
+    from llmbus.supervisor.plan import render_procfile
+
+    settings = _resolve(kw)
+    run_dir = kw["run_dir"] or f"/tmp/llmbus-{kw['port']}"
+    # services started together: the frontend waits as long as the workers may take to load
+    cfg = dataclasses.replace(_launch_config(kw, settings, run_dir), scheduler_timeout_s=900.0)
+    procfile_text, env_text = render_procfile(build_plan(cfg, python="python"), run_dir,
+                                              json_output=kw["json_output"])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "Procfile").write_text(procfile_text)
+    (out / ".env").write_text(env_text)
+    click.echo(f"wrote {out / 'Procfile'} and {out / '.env'}: run `honcho start` there")
+
+
+procfile.params.extend(p for p in up.params if p.name != "print_env")
+
+
+def _resolve(kw: dict) -> dict:
+    """Validate the flags and resolve the model and the token limits (what both up and procfile need)."""
+    from llmbus.frontend.tokenizer import config_max_positions
     from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_model
 
     _check_static(kw)
@@ -94,39 +157,96 @@ def up(**kw) -> None:
     # GPT-2 and friends call it n_positions: a default above it would crash the model at long requests.
     max_positions = config_max_positions(read_config(model_dir)) or 2048
     max_total = kw["max_total_tokens"] or max_positions
+    if kw["max_batch_total_tokens"] is not None and kw["max_total_tokens"] is None:
+        max_total = min(max_total, kw["max_batch_total_tokens"])
     max_input = kw["max_input_tokens"] if kw["max_input_tokens"] is not None else max_total - 1
     explicit_prefill = kw["max_batch_prefill_tokens"]
     max_prefill = explicit_prefill if explicit_prefill is not None else (
         4096 if kw["prefill_chunking"] else max(4096, max_input))
     _check_limits(max_input, max_total, max_prefill, max_positions, kw["prefill_chunking"])
-    try:
-        run_dir = RunDir(kw["run_dir"])
-    except RunDirInUse as e:
-        raise click.ClickException(str(e)) from None
-    cfg = LaunchConfig(
-        model_dir=str(model_dir), model_id=kw["model_id"] or "llmbus/demo-small", run_dir=str(run_dir.path),
+    if kw["max_batch_total_tokens"] is not None and max_total > kw["max_batch_total_tokens"]:
+        raise InvalidArgument(f"`max_total_tokens` must be <= `max_batch_total_tokens`. "
+                              f"Given: {max_total} and {kw['max_batch_total_tokens']}")
+    return {"model_dir": model_dir, "max_total": max_total, "max_input": max_input, "max_prefill": max_prefill,
+            "prefill_explicit": explicit_prefill is not None}
+
+
+def _launch_config(kw: dict, r: dict, run_dir: str) -> LaunchConfig:
+    num_blocks = kw["num_blocks"]
+    if num_blocks is None and kw["max_batch_total_tokens"] is not None:
+        num_blocks = -(-kw["max_batch_total_tokens"] // kw["block_size"])
+    worker_env = {"TRUST_REMOTE_CODE": "1"} if kw["trust_remote_code"] else {}
+    for name in ("watermark_gamma", "watermark_delta"):
+        if kw[name] is not None:
+            worker_env[name.upper()] = repr(kw[name])
+    return LaunchConfig(
+        model_dir=str(r["model_dir"]), model_id=kw["model_id"] or "llmbus/demo-small", run_dir=run_dir,
         world_size=kw["num_shard"], hostname=kw["hostname"], port=kw["port"], dtype=kw["dtype"],
-        device=kw["device"], max_input_tokens=max_input, max_total_tokens=max_total,
-        max_batch_prefill_tokens=max_prefill, prefill_tokens_explicit=explicit_prefill is not None,
+        device=kw["device"], max_input_tokens=r["max_input"], max_total_tokens=r["max_total"],
+        max_batch_prefill_tokens=r["max_prefill"], prefill_tokens_explicit=r["prefill_explicit"],
         prefill_chunking=kw["prefill_chunking"], prefix_caching=kw["prefix_caching"],
         waiting_served_ratio=kw["waiting_served_ratio"], max_waiting_tokens=kw["max_waiting_tokens"],
         max_batch_size=kw["max_batch_size"],
         max_concurrent_requests=kw["max_concurrent_requests"], max_best_of=kw["max_best_of"],
         max_stop_sequences=kw["max_stop_sequences"], max_top_n_tokens=kw["max_top_n_tokens"],
         max_client_batch_size=kw["max_client_batch_size"], block_size=kw["block_size"],
-        kv_cache_memory=kw["kv_cache_memory"], num_blocks=kw["num_blocks"],
+        kv_cache_memory=kw["kv_cache_memory"], num_blocks=num_blocks,
         cuda_memory_fraction=kw["cuda_memory_fraction"], enable_prefill_logprobs=kw["enable_prefill_logprobs"],
         api_key=kw["api_key"] or None, cors_allow_origin=tuple(kw["cors_allow_origin"]),
-        payload_limit=kw["payload_limit"], graceful_termination_timeout=kw["graceful_termination_timeout"])
-    with run_dir:
-        code = Launcher(build_plan(cfg), run_dir, graceful_timeout_s=kw["graceful_termination_timeout"],
-                        json_output=kw["json_output"]).run()
-    sys.exit(code)
+        payload_limit=kw["payload_limit"], graceful_termination_timeout=kw["graceful_termination_timeout"],
+        validation_workers=kw["validation_workers"], worker_env=worker_env)
+
+
+def visible_gpus() -> int | None:
+    """GPUs the environment names, as TGI's launcher counts them (None when it names none)."""
+    for var in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        value = os.environ.get(var)
+        if value:
+            return len([d for d in value.split(",") if d.strip()])
+    return None
+
+
+def runtime_env() -> str:
+    """TGI's --env: what this machine runs, for bug reports."""
+    import platform
+    from importlib import metadata
+
+    lines = [f"Python: {platform.python_version()} ({sys.executable})", f"Platform: {platform.platform()}"]
+    for package in ("llmbus", "torch", "transformers", "tokenizers", "pyzmq", "aiohttp", "huggingface_hub"):
+        try:
+            lines.append(f"{package}: {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{package}: not installed")
+    lines.append(f"GPUs visible: {visible_gpus() if visible_gpus() is not None else 'not set'}")
+    return "\n".join(lines)
 
 
 def _check_static(kw: dict) -> None:
-    if kw["num_shard"] < 1:
+    """TGI's launcher rules on the flags alone; fills num_shard and max_input_tokens as TGI resolves them."""
+    if kw["max_input_length"] is not None:
+        if kw["max_input_tokens"] is not None:
+            raise InvalidArgument(f"Both `max_input_tokens` ({kw['max_input_tokens']}) and `max_input_length` "
+                                  f"({kw['max_input_length']}) are set. Please define only `max_input_tokens` as "
+                                  f"`max_input_length is deprecated for naming consistency.")
+        kw["max_input_tokens"] = kw["max_input_length"]
+    sharded, num_shard = kw["sharded"], kw["num_shard"]
+    if sharded and num_shard is None:
+        found = visible_gpus() or 0
+        if found <= 1:
+            raise InvalidArgument(f"`sharded` is true but only found {found} CUDA devices")
+        num_shard = found
+    elif sharded and num_shard <= 1:
+        raise InvalidArgument("`sharded` is true but `num_shard` <= 1")
+    elif num_shard is None:
+        num_shard = 1 if sharded is False else (visible_gpus() or 1)
+    kw["num_shard"] = num_shard
+    if num_shard < 1:
         raise InvalidArgument("`num_shard` cannot be < 1")
+    if kw["validation_workers"] < 1:
+        raise InvalidArgument("`validation_workers` must be > 0")
+    for name in ("watermark_gamma",):
+        if kw[name] is not None and not 0 < kw[name] < 1:
+            raise InvalidArgument(f"`{name}` must be > 0 and < 1. Given: {kw[name]}")
     if kw["max_batch_size"] is not None and kw["max_batch_size"] < 1:
         raise InvalidArgument("`max_batch_size` must be > 0")
     for name in ("max_concurrent_requests", "block_size", "max_best_of", "max_client_batch_size", "payload_limit"):

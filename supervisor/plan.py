@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llmbus.bus.service import ENV_JSON_LOGS
 from llmbus.supervisor.launcher import ProcessSpec
 
 FRONTEND_ID = "f0"
@@ -45,6 +47,9 @@ class LaunchConfig:
     cors_allow_origin: tuple[str, ...] = ()
     payload_limit: int = 2_000_000
     graceful_termination_timeout: float = 90.0
+    validation_workers: int = 2
+    worker_env: dict[str, str] = field(default_factory=dict)  # TRUST_REMOTE_CODE, WATERMARK_GAMMA/DELTA
+    scheduler_timeout_s: float = 60.0  # how long the frontend waits for the scheduler's handshake
 
 
 def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessSpec]:
@@ -81,7 +86,9 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
     if cfg.enable_prefill_logprobs:
         frontend.append("--enable-prefill-logprobs")
     frontend += ["--payload-limit", str(cfg.payload_limit),
-                 "--graceful-termination-timeout", str(cfg.graceful_termination_timeout)]
+                 "--graceful-termination-timeout", str(cfg.graceful_termination_timeout),
+                 "--validation-workers", str(cfg.validation_workers),
+                 "--scheduler-timeout", str(cfg.scheduler_timeout_s)]
     for origin in cfg.cors_allow_origin:
         frontend += ["--cors-allow-origin", origin]
     # the key travels in the environment: a command line is readable by every user of the machine
@@ -89,6 +96,19 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
     return [
         ProcessSpec("scheduler", scheduler),
         # The scheduler is ready only once every rank is: the group itself has nothing more to say.
-        ProcessSpec("workers", workers, reports_ready=False),
+        ProcessSpec("workers", workers, reports_ready=False, env=dict(cfg.worker_env)),
         ProcessSpec("frontend", frontend, ready_after="scheduler", env=frontend_env),
     ]
+
+
+def render_procfile(plan: list[ProcessSpec], run_dir: str, *, json_output: bool = False) -> tuple[str, str]:
+    """(Procfile, .env) for honcho or foreman: one entry per service of ``plan``, every service's extra
+    environment in .env (honcho gives it to all of them; the names do not collide)."""
+    lines = ["# Written by `llmbus procfile`; `honcho start` runs it. Each service reaches the others through",
+             f"# the run dir {run_dir}; the frontend waits for the scheduler's handshake.",
+             *(f"{spec.name}: exec {shlex.join(spec.argv)}" for spec in plan)]
+    env = {k: v for spec in plan for k, v in spec.env.items()}
+    env["PYTHONUNBUFFERED"] = "1"
+    if json_output:
+        env[ENV_JSON_LOGS] = "1"
+    return "\n".join(lines) + "\n", "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(env.items()))

@@ -46,8 +46,13 @@ def test_missing_model_folder_is_a_clear_error():
 
 def test_help_lists_flags():
     result = CliRunner().invoke(main, ["up", "--help"])
-    for flag in ("--model-id", "--gpus", "--num-shard", "--dtype", "--max-input-tokens", "--max-total-tokens",
-                 "--max-concurrent-requests", "--port", "--hostname"):
+    for flag in ("--model-id", "--revision", "--gpus", "--num-shard", "--sharded", "--dtype", "--trust-remote-code",
+                 "--max-input-tokens", "--max-input-length", "--max-total-tokens", "--max-batch-total-tokens",
+                 "--max-batch-prefill-tokens", "--max-concurrent-requests", "--max-best-of", "--max-stop-sequences",
+                 "--max-top-n-tokens", "--max-client-batch-size", "--validation-workers", "--port", "--hostname",
+                 "--json-output", "--cors-allow-origin", "--api-key", "--huggingface-hub-cache",
+                 "--cuda-memory-fraction", "--payload-limit", "--graceful-termination-timeout", "--env",
+                 "--watermark-gamma", "--watermark-delta"):
         assert flag in result.output
 
 
@@ -55,3 +60,51 @@ def test_demo_model_command(tmp_path):
     result = CliRunner().invoke(main, ["demo-model", str(tmp_path / "d"), "--size", "tiny"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "d" / "model.safetensors").is_file() and (tmp_path / "d" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--max-input-tokens", "10", "--max-input-length", "20"], {},
+     "Invalid argument: Both `max_input_tokens` (10) and `max_input_length` (20) are set. Please define only "
+     "`max_input_tokens` as `max_input_length is deprecated for naming consistency."),
+    (["--sharded", "true", "--num-shard", "1"], {}, "Invalid argument: `sharded` is true but `num_shard` <= 1"),
+    (["--sharded", "true"], {"CUDA_VISIBLE_DEVICES": "0"},
+     "Invalid argument: `sharded` is true but only found 1 CUDA devices"),
+    (["--validation-workers", "0"], {}, "Invalid argument: `validation_workers` must be > 0"),
+    (["--max-total-tokens", "200", "--max-batch-total-tokens", "100"], {},
+     "Invalid argument: `max_total_tokens` must be <= `max_batch_total_tokens`. Given: 200 and 100"),
+    (["--max-concurrent-requests", "0"], {}, "Invalid argument: `max_concurrent_requests` must be > 0"),
+    (["--payload-limit", "0"], {}, "Invalid argument: `payload_limit` must be > 0"),
+    (["--watermark-gamma", "1.5"], {}, "Invalid argument: `watermark_gamma` must be > 0 and < 1. Given: 1.5"),
+    (["--cuda-memory-fraction", "0"], {}, "Invalid argument: `cuda_memory_fraction` must be in (0, 1]"),
+    (["--port", "70000"], {}, "Invalid argument: `port` must be between 1 and 65535. Given: 70000"),
+    ([], {"MAX_INPUT_LENGTH": "10", "MAX_INPUT_TOKENS": "20"}, "Both `max_input_tokens` (20)"),
+])
+def test_tgi_launcher_rules(tiny_model_dir, args, env, message):
+    result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), *args], env=env)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) <= 2, "one clear line (and click's usage hint at most)"
+
+
+def test_procfile_renders_the_launch_plan(tiny_model_dir, tmp_path):
+    result = CliRunner().invoke(main, ["procfile", "--model-id", str(tiny_model_dir), "-o", str(tmp_path),
+                                       "--port", "3999", "--api-key", "k3y", "--trust-remote-code",
+                                       "--max-total-tokens", "128", "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    procfile = (tmp_path / "Procfile").read_text()
+    entries = dict(line.split(": ", 1) for line in procfile.splitlines() if not line.startswith("#"))
+    assert set(entries) == {"scheduler", "workers", "frontend"}
+    assert all(cmd.startswith("exec python -m llmbus.") for cmd in entries.values())
+    assert "--port 3999" in entries["frontend"] and "--max-total-tokens 128" in entries["frontend"]
+    assert "k3y" not in procfile, "the key stays out of the command lines"
+    env = (tmp_path / ".env").read_text().splitlines()
+    assert "API_KEY=k3y" in env and "TRUST_REMOTE_CODE=1" in env
+    bad = CliRunner().invoke(main, ["procfile", "--model-id", str(tiny_model_dir), "--num-shard", "0"])
+    assert bad.exit_code == 2 and "`num_shard` cannot be < 1" in bad.output
+
+
+def test_env_flag_prints_the_runtime(tiny_model_dir):
+    from llmbus.supervisor.cli import runtime_env
+
+    text = runtime_env()
+    assert "torch:" in text and "transformers:" in text and "Python:" in text

@@ -29,6 +29,7 @@ GPT-Neo, BLOOM, Falcon, MPT, CodeGen in transformers 5.23), hybrid recurrent lay
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -162,8 +163,10 @@ class HFFallbackForCausalLM:
 
         _register_attention()
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                         attn_implementation=ATTENTION_IMPLEMENTATION)
+            # --trust-remote-code reaches the workers as TRUST_REMOTE_CODE=1 (TGI's variable)
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION,
+                trust_remote_code=os.environ.get("TRUST_REMOTE_CODE", "").lower() in ("1", "true"))
         except (KeyError, NotImplementedError, ValueError) as e:
             # e.g. a model_type transformers does not know, or modeling code with a fixed set of
             # attention classes (GPT-Neo) that cannot take a registered attention function.
