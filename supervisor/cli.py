@@ -304,6 +304,21 @@ def model_dir(model_id: str | None, revision: str | None) -> None:
         raise click.ClickException(str(e)) from None
 
 
+@main.command("download-weights")
+@click.argument("model_id")
+@click.option("--revision", envvar="REVISION", default=None, help="Branch, tag or commit.")
+@click.option("--huggingface-hub-cache", envvar="HUGGINGFACE_HUB_CACHE", default=None)
+def download_weights(model_id: str, revision: str | None, huggingface_hub_cache: str | None) -> None:
+    """Download MODEL_ID's config, tokenizer and weights from the hub into its cache (PyTorch .bin
+    weights are converted to safetensors); print the local folder. HF_HUB_OFFLINE=1 uses the cache only."""
+    from llmbus.supervisor.weights import ModelNotFound, download
+
+    try:
+        click.echo(str(download(model_id, revision=revision, cache_dir=huggingface_hub_cache)))
+    except ModelNotFound as e:
+        raise click.ClickException(str(e)) from None
+
+
 _PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 
 

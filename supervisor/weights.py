@@ -26,12 +26,27 @@ def resolve_model(model_id: str | None, *, revision: str | None = None, cache_di
     return download(model_id, revision=revision, cache_dir=cache_dir)
 
 
+WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+BIN_PATTERNS = ["*.bin", "*.bin.index.json"]
+
+
 def download(model_id: str, *, revision: str | None = None, cache_dir: str | None = None) -> Path:
-    """Fetch config, tokenizer and safetensors weights with huggingface_hub (HF_HUB_OFFLINE honoured)."""
+    """Fetch config, tokenizer and safetensors weights with huggingface_hub (its progress bars; offline
+    with HF_HUB_OFFLINE=1, from the cache). A repository with only PyTorch ``.bin`` weights gets them
+    converted to safetensors beside them, once, as TGI's launcher does."""
+    folder = _snapshot(model_id, revision, cache_dir, WEIGHT_PATTERNS)
+    if not any(folder.glob("*.safetensors")):
+        folder = _snapshot(model_id, revision, cache_dir, BIN_PATTERNS)
+        if not any(folder.glob("*.bin")):
+            raise ModelNotFound(f"{model_id}: the repository has neither safetensors nor PyTorch .bin weights")
+        convert_bin_to_safetensors(folder)
+    return folder
+
+
+def _snapshot(model_id: str, revision: str | None, cache_dir: str | None, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
     try:
         return Path(snapshot_download(model_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns))
     except LocalEntryNotFoundError as e:
@@ -41,6 +56,44 @@ def download(model_id: str, *, revision: str | None = None, cache_dir: str | Non
         raise ModelNotFound(f"{model_id}: the hub refused the download: {e}") from None
     except (OSError, ValueError) as e:
         raise ModelNotFound(f"{model_id}: download failed: {e}") from None
+
+
+def convert_bin_to_safetensors(folder: Path) -> list[Path]:
+    """Write ``model[-0000i-of-0000n].safetensors`` (and their index) for the ``pytorch_model*.bin`` files
+    in ``folder``; the files written. Tensors that share storage (tied embeddings) are copied apart,
+    which safetensors requires; each file is read back and compared before it counts as done."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    renames = {b.name: _safetensors_name(b.name) for b in bins}
+    written = []
+    for source in bins:
+        target = folder / renames[source.name]
+        if target.exists():
+            continue
+        state = torch.load(source, map_location="cpu", weights_only=True)
+        state = {name: tensor.detach().clone().contiguous() for name, tensor in state.items()}
+        save_file(state, str(target), metadata={"format": "pt"})
+        reloaded = load_file(str(target))
+        if reloaded.keys() != state.keys() or any(not torch.equal(reloaded[k], state[k]) for k in state):
+            target.unlink()
+            raise ModelNotFound(f"converting {source.name} to safetensors gave different tensors")
+        written.append(target)
+    index = folder / "pytorch_model.bin.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: renames.get(v, v) for k, v in data.get("weight_map", {}).items()}
+        target = folder / "model.safetensors.index.json"
+        target.write_text(json.dumps(data, indent=2))
+        written.append(target)
+    return written
+
+
+def _safetensors_name(bin_name: str) -> str:
+    # pytorch_model.bin -> model.safetensors; pytorch_model-00001-of-00002.bin -> model-00001-of-00002...
+    return "model" + bin_name[len("pytorch_model"):-len(".bin")] + ".safetensors"
 
 
 def read_config(model_dir: Path) -> dict:

@@ -1,0 +1,80 @@
+"""`llmbus download-weights` without a network: huggingface_hub in offline mode, from a hub cache laid
+out here the way huggingface_hub writes it; a repository with only PyTorch .bin shards is converted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _cache_repo(cache, repo_id: str, files_from) -> None:
+    """huggingface_hub's cache layout: models--org--name/{refs/main, snapshots/<sha>/...}."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(SHA)
+    shutil.copytree(files_from, repo / "snapshots" / SHA)
+
+
+def _download(cache, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    return subprocess.run([sys.executable, "-m", "llmbus.supervisor", "download-weights", *args,
+                           "--huggingface-hub-cache", str(cache)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_bin_only_repository_is_converted_to_safetensors(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    source = tmp_path / "bin-repo"
+    source.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_model_dir / name, source / name)
+    # transformers 5 writes only safetensors: lay out PyTorch shards and their index as older repos have them
+    state = original.state_dict()
+    names = sorted(state)
+    shards = [names[:len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"pytorch_model-{i:05d}-of-{len(shards):05d}.bin"
+        torch.save({k: state[k] for k in shard}, source / file)
+        weight_map.update({k: file for k in shard})
+    (source / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    bins = sorted(p.name for p in source.glob("*.bin"))
+    assert len(bins) > 1 and not list(source.glob("*.safetensors")), "a sharded .bin-only repository"
+    cache = tmp_path / "hub"
+    _cache_repo(cache, "llmbus/tiny-bin", source)
+
+    result = _download(cache, "llmbus/tiny-bin")
+    assert result.returncode == 0, result.stderr
+    folder = cache / "models--llmbus--tiny-bin" / "snapshots" / SHA
+    assert result.stdout.strip() == str(folder)
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == [b.replace("pytorch_model", "model")
+                                                                     .replace(".bin", ".safetensors") for b in bins]
+    converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
+    expected = original.state_dict()
+    got = converted.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    again = _download(cache, "llmbus/tiny-bin")  # converted once: a second run finds the safetensors
+    assert again.returncode == 0 and again.stdout == result.stdout
+
+
+def test_safetensors_repository_and_missing_ones_offline(tiny_model_dir, tmp_path):
+    cache = tmp_path / "hub"
+    _cache_repo(cache, "llmbus/tiny", tiny_model_dir)
+    result = _download(cache, "llmbus/tiny")
+    assert result.returncode == 0, result.stderr
+    assert (cache / "models--llmbus--tiny" / "snapshots" / SHA / "model.safetensors").is_file()
+    missing = _download(cache, "llmbus/not-there")
+    assert missing.returncode == 1
+    assert "llmbus/not-there: not in the local cache and the hub is unreachable or offline" in missing.stderr
+    assert "Traceback" not in missing.stderr
