@@ -49,6 +49,15 @@ def setup_logging(service: str, *, rank: int | None = None, json_output: bool | 
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    # libraries' stdlib logging (aiohttp's request errors, transformers' warnings) goes through the same
+    # renderer, so a JSON log is JSON throughout and carries the service too
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=[
+        structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
     structlog.contextvars.clear_contextvars()
     bound = {"service": service}
     if rank is not None:

@@ -165,14 +165,18 @@ class Timings:
     queue_time: float | None = None  # seconds the scheduler reports the request waited
     end: float = 0.0
 
-    def headers_ms(self, start: float, generated_tokens: int) -> dict[str, int]:
-        """TGI's timing split: validation, queue, inference (ms)."""
+    def split(self, start: float) -> tuple[float, float, float, float]:
+        """TGI's timing split in seconds: total, validation, queue, inference."""
         queue = self.queue_time if self.queue_time is not None else max(self.first_token - self.queued, 0.0)
-        inference_start = min(self.queued + queue, self.end)
-        inference = max(self.end - inference_start, 0.0)
+        inference = max(self.end - min(self.queued + queue, self.end), 0.0)
+        return max(self.end - start, 0.0), max(self.queued - start, 0.0), queue, inference
+
+    def headers_ms(self, start: float, generated_tokens: int) -> dict[str, int]:
+        """The split as TGI's response headers (ms)."""
+        total, validation, queue, inference = self.split(start)
         return {
-            "x-total-time": int((self.end - start) * 1000),
-            "x-validation-time": int((self.queued - start) * 1000),
+            "x-total-time": int(total * 1000),
+            "x-validation-time": int(validation * 1000),
             "x-queue-time": int(queue * 1000),
             "x-inference-time": int(inference * 1000),
             "x-time-per-token": int(inference * 1000 / max(generated_tokens, 1)),

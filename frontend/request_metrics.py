@@ -1,4 +1,5 @@
-"""TGI's per-request metrics (``tgi_request_*``), kept by the frontend that answers the requests.
+"""TGI's per-request metrics (``tgi_request_*``) and per-request log line, kept by the frontend that
+answers the requests.
 
 Each HTTP generation request counts once in ``tgi_request_count`` and ends as a success or as a failure
 labelled ``err`` (``validation``, ``overloaded``, ``generation``, ``incomplete``, ``template``,
@@ -15,6 +16,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Iterator
 
+import structlog
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -23,6 +25,8 @@ from llmbus.frontend.metrics import counter, cumulative
 
 if TYPE_CHECKING:
     from llmbus.frontend.generation import Generation
+
+log = structlog.get_logger("llmbus.frontend")
 
 DURATION_BUCKETS = [0.0001 * 1.5 ** k for k in range(1, 36)]
 
@@ -88,14 +92,16 @@ class RequestMetrics(Collector):
         self.failures[label] = self.failures.get(label, 0) + 1
 
     def generation_finished(self, gen: "Generation") -> None:
-        t = gen.timings
-        start = gen.prepared.start_time
+        """Observe a finished generation, and log it as TGI logs each request it answered."""
         generated = len(gen.tokens)
-        queue = t.queue_time if t.queue_time is not None else max(t.first_token - t.queued, 0.0)
-        inference = max(t.end - min(t.queued + queue, t.end), 0.0)
+        total, validation, queue, inference = gen.timings.split(gen.prepared.start_time)
+        log.info("request", rid=gen.rid, total_time=round(total, 6), validation_time=round(validation, 6),
+                 queue_time=round(queue, 6), inference_time=round(inference, 6),
+                 time_per_token=round(inference / max(generated, 1), 6), input_length=gen.input_length,
+                 generated_tokens=generated, finish_reason=gen.finish_reason, seed=gen.seed)
         d = self._durations
-        d["duration"].observe(max(t.end - start, 0.0))
-        d["validation_duration"].observe(max(t.queued - start, 0.0))
+        d["duration"].observe(total)
+        d["validation_duration"].observe(validation)
         d["queue_duration"].observe(queue)
         d["inference_duration"].observe(inference)
         d["mean_time_per_token_duration"].observe(inference / max(generated, 1))

@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import collections
+import datetime
+import json
 import os
 import signal
 import subprocess
@@ -43,9 +45,16 @@ class ProcessSpec:
     reports_ready: bool = True  # False: its readiness is implied by another's (the scheduler's for workers)
 
 
+def json_line(service: str, event: str, level: str = "info") -> str:
+    """A log line in the services' JSON shape, for text that did not come from structlog."""
+    return json.dumps({"event": event, "level": level, "service": service,
+                       "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}, ensure_ascii=False)
+
+
 class Child:
-    def __init__(self, spec: ProcessSpec, env: dict[str, str]):
+    def __init__(self, spec: ProcessSpec, env: dict[str, str], *, json_output: bool = False):
         self.spec = spec
+        self.json_output = json_output
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.proc = subprocess.Popen(spec.argv, env=env, stderr=subprocess.PIPE, start_new_session=True)
         self._pump = threading.Thread(target=self._pump_stderr, name=f"stderr-{spec.name}", daemon=True)
@@ -55,6 +64,9 @@ class Child:
         for raw in iter(self.proc.stderr.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
+            if self.json_output and not line.startswith("{"):
+                # a traceback, a warning or a progress bar written past structlog: still one JSON line
+                line = json_line(self.spec.name, line, level="warning")
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
 
@@ -83,7 +95,7 @@ class Launcher:
         self.kill_grace_s = kill_grace_s
         self.ready_timeout_s = ready_timeout_s
         self.json_output = json_output
-        self.echo = echo or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.echo = echo or self._print
         self.children: list[Child] = []
         self.ready: dict[str, str] = {}
         self.fatal: dict[str, str] = {}
@@ -106,6 +118,9 @@ class Launcher:
 
     # ------------------------------------------------------------------ internals
 
+    def _print(self, text: str) -> None:
+        print(json_line("launcher", text) if self.json_output else text, file=sys.stderr, flush=True)
+
     def _on_signal(self, signum, _frame) -> None:
         self.signals += 1
 
@@ -126,7 +141,7 @@ class Launcher:
         while pending or not expected <= set(self.ready):
             for spec in [s for s in pending if s.ready_after is None or s.ready_after in self.ready]:
                 pending.remove(spec)
-                self.children.append(Child(spec, self._env(spec)))
+                self.children.append(Child(spec, self._env(spec), json_output=self.json_output))
             if self.signals:
                 self.echo("llmbus: interrupted during startup")
                 return 0
