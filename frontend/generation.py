@@ -64,6 +64,7 @@ class Generator:
         self.max_concurrent_requests = max_concurrent_requests
         self.permits_in_use = 0
         self.draining = False  # after SIGTERM: new requests get 503
+        self.liveness_needed = False  # a generation failed in the engine: /health must generate to pass
         self._idle = asyncio.Event()
         self._idle.set()
         self._executor = ThreadPoolExecutor(max_workers=validation_workers, thread_name_prefix="tokenize")
@@ -83,6 +84,24 @@ class Generator:
         self.permits_in_use -= 1
         if self.permits_in_use == 0:
             self._idle.set()
+
+    async def liveness(self, timeout_s: float) -> bool:
+        """TGI's model health check: a real one-token greedy generation. True if it succeeded (or every
+        permit is taken: the engine is busy serving, and failures there will show)."""
+        try:
+            gen = await self.prepare("liveness", GenerateParameters(max_new_tokens=1), time.monotonic(),
+                                     time.time())
+        except ApiError as e:
+            return e.kind is ErrorKind.OVERLOADED
+        try:
+            await gen.start()
+            await asyncio.wait_for(gen.run_to_end(), timeout_s)
+        except (ApiError, asyncio.TimeoutError):
+            return False
+        finally:
+            gen.close()
+        self.liveness_needed = False
+        return True
 
     async def wait_idle(self) -> None:
         """Until no request holds a permit (every generation in flight has been closed)."""
@@ -265,6 +284,8 @@ class Generation:
             self._pending = None
         if isinstance(item, EngineFailure):
             self.finish_reason = "error"  # finished in the engine: nothing to abort
+            if item.error.kind in (ErrorKind.GENERATION, ErrorKind.INCOMPLETE):
+                self.generator.liveness_needed = True  # /health proves the engine with a real generation
             raise item.error
         return self._accept(item)
 

@@ -27,6 +27,7 @@ from llmbus.frontend.validation import GenerateRequest, parse_request, validate_
 
 log = structlog.get_logger("llmbus.frontend")
 
+LIVENESS_TIMEOUT_S = 30.0
 _DISCONNECTED = ConnectionResetError  # aiohttp's ClientConnectionResetError is one
 
 
@@ -183,6 +184,10 @@ async def health(request: web.Request) -> web.Response:
         raise ApiError(ErrorKind.UNHEALTHY)
     if state.generator is not None and state.generator.draining:
         raise ApiError(ErrorKind.SHUTTING_DOWN)  # load balancers stop sending here
+    if state.generator is not None and state.generator.liveness_needed:
+        # after a failed generation, as TGI: only a real generation says the engine is well again
+        if not await state.generator.liveness(LIVENESS_TIMEOUT_S):
+            raise ApiError(ErrorKind.UNHEALTHY)
     return web.Response(status=200)
 
 

@@ -116,6 +116,7 @@ class FakeScheduler:
         self.max_batch_total_tokens = max_batch_total_tokens
         self.adds: dict[str, m.AddRequest] = {}
         self.aborts: list[str] = []
+        self.fail_generations = False  # fail every request with a generation error
         self.hellos: list[m.FrontendHello] = []
         self.cond = threading.Condition()
         self._commands: queue.Queue = queue.Queue()
@@ -176,6 +177,8 @@ class FakeScheduler:
             prompt = self.tok.decode(msg.input_ids)
             if "HOLD" in prompt:
                 self._held[msg.rid] = msg
+            elif "GENFAIL" in prompt or self.fail_generations:
+                send(self._push, m.RequestFailed(rid=msg.rid, error_type="generation", message="shard broke"))
             elif "FAIL" in prompt:
                 send(self._push, m.RequestFailed(rid=msg.rid, error_type="validation", message="bad thing"))
             else:
@@ -781,6 +784,20 @@ def test_drain_cut_short_ends_what_is_left(make_frontend, how):
     fe.sched.wait_for(lambda: fe.sched.aborts == [last_rid(fe)], "the abort of what was left")
     fe._thread.join(WAIT)
     assert not fe._thread.is_alive()
+
+
+def test_health_after_a_failed_generation_runs_a_real_one(fe):
+    assert fe.post("/generate", {"inputs": "GENFAIL"})[0] == 424
+    fe.sched.fail_generations = True  # the engine keeps failing: the liveness generation fails too
+    adds = len(fe.sched.adds)
+    status, _, raw = fe.request("GET", "/health")
+    assert (status, json.loads(raw)) == (503, {"error": "unhealthy", "error_type": "healthcheck"})
+    liveness = fe.sched.adds[last_rid(fe)]
+    assert len(fe.sched.adds) == adds + 1 and liveness.stopping.max_new_tokens == 1
+    assert fe.sched.tok.decode(liveness.input_ids, skip_special_tokens=True) == "liveness"
+    fe.sched.fail_generations = False  # it recovered: the next check generates once and passes
+    assert fe.request("GET", "/health")[0] == 200 and len(fe.sched.adds) == adds + 2
+    assert fe.request("GET", "/health")[0] == 200 and len(fe.sched.adds) == adds + 2, "no check needed now"
 
 
 def test_request_failed_maps_to_its_error(fe):
