@@ -13,7 +13,7 @@ import hmac
 from aiohttp import web
 
 from llmbus.frontend.errors import ApiError, ErrorKind
-from llmbus.frontend.request_metrics import DROPPED, FAILURE_LABELS
+from llmbus.frontend.request_metrics import DROPPED, failure_label
 from llmbus.frontend.state import STATE, json_response
 
 GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
@@ -48,7 +48,7 @@ async def request_metrics_middleware(request: web.Request, handler):
     try:
         response = await handler(request)
     except ApiError as e:
-        metrics.failed(FAILURE_LABELS.get(e.kind, "generation"))
+        metrics.failed(failure_label(e.kind))
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         metrics.failed(DROPPED)  # the client went away before the answer
@@ -63,7 +63,7 @@ async def request_metrics_middleware(request: web.Request, handler):
 
 def mark_failed(request: web.Request, error: ApiError | None) -> None:
     """A stream's outcome after its 200: failed in-band with ``error``, or dropped (None)."""
-    request[OUTCOME] = DROPPED if error is None else FAILURE_LABELS.get(error.kind, "generation")
+    request[OUTCOME] = DROPPED if error is None else failure_label(error.kind)
 
 
 def auth_middleware(api_key: str):

@@ -41,6 +41,10 @@ FAILURE_LABELS = {
 DROPPED = "dropped"
 
 
+def failure_label(kind: ErrorKind) -> str:
+    return FAILURE_LABELS.get(kind, "generation")
+
+
 def linear_buckets(limit: int, count: int = 100) -> list[float]:
     step = max(limit / count, 1.0)
     return [step * (i + 1) for i in range(count)]
