@@ -56,28 +56,28 @@ class SchedulerStatsCollector(Collector):
                 ("tgi_batch_inference_duration", "Step time, command to result",
                  (stats.prefill_duration, stats.decode_duration))):
             family = HistogramMetricFamily(name, doc, labels=["method"])
-            for method, histogram in zip(("prefill", "decode"), pair):
-                if histogram is not None:
-                    family.add_metric([method], *_buckets(histogram))
+            for method, counts in zip(("prefill", "decode"), pair):
+                if counts is not None:
+                    family.add_metric([method], *_buckets(counts))
             yield family
         if stats.next_batch_size is not None:
-            family = HistogramMetricFamily("tgi_batch_next_size", "Requests admitted by a step")
-            family.add_metric([], *_buckets(stats.next_batch_size))
-            yield family
+            yield histogram("tgi_batch_next_size", "Requests admitted by a step", stats.next_batch_size)
 
 
-def cumulative(bounds: list[float], counts: list[int]) -> list[tuple[str, float]]:
-    """prometheus_client's cumulative (upper bound, count) pairs for per-bucket ``counts`` (the last one
-    past every bound), ending with +Inf."""
+def _buckets(counts: m.Histogram) -> tuple[list[tuple[str, float]], float]:
+    """prometheus_client's cumulative (upper bound, count) pairs, ending with +Inf, and the sum."""
     pairs, total = [], 0
-    for bound, count in zip([*map(float, bounds), float("inf")], counts):
+    for bound, count in zip([*map(float, counts.buckets), float("inf")], counts.counts):
         total += count
         pairs.append(("+Inf" if bound == float("inf") else repr(bound), total))
-    return pairs
+    return pairs, counts.sum
 
 
-def _buckets(histogram: m.Histogram) -> tuple[list[tuple[str, float]], float]:
-    return cumulative(histogram.buckets, histogram.counts), histogram.sum
+def histogram(name: str, documentation: str, counts: m.Histogram) -> HistogramMetricFamily:
+    """An unlabelled histogram family from counts per bucket."""
+    family = HistogramMetricFamily(name, documentation)
+    family.add_metric([], *_buckets(counts))
+    return family
 
 
 def counter(name: str, documentation: str, values: dict[tuple, float], label_names: tuple[str, ...] = ()

@@ -62,7 +62,6 @@ def _in_range(name: str, value, low, high, *, low_open: bool = False) -> None:
 class OpenAIOptions:
     """What the OpenAI routes read beyond TGI's parameters."""
 
-    model: str | None
     n: int
     stream: bool
     include_usage: bool
@@ -148,8 +147,8 @@ def _common(body: dict, max_choices: int,
     stream = _get(body, "stream", "boolean", False)
     stream_options = _get(body, "stream_options", "object") or {}
     include_usage = _get(stream_options, "include_usage", "boolean", False)
-    options = OpenAIOptions(model=_get(body, "model", "string"), n=n, stream=stream,
-                            include_usage=stream and include_usage, top_logprobs=None)
+    _get(body, "model", "string")  # checked, not used: the served model answers whatever is named (as TGI)
+    options = OpenAIOptions(n=n, stream=stream, include_usage=stream and include_usage, top_logprobs=None)
     return p, options
 
 

@@ -13,22 +13,20 @@ turns them into metric families only when ``/metrics`` is scraped.
 
 from __future__ import annotations
 
-import bisect
 from typing import TYPE_CHECKING, Iterator
 
 import structlog
-from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from llmbus.frontend.errors import ErrorKind
-from llmbus.frontend.metrics import counter, cumulative
+from llmbus.frontend.metrics import counter, histogram
+# the same counts-per-bucket histograms (and TGI's duration buckets) as the scheduler's step metrics
+from llmbus.scheduler.batch_metrics import DURATION_BUCKETS, HistogramCounts
 
 if TYPE_CHECKING:
     from llmbus.frontend.generation import Generation
 
 log = structlog.get_logger("llmbus.frontend")
-
-DURATION_BUCKETS = [0.0001 * 1.5 ** k for k in range(1, 36)]
 
 # TGI's err label for each error kind a request can end with
 FAILURE_LABELS = {
@@ -50,39 +48,21 @@ def linear_buckets(limit: int, count: int = 100) -> list[float]:
     return [step * (i + 1) for i in range(count)]
 
 
-class Buckets:
-    """A histogram with fixed upper bounds (and an implicit +Inf)."""
-
-    def __init__(self, bounds: list[float]):
-        self.bounds = list(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(name, documentation)
-        family.add_metric([], cumulative(self.bounds, self.counts), self.sum)
-        return family
-
-
 class RequestMetrics(Collector):
     def __init__(self) -> None:
         self.count = 0
         self.success = 0
         self.failures: dict[str, int] = {}
-        self._durations = {name: Buckets(DURATION_BUCKETS) for name in (
+        self._durations = {name: HistogramCounts(DURATION_BUCKETS) for name in (
             "duration", "validation_duration", "queue_duration", "inference_duration",
             "mean_time_per_token_duration")}
-        self._lengths: dict[str, Buckets] = {}
+        self._lengths: dict[str, HistogramCounts] = {}
 
     def set_limits(self, max_input_tokens: int, max_total_tokens: int) -> None:
         """The length histograms' buckets follow the token limits, known once the scheduler answered."""
-        self._lengths = {"input_length": Buckets(linear_buckets(max_input_tokens)),
-                         "generated_tokens": Buckets(linear_buckets(max_total_tokens)),
-                         "max_new_tokens": Buckets(linear_buckets(max_total_tokens))}
+        self._lengths = {"input_length": HistogramCounts(linear_buckets(max_input_tokens)),
+                         "generated_tokens": HistogramCounts(linear_buckets(max_total_tokens)),
+                         "max_new_tokens": HistogramCounts(linear_buckets(max_total_tokens))}
 
     # --- recording ---------------------------------------------------------------------------------
 
@@ -123,4 +103,5 @@ class RequestMetrics(Collector):
                       {(label,): n for label, n in sorted(self.failures.items())}, ("err",))
         for name, buckets in {**self._durations, **self._lengths}.items():
             unit = " (seconds)" if name.endswith("duration") else ""
-            yield buckets.family(f"tgi_request_{name}", name.replace("_", " ").capitalize() + unit)
+            yield histogram(f"tgi_request_{name}", name.replace("_", " ").capitalize() + unit,
+                            buckets.snapshot())
