@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from llmbus.bench.cli import bench as bench_command
 from llmbus.supervisor.plan import LaunchConfig, build_plan
 
 
@@ -320,6 +321,9 @@ def download_weights(model_id: str, revision: str | None, huggingface_hub_cache:
 
 
 _PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+main.add_command(bench_command, "bench")
 
 
 @main.command(context_settings=_PASSTHROUGH)

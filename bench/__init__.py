@@ -1,0 +1,1 @@
+"""`llmbus bench`: a load generator for any TGI- or OpenAI-compatible server."""
