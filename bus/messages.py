@@ -24,8 +24,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
-WIRE_VERSION = 3  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 4  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
+# 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -38,16 +39,21 @@ class Kind(enum.IntEnum):
     ADD_REQUEST = 0x01
     ABORT_REQUEST = 0x02
     FRONTEND_HELLO = 0x03
+    HEALTH_CHECK = 0x04
+    FRONTEND_STATS = 0x05
     STEP = 0x10
     SHUTDOWN = 0x11
+    HEALTH_PROBE = 0x12
     STEP_RESULT = 0x20
     WORKER_HELLO = 0x21
     WORKER_READY = 0x22
     WORKER_FATAL = 0x23
+    HEALTH_ACK = 0x24
     TOKEN_BATCH = 0x30
     REQUEST_FAILED = 0x31
     SCHEDULER_HELLO = 0x32
     SCHEDULER_STATS = 0x33
+    HEALTH_REPLY = 0x34
     ENGINE_DEAD = 0x3F
     SERVICE_READY = 0x40
     SERVICE_FATAL = 0x41
@@ -179,6 +185,7 @@ class AddRequest(Message):
     stopping: StoppingParams
     prompt_logprobs: bool = False  # decoder_input_details: return logprobs of the prompt tokens
     arrival_time: float = 0.0  # time.time() when the HTTP request arrived
+    traceparent: str = ""  # W3C trace context of the request's span (tracing on), so the scheduler's span joins it
 
 
 _nested("AddRequest", "sampling", SamplingParams)
@@ -191,6 +198,42 @@ class AbortRequest(Message):
 
     KIND: ClassVar[Kind] = Kind.ABORT_REQUEST
     rids: list[str]
+
+
+@dataclass(slots=True)
+class HealthCheck(Message):
+    """/health asks whether every rank answers: the scheduler probes them and sends a HealthReply."""
+
+    KIND: ClassVar[Kind] = Kind.HEALTH_CHECK
+    frontend_id: str  # where the HealthReply goes
+    check_id: int  # echoed by HealthReply; unique per frontend
+    timeout_s: float  # ranks that have not answered by then make the reply a failure
+
+
+@dataclass(slots=True)
+class Histogram(Message):
+    """A Prometheus histogram as counts per bucket since start (how both the scheduler and frontends keep
+    theirs, so they add up across processes)."""
+
+    buckets: list[float]  # upper bounds, ascending; an implicit last bucket is +Inf
+    counts: list[int]  # observations per bucket (not cumulative), len(buckets) + 1
+    sum: float = 0.0  # sum of every observation
+
+
+@dataclass(slots=True)
+class FrontendStats(Message):
+    """One frontend's request metrics (``tgi_request_*``) since it started. Frontends send theirs to the
+    scheduler when they changed, a few times a second at most; the scheduler relays each to every other
+    frontend, so whichever frontend a scrape reaches reports the sum over all of them."""
+
+    KIND: ClassVar[Kind] = Kind.FRONTEND_STATS
+    frontend_id: str
+    request_count: int  # generation requests received
+    request_success: int  # answered in full
+    failure_labels: list[str]  # TGI's err label of each failure counter ...
+    failure_counts: list[int]  # ... and its count
+    histogram_names: list[str]  # metric name after tgi_request_ (duration, input_length, ...) ...
+    histograms: list[Histogram]  # ... and its histogram
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +282,7 @@ class StepCommand(Message):
 
 
 _nested("StepCommand", "new_requests", NewRequestData, many=True)
+_nested("FrontendStats", "histograms", Histogram, many=True)
 
 
 @dataclass(slots=True)
@@ -247,6 +291,15 @@ class Shutdown(Message):
 
     KIND: ClassVar[Kind] = Kind.SHUTDOWN
     reason: str = ""
+
+
+@dataclass(slots=True)
+class HealthProbe(Message):
+    """Every rank answers with a HealthAck once it reaches this point of the step stream (after the
+    step it is computing, if any): proof that each rank is alive and not stuck."""
+
+    KIND: ClassVar[Kind] = Kind.HEALTH_PROBE
+    probe_id: int  # 1, 2, 3, ... per scheduler run; not a step: step ids are unaffected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,8 +355,17 @@ class WorkerFatal(Message):
     error: str
 
 
+@dataclass(slots=True)
+class HealthAck(Message):
+    """A rank's answer to a HealthProbe (on the control channel)."""
+
+    KIND: ClassVar[Kind] = Kind.HEALTH_ACK
+    rank: int
+    probe_id: int
+
+
 # ---------------------------------------------------------------------------------------------
-# scheduler -> frontend (PUSH -> the frontend's PULL "events-<frontend id>")
+# scheduler -> frontend (PUSH -> the frontend's PULL "events-<frontend id>"); FrontendStats is relayed
 # ---------------------------------------------------------------------------------------------
 
 
@@ -329,15 +391,6 @@ class TokenBatch(Message):
     top_tokens: list[list] = field(default_factory=list)  # per token [[ids], [logprobs]] when asked
     prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprobs]]] on first tokens
     queue_times: list[float] = field(default_factory=list)  # per token: seconds queued (first token only, else 0)
-
-
-@dataclass(slots=True)
-class Histogram(Message):
-    """A Prometheus histogram as the scheduler accumulates it: counts per bucket since start."""
-
-    buckets: list[float]  # upper bounds, ascending; an implicit last bucket is +Inf
-    counts: list[int]  # observations per bucket (not cumulative), len(buckets) + 1
-    sum: float = 0.0  # sum of every observation
 
 
 @dataclass(slots=True)
@@ -372,6 +425,16 @@ class SchedulerStats(Message):
 
 for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size"):
     _nested("SchedulerStats", _name, Histogram)
+
+
+@dataclass(slots=True)
+class HealthReply(Message):
+    """The answer to a HealthCheck."""
+
+    KIND: ClassVar[Kind] = Kind.HEALTH_REPLY
+    check_id: int  # HealthCheck.check_id
+    ok: bool  # every rank answered in time
+    message: str = ""  # why not, for the log
 
 
 @dataclass(slots=True)
@@ -419,9 +482,9 @@ class ServiceFatal(Message):
 
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
-    for cls in (FrontendHello, AddRequest, AbortRequest, StepCommand, Shutdown, StepResult, WorkerHello,
-                WorkerReady, WorkerFatal, SchedulerHello, SchedulerStats, TokenBatch, RequestFailed, EngineDead,
-                ServiceReady, ServiceFatal)
+    for cls in (FrontendHello, AddRequest, AbortRequest, HealthCheck, FrontendStats, StepCommand, Shutdown,
+                HealthProbe, StepResult, WorkerHello, WorkerReady, WorkerFatal, HealthAck, SchedulerHello,
+                SchedulerStats, HealthReply, TokenBatch, RequestFailed, EngineDead, ServiceReady, ServiceFatal)
 }
 assert len(MESSAGE_TYPES) == len(Kind), "every Kind has exactly one message class"
 

@@ -47,10 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-allow-origin", action="append", default=[],
                    help="an origin browsers may call from (repeat for several; default: any)")
     p.add_argument("--model-pipeline-tag")
+    p.add_argument("--health-check-timeout", type=float, dest="health_check_timeout_s",
+                   default=float(os.environ.get("HEALTH_CHECK_TIMEOUT", 10.0)),
+                   help="seconds /health waits for every worker rank to answer a probe")
+    p.add_argument("--service-name", default="frontend",
+                   help="this process's name in logs and readiness (several frontends: frontend0, frontend1...)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="share --port with other frontends of the same engine (SO_REUSEPORT)")
     return p
 
 
-def from_args(argv: list[str] | None = None) -> FrontendConfig:
+def from_args(argv: list[str] | None = None) -> tuple[FrontendConfig, str]:
+    """The config and the service name."""
     parser = build_parser()
     a = parser.parse_args(argv)
     extra = {}
@@ -78,13 +86,14 @@ def from_args(argv: list[str] | None = None) -> FrontendConfig:
             validation_workers=a.validation_workers, scheduler_timeout_s=a.scheduler_timeout_s,
             payload_limit=a.payload_limit, api_key=a.api_key, model_pipeline_tag=a.model_pipeline_tag,
             cors_allow_origin=a.cors_allow_origin, shutdown_timeout_s=a.shutdown_timeout_s,
-            **extra)
+            health_check_timeout_s=a.health_check_timeout_s, reuse_port=a.reuse_port, **extra), a.service_name
     except ValueError as e:
         parser.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_frontend(from_args(argv))
+    config, service_name = from_args(argv)
+    return run_frontend(config, service_name)
 
 
 if __name__ == "__main__":

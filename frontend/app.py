@@ -29,6 +29,7 @@ from llmbus.frontend.tokenizer import ModelTokenizer, load_tokenizer
 log = structlog.get_logger("llmbus.frontend")
 
 ABORTED_ANSWER_S = 2.0  # after a drain is cut short: time for handlers to write their error
+STATS_INTERVAL_S = 0.25  # request metrics go to the other frontends at most this often
 
 
 def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
@@ -61,13 +62,27 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
                                     on_finished=state.request_metrics.generation_finished)
         log.info("limits", max_input_tokens=limits.max_input_tokens,
                  max_total_tokens=limits.max_total_tokens, eos_token_ids=state.tokenizer.eos_token_ids)
+        stats_sender = asyncio.create_task(_send_request_stats(state), name="request-stats")
         yield
+        stats_sender.cancel()
+        await asyncio.gather(stats_sender, return_exceptions=True)
         state.generator.shutdown()
         await engine.close()
 
     app.cleanup_ctx.append(engine_ctx)
     setup_routes(app)
     return app
+
+
+async def _send_request_stats(state: FrontendState) -> None:
+    """This frontend's request metrics to the others (through the scheduler) whenever they changed."""
+    sent = 0
+    while True:
+        metrics = state.request_metrics
+        if metrics.version != sent:
+            sent = metrics.version
+            await state.engine.send_stats(metrics.snapshot(state.config.frontend_id))
+        await asyncio.sleep(STATS_INTERVAL_S)
 
 
 def make_runner(app: web.Application, config: FrontendConfig) -> web.AppRunner:
@@ -106,7 +121,8 @@ async def serve(config: FrontendConfig, *, on_ready: Callable[[str], None] | Non
     stopping.cancel()
     setup.result()  # raises the handshake's error
     try:
-        site = web.TCPSite(runner, config.hostname, config.port, reuse_address=True)
+        site = web.TCPSite(runner, config.hostname, config.port, reuse_address=True,
+                           reuse_port=config.reuse_port or None)
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else config.port
         url = f"http://{config.hostname}:{port}"
@@ -137,10 +153,10 @@ async def _drain(state: FrontendState, timeout_s: float, abort: asyncio.Event) -
     log.info("drained")
 
 
-def run_frontend(config: FrontendConfig) -> int:
+def run_frontend(config: FrontendConfig, service_name: str = "frontend") -> int:
     """Run the frontend as an llmbus service (logging, parent death, ServiceReady/Fatal); exit code."""
 
     def body(ctx: ServiceContext) -> None:
         asyncio.run(serve(config, on_ready=ctx.ready))
 
-    return run_service("frontend", body)
+    return run_service(service_name, body)

@@ -44,6 +44,9 @@ class FrontendConfig:
     model_pipeline_tag: str | None = None  # /info; decides POST / return_full_text default like TGI
     compute_type: str = field(default_factory=_default_compute_type)  # x-compute-type header
     shutdown_timeout_s: float = 90.0  # how long in-flight requests may finish after SIGTERM (TGI's default)
+    # /health waits this long for every rank to answer a probe (a rank answers after the step it computes)
+    health_check_timeout_s: float = 10.0
+    reuse_port: bool = False  # several frontends share one port (SO_REUSEPORT; the kernel spreads connections)
 
     def __post_init__(self) -> None:
         if self.model_id is None:
@@ -54,6 +57,8 @@ class FrontendConfig:
         for name in ("max_concurrent_requests", "max_best_of", "max_client_batch_size", "validation_workers"):
             if getattr(self, name) < 1:
                 problems.append(f"`{name}` must be > 0")
+        if not self.health_check_timeout_s > 0:
+            problems.append(f"`health_check_timeout_s` must be > 0. Given: {self.health_check_timeout_s}")
         for name in ("max_stop_sequences", "max_top_n_tokens"):
             if getattr(self, name) < 0:
                 problems.append(f"`{name}` must be >= 0")

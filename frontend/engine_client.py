@@ -5,7 +5,9 @@
 ``asyncio.Queue`` per request (one item per request per batch), turns ``RequestFailed`` into an error for
 that request and ``EngineDead`` into an error for every request in flight (and an unhealthy engine).
 Aborts are batched: ``abort`` never blocks (it is called from ``finally`` blocks of cancelled handlers)
-and a sender task ships every pending rid in one ``AbortRequest``.
+and a sender task ships every pending rid in one ``AbortRequest``. ``check_ranks`` asks the scheduler to
+probe every rank (/health); concurrent checks share one probe. Other frontends' request metrics arrive
+relayed by the scheduler and are kept in ``peer_stats``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from llmbus.bus.sockets import arecv, asend, open_socket
 from llmbus.frontend.errors import ApiError, engine_error, generation_error
 
 log = structlog.get_logger("llmbus.frontend")
+
+SCHEDULER_ANSWER_MARGIN_S = 2.0  # beyond a health check's own timeout, before the scheduler counts as stuck
 
 
 @dataclass(slots=True)
@@ -69,7 +73,11 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self.hello: m.SchedulerHello | None = None
         self.stats: m.SchedulerStats | None = None  # the scheduler's latest gauges
+        self.peer_stats: dict[str, m.FrontendStats] = {}  # other frontends' request metrics, by id
         self.dead_reason: str | None = None
+        self._health_checks: dict[int, asyncio.Future] = {}
+        self._health_check: asyncio.Future | None = None  # the check in flight, shared by concurrent callers
+        self._next_check_id = 0
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -148,6 +156,32 @@ class EngineClient:
         self._next_id += 1
         return f"{self.frontend_id}-{self._next_id}"
 
+    async def check_ranks(self, timeout_s: float) -> str | None:
+        """None when every rank answered a probe within ``timeout_s``; else why not."""
+        if self._health_check is None or self._health_check.done():
+            self._health_check = asyncio.ensure_future(self._check_ranks(timeout_s))
+        return await asyncio.shield(self._health_check)
+
+    async def _check_ranks(self, timeout_s: float) -> str | None:
+        if self.dead_reason is not None:
+            return self.dead_reason
+        self._next_check_id += 1
+        check_id = self._next_check_id
+        reply = self._health_checks[check_id] = asyncio.get_running_loop().create_future()
+        try:
+            await asend(self._push, m.HealthCheck(self.frontend_id, check_id, timeout_s))
+            # the scheduler answers by the deadline itself; past that it is the scheduler that is stuck
+            msg = await asyncio.wait_for(reply, timeout_s + SCHEDULER_ANSWER_MARGIN_S)
+        except asyncio.TimeoutError:
+            return f"the scheduler did not answer a health check within {timeout_s + SCHEDULER_ANSWER_MARGIN_S:g} s"
+        finally:
+            self._health_checks.pop(check_id, None)
+        return None if msg.ok else msg.message
+
+    async def send_stats(self, stats: m.FrontendStats) -> None:
+        if self.dead_reason is None:
+            await asend(self._push, stats)
+
     # --- per request ----------------------------------------------------------------------------
 
     async def submit(self, request: m.AddRequest) -> asyncio.Queue:
@@ -207,6 +241,13 @@ class EngineClient:
             self._engine_dead(msg.reason)
         elif isinstance(msg, m.SchedulerStats):
             self.stats = msg
+        elif isinstance(msg, m.HealthReply):
+            reply = self._health_checks.get(msg.check_id)
+            if reply is not None and not reply.done():
+                reply.set_result(msg)
+        elif isinstance(msg, m.FrontendStats):
+            if msg.frontend_id != self.frontend_id:
+                self.peer_stats[msg.frontend_id] = msg
         elif isinstance(msg, m.SchedulerHello):
             log.info("scheduler said hello again", max_batch_total_tokens=msg.max_batch_total_tokens)
         else:
@@ -252,3 +293,6 @@ class EngineClient:
                       in_flight=len(self._channels))
         self.dead_reason = reason
         self.fail_all(generation_error(reason))
+        for check_id, reply in self._health_checks.items():
+            if not reply.done():
+                reply.set_result(m.HealthReply(check_id, False, reason))

@@ -8,16 +8,20 @@ labelled ``err`` (``validation``, ``overloaded``, ``generation``, ``incomplete``
 0.15 ms for durations, 100 linear ones up to the token limits for lengths.
 
 Plain counters and bucket arrays, updated with a few additions per finished generation; the collector
-turns them into metric families only when ``/metrics`` is scraped.
+turns them into metric families only when ``/metrics`` is scraped. When several frontends serve one
+engine, each sends its counts to the others through the scheduler (``FrontendStats``, a few times a second
+while they change): a scrape reports this frontend's live counts plus the others' latest, so it does not
+matter which frontend a load balancer sends the scraper to.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import structlog
 from prometheus_client.registry import Collector
 
+from llmbus.bus import messages as m
 from llmbus.frontend.errors import ErrorKind
 from llmbus.frontend.metrics import counter, histogram
 # the same counts-per-bucket histograms (and TGI's duration buckets) as the scheduler's step metrics
@@ -49,7 +53,9 @@ def linear_buckets(limit: int, count: int = 100) -> list[float]:
 
 
 class RequestMetrics(Collector):
-    def __init__(self) -> None:
+    def __init__(self, peers: Callable[[], Iterable[m.FrontendStats]] = tuple) -> None:
+        self._peers = peers
+        self.version = 0  # bumped by every change: what the stats sender watches
         self.count = 0
         self.success = 0
         self.failures: dict[str, int] = {}
@@ -68,12 +74,15 @@ class RequestMetrics(Collector):
 
     def started(self) -> None:
         self.count += 1
+        self.version += 1
 
     def succeeded(self) -> None:
         self.success += 1
+        self.version += 1
 
     def failed(self, label: str) -> None:
         self.failures[label] = self.failures.get(label, 0) + 1
+        self.version += 1
 
     def generation_finished(self, gen: "Generation") -> None:
         """Observe a finished generation, and log it as TGI logs each request it answered."""
@@ -83,6 +92,7 @@ class RequestMetrics(Collector):
                  queue_time=round(queue, 6), inference_time=round(inference, 6),
                  time_per_token=round(inference / max(generated, 1), 6), input_length=gen.input_length,
                  generated_tokens=generated, finish_reason=gen.finish_reason, seed=gen.seed)
+        self.version += 1
         d = self._durations
         d["duration"].observe(total)
         d["validation_duration"].observe(validation)
@@ -96,12 +106,39 @@ class RequestMetrics(Collector):
 
     # --- exposition --------------------------------------------------------------------------------
 
+    def snapshot(self, frontend_id: str) -> m.FrontendStats:
+        """This frontend's own counts, for the other frontends."""
+        histograms = {**self._durations, **self._lengths}
+        return m.FrontendStats(frontend_id, self.count, self.success, list(self.failures),
+                               list(self.failures.values()), list(histograms),
+                               [h.snapshot() for h in histograms.values()])
+
     def collect(self) -> Iterator:
-        yield counter("tgi_request_count", "Generation requests received", {(): self.count})
-        yield counter("tgi_request_success", "Generation requests answered in full", {(): self.success})
+        total = self.snapshot("")
+        for peer in self._peers():
+            total = _add(total, peer)
+        yield counter("tgi_request_count", "Generation requests received", {(): total.request_count})
+        yield counter("tgi_request_success", "Generation requests answered in full", {(): total.request_success})
         yield counter("tgi_request_failure", "Generation requests that failed, by cause",
-                      {(label,): n for label, n in sorted(self.failures.items())}, ("err",))
-        for name, buckets in {**self._durations, **self._lengths}.items():
+                      {(label,): n for label, n in sorted(zip(total.failure_labels, total.failure_counts))},
+                      ("err",))
+        for name, counts in zip(total.histogram_names, total.histograms):
             unit = " (seconds)" if name.endswith("duration") else ""
-            yield histogram(f"tgi_request_{name}", name.replace("_", " ").capitalize() + unit,
-                            buckets.snapshot())
+            yield histogram(f"tgi_request_{name}", name.replace("_", " ").capitalize() + unit, counts)
+
+
+def _add(a: m.FrontendStats, b: m.FrontendStats) -> m.FrontendStats:
+    failures = dict(zip(a.failure_labels, a.failure_counts))
+    for label, n in zip(b.failure_labels, b.failure_counts):
+        failures[label] = failures.get(label, 0) + n
+    histograms = dict(zip(a.histogram_names, a.histograms))
+    for name, h in zip(b.histogram_names, b.histograms):
+        mine = histograms.get(name)
+        if mine is None:
+            histograms[name] = h
+        elif mine.buckets == h.buckets:  # frontends of one launch share their limits, hence their buckets
+            histograms[name] = m.Histogram(mine.buckets, [x + y for x, y in zip(mine.counts, h.counts)],
+                                           mine.sum + h.sum)
+    return m.FrontendStats(a.frontend_id, a.request_count + b.request_count,
+                           a.request_success + b.request_success, list(failures), list(failures.values()),
+                           list(histograms), list(histograms.values()))

@@ -184,6 +184,10 @@ async def health(request: web.Request) -> web.Response:
         raise ApiError(ErrorKind.UNHEALTHY)
     if state.generator is not None and state.generator.draining:
         raise ApiError(ErrorKind.SHUTTING_DOWN)  # load balancers stop sending here
+    problem = await state.engine.check_ranks(state.config.health_check_timeout_s)
+    if problem is not None:
+        log.warning("health check failed", reason=problem)
+        raise ApiError(ErrorKind.UNHEALTHY)
     if state.generator is not None and state.generator.liveness_needed:
         # after a failed generation, as TGI: only a real generation says the engine is well again
         if not await state.generator.liveness(LIVENESS_TIMEOUT_S):

@@ -35,7 +35,8 @@ class FrontendState:
     chat_template: ChatTemplate = field(init=False)
 
     def __post_init__(self) -> None:
-        self.request_metrics = RequestMetrics()
+        self.request_metrics = RequestMetrics(
+            peers=lambda: self.engine.peer_stats.values() if self.engine is not None else ())
         self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None,
                                      self.request_metrics)
         self.chat_template = ChatTemplate(self.config.model_dir)

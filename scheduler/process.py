@@ -24,6 +24,7 @@ from llmbus.bus.rundir import Endpoints, ensure_run_dir
 from llmbus.bus.service import ServiceContext, ServiceError, Terminate, install_stop_signals, run_service
 from llmbus.bus.sockets import open_socket, poll, recv, send
 from llmbus.scheduler.batch_metrics import BatchMetrics
+from llmbus.scheduler.health import Answer, RankHealth
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, ScheduledBatch, Scheduler, SchedulerConfig
 
@@ -68,6 +69,8 @@ class SchedulerService:
         self._stats_dirty = True
         self._stats_sent_at = 0.0
         self.metrics = BatchMetrics()
+        self.health = RankHealth(cfg.world_size)
+        self.frontend_stats: dict[str, m.FrontendStats] = {}  # the latest of each, relayed to the others
         self._init_sockets()
 
     def _init_sockets(self) -> None:
@@ -146,6 +149,14 @@ class SchedulerService:
         elif isinstance(msg, m.AbortRequest):
             for req in self.policy.abort(msg.rids):
                 self.log.debug("aborted", rid=req.rid)
+        elif isinstance(msg, m.HealthCheck):
+            self.health.check(msg.frontend_id, msg.check_id, msg.timeout_s, time.monotonic())
+            self._probe_ranks()
+        elif isinstance(msg, m.FrontendStats):
+            self.frontend_stats[msg.frontend_id] = msg
+            for frontend_id in list(self.frontends):
+                if frontend_id != msg.frontend_id:
+                    self._to_frontend(frontend_id, msg)
         elif isinstance(msg, m.FrontendHello):
             self._hello(msg)
         elif msg is not None:
@@ -164,6 +175,9 @@ class SchedulerService:
         num_blocks, block_size = self.kv_info
         send(sock, m.SchedulerHello(max_batch_total_tokens=num_blocks * block_size, block_size=block_size))
         self._to_frontend(msg.frontend_id, self._stats())
+        for other, stats in self.frontend_stats.items():
+            if other != msg.frontend_id:
+                self._to_frontend(msg.frontend_id, stats)
         self.log.info("frontend connected", frontend=msg.frontend_id)
 
     def _add(self, msg: m.AddRequest) -> None:
@@ -191,6 +205,28 @@ class SchedulerService:
             self.log.error("frontend not draining its events; dropping its requests", frontend=frontend_id)
             self.policy.abort([r.rid for r in self.policy.running + list(self.policy.waiting)
                                if r.frontend_id == frontend_id])
+
+    # ------------------------------------------------------------------ health
+
+    def _probe_ranks(self) -> None:
+        probe_id = self.health.probe_to_send()
+        if probe_id is not None:
+            send(self.steps, m.HealthProbe(probe_id=probe_id))
+
+    def _answer_health(self, answers: list[Answer]) -> None:
+        for answer in answers:
+            if not answer.ok:
+                self.log.warning("health check failed", frontend=answer.frontend_id, reason=answer.message)
+            self._to_frontend(answer.frontend_id, m.HealthReply(answer.check_id, answer.ok, answer.message))
+        if answers:
+            self._probe_ranks()  # checks queued behind a finished probe get theirs
+
+    def _poll_ms(self, limit_s: float) -> int:
+        """A poll timeout that wakes up in time to fail a health check whose ranks did not answer."""
+        deadline = self.health.next_deadline()
+        if deadline is not None:
+            limit_s = min(limit_s, max(deadline - time.monotonic(), 0.0))
+        return int(limit_s * 1000) + 1
 
     def drain_intake(self) -> None:
         while True:
@@ -237,7 +273,7 @@ class SchedulerService:
             if remaining <= 0:
                 raise EngineFailure(f"step {self.step_id} got no result within {self.cfg.step_timeout_s:.0f}s")
             ready = poll([self.results, self.control, self.control_monitor, self.requests],
-                         int(min(remaining, 1.0) * 1000))
+                         self._poll_ms(min(remaining, 1.0)))
             self.check_workers(ready)
             if self.requests in ready:
                 self.drain_intake()  # requests arriving mid-step join the next one
@@ -316,14 +352,18 @@ class SchedulerService:
                 continue
             self.publish_stats(force=True)
             # Idle: block until a request (or a rank's death notice) arrives.
-            self.check_workers(poll([self.requests, self.control, self.control_monitor], 1000))
+            self.check_workers(poll([self.requests, self.control, self.control_monitor], self._poll_ms(1.0)))
 
     def check_workers(self, ready: set) -> None:
-        """Raise EngineFailure if a rank reported a fatal error or its process went away."""
+        """Raise EngineFailure if a rank reported a fatal error or its process went away; answer the
+        health checks whose probe every rank acknowledged, or whose time is up."""
         if self.control in ready:
             msg = recv(self.control, zmq.NOBLOCK)
             if isinstance(msg, m.WorkerFatal):
                 raise EngineFailure(f"worker rank {msg.rank} failed: {msg.error}")
+            if isinstance(msg, m.HealthAck):
+                self._answer_health(self.health.ack(msg.rank, msg.probe_id))
+        self._answer_health(self.health.expire(time.monotonic()))
         if self.control_monitor in ready:
             event = recv_monitor_message(self.control_monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED and (self.policy.has_work or not self.stopping):

@@ -100,6 +100,11 @@ def main() -> None:
 @click.option("--json-output", envvar="JSON_OUTPUT", is_flag=True, help="Log JSON lines.")
 @click.option("--graceful-termination-timeout", envvar="GRACEFUL_TERMINATION_TIMEOUT", type=float, default=90.0,
               show_default=True, help="Seconds in-flight requests get to finish on SIGTERM.")
+@click.option("--num-frontends", envvar="NUM_FRONTENDS", type=int, default=1, show_default=True,
+              help="HTTP frontend processes sharing --port (the kernel spreads connections over them; "
+                   "/metrics on any of them counts the requests of all).")
+@click.option("--health-check-timeout", envvar="HEALTH_CHECK_TIMEOUT", type=float, default=10.0, show_default=True,
+              help="Seconds /health waits for every worker rank to answer a probe before answering 503.")
 def up(**kw) -> None:
     """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
     from llmbus.bus.rundir import RunDir, RunDirInUse
@@ -195,7 +200,8 @@ def _launch_config(kw: dict, r: dict, run_dir: str) -> LaunchConfig:
         cuda_memory_fraction=kw["cuda_memory_fraction"], enable_prefill_logprobs=kw["enable_prefill_logprobs"],
         api_key=kw["api_key"] or None, cors_allow_origin=tuple(kw["cors_allow_origin"]),
         payload_limit=kw["payload_limit"], graceful_termination_timeout=kw["graceful_termination_timeout"],
-        validation_workers=kw["validation_workers"], worker_env=worker_env)
+        validation_workers=kw["validation_workers"], worker_env=worker_env, num_frontends=kw["num_frontends"],
+        health_check_timeout=kw["health_check_timeout"])
 
 
 def visible_gpus() -> int | None:
@@ -261,6 +267,10 @@ def _check_static(kw: dict) -> None:
         raise InvalidArgument(f"`max_waiting_tokens` must be >= 0. Given: {kw['max_waiting_tokens']}")
     if kw["kv_cache_memory"] is not None and kw["kv_cache_memory"] < 1:
         raise InvalidArgument("`kv_cache_memory` must be > 0")
+    if kw["num_frontends"] < 1:
+        raise InvalidArgument("`num_frontends` must be > 0")
+    if not kw["health_check_timeout"] > 0:
+        raise InvalidArgument(f"`health_check_timeout` must be > 0. Given: {kw['health_check_timeout']}")
     if not 0 < kw["port"] < 65536:
         raise InvalidArgument(f"`port` must be between 1 and 65535. Given: {kw['port']}")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from llmbus.bus.service import ENV_JSON_LOGS
 from llmbus.supervisor.launcher import ProcessSpec
 
-FRONTEND_ID = "f0"
+FRONTEND_ID = "f0"  # frontend i is f<i>
 
 
 @dataclass
@@ -50,6 +50,8 @@ class LaunchConfig:
     validation_workers: int = 2
     worker_env: dict[str, str] = field(default_factory=dict)  # TRUST_REMOTE_CODE, WATERMARK_GAMMA/DELTA
     scheduler_timeout_s: float = 60.0  # how long the frontend waits for the scheduler's handshake
+    num_frontends: int = 1  # HTTP frontends sharing the port (SO_REUSEPORT) when more than one
+    health_check_timeout: float = 10.0
 
 
 def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessSpec]:
@@ -77,7 +79,6 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
         workers += ["--cuda-memory-fraction", str(cfg.cuda_memory_fraction)]
     frontend = [python, "-m", "llmbus.frontend", *common, "--model-dir", cfg.model_dir,
                 "--model-id", cfg.model_id, "--hostname", cfg.hostname, "--port", str(cfg.port),
-                "--frontend-id", FRONTEND_ID,
                 "--max-input-tokens", str(cfg.max_input_tokens), "--max-total-tokens", str(cfg.max_total_tokens),
                 "--max-concurrent-requests", str(cfg.max_concurrent_requests),
                 "--max-best-of", str(cfg.max_best_of), "--max-stop-sequences", str(cfg.max_stop_sequences),
@@ -88,17 +89,24 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
     frontend += ["--payload-limit", str(cfg.payload_limit),
                  "--graceful-termination-timeout", str(cfg.graceful_termination_timeout),
                  "--validation-workers", str(cfg.validation_workers),
-                 "--scheduler-timeout", str(cfg.scheduler_timeout_s)]
+                 "--scheduler-timeout", str(cfg.scheduler_timeout_s),
+                 "--health-check-timeout", str(cfg.health_check_timeout)]
     for origin in cfg.cors_allow_origin:
         frontend += ["--cors-allow-origin", origin]
+    if cfg.num_frontends > 1:
+        frontend.append("--reuse-port")
     # the key travels in the environment: a command line is readable by every user of the machine
     frontend_env = {"API_KEY": cfg.api_key} if cfg.api_key else {}
-    return [
+    plan = [
         ProcessSpec("scheduler", scheduler),
         # The scheduler is ready only once every rank is: the group itself has nothing more to say.
         ProcessSpec("workers", workers, reports_ready=False, env=dict(cfg.worker_env)),
-        ProcessSpec("frontend", frontend, ready_after="scheduler", env=frontend_env),
     ]
+    for i in range(cfg.num_frontends):
+        name = "frontend" if cfg.num_frontends == 1 else f"frontend{i}"
+        plan.append(ProcessSpec(name, [*frontend, "--frontend-id", f"f{i}", "--service-name", name],
+                                ready_after="scheduler", env=frontend_env))
+    return plan
 
 
 def render_procfile(plan: list[ProcessSpec], run_dir: str, *, json_output: bool = False) -> tuple[str, str]:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,9 @@ class FakeScheduler:
         self.adds: dict[str, m.AddRequest] = {}
         self.aborts: list[str] = []
         self.fail_generations = False  # fail every request with a generation error
+        self.health = "ok"  # how HealthChecks are answered: "ok", "fail" (a rank missed the probe), "silent"
+        self.health_checks: list[m.HealthCheck] = []
+        self.frontend_stats: list[m.FrontendStats] = []
         self.hellos: list[m.FrontendHello] = []
         self.cond = threading.Condition()
         self._commands: queue.Queue = queue.Queue()
@@ -139,6 +143,9 @@ class FakeScheduler:
     def engine_dead(self, reason: str) -> None:
         self._commands.put(("dead", reason))
 
+    def send_event(self, msg: m.Message) -> None:
+        self._commands.put(("send", msg))
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(WAIT)
@@ -160,6 +167,8 @@ class FakeScheduler:
                     self._answer(self._held.pop(arg))
                 elif cmd == "dead":
                     send(self._push, m.EngineDead(reason=arg))
+                elif cmd == "send":
+                    send(self._push, arg)
 
     def _handle(self, msg) -> None:
         with self.cond:  # record first: the frontend may answer its client as soon as we reply
@@ -169,10 +178,17 @@ class FakeScheduler:
                 self.adds[msg.rid] = msg
             elif isinstance(msg, m.AbortRequest):
                 self.aborts.extend(msg.rids)
+            elif isinstance(msg, m.HealthCheck):
+                self.health_checks.append(msg)
+            elif isinstance(msg, m.FrontendStats):
+                self.frontend_stats.append(msg)
             self.cond.notify_all()
         if isinstance(msg, m.FrontendHello):
             self._push = open_socket(self._ctx, zmq.PUSH, msg.events_endpoint, linger_ms=1000)
             send(self._push, m.SchedulerHello(max_batch_total_tokens=self.max_batch_total_tokens, block_size=16))
+        elif isinstance(msg, m.HealthCheck) and self.health != "silent":
+            send(self._push, m.HealthReply(msg.check_id, self.health == "ok",
+                                           "" if self.health == "ok" else "worker rank(s) 1 did not answer"))
         elif isinstance(msg, m.AddRequest):
             prompt = self.tok.decode(msg.input_ids)
             if "HOLD" in prompt:
@@ -798,6 +814,26 @@ def test_health_after_a_failed_generation_runs_a_real_one(fe):
     fe.sched.fail_generations = False  # it recovered: the next check generates once and passes
     assert fe.request("GET", "/health")[0] == 200 and len(fe.sched.adds) == adds + 2
     assert fe.request("GET", "/health")[0] == 200 and len(fe.sched.adds) == adds + 2, "no check needed now"
+
+
+def run_concurrently(call, n: int) -> list:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: call(), range(n)))
+
+
+def test_health_asks_the_scheduler_to_probe_every_rank(make_frontend):
+    fe = make_frontend(health_check_timeout_s=0.5)
+    assert fe.request("GET", "/health")[0] == 200
+    assert fe.sched.health_checks[-1].frontend_id == "fe1" and fe.sched.health_checks[-1].timeout_s == 0.5
+    fe.sched.health = "fail"  # a rank missed the probe
+    status, _, raw = fe.request("GET", "/health")
+    assert (status, json.loads(raw)) == (503, {"error": "unhealthy", "error_type": "healthcheck"})
+    fe.sched.health = "silent"  # the scheduler itself is stuck: the frontend stops waiting on its own
+    checks = len(fe.sched.health_checks)
+    results = run_concurrently(lambda: fe.request("GET", "/health")[0], 3)
+    assert results == [503] * 3 and len(fe.sched.health_checks) == checks + 1, "concurrent checks share a probe"
+    fe.sched.health = "ok"
+    assert fe.request("GET", "/health")[0] == 200
 
 
 def test_request_failed_maps_to_its_error(fe):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import socket
+import time
+
+from llmbus.bus import messages as m
 
 from httputil import parse_exposition
 from test_frontend import WAIT, parse_sse
@@ -71,3 +74,26 @@ def test_overloaded_and_dropped(make_frontend):  # noqa: F811
     # the abort is sent from the handler's finally, in the same event-loop step as the outcome is counted
     assert samples['tgi_request_failure{err="dropped"}'] == 1
     assert samples["tgi_request_success"] == 0
+
+
+def test_peer_frontends_counts_add_up(make_frontend):  # noqa: F811
+    # Another frontend's counts, as the scheduler relays them: a scrape here reports the sum, and this
+    # frontend's own counts go out to the others.
+    fe = make_frontend()
+    assert fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 3}})[0] == 200
+    fe.sched.wait_for(lambda: any(s.request_count == 1 and s.request_success == 1 for s in fe.sched.frontend_stats),
+                      "this frontend's FrontendStats")
+    own = fe.sched.frontend_stats[-1]
+    assert own.frontend_id == "fe1" and dict(zip(own.histogram_names, own.histograms))["duration"].counts[-1] == 0
+    durations = dict(zip(own.histogram_names, own.histograms))["duration"]
+    peer = m.FrontendStats("fe2", 5, 3, ["validation", "generation"], [1, 1], ["duration"],
+                           [m.Histogram(durations.buckets, [0] * len(durations.buckets) + [3], 120.0)])
+    fe.sched.send_event(peer)
+    deadline = time.monotonic() + WAIT
+    while (samples := scrape(fe)[1])["tgi_request_count"] != 6:
+        assert time.monotonic() < deadline, samples
+    assert samples["tgi_request_success"] == 4
+    assert samples['tgi_request_failure{err="validation"}'] == 1 and samples['tgi_request_failure{err="generation"}'] == 1
+    assert samples["tgi_request_duration_count"] == 4 and samples['tgi_request_duration_bucket{le="+Inf"}'] == 4
+    assert samples["tgi_request_duration_sum"] >= 120.0
+    assert samples["tgi_request_input_length_count"] == 1  # only this frontend observed lengths

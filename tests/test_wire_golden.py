@@ -42,19 +42,20 @@ def test_missing_trailing_fields_take_defaults():
     assert msg.forward_time == 0.0 and msg.top_tokens == []
 
 
-OLDER_FIXTURES = sorted(FIXTURES.glob("v1-*.bin")) + sorted(FIXTURES.glob("v2-*.bin"))
+OLDER_FIXTURES = [path for version in range(1, m.WIRE_VERSION) for path in sorted(FIXTURES.glob(f"v{version}-*.bin"))]
 
 
 @pytest.mark.parametrize("path", OLDER_FIXTURES, ids=lambda p: p.stem)
 def test_older_versions_still_decode(path):
-    # Versions 2 and 3 only appended fields with defaults: what an older sender wrote must still parse.
+    # Versions 2 to 4 only appended fields with defaults (and added kinds): what an older sender wrote must still parse.
     golden = path.read_bytes()
     msg = m.decode([golden[:1], golden[1:]])
     if isinstance(msg, m.StepCommand):
-        assert all(new.cached_ids == [] or path.name.startswith("v2") for new in msg.new_requests)
-        assert all(new.sampling.presence_penalty == 0.0 for new in msg.new_requests)
+        assert all(new.cached_ids == [] or not path.name.startswith("v1") for new in msg.new_requests)
+        assert all(new.sampling.presence_penalty == 0.0 or path.name.startswith("v3") for new in msg.new_requests)
     if isinstance(msg, m.AddRequest):
-        assert msg.sampling.presence_penalty == 0.0
+        assert msg.sampling.presence_penalty == 0.0 or path.name.startswith("v3")
+        assert msg.traceparent == ""
     if isinstance(msg, m.SchedulerStats) and path.name.startswith("v1"):
         assert msg.kv_blocks_cached == 0 and msg.prefill_forward is None
 

@@ -9,7 +9,14 @@ STOPPING = m.StoppingParams(max_new_tokens=20, stop_token_ids=[2], ignore_eos=Fa
 
 SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.FRONTEND_HELLO: m.FrontendHello("f0", "ipc:///tmp/llmbus-x/events-f0.sock"),
-    m.Kind.ADD_REQUEST: m.AddRequest("f0-1", "f0", [1, 300, 301], SAMPLING, STOPPING, True, 1700000000.5),
+    m.Kind.ADD_REQUEST: m.AddRequest("f0-1", "f0", [1, 300, 301], SAMPLING, STOPPING, True, 1700000000.5,
+                                     "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+    m.Kind.HEALTH_CHECK: m.HealthCheck("f0", 3, 5.0),
+    m.Kind.FRONTEND_STATS: m.FrontendStats("f1", 10, 8, ["validation"], [2], ["duration"],
+                                           [m.Histogram([0.01, 0.1], [1, 6, 1], 0.4)]),
+    m.Kind.HEALTH_PROBE: m.HealthProbe(9),
+    m.Kind.HEALTH_ACK: m.HealthAck(rank=1, probe_id=9),
+    m.Kind.HEALTH_REPLY: m.HealthReply(3, False, "rank 1 did not answer within 5 s"),
     m.Kind.ABORT_REQUEST: m.AbortRequest(["f0-1", "f0-2"]),
     m.Kind.STEP: m.StepCommand(
         step_id=7, new_requests=[m.NewRequestData("f0-2", SAMPLING, [4, 5, 8], 36, False, list(range(16)))],

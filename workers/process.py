@@ -142,6 +142,9 @@ class Worker:
             if isinstance(msg, m.Shutdown):
                 self.log.info("shutdown", reason=msg.reason)
                 return
+            if isinstance(msg, m.HealthProbe):
+                send(self.control, m.HealthAck(rank=self.cfg.rank, probe_id=msg.probe_id))
+                continue
             if not isinstance(msg, m.StepCommand):
                 continue
             if msg.step_id != self.last_step + 1:

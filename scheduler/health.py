@@ -1,0 +1,76 @@
+"""Rank health probes: which /health checks wait, and which ranks still owe an answer (pure: no I/O).
+
+A check is answered ok only once every rank has acknowledged a probe sent after the check arrived, so a
+rank that is alive but stuck (a hung collective, a stopped process) fails /health instead of passing on
+its last sign of life. Checks that arrive while a probe is out share the next probe; one probe is out at
+a time, so a load balancer polling /health costs the ranks one tiny message per poll at most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PendingCheck:
+    frontend_id: str
+    check_id: int
+    deadline: float  # monotonic
+
+
+@dataclass
+class Answer:
+    frontend_id: str
+    check_id: int
+    ok: bool
+    message: str = ""
+
+
+@dataclass
+class RankHealth:
+    world_size: int
+    probe_id: int = 0  # of the probe out (or the last one sent)
+    owed: set[int] = field(default_factory=set)  # ranks yet to acknowledge the probe out
+    covered: list[PendingCheck] = field(default_factory=list)  # checks the probe out answers
+    queued: list[PendingCheck] = field(default_factory=list)  # checks that arrived after it was sent
+
+    def check(self, frontend_id: str, check_id: int, timeout_s: float, now: float) -> None:
+        self.queued.append(PendingCheck(frontend_id, check_id, now + timeout_s))
+
+    def probe_to_send(self) -> int | None:
+        """The id of a probe to broadcast now, if checks wait and none is out."""
+        if self.owed or not self.queued:
+            return None
+        self.probe_id += 1
+        self.owed = set(range(self.world_size))
+        self.covered, self.queued = self.queued, []
+        return self.probe_id
+
+    def ack(self, rank: int, probe_id: int) -> list[Answer]:
+        if probe_id != self.probe_id or rank not in self.owed:
+            return []  # a late answer to a probe that already timed out
+        self.owed.discard(rank)
+        if self.owed:
+            return []
+        answered, self.covered = self.covered, []
+        return [Answer(c.frontend_id, c.check_id, True) for c in answered]
+
+    def expire(self, now: float) -> list[Answer]:
+        """Failures for the checks whose time is up. Once none waits on the probe out, it is given up:
+        later checks get a fresh probe rather than waiting on a rank that may never answer it."""
+        answers = []
+        for pending in (self.covered, self.queued):
+            late = [c for c in pending if c.deadline <= now]
+            for c in late:
+                pending.remove(c)
+                missing = sorted(self.owed) if pending is self.covered else list(range(self.world_size))
+                answers.append(Answer(c.frontend_id, c.check_id, False,
+                                      f"worker rank(s) {', '.join(map(str, missing))} did not answer a health "
+                                      f"probe in time"))
+        if not self.covered:
+            self.owed = set()
+        return answers
+
+    def next_deadline(self) -> float | None:
+        deadlines = [c.deadline for c in self.covered + self.queued]
+        return min(deadlines) if deadlines else None

@@ -1,0 +1,35 @@
+"""The scheduler's rank health probes as a pure object: who waits, which ranks still owe an answer."""
+
+from llmbus.scheduler.health import Answer, RankHealth
+
+
+def test_ok_once_every_rank_acknowledged_a_probe_sent_after_the_check():
+    h = RankHealth(world_size=2)
+    assert h.probe_to_send() is None  # nobody asked
+    h.check("f0", 1, timeout_s=5, now=0)
+    probe = h.probe_to_send()
+    assert probe == 1 and h.probe_to_send() is None  # one probe out at a time
+    h.check("f1", 7, timeout_s=5, now=0.1)  # arrives while the probe is out: waits for the next one
+    assert h.ack(0, probe) == []
+    assert h.ack(0, probe) == [], "a rank counts once"
+    assert h.ack(1, probe) == [Answer("f0", 1, True)]
+    second = h.probe_to_send()
+    assert second == 2
+    assert h.ack(1, second) == [] and h.ack(0, second) == [Answer("f1", 7, True)]
+    assert h.next_deadline() is None
+
+
+def test_a_rank_that_does_not_answer_fails_the_check_and_its_late_answer_is_ignored():
+    h = RankHealth(world_size=3)
+    h.check("f0", 1, timeout_s=2, now=10)
+    probe = h.probe_to_send()
+    h.ack(0, probe)
+    h.ack(2, probe)
+    assert h.expire(11.9) == [] and h.next_deadline() == 12
+    (answer,) = h.expire(12)
+    assert (answer.ok, answer.message) == (False, "worker rank(s) 1 did not answer a health probe in time")
+    assert h.ack(1, probe) == []  # too late
+    h.check("f0", 2, timeout_s=2, now=13)
+    fresh = h.probe_to_send()
+    assert fresh == probe + 1, "the next check does not wait on the abandoned probe"
+    assert [h.ack(r, fresh) for r in range(3)][-1] == [Answer("f0", 2, True)]
