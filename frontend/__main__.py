@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds /health waits for every worker rank to answer a probe")
     p.add_argument("--service-name", default="frontend",
                    help="this process's name in logs and readiness (several frontends: frontend0, frontend1...)")
+    p.add_argument("--otlp-endpoint", default=os.environ.get("OTLP_ENDPOINT"),
+                   help="export OpenTelemetry spans to this OTLP endpoint (the tracing extra)")
+    p.add_argument("--otlp-service-name", default=os.environ.get("OTLP_SERVICE_NAME", "llmbus"))
     p.add_argument("--reuse-port", action="store_true",
                    help="share --port with other frontends of the same engine (SO_REUSEPORT)")
     return p
@@ -86,7 +89,8 @@ def from_args(argv: list[str] | None = None) -> tuple[FrontendConfig, str]:
             validation_workers=a.validation_workers, scheduler_timeout_s=a.scheduler_timeout_s,
             payload_limit=a.payload_limit, api_key=a.api_key, model_pipeline_tag=a.model_pipeline_tag,
             cors_allow_origin=a.cors_allow_origin, shutdown_timeout_s=a.shutdown_timeout_s,
-            health_check_timeout_s=a.health_check_timeout_s, reuse_port=a.reuse_port, **extra), a.service_name
+            health_check_timeout_s=a.health_check_timeout_s, reuse_port=a.reuse_port,
+            otlp_endpoint=a.otlp_endpoint, otlp_service_name=a.otlp_service_name, **extra), a.service_name
     except ValueError as e:
         parser.error(str(e))
 

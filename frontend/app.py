@@ -15,13 +15,14 @@ import structlog
 import zmq.asyncio
 from aiohttp import web
 
+from llmbus.bus import tracing
 from llmbus.bus.service import ServiceContext, run_service
 from llmbus.frontend.config import FrontendConfig, resolve_limits
 from llmbus.frontend.engine_client import EngineClient
 from llmbus.frontend.errors import ApiError, ErrorKind
 from llmbus.frontend.generation import Generator
 from llmbus.frontend.middleware import (auth_middleware, cors_middleware, error_middleware,
-                                         request_metrics_middleware)
+                                         request_metrics_middleware, tracing_middleware)
 from llmbus.frontend.routes import setup_routes
 from llmbus.frontend.state import STATE, FrontendState
 from llmbus.frontend.tokenizer import ModelTokenizer, load_tokenizer
@@ -37,6 +38,8 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
     """The frontend app; the scheduler handshake runs when the app starts (runner.setup())."""
     # outermost first: CORS headers go on every answer, 401s included
     middlewares = [cors_middleware(config.cors_allow_origin)]
+    if tracing.enabled():
+        middlewares.append(tracing_middleware)  # outside the error middleware: it sees the final status
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
     middlewares += [error_middleware, request_metrics_middleware]
@@ -157,6 +160,10 @@ def run_frontend(config: FrontendConfig, service_name: str = "frontend") -> int:
     """Run the frontend as an llmbus service (logging, parent death, ServiceReady/Fatal); exit code."""
 
     def body(ctx: ServiceContext) -> None:
-        asyncio.run(serve(config, on_ready=ctx.ready))
+        tracing.setup(config.otlp_endpoint, f"{config.otlp_service_name}.frontend")
+        try:
+            asyncio.run(serve(config, on_ready=ctx.ready))
+        finally:
+            tracing.shutdown()
 
     return run_service(service_name, body)

@@ -47,6 +47,8 @@ class FrontendConfig:
     # /health waits this long for every rank to answer a probe (a rank answers after the step it computes)
     health_check_timeout_s: float = 10.0
     reuse_port: bool = False  # several frontends share one port (SO_REUSEPORT; the kernel spreads connections)
+    otlp_endpoint: str | None = None  # export OpenTelemetry spans there (bus/tracing.py)
+    otlp_service_name: str = "llmbus"
 
     def __post_init__(self) -> None:
         if self.model_id is None:

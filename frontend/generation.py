@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from llmbus.bus import messages as m
+from llmbus.bus import tracing
 from llmbus.bus.messages import FinishReason
 from llmbus.frontend.config import Limits
 from llmbus.frontend.engine_client import EngineClient, EngineFailure, EngineTokens
@@ -247,7 +248,8 @@ class Generation:
             stopping=m.StoppingParams(max_new_tokens=p.max_new_tokens,
                                       stop_token_ids=list(self.generator.tokenizer.eos_token_ids),
                                       ignore_eos=p.params.ignore_eos),
-            prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time)
+            prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time,
+            traceparent=tracing.current_traceparent())
         self.timings.queued = time.monotonic()
         self._queue = await engine.submit(request)
 

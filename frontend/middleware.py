@@ -12,6 +12,7 @@ import hmac
 
 from aiohttp import web
 
+from llmbus.bus import tracing
 from llmbus.frontend.errors import ApiError, ErrorKind
 from llmbus.frontend.request_metrics import DROPPED, failure_label
 from llmbus.frontend.state import STATE, json_response
@@ -59,6 +60,31 @@ async def request_metrics_middleware(request: web.Request, handler):
     else:
         metrics.failed(outcome)
     return response
+
+
+# the route span's name, as TGI names its handlers' spans
+SPAN_NAMES = {"/": "compat_generate", "/generate": "generate", "/generate_stream": "generate_stream",
+              "/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
+              "/invocations": "invocations", "/tokenize": "tokenize"}
+
+
+@web.middleware
+async def tracing_middleware(request: web.Request, handler):
+    """A server span per generation request (only installed with tracing on), in the client's trace when
+    it sent a ``traceparent`` header; what runs inside (validation, the scheduler's spans) joins it."""
+    name = SPAN_NAMES.get(request.path) if request.method == "POST" else None
+    if name is None:
+        return await handler(request)
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    with tracing.tracer().start_as_current_span(
+            name, context=tracing.parent_context(request.headers.get("traceparent")), kind=SpanKind.SERVER,
+            attributes={"http.request.method": "POST", "url.path": request.path}) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 400 or request.get(OUTCOME) is not None:
+            span.set_status(Status(StatusCode.ERROR, request.get(OUTCOME)))
+        return response
 
 
 def mark_failed(request: web.Request, error: ApiError | None) -> None:

@@ -22,6 +22,7 @@ import structlog
 from prometheus_client.registry import Collector
 
 from llmbus.bus import messages as m
+from llmbus.bus import tracing
 from llmbus.frontend.errors import ErrorKind
 from llmbus.frontend.metrics import counter, histogram
 # the same counts-per-bucket histograms (and TGI's duration buckets) as the scheduler's step metrics
@@ -92,6 +93,12 @@ class RequestMetrics(Collector):
                  queue_time=round(queue, 6), inference_time=round(inference, 6),
                  time_per_token=round(inference / max(generated, 1), 6), input_length=gen.input_length,
                  generated_tokens=generated, finish_reason=gen.finish_reason, seed=gen.seed)
+        if tracing.enabled():
+            tracing.record_span("validation", tracing.wall_time(gen.prepared.start_time),
+                                tracing.wall_time(gen.timings.queued), attributes={"input_length": gen.input_length})
+            tracing.annotate_current(total_time=total, validation_time=validation, queue_time=queue,
+                                     inference_time=inference, time_per_token=inference / max(generated, 1),
+                                     seed=gen.seed if gen.seed is not None else -1)
         self.version += 1
         d = self._durations
         d["duration"].observe(total)

@@ -51,6 +51,7 @@ class Request:
     stopping: StoppingParams
     prompt_logprobs: bool = False
     arrival_time: float = 0.0
+    traceparent: str = ""  # the frontend's span of this request, when tracing (bus/tracing.py)
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache

@@ -20,6 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from llmbus.bus import messages as m
+from llmbus.bus import tracing
 from llmbus.bus.rundir import Endpoints, ensure_run_dir
 from llmbus.bus.service import ServiceContext, ServiceError, Terminate, install_stop_signals, run_service
 from llmbus.bus.sockets import open_socket, poll, recv, send
@@ -50,6 +51,8 @@ class SchedulerProcessConfig:
     max_waiting_tokens: int = 20
     worker_start_timeout_s: float = 600.0  # weights loading + warmup
     step_timeout_s: float = 300.0
+    otlp_endpoint: str | None = None  # export OpenTelemetry spans there (bus/tracing.py)
+    otlp_service_name: str = "llmbus"
 
     @property
     def endpoints(self) -> Endpoints:
@@ -149,6 +152,8 @@ class SchedulerService:
         elif isinstance(msg, m.AbortRequest):
             for req in self.policy.abort(msg.rids):
                 self.log.debug("aborted", rid=req.rid)
+                if req.traceparent:
+                    _trace_request(req, "aborted")
         elif isinstance(msg, m.HealthCheck):
             self.health.check(msg.frontend_id, msg.check_id, msg.timeout_s, time.monotonic())
             self._probe_ranks()
@@ -183,7 +188,7 @@ class SchedulerService:
     def _add(self, msg: m.AddRequest) -> None:
         req = Request(rid=msg.rid, frontend_id=msg.frontend_id, prompt_ids=list(msg.input_ids),
                       sampling=msg.sampling, stopping=msg.stopping, prompt_logprobs=msg.prompt_logprobs,
-                      arrival_time=msg.arrival_time)
+                      arrival_time=msg.arrival_time, traceparent=msg.traceparent)
         try:
             if self.stopping:
                 raise ValueError("the server is shutting down")
@@ -303,6 +308,8 @@ class SchedulerService:
                 tb.prompt_logprobs.append([ev.request.rid, ev.prompt_logprobs])
             if top_tokens is not None:
                 tb.top_tokens.append(top_tokens.get(req.rid, []))
+            if req.traceparent and ev.finish_reason != m.FinishReason.NONE:
+                _trace_request(req, ev.finish_reason.tgi_name)
         for frontend_id, tb in per_frontend.items():
             if not any(tb.top_tokens):
                 tb.top_tokens = []  # none of this frontend's tokens asked: the list stays empty
@@ -380,8 +387,21 @@ class SchedulerService:
         self.steps.setsockopt(zmq.LINGER, 1000)
 
 
+def _trace_request(req: Request, finish_reason: str) -> None:
+    """The request's queue and inference spans, children of the frontend's span of it."""
+    now = time.time()
+    admitted = req.admitted_time if req.admitted_time is not None else now
+    attributes = {"rid": req.rid, "input_length": len(req.prompt_ids), "generated_tokens": len(req.output_ids),
+                  "finish_reason": finish_reason, "preemptions": req.num_preemptions}
+    tracing.record_span("queue", req.arrival_time or admitted, admitted, traceparent=req.traceparent,
+                        attributes={"rid": req.rid})
+    if req.admitted_time is not None:
+        tracing.record_span("inference", admitted, now, traceparent=req.traceparent, attributes=attributes)
+
+
 def run_scheduler(cfg: SchedulerProcessConfig) -> int:
     def body(ctx: ServiceContext) -> None:
+        tracing.setup(cfg.otlp_endpoint, f"{cfg.otlp_service_name}.scheduler")
         service = SchedulerService(cfg, ctx)
 
         def on_signal(signum: int) -> None:
@@ -408,6 +428,8 @@ def run_scheduler(cfg: SchedulerProcessConfig) -> int:
             service.fail_everything("the server is shutting down")
             service.shutdown_workers("scheduler stopped")
             raise
+        finally:
+            tracing.shutdown()
 
     return run_service("scheduler", body)
 
@@ -429,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waiting-served-ratio", type=float, default=0.3)
     p.add_argument("--max-waiting-tokens", type=int, default=20)
     p.add_argument("--worker-start-timeout", type=float, default=600.0)
+    p.add_argument("--otlp-endpoint", default=os.environ.get("OTLP_ENDPOINT"),
+                   help="export OpenTelemetry spans to this OTLP endpoint (the tracing extra)")
+    p.add_argument("--otlp-service-name", default=os.environ.get("OTLP_SERVICE_NAME", "llmbus"))
     a = p.parse_args(argv)
     if not a.run_dir:
         p.error("--run-dir (or LLMBUS_RUN_DIR) is required")
@@ -439,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         fit_prefill_tokens_to_kv=a.fit_prefill_tokens_to_kv or a.max_batch_prefill_tokens is None,
         prefill_chunking=a.prefill_chunking, prefix_caching=a.prefix_caching,
         waiting_served_ratio=a.waiting_served_ratio, max_waiting_tokens=a.max_waiting_tokens,
-        worker_start_timeout_s=a.worker_start_timeout))
+        worker_start_timeout_s=a.worker_start_timeout, otlp_endpoint=a.otlp_endpoint,
+        otlp_service_name=a.otlp_service_name))
 
 
 def _boolean(value: str) -> bool:

@@ -105,6 +105,12 @@ def main() -> None:
                    "/metrics on any of them counts the requests of all).")
 @click.option("--health-check-timeout", envvar="HEALTH_CHECK_TIMEOUT", type=float, default=10.0, show_default=True,
               help="Seconds /health waits for every worker rank to answer a probe before answering 503.")
+@click.option("--otlp-endpoint", envvar="OTLP_ENDPOINT", default=None,
+              help="Export OpenTelemetry spans of every request to this OTLP endpoint (gRPC, e.g. "
+                   "http://localhost:4317; OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf for OTLP/HTTP). "
+                   "Needs the tracing extra.")
+@click.option("--otlp-service-name", envvar="OTLP_SERVICE_NAME", default="llmbus", show_default=True,
+              help="Spans come from <name>.frontend and <name>.scheduler.")
 def up(**kw) -> None:
     """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
     from llmbus.bus.rundir import RunDir, RunDirInUse
@@ -201,7 +207,8 @@ def _launch_config(kw: dict, r: dict, run_dir: str) -> LaunchConfig:
         api_key=kw["api_key"] or None, cors_allow_origin=tuple(kw["cors_allow_origin"]),
         payload_limit=kw["payload_limit"], graceful_termination_timeout=kw["graceful_termination_timeout"],
         validation_workers=kw["validation_workers"], worker_env=worker_env, num_frontends=kw["num_frontends"],
-        health_check_timeout=kw["health_check_timeout"])
+        health_check_timeout=kw["health_check_timeout"], otlp_endpoint=kw["otlp_endpoint"],
+        otlp_service_name=kw["otlp_service_name"])
 
 
 def visible_gpus() -> int | None:
@@ -267,6 +274,11 @@ def _check_static(kw: dict) -> None:
         raise InvalidArgument(f"`max_waiting_tokens` must be >= 0. Given: {kw['max_waiting_tokens']}")
     if kw["kv_cache_memory"] is not None and kw["kv_cache_memory"] < 1:
         raise InvalidArgument("`kv_cache_memory` must be > 0")
+    if kw["otlp_endpoint"]:
+        from llmbus.bus import tracing
+
+        if not tracing.available():
+            raise InvalidArgument(f"`otlp_endpoint` is set but {tracing.EXTRA_HINT}")
     if kw["num_frontends"] < 1:
         raise InvalidArgument("`num_frontends` must be > 0")
     if not kw["health_check_timeout"] > 0:

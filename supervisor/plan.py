@@ -52,6 +52,8 @@ class LaunchConfig:
     scheduler_timeout_s: float = 60.0  # how long the frontend waits for the scheduler's handshake
     num_frontends: int = 1  # HTTP frontends sharing the port (SO_REUSEPORT) when more than one
     health_check_timeout: float = 10.0
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "llmbus"
 
 
 def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessSpec]:
@@ -67,6 +69,9 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
         scheduler.append("--fit-prefill-tokens-to-kv")
     if cfg.max_batch_size is not None:
         scheduler += ["--max-batch-size", str(cfg.max_batch_size)]
+    tracing = ["--otlp-endpoint", cfg.otlp_endpoint, "--otlp-service-name", cfg.otlp_service_name] \
+        if cfg.otlp_endpoint else []
+    scheduler += tracing
     workers = [python, "-m", "llmbus.workers", *common, "--model-dir", cfg.model_dir,
                "--gpus", str(cfg.world_size), "--dtype", cfg.dtype, "--device", cfg.device,
                "--block-size", str(cfg.block_size),
@@ -95,6 +100,7 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
         frontend += ["--cors-allow-origin", origin]
     if cfg.num_frontends > 1:
         frontend.append("--reuse-port")
+    frontend += tracing
     # the key travels in the environment: a command line is readable by every user of the machine
     frontend_env = {"API_KEY": cfg.api_key} if cfg.api_key else {}
     plan = [

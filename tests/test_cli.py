@@ -52,7 +52,8 @@ def test_help_lists_flags():
                  "--max-top-n-tokens", "--max-client-batch-size", "--validation-workers", "--port", "--hostname",
                  "--json-output", "--cors-allow-origin", "--api-key", "--huggingface-hub-cache",
                  "--cuda-memory-fraction", "--payload-limit", "--graceful-termination-timeout", "--env",
-                 "--watermark-gamma", "--watermark-delta"):
+                 "--watermark-gamma", "--watermark-delta", "--otlp-endpoint", "--otlp-service-name",
+                 "--num-frontends", "--health-check-timeout"):
         assert flag in result.output
 
 
@@ -78,12 +79,23 @@ def test_demo_model_command(tmp_path):
     (["--cuda-memory-fraction", "0"], {}, "Invalid argument: `cuda_memory_fraction` must be in (0, 1]"),
     (["--port", "70000"], {}, "Invalid argument: `port` must be between 1 and 65535. Given: 70000"),
     ([], {"MAX_INPUT_LENGTH": "10", "MAX_INPUT_TOKENS": "20"}, "Both `max_input_tokens` (20)"),
+    (["--num-frontends", "0"], {}, "Invalid argument: `num_frontends` must be > 0"),
+    ([], {"HEALTH_CHECK_TIMEOUT": "0"}, "Invalid argument: `health_check_timeout` must be > 0. Given: 0.0"),
 ])
 def test_tgi_launcher_rules(tiny_model_dir, args, env, message):
     result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), *args], env=env)
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert len(result.output.strip().splitlines()) <= 2, "one clear line (and click's usage hint at most)"
+
+
+def test_otlp_endpoint_without_opentelemetry_is_refused(tiny_model_dir, monkeypatch):
+    from llmbus.bus import tracing
+
+    monkeypatch.setattr(tracing, "available", lambda: False)
+    result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir)], env={"OTLP_ENDPOINT": "http://c:4317"})
+    assert result.exit_code == 2
+    assert "`otlp_endpoint` is set but tracing needs OpenTelemetry: pip install 'llmbus[tracing]'" in result.output
 
 
 def test_procfile_renders_the_launch_plan(tiny_model_dir, tmp_path):
@@ -99,6 +111,15 @@ def test_procfile_renders_the_launch_plan(tiny_model_dir, tmp_path):
     assert "k3y" not in procfile, "the key stays out of the command lines"
     env = (tmp_path / ".env").read_text().splitlines()
     assert "API_KEY=k3y" in env and "TRUST_REMOTE_CODE=1" in env
+    two = CliRunner().invoke(main, ["procfile", "--model-id", str(tiny_model_dir), "-o", str(tmp_path / "two"),
+                                    "--num-frontends", "2", "--otlp-endpoint", "http://collector:4317"])
+    entries = dict(line.split(": ", 1) for line in (tmp_path / "two" / "Procfile").read_text().splitlines()
+                   if not line.startswith("#"))
+    assert set(entries) == {"scheduler", "workers", "frontend0", "frontend1"}, two.output
+    assert all("--reuse-port" in entries[f] and "--otlp-endpoint http://collector:4317" in entries[f]
+               for f in ("frontend0", "frontend1"))
+    assert "--frontend-id f0" in entries["frontend0"] and "--frontend-id f1" in entries["frontend1"]
+    assert "--otlp-endpoint http://collector:4317" in entries["scheduler"]
     bad = CliRunner().invoke(main, ["procfile", "--model-id", str(tiny_model_dir), "--num-shard", "0"])
     assert bad.exit_code == 2 and "`num_shard` cannot be < 1" in bad.output
 
