@@ -111,6 +111,8 @@ def main() -> None:
                    "Needs the tracing extra.")
 @click.option("--otlp-service-name", envvar="OTLP_SERVICE_NAME", default="llmbus", show_default=True,
               help="Spans come from <name>.frontend and <name>.scheduler.")
+@click.option("--runner", envvar="LLMBUS_RUNNER", type=click.Choice(["model", "fake"]), default="model",
+              hidden=True, help="fake: workers return tokens without computing (to measure the stack alone).")
 def up(**kw) -> None:
     """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
     from llmbus.bus.rundir import RunDir, RunDirInUse
@@ -208,7 +210,7 @@ def _launch_config(kw: dict, r: dict, run_dir: str) -> LaunchConfig:
         payload_limit=kw["payload_limit"], graceful_termination_timeout=kw["graceful_termination_timeout"],
         validation_workers=kw["validation_workers"], worker_env=worker_env, num_frontends=kw["num_frontends"],
         health_check_timeout=kw["health_check_timeout"], otlp_endpoint=kw["otlp_endpoint"],
-        otlp_service_name=kw["otlp_service_name"])
+        otlp_service_name=kw["otlp_service_name"], runner=kw["runner"])
 
 
 def visible_gpus() -> int | None:

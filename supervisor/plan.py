@@ -50,6 +50,7 @@ class LaunchConfig:
     validation_workers: int = 2
     worker_env: dict[str, str] = field(default_factory=dict)  # TRUST_REMOTE_CODE, WATERMARK_GAMMA/DELTA
     scheduler_timeout_s: float = 60.0  # how long the frontend waits for the scheduler's handshake
+    runner: str = "model"  # "fake": the workers compute nothing (benchmarks of the stack's own overhead)
     num_frontends: int = 1  # HTTP frontends sharing the port (SO_REUSEPORT) when more than one
     health_check_timeout: float = 10.0
     otlp_endpoint: str | None = None
@@ -78,6 +79,8 @@ def build_plan(cfg: LaunchConfig, python: str = sys.executable) -> list[ProcessS
                "--max-batch-prefill-tokens", str(cfg.max_batch_prefill_tokens)]
     if cfg.kv_cache_memory is not None:
         workers += ["--kv-cache-memory", str(cfg.kv_cache_memory)]
+    if cfg.runner != "model":
+        workers += ["--runner", cfg.runner]
     if cfg.num_blocks is not None:
         workers += ["--num-blocks", str(cfg.num_blocks)]
     if cfg.cuda_memory_fraction != 1.0:
