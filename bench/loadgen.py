@@ -155,6 +155,7 @@ class _Run:
         self.session: aiohttp.ClientSession | None = None
         self.exact = False  # /tokenize is there: prompts are cut to exact token counts
         self.next_prompt = 0  # position in config.prompts
+        self.api = None  # the dialect, once the model name is known
 
     async def run(self) -> BenchResult:
         c = self.config
@@ -209,12 +210,17 @@ class _Run:
             return "tgi"
 
     async def _tokenize(self, text: str) -> list:
-        async with self.session.post(f"{self.config.url}/tokenize", json={"inputs": text},
-                                     timeout=aiohttp.ClientTimeout(total=60)) as resp:
-            if resp.status != 200:
-                raise BenchError(f"/tokenize failed while building prompts: "
-                                 f"{error_text(resp.status, await resp.text())}")
-            return await resp.json(content_type=None)
+        problem = "/tokenize failed while building prompts"
+        try:
+            async with self.session.post(f"{self.config.url}/tokenize", json={"inputs": text},
+                                         timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                if resp.status != 200:
+                    raise BenchError(f"{problem}: {error_text(resp.status, await resp.text())}")
+                return await resp.json(content_type=None)
+        except (aiohttp.ClientError, ValueError) as e:
+            raise BenchError(f"{problem}: {type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:  # not the run's deadline, which cancels instead
+            raise BenchError(f"{problem}: no answer within 60 s") from None
 
     async def _specs(self, n: int, position) -> list[_Spec]:
         c = self.config
