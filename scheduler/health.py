@@ -59,14 +59,13 @@ class RankHealth:
         """Failures for the checks whose time is up. Once none waits on the probe out, it is given up:
         later checks get a fresh probe rather than waiting on a rank that may never answer it."""
         answers = []
+        # checks queued behind the probe out wait on the same ranks as those it covers
+        missing = ", ".join(map(str, sorted(self.owed)))
         for pending in (self.covered, self.queued):
-            late = [c for c in pending if c.deadline <= now]
-            for c in late:
+            for c in [c for c in pending if c.deadline <= now]:
                 pending.remove(c)
-                missing = sorted(self.owed) if pending is self.covered else list(range(self.world_size))
                 answers.append(Answer(c.frontend_id, c.check_id, False,
-                                      f"worker rank(s) {', '.join(map(str, missing))} did not answer a health "
-                                      f"probe in time"))
+                                      f"worker rank(s) {missing} did not answer a health probe in time"))
         if not self.covered:
             self.owed = set()
         return answers
