@@ -239,13 +239,3 @@ def load_tokenizer(model_dir: str):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``q`` in 0..100."""
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    k = (len(v) - 1) * q / 100
-    i = int(k)
-    return v[i] if i + 1 >= len(v) else v[i] + (v[i + 1] - v[i]) * (k - i)

@@ -60,8 +60,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import (LlmbusServer, Stream, client_session, default_model_dir,  # noqa: E402
-                     exact_token_prompt, exit_on_sigterm, load_average, load_tokenizer, percentile,
+                     exact_token_prompt, exit_on_sigterm, load_average, load_tokenizer,
                      stream_tokens, wait_metrics)
+
+from llmbus.bench.stats import percentile  # noqa: E402
 
 TARGET = 2.0
 PREFILL_STEPS = 'tgi_batch_inference_count{method="prefill"}'
@@ -153,7 +155,7 @@ def analyse(slots: list[list[Stream]], long: dict) -> dict:
         window += mine
         window_max.append(max(mine, default=float("nan")))
     steady_median = statistics.median(steady) if steady else float("nan")
-    p99 = percentile(window, 99)
+    p99 = percentile(window, 99) if window else float("nan")
     return {
         "steady_median": steady_median, "steady_n": len(steady),
         "window_median": statistics.median(window) if window else float("nan"),
