@@ -63,8 +63,12 @@ class LlmbusDecode:
     def __init__(self, model_dir: str, dtype: torch.dtype, max_batch: int, context: int, steps: int):
         tokens_per_seq = context + steps + 1
         blocks_per_seq = -(-tokens_per_seq // BLOCK_SIZE)
-        self.runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE,
-                                  num_blocks=max_batch * blocks_per_seq + 1, max_batch_prefill_tokens=2048)
+        # The server's default pool (DEFAULT_KV_CACHE_BYTES), or more if the batches need it: the pool's
+        # size decides whether decode attention may keep its gathered K/V between steps (attention.py).
+        self.runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE, max_batch_prefill_tokens=2048)
+        if self.runner.num_blocks < max_batch * blocks_per_seq + 1:
+            self.runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE,
+                                      num_blocks=max_batch * blocks_per_seq + 1, max_batch_prefill_tokens=2048)
         self.runner.warmup()
         self.context, self.blocks_per_seq, self.vocab = context, blocks_per_seq, self.runner.model.config.vocab_size
 

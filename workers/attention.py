@@ -14,11 +14,18 @@ backend is told each layer's window (None: full attention) when it is made, and 
 one mask per distinct window per group, so a model whose layers all share a window (or none) pays for
 one mask, and one mixing full and windowed layers for two. Keys outside the window stay in the cache and
 are still gathered, only masked out: the scheduler owns a request's blocks and frees none before it ends.
+
+On CPU, gathering the blocks is the costliest part of a large decode step (at batch 64 it copies ~10 MB
+per layer, about a sixth of the step), and it copies nearly the same bytes every step. So the backend
+keeps the decode group's gathered K/V between steps (``_DecodeMirror``): while the same sequences decode
+in the same order, each step only writes its new token into the mirror, besides the pool. Any other
+batch (a sequence joins or leaves, a chunk arrives, ``forget``) rebuilds it with one gather.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +52,10 @@ class AttentionGroup:
     # biases (0 or -inf, cache dtype) in the head-major order of the batched matmuls, [Hkv * batch, 1,
     # max_ctx] for decodes and [Hkv * batch, max_query_len, 1, max_ctx] for chunks; () for other groups.
     matmul_biases: tuple[torch.Tensor, ...] = ()
+    # Decode groups on CPU: the mirrored K/V (``_DecodeMirror``) the matmuls read instead of gathering,
+    # and each sequence's slot in it ([B], b * capacity + position) where this step's token goes.
+    mirror: "_DecodeMirror | None" = None
+    mirror_slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +74,35 @@ def _gather(blocks: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
     num_kv_heads, _, block_size, head_dim = blocks.shape
     batch, n = block_index.shape
     return blocks.index_select(1, block_index.reshape(-1)).view(num_kv_heads, batch, n * block_size, head_dim)
+
+
+@dataclass(slots=True)
+class _DecodeMirror:
+    """The decode group's context K/V as the matmuls read it, ``[layers, Hkv, B, capacity, D]``, kept for
+    the next step. Valid for sequences ``rids`` with block tables starting with ``tables`` and
+    ``lengths`` tokens written; positions past a sequence's length hold finite filler (masked)."""
+
+    rids: list[str]
+    tables: list[list[int]]
+    lengths: list[int]
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.key.shape[3]
+
+    def follows(self, rids: list[str], tables: list[list[int]], computed: list[int], ctx: int) -> bool:
+        """Whether a decode group of ``rids`` at ``computed`` tokens is the last step's one more token on."""
+        return (rids == self.rids and computed == self.lengths and ctx <= self.capacity
+                and all(table[:len(old)] == old for table, old in zip(tables, self.tables)))
+
+
+# A rebuilt mirror has room for this many more tokens per sequence, so it is regathered once every this
+# many steps of an unchanged batch.
+MIRROR_SLACK = 32
+# The mirror may take at most this share of the KV pool's bytes; larger groups gather every step.
+MIRROR_POOL_SHARE = 0.5
 
 
 # Groups whose sequences bring at most this many query tokens attend with two batched matmuls instead of
@@ -86,11 +126,19 @@ class TorchSDPABackend:
         windows = list(dict.fromkeys(sliding_windows)) or [None]
         self.windows: tuple[int | None, ...] = tuple(windows)
         self.mask_of_layer: tuple[int, ...] = tuple(windows.index(w) for w in sliding_windows)
+        self._mirror: _DecodeMirror | None = None
+
+    def forget(self) -> None:
+        """Drop the decode mirror: a sequence it holds was dropped, or the pool was written outside steps
+        (warmup). Needed for correctness only when a dropped request comes back under the same id."""
+        self._mirror = None
 
     def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
-                       kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
+                       kv_cache: PagedKVCache, device: torch.device,
+                       seq_ids: list[str] | None = None) -> AttentionMetadata:
         """Index tensors for one step. Host work is per sequence, never per token; the shapes come from
-        the host lists so that nothing here waits on the device."""
+        the host lists so that nothing here waits on the device. ``seq_ids`` (request ids) let a CPU
+        decode group reuse the last step's gathered K/V; without them every step gathers."""
         block_size = kv_cache.block_size
         num_seqs = len(query_lens)
         num_tokens = sum(query_lens)
@@ -146,9 +194,17 @@ class TorchSDPABackend:
 
             ctx_blocks = -(-max_ctx // block_size)
             max_ctx = ctx_blocks * block_size
+            block_index = tables[members_t][:, :ctx_blocks]
+            mirror = None
+            if max_query_len == 1 and seq_ids is not None and device.type == "cpu":
+                mirror = self._mirror_for([seq_ids[i] for i in members], [block_tables[i] for i in members],
+                                          [num_computed[i] for i in members], max_ctx, block_index, kv_cache)
+                if mirror is not None:
+                    # The matmuls read the mirror's whole rows (a narrower view would make bmm copy it);
+                    # the mask covers the unused tail.
+                    max_ctx = mirror.capacity
             key_pos = torch.arange(max_ctx, device=device)
             in_context = key_pos[None, :] < context_lens[:, None]  # [B, max_ctx]
-            block_index = tables[members_t][:, :ctx_blocks]
             query_pos = computed[:, None] + torch.arange(max_query_len, device=device)[None, :]  # [B, max_q]
             # Padded query rows (beyond a sequence's length) still see its whole context: never a fully
             # masked row, so SDPA returns finite values that are then dropped.
@@ -162,11 +218,38 @@ class TorchSDPABackend:
                     torch.zeros(m.shape, dtype=kv_cache.key.dtype, device=device).masked_fill_(~m, float("-inf"))
                     .view(shape).repeat(kv_cache.num_kv_heads, *[1] * (len(shape) - 1))
                     for m in masks)
-            groups.append(AttentionGroup(batch=batch, max_query_len=max_query_len,
-                                         token_index=None if group_tokens == num_tokens else token_index,
-                                         padded_row=padded_row, block_index=block_index, masks=masks,
-                                         matmul_biases=matmul_biases))
+            group = AttentionGroup(batch=batch, max_query_len=max_query_len,
+                                   token_index=None if group_tokens == num_tokens else token_index,
+                                   padded_row=padded_row, block_index=block_index, masks=masks,
+                                   matmul_biases=matmul_biases)
+            if mirror is not None:
+                group.mirror = mirror
+                group.mirror_slots = torch.arange(batch) * mirror.capacity + computed
+            groups.append(group)
+        if seq_ids is not None and not any(g.mirror is not None for g in groups):
+            self._mirror = None  # no decode group this step: the next one starts afresh
         return AttentionMetadata(positions=positions, slot_mapping=slot_mapping, groups=groups)
+
+    def _mirror_for(self, rids: list[str], tables: list[list[int]], computed: list[int], max_ctx: int,
+                    block_index: torch.Tensor, kv_cache: PagedKVCache) -> _DecodeMirror | None:
+        """The mirror holding this decode group's context: the last step's, or one rebuilt with a gather
+        for every layer; None (the group gathers) when it would be too big."""
+        mirror = self._mirror
+        if mirror is None or not mirror.follows(rids, tables, computed, max_ctx):
+            self._mirror = None
+            shape = (kv_cache.num_layers, kv_cache.num_kv_heads, len(rids), max_ctx + MIRROR_SLACK,
+                     kv_cache.head_dim)
+            if 2 * math.prod(shape) * kv_cache.key.element_size() > MIRROR_POOL_SHARE * kv_cache.nbytes:
+                return None
+            mirror = _DecodeMirror(rids, [], computed, kv_cache.key.new_zeros(shape),
+                                   kv_cache.value.new_zeros(shape))
+            for pool, dense in ((kv_cache.key, mirror.key), (kv_cache.value, mirror.value)):
+                dense[:, :, :, :max_ctx] = pool.index_select(2, block_index.reshape(-1)).view(
+                    *shape[:3], max_ctx, shape[4])
+        mirror.tables = [list(t) for t in tables]
+        mirror.lengths = [c + 1 for c in computed]
+        self._mirror = mirror
+        return mirror
 
     @staticmethod
     def _windowed(mask: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor,
@@ -191,7 +274,13 @@ class TorchSDPABackend:
         mask_index = self.mask_of_layer[layer] if len(self.windows) > 1 else 0
         for group in meta.groups:
             group_queries = query if group.token_index is None else query.index_select(0, group.token_index)
-            if group.matmul_biases:
+            if group.mirror is not None:
+                group_keys, group_values = ((key, value) if group.token_index is None else
+                                            (key.index_select(0, group.token_index),
+                                             value.index_select(0, group.token_index)))
+                attended = self._mirrored(layer, group_queries, group_keys, group_values, group, mask_index,
+                                          scale)
+            elif group.matmul_biases:
                 attended = self._matmul(group_queries, key_blocks, value_blocks, group, mask_index, scale)
             else:
                 attended = self._prefill(group_queries, key_blocks, value_blocks, group, mask_index, scale)
@@ -201,20 +290,34 @@ class TorchSDPABackend:
         return out
 
     @staticmethod
+    def _mirrored(layer: int, queries, keys, values, group: AttentionGroup, mask_index: int, scale: float):
+        """A decode group over the mirror: this step's K/V go into it, then the matmuls read it in place."""
+        contexts = []
+        for dense, new in ((group.mirror.key[layer], keys), (group.mirror.value[layer], values)):
+            dense.view(dense.shape[0], -1, dense.shape[3]).index_copy_(1, group.mirror_slots, new.transpose(0, 1))
+            contexts.append(dense.flatten(0, 1))  # [Hkv * B, capacity, D]
+        return TorchSDPABackend._attend(queries, contexts[0], contexts[1], group, mask_index, scale)
+
+    @staticmethod
     def _matmul(queries, key_blocks, value_blocks, group: AttentionGroup, mask_index: int, scale: float):
         """Few queries per sequence: two batched matmuls over ``[Hkv * B]`` with each sequence's queries
         times the GQA group as rows, softmax in float32 (as transformers' eager attention). A fused SDPA
         kernel tiles for long queries and measured several times slower here for decodes at batch 64."""
+        keys = _gather(key_blocks, group.block_index).flatten(0, 1)  # [Hkv * B, ctx, D]
+        values = _gather(value_blocks, group.block_index).flatten(0, 1)
+        return TorchSDPABackend._attend(queries, keys, values, group, mask_index, scale)
+
+    @staticmethod
+    def _attend(queries, keys, values, group: AttentionGroup, mask_index: int, scale: float):
+        """The matmuls of ``_matmul`` over ``keys``/``values [Hkv * B, ctx, D]``."""
         batch, max_q = group.batch, group.max_query_len
         num_heads, head_dim = queries.shape[1], queries.shape[2]
-        num_kv_heads = key_blocks.shape[0]
+        num_kv_heads = keys.shape[0] // batch
         per_kv = num_heads // num_kv_heads
         padded = _padded_queries(queries, group)  # [B, max_q, Hq, D]
         # rows of sequence b under kv head h: its queries in order, each times the heads sharing h
         q = padded.view(batch, max_q, num_kv_heads, per_kv, head_dim).permute(2, 0, 1, 3, 4)
         q = q.reshape(num_kv_heads * batch, max_q * per_kv, head_dim)
-        keys = _gather(key_blocks, group.block_index).flatten(0, 1)  # [Hkv * B, ctx, D]
-        values = _gather(value_blocks, group.block_index).flatten(0, 1)
         bias = group.matmul_biases[mask_index]
         if max_q == 1:
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)
