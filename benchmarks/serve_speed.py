@@ -1,6 +1,6 @@
 """Startup, single-stream and 16-concurrent throughput of `llmbus up`, beside transformers in the same run.
 
-    python benchmarks/serve_speed.py [--model-id DIR] [--new-tokens 128] [--concurrency 16]
+    python benchmarks/serve_speed.py [--model-id DIR] [--new-tokens 128] [--concurrency 16] [--server-env K=V]
 
 Prints absolute numbers and ratios against transformers `generate` (batch 1, same checkpoint and dtype),
 measured in this run: machines are noisy, ratios are what to compare across runs.
@@ -65,14 +65,17 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--server-env", action="append", default=[],
+                   help="KEY=VALUE in the server's environment only, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     a = p.parse_args()
     if a.model_id is None:
         from llmbus.supervisor.demo_model import demo_model_dir
 
         a.model_id = str(demo_model_dir("small"))  # built before timing startup
 
+    server_env = dict(kv.split("=", 1) for kv in a.server_env)  # transformers' side keeps the defaults
     t0 = time.perf_counter()
-    srv = Server(["--model-id", a.model_id, "--dtype", a.dtype], ready_timeout=600)
+    srv = Server(["--model-id", a.model_id, "--dtype", a.dtype], env=server_env, ready_timeout=600)
     startup = time.perf_counter() - t0
     try:
         stream_timed(srv.url, PROMPT, 8)  # warm-up
@@ -87,6 +90,7 @@ def main() -> None:
     finally:
         srv.stop()
     base = transformers_batch1(a.model_id, a.dtype, PROMPT, a.new_tokens)
+    print(f"server environment: {server_env or 'inherited'}")
     print(f"model {a.model_id} dtype {a.dtype}, prompt {len(PROMPT)} chars, {a.new_tokens} new tokens")
     print(f"startup to ready:                 {startup:6.1f} s")
     print(f"single request: TTFT              {ttft * 1000:6.0f} ms, decode {single:7.1f} tok/s "
