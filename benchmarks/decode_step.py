@@ -20,43 +20,17 @@ Targets (issue #3): llmbus / transformers <= 1.0 at every batch size; batch-1 bo
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
 import torch
 
+from roofline import read_bandwidth, weight_bytes  # noqa: E402 - this folder, run as a script
+
 from llmbus.bus.messages import SamplingParams
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 16
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 11) -> float:
-    """Bytes per second of a full read (torch sum over a large float32 tensor), the best of ``repeats``:
-    the highest bandwidth seen makes the bound the strictest."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.nbytes / min(times)
-
-
-def weight_bytes(model_dir: str, dtype: torch.dtype) -> int:
-    """Bytes a decode step must read: every weight once in ``dtype``. An untied embedding is only
-    gathered (a few rows), so it does not count; a tied one is read whole as the LM head."""
-    from llmbus.workers.loader import CheckpointReader
-
-    element = torch.empty((), dtype=dtype).element_size()
-    with CheckpointReader(model_dir) as reader:
-        names = reader.names()
-        sizes = {name: math.prod(reader.shape(name)) for name in names}
-    if "lm_head.weight" in sizes:
-        sizes.pop("model.embed_tokens.weight", None)
-    return sum(sizes.values()) * element
 
 
 class LlmbusDecode:
@@ -144,7 +118,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.dtype}, context {a.context}, "
           f"{a.steps} timed steps, best of {a.repeats} rounds")
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(reduce=min)  # the highest bandwidth seen makes the bound the strictest
     ours = LlmbusDecode(a.model_id, dtype, max(batches), a.context, a.steps)
     theirs = TransformersDecode(a.model_id, dtype)
     wbytes = weight_bytes(a.model_id, dtype)

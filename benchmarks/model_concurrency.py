@@ -84,7 +84,7 @@ def _timed(fn) -> float:
 def flops_per_token(model_dir: str) -> float:
     """2 x the weights a generated token multiplies (the embedding is a lookup; a tied one counts once,
     as the LM head), ignoring attention's context-dependent part (small at these lengths)."""
-    from decode_step import weight_bytes
+    from roofline import weight_bytes
 
     return 2 * weight_bytes(model_dir, torch.float32) / 4
 

@@ -25,41 +25,54 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import weight_bytes  # noqa: E402  (bytes of the weights a decode step reads)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _seconds(fn, repeats: int, reduce: Callable[[list[float]], float] = statistics.median) -> float:
     fn()  # first call: allocation, kernel selection
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return reduce(times)
 
 
 def matmul_flops(dtype: torch.dtype, n: int = 3072, repeats: int = 9) -> float:
     """FLOP/s of an n x n x n GEMM in ``dtype``, median of ``repeats``."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
-    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
+    return 2 * n**3 / _seconds(lambda: torch.mm(a, b, out=out), repeats)
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 11) -> float:
-    """Bytes/s of reading ``gib`` GiB once (a float32 sum), median of ``repeats``."""
+def read_bandwidth(gib: float = 1.0, repeats: int = 11, reduce: Callable[[list[float]], float] = statistics.median
+                   ) -> float:
+    """Bytes/s of reading ``gib`` GiB once (a float32 sum), from the median of ``repeats`` timings (``reduce=min``:
+    the best one, the strictest bound)."""
     x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    return x.nbytes / _median_seconds(x.sum, repeats)
+    return x.nbytes / _seconds(x.sum, repeats, reduce)
+
+
+def weight_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """Bytes a decode step must read: every weight once in ``dtype``. An untied embedding is only
+    gathered (a few rows), so it does not count; a tied one is read whole as the LM head."""
+    from llmbus.workers.loader import CheckpointReader
+
+    element = torch.empty((), dtype=dtype).element_size()
+    with CheckpointReader(model_dir) as reader:
+        sizes = {name: math.prod(reader.shape(name)) for name in reader.names()}
+    if "lm_head.weight" in sizes:
+        sizes.pop("model.embed_tokens.weight", None)
+    return sum(sizes.values()) * element
 
 
 @dataclass
