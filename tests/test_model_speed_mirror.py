@@ -1,11 +1,14 @@
 """Decode attention that keeps its gathered K/V between steps (the mirror) attends exactly as gathering
 every step does: across steps that outgrow the mirror's room, sequences joining and leaving, a reordered
-batch, a prompt chunk beside the decodes, and a forgotten mirror."""
+batch, a prompt chunk beside the decodes, and a forgotten mirror; with torch's matmuls reading the mirror
+and with the C kernel (cpu_kernels.py) where it builds."""
 
+import pytest
 import torch
 
 from llmbus.workers import attention
 from llmbus.workers.attention import TorchSDPABackend
+from llmbus.workers.cpu_kernels import decode_attention_kernel
 from llmbus.workers.kv_cache import PagedKVCache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 8, 4
@@ -20,10 +23,11 @@ def _cache() -> PagedKVCache:
     return cache
 
 
-def test_mirrored_decode_equals_gathered(monkeypatch):
+@pytest.mark.parametrize("kernel", [None, decode_attention_kernel()], ids=["torch", "c-kernel"])
+def test_mirrored_decode_equals_gathered(monkeypatch, kernel):
     monkeypatch.setattr(attention, "MIRROR_SLACK", 4)  # outgrown every few steps
     mirrored_cache, gathered_cache = _cache(), _cache()
-    mirrored, gathered = TorchSDPABackend([None, 3]), TorchSDPABackend([None, 3])
+    mirrored, gathered = TorchSDPABackend([None, 3], kernel), TorchSDPABackend([None, 3])
     lengths = {"a": 5, "b": 9, "c": 1, "d": 12}
     tables = {rid: list(range(i * 40, i * 40 + 40)) for i, rid in enumerate(lengths)}
     # Each step: the sequences (in order) and their query lengths; a 3-token query is a prompt chunk.

@@ -19,7 +19,10 @@ On CPU, gathering the blocks is the costliest part of a large decode step (at ba
 per layer, about a sixth of the step), and it copies nearly the same bytes every step. So the backend
 keeps the decode group's gathered K/V between steps (``_DecodeMirror``): while the same sequences decode
 in the same order, each step only writes its new token into the mirror, besides the pool. Any other
-batch (a sequence joins or leaves, a chunk arrives, ``forget``) rebuilds it with one gather.
+batch (a sequence joins or leaves, a chunk arrives, ``forget``) rebuilds it with one gather. Where the C
+kernel of ``cpu_kernels.py`` builds (a C compiler is there), decode groups attend over the mirror with it:
+one pass per layer that also writes the new K/V, instead of four index copies, two batched matmuls and
+a softmax; the mirror then holds K/V in the kernel's layout (see ``decode_attention.c``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmbus.workers.cpu_kernels import DecodeAttentionKernel, decode_attention_kernel
 from llmbus.workers.kv_cache import PagedKVCache
 
 
@@ -56,6 +60,10 @@ class AttentionGroup:
     # and each sequence's slot in it ([B], b * capacity + position) where this step's token goes.
     mirror: "_DecodeMirror | None" = None
     mirror_slots: torch.Tensor | None = None
+    # Decode groups attended by the C kernel: each sequence's context length with this token, and per
+    # window of the backend its first visible key ([B] int64 each); masks and biases are then not built.
+    context_lens: torch.Tensor | None = None
+    window_starts: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(slots=True)
@@ -78,19 +86,18 @@ def _gather(blocks: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class _DecodeMirror:
-    """The decode group's context K/V as the matmuls read it, ``[layers, Hkv, B, capacity, D]``, kept for
-    the next step. Valid for sequences ``rids`` with block tables starting with ``tables`` and
-    ``lengths`` tokens written; positions past a sequence's length hold finite filler (masked)."""
+    """The decode group's context K/V, kept for the next step: ``[layers, Hkv, B, capacity, D]`` as the
+    matmuls read it, or ``[layers, Hkv, B, ...]`` in the C kernel's layout when ``for_kernel``. Valid for
+    sequences ``rids`` with block tables starting with ``tables`` and ``lengths`` tokens written;
+    positions past a sequence's length hold finite filler (masked)."""
 
     rids: list[str]
     tables: list[list[int]]
     lengths: list[int]
     key: torch.Tensor
     value: torch.Tensor
-
-    @property
-    def capacity(self) -> int:
-        return self.key.shape[3]
+    capacity: int
+    for_kernel: bool = False
 
     def follows(self, rids: list[str], tables: list[list[int]], computed: list[int], ctx: int) -> bool:
         """Whether a decode group of ``rids`` at ``computed`` tokens is the last step's one more token on."""
@@ -107,6 +114,8 @@ SDPA_DECODE_MAX_BATCH = 2
 MIRROR_SLACK = 32
 # The mirror may take at most this share of the KV pool's bytes; larger groups gather every step.
 MIRROR_POOL_SHARE = 0.5
+# The C kernel reads keys 16 at a time: its mirror's capacity is a multiple of this.
+KERNEL_BLOCK = 16
 
 
 # Groups whose sequences bring at most this many query tokens attend with two batched matmuls instead of
@@ -124,12 +133,14 @@ class TorchSDPABackend:
 
     name = "torch_sdpa"
 
-    def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = ()):
+    def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = (),
+                 decode_kernel: DecodeAttentionKernel | None = None):
         """``sliding_windows[layer]``: that layer's window in tokens, None for full attention (layers
-        not listed attend fully)."""
+        not listed attend fully). ``decode_kernel``: the C kernel for decode groups on CPU, if built."""
         windows = list(dict.fromkeys(sliding_windows)) or [None]
         self.windows: tuple[int | None, ...] = tuple(windows)
         self.mask_of_layer: tuple[int, ...] = tuple(windows.index(w) for w in sliding_windows)
+        self.decode_kernel = decode_kernel
         self._mirror: _DecodeMirror | None = None
 
     def forget(self) -> None:
@@ -203,6 +214,13 @@ class TorchSDPABackend:
             if max_query_len == 1 and seq_ids is not None and device.type == "cpu":
                 mirror = self._mirror_for([seq_ids[i] for i in members], [block_tables[i] for i in members],
                                           [num_computed[i] for i in members], max_ctx, block_index, kv_cache)
+                if mirror is not None and mirror.for_kernel:
+                    groups.append(AttentionGroup(
+                        batch=batch, max_query_len=1, token_index=None if group_tokens == num_tokens else token_index,
+                        padded_row=None, block_index=block_index, masks=(), mirror=mirror, context_lens=context_lens,
+                        window_starts=tuple(torch.zeros_like(context_lens) if window is None
+                                            else (context_lens - window).clamp_(min=0) for window in self.windows)))
+                    continue
                 if mirror is not None:
                     # The matmuls read the mirror's whole rows (a narrower view would make bmm copy it);
                     # the mask covers the unused tail.
@@ -241,15 +259,23 @@ class TorchSDPABackend:
         mirror = self._mirror
         if mirror is None or not mirror.follows(rids, tables, computed, max_ctx):
             self._mirror = None
-            shape = (kv_cache.num_layers, kv_cache.num_kv_heads, len(rids), max_ctx + MIRROR_SLACK,
-                     kv_cache.head_dim)
+            kernel = self.decode_kernel
+            for_kernel = kernel is not None and kernel.supports(kv_cache.key.dtype, kv_cache.head_dim)
+            capacity = max_ctx + MIRROR_SLACK
+            if for_kernel:
+                capacity = -(-capacity // KERNEL_BLOCK) * KERNEL_BLOCK
+            shape = (kv_cache.num_layers, kv_cache.num_kv_heads, len(rids), capacity, kv_cache.head_dim)
             if 2 * math.prod(shape) * kv_cache.key.element_size() > MIRROR_POOL_SHARE * kv_cache.nbytes:
                 return None
-            mirror = _DecodeMirror(rids, [], computed, kv_cache.key.new_zeros(shape),
-                                   kv_cache.value.new_zeros(shape))
-            for pool, dense in ((kv_cache.key, mirror.key), (kv_cache.value, mirror.value)):
-                dense[:, :, :, :max_ctx] = pool.index_select(2, block_index.reshape(-1)).view(
+            dense = []
+            for pool in (kv_cache.key, kv_cache.value):
+                gathered = pool.new_zeros(shape)
+                gathered[:, :, :, :max_ctx] = pool.index_select(2, block_index.reshape(-1)).view(
                     *shape[:3], max_ctx, shape[4])
+                dense.append(gathered)
+            if for_kernel:
+                dense = self.decode_kernel.layout(*dense)
+            mirror = _DecodeMirror(rids, [], computed, dense[0], dense[1], capacity, for_kernel)
         mirror.tables = [list(t) for t in tables]
         mirror.lengths = [c + 1 for c in computed]
         self._mirror = mirror
@@ -270,15 +296,26 @@ class TorchSDPABackend:
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """``query [T, Hq, D]``, ``key``/``value [T, Hkv, D]`` of the step's new tokens -> ``[T, Hq, D]``."""
         key_slots, value_slots = kv_cache.layer_slots(layer)  # [Hkv, slots, D]
+        mask_index = self.mask_of_layer[layer] if len(self.windows) > 1 else 0
+        if len(meta.groups) == 1 and meta.groups[0].context_lens is not None:
+            # Decodes only, by the kernel: it writes the pool too.
+            group = meta.groups[0]
+            return self.decode_kernel(query, key, value, group.mirror.key[layer], group.mirror.value[layer],
+                                      group.context_lens, group.window_starts[mask_index], scale,
+                                      pool=(key_slots, value_slots, meta.slot_mapping))
         key_slots.index_copy_(1, meta.slot_mapping, key.transpose(0, 1))
         value_slots.index_copy_(1, meta.slot_mapping, value.transpose(0, 1))
         key_blocks, value_blocks = kv_cache.layer_blocks(layer)
 
         out = None if len(meta.groups) == 1 else query.new_empty(query.shape)
-        mask_index = self.mask_of_layer[layer] if len(self.windows) > 1 else 0
         for group in meta.groups:
             group_queries = query if group.token_index is None else query.index_select(0, group.token_index)
-            if group.mirror is not None:
+            if group.context_lens is not None:
+                index = group.token_index
+                attended = self.decode_kernel(group_queries, key.index_select(0, index), value.index_select(0, index),
+                                              group.mirror.key[layer], group.mirror.value[layer],
+                                              group.context_lens, group.window_starts[mask_index], scale)
+            elif group.mirror is not None:
                 group_keys, group_values = ((key, value) if group.token_index is None else
                                             (key.index_select(0, group.token_index),
                                              value.index_select(0, group.token_index)))
@@ -370,6 +407,7 @@ def _unpadded(attended: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 
 def make_attention_backend(device: torch.device,
                            sliding_windows: list[int | None] | tuple[int | None, ...] = ()) -> TorchSDPABackend:
-    """The attention backend for ``device``; SDPA everywhere for now (it picks fused kernels itself).
-    ``sliding_windows``: each layer's window, None for full attention (see ``TorchSDPABackend``)."""
-    return TorchSDPABackend(sliding_windows)
+    """The attention backend for ``device``: SDPA everywhere (it picks fused kernels itself), with the C
+    decode kernel on CPU where it builds. ``sliding_windows``: each layer's window, None for full
+    attention (see ``TorchSDPABackend``)."""
+    return TorchSDPABackend(sliding_windows, decode_attention_kernel() if device.type == "cpu" else None)
