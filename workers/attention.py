@@ -261,11 +261,17 @@ class TorchSDPABackend:
             self._mirror = None
             kernel = self.decode_kernel
             for_kernel = kernel is not None and kernel.supports(kv_cache.key.dtype, kv_cache.head_dim)
-            capacity = max_ctx + MIRROR_SLACK
-            if for_kernel:
-                capacity = -(-capacity // KERNEL_BLOCK) * KERNEL_BLOCK
-            shape = (kv_cache.num_layers, kv_cache.num_kv_heads, len(rids), capacity, kv_cache.head_dim)
-            if 2 * math.prod(shape) * kv_cache.key.element_size() > MIRROR_POOL_SHARE * kv_cache.nbytes:
+            # The kernel reads each sequence's own context only, so room to grow costs it memory, not time:
+            # it gets as much again as the context (one rebuild where the matmuls would need several),
+            # or the matmuls' slack if that does not fit.
+            for slack in ((max(max_ctx, MIRROR_SLACK), MIRROR_SLACK) if for_kernel else (MIRROR_SLACK,)):
+                capacity = max_ctx + slack
+                if for_kernel:
+                    capacity = -(-capacity // KERNEL_BLOCK) * KERNEL_BLOCK
+                shape = (kv_cache.num_layers, kv_cache.num_kv_heads, len(rids), capacity, kv_cache.head_dim)
+                if 2 * math.prod(shape) * kv_cache.key.element_size() <= MIRROR_POOL_SHARE * kv_cache.nbytes:
+                    break
+            else:
                 return None
             dense = []
             for pool in (kv_cache.key, kv_cache.value):
