@@ -316,17 +316,17 @@ class TorchSDPABackend:
         out = None if len(meta.groups) == 1 else query.new_empty(query.shape)
         for group in meta.groups:
             group_queries = query if group.token_index is None else query.index_select(0, group.token_index)
-            if group.context_lens is not None:
-                index = group.token_index
-                attended = self.decode_kernel(group_queries, key.index_select(0, index), value.index_select(0, index),
-                                              group.mirror.key[layer], group.mirror.value[layer],
-                                              group.context_lens, group.window_starts[mask_index], scale)
-            elif group.mirror is not None:
+            if group.mirror is not None:
                 group_keys, group_values = ((key, value) if group.token_index is None else
                                             (key.index_select(0, group.token_index),
                                              value.index_select(0, group.token_index)))
-                attended = self._mirrored(layer, group_queries, group_keys, group_values, group, mask_index,
-                                          scale)
+                if group.context_lens is not None:  # the kernel, beside other groups: the pool is written
+                    attended = self.decode_kernel(group_queries, group_keys, group_values, group.mirror.key[layer],
+                                                  group.mirror.value[layer], group.context_lens,
+                                                  group.window_starts[mask_index], scale)
+                else:
+                    attended = self._mirrored(layer, group_queries, group_keys, group_values, group, mask_index,
+                                              scale)
             elif group.matmul_biases:
                 attended = self._matmul(group_queries, key_blocks, value_blocks, group, mask_index, scale)
             else:

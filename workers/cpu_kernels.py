@@ -108,10 +108,9 @@ class DecodeAttentionKernel:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mirror_key: torch.Tensor,
                  mirror_value: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, scale: float,
                  pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``query [B, Hq, D]``, ``key``/``value [B, Hkv, D]``;
-        ``mirror_key``/``mirror_value``
-        contiguous ``[Hkv, B, ...]`` in the layout of ``mirror_layout(dtype)``; ``lens``/``starts [B]`` int64:
-        each sequence's context length with this token, and its first visible key. Writes the new K/V at
+        """``query [B, Hq, D]``, ``key``/``value [B, Hkv, D]``; ``mirror_key``/``mirror_value`` contiguous
+        ``[Hkv, B, ...]`` in the layout ``layout`` gives their dtype; ``lens``/``starts [B]`` int64: each
+        sequence's context length with this token, and its first visible key. Writes the new K/V at
         ``lens - 1`` in the mirror and, with ``pool = (key slots [Hkv, S, D], value slots, slots [B])``,
         into the pool; returns the attended ``[B, Hq, D]``."""
         batch, num_heads, head_dim = query.shape
