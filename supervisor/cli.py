@@ -11,6 +11,7 @@ import click
 
 from llmbus.bench.cli import bench as bench_command
 from llmbus.supervisor.plan import LaunchConfig, build_plan
+from llmbus.supervisor.weights import served_model_id
 
 
 class InvalidArgument(click.ClickException):
@@ -194,7 +195,7 @@ def _launch_config(kw: dict, r: dict, run_dir: str) -> LaunchConfig:
         if kw[name] is not None:
             worker_env[name.upper()] = repr(kw[name])
     return LaunchConfig(
-        model_dir=str(r["model_dir"]), model_id=kw["model_id"] or "llmbus/demo-small", run_dir=run_dir,
+        model_dir=str(r["model_dir"]), model_id=served_model_id(kw["model_id"], r["model_dir"]), run_dir=run_dir,
         world_size=kw["num_shard"], hostname=kw["hostname"], port=kw["port"], dtype=kw["dtype"],
         device=kw["device"], max_input_tokens=r["max_input"], max_total_tokens=r["max_total"],
         max_batch_prefill_tokens=r["max_prefill"], prefill_tokens_explicit=r["prefill_explicit"],

@@ -10,8 +10,11 @@ class ModelNotFound(RuntimeError):
     pass
 
 
-def resolve_model(model_id: str | None, *, revision: str | None = None, cache_dir: str | None = None) -> Path:
-    """A local Hugging Face model folder for ``model_id`` (None = the demo model, built on first use)."""
+def resolve_model(model_id: str | None, *, revision: str | None = None, cache_dir: str | None = None,
+                  gguf_file: str | None = None) -> Path:
+    """A local Hugging Face model folder for ``model_id`` (None = the demo model, built on first use).
+
+    ``gguf_file`` names a GGUF file inside a hub repository or folder ``model_id`` (not yet served)."""
     if model_id is None:
         from llmbus.supervisor.demo_model import demo_model_dir
 
@@ -24,6 +27,11 @@ def resolve_model(model_id: str | None, *, revision: str | None = None, cache_di
     if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1:
         raise ModelNotFound(f"model folder {model_id} does not exist")
     return download(model_id, revision=revision, cache_dir=cache_dir)
+
+
+def served_model_id(model_id: str | None, model_dir: Path) -> str:
+    """The name /info and /v1/models give the model: ``model_id`` as given, or the default model's name."""
+    return model_id or "llmbus/demo-small"
 
 
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]

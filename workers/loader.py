@@ -89,7 +89,7 @@ class CheckpointReader:
 
 
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", quantize: str | None = None):
     """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards; any other
     ``model_type`` gets the transformers fallback (``models/hf_fallback.py``, single rank only)."""
     from llmbus.workers.models import llama

@@ -169,7 +169,8 @@ class ModelRunner:
     def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
-                 max_batch_prefill_tokens: int = 4096, cuda_memory_fraction: float = 1.0):
+                 max_batch_prefill_tokens: int = 4096, cuda_memory_fraction: float = 1.0,
+                 quantize: str | None = None):
         self.rank = rank
         self.world_size = world_size
         self.dtype = dtype
@@ -177,7 +178,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.cuda_memory_fraction = cuda_memory_fraction
-        self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device)
+        self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
+                                quantize=quantize)
         self.max_position_embeddings = self.model.max_position_embeddings
         # Rank 0 only, and only for requests with a repetition or frequency penalty.
         self.histories: dict[str, TokenHistory] = {}
