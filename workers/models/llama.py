@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from llmbus.workers.attention import AttentionMetadata, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
-from llmbus.workers.linear import Linear
+from llmbus.workers.weight_builder import WeightBuilder
 
 
 @dataclass(slots=True)
@@ -219,11 +219,11 @@ class RMSNorm:
 class LlamaAttention:
     """Fused column-parallel QKV, RoPE, paged attention, row-parallel output projection."""
 
-    def __init__(self, *, layer: int, qkv_weight, qkv_bias, o_weight, o_bias, num_heads: int, num_kv_heads: int,
+    def __init__(self, *, layer: int, qkv, o_proj, o_bias, num_heads: int, num_kv_heads: int,
                  head_dim: int, tp: TensorParallel):
         self.layer = layer
-        self.qkv = Linear(qkv_weight, qkv_bias)
-        self.o_proj = Linear(o_weight)
+        self.qkv = qkv  # a Linear or a quant.QuantizedLinear: the projections only need __call__
+        self.o_proj = o_proj
         self.o_bias = o_bias
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_width = (num_heads + num_kv_heads) * head_dim
@@ -246,9 +246,9 @@ class LlamaAttention:
 class LlamaMLP:
     """SwiGLU with a fused column-parallel gate/up projection and a row-parallel down projection."""
 
-    def __init__(self, *, gate_up_weight, gate_up_bias, down_weight, down_bias, tp: TensorParallel):
-        self.gate_up = Linear(gate_up_weight, gate_up_bias)
-        self.down = Linear(down_weight)
+    def __init__(self, *, gate_up, down, down_bias, tp: TensorParallel):
+        self.gate_up = gate_up
+        self.down = down
         self.down_bias = down_bias
         self.tp = tp
 
@@ -272,16 +272,17 @@ class LlamaDecoderLayer:
 class LlamaForCausalLM:
     """Llama decoder with vocab-parallel embedding and LM head; logits come back on rank 0 only."""
 
-    def __init__(self, *, config: DecoderConfig, tp: TensorParallel, embed_weight: torch.Tensor,
-                 layers: list[LlamaDecoderLayer], norm: RMSNorm, lm_head_weight: torch.Tensor,
-                 device: torch.device):
+    def __init__(self, *, config: DecoderConfig, tp: TensorParallel, embedding, vocab_per_rank: int,
+                 layers: list[LlamaDecoderLayer], norm: RMSNorm, lm_head, dtype: torch.dtype,
+                 device: torch.device, weight_summary: str = ""):
         self.config = config
         self.tp = tp
-        self.embed_weight = embed_weight  # [vocab_per_rank, hidden], zero rows past the real vocabulary
+        # ids -> rows of this rank's [vocab_per_rank, hidden] shard (zero rows past the real vocabulary)
+        self.embedding = embedding
         self.layers = layers
         self.norm = norm
-        self.lm_head = Linear(lm_head_weight)  # [vocab_per_rank, hidden] rows; a packed copy when tied
-        self.vocab_per_rank = embed_weight.shape[0]
+        self.lm_head = lm_head  # the same vocabulary rows as a projection (one int8 copy when tied)
+        self.vocab_per_rank = vocab_per_rank
         self.vocab_start = tp.rank * self.vocab_per_rank
         self.num_local_heads = config.num_heads // tp.world_size
         self.num_local_kv_heads = config.num_kv_heads // tp.world_size
@@ -289,8 +290,9 @@ class LlamaForCausalLM:
                                       config.max_position_embeddings, device)
         self.max_position_embeddings = self.rotary.max_positions
         self.attention_backend = make_attention_backend(device, config.sliding_windows)
-        self.dtype = embed_weight.dtype
+        self.dtype = dtype
         self.device = device
+        self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
 
     @property
     def num_layers(self) -> int:
@@ -298,11 +300,11 @@ class LlamaForCausalLM:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.embed_weight)
+            return self.embedding(input_ids)
         # Each rank embeds the ids in its vocabulary range, zeros for the rest; the sum is the embedding.
         local_ids = input_ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.vocab_per_rank)
-        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.embed_weight)
+        hidden = self.embedding(local_ids.masked_fill(outside, 0))
         hidden.masked_fill_(outside[:, None], 0)
         return self.tp.all_reduce(hidden)
 
@@ -327,8 +329,9 @@ class LlamaForCausalLM:
 
     @classmethod
     def from_checkpoint(cls, hf_config: dict, reader, *, rank: int, world_size: int, dtype: torch.dtype,
-                        device: torch.device) -> "LlamaForCausalLM":
-        """Read this rank's shards from ``reader`` (a ``loader.CheckpointReader``) and fuse them."""
+                        device: torch.device, quantize: str | None = None) -> "LlamaForCausalLM":
+        """Read this rank's shards from ``reader`` (a ``loader.CheckpointReader`` or a GGUF reader) and
+        fuse them; ``quantize`` ("int8", "int4") quantizes the projections (``weight_builder.py``)."""
         config = DecoderConfig.from_hf(hf_config)
         if config.num_heads % world_size or config.num_kv_heads % world_size:
             raise ValueError(
@@ -339,26 +342,8 @@ class LlamaForCausalLM:
             raise ValueError(f"tensor parallelism over {world_size} ranks needs intermediate_size "
                              f"({config.intermediate_size}) divisible by {world_size}")
         tp = TensorParallel(rank, world_size)
-
-        def place(t: torch.Tensor) -> torch.Tensor:
-            placed = t.to(device=device, dtype=dtype).contiguous()
-            # A tensor read in the model's dtype can still be a view of the checkpoint's memory map; one
-            # kept alive holds the whole mapped file resident (263 MB of SmolLM2's 1.48 GB worker).
-            return placed.clone() if placed.data_ptr() == t.data_ptr() else placed
-
-        def rows(name: str, per_rank: int) -> torch.Tensor:
-            return reader.read_rows(name, rank * per_rank, (rank + 1) * per_rank)
-
-        def optional_rows(name: str, per_rank: int):
-            return rows(name, per_rank) if reader.has(name) else None
-
-        def fused(parts: list) -> torch.Tensor | None:
-            if all(p is None for p in parts):
-                return None
-            if any(p is None for p in parts):
-                raise ValueError("a fused projection has biases on some of its parts only")
-            return place(torch.cat(parts, dim=0))
-
+        build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
+                              quantize=quantize)
         head_dim = config.head_dim
         q_rows = config.num_heads // world_size * head_dim
         kv_rows = config.num_kv_heads // world_size * head_dim
@@ -367,45 +352,25 @@ class LlamaForCausalLM:
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            o_proj, o_bias = build.row_parallel(attn + "o_proj", q_rows)
             attention = LlamaAttention(
-                layer=i,
-                qkv_weight=fused([rows(attn + f"{p}_proj.weight", n)
-                                  for p, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]),
-                qkv_bias=fused([optional_rows(attn + f"{p}_proj.bias", n)
-                                for p, n in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]),
-                o_weight=place(reader.read_cols(attn + "o_proj.weight", rank * q_rows, (rank + 1) * q_rows)),
-                o_bias=place(reader.read(attn + "o_proj.bias")) if reader.has(attn + "o_proj.bias") else None,
+                layer=i, qkv=build.column_parallel([(attn + "q_proj", q_rows), (attn + "k_proj", kv_rows),
+                                                    (attn + "v_proj", kv_rows)]),
+                o_proj=o_proj, o_bias=o_bias,
                 num_heads=config.num_heads // world_size, num_kv_heads=config.num_kv_heads // world_size,
                 head_dim=head_dim, tp=tp)
+            down, down_bias = build.row_parallel(mlp + "down_proj", inter_rows)
             mlp_block = LlamaMLP(
-                gate_up_weight=fused([rows(mlp + "gate_proj.weight", inter_rows),
-                                      rows(mlp + "up_proj.weight", inter_rows)]),
-                gate_up_bias=fused([optional_rows(mlp + "gate_proj.bias", inter_rows),
-                                    optional_rows(mlp + "up_proj.bias", inter_rows)]),
-                down_weight=place(reader.read_cols(mlp + "down_proj.weight", rank * inter_rows,
-                                                   (rank + 1) * inter_rows)),
-                down_bias=place(reader.read(mlp + "down_proj.bias")) if reader.has(mlp + "down_proj.bias") else None,
-                tp=tp)
+                gate_up=build.column_parallel([(mlp + "gate_proj", inter_rows), (mlp + "up_proj", inter_rows)]),
+                down=down, down_bias=down_bias, tp=tp)
             layers.append(LlamaDecoderLayer(
-                input_norm=RMSNorm(place(reader.read(prefix + "input_layernorm.weight")), config.rms_norm_eps),
+                input_norm=RMSNorm(build.vector(prefix + "input_layernorm.weight"), config.rms_norm_eps),
                 attention=attention,
-                post_attention_norm=RMSNorm(place(reader.read(prefix + "post_attention_layernorm.weight")),
+                post_attention_norm=RMSNorm(build.vector(prefix + "post_attention_layernorm.weight"),
                                             config.rms_norm_eps),
                 mlp=mlp_block))
-
-        vocab_per_rank = -(-config.vocab_size // world_size)
-        vocab_start = min(rank * vocab_per_rank, config.vocab_size)
-        vocab_stop = min(vocab_start + vocab_per_rank, config.vocab_size)
-
-        def vocab_shard(name: str) -> torch.Tensor:
-            # Every rank holds vocab_per_rank rows (zeros past the vocabulary) so gathers are even.
-            shard = torch.zeros(vocab_per_rank, config.hidden_size, dtype=dtype, device=device)
-            shard[: vocab_stop - vocab_start] = place(reader.read_rows(name, vocab_start, vocab_stop))
-            return shard
-
-        embed_weight = vocab_shard("model.embed_tokens.weight")
         tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
-        lm_head_weight = embed_weight if tied else vocab_shard("lm_head.weight")
-        return cls(config=config, tp=tp, embed_weight=embed_weight, layers=layers,
-                   norm=RMSNorm(place(reader.read("model.norm.weight")), config.rms_norm_eps),
-                   lm_head_weight=lm_head_weight, device=device)
+        embedding, lm_head, vocab_per_rank = build.embedding_and_head(config.vocab_size, config.hidden_size, tied)
+        norm = RMSNorm(build.vector("model.norm.weight"), config.rms_norm_eps)
+        return cls(config=config, tp=tp, embedding=embedding, vocab_per_rank=vocab_per_rank, layers=layers,
+                   norm=norm, lm_head=lm_head, dtype=dtype, device=device, weight_summary=build.summary())

@@ -1,0 +1,109 @@
+"""A GGUF file as a model folder the rest of llmbus reads like any other.
+
+A GGUF holds the config, the tokenizer, the chat template and the weights in one file. The frontend needs
+a ``tokenizers`` tokenizer and the chat template, the supervisor the config's limits, the workers the
+weights: so the file's metadata is turned once into ``config.json``, ``generation_config.json``,
+``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` in a folder under
+``~/.cache/llmbus/gguf/`` (keyed by the file's path, size and modification time, written to a temporary
+folder and renamed, so a half-written folder is never used), plus ``gguf.json`` naming the file. The
+weights stay in the GGUF: ``workers/gguf_checkpoint.py`` reads them from there by their Hugging Face names.
+
+The config and tokenizer come from transformers' own GGUF reading (built on the ``gguf`` package), which
+also makes them what ``from_pretrained(dir, gguf_file=...)`` gives, the reference the tests compare
+against. What transformers would accept but llmbus cannot run (another architecture, a tensor type
+without a dequantizer here) is refused first, in one line naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from llmbus.workers.gguf_checkpoint import (MANIFEST, SUPPORTED_ARCHITECTURES, GGUFError, check_servable,
+                                            gguf_source, is_gguf_folder, open_gguf)
+
+CACHE_ROOT = Path(os.environ.get("LLMBUS_CACHE", Path.home() / ".cache" / "llmbus")) / "gguf"
+FORMAT_VERSION = 1  # bump when the folder's contents change, so older caches are rebuilt
+# Tokens that end an assistant turn in the chat formats GGUF files carry; llama.cpp stops on them too even
+# where the file's eos id names another token (SmolLM2's says <|im_start|>).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
+
+
+def materialize(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
+    """The model folder for ``gguf_path``, built on first use. Raises GGUFError for a file llmbus
+    cannot serve (corrupt, truncated, another architecture, an unknown tensor type)."""
+    path = Path(gguf_path).expanduser().resolve()
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such GGUF file")
+    stat = path.stat()
+    key = hashlib.sha256(f"{FORMAT_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = cache_root or CACHE_ROOT
+    folder = root / f"{path.stem}-{key}"
+    if (folder / MANIFEST).is_file():
+        return folder
+    reader = open_gguf(path)
+    summary = check_servable(reader, path)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{folder.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write_folder(path, tmp, summary)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process finished the same folder first
+            if not (folder / MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _write_folder(path: Path, out: Path, summary: dict) -> None:
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()  # its GGUF loader narrates every tensor
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, KeyError, OSError) as e:
+        raise GGUFError(f"{path}: transformers cannot read its config or tokenizer: {e}") from None
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict["architectures"] = [_causal_lm_class(config_dict["model_type"])]
+    if summary["tied"]:
+        config_dict["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2))
+    tokenizer.save_pretrained(str(out))
+    eos = _eos_ids(summary, config_dict, tokenizer)
+    generation = {"bos_token_id": config_dict.get("bos_token_id"), "eos_token_id": eos}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    manifest = {"format": FORMAT_VERSION, "path": str(path), "size": path.stat().st_size,
+                "architecture": summary["architecture"], "file_type": summary["file_type"],
+                "tensor_types": summary["tensor_types"]}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def _causal_lm_class(model_type: str) -> str:
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+
+
+def _eos_ids(summary: dict, config: dict, tokenizer) -> list[int]:
+    """Every id that ends a generation: the file's eos, the tokenizer's, and the end-of-turn tokens the
+    vocabulary has (llama.cpp's rule, since files often name only one of them)."""
+    ids = [summary.get("eos_token_id"), config.get("eos_token_id"), tokenizer.eos_token_id]
+    vocab = tokenizer.get_vocab()
+    ids += [vocab.get(token) for token in END_OF_TURN_TOKENS]
+    out: list[int] = []
+    for i in ids:
+        for j in (i if isinstance(i, list) else [i]):
+            if isinstance(j, int) and j not in out:
+                out.append(j)
+    return out
+
+
+__all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "gguf_source", "is_gguf_folder", "materialize"]

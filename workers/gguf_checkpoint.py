@@ -1,0 +1,253 @@
+"""Reading a GGUF file's weights by their Hugging Face names, a tensor-parallel slice at a time.
+
+The same interface as ``loader.CheckpointReader`` (``names``, ``has``, ``shape``, ``read``, ``read_rows``,
+``read_cols``), over ``gguf.GGUFReader``'s memory map: a rank touches only the rows or the column blocks
+it asks for. Quantized tensors come back dequantized to float32 by ``gguf.quants.dequantize``, or, through
+``read_quantized``, as their raw blocks (``GGUFRaw``) for the types llmbus computes with directly (Q8_0,
+Q4_0, Q4_1: ``workers/quant.py``).
+
+llama.cpp's converter reorders the rows of each attention head's query and key projections for its RoPE
+layout (the two halves of a head interleaved) in Llama-architecture files; reading undoes it, per head, so
+the same row permutation serves float rows and raw quantized rows alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Types with a dequantizer here. Q8_0/Q4_0/Q4_1 can also stay quantized (KEPT_TYPES).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# Architectures whose files carry llama.cpp's interleaved query/key rows (its Qwen2 writer leaves them).
+PERMUTED_QK = ("llama", "mistral")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+# Tensors the native model computes itself (llama3's rope frequencies come from the config).
+_IGNORED = ("rope_freqs.weight",)
+
+
+MANIFEST = "gguf.json"  # in a model folder made from a GGUF (supervisor/gguf_model.py): which file it is
+
+
+def is_gguf_folder(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / MANIFEST).is_file()
+
+
+def gguf_source(model_dir: str | Path) -> dict:
+    """The manifest of a folder made from a GGUF: ``path`` of the file, its ``file_type``, tensor types."""
+    return json.loads((Path(model_dir) / MANIFEST).read_text())
+
+
+class GGUFError(ValueError):
+    """A GGUF file llmbus cannot serve; the message is one line naming the file and the reason."""
+
+
+@dataclass(frozen=True)
+class GGUFRaw:
+    """A quantized matrix as its GGUF blocks: ``data`` is ``[rows, row_bytes]`` uint8 (each row a run of
+    blocks of 32 weights), ``shape`` the (rows, columns) of the weights it holds."""
+
+    qtype: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+
+def open_gguf(path: str | Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, OSError, EOFError) as e:
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    except Exception as e:  # the reader asserts and overruns its memory map on a damaged file
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def check_servable(reader, path: str | Path) -> dict:
+    """What llmbus needs to know before serving the file, or GGUFError naming what it cannot serve."""
+    import gguf
+
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: "
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    types: dict[str, int] = {}
+    names = set()
+    for t in reader.tensors:
+        type_name = gguf.GGMLQuantizationType(t.tensor_type).name
+        if type_name not in SUPPORTED_TYPES:
+            raise GGUFError(f"{path}: tensor {t.name} has type {type_name}, which llmbus cannot read "
+                            f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        types[type_name] = types.get(type_name, 0) + 1
+        names.add(t.name)
+        expected = int(np.prod([int(d) for d in t.shape]))
+        if int(t.n_elements) != expected or t.data.size == 0:
+            raise GGUFError(f"{path}: tensor {t.name} is truncated")
+    if "token_embd.weight" not in names:
+        raise GGUFError(f"{path}: no token_embd.weight tensor")
+    file_type = _field(reader, "general.file_type")
+    try:
+        file_type_name = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
+    except ValueError:
+        file_type_name = str(file_type)
+    return {"architecture": arch, "tensor_types": types, "tied": "output.weight" not in names,
+            "file_type": file_type_name, "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id")}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, layer, rest = gguf_name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+class GGUFCheckpointReader:
+    """Name -> tensor access over one GGUF file, with Hugging Face names (see module docstring)."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = str(path)
+        self._reader = open_gguf(path)
+        self.summary = check_servable(self._reader, path)
+        self._gguf = gguf
+        arch = self.summary["architecture"]
+        self._heads = {"q": _field(self._reader, f"{arch}.attention.head_count"),
+                       "k": _field(self._reader, f"{arch}.attention.head_count_kv")}
+        self._heads["k"] = self._heads["k"] or self._heads["q"]
+        self._permuted = arch in PERMUTED_QK
+        self._tensors = {}
+        for t in self._reader.tensors:
+            name = hf_name(t.name)
+            if name is not None:
+                self._tensors[name] = t
+            elif t.name not in _IGNORED:
+                raise GGUFError(f"{path}: tensor {t.name} has no place in a {arch} model")
+
+    def __enter__(self) -> "GGUFCheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tensors.clear()
+        self._reader = None  # drops the memory map once the last view is gone
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def _tensor(self, name: str):
+        if name not in self._tensors:
+            raise KeyError(f"{self.path}: weight {name!r} not in the GGUF file")
+        return self._tensors[name]
+
+    def qtype(self, name: str) -> str:
+        return self._gguf.GGMLQuantizationType(self._tensor(name).tensor_type).name
+
+    def shape(self, name: str) -> list[int]:
+        # GGUF lists dimensions innermost first; torch outermost first
+        return [int(d) for d in reversed(self._tensor(name).shape)]
+
+    def _row_order(self, name: str, start: int, stop: int) -> np.ndarray:
+        """The file's rows that hold rows ``start:stop`` of the Hugging Face tensor."""
+        rows = np.arange(start, stop)
+        projection = name.rsplit(".", 2)[-2] if ".self_attn." in name else ""
+        kind = projection[0] if projection in ("q_proj", "k_proj") else None
+        if not self._permuted or kind is None:
+            return rows
+        num_rows = self.shape(name)[0]
+        head_dim = num_rows // self._heads[kind]
+        head, within = np.divmod(rows, head_dim)
+        half, index = np.divmod(within, head_dim // 2)
+        return head * head_dim + 2 * index + half
+
+    def _rows_data(self, name: str, start: int, stop: int) -> np.ndarray:
+        data = self._tensor(name).data
+        order = self._row_order(name, start, stop)
+        if data.ndim == 1:  # a vector (norms, biases)
+            return np.asarray(data[order])
+        if order.size and np.array_equal(order, np.arange(order[0], order[0] + order.size)):
+            return np.asarray(data[order[0]:order[0] + order.size])
+        return np.asarray(data[order])
+
+    def _dequantize(self, name: str, data: np.ndarray) -> torch.Tensor:
+        t = self._tensor(name)
+        qtype = self._gguf.GGMLQuantizationType(t.tensor_type)
+        if qtype == self._gguf.GGMLQuantizationType.F32:
+            values = data.astype(np.float32, copy=True)
+        else:
+            values = self._gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False)
+        return torch.from_numpy(np.ascontiguousarray(values))
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.read_rows(name, 0, self.shape(name)[0])
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of dimension 0, dequantized to float32."""
+        return self._dequantize(name, self._rows_data(name, start, stop))
+
+    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` of dimension 1: whole quantization blocks are dequantized, then cut."""
+        rows, cols = self.shape(name)
+        block = self._block_size(name)
+        first, last = start // block, -(-stop // block)
+        data = self._rows_data(name, 0, rows)
+        bytes_per_block = data.shape[1] // (cols // block) if cols % block == 0 else None
+        if bytes_per_block is None:
+            return self.read(name)[:, start:stop].contiguous()
+        part = data[:, first * bytes_per_block:last * bytes_per_block]
+        values = self._dequantize(name, np.ascontiguousarray(part))
+        return values[:, start - first * block:stop - first * block].contiguous()
+
+    def _block_size(self, name: str) -> int:
+        return self._gguf.GGML_QUANT_SIZES[self._gguf.GGMLQuantizationType(self._tensor(name).tensor_type)][0]
+
+    def read_quantized(self, name: str, rows: tuple[int, int] | None = None,
+                       cols: tuple[int, int] | None = None) -> GGUFRaw | None:
+        """The raw blocks of ``name`` (rows and/or columns sliced) when it is stored as a KEPT_TYPES type,
+        else None. Column bounds must fall on block boundaries (32 weights)."""
+        qtype = self.qtype(name)
+        if qtype not in KEPT_TYPES:
+            return None
+        num_rows, num_cols = self.shape(name)
+        start, stop = rows if rows is not None else (0, num_rows)
+        data = self._rows_data(name, start, stop)
+        col_start, col_stop = cols if cols is not None else (0, num_cols)
+        if (col_start, col_stop) != (0, num_cols):
+            block = self._block_size(name)
+            if col_start % block or col_stop % block:
+                raise GGUFError(f"{self.path}: {name} ({qtype}) cannot be split at columns {col_start}:{col_stop}"
+                                f" (blocks of {block}): use fewer ranks")
+            bytes_per_block = data.shape[1] // (num_cols // block)
+            data = data[:, col_start // block * bytes_per_block:col_stop // block * bytes_per_block]
+        tensor = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+        return GGUFRaw(qtype, tensor, (stop - start, col_stop - col_start))

@@ -1,0 +1,159 @@
+"""This rank's projections, built from a checkpoint reader: dense, quantized from float (``--quantize``),
+or kept in a GGUF file's own quantized blocks.
+
+A model names what it needs (fused column-parallel parts, a row-parallel column slice, a vocabulary
+shard); the builder decides each one's form and counts what it did, so the startup log can say what was
+kept and what was converted:
+
+- a GGUF tensor stored as Q4_0/Q4_1 stays 4-bit (``quant.Int4Weight``, exactly its values) and Q8_0 becomes
+  per-row int8, when the activations are bfloat16/float16 on CPU (the kernels' domain). In float32 (the
+  reference precision) every tensor is dequantized by the ``gguf`` package, as transformers does.
+- any other float or dequantized tensor is quantized when ``--quantize`` asks, else kept dense.
+- the embedding and the LM head become int8 (never int4: the logits are the most sensitive product)
+  when quantizing, or when the file stores them quantized; a tied pair shares the one int8 matrix.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from llmbus.workers import quant
+from llmbus.workers.linear import Linear
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+class DenseEmbedding:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class WeightBuilder:
+    def __init__(self, reader, *, rank: int, world_size: int, dtype: torch.dtype, device: torch.device,
+                 quantize: str | None = None):
+        if quantize is not None and quantize not in quant.QUANTIZE_METHODS:
+            raise ValueError(f"unknown quantization {quantize!r} (known: {', '.join(quant.QUANTIZE_METHODS)})")
+        if quantize is not None and device.type != "cpu":
+            raise ValueError(f"--quantize {quantize} runs on CPU only (its kernels are torch's CPU ops)")
+        self.reader, self.rank, self.world_size = reader, rank, world_size
+        self.dtype, self.device, self.quantize = dtype, device, quantize
+        self.keep_quantized = (hasattr(reader, "read_quantized") and device.type == "cpu"
+                               and dtype in (torch.bfloat16, torch.float16))
+        self.report: Counter[str] = Counter()  # "Q4_1 -> int4 (kept)": count of tensors
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        placed = t.to(device=self.device, dtype=self.dtype).contiguous()
+        # A tensor read in the model's dtype can still be a view of the checkpoint's memory map; one
+        # kept alive holds the whole mapped file resident (263 MB of SmolLM2's 1.48 GB worker).
+        return placed.clone() if placed.data_ptr() == t.data_ptr() else placed
+
+    def _stored(self, name: str) -> str:
+        """How the checkpoint stores ``name``: a GGUF type ("Q4_1"), or "safetensors"."""
+        qtype = getattr(self.reader, "qtype", None)
+        return qtype(name) if qtype is not None else "safetensors"
+
+    def _count(self, names: list[str], form: str) -> None:
+        for name in names:
+            self.report[f"{self._stored(name)} -> {form}"] += 1
+
+    def _linear(self, weight_names: list[str], kept: list | None, floats, bias) -> object:
+        if kept is not None:
+            try:
+                weight = _cat([quant.from_gguf(raw) for raw in kept])
+            except ValueError:  # parts of different forms (an int8 and an int4 part) cannot be fused
+                weight = None
+            if weight is not None:
+                self._count(weight_names, f"{'int4 (kept)' if isinstance(weight, quant.Int4Weight) else 'int8'}")
+                return quant.QuantizedLinear(weight, bias, self.dtype)
+        dense = floats()
+        if self.quantize is not None:
+            self._count(weight_names, self.quantize)
+            return quant.QuantizedLinear(quant.quantize(dense, self.quantize), bias, self.dtype)
+        self._count(weight_names, _dtype_label(self.dtype))
+        return Linear(self.place(dense), bias)
+
+    def column_parallel(self, parts: list[tuple[str, int]]) -> object:
+        """One projection fusing ``parts`` (``(prefix, rows_per_rank)``: ``prefix.weight`` and optional
+        ``prefix.bias``), each cut to this rank's rows and stacked in order."""
+        spans = [(prefix, self.rank * n, (self.rank + 1) * n) for prefix, n in parts]
+        names = [f"{p}.weight" for p, _, _ in spans]
+        kept = None
+        if self.keep_quantized:
+            kept = [self.reader.read_quantized(n, rows=(a, b)) for n, (_, a, b) in zip(names, spans)]
+            kept = kept if all(k is not None for k in kept) else None
+        biases = [self.reader.read_rows(f"{p}.bias", a, b) if self.reader.has(f"{p}.bias") else None
+                  for p, a, b in spans]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            raise ValueError("a fused projection has biases on some of its parts only")
+        bias = None if biases[0] is None else self.place(torch.cat(biases))
+        return self._linear(names, kept, lambda: torch.cat([self.reader.read_rows(n, a, b)
+                                                            for n, (_, a, b) in zip(names, spans)]), bias)
+
+    def row_parallel(self, prefix: str, per_rank: int) -> tuple[object, torch.Tensor | None]:
+        """(projection over this rank's input columns, the bias to add once after the all-reduce)."""
+        name, start, stop = f"{prefix}.weight", self.rank * per_rank, (self.rank + 1) * per_rank
+        kept = None
+        if self.keep_quantized:
+            raw = self.reader.read_quantized(name, cols=(start, stop))
+            kept = [raw] if raw is not None else None
+        bias = self.place(self.reader.read(f"{prefix}.bias")) if self.reader.has(f"{prefix}.bias") else None
+        return self._linear([name], kept, lambda: self.reader.read_cols(name, start, stop), None), bias
+
+    def vector(self, name: str) -> torch.Tensor:
+        return self.place(self.reader.read(name))
+
+    def vocab_shard(self, name: str, vocab_size: int, hidden: int) -> tuple[torch.Tensor, bool]:
+        """(this rank's rows of a vocabulary matrix, padded with zero rows so every rank holds as many,
+        float32; whether it should be int8)."""
+        per_rank = -(-vocab_size // self.world_size)
+        start = min(self.rank * per_rank, vocab_size)
+        stop = min(start + per_rank, vocab_size)
+        shard = torch.zeros(per_rank, hidden)
+        shard[: stop - start] = self.reader.read_rows(name, start, stop)
+        stored_quantized = self.keep_quantized and self._stored(name) not in FLOAT_TYPES
+        return shard, self.quantize is not None or stored_quantized
+
+    def embedding_and_head(self, vocab_size: int, hidden: int, tied: bool):
+        """(embedding lookup, LM head projection, rows per rank) for the vocabulary-parallel pair."""
+        embed, embed_int8 = self.vocab_shard("model.embed_tokens.weight", vocab_size, hidden)
+        if tied:
+            head, head_int8 = embed, embed_int8
+        else:
+            head, head_int8 = self.vocab_shard("lm_head.weight", vocab_size, hidden)
+        if embed_int8:
+            embed_q = quant.quantize_int8(embed)
+            embedding = quant.QuantizedEmbedding(embed_q, self.dtype)
+            self._count(["model.embed_tokens.weight"], "int8")
+        else:
+            embed_dense = self.place(embed)
+            embedding = DenseEmbedding(embed_dense)
+            self._count(["model.embed_tokens.weight"], _dtype_label(self.dtype))
+        if head_int8:
+            head_q = embed_q if tied and embed_int8 else quant.quantize_int8(head)
+            lm_head = quant.QuantizedLinear(head_q, None, self.dtype)
+        else:
+            lm_head = Linear(embed_dense if tied and not embed_int8 else self.place(head))
+        if not tied:
+            self._count(["lm_head.weight"], "int8" if head_int8 else _dtype_label(self.dtype))
+        return embedding, lm_head, embed.shape[0]
+
+    def summary(self) -> str:
+        """``"210 Q4_1 -> int4 (kept), 61 F32 -> bfloat16, ..."``, most frequent first."""
+        return ", ".join(f"{n} {what}" for what, n in self.report.most_common())
+
+
+def _cat(parts: list) -> quant.QuantizedWeight:
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        raise ValueError("parts of different quantized forms")
+    return parts[0] if len(parts) == 1 else kinds.pop().cat(parts)
+
+
+def _dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
