@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from llmbus.bus.settings import ServiceSettings, setting
+
 
 def _default_frontend_id() -> str:
     return f"fe{os.getpid()}"
@@ -19,41 +21,70 @@ def _default_compute_type() -> str:
 
 
 @dataclass
-class FrontendConfig:
-    model_dir: str  # local Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json
-    requests_endpoint: str  # the scheduler's PULL (AddRequest / AbortRequest / FrontendHello)
-    events_endpoint: str  # this frontend binds a PULL here; the scheduler PUSHes TokenBatch & co.
-    model_id: str | None = None  # shown in /info; defaults to model_dir
-    hostname: str = "0.0.0.0"
-    port: int = 3000
-    frontend_id: str = field(default_factory=_default_frontend_id)  # rid prefix; unique per frontend
-    max_input_tokens: int | None = None  # None: max_total_tokens - 1
-    max_total_tokens: int | None = None  # None: min(model max length, scheduler's max_batch_total_tokens)
-    max_concurrent_requests: int = 128
-    max_best_of: int = 2
-    max_stop_sequences: int = 4
-    max_top_n_tokens: int = 5
-    max_client_batch_size: int = 4
-    enable_prefill_logprobs: bool = False  # decoder_input_details returns prompt logprobs (TGI >= 3: opt-in)
-    scheduler_timeout_s: float = 60.0  # FrontendHello -> SchedulerHello handshake
-    keepalive_s: float = 15.0  # SSE comment `:` after this long without an event
-    payload_limit: int = 2_000_000  # bytes of request body (TGI --payload-limit)
-    validation_workers: int = 2  # threads that tokenize long prompts off the event loop
-    api_key: str | None = None  # Bearer token required on the generation routes (TGI --api-key)
-    cors_allow_origin: list[str] = field(default_factory=list)  # empty: any origin (as TGI)
-    model_pipeline_tag: str | None = None  # /info; decides POST / return_full_text default like TGI
-    compute_type: str = field(default_factory=_default_compute_type)  # x-compute-type header
-    shutdown_timeout_s: float = 90.0  # how long in-flight requests may finish after SIGTERM (TGI's default)
+class FrontendConfig(ServiceSettings):
+    # local Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json
+    model_dir: str = setting(help="local model folder (tokenizer.json, ...)", user=False)
+    # the scheduler's PULL (AddRequest / AbortRequest / FrontendHello); default: from --run-dir
+    requests_endpoint: str | None = setting(None, help="the scheduler's requests PULL endpoint", user=False)
+    # this frontend binds a PULL here; the scheduler PUSHes TokenBatch & co.; default: from --run-dir
+    events_endpoint: str | None = setting(None, help="where this frontend binds its events PULL", user=False)
+    model_id: str | None = setting(None, help="name shown in /info (default: the model dir)", user=False)
+    hostname: str = setting("0.0.0.0", env="HOSTNAME", help="Address to listen on.")
+    port: int = setting(3000, env="PORT", aliases=("-p",), help="Port to listen on.")
+    # rid prefix; unique per frontend
+    frontend_id: str = setting(help="unique id of this frontend (no '-')", user=False,
+                               default_factory=_default_frontend_id)
+    max_input_tokens: int | None = setting(None, env="MAX_INPUT_TOKENS", help="Default: max_total_tokens - 1.")
+    max_total_tokens: int | None = setting(  # None: min(model max length, scheduler's max_batch_total_tokens)
+        None, env="MAX_TOTAL_TOKENS",
+        help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
+    max_concurrent_requests: int = setting(128, env="MAX_CONCURRENT_REQUESTS",
+                                           help="Requests in flight before new ones get 429.")
+    max_best_of: int = setting(2, env="MAX_BEST_OF", help="Largest best_of (and n) a request may ask for.")
+    max_stop_sequences: int = setting(4, env="MAX_STOP_SEQUENCES", help="Most stop sequences per request.")
+    max_top_n_tokens: int = setting(5, env="MAX_TOP_N_TOKENS", help="Largest top_n_tokens per request.")
+    max_client_batch_size: int = setting(4, env="MAX_CLIENT_BATCH_SIZE",
+                                         help="Prompts per /v1/completions request, and n.")
+    # decoder_input_details returns prompt logprobs (TGI >= 3: opt-in)
+    enable_prefill_logprobs: bool = setting(False, env="REQUEST_LOGPROBS",
+                                            help="Return prompt-token logprobs for decoder_input_details (off by "
+                                                 "default, as in TGI 3).")
+    scheduler_timeout_s: float = setting(60.0, flag="--scheduler-timeout", user=False,
+                                         help="seconds to wait for the scheduler's handshake")
+    payload_limit: int = setting(2_000_000, env="PAYLOAD_LIMIT",
+                                 help="Largest request body in bytes; larger ones get 413.")
+    validation_workers: int = setting(2, env="VALIDATION_WORKERS", help="Threads that tokenize long prompts.")
+    api_key: str | None = setting(None, env="API_KEY", secret=True,
+                                  help="Require `Authorization: Bearer <key>` on the generation routes.")
+    cors_allow_origin: list[str] = setting(env="CORS_ALLOW_ORIGIN", default_factory=list,
+                                           help="An origin browsers may call from (repeat for several). "
+                                                "Default: any.")
+    model_pipeline_tag: str | None = setting(None, user=False,
+                                             help="/info's pipeline tag; decides POST / return_full_text as TGI")
+    # how long in-flight requests may finish after SIGTERM (TGI's default)
+    shutdown_timeout_s: float = setting(90.0, flag="--graceful-termination-timeout",
+                                        env="GRACEFUL_TERMINATION_TIMEOUT",
+                                        help="Seconds in-flight requests get to finish on SIGTERM.")
     # /health waits this long for every rank to answer a probe (a rank answers after the step it computes)
-    health_check_timeout_s: float = 10.0
-    reuse_port: bool = False  # several frontends share one port (SO_REUSEPORT; the kernel spreads connections)
-    otlp_endpoint: str | None = None  # export OpenTelemetry spans there (bus/tracing.py)
-    otlp_service_name: str = "llmbus"
+    health_check_timeout_s: float = setting(10.0, flag="--health-check-timeout", env="HEALTH_CHECK_TIMEOUT",
+                                            help="Seconds /health waits for every worker rank to answer a probe "
+                                                 "before answering 503.")
+    # several frontends share one port (SO_REUSEPORT; the kernel spreads connections)
+    reuse_port: bool = setting(False, user=False,
+                               help="share --port with other frontends of the same engine (SO_REUSEPORT)")
+    otlp_endpoint: str | None = setting(None, env="OTLP_ENDPOINT",
+                                        help="export OpenTelemetry spans to this OTLP endpoint (the tracing extra)")
+    otlp_service_name: str = setting("llmbus", env="OTLP_SERVICE_NAME", help="OpenTelemetry service name prefix")
+    quantize: str | None = setting(None, user=False, help="the workers' --quantize, for /info")
+    keepalive_s: float = 15.0  # SSE comment `:` after this long without an event
+    compute_type: str = field(default_factory=_default_compute_type)  # x-compute-type header
 
     def __post_init__(self) -> None:
         if self.model_id is None:
             self.model_id = self.model_dir
         problems = []
+        if not self.requests_endpoint or not self.events_endpoint:
+            problems.append("give --requests-endpoint and --events-endpoint, or --run-dir")
         if not (0 <= self.port <= 65535):
             problems.append(f"`port` must be in 0..65535. Given: {self.port}")
         for name in ("max_concurrent_requests", "max_best_of", "max_client_batch_size", "validation_workers"):

@@ -84,9 +84,16 @@ class Request:
         return self.prompt_ids[start:] + self.output_ids[:end - p]
 
 
+# Tokens one step computes (prompt chunks + decodes) unless --max-batch-prefill-tokens says otherwise.
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = 4096
+PREFILL_TOKENS_HELP = (f"Tokens computed per step (prompt chunks + decodes). Default: "
+                       f"{DEFAULT_MAX_BATCH_PREFILL_TOKENS}, at most the KV capacity; without chunking at least "
+                       f"max_input_tokens.")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_batch_prefill_tokens: int = 4096
+    max_batch_prefill_tokens: int = DEFAULT_MAX_BATCH_PREFILL_TOKENS
     max_batch_size: int | None = None  # None = bounded by KV blocks only
     prefill_chunking: bool = True
     waiting_served_ratio: float = 0.3  # without chunking: admit while a batch runs only this many x its size

@@ -12,7 +12,7 @@ frontend gets EngineDead and the process exits non-zero so the supervisor tears 
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -21,13 +21,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from llmbus.bus import messages as m
 from llmbus.bus import tracing
-from llmbus.bus.rundir import Endpoints, ensure_run_dir
+from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir
+from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.service import ServiceContext, ServiceError, Terminate, install_stop_signals, run_service
 from llmbus.bus.sockets import open_socket, poll, recv, send
 from llmbus.scheduler.batch_metrics import BatchMetrics
 from llmbus.scheduler.health import Answer, RankHealth
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.policy import Request, ScheduledBatch, Scheduler, SchedulerConfig
+from llmbus.scheduler.policy import (DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, Request, ScheduledBatch,
+                                     Scheduler, SchedulerConfig)
 
 
 STATS_INTERVAL_S = 0.25  # SchedulerStats while steps run back to back
@@ -38,21 +40,37 @@ class EngineFailure(ServiceError):
 
 
 @dataclass
-class SchedulerProcessConfig:
-    run_dir: str
-    world_size: int = 1
-    max_batch_prefill_tokens: int = 4096
-    max_batch_size: int | None = None
-    max_total_tokens: int | None = None  # checked against the KV capacity the ranks report
-    fit_prefill_tokens_to_kv: bool = False  # a default budget above the KV capacity is lowered, not refused
-    prefill_chunking: bool = True
-    prefix_caching: bool = True
-    waiting_served_ratio: float = 0.3
-    max_waiting_tokens: int = 20
-    worker_start_timeout_s: float = 600.0  # weights loading + warmup
+class SchedulerProcessConfig(ServiceSettings):
+    run_dir: str = setting(help="the launch's run dir (its ipc sockets)", env=ENV_RUN_DIR, user=False)
+    world_size: int = setting(1, help="worker ranks to wait for", user=False)
+    max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", help=PREFILL_TOKENS_HELP)
+    fit_prefill_tokens_to_kv: bool = setting(
+        False, user=False, help="lower --max-batch-prefill-tokens to the KV capacity instead of failing")
+    max_batch_size: int | None = setting(None, env="MAX_BATCH_SIZE", help="Most requests in one batch.")
+    # checked against the KV capacity the ranks report
+    max_total_tokens: int | None = setting(
+        None, env="MAX_TOTAL_TOKENS",
+        help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
+    prefill_chunking: bool = setting(True, env="PREFILL_CHUNKING",
+                                     help="Split long prompts over steps that also carry the running requests' "
+                                          "decodes.")
+    prefix_caching: bool = setting(True, env="PREFIX_CACHING", help="Reuse the KV blocks of prompt prefixes "
+                                                                     "computed before.")
+    waiting_served_ratio: float = setting(0.3, env="WAITING_SERVED_RATIO",
+                                          help="Without chunking: admit while a batch runs only when this many x "
+                                               "its size wait.")
+    max_waiting_tokens: int = setting(20, env="MAX_WAITING_TOKENS",
+                                      help="Without chunking: ... or once this many steps passed without admitting "
+                                           "anyone.")
+    worker_start_timeout_s: float = setting(600.0, flag="--worker-start-timeout", user=False,
+                                            help="seconds the ranks may take to load and warm up")
+    otlp_endpoint: str | None = setting(None, env="OTLP_ENDPOINT",
+                                        help="Export OpenTelemetry spans of every request to this OTLP endpoint "
+                                             "(gRPC, e.g. http://localhost:4317; OTEL_EXPORTER_OTLP_PROTOCOL="
+                                             "http/protobuf for OTLP/HTTP). Needs the tracing extra.")
+    otlp_service_name: str = setting("llmbus", env="OTLP_SERVICE_NAME",
+                                     help="Spans come from <name>.frontend and <name>.scheduler.")
     step_timeout_s: float = 300.0
-    otlp_endpoint: str | None = None  # export OpenTelemetry spans there (bus/tracing.py)
-    otlp_service_name: str = "llmbus"
 
     @property
     def endpoints(self) -> Endpoints:
@@ -435,43 +453,10 @@ def run_scheduler(cfg: SchedulerProcessConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="llmbus scheduler")
-    p.add_argument("--run-dir", default=os.environ.get("LLMBUS_RUN_DIR"), required=False)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--max-batch-prefill-tokens", type=int, default=None,
-                   help="default: 4096, lowered to the KV capacity if that is smaller")
-    p.add_argument("--max-batch-size", type=int, default=None)
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--fit-prefill-tokens-to-kv", action="store_true",
-                   help="lower --max-batch-prefill-tokens to the KV capacity instead of failing")
-    p.add_argument("--prefill-chunking", type=_boolean, default=True, metavar="true|false")
-    p.add_argument("--prefix-caching", type=_boolean, default=True, metavar="true|false")
-    p.add_argument("--waiting-served-ratio", type=float, default=0.3)
-    p.add_argument("--max-waiting-tokens", type=int, default=20)
-    p.add_argument("--worker-start-timeout", type=float, default=600.0)
-    p.add_argument("--otlp-endpoint", default=os.environ.get("OTLP_ENDPOINT"),
-                   help="export OpenTelemetry spans to this OTLP endpoint (the tracing extra)")
-    p.add_argument("--otlp-service-name", default=os.environ.get("OTLP_SERVICE_NAME", "llmbus"))
-    a = p.parse_args(argv)
-    if not a.run_dir:
-        p.error("--run-dir (or LLMBUS_RUN_DIR) is required")
-    ensure_run_dir(a.run_dir)
-    return run_scheduler(SchedulerProcessConfig(
-        run_dir=a.run_dir, world_size=a.world_size, max_batch_prefill_tokens=a.max_batch_prefill_tokens or 4096,
-        max_batch_size=a.max_batch_size, max_total_tokens=a.max_total_tokens,
-        fit_prefill_tokens_to_kv=a.fit_prefill_tokens_to_kv or a.max_batch_prefill_tokens is None,
-        prefill_chunking=a.prefill_chunking, prefix_caching=a.prefix_caching,
-        waiting_served_ratio=a.waiting_served_ratio, max_waiting_tokens=a.max_waiting_tokens,
-        worker_start_timeout_s=a.worker_start_timeout, otlp_endpoint=a.otlp_endpoint,
-        otlp_service_name=a.otlp_service_name))
-
-
-def _boolean(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("true", "1", "yes", "on"):
-        return True
-    if lowered in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(value)
+    cfg, _ = SchedulerProcessConfig.parse(argv, prog="llmbus scheduler")
+    if cfg.max_batch_prefill_tokens is None:
+        # the default budget may be lowered to what the KV pool holds; an explicit one is checked instead
+        cfg = dataclasses.replace(cfg, max_batch_prefill_tokens=DEFAULT_MAX_BATCH_PREFILL_TOKENS,
+                                  fit_prefill_tokens_to_kv=True)
+    ensure_run_dir(cfg.run_dir)
+    return run_scheduler(cfg)

@@ -10,8 +10,14 @@ from pathlib import Path
 import click
 
 from llmbus.bench.cli import bench as bench_command
-from llmbus.supervisor.plan import LaunchConfig, build_plan
+from llmbus.bus.rundir import Endpoints
+from llmbus.frontend.config import FrontendConfig
+from llmbus.scheduler.policy import DEFAULT_MAX_BATCH_PREFILL_TOKENS
+from llmbus.scheduler.process import SchedulerProcessConfig
+from llmbus.supervisor.plan import LaunchPlan, build_plan
+from llmbus.supervisor.settings import service_settings, up_options
 from llmbus.supervisor.weights import served_model_id
+from llmbus.workers.process import WorkerConfig
 
 
 class InvalidArgument(click.ClickException):
@@ -30,90 +36,6 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model-id", envvar="MODEL_ID", default=None,
-              help="Hub id or local Hugging Face model folder. Default: the built-in demo model.")
-@click.option("--revision", envvar="REVISION", default=None, help="Hub revision (branch, tag or commit).")
-@click.option("--huggingface-hub-cache", envvar="HUGGINGFACE_HUB_CACHE", default=None)
-@click.option("--hostname", envvar="HOSTNAME", default="0.0.0.0", show_default=True)
-@click.option("-p", "--port", envvar="PORT", type=int, default=3000, show_default=True)
-@click.option("--gpus", "--num-shard", "num_shard", envvar="NUM_SHARD", type=int, default=None,
-              help="Tensor-parallel ranks (one per GPU; on CPU, processes). Default: the GPUs "
-                   "CUDA_VISIBLE_DEVICES lists, else 1.")
-@click.option("--sharded", envvar="SHARDED", type=click.BOOL, default=None,
-              help="Shard the model (true needs more than one rank).")
-@click.option("--trust-remote-code", envvar="TRUST_REMOTE_CODE", is_flag=True,
-              help="Let transformers run the model repository's own code (fallback models).")
-@click.option("--dtype", envvar="DTYPE", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              default="auto", show_default=True, help="auto: bfloat16 where the hardware runs it fast.")
-@click.option("--device", envvar="DEVICE", default="auto", show_default=True, help="auto, cpu or cuda.")
-@click.option("--max-input-tokens", envvar="MAX_INPUT_TOKENS", type=int, default=None,
-              help="Default: max_total_tokens - 1.")
-@click.option("--max-input-length", envvar="MAX_INPUT_LENGTH", type=int, default=None,
-              help="Deprecated name of --max-input-tokens.")
-@click.option("--max-batch-total-tokens", envvar="MAX_BATCH_TOTAL_TOKENS", type=int, default=None,
-              help="KV cache capacity in tokens (default: what memory allows).")
-@click.option("--max-total-tokens", envvar="MAX_TOTAL_TOKENS", type=int, default=None,
-              help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
-@click.option("--max-batch-prefill-tokens", envvar="MAX_BATCH_PREFILL_TOKENS", type=int, default=None,
-              help="Tokens computed per step (prompt chunks + decodes). Default: 4096, at most the KV capacity; "
-                   "without chunking at least max_input_tokens.")
-@click.option("--prefill-chunking", envvar="PREFILL_CHUNKING", type=click.BOOL, default=True, show_default=True,
-              help="Split long prompts over steps that also carry the running requests' decodes.")
-@click.option("--prefix-caching", envvar="PREFIX_CACHING", type=click.BOOL, default=True, show_default=True,
-              help="Reuse the KV blocks of prompt prefixes computed before.")
-@click.option("--waiting-served-ratio", envvar="WAITING_SERVED_RATIO", type=float, default=0.3, show_default=True,
-              help="Without chunking: admit while a batch runs only when this many x its size wait.")
-@click.option("--max-waiting-tokens", envvar="MAX_WAITING_TOKENS", type=int, default=20, show_default=True,
-              help="Without chunking: ... or once this many steps passed without admitting anyone.")
-@click.option("--max-batch-size", envvar="MAX_BATCH_SIZE", type=int, default=None)
-@click.option("--max-concurrent-requests", envvar="MAX_CONCURRENT_REQUESTS", type=int, default=128,
-              show_default=True)
-@click.option("--max-best-of", envvar="MAX_BEST_OF", type=int, default=2, show_default=True)
-@click.option("--max-stop-sequences", envvar="MAX_STOP_SEQUENCES", type=int, default=4, show_default=True)
-@click.option("--max-top-n-tokens", envvar="MAX_TOP_N_TOKENS", type=int, default=5, show_default=True)
-@click.option("--max-client-batch-size", envvar="MAX_CLIENT_BATCH_SIZE", type=int, default=4, show_default=True)
-@click.option("--api-key", envvar="API_KEY", default=None,
-              help="Require `Authorization: Bearer <key>` on the generation routes.")
-@click.option("--cors-allow-origin", envvar="CORS_ALLOW_ORIGIN", multiple=True,
-              help="An origin browsers may call from (repeat for several). Default: any.")
-@click.option("--payload-limit", envvar="PAYLOAD_LIMIT", type=int, default=2_000_000, show_default=True,
-              help="Largest request body in bytes; larger ones get 413.")
-@click.option("--validation-workers", envvar="VALIDATION_WORKERS", type=int, default=2, show_default=True,
-              help="Threads that tokenize long prompts.")
-@click.option("--watermark-gamma", envvar="WATERMARK_GAMMA", type=float, default=None,
-              help="Share of the vocabulary in the watermark's green list (default 0.5).")
-@click.option("--watermark-delta", envvar="WATERMARK_DELTA", type=float, default=None,
-              help="Bias added to green-list logits (default 2.0).")
-@click.option("--disable-grammar-support", envvar="DISABLE_GRAMMAR_SUPPORT", is_flag=True,
-              help="Accepted for TGI parity: llmbus has no constrained decoding, `grammar` is always refused.")
-@click.option("--env", "-e", "print_env", envvar="ENV", is_flag=True,
-              help="Print the runtime environment (versions, devices) before starting.")
-@click.option("--block-size", envvar="BLOCK_SIZE", type=int, default=16, show_default=True,
-              help="Tokens per KV cache block.")
-@click.option("--kv-cache-memory", envvar="KV_CACHE_MEMORY", type=int, default=None,
-              help="Bytes of KV cache per rank on CPU.")
-@click.option("--num-blocks", envvar="NUM_BLOCKS", type=int, default=None, help="Fix the KV block count.")
-@click.option("--cuda-memory-fraction", envvar="CUDA_MEMORY_FRACTION", type=float, default=1.0, show_default=True,
-              help="Share of each GPU's memory llmbus may use (weights, activations, KV cache).")
-@click.option("--enable-prefill-logprobs", envvar="REQUEST_LOGPROBS", is_flag=True,
-              help="Return prompt-token logprobs for decoder_input_details (off by default, as in TGI 3).")
-@click.option("--run-dir", envvar="LLMBUS_RUN_DIR", default=None, help="Private directory for ipc sockets.")
-@click.option("--json-output", envvar="JSON_OUTPUT", is_flag=True, help="Log JSON lines.")
-@click.option("--graceful-termination-timeout", envvar="GRACEFUL_TERMINATION_TIMEOUT", type=float, default=90.0,
-              show_default=True, help="Seconds in-flight requests get to finish on SIGTERM.")
-@click.option("--num-frontends", envvar="NUM_FRONTENDS", type=int, default=1, show_default=True,
-              help="HTTP frontend processes sharing --port (the kernel spreads connections over them; "
-                   "/metrics on any of them counts the requests of all).")
-@click.option("--health-check-timeout", envvar="HEALTH_CHECK_TIMEOUT", type=float, default=10.0, show_default=True,
-              help="Seconds /health waits for every worker rank to answer a probe before answering 503.")
-@click.option("--otlp-endpoint", envvar="OTLP_ENDPOINT", default=None,
-              help="Export OpenTelemetry spans of every request to this OTLP endpoint (gRPC, e.g. "
-                   "http://localhost:4317; OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf for OTLP/HTTP). "
-                   "Needs the tracing extra.")
-@click.option("--otlp-service-name", envvar="OTLP_SERVICE_NAME", default="llmbus", show_default=True,
-              help="Spans come from <name>.frontend and <name>.scheduler.")
-@click.option("--runner", envvar="LLMBUS_RUNNER", type=click.Choice(["model", "fake"]), default="model",
-              hidden=True, help="fake: workers return tokens without computing (to measure the stack alone).")
 def up(**kw) -> None:
     """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
     from llmbus.bus.rundir import RunDir, RunDirInUse
@@ -126,11 +48,14 @@ def up(**kw) -> None:
         run_dir = RunDir(kw["run_dir"])
     except RunDirInUse as e:
         raise click.ClickException(str(e)) from None
-    cfg = _launch_config(kw, settings, str(run_dir.path))
+    launch = _launch_plan(kw, settings, str(run_dir.path))
     with run_dir:
-        code = Launcher(build_plan(cfg), run_dir, graceful_timeout_s=kw["graceful_termination_timeout"],
+        code = Launcher(build_plan(launch), run_dir, graceful_timeout_s=kw["shutdown_timeout_s"],
                         json_output=kw["json_output"]).run()
     sys.exit(code)
+
+
+up.params.extend(up_options())
 
 
 @main.command()
@@ -143,9 +68,10 @@ def procfile(out_dir: str, **kw) -> None:
 
     settings = _resolve(kw)
     run_dir = kw["run_dir"] or f"/tmp/llmbus-{kw['port']}"
+    launch = _launch_plan(kw, settings, run_dir)
     # services started together: the frontend waits as long as the workers may take to load
-    cfg = dataclasses.replace(_launch_config(kw, settings, run_dir), scheduler_timeout_s=900.0)
-    procfile_text, env_text = render_procfile(build_plan(cfg, python="python"), run_dir,
+    launch.frontend = dataclasses.replace(launch.frontend, scheduler_timeout_s=900.0)
+    procfile_text, env_text = render_procfile(build_plan(launch, python="python"), run_dir,
                                               json_output=kw["json_output"])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,10 +89,9 @@ def _resolve(kw: dict) -> dict:
     from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_model
 
     _check_static(kw)
-    if kw["model_id"] is None:
-        click.echo("llmbus: serving the built-in demo model (built on first use)", err=True)
     try:
-        model_dir = resolve_model(kw["model_id"], revision=kw["revision"], cache_dir=kw["huggingface_hub_cache"])
+        model_dir = resolve_model(kw["model_id"], revision=kw["revision"], cache_dir=kw["huggingface_hub_cache"],
+                                  gguf_file=kw["gguf_file"])
     except ModelNotFound as e:
         raise click.ClickException(str(e)) from None
     # GPT-2 and friends call it n_positions: a default above it would crash the model at long requests.
@@ -177,7 +102,7 @@ def _resolve(kw: dict) -> dict:
     max_input = kw["max_input_tokens"] if kw["max_input_tokens"] is not None else max_total - 1
     explicit_prefill = kw["max_batch_prefill_tokens"]
     max_prefill = explicit_prefill if explicit_prefill is not None else (
-        4096 if kw["prefill_chunking"] else max(4096, max_input))
+        DEFAULT_MAX_BATCH_PREFILL_TOKENS if kw["prefill_chunking"] else max(DEFAULT_MAX_BATCH_PREFILL_TOKENS, max_input))
     _check_limits(max_input, max_total, max_prefill, max_positions, kw["prefill_chunking"])
     if kw["max_batch_total_tokens"] is not None and max_total > kw["max_batch_total_tokens"]:
         raise InvalidArgument(f"`max_total_tokens` must be <= `max_batch_total_tokens`. "
@@ -186,7 +111,8 @@ def _resolve(kw: dict) -> dict:
             "prefill_explicit": explicit_prefill is not None}
 
 
-def _launch_config(kw: dict, r: dict, run_dir: str) -> LaunchConfig:
+def _launch_plan(kw: dict, r: dict, run_dir: str) -> LaunchPlan:
+    """Each service's settings: the flags it declares, as resolved, and what the launch decides."""
     num_blocks = kw["num_blocks"]
     if num_blocks is None and kw["max_batch_total_tokens"] is not None:
         num_blocks = -(-kw["max_batch_total_tokens"] // kw["block_size"])
@@ -194,24 +120,20 @@ def _launch_config(kw: dict, r: dict, run_dir: str) -> LaunchConfig:
     for name in ("watermark_gamma", "watermark_delta"):
         if kw[name] is not None:
             worker_env[name.upper()] = repr(kw[name])
-    return LaunchConfig(
-        model_dir=str(r["model_dir"]), model_id=served_model_id(kw["model_id"], r["model_dir"]), run_dir=run_dir,
-        world_size=kw["num_shard"], hostname=kw["hostname"], port=kw["port"], dtype=kw["dtype"],
-        device=kw["device"], max_input_tokens=r["max_input"], max_total_tokens=r["max_total"],
-        max_batch_prefill_tokens=r["max_prefill"], prefill_tokens_explicit=r["prefill_explicit"],
-        prefill_chunking=kw["prefill_chunking"], prefix_caching=kw["prefix_caching"],
-        waiting_served_ratio=kw["waiting_served_ratio"], max_waiting_tokens=kw["max_waiting_tokens"],
-        max_batch_size=kw["max_batch_size"],
-        max_concurrent_requests=kw["max_concurrent_requests"], max_best_of=kw["max_best_of"],
-        max_stop_sequences=kw["max_stop_sequences"], max_top_n_tokens=kw["max_top_n_tokens"],
-        max_client_batch_size=kw["max_client_batch_size"], block_size=kw["block_size"],
-        kv_cache_memory=kw["kv_cache_memory"], num_blocks=num_blocks,
-        cuda_memory_fraction=kw["cuda_memory_fraction"], enable_prefill_logprobs=kw["enable_prefill_logprobs"],
-        api_key=kw["api_key"] or None, cors_allow_origin=tuple(kw["cors_allow_origin"]),
-        payload_limit=kw["payload_limit"], graceful_termination_timeout=kw["graceful_termination_timeout"],
-        validation_workers=kw["validation_workers"], worker_env=worker_env, num_frontends=kw["num_frontends"],
-        health_check_timeout=kw["health_check_timeout"], otlp_endpoint=kw["otlp_endpoint"],
-        otlp_service_name=kw["otlp_service_name"], runner=kw["runner"])
+    values = {**kw, "max_total_tokens": r["max_total"], "max_input_tokens": r["max_input"],
+              "max_batch_prefill_tokens": r["max_prefill"], "api_key": kw["api_key"] or None}
+    endpoints = Endpoints.in_dir(run_dir)
+    return LaunchPlan(
+        scheduler=service_settings(SchedulerProcessConfig, values, run_dir=run_dir, world_size=kw["num_shard"],
+                                   fit_prefill_tokens_to_kv=not r["prefill_explicit"]),
+        workers=service_settings(WorkerConfig, values, run_dir=run_dir, model_dir=str(r["model_dir"]),
+                                 world_size=kw["num_shard"], num_blocks=num_blocks),
+        frontend=service_settings(FrontendConfig, values, model_dir=str(r["model_dir"]),
+                                  model_id=served_model_id(kw["model_id"], r["model_dir"]),
+                                  requests_endpoint=endpoints.requests,
+                                  events_endpoint=endpoints.frontend_events(run_dir, "f0"),
+                                  quantize=kw["quantize"]),
+        num_frontends=kw["num_frontends"], worker_env=worker_env)
 
 
 def visible_gpus() -> int | None:
@@ -275,7 +197,7 @@ def _check_static(kw: dict) -> None:
         raise InvalidArgument(f"`waiting_served_ratio` must be >= 0. Given: {kw['waiting_served_ratio']}")
     if kw["max_waiting_tokens"] < 0:
         raise InvalidArgument(f"`max_waiting_tokens` must be >= 0. Given: {kw['max_waiting_tokens']}")
-    if kw["kv_cache_memory"] is not None and kw["kv_cache_memory"] < 1:
+    if kw["kv_cache_bytes"] is not None and kw["kv_cache_bytes"] < 1:
         raise InvalidArgument("`kv_cache_memory` must be > 0")
     if kw["otlp_endpoint"]:
         from llmbus.bus import tracing
@@ -284,8 +206,8 @@ def _check_static(kw: dict) -> None:
             raise InvalidArgument(f"`otlp_endpoint` is set but {tracing.EXTRA_HINT}")
     if kw["num_frontends"] < 1:
         raise InvalidArgument("`num_frontends` must be > 0")
-    if not kw["health_check_timeout"] > 0:
-        raise InvalidArgument(f"`health_check_timeout` must be > 0. Given: {kw['health_check_timeout']}")
+    if not kw["health_check_timeout_s"] > 0:
+        raise InvalidArgument(f"`health_check_timeout` must be > 0. Given: {kw['health_check_timeout_s']}")
     if not 0 < kw["port"] < 65536:
         raise InvalidArgument(f"`port` must be between 1 and 65535. Given: {kw['port']}")
 

@@ -8,7 +8,6 @@ single Procfile entry (one process group) takes the whole TP group down with it.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -16,30 +15,11 @@ import sys
 
 import structlog
 
-from llmbus.bus.rundir import ENV_RUN_DIR, ensure_run_dir
+from llmbus.bus.rundir import ensure_run_dir
 from llmbus.bus.service import die_with_parent, setup_logging, terminate_all
 from llmbus.workers.process import WorkerConfig, run_worker
 
 GRACE_S = 5.0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmbus workers")
-    p.add_argument("--run-dir", default=os.environ.get(ENV_RUN_DIR))
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--gpus", "--num-shard", dest="world_size", type=int, default=1)
-    p.add_argument("--rank", type=int, default=None, help="run one rank in this process (internal)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per rank (CPU)")
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--cuda-memory-fraction", type=float, default=1.0,
-                   help="share of the GPU's total memory this rank may use (weights + activations + KV)")
-    p.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
-    p.add_argument("--runner", choices=["model", "fake"], default="model",
-                   help="fake: deterministic tokens, no model (tests and overhead benchmarks)")
-    return p
 
 
 def run_group(argv: list[str], world_size: int) -> int:
@@ -88,15 +68,8 @@ GOMP_SPINCOUNT = "10000"
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
-    a = build_parser().parse_args(argv)
-    if not a.run_dir:
-        print("llmbus workers: --run-dir (or LLMBUS_RUN_DIR) is required", file=sys.stderr)
-        return 2
-    ensure_run_dir(a.run_dir)
-    if a.rank is None:
-        return run_group(argv, a.world_size)
-    return run_worker(WorkerConfig(
-        run_dir=a.run_dir, model_dir=a.model_dir, rank=a.rank, world_size=a.world_size, dtype=a.dtype,
-        device=a.device, block_size=a.block_size, kv_cache_bytes=a.kv_cache_memory, num_blocks=a.num_blocks,
-        max_batch_prefill_tokens=a.max_batch_prefill_tokens, runner=a.runner,
-        cuda_memory_fraction=a.cuda_memory_fraction))
+    cfg, _ = WorkerConfig.parse(argv, prog="llmbus workers")
+    ensure_run_dir(cfg.run_dir)
+    if cfg.rank is None:
+        return run_group(argv, cfg.world_size)
+    return run_worker(cfg)

@@ -15,26 +15,43 @@ from dataclasses import dataclass
 import zmq
 
 from llmbus.bus import messages as m
-from llmbus.bus.rundir import Endpoints
+from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import ServiceContext, Terminate, install_stop_signals, run_service
+from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
+from llmbus.scheduler.policy import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP
+from llmbus.workers import QUANTIZE_METHODS
 
 
 @dataclass
-class WorkerConfig:
-    run_dir: str
-    model_dir: str
-    rank: int = 0
-    world_size: int = 1
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    num_blocks: int | None = None
-    max_batch_prefill_tokens: int = 4096
+class WorkerConfig(ServiceSettings):
+    """A worker rank's settings (and the group's: `llmbus workers` passes its flags to every rank)."""
+
+    run_dir: str = setting(help="the launch's run dir (its ipc sockets)", env=ENV_RUN_DIR, user=False)
+    model_dir: str = setting(help="local model folder (config.json and weights, or a folder made from a GGUF)",
+                             user=False)
+    rank: int | None = setting(None, help="run one rank in this process (internal)", user=False, hidden=True)
+    world_size: int = setting(1, flag="--gpus", aliases=("--num-shard",), user=False,
+                              help="tensor-parallel ranks of the group")
+    dtype: str = setting("auto", env="DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
+                         help="auto: bfloat16 where the hardware runs it fast (CUDA with bf16, a CPU with "
+                              "avx512_bf16/AMX), else float32.")
+    device: str = setting("auto", env="DEVICE", help="auto, cpu or cuda.")
+    quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_METHODS,
+                                   help="Weight-only quantization of the linear layers (int8: per output channel, "
+                                        "int4: groups of 32). GGUF files keep their Q8_0/Q4_0/Q4_1 tensors "
+                                        "quantized either way.")
+    block_size: int = setting(16, env="BLOCK_SIZE", help="Tokens per KV cache block.")
+    kv_cache_bytes: int | None = setting(None, flag="--kv-cache-memory", env="KV_CACHE_MEMORY",
+                                         help="Bytes of KV cache per rank on CPU (default 512 MiB).")
+    num_blocks: int | None = setting(None, env="NUM_BLOCKS", help="Fix the KV block count.")
+    cuda_memory_fraction: float = setting(1.0, env="CUDA_MEMORY_FRACTION",
+                                          help="Share of each GPU's memory llmbus may use (weights, activations, "
+                                               "KV cache).")
+    max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", help=PREFILL_TOKENS_HELP)
+    runner: str = setting("model", env="LLMBUS_RUNNER", choices=("model", "fake"), hidden=True,
+                          help="fake: workers return tokens without computing (to measure the stack alone).")
     dist_init: str | None = None  # torch.distributed init_method; default: a file in the run dir
-    runner: str = "model"  # "fake": deterministic tokens without a model (tests, overhead benchmarks)
-    cuda_memory_fraction: float = 1.0
 
 
 @dataclass(slots=True)
@@ -124,8 +141,9 @@ class Worker:
         self.runner = runner_cls(self.cfg.model_dir, rank=self.cfg.rank, world_size=self.cfg.world_size,
                                   dtype=dtype, device=device, block_size=self.cfg.block_size,
                                   kv_cache_bytes=self.cfg.kv_cache_bytes, num_blocks=self.cfg.num_blocks,
-                                  max_batch_prefill_tokens=self.cfg.max_batch_prefill_tokens,
-                                  cuda_memory_fraction=self.cfg.cuda_memory_fraction)
+                                  max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
+                                                            or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
+                                  cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize)
         load_s = time.monotonic() - t0
         self.runner.warmup()
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),

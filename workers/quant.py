@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-QUANTIZE_METHODS = ("int8", "int4")
+from llmbus.workers import QUANTIZE_METHODS
+
 INT4_GROUP = 32  # Q4_0/Q4_1's block; divides every hidden size in use (SmolLM2's 576 is 18 x 32)
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 

