@@ -101,7 +101,8 @@ def _eos_ids(summary: dict, config: dict, tokenizer) -> list[int]:
     out: list[int] = []
     for i in ids:
         for j in (i if isinstance(i, list) else [i]):
-            if isinstance(j, int) and j not in out:
+            # transformers may append a token past the model's vocabulary; the model never produces it
+            if isinstance(j, int) and j not in out and j < config["vocab_size"]:
                 out.append(j)
     return out
 

@@ -1,0 +1,116 @@
+"""Writing GGUF files for tests with the ``gguf`` package's own writer, from a Llama Hugging Face folder
+(the generated demo model): its config as metadata, its byte-level BPE tokenizer and chat template, and
+its weights laid out as llama.cpp's converter lays them (query/key rows interleaved per head), the
+matrices in the type asked for (F32, F16, BF16, Q8_0, Q4_0, Q4_1 via ``gguf.quants``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+          "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+          "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def interleave_heads(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's layout of a query/key projection: each head's two rotary halves interleaved by row."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architecture: str = "llama",
+               overrides: dict | None = None) -> Path:
+    """``hf_dir`` as a GGUF at ``out`` with every 2-D weight stored as ``matrix_type``; ``overrides`` maps a
+    GGUF tensor name to its type (to mix types, or to name one llmbus cannot read)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), architecture)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer.add_name("llmbus test model")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer, tokenizer, tokenizer_config, config)
+    types = overrides or {}
+    for name, tensor in weights.items():
+        gguf_name = _gguf_name(name)
+        tensor = tensor.astype(np.float32)
+        if name.endswith("q_proj.weight") and architecture == "llama":
+            tensor = interleave_heads(tensor, heads)
+        if name.endswith("k_proj.weight") and architecture == "llama":
+            tensor = interleave_heads(tensor, kv_heads)
+        kind = types.get(gguf_name, matrix_type if tensor.ndim == 2 else "F32")
+        _add(writer, gguf_name, tensor, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _gguf_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = name.split(".", 3)
+    return f"blk.{layer}.{_LAYER[rest]}"
+
+
+def _add(writer, name: str, tensor: np.ndarray, kind: str) -> None:
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind == "F32":
+        writer.add_tensor(name, tensor)
+    elif kind == "F16":
+        writer.add_tensor(name, tensor.astype(np.float16))
+    else:  # BF16 and the block types: bytes from gguf.quants, the shape and type told to the writer
+        writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+
+
+def _add_tokenizer(writer, tokenizer: dict, tokenizer_config: dict, config: dict) -> None:
+    vocab = tokenizer["model"]["vocab"]
+    tokens = [None] * config["vocab_size"]
+    for token, i in vocab.items():
+        tokens[i] = token
+    special = {t["id"]: t["content"] for t in tokenizer.get("added_tokens", [])}
+    for i, token in special.items():
+        tokens[i] = token
+    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    ids = {v: k for k, v in special.items()}
+    if tokenizer_config.get("bos_token") in ids:
+        writer.add_bos_token_id(ids[tokenizer_config["bos_token"]])
+    if tokenizer_config.get("eos_token") in ids:
+        writer.add_eos_token_id(ids[tokenizer_config["eos_token"]])
+    # the demo tokenizer's post-processor puts its BOS first, as llama.cpp's add_bos_token does
+    writer.add_add_bos_token("TemplateProcessing" in json.dumps(tokenizer.get("post_processor"))
+                             or tokenizer_config.get("add_bos_token", False))
+    if tokenizer_config.get("chat_template"):
+        writer.add_chat_template(tokenizer_config["chat_template"])

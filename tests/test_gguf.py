@@ -1,0 +1,186 @@
+"""GGUF files: the model folder made from one, its weights read by Hugging Face names (against transformers'
+own reading of the same file), the raw quantized blocks, the committed K-quant fixture, and clear errors
+for files llmbus cannot serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gguf_files import write_gguf
+from llmbus.supervisor.gguf_model import materialize
+from llmbus.supervisor.weights import ModelNotFound, resolve_model
+from llmbus.workers import quant
+from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader, GGUFError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
+K_QUANT_FIXTURE = FIXTURES / "tiny-q4_k_m.gguf"
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+PROMPTS = ("Hello world, the capital of France is Paris.", "  spaces\tand\nnewlines 123 ünïcödé", "")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    """Folders made from GGUFs go to this module's own cache (never the user's)."""
+    old = os.environ.get("LLMBUS_CACHE")
+    os.environ["LLMBUS_CACHE"] = str(tmp_path_factory.mktemp("llmbus-cache"))
+    import llmbus.supervisor.gguf_model as gguf_model
+
+    saved = gguf_model.CACHE_ROOT
+    gguf_model.CACHE_ROOT = Path(os.environ["LLMBUS_CACHE"]) / "gguf"
+    yield
+    gguf_model.CACHE_ROOT = saved
+    if old is None:
+        os.environ.pop("LLMBUS_CACHE", None)
+    else:
+        os.environ["LLMBUS_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    out = tmp_path_factory.mktemp("gguf")
+    for kind in TYPES:
+        write_gguf(tiny_model_dir, out / f"tiny-{kind}.gguf", kind)
+    return out
+
+
+def transformers_state(path: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_weights_equal_transformers_reading(kind, gguf_dir):
+    path = gguf_dir / f"tiny-{kind}.gguf"
+    expected = transformers_state(path)
+    with GGUFCheckpointReader(path) as reader:
+        assert set(reader.names()) == set(expected)
+        for name in reader.names():
+            assert torch.equal(reader.read(name), expected[name]), name
+        q = "model.layers.1.self_attn.q_proj.weight"  # interleaved heads in the file: rows of heads 1-2
+        assert torch.equal(reader.read_rows(q, 32, 96), expected[q][32:96])
+        down = "model.layers.2.mlp.down_proj.weight"
+        assert torch.equal(reader.read_cols(down, 160, 352), expected[down][:, 160:352])
+
+
+@pytest.mark.parametrize("kind", ("Q4_0", "Q4_1", "Q8_0"))
+def test_raw_blocks_become_quantized_weights(kind, gguf_dir):
+    with GGUFCheckpointReader(gguf_dir / f"tiny-{kind}.gguf") as reader:
+        name = "model.layers.0.self_attn.k_proj.weight"
+        raw = reader.read_quantized(name, rows=(32, 64), cols=(32, 96))
+        assert raw.qtype == kind and raw.shape == (32, 64)
+        expected = reader.read(name)[32:64, 32:96]
+        weight = quant.from_gguf(raw)
+        if kind == "Q8_0":  # re-quantized per row: within half a step of the row's scale
+            assert isinstance(weight, quant.Int8Weight)
+            assert ((weight.dequantize() - expected).abs() <= weight.scale[:, None] / 2 + 1e-7).all()
+        else:  # the file's own 4-bit values and scales
+            assert isinstance(weight, quant.Int4Weight)
+            torch.testing.assert_close(weight.dequantize(), expected, rtol=0, atol=1e-6)
+        assert reader.read_quantized("model.layers.0.input_layernorm.weight") is None
+
+
+def test_column_slices_must_fall_on_blocks(gguf_dir):
+    with GGUFCheckpointReader(gguf_dir / "tiny-Q4_0.gguf") as reader, pytest.raises(GGUFError, match="blocks of 32"):
+        reader.read_quantized("model.layers.0.mlp.down_proj.weight", cols=(0, 176))
+
+
+def test_model_folder_has_config_tokenizer_and_template(gguf_dir, tiny_model_dir):
+    from tokenizers import Tokenizer
+
+    folder = materialize(gguf_dir / "tiny-Q4_1.gguf")
+    assert materialize(gguf_dir / "tiny-Q4_1.gguf") == folder  # built once
+    config, original = (json.loads((d / "config.json").read_text()) for d in (folder, tiny_model_dir))
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings"):
+        assert config[key] == pytest.approx(original[key], rel=1e-6), key  # GGUF stores float32
+    assert config["model_type"] == "llama" and not config.get("tie_word_embeddings")
+    ours, theirs = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (folder, tiny_model_dir))
+    for text in PROMPTS:
+        assert ours.encode(text).ids == theirs.encode(text).ids, text
+    template = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    assert (folder / "chat_template.jinja").read_text() == template
+    eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    assert theirs.token_to_id("</s>") in eos
+    manifest = json.loads((folder / "gguf.json").read_text())
+    assert manifest["tensor_types"] == {"F32": 9, "Q4_1": 30} and manifest["architecture"] == "llama"
+
+
+def test_k_quant_fixture_reads_as_transformers_reads_it():
+    with GGUFCheckpointReader(K_QUANT_FIXTURE) as reader:
+        types = {reader.qtype(n) for n in reader.names()}
+        assert {"Q4_K", "Q6_K"} <= types, types
+        expected = transformers_state(K_QUANT_FIXTURE)
+        for name in reader.names():
+            assert torch.equal(reader.read(name), expected[name]), name
+
+
+def _write_with_type(tiny_model_dir, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """A GGUF whose first layer's down projection is stored as ``qtype`` (bytes of the right length)."""
+    write_gguf(tiny_model_dir, out, "F32")
+    reader = gguf.GGUFReader(str(out))
+    writer = gguf.GGUFWriter(str(out) + ".tmp", "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    for t in reader.tensors:
+        if t.name == "blk.0.ffn_down.weight":
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            writer.add_tensor(t.name, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(out) + ".tmp", out)
+    return out
+
+
+def test_unknown_tensor_type_is_one_clear_error(tiny_model_dir, tmp_path):
+    path = _write_with_type(tiny_model_dir, tmp_path / "iq.gguf", gguf.GGMLQuantizationType.IQ4_NL)
+    with pytest.raises(ModelNotFound, match=r"tensor blk\.0\.ffn_down\.weight has type IQ4_NL"):
+        resolve_model(str(path))
+
+
+def test_unsupported_architecture_is_one_clear_error(tiny_model_dir, tmp_path):
+    path = write_gguf(tiny_model_dir, tmp_path / "phi.gguf", "F32", architecture="phi3")
+    with pytest.raises(ModelNotFound, match=r"architecture 'phi3' is not supported \(supported: llama"):
+        resolve_model(str(path))
+
+
+def test_corrupt_and_truncated_files_are_clear_errors(gguf_dir, tmp_path):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + os.urandom(4096))
+    whole = (gguf_dir / "tiny-F16.gguf").read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(whole[: len(whole) // 2])
+    for path in (corrupt, truncated, tmp_path / "missing.gguf"):
+        with pytest.raises(ModelNotFound, match=str(path.name)):
+            resolve_model(str(path))
+
+
+def test_up_refuses_a_bad_gguf_before_starting_anything(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    result = subprocess.run([sys.executable, "-m", "llmbus.supervisor", "up", "--model-id", str(bad),
+                             "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "LLMBUS_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("Error: ")
+    assert "bad.gguf: not a readable GGUF file" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
