@@ -17,8 +17,10 @@ from llmbus.frontend.openapi_schemas import array, openai_schemas, ref, tgi_sche
 
 SPEC_PATH = "/api-doc/openapi.json"
 DOCS_PATH = "/docs"
-# pinned: an unpinned CDN URL would change the page under us
-SWAGGER_UI_VERSION = "5.17.14"
+# Swagger UI's own files, served from the swagger-ui-py package so /docs works on a machine with no
+# internet (a CDN link is a blank page offline); only the two the page loads, never the whole folder.
+DOCS_ASSETS_PATH = "/docs/assets"
+DOCS_ASSETS = {"swagger-ui.css": "text/css", "swagger-ui-bundle.js": "text/javascript"}
 
 TGI_TAG, OPENAI_TAG, SAGEMAKER_TAG, INFO_TAG, DOCS_TAG = (
     "Text Generation Inference", "OpenAI compatible", "SageMaker", "Health and info", "Documentation")
@@ -208,6 +210,13 @@ def _paths() -> dict:
             "The OpenAPI 3.1 document.", _json({"type": "object"}))})},
         DOCS_PATH: {"get": _op("swagger_ui", DOCS_TAG, "Swagger UI for this document", {"200": _response(
             "An HTML page.", {"text/html": {"schema": {"type": "string"}}})})},
+        DOCS_ASSETS_PATH + "/{name}": {"get": {
+            **_op("swagger_ui_asset", DOCS_TAG, "Swagger UI's stylesheet and script, served locally",
+                  {"200": _response("The file.", {m: {"schema": {"type": "string"}}
+                                                  for m in sorted(set(DOCS_ASSETS.values()))}),
+                   "404": _response("Not one of Swagger UI's files.")}),
+            "parameters": [{"name": "name", "in": "path", "required": True,
+                            "schema": {"type": "string", "enum": sorted(DOCS_ASSETS)}}]}},
     }
 
 
@@ -237,7 +246,10 @@ def build_spec(version: str, model_id: str) -> dict:
 # Routes
 # ------------------------------------------------------------------------------------------------
 
-_CDN = f"https://cdn.jsdelivr.net/npm/swagger-ui-dist@{SWAGGER_UI_VERSION}"
+def swagger_ui_static_dir():
+    from importlib import resources
+
+    return resources.files("swagger_ui") / "static"
 
 
 def swagger_ui_html(spec_url: str = SPEC_PATH, title: str = "llmbus - Swagger UI") -> str:
@@ -247,11 +259,11 @@ def swagger_ui_html(spec_url: str = SPEC_PATH, title: str = "llmbus - Swagger UI
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{title}</title>
-<link rel="stylesheet" href="{_CDN}/swagger-ui.css">
+<link rel="stylesheet" href="{DOCS_ASSETS_PATH}/swagger-ui.css">
 </head>
 <body>
 <div id="swagger-ui"></div>
-<script src="{_CDN}/swagger-ui-bundle.js"></script>
+<script src="{DOCS_ASSETS_PATH}/swagger-ui-bundle.js"></script>
 <script>
 window.ui = SwaggerUIBundle({{
   url: {json.dumps(spec_url)},
@@ -281,5 +293,15 @@ def add_openapi_routes(app: web.Application, version: str, model_id_getter: Call
     async def docs(request: web.Request) -> web.Response:
         return web.Response(text=page, content_type="text/html")
 
+    static = swagger_ui_static_dir()
+
+    async def asset(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in DOCS_ASSETS:
+            raise web.HTTPNotFound()
+        return web.Response(body=(static / name).read_bytes(), content_type=DOCS_ASSETS[name],
+                            headers={"Cache-Control": "public, max-age=86400"})
+
     app.router.add_get(SPEC_PATH, spec)
     app.router.add_get(DOCS_PATH, docs)
+    app.router.add_get(DOCS_ASSETS_PATH + "/{name}", asset)

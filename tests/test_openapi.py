@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 
 import jsonschema
 import pytest
@@ -11,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from openapi_spec_validator import validate
 
-from llmbus.frontend.openapi import DOCS_PATH, SPEC_PATH, add_openapi_routes, build_spec
+from llmbus.frontend.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, add_openapi_routes, build_spec
 
 MODEL_ID = "demo/tiny"
 
@@ -171,10 +172,22 @@ def test_docs_and_spec_routes():
             docs = await client.get(DOCS_PATH)
             html = await docs.text()
             served = await client.get(SPEC_PATH)
-            return docs.status, docs.content_type, html, served.status, await served.json()
+            # every file the page loads comes from this server (offline machines have no CDN)
+            links = re.findall(r'(?:src|href)="([^"]+)"', html)
+            assets = {}
+            for link in links:
+                resp = await client.get(link)
+                assets[link] = (resp.status, resp.content_type, len(await resp.read()))
+            missing = (await client.get(DOCS_ASSETS_PATH + "/swagger-editor-bundle.js")).status
+            return docs.status, docs.content_type, html, served.status, await served.json(), assets, missing
 
-    status, content_type, html, spec_status, served = asyncio.run(main())
+    status, content_type, html, spec_status, served, assets, missing = asyncio.run(main())
     assert (status, content_type) == (200, "text/html")
-    assert SPEC_PATH in html and "swagger-ui-dist@" in html
+    assert SPEC_PATH in html and "http://" not in html and "https://" not in html
+    assert set(assets) == {f"{DOCS_ASSETS_PATH}/swagger-ui.css", f"{DOCS_ASSETS_PATH}/swagger-ui-bundle.js"}
+    assert assets[f"{DOCS_ASSETS_PATH}/swagger-ui-bundle.js"][:2] == (200, "text/javascript")
+    assert assets[f"{DOCS_ASSETS_PATH}/swagger-ui.css"][:2] == (200, "text/css")
+    assert all(size > 10_000 for _, _, size in assets.values())
+    assert missing == 404  # only the page's two files, not the package's whole folder
     assert spec_status == 200
     assert served == build_spec("1.2.3", MODEL_ID)
