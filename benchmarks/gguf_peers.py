@@ -1,0 +1,149 @@
+"""SmolLM2-135M-Instruct served by llmbus in bf16, int8, int4 and the package's own Q4_1, beside
+llama.cpp's llama-server on the same weights (bf16, q8_0, q4_1 GGUFs), measured in one run.
+
+    python benchmarks/gguf_peers.py [--systems ...] [--c64-requests 64] [--c1-requests 4]
+
+Every system gets the same prompts (128 tokens by SmolLM2's tokenizer, distinct from the first token on),
+128 new tokens with EOS ignored, over the OpenAI completions route, streamed: c=1 is requests one at a
+time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included), as in
+../shared/peers/README.md. llama-server runs as that README does (`-t 2 -np 64 -c 32768 -no-kvu -cb`).
+For llmbus, the worker rank's resident memory (VmRSS, after the run) is printed too.
+
+Forms: "bf16" is the package's Q4_1 dequantized by transformers and written as a bf16 folder, "int8" /
+"int4" that folder with --quantize, "q4_1" the package's GGUF served as it is; llama-server's bf16 and
+q8_0 GGUFs are converted from the same dense weights with llama.cpp's own converter.
+Targets (issue #15): llmbus int8 c=1 >= llama-server q8_0 c=1; int8 worker memory <= 0.6x bf16's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import LlmbusServer, exact_token_prompt, exit_on_sigterm, free_port, load_average  # noqa: E402
+from _smollm2 import dense_folder, llama_cpp_dir, package_gguf, peer_gguf  # noqa: E402
+
+from llmbus.bench import BenchConfig, run_bench  # noqa: E402
+
+LLMBUS_FORMS = {"llmbus-bf16": [], "llmbus-int8": ["--quantize", "int8"], "llmbus-int4": ["--quantize", "int4"],
+                "llmbus-q4_1": None}
+PEER_FORMS = {"llama-server-bf16": "bf16", "llama-server-q8_0": "q8_0", "llama-server-q4_1": "q4_1"}
+
+
+class LlamaServer:
+    def __init__(self, gguf: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        binary = llama_cpp_dir() / "build" / "bin" / "llama-server"
+        self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-t", "2",
+                    "-np", "64", "-c", "32768", "-no-kvu", "-cb"]
+
+    def __enter__(self) -> "LlamaServer":
+        print("server: " + " ".join(self.cmd), flush=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+        raise RuntimeError("llama-server did not become healthy in 300 s")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def worker_rss_mib(server: LlmbusServer) -> float | None:
+    """Resident memory of the (single) worker rank: the launcher descendant started with --rank."""
+    for pid in server.pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"--rank" in cmdline:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            continue
+    return None
+
+
+def measure(url: str, single: list[str], many: list[str], warm: list[str], new_tokens: int) -> dict:
+    common = dict(url=url, api="openai", max_new_tokens=(new_tokens, new_tokens), timeout=600.0,
+                  max_duration=2400.0)
+    one = run_bench(BenchConfig(concurrency=[1], requests=len(single) - 1, warmup=1, prompts=single, **common))
+    lots = run_bench(BenchConfig(concurrency=[len(many)], requests=len(many), warmup=len(warm),
+                                 prompts=warm + many, **common))
+    for level in (one.levels[0], lots.levels[0]):
+        if level.stats["errors"]:
+            print(f"warning: {level.label}: {level.stats['error_kinds']}", file=sys.stderr)
+    return {"c1": one.levels[0].stats["output_throughput"], "c64": lots.levels[0].stats["output_throughput"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default=",".join([*PEER_FORMS, *LLMBUS_FORMS]))
+    p.add_argument("--c1-requests", type=int, default=4)
+    p.add_argument("--c64-requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", help="llmbus activations")
+    p.add_argument("--output", default="gguf_peers.json")
+    a = p.parse_args()
+    exit_on_sigterm()
+    from tokenizers import Tokenizer
+
+    dense = dense_folder("bfloat16")
+    tokenizer = Tokenizer.from_file(str(dense / "tokenizer.json"))
+    make = lambda tag, n: [exact_token_prompt(tokenizer, a.prompt_tokens, f"{tag} {i}") for i in range(n)]  # noqa: E731
+    single, many, warm = make("single", a.c1_requests + 1), make("request", a.c64_requests), make("warm-up", 8)
+    print(f"load average before: {load_average()}", flush=True)
+    results = {}
+    for name in a.systems.split(","):
+        if name in PEER_FORMS:
+            with LlamaServer(peer_gguf(PEER_FORMS[name])) as srv:
+                results[name] = measure(srv.url, single, many, warm, a.new_tokens)
+        else:
+            extra = LLMBUS_FORMS[name]
+            model = ["--model-id", str(package_gguf())] if extra is None else ["--model-id", str(dense), *extra]
+            with LlmbusServer([*model, "--dtype", a.dtype]) as srv:
+                results[name] = measure(srv.url, single, many, warm, a.new_tokens)
+                results[name]["worker_rss_mib"] = worker_rss_mib(srv)
+        print(f"{name}: {json.dumps(results[name])}", flush=True)
+    print(f"\nload average after: {load_average()}")
+    print(f"{'system':20} {'c=1 tok/s':>10} {'c=64 tok/s':>11} {'worker RSS MiB':>15}")
+    for name, r in results.items():
+        rss = r.get("worker_rss_mib")
+        print(f"{name:20} {r['c1']:10.1f} {r['c64']:11.1f} {'' if rss is None else f'{rss:15.0f}'}")
+    ratio = lambda x, y: (results[x][k] / results[y][k] for k in ("c1", "c64"))  # noqa: E731
+    pairs = [("llmbus-bf16", "llama-server-bf16"), ("llmbus-int8", "llama-server-q8_0"),
+             ("llmbus-q4_1", "llama-server-q4_1"), ("llmbus-int4", "llama-server-q4_1")]
+    for ours, theirs in pairs:
+        if ours in results and theirs in results:
+            c1, c64 = ratio(ours, theirs)
+            print(f"{ours} / {theirs}: c=1 {c1:.2f}x, c=64 {c64:.2f}x")
+    if "llmbus-int8" in results and "llama-server-q8_0" in results:
+        c1 = results["llmbus-int8"]["c1"] / results["llama-server-q8_0"]["c1"]
+        print(f"target int8 c=1 >= llama-server q8_0: {c1:.2f}x {'pass' if c1 >= 1 else 'MISS'}")
+    if results.get("llmbus-int8", {}).get("worker_rss_mib") and results.get("llmbus-bf16", {}).get("worker_rss_mib"):
+        m = results["llmbus-int8"]["worker_rss_mib"] / results["llmbus-bf16"]["worker_rss_mib"]
+        print(f"target int8 worker memory <= 0.6x bf16: {m:.2f}x {'pass' if m <= 0.6 else 'MISS'}")
+    Path(a.output).write_text(json.dumps({"config": vars(a), "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
