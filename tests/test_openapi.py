@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from openapi_spec_validator import validate
 
+from llmbus.frontend.middleware import auth_middleware, cors_middleware
 from llmbus.frontend.openapi import DOCS_ASSETS_PATH, DOCS_PATH, SPEC_PATH, add_openapi_routes, build_spec
 
 MODEL_ID = "demo/tiny"
@@ -191,3 +192,25 @@ def test_docs_and_spec_routes():
     assert missing == 404  # only the page's two files, not the package's whole folder
     assert spec_status == 200
     assert served == build_spec("1.2.3", MODEL_ID)
+
+
+def test_docs_stay_public_with_api_key_and_cors():
+    """--api-key and --cors-allow-origin leave the page, its files and the document open (as TGI does);
+    the files carry a cache header."""
+    async def main():
+        app = web.Application(middlewares=[cors_middleware(["http://allowed.example"]),
+                                           auth_middleware("Secret")])
+        add_openapi_routes(app, "1.2.3", lambda: MODEL_ID)
+        async with TestClient(TestServer(app)) as client:
+            out = {}
+            for path in (DOCS_PATH, SPEC_PATH, f"{DOCS_ASSETS_PATH}/swagger-ui-bundle.js",
+                         f"{DOCS_ASSETS_PATH}/swagger-ui.css"):
+                resp = await client.get(path, headers={"Origin": "http://elsewhere.example"})
+                await resp.read()
+                out[path] = (resp.status, resp.headers.get("Cache-Control"))
+            return out
+
+    out = asyncio.run(main())
+    assert {path: status for path, (status, _) in out.items()} == dict.fromkeys(out, 200)
+    assert out[f"{DOCS_ASSETS_PATH}/swagger-ui-bundle.js"][1] == "public, max-age=86400"
+    assert out[f"{DOCS_ASSETS_PATH}/swagger-ui.css"][1] == "public, max-age=86400"
