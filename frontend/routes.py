@@ -209,11 +209,11 @@ async def info(request: web.Request) -> web.Response:
         "max_total_tokens": limits.max_total_tokens if limits else c.max_total_tokens,
         "validation_workers": c.validation_workers,
         "max_client_batch_size": c.max_client_batch_size,
-        "quantize": state.quantization,
         "router": "text-generation-router",
         "version": VERSION,
         "sha": None,
         "docker_label": None,
+        "quantize": state.quantization,  # llmbus's: after TGI's own fields, which keep their order
     })
 
 
