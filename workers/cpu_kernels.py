@@ -51,19 +51,19 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(lines))
 
 
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+def _build(compiler: str, source_path: Path = SOURCE) -> Path:
+    source = source_path.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    target = _cache_dir() / f"{source_path.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed into place: ranks starting together may build at once.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True,
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source_path)], capture_output=True,
                                 text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")

@@ -1,126 +1,177 @@
-"""Weight-only quantized projections: int8 per output channel and int4 in groups along the input.
+"""Weight-only quantized projections: int8 (per row or per group of inputs) and int4 (affine, per group).
 
 Two representations, each a plain tensor set that concatenates along output rows (a fused QKV or gate/up
 projection is built from separately stored parts) and is sliced along input columns at group boundaries
 (a row-parallel layer on one tensor-parallel rank):
 
-- ``Int8Weight``: ``values`` int8 ``[N, K]`` and one float32 ``scale`` per row: w = values * scale.
-- ``Int4Weight``: ``values`` uint8 ``[N, K]`` holding 0..15, and per row and group of ``group`` inputs a
-  ``scale`` and an offset ``low``: w = values * scale + low (an affine grid, which Q4_1 is exactly and
-  Q4_0, w = d * (q - 8), is with low = -8 d).
+- ``Int8Weight``: ``values`` int8 ``[N, K]`` and a float32 ``scale`` per row and group of ``group``
+  inputs (``group=None``: one per row): w = values * scale.
+- ``Int4Weight``: ``values`` uint8 ``[N, K]`` holding 0..15, and per row and group a float32 ``scale`` and
+  offset ``low``: w = values * scale + low (an affine grid, which Q4_1 is exactly and Q4_0,
+  w = d * (q - 8), is with low = -8 d).
+
+Where K is not a multiple of the group the last group is shorter ([N, ceil(K / group)] scales).
 
 They come from a float weight (``quantize_int8``/``quantize_int4``, for ``--quantize``) or from a GGUF
-file's raw blocks (``from_gguf``): Q4_0 and Q4_1 map onto ``Int4Weight`` with their own 4-bit values;
-Q8_0's per-32-weight scales have no place in a per-row int8 kernel, so Q8_0 is re-quantized per row.
+file's raw blocks (``from_gguf``), all three exactly: Q8_0 is int8 in groups of 32 with its float16 scales,
+Q4_0 and Q4_1 are int4 in groups of 32; every float16 of the file is exact in the float32 scales.
 
-``QuantizedLinear`` computes with torch's own CPU kernels, ``aten._weight_int8pack_mm`` and
-``aten._weight_int4pack_mm_for_cpu``: they take bfloat16 (or float16) activations and scales of the same
-dtype, which is where the int4 path rounds a GGUF file's float16 scales to bfloat16 (2^-9 relative). For
-float32 activations (the reference precision) they are slower than a dense float32 matmul, so there the
-weight is expanded once at load.
-Why these kernels and not ours: docs/design-notes.md, "Weight-only quantization".
+``QuantizedLinear`` computes with ``quant_kernels.c`` (AVX512-BF16, built on first use like
+``cpu_kernels.py``) for bfloat16 and float32 activations. Where that kernel cannot run (no compiler, no
+AVX512-BF16, ``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
+(``_weight_int8pack_mm``, per-row scales, ``_weight_int4pack_mm_for_cpu``), with bf16 scales, and for
+float32 to a dense float32 weight. Why: docs/design-notes.md, "Weight-only quantization".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import structlog
 import torch
 import torch.nn.functional as F
 
-from llmbus.workers import QUANTIZE_METHODS
+from llmbus.workers import QUANTIZE_METHODS, cpu_kernels
+from llmbus.workers.linear import Linear
 
-INT4_GROUP = 32  # Q4_0/Q4_1's block; divides every hidden size in use (SmolLM2's 576 is 18 x 32)
-_FAST_DTYPES = (torch.bfloat16, torch.float16)
+INT4_GROUP = 32  # Q4_0/Q4_1's block: the most accurate group, and as fast as 64 or 128 in the kernel
+INT8_GROUP = None  # --quantize int8: one scale per row (Q8_0's groups of 32 are kept as they are)
+KERNEL_SOURCE = Path(__file__).with_name("quant_kernels.c")
+TILE = 16  # output rows per vector in quant_kernels.c
+
+log = structlog.get_logger("llmbus.workers.quant")
 
 
-@dataclass
+def _groups(k: int, group: int | None) -> int:
+    return 1 if group is None else -(-k // group)
+
+
+def _expand(per_group: torch.Tensor, k: int, group: int | None) -> torch.Tensor:
+    """[N, G] per-group numbers -> [N, K], one per column."""
+    return per_group.repeat_interleave(k if group is None else group, dim=1)[:, :k]
+
+
+def _check_cut(start: int, stop: int, k: int, group: int | None) -> None:
+    if group is not None and (start % group or (stop % group and stop != k)):
+        raise ValueError(f"a weight in groups of {group} splits at multiples of {group} columns, not {start}:{stop}")
+
+
+def _cat_groups(parts: list) -> int | None:
+    if len({(p.group, p.shape[1]) for p in parts}) != 1:
+        raise ValueError("parts with different group sizes or input sizes cannot be fused")
+    return parts[0].group
+
+
+@dataclass(eq=False)
 class Int8Weight:
     values: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N]
+    scale: torch.Tensor  # float32 [N, G]
+    group: int | None = None  # None: one scale per row
+    packs: dict = field(default_factory=dict, repr=False)  # the kernel forms made of it, shared by users
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.values.shape)
 
     def dequantize(self) -> torch.Tensor:
-        return self.values.float() * self.scale[:, None]
+        return self.values.float() * _expand(self.scale, self.shape[1], self.group)
 
     def cols(self, start: int, stop: int) -> "Int8Weight":
-        # A per-row scale was chosen for the whole row: a column slice keeps it (still exact, maybe coarse).
-        return Int8Weight(self.values[:, start:stop].contiguous(), self.scale)
+        _check_cut(start, stop, self.shape[1], self.group)
+        scale = self.scale if self.group is None else self.scale[:, start // self.group: -(-stop // self.group)]
+        return Int8Weight(self.values[:, start:stop].contiguous(), scale.contiguous(), self.group)
 
     @staticmethod
     def cat(parts: list["Int8Weight"]) -> "Int8Weight":
-        return Int8Weight(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
+        group = _cat_groups(parts)
+        return Int8Weight(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), group)
 
 
-@dataclass
+@dataclass(eq=False)
 class Int4Weight:
     values: torch.Tensor  # uint8 [N, K], each 0..15
-    scale: torch.Tensor  # float32 [N, K // group]
-    low: torch.Tensor  # float32 [N, K // group]: the value of q = 0
+    scale: torch.Tensor  # float32 [N, G]
+    low: torch.Tensor  # float32 [N, G]: the value of q = 0
     group: int = INT4_GROUP
+    packs: dict = field(default_factory=dict, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.values.shape)
 
     def dequantize(self) -> torch.Tensor:
-        n, k = self.values.shape
-        grouped = self.values.view(n, k // self.group, self.group).float()
-        return (grouped * self.scale[..., None] + self.low[..., None]).view(n, k)
+        k = self.shape[1]
+        return self.values.float() * _expand(self.scale, k, self.group) + _expand(self.low, k, self.group)
 
     def cols(self, start: int, stop: int) -> "Int4Weight":
-        if start % self.group or stop % self.group:
-            raise ValueError(f"an int4 weight splits at multiples of {self.group} columns, not {start}:{stop}")
-        g0, g1 = start // self.group, stop // self.group
+        _check_cut(start, stop, self.shape[1], self.group)
+        g0, g1 = start // self.group, -(-stop // self.group)
         return Int4Weight(self.values[:, start:stop].contiguous(), self.scale[:, g0:g1].contiguous(),
                           self.low[:, g0:g1].contiguous(), self.group)
 
     @staticmethod
     def cat(parts: list["Int4Weight"]) -> "Int4Weight":
-        if len({p.group for p in parts}) != 1:
-            raise ValueError("int4 parts with different group sizes cannot be fused")
+        group = _cat_groups(parts)
         return Int4Weight(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.low for p in parts]), parts[0].group)
+                          torch.cat([p.low for p in parts]), group)
 
 
 QuantizedWeight = Int8Weight | Int4Weight
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """Symmetric per-row int8 (round to nearest): the error of a weight is at most scale / 2."""
+def _grouped(weight: torch.Tensor, group: int | None) -> torch.Tensor:
+    """[N, K] float -> [N, G, group], the last group padded with copies of its first column (which leave
+    its minimum, maximum and largest magnitude unchanged)."""
+    n, k = weight.shape
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    values = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(values, scale)
+    if group is None:
+        return w[:, None, :]
+    short = -k % group
+    if short:
+        w = torch.cat((w, w[:, k - (k % group):][:, :1].expand(n, short)), dim=1)
+    return w.view(n, -1, group)
+
+
+def quantize_int8(weight: torch.Tensor, group: int | None = INT8_GROUP) -> Int8Weight:
+    """Symmetric int8 per row (or group), round to nearest: each weight within scale / 2 of its value."""
+    n, k = weight.shape
+    w = _grouped(weight, group)
+    scale = (w.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    values = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(values.view(n, -1)[:, :k].contiguous(), scale, group)
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
     """Asymmetric int4 per group of ``group`` inputs (min/max grid, as Q4_1): error at most scale / 2."""
     n, k = weight.shape
-    if k % group:
-        raise ValueError(f"int4 quantization needs the input size ({k}) to be a multiple of {group}")
-    w = weight.float().view(n, k // group, group)
+    w = _grouped(weight, group)
     low, high = w.amin(dim=-1), w.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=1e-12)
     values = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return Int4Weight(values.view(n, k), scale, low, group)
+    return Int4Weight(values.view(n, -1)[:, :k].contiguous(), scale, low, group)
+
+
+_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    if method == "int8":
-        return quantize_int8(weight)
-    if method == "int4":
-        return quantize_int4(weight)
+    """``--quantize``'s ``method`` ("int8", "int4") with its default grouping."""
+    if method in _QUANTIZERS:
+        return _QUANTIZERS[method](weight)
     raise ValueError(f"unknown quantization {method!r} (known: {', '.join(QUANTIZE_METHODS)})")
 
 
 # -- GGUF blocks -----------------------------------------------------------------------------------------
+# Q8_0 block (34 bytes): float16 d, then 32 int8 q; w = d * q.
 # Q4_0 block (18 bytes): float16 d, then 16 bytes of 4-bit q; w = d * (q - 8).
 # Q4_1 block (20 bytes): float16 d, float16 m, then 16 bytes; w = d * q + m.
-# Within a block byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+# Within a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -134,69 +185,222 @@ def _half(raw: torch.Tensor) -> torch.Tensor:
 
 
 def from_gguf(raw) -> QuantizedWeight:
-    """A ``gguf_checkpoint.GGUFRaw`` (Q8_0, Q4_0 or Q4_1 blocks) as a quantized weight."""
+    """Raw GGUF blocks as a quantized weight: anything with ``.qtype`` ("Q8_0", "Q4_0", "Q4_1"),
+    ``.data`` (uint8 ``[N, row bytes]``) and ``.shape`` (``(N, K)``), such as ``gguf_checkpoint.GGUFRaw``."""
     rows, cols = raw.shape
     blocks = raw.data.view(rows, cols // 32, -1)
-    if raw.qtype in ("Q4_0", "Q4_1"):
-        d = _half(blocks[..., 0:2])
-        if raw.qtype == "Q4_0":
-            low, packed = -8 * d, blocks[..., 2:18]
-        else:
-            low, packed = _half(blocks[..., 2:4]), blocks[..., 4:20]
-        return Int4Weight(_nibbles(packed).reshape(rows, cols).contiguous(), d, low, 32)
+    d = _half(blocks[..., 0:2])
     if raw.qtype == "Q8_0":
-        d = _half(blocks[..., 0:2])
-        values = blocks[..., 2:34].contiguous().view(torch.int8).float()
-        return quantize_int8((values * d[..., None]).view(rows, cols))
+        return Int8Weight(blocks[..., 2:34].contiguous().view(torch.int8).reshape(rows, cols), d, 32)
+    if raw.qtype == "Q4_0":
+        return Int4Weight(_nibbles(blocks[..., 2:18]).reshape(rows, cols).contiguous(), d, -8 * d, 32)
+    if raw.qtype == "Q4_1":
+        return Int4Weight(_nibbles(blocks[..., 4:20]).reshape(rows, cols).contiguous(), d,
+                          _half(blocks[..., 2:4]), 32)
     raise ValueError(f"GGUF type {raw.qtype} has no quantized form here")
 
 
-# -- computing ---------------------------------------------------------------------------------------------
+# -- the C kernel --------------------------------------------------------------------------------------------
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """quant_kernels.c built and loaded, or None (logged once) where it cannot run here."""
+    if os.environ.get(cpu_kernels.DISABLE_ENV, "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: quantized layers run on torch's kernels (slower)")
+        return None
+    try:
+        library = ctypes.CDLL(str(cpu_kernels._build(compiler, KERNEL_SOURCE)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("could not build the quantized kernels: torch's run instead (slower)", error=str(exc))
+        return None
+    if not library.quant_kernels_available():
+        log.info("this CPU has no AVX512-BF16: quantized layers run on torch's kernels")
+        return None
+    library.int8_matmul.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P]
+    library.int4_matmul.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P]
+    library.int8_matmul.restype = library.int4_matmul.restype = _INT
+    return library
+
+
+_scratch = {"rows": torch.empty(0, dtype=torch.bfloat16), "sums": torch.empty(0)}
+
+
+def _scratch_of(name: str, numel: int) -> torch.Tensor:
+    if _scratch[name].numel() < numel:
+        _scratch[name] = torch.empty(numel, dtype=_scratch[name].dtype)
+    return _scratch[name]
+
+
+def _tiles(per_row: torch.Tensor, k_padded: int | None = None) -> torch.Tensor:
+    """[N, C] -> [N/16, C, 16] (rows padded to whole tiles with zeros): C columns of 16 rows each."""
+    n, c = per_row.shape
+    padded = F.pad(per_row, (0, (k_padded or c) - c, 0, -n % TILE))
+    return padded.view(-1, TILE, padded.shape[1]).transpose(1, 2).contiguous()
+
+
+class _KernelPack:
+    """A quantized weight in quant_kernels.c's layout (see its header)."""
+
+    def __init__(self, weight: QuantizedWeight):
+        n, k = weight.shape
+        self.n, self.k, self.is_int4 = n, k, isinstance(weight, Int4Weight)
+        self.group = weight.group if weight.group is not None else k + k % 2
+        self.k_padded = _groups(k, self.group) * self.group
+        tiles = _tiles(weight.values, self.k_padded)  # [T, Kp, 16]
+        pairs = tiles.view(tiles.shape[0], self.k_padded // 2, 2, TILE)
+        # int8: [T, Kp/2, 2, 16]; int4: one byte per row and column pair, the even column low.
+        self.values = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous() if self.is_int4 else pairs
+        self.scale = _tiles(weight.scale)
+        self.low = _tiles(weight.low) if self.is_int4 else None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m = x.shape[0]
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        y = x.new_empty(m, self.n)
+        is_f32 = int(x.dtype == torch.float32)
+        prepared = m * (1 + is_f32)
+        rows = _scratch_of("rows", prepared * self.k_padded)
+        bias_pointer = bias.data_ptr() if bias is not None else None
+        if self.is_int4:
+            sums = _scratch_of("sums", prepared * (self.k_padded // self.group))
+            status = _library().int4_matmul(
+                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.scale.data_ptr(),
+                self.low.data_ptr(), self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(),
+                rows.data_ptr(), sums.data_ptr())
+        else:
+            status = _library().int8_matmul(
+                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.scale.data_ptr(),
+                self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(), rows.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"quant_kernels.c refused a {m}x{self.k} by {self.n}x{self.k} product ({status})")
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the int8 weight, dequantized to float32."""
+        tile, lane = ids // TILE, ids % TILE
+        values = self.values[tile, :, :, lane].reshape(len(ids), self.k_padded)[:, : self.k]
+        scale = self.scale[tile, :, lane]
+        return values.float() * _expand(scale, self.k, self.group)
+
+
+class _TorchPack:
+    """torch's own CPU kernels: int8 with per-row scales, int4 in groups of 32..256, bf16/fp16 scales."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        self.weight = None
+        if isinstance(weight, Int8Weight):
+            if weight.group is not None:  # per-group scales have no place in torch's kernel: re-quantize
+                weight = quantize_int8(weight.dequantize())
+            self.weight = weight  # its row-major values are the kernel's operand, and embedding rows
+            self.scale = weight.scale[:, 0].to(dtype)
+        else:
+            self.group = weight.group
+            # torch's kernel reads w = (q - 8) * scale + zero: zero is the grid's middle, low + 8 * scale.
+            zero = weight.low + 8 * weight.scale
+            self.scales_and_zeros = torch.stack((weight.scale.t(), zero.t()), dim=-1).to(dtype).contiguous()
+            self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.values.to(torch.int32), 1)
+
+    @staticmethod
+    def takes(weight: QuantizedWeight) -> bool:
+        k = weight.shape[1]
+        return isinstance(weight, Int8Weight) or (weight.group in (32, 64, 128, 256) and k % weight.group == 0)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight is not None:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.weight.values, self.scale)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, self.group, self.scales_and_zeros)
+        return y + bias if bias is not None else y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return _int8_rows(self.weight, ids)
+
+
+def _int8_rows(weight: Int8Weight, ids: torch.Tensor) -> torch.Tensor:
+    return weight.values[ids].float() * _expand(weight.scale[ids], weight.shape[1], weight.group)
+
+
+class _DensePack:
+    """The weight expanded into a float ``Linear``: for float32 activations where no kernel of ours runs
+    (torch's quantized kernels are slower there than a dense float32 product)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        self.source = weight if isinstance(weight, Int8Weight) else None  # for embedding rows
+        self.linear = Linear(weight.dequantize().to(dtype))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.linear(x)
+        return y + bias if bias is not None else y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return _int8_rows(self.source, ids)
+
+
+def _pack(weight: QuantizedWeight, dtype: torch.dtype):
+    """The form this machine computes ``weight`` with for ``dtype`` activations, made once per weight (a
+    tied embedding and LM head share it)."""
+    if dtype in (torch.bfloat16, torch.float32) and _library() is not None:
+        kind, make = "kernel", lambda: _KernelPack(weight)
+    elif dtype in (torch.bfloat16, torch.float16) and _TorchPack.takes(weight):
+        kind, make = f"torch-{dtype}", lambda: _TorchPack(weight, dtype)
+    else:
+        kind, make = f"dense-{dtype}", lambda: _DensePack(weight, dtype)
+    if kind not in weight.packs:
+        weight.packs[kind] = make()
+    return weight.packs[kind]
 
 
 class QuantizedLinear:
-    """``y = x @ w.T + bias`` for 2-D ``x`` with a quantized ``w``, keeping only the kernel's packed form.
+    """``y = x @ w.T + bias`` for 2-D ``x`` of ``dtype`` with a quantized ``w``, keeping only the form the
+    kernel reads (``linear.Linear``'s call contract)."""
 
-    With float32 activations (``dtype``) the quantized values are expanded once at load into a float32
-    ``Linear``: the same numbers, no memory saved, but no kernel that would be slower than the dense one."""
+    __slots__ = ("method", "out_features", "bias", "_pack", "_kernel_bias")
 
-    __slots__ = ("method", "out_features", "bias", "_int8", "_scale", "_int4", "_scales_and_zeros", "_group",
-                 "_dense")
-
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype):
-        from llmbus.workers.linear import Linear
-
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16):
         self.out_features = weight.shape[0]
+        self.method = "int4" if isinstance(weight, Int4Weight) else "int8"
         self.bias = bias
-        self.method = "int8" if isinstance(weight, Int8Weight) else "int4"
-        self._int8 = self._int4 = self._dense = None
-        if dtype not in _FAST_DTYPES:
-            self._dense = Linear(weight.dequantize().to(dtype), bias)
-        elif isinstance(weight, Int8Weight):
-            self._int8, self._scale = weight.values, weight.scale.to(dtype)
-        else:
-            self._group = weight.group
-            # torch's kernel reads w = (q - 8) * scale + zero: zero is the grid's middle, low + 8 * scale.
-            zero = weight.low + 8 * weight.scale
-            self._scales_and_zeros = torch.stack((weight.scale.t(), zero.t()), dim=-1).to(dtype).contiguous()
-            self._int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.values.to(torch.int32), 1)
+        self._pack = _pack(weight, dtype)
+        # Our kernel adds a float32 bias before rounding to the output dtype.
+        is_kernel = isinstance(self._pack, _KernelPack)
+        self._kernel_bias = bias.float().contiguous() if is_kernel and bias is not None else bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._dense is not None:
-            return self._dense(x)
-        if self._int8 is not None:
-            y = torch.ops.aten._weight_int8pack_mm(x, self._int8, self._scale)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._int4, self._group, self._scales_and_zeros)
-        return y + self.bias if self.bias is not None else y
+        return self._pack(x, self._kernel_bias)
 
 
 class QuantizedEmbedding:
-    """Embedding rows looked up from an int8 matrix, so a tied embedding and LM head share one copy."""
+    """Embedding rows looked up in an int8 matrix, dequantized: with ``tied_embedding_and_head`` (or the
+    same ``Int8Weight`` given to a ``QuantizedLinear`` of the same dtype) an embedding and LM head share
+    one int8 copy, in the kernel's layout."""
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype):
-        self.values, self.scale, self.dtype = weight.values, weight.scale, dtype
+        self._pack, self.dtype = _pack(weight, dtype), dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(ids, self.values.view(torch.uint8)).view(torch.int8)
-        return (rows.float() * self.scale[ids][:, None]).to(self.dtype)
+        return self._pack.rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
+
+
+def tied_embedding_and_head(weight: Int8Weight, dtype: torch.dtype) -> tuple[QuantizedEmbedding, QuantizedLinear]:
+    return QuantizedEmbedding(weight, dtype), QuantizedLinear(weight, None, dtype)
+
+
+def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
+                quantize: str | None = None, dtype: torch.dtype | None = None):
+    """A ``Linear`` for a float ``weight`` and no ``quantize``, else a ``QuantizedLinear`` for activations
+    of ``dtype`` (default: the float weight's dtype, or bfloat16)."""
+    if isinstance(weight, torch.Tensor):
+        if quantize is None:
+            return Linear(weight if dtype is None else weight.to(dtype), bias)
+        if quantize not in _QUANTIZERS:
+            raise ValueError(f"unknown quantization {quantize!r} (known: {', '.join(QUANTIZE_METHODS)})")
+        return QuantizedLinear(_QUANTIZERS[quantize](weight), bias, dtype or weight.dtype)
+    return QuantizedLinear(weight, bias, dtype or torch.bfloat16)

@@ -1,0 +1,206 @@
+/* Weight-only int8 / int4 matmul for CPU: y[M, N] = x[M, K] @ dequantize(w)[N, K]^T (+ bias).
+ *
+ * Both forms run on AVX512-BF16's VDPBF16PS, which multiplies pairs of bf16 values into float32 lanes:
+ * 4- and 8-bit integers are exact in bf16 and the products of bf16 values are exact in float32, so the
+ * only rounding is float32 accumulation (and the output's dtype). Vectors run along the output rows:
+ * a tile is 16 rows of the weight, and one instruction adds x[m][k..k+1] . w[16 rows][k..k+1] into 16
+ * float32 lanes. Each unpacked weight vector is used for up to 8 activation rows held in registers,
+ * and a tile (16 rows x K) stays in L1 while all rows of x pass over it.
+ *
+ * Layouts (N padded to tiles of 16 with zero rows, K padded to whole groups with zero columns; G groups):
+ *   int8:  values [N/16][K/2][2][16] int8 (for a pair of columns, 16 rows of the first then of the
+ *          second), scale [N/16][G][16] float32: w = value * scale of its group.
+ *   int4:  values [N/16][K/2][16] bytes, low nibble column 2p and high nibble column 2p+1, each 0..15;
+ *          scale and low [N/16][G][16] float32: w = q * scale + low.
+ * int8 values become bf16 through float32 (exact); int4 values q become the bf16 number 128 + q by
+ * OR-ing the bf16 bits of 128 (0x4300) into the nibble, two integer ops for 32 weights, and the group's
+ * sum of x times 128 is taken off afterwards.
+ *
+ * Activations: bf16 rows are used as they are. A float32 row x is split into two bf16 rows, hi = bf16(x)
+ * and lo = bf16(x - hi), and its result is the sum of theirs: x is then carried to about 2^-17 of
+ * itself (hi + lo holds 16 significant bits), against 2^-8 for rounding x to bf16.
+ *
+ * Without AVX512-BF16 the entry points return -1 and the caller uses torch's kernels instead.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QUANT_KERNELS 1
+#else
+#define QUANT_KERNELS 0
+#endif
+
+int quant_kernels_available(void) { return QUANT_KERNELS; }
+
+#if QUANT_KERNELS
+
+#define TILE 16
+#define ROW_BLOCK 8
+
+static inline uint16_t f32_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t value) {
+    uint32_t bits = (uint32_t)value << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* x (bf16 or float32, rows x_stride apart) -> bf16 rows of k_padded in `rows` (float32 input: hi, lo
+ * interleaved), zero-padded; and, for int4, each row's sum per group in `sums` [rows][groups]. */
+static void prepare_rows(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int64_t k_padded,
+                         int64_t group, uint16_t *rows, float *sums) {
+    int64_t per_input = x_is_f32 ? 2 : 1, groups = k_padded / group;
+#pragma omp parallel for schedule(static) if (m >= 32)
+    for (int64_t i = 0; i < m; i++) {
+        uint16_t *hi = rows + i * per_input * k_padded, *lo = hi + k_padded;
+        if (x_is_f32) {
+            const float *src = (const float *)x + i * x_stride;
+            for (int64_t j = 0; j < k; j++) {
+                uint16_t h = f32_to_bf16(src[j]);
+                hi[j] = h;
+                lo[j] = f32_to_bf16(src[j] - bf16_to_f32(h));
+            }
+        } else {
+            memcpy(hi, (const uint16_t *)x + i * x_stride, k * sizeof(uint16_t));
+        }
+        for (int64_t r = 0; r < per_input; r++) {
+            uint16_t *row = hi + r * k_padded;
+            memset(row + k, 0, (k_padded - k) * sizeof(uint16_t));
+            if (sums == NULL) continue;
+            for (int64_t g = 0; g < groups; g++) {
+                float sum = 0.0f;
+                for (int64_t j = g * group; j < (g + 1) * group; j++) sum += bf16_to_f32(row[j]);
+                sums[(i * per_input + r) * groups + g] = sum;
+            }
+        }
+    }
+}
+
+static inline __m512i unpack_int8(const int8_t *pair) {
+    __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pair)));
+    __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pair + TILE))));
+    /* small integers have no mantissa bits below bf16's: the top halves are exact. 0xF8 = a | (b & c). */
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
+                                     _mm512_castps_si512(second), _mm512_set1_epi32((int)0xFFFF0000u), 0xF8);
+}
+
+static inline __m512i unpack_int4(const uint8_t *pair) {
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)pair));
+    __m512i spread = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)); /* high nibble to bits 16..19 */
+    /* 0xEA = (a & b) | c: keep the two nibbles, add the bits of bf16 128 above each. */
+    return _mm512_ternarylogic_epi32(spread, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300), 0xEA);
+}
+
+/* One tile (16 output rows) for `count` consecutive prepared rows starting at `first`. */
+static inline __attribute__((always_inline)) void tile_rows(
+        int is_int4, const void *tile_values, const float *tile_scale, const float *tile_low,
+        const uint16_t *rows, const float *sums, int64_t first, const int count, int64_t k_padded,
+        int64_t group, __m512 *total) {
+    const int64_t groups = k_padded / group, pairs_per_group = group / 2;
+    const uint32_t *x_pairs = (const uint32_t *)rows;
+    for (int i = 0; i < count; i++) total[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[ROW_BLOCK];
+        for (int i = 0; i < count; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; p++) {
+            __m512i w = is_int4 ? unpack_int4((const uint8_t *)tile_values + p * TILE)
+                                : unpack_int8((const int8_t *)tile_values + p * 2 * TILE);
+            for (int i = 0; i < count; i++) {
+                __m512i xx = _mm512_set1_epi32((int)x_pairs[(first + i) * (k_padded / 2) + p]);
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)xx, (__m512bh)w);
+            }
+        }
+        __m512 scale = _mm512_loadu_ps(tile_scale + g * TILE);
+        if (is_int4) {
+            __m512 low = _mm512_loadu_ps(tile_low + g * TILE);
+            for (int i = 0; i < count; i++) {
+                float sum = sums[(first + i) * groups + g];
+                __m512 dot = _mm512_sub_ps(acc[i], _mm512_set1_ps(128.0f * sum)); /* x . q */
+                total[i] = _mm512_fmadd_ps(scale, dot, total[i]);
+                total[i] = _mm512_fmadd_ps(low, _mm512_set1_ps(sum), total[i]);
+            }
+        } else {
+            for (int i = 0; i < count; i++) total[i] = _mm512_fmadd_ps(scale, acc[i], total[i]);
+        }
+    }
+}
+
+static inline void store_row(void *y, int y_is_f32, int64_t row, int64_t n, int64_t column, __m512 v,
+                             const float *bias) {
+    __mmask16 mask = n - column >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - column)) - 1);
+    if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + column));
+    if (y_is_f32) {
+        _mm512_mask_storeu_ps((float *)y + row * n + column, mask, v);
+    } else {
+        __m256i packed = (__m256i)_mm512_cvtneps_pbh(v);
+        _mm256_mask_storeu_epi16((uint16_t *)y + row * n + column, mask, packed);
+    }
+}
+
+static int quant_matmul(int is_int4, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+                        const void *values, const float *scale, const float *low, int64_t n, int64_t k_padded,
+                        int64_t group, const float *bias, void *y, uint16_t *rows, float *sums) {
+    if (k_padded % group || group % 2 || k > k_padded) return -2;
+    prepare_rows(x, x_is_f32, m, k, x_stride, k_padded, group, rows, is_int4 ? sums : NULL);
+    const int64_t per_input = x_is_f32 ? 2 : 1, prepared = m * per_input, groups = k_padded / group;
+    const int64_t tiles = (n + TILE - 1) / TILE;
+    const int64_t tile_bytes = is_int4 ? k_padded / 2 * TILE : k_padded * TILE;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const void *tile_values = (const uint8_t *)values + t * tile_bytes;
+        const float *tile_scale = scale + t * groups * TILE;
+        const float *tile_low = is_int4 ? low + t * groups * TILE : NULL;
+        for (int64_t first = 0; first < prepared; first += ROW_BLOCK) {
+            __m512 total[ROW_BLOCK];
+            int64_t count = prepared - first < ROW_BLOCK ? prepared - first : ROW_BLOCK;
+            /* constant counts let the compiler keep the accumulators in registers */
+            switch (count) {
+#define ROWS_CASE(c) case c: tile_rows(is_int4, tile_values, tile_scale, tile_low, rows, sums, first, c, \
+                                       k_padded, group, total); break;
+                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+            }
+            for (int64_t i = 0; i < count; i += per_input) {
+                __m512 v = per_input == 2 ? _mm512_add_ps(total[i], total[i + 1]) : total[i];
+                store_row(y, x_is_f32, (first + i) / per_input, n, t * TILE, v, bias);
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+
+static int quant_matmul(int is_int4, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+                        const void *values, const float *scale, const float *low, int64_t n, int64_t k_padded,
+                        int64_t group, const float *bias, void *y, uint16_t *rows, float *sums) {
+    return -1;
+}
+
+#endif
+
+/* x: m rows of k (bf16, or float32 when x_is_f32; y has x's dtype, m x n contiguous); rows: scratch of
+ * (x_is_f32 ? 2 : 1) * m * k_padded bf16; sums: (x_is_f32 ? 2 : 1) * m * k_padded / group floats. */
+int int8_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const int8_t *values,
+                const float *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
+                uint16_t *rows) {
+    return quant_matmul(0, x, x_is_f32, m, k, x_stride, values, scale, NULL, n, k_padded, group, bias, y, rows,
+                        NULL);
+}
+
+int int4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint8_t *values,
+                const float *scale, const float *low, int64_t n, int64_t k_padded, int64_t group,
+                const float *bias, void *y, uint16_t *rows, float *sums) {
+    return quant_matmul(1, x, x_is_f32, m, k, x_stride, values, scale, low, n, k_padded, group, bias, y, rows,
+                        sums);
+}
