@@ -309,8 +309,11 @@ class _TorchPack:
 
     @staticmethod
     def takes(weight: QuantizedWeight) -> bool:
-        k = weight.shape[1]
-        return isinstance(weight, Int8Weight) or (weight.group in (32, 64, 128, 256) and k % weight.group == 0)
+        # Outside these sizes torch 2.13's kernels refuse, or return garbage (int8 with K = 100) or crash.
+        n, k = weight.shape
+        if isinstance(weight, Int8Weight):
+            return k % 32 == 0
+        return weight.group in (32, 64, 128, 256) and k % weight.group == 0 and n % 16 == 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight is not None:
