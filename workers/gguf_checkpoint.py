@@ -249,5 +249,6 @@ class GGUFCheckpointReader:
                                 f" (blocks of {block}): use fewer ranks")
             bytes_per_block = data.shape[1] // (num_cols // block)
             data = data[:, col_start // block * bytes_per_block:col_stop // block * bytes_per_block]
-        tensor = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+        # a copy: a view would keep the file's memory map (and its pages) alive, and it is read-only
+        tensor = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True, order="C"))
         return GGUFRaw(qtype, tensor, (stop - start, col_stop - col_start))
