@@ -115,7 +115,26 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
                                                      dtype=dtype, device=torch.device(device), quantize=quantize)
     # what was kept quantized, what was quantized or expanded: "210 Q4_1 -> int4 (kept), 61 ..."
     log.info("weights", quantize=quantize, formats=model.weight_summary)
+    release_freed_memory()
     return model
+
+
+def release_freed_memory() -> None:
+    """Hand the float copies loading went through back to the OS. glibc keeps freed heap memory for
+    reuse, so a model quantized at load held on to them: SmolLM2 with --quantize int8 stayed at 280 MB of
+    resident weights instead of 139 (its bf16 form: 323)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    try:
+        ctypes.CDLL(libc_name).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def _open_checkpoint(model_dir: str):
