@@ -5,8 +5,8 @@ A model names what it needs (fused column-parallel parts, a row-parallel column 
 shard); the builder decides each one's form and counts what it did, so the startup log can say what was
 kept and what was converted:
 
-- a GGUF tensor stored as Q4_0/Q4_1 stays 4-bit (``quant.Int4Weight``, exactly its values) and Q8_0 becomes
-  per-row int8, when the activations are bfloat16/float16 on CPU (the kernels' domain). In float32 (the
+- a GGUF tensor stored as Q4_0/Q4_1 stays 4-bit and Q8_0 int8, both in groups of 32 with exactly its
+  values (``quant.from_gguf``), when the activations are bfloat16/float16 on CPU. In float32 (the
   reference precision) every tensor is dequantized by the ``gguf`` package, as transformers does.
 - any other float or dequantized tensor is quantized when ``--quantize`` asks, else kept dense.
 - the embedding and the LM head become int8 (never int4: the logits are the most sensitive product)
@@ -112,15 +112,23 @@ class WeightBuilder:
     def vector(self, name: str) -> torch.Tensor:
         return self.place(self.reader.read(name))
 
-    def vocab_shard(self, name: str, vocab_size: int, hidden: int) -> tuple[torch.Tensor, bool]:
-        """(this rank's rows of a vocabulary matrix, padded with zero rows so every rank holds as many,
-        float32; whether it should be int8)."""
+    def vocab_shard(self, name: str, vocab_size: int, hidden: int) -> tuple[torch.Tensor | quant.Int8Weight, bool]:
+        """(this rank's rows of a vocabulary matrix, padded with zero rows so every rank holds as many:
+        a GGUF's Q8_0 rows as they are, else float32; whether it should be int8)."""
         per_rank = -(-vocab_size // self.world_size)
         start = min(self.rank * per_rank, vocab_size)
         stop = min(start + per_rank, vocab_size)
+        stored_quantized = self.keep_quantized and self._stored(name) not in FLOAT_TYPES
+        if stored_quantized and self._stored(name) == "Q8_0":  # int8 in groups of 32: its own values
+            kept = quant.from_gguf(self.reader.read_quantized(name, rows=(start, stop)))
+            padding = per_rank - (stop - start)
+            if padding:
+                kept = quant.Int8Weight.cat([kept, quant.Int8Weight(
+                    torch.zeros(padding, hidden, dtype=torch.int8), torch.zeros(padding, kept.scale.shape[1]),
+                    kept.group)])
+            return kept, True
         shard = torch.zeros(per_rank, hidden)
         shard[: stop - start] = self.reader.read_rows(name, start, stop)
-        stored_quantized = self.keep_quantized and self._stored(name) not in FLOAT_TYPES
         return shard, self.quantize is not None or stored_quantized
 
     def embedding_and_head(self, vocab_size: int, hidden: int, tied: bool):
@@ -131,7 +139,7 @@ class WeightBuilder:
         else:
             head, head_int8 = self.vocab_shard("lm_head.weight", vocab_size, hidden)
         if embed_int8:
-            embed_q = quant.quantize_int8(embed)
+            embed_q = embed if isinstance(embed, quant.Int8Weight) else quant.quantize_int8(embed)
             embedding = quant.QuantizedEmbedding(embed_q, self.dtype)
             self._count(["model.embed_tokens.weight"], "int8")
         else:
@@ -139,7 +147,7 @@ class WeightBuilder:
             embedding = DenseEmbedding(embed_dense)
             self._count(["model.embed_tokens.weight"], _dtype_label(self.dtype))
         if head_int8:
-            head_q = embed_q if tied and embed_int8 else quant.quantize_int8(head)
+            head_q = embed_q if tied else head if isinstance(head, quant.Int8Weight) else quant.quantize_int8(head)
             lm_head = quant.QuantizedLinear(head_q, None, self.dtype)
         else:
             lm_head = Linear(embed_dense if tied and not embed_int8 else self.place(head))
