@@ -59,9 +59,9 @@ def backends(dtype: torch.dtype, rows: int) -> dict:
     if dtype == torch.float32:
         out["dense bf16 weights"] = lambda w: _cast_in(Linear(w.to(torch.bfloat16)))
     if dtype != torch.float32 or rows == 1:
-        out["torch int8"] = lambda w: TorchInt8(quant.quantize_int8(w), dtype)
+        out["torch int8"] = lambda w: TorchInt8(quant.quantize_int8(w, None), dtype)
         out["torch int4 g32"] = lambda w: TorchInt4(quant.quantize_int4(w, 32), dtype)
-    out["ours int8 row"] = lambda w: quant.QuantizedLinear(quant.quantize_int8(w), None, dtype)
+    out["ours int8 row"] = lambda w: quant.QuantizedLinear(quant.quantize_int8(w, None), None, dtype)
     out["ours int8 g32"] = lambda w: quant.QuantizedLinear(quant.quantize_int8(w, 32), None, dtype)
     for group in (32, 64, 128):
         out[f"ours int4 g{group}"] = lambda w, g=group: quant.QuantizedLinear(quant.quantize_int4(w, g), None, dtype)

@@ -37,7 +37,7 @@ def backend(request, monkeypatch):
     quant._library.cache_clear()
 
 
-FORMS = {"int8 row": lambda w: quant.quantize_int8(w), "int8 g32": lambda w: quant.quantize_int8(w, 32),
+FORMS = {"int8 row": lambda w: quant.quantize_int8(w, None), "int8 g32": lambda w: quant.quantize_int8(w, 32),
          "int4 g32": lambda w: quant.quantize_int4(w, 32), "int4 g64": lambda w: quant.quantize_int4(w, 64)}
 
 

@@ -98,10 +98,6 @@ class WeightBuilder:
     def row_parallel(self, prefix: str, per_rank: int) -> tuple[object, torch.Tensor | None]:
         """(projection over this rank's input columns, the bias to add once after the all-reduce)."""
         name, start, stop = f"{prefix}.weight", self.rank * per_rank, (self.rank + 1) * per_rank
-        if self.quantize == "int4" and self.world_size > 1 and per_rank % quant.INT4_GROUP:
-            raise ValueError(f"int4 splits inputs into groups of {quant.INT4_GROUP}: {name}'s {per_rank} of "
-                             f"{per_rank * self.world_size} inputs per rank are not whole groups; "
-                             f"use int8 or fewer ranks")
         kept = None
         if self.keep_quantized:
             raw = self.reader.read_quantized(name, cols=(start, stop))
