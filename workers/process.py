@@ -38,9 +38,9 @@ class WorkerConfig(ServiceSettings):
                               "avx512_bf16/AMX), else float32.")
     device: str = setting("auto", env="DEVICE", help="auto, cpu or cuda.")
     quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_METHODS,
-                                   help="Weight-only quantization of the linear layers (int8: per output channel, "
-                                        "int4: groups of 32). GGUF files keep their Q8_0/Q4_0/Q4_1 tensors "
-                                        "quantized either way.")
+                                   help="Weight-only quantization of the linear layers (int8 or int4, in groups "
+                                        "of 32 inputs). GGUF files keep their Q8_0/Q4_0/Q4_1 tensors quantized "
+                                        "either way.")
     block_size: int = setting(16, env="BLOCK_SIZE", help="Tokens per KV cache block.")
     kv_cache_bytes: int | None = setting(None, flag="--kv-cache-memory", env="KV_CACHE_MEMORY",
                                          help="Bytes of KV cache per rank on CPU (default 512 MiB).")
