@@ -181,3 +181,14 @@ def test_up_refuses_a_bad_gguf_before_starting_anything(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("Error: ")
     assert "bad.gguf: not a readable GGUF file" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_qwen2_files_are_read_without_the_llama_interleave(tiny_model_dir, tmp_path):
+    """llama.cpp interleaves query/key rows only in Llama-architecture files; a qwen2 file keeps HF order."""
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny-qwen2.gguf", "Q8_0", architecture="qwen2")
+    expected = transformers_state(path)
+    folder = materialize(path)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2"
+    with GGUFCheckpointReader(path) as reader:
+        for name in reader.names():
+            assert torch.equal(reader.read(name), expected[name]), name
