@@ -88,17 +88,9 @@ def _gguf_folder(gguf_path: Path) -> Path:
 
 def _download_file(model_id: str, filename: str, revision: str | None, cache_dir: str | None) -> Path:
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    try:
-        return Path(hf_hub_download(model_id, filename, revision=revision, cache_dir=cache_dir))
-    except LocalEntryNotFoundError as e:
-        raise ModelNotFound(f"{model_id}/{filename}: not in the local cache and the hub is unreachable or "
-                            f"offline ({type(e).__name__})") from None
-    except HfHubHTTPError as e:
-        raise ModelNotFound(f"{model_id}/{filename}: the hub refused the download: {e}") from None
-    except (OSError, ValueError) as e:
-        raise ModelNotFound(f"{model_id}/{filename}: download failed: {e}") from None
+    return _from_hub(f"{model_id}/{filename}",
+                     lambda: hf_hub_download(model_id, filename, revision=revision, cache_dir=cache_dir))
 
 
 def served_model_id(model_id: str | None, model_dir: Path) -> str:
@@ -132,17 +124,24 @@ def download(model_id: str, *, revision: str | None = None, cache_dir: str | Non
 
 def _snapshot(model_id: str, revision: str | None, cache_dir: str | None, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
+
+    return _from_hub(model_id, lambda: snapshot_download(model_id, revision=revision, cache_dir=cache_dir,
+                                                         allow_patterns=patterns))
+
+
+def _from_hub(what: str, fetch) -> Path:
+    """``fetch()``'s local path, or ModelNotFound in one line saying why the hub gave nothing."""
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(model_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns))
+        return Path(fetch())
     except LocalEntryNotFoundError as e:
-        raise ModelNotFound(f"{model_id}: not in the local cache and the hub is unreachable or offline "
+        raise ModelNotFound(f"{what}: not in the local cache and the hub is unreachable or offline "
                             f"({type(e).__name__})") from None
     except HfHubHTTPError as e:
-        raise ModelNotFound(f"{model_id}: the hub refused the download: {e}") from None
+        raise ModelNotFound(f"{what}: the hub refused the download: {e}") from None
     except (OSError, ValueError) as e:
-        raise ModelNotFound(f"{model_id}: download failed: {e}") from None
+        raise ModelNotFound(f"{what}: download failed: {e}") from None
 
 
 def convert_bin_to_safetensors(folder: Path) -> list[Path]:
