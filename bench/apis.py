@@ -70,16 +70,27 @@ class Api:
     async def read(self, resp: aiohttp.ClientResponse, sample: Sample, sent: float) -> None:
         raise NotImplementedError
 
+    async def _post(self, sample: Sample, prompt: str, sent: float) -> None:
+        async with self.session.post(self.base_url + self.path, json=self.body(prompt, sample.max_new_tokens),
+                                     timeout=self.timeout) as resp:
+            if resp.status != 200:
+                sample.error = error_text(resp.status, await resp.text())
+                return
+            await self.read(resp, sample, sent)
+
     async def send(self, sample: Sample, prompt: str, sent: float) -> None:
         """POST the request and read its stream into ``sample``; every failure ends as ``sample.error``
         (cancellation, by the run's own deadline, still propagates)."""
         try:
-            async with self.session.post(self.base_url + self.path, json=self.body(prompt, sample.max_new_tokens),
-                                         timeout=self.timeout) as resp:
-                if resp.status != 200:
-                    sample.error = error_text(resp.status, await resp.text())
-                    return
-                await self.read(resp, sample, sent)
+            for attempt in range(2):
+                try:
+                    await self._post(sample, prompt, sent)
+                    break
+                except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+                    # A server that closed an idle keep-alive connection (llama-server does) fails the
+                    # request that reuses it before a byte is read: send it once more, on a new one.
+                    if attempt or sample.token_times:
+                        raise
         except asyncio.TimeoutError:
             sample.error = f"timeout: not finished within {self.timeout.total:g} s"
         except StreamError as e:
