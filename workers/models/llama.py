@@ -105,8 +105,8 @@ def _sliding_windows(config: dict) -> tuple[int | None, ...]:
 
 # The residual stream (embeddings, each layer's sum) is kept in float32 whatever the weights' dtype, as
 # llama.cpp keeps it: real checkpoints carry outlier features of 10^4 where a bfloat16 sum rounds to
-# 64-128, and 30 layers of that rounding flipped SmolLM2's first answer token (a 0.25 logit margin in
-# float32) on a plain chat prompt. Norms hand the matmuls the model dtype, and adding a layer's output
+# 64-128, and 30 layers of that rounding flipped SmolLM2's first answer token (two candidates 0.08 logits
+# apart in float32) on a plain chat prompt. Norms hand the matmuls the model dtype, and adding a layer's output
 # promotes it, so the stream costs no extra op per layer.
 RESIDUAL_DTYPE = torch.float32
 
