@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib import metadata
 
 from aiohttp import web
@@ -45,7 +46,7 @@ class FrontendState:
     def system_fingerprint(self) -> str:
         return f"{VERSION}-native"  # TGI's form: version, then the docker label or "native"
 
-    @property
+    @cached_property
     def quantization(self) -> str | None:
         """/info's ``quantize``: ``--quantize``'s method, and for a GGUF file "gguf:" and its main
         quantized tensor type (what a GGUF's file name usually says: Q4_1, Q8_0, Q4_K, ...)."""
