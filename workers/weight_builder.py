@@ -24,6 +24,7 @@ from llmbus.workers import quant
 from llmbus.workers.linear import Linear
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+QUANT_BLOCK = 32  # weights per block of the GGUF types kept quantized (Q8_0, Q4_0, Q4_1)
 
 
 class DenseEmbedding:
@@ -99,7 +100,9 @@ class WeightBuilder:
         """(projection over this rank's input columns, the bias to add once after the all-reduce)."""
         name, start, stop = f"{prefix}.weight", self.rank * per_rank, (self.rank + 1) * per_rank
         kept = None
-        if self.keep_quantized:
+        # A rank's columns that are not whole blocks of the file's quantization are expanded instead (the
+        # tiny test model's 352-wide MLP over 2 ranks: 176 columns each, blocks of 32).
+        if self.keep_quantized and start % QUANT_BLOCK == 0 and stop % QUANT_BLOCK == 0:
             raw = self.reader.read_quantized(name, cols=(start, stop))
             kept = [raw] if raw is not None else None
         bias = self.place(self.reader.read(f"{prefix}.bias")) if self.reader.has(f"{prefix}.bias") else None
