@@ -11,7 +11,10 @@ weights stay in the GGUF: ``workers/gguf_checkpoint.py`` reads them from there b
 The config and tokenizer come from transformers' own GGUF reading (built on the ``gguf`` package), which
 also makes them what ``from_pretrained(dir, gguf_file=...)`` gives, the reference the tests compare
 against. What transformers would accept but llmbus cannot run (another architecture, a tensor type
-without a dequantizer here) is refused first, in one line naming it.
+without a dequantizer here) is refused first, in one line naming it. One thing transformers' reading drops
+is taken from the file as llama.cpp takes it: RoPE frequency scaling (Llama 3.1/3.2's per-frequency
+factors in ``rope_freqs.weight``, or ``rope.scaling.*`` metadata), without which such a model would run
+with unscaled rotations.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from llmbus.workers.gguf_checkpoint import (MANIFEST, SUPPORTED_ARCHITECTURES, GGUFError, check_servable,
-                                            gguf_source, is_gguf_folder, open_gguf)
+                                            field_value, gguf_source, is_gguf_folder, open_gguf)
 
 CACHE_ROOT = Path(os.environ.get("LLMBUS_CACHE", Path.home() / ".cache" / "llmbus")) / "gguf"
-FORMAT_VERSION = 1  # bump when the folder's contents change, so older caches are rebuilt
+FORMAT_VERSION = 2  # bump when the folder's contents change, so older caches are rebuilt
 # Tokens that end an assistant turn in the chat formats GGUF files carry; llama.cpp stops on them too even
 # where the file's eos id names another token (SmolLM2's says <|im_start|>).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
@@ -51,7 +56,7 @@ def materialize(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write_folder(path, tmp, summary)
+        _write_folder(path, tmp, summary, reader)
         try:
             tmp.rename(folder)
         except OSError:  # another process finished the same folder first
@@ -62,7 +67,7 @@ def materialize(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
     return folder
 
 
-def _write_folder(path: Path, out: Path, summary: dict) -> None:
+def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
     import transformers
     from transformers import AutoConfig, AutoTokenizer
 
@@ -77,6 +82,12 @@ def _write_folder(path: Path, out: Path, summary: dict) -> None:
     config_dict["architectures"] = [_causal_lm_class(config_dict["model_type"])]
     if summary["tied"]:
         config_dict["tie_word_embeddings"] = True
+    scaling = _rope_scaling(reader, path, summary["architecture"], config_dict)
+    if scaling is not None:
+        # llama.py reads rope_parameters first (transformers 5's key) and rope_scaling otherwise
+        rope = config_dict.get("rope_parameters") or {"rope_theta": config_dict.get("rope_theta", 10000.0)}
+        config_dict["rope_parameters"] = {"rope_theta": rope.get("rope_theta", 10000.0), **scaling}
+        config_dict["rope_scaling"] = scaling
     (out / "config.json").write_text(json.dumps(config_dict, indent=2))
     tokenizer.save_pretrained(str(out))
     eos = _eos_ids(summary, config_dict, tokenizer)
@@ -86,6 +97,64 @@ def _write_folder(path: Path, out: Path, summary: dict) -> None:
                 "architecture": summary["architecture"], "file_type": summary["file_type"],
                 "tensor_types": summary["tensor_types"]}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def _rope_scaling(reader, path: Path, arch: str, config: dict) -> dict | None:
+    """The file's RoPE frequency scaling as transformers' ``rope_parameters`` (without the theta), or None
+    for plain RoPE. GGUFError for a scaling llmbus does not compute (YaRN, LongRoPE)."""
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        rope = config.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return _llama3_scaling(np.asarray(freqs.data, dtype=np.float64).reshape(-1), theta, head_dim, path)
+    kind = field_value(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise GGUFError(f"{path}: RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
+
+
+# Llama 3.1's own values; a file whose factors need others has them recovered from the factors
+LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict | None:
+    """llama3 RoPE parameters that give ``factors`` (what llama.cpp divides each frequency by: 1 for the
+    fast ones, ``factor`` for the slow ones, a smooth blend between), checked by recomputing them."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors.shape != inv_freq.shape:
+        raise GGUFError(f"{path}: rope_freqs.weight has {factors.size} factors for {inv_freq.size} frequencies")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
+        return None
+    wavelen = 2 * np.pi / inv_freq
+    candidates = [{"factor": factor, **LLAMA3_DEFAULTS}]
+    blended = (factors > 1 + 1e-5) & (factors < factor * (1 - 1e-5))
+    if blended.sum() >= 2:
+        # Between the two bands 1/factor_i = (1 - s)/factor + s with s linear in 1/wavelength: the line's
+        # slope and intercept fix the parameters up to a common scale, chosen so low_freq_factor is 1.
+        smooth = (1 / factors[blended] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[blended], smooth, 1)
+        if intercept < 0:
+            candidates.append({"factor": factor, "low_freq_factor": 1.0,
+                               "high_freq_factor": round(1 - 1 / intercept, 4),
+                               "original_max_position_embeddings": int(round(-slope / intercept))})
+    for params in candidates:
+        if np.allclose(_llama3_factors(wavelen, params), factors, rtol=1e-4, atol=0):
+            return {"rope_type": "llama3", **params}
+    raise GGUFError(f"{path}: rope_freqs.weight holds RoPE factors that are not a llama3 scaling")
+
+
+def _llama3_factors(wavelen: np.ndarray, params: dict) -> np.ndarray:
+    """What llama.cpp's converter writes to rope_freqs.weight for these llama3 parameters."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    context = params["original_max_position_embeddings"]
+    smooth = (context / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, blended))
 
 
 def _causal_lm_class(model_type: str) -> str:

@@ -122,8 +122,11 @@ def test_k_quant_fixture_reads_as_transformers_reads_it():
             assert torch.equal(reader.read(name), expected[name]), name
 
 
-def _write_with_type(tiny_model_dir, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """A GGUF whose first layer's down projection is stored as ``qtype`` (bytes of the right length)."""
+def _rewrite(tiny_model_dir, out: Path, *, raw_types: dict | None = None, fields: dict | None = None,
+             tensors: dict | None = None) -> Path:
+    """The tiny model as an F32 GGUF, then changed: ``raw_types`` stores a tensor as another type (zero
+    bytes of the right length), ``fields`` adds metadata (name -> (value, GGUFValueType)), ``tensors`` adds
+    float32 tensors."""
     write_gguf(tiny_model_dir, out, "F32")
     reader = gguf.GGUFReader(str(out))
     writer = gguf.GGUFWriter(str(out) + ".tmp", "llama")
@@ -133,13 +136,18 @@ def _write_with_type(tiny_model_dir, out: Path, qtype: gguf.GGMLQuantizationType
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    for name, (value, value_type) in (fields or {}).items():
+        writer.add_key_value(name, value, value_type)
     for t in reader.tensors:
-        if t.name == "blk.0.ffn_down.weight":
+        qtype = (raw_types or {}).get(t.name)
+        if qtype is not None:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             rows, cols = int(t.shape[1]), int(t.shape[0])
             writer.add_tensor(t.name, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, np.asarray(t.data))
+    for name, values in (tensors or {}).items():
+        writer.add_tensor(name, values.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -149,7 +157,8 @@ def _write_with_type(tiny_model_dir, out: Path, qtype: gguf.GGMLQuantizationType
 
 
 def test_unknown_tensor_type_is_one_clear_error(tiny_model_dir, tmp_path):
-    path = _write_with_type(tiny_model_dir, tmp_path / "iq.gguf", gguf.GGMLQuantizationType.IQ4_NL)
+    path = _rewrite(tiny_model_dir, tmp_path / "iq.gguf",
+                    raw_types={"blk.0.ffn_down.weight": gguf.GGMLQuantizationType.IQ4_NL})
     with pytest.raises(ModelNotFound, match=r"tensor blk\.0\.ffn_down\.weight has type IQ4_NL"):
         resolve_model(str(path))
 
@@ -192,3 +201,46 @@ def test_qwen2_files_are_read_without_the_llama_interleave(tiny_model_dir, tmp_p
     with GGUFCheckpointReader(path) as reader:
         for name in reader.names():
             assert torch.equal(reader.read(name), expected[name]), name
+
+
+def _llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float, context: int):
+    """rope_freqs.weight as llama.cpp's converter computes it for a Llama 3.1-style rope_scaling."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (context / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, blended))
+
+
+@pytest.mark.parametrize("scaling", [(8.0, 1.0, 4.0, 8192), (16.0, 2.0, 8.0, 4096)])
+def test_llama3_rope_factors_become_the_configs_rope_scaling(scaling, tiny_model_dir, tmp_path):
+    """Llama 3.1/3.2 files carry their RoPE scaling only as rope_freqs.weight (transformers' GGUF reading
+    drops it): the folder's config must make llmbus's rotary embedding divide each frequency by it."""
+    from transformers import AutoConfig
+
+    from llmbus.workers.models.llama import DecoderConfig, RotaryEmbedding
+
+    head_dim, theta = 32, 10000.0
+    factors = _llama3_rope_factors(head_dim, theta, *scaling)
+    path = _rewrite(tiny_model_dir, tmp_path / "llama3.gguf", tensors={"rope_freqs.weight": factors})
+    folder = materialize(path)
+    decoder = DecoderConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    assert decoder.rope_scaling["rope_type"] == "llama3"
+    rotary = RotaryEmbedding(decoder.head_dim, decoder.rope_theta, decoder.rope_scaling, 2048, torch.device("cpu"))
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(rotary.inv_freq.double(), plain / torch.from_numpy(factors), rtol=1e-5, atol=0)
+    assert AutoConfig.from_pretrained(folder).rope_parameters["rope_type"] == "llama3"  # transformers agrees
+    with GGUFCheckpointReader(path) as reader:
+        assert "rope_freqs.weight" not in " ".join(reader.names())
+
+
+def test_rope_scaling_metadata(tiny_model_dir, tmp_path):
+    string, number = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32
+    linear = _rewrite(tiny_model_dir, tmp_path / "linear.gguf", fields={
+        "llama.rope.scaling.type": ("linear", string), "llama.rope.scaling.factor": (4.0, number)})
+    config = json.loads((materialize(linear) / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0}
+    yarn = _rewrite(tiny_model_dir, tmp_path / "yarn.gguf", fields={
+        "llama.rope.scaling.type": ("yarn", string), "llama.rope.scaling.factor": (4.0, number)})
+    with pytest.raises(ModelNotFound, match=r"yarn.gguf: RoPE scaling 'yarn' is not supported"):
+        resolve_model(str(yarn))

@@ -40,7 +40,8 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-# Tensors the native model computes itself (llama3's rope frequencies come from the config).
+# Tensors the native model computes itself: llama3's per-frequency RoPE factors become config.json's
+# rope_parameters when the folder is made (supervisor/gguf_model.py).
 _IGNORED = ("rope_freqs.weight",)
 
 
@@ -81,7 +82,8 @@ def open_gguf(path: str | Path):
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _field(reader, key: str, default=None):
+def field_value(reader, key: str, default=None):
+    """A metadata value of the file (a number, a string, a list), or ``default`` when it has none."""
     field = reader.fields.get(key)
     if field is None:
         return default
@@ -92,7 +94,7 @@ def check_servable(reader, path: str | Path) -> dict:
     """What llmbus needs to know before serving the file, or GGUFError naming what it cannot serve."""
     import gguf
 
-    arch = _field(reader, "general.architecture")
+    arch = field_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -110,13 +112,13 @@ def check_servable(reader, path: str | Path) -> dict:
             raise GGUFError(f"{path}: tensor {t.name} is truncated")
     if "token_embd.weight" not in names:
         raise GGUFError(f"{path}: no token_embd.weight tensor")
-    file_type = _field(reader, "general.file_type")
+    file_type = field_value(reader, "general.file_type")
     try:
         file_type_name = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
     except ValueError:
         file_type_name = str(file_type)
     return {"architecture": arch, "tensor_types": types, "tied": "output.weight" not in names,
-            "file_type": file_type_name, "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id")}
+            "file_type": file_type_name, "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id")}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -140,8 +142,8 @@ class GGUFCheckpointReader:
         self.summary = check_servable(self._reader, path)
         self._gguf = gguf
         arch = self.summary["architecture"]
-        self._heads = {"q": _field(self._reader, f"{arch}.attention.head_count"),
-                       "k": _field(self._reader, f"{arch}.attention.head_count_kv")}
+        self._heads = {"q": field_value(self._reader, f"{arch}.attention.head_count"),
+                       "k": field_value(self._reader, f"{arch}.attention.head_count_kv")}
         self._heads["k"] = self._heads["k"] or self._heads["q"]
         self._permuted = arch in PERMUTED_QK
         self._tensors = {}
