@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from llmbus.bus.settings import ServiceSettings, setting
+from llmbus.workers import QUANTIZE_METHODS
 
 
 def _default_frontend_id() -> str:
@@ -75,7 +76,9 @@ class FrontendConfig(ServiceSettings):
     otlp_endpoint: str | None = setting(None, env="OTLP_ENDPOINT",
                                         help="export OpenTelemetry spans to this OTLP endpoint (the tracing extra)")
     otlp_service_name: str = setting("llmbus", env="OTLP_SERVICE_NAME", help="OpenTelemetry service name prefix")
-    quantize: str | None = setting(None, user=False, help="the workers' --quantize, for /info")
+    # declared as the workers declare it: `llmbus up --quantize` (or QUANTIZE) reaches both
+    quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_METHODS,
+                                   help="The workers' --quantize, reported in /info.")
     keepalive_s: float = 15.0  # SSE comment `:` after this long without an event
     compute_type: str = field(default_factory=_default_compute_type)  # x-compute-type header
 

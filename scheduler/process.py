@@ -33,6 +33,7 @@ from llmbus.scheduler.policy import (DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_T
 
 
 STATS_INTERVAL_S = 0.25  # SchedulerStats while steps run back to back
+_POLICY = SchedulerConfig()  # the policy owns its defaults; the command line offers the same ones
 
 
 class EngineFailure(ServiceError):
@@ -51,15 +52,15 @@ class SchedulerProcessConfig(ServiceSettings):
     max_total_tokens: int | None = setting(
         None, env="MAX_TOTAL_TOKENS",
         help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
-    prefill_chunking: bool = setting(True, env="PREFILL_CHUNKING",
+    prefill_chunking: bool = setting(_POLICY.prefill_chunking, env="PREFILL_CHUNKING",
                                      help="Split long prompts over steps that also carry the running requests' "
                                           "decodes.")
     prefix_caching: bool = setting(True, env="PREFIX_CACHING", help="Reuse the KV blocks of prompt prefixes "
                                                                      "computed before.")
-    waiting_served_ratio: float = setting(0.3, env="WAITING_SERVED_RATIO",
+    waiting_served_ratio: float = setting(_POLICY.waiting_served_ratio, env="WAITING_SERVED_RATIO",
                                           help="Without chunking: admit while a batch runs only when this many x "
                                                "its size wait.")
-    max_waiting_tokens: int = setting(20, env="MAX_WAITING_TOKENS",
+    max_waiting_tokens: int = setting(_POLICY.max_waiting_tokens, env="MAX_WAITING_TOKENS",
                                       help="Without chunking: ... or once this many steps passed without admitting "
                                            "anyone.")
     worker_start_timeout_s: float = setting(600.0, flag="--worker-start-timeout", user=False,

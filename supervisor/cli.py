@@ -131,8 +131,7 @@ def _launch_plan(kw: dict, r: dict, run_dir: str) -> LaunchPlan:
         frontend=service_settings(FrontendConfig, values, model_dir=str(r["model_dir"]),
                                   model_id=served_model_id(kw["model_id"], r["model_dir"]),
                                   requests_endpoint=endpoints.requests,
-                                  events_endpoint=endpoints.frontend_events(run_dir, "f0"),
-                                  quantize=kw["quantize"]),
+                                  events_endpoint=endpoints.frontend_events(run_dir, "f0")),
         num_frontends=kw["num_frontends"], worker_env=worker_env)
 
 

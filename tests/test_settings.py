@@ -7,14 +7,16 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
+import click
 import pytest
 from click.testing import CliRunner
 
+from llmbus.bus.service import ENV_JSON_LOGS
 from llmbus.bus.settings import declared
 from llmbus.frontend.__main__ import from_args as frontend_from_args
 from llmbus.frontend.config import FrontendConfig
 from llmbus.scheduler.process import SchedulerProcessConfig
-from llmbus.supervisor import cli
+from llmbus.supervisor import cli, weights
 from llmbus.supervisor.plan import build_plan
 from llmbus.supervisor.settings import SERVICES
 from llmbus.workers.process import WorkerConfig
@@ -59,49 +61,136 @@ def as_flags(d, value) -> list[str]:
 
 
 def plan_for(args: list[str]):
-    ctx = cli.up.make_context("up", list(args))
-    kw = dict(ctx.params)
+    """The LaunchPlan `llmbus up args` would start (its run dir: --run-dir, else RUN_DIR)."""
+    kw = dict(cli.up.make_context("up", list(args)).params)
     resolved = cli._resolve(kw)
-    return cli._launch_plan(kw, resolved, RUN_DIR)
+    return cli._launch_plan(kw, resolved, kw["run_dir"] or RUN_DIR)
 
 
 def services_of(launch) -> dict:
     """Each service's settings, parsed back from the argv (and environment) the plan starts it with."""
+    return {name: settings for name, (settings, _) in started(launch).items()}
+
+
+def started(launch) -> dict:
+    """{service name: (its settings parsed back from its argv and environment, that environment)}."""
     out = {}
     for spec in build_plan(launch):
         argv = spec.argv[3:]
         if spec.name == "scheduler":
-            out["scheduler"] = SchedulerProcessConfig.parse(argv, prog="scheduler")[0]
+            settings = SchedulerProcessConfig.parse(argv, prog="scheduler")[0]
         elif spec.name == "workers":
-            out["workers"] = WorkerConfig.parse(argv, prog="workers")[0]
+            settings = WorkerConfig.parse(argv, prog="workers")[0]
         else:
             with pytest.MonkeyPatch.context() as env:
                 for k, v in spec.env.items():
                     env.setenv(k, v)
-                out[spec.name] = frontend_from_args(argv)[0]
+                settings = frontend_from_args(argv)[0]
+        out[spec.name] = (settings, dict(spec.env))
     return out
 
 
-# What the launcher derives from a flag (TGI's rules): these may change along with it.
-DERIVED = {"max_batch_prefill_tokens": {"fit_prefill_tokens_to_kv"}, "max_total_tokens": {"max_input_tokens"}}
 SERVICE_CLASSES = {"scheduler": SchedulerProcessConfig, "workers": WorkerConfig, "frontend": FrontendConfig}
+BASE_ID = "org/base-model"
+ANY = object()  # changed, to a value the launch derives
+# What the launcher derives from a flag (TGI's rules): these change along with it.
+DERIVED = {"max_batch_prefill_tokens": {"scheduler.fit_prefill_tokens_to_kv": False},
+           "max_total_tokens": {"frontend.max_input_tokens": 199}}
+# What each launch-only flag of `llmbus up` changes, as observe() names things; a new launch flag fails
+# test_every_up_flag_reaches_only_what_it_should until it is described here: (flags, environment, changes).
+LAUNCH_FLAGS = {
+    "model_id": (["--model-id", "org/other"], {},
+                 {"resolve_model.model_id": "org/other", "frontend.model_id": "org/other"}),
+    "revision": (["--revision", "v2"], {}, {"resolve_model.revision": "v2"}),
+    "huggingface_hub_cache": (["--huggingface-hub-cache", "/hub"], {}, {"resolve_model.cache_dir": "/hub"}),
+    "gguf_file": (["--gguf-file", "m.Q4_0.gguf"], {}, {"resolve_model.gguf_file": "m.Q4_0.gguf"}),
+    "num_shard": (["--num-shard", "2"], {}, {"scheduler.world_size": 2, "workers.world_size": 2}),
+    "sharded": (["--sharded", "false"], {"CUDA_VISIBLE_DEVICES": "0,1"},
+                {"scheduler.world_size": 1, "workers.world_size": 1}),
+    "trust_remote_code": (["--trust-remote-code"], {}, {"workers.env.TRUST_REMOTE_CODE": "1"}),
+    "max_input_length": (["--max-input-length", "100"], {}, {"frontend.max_input_tokens": 100}),
+    "max_batch_total_tokens": (["--max-batch-total-tokens", "160"], {},
+                               {"workers.num_blocks": 10, "scheduler.max_total_tokens": 160,
+                                "frontend.max_total_tokens": 160, "frontend.max_input_tokens": 159}),
+    "watermark_gamma": (["--watermark-gamma", "0.25"], {}, {"workers.env.WATERMARK_GAMMA": "0.25"}),
+    "watermark_delta": (["--watermark-delta", "1.5"], {}, {"workers.env.WATERMARK_DELTA": "1.5"}),
+    "disable_grammar_support": (["--disable-grammar-support"], {}, {}),  # accepted for TGI parity only
+    "print_env": (["--env"], {}, {}),  # printed by `up` itself before anything starts
+    "json_output": (["--json-output"], {}, {}),  # the launcher's environment for all (test_logs), or .env
+    "run_dir": (["--run-dir", RUN_DIR + "-other"], {},
+                {"scheduler.run_dir": RUN_DIR + "-other", "workers.run_dir": RUN_DIR + "-other",
+                 "frontend.requests_endpoint": ANY, "frontend.events_endpoint": ANY}),
+    "num_frontends": (["--num-frontends", "2"], {}, {"services": ["frontend0", "frontend1", "scheduler", "workers"]}),
+}
 
 
-@pytest.mark.parametrize("setting", user_settings(), ids=lambda d: d.flag)
-def test_every_up_flag_reaches_the_services_that_declare_it(setting, tiny_model_dir, monkeypatch):
+@pytest.fixture
+def observe(tiny_model_dir, monkeypatch):
+    """observe(args) -> everything a launch with `llmbus up args` hands its services, flattened: "services",
+    "<service>.<setting>", "<service>.env.<NAME>" and "resolve_model.<argument>" (the hub is not asked)."""
     monkeypatch.delenv("API_KEY", raising=False)
-    value = other_value(setting)
-    launch = plan_for(["--model-id", str(tiny_model_dir), *as_flags(setting, value)])
-    baseline = services_of(plan_for(["--model-id", str(tiny_model_dir)]))
-    got = services_of(launch)
-    for service, cfg in got.items():
-        declares = setting.name in {d.name for d in declared(SERVICE_CLASSES[service])}
-        if declares:
-            assert getattr(cfg, setting.name) == value, f"{setting.flag} did not reach {service}"
-        # nothing else moved: a flag changes its own setting in every service, and nothing more
-        changed = {f.name for f in dataclasses.fields(cfg)
-                   if getattr(cfg, f.name) != getattr(baseline[service], f.name)}
-        assert changed <= {setting.name} | DERIVED.get(setting.name, set()), f"{setting.flag} also changed {changed - {setting.name}} in {service}"
+    calls = {}
+
+    def resolve_model(model_id, **kwargs):
+        calls.update(model_id=model_id, **kwargs)
+        return tiny_model_dir
+
+    monkeypatch.setattr(weights, "resolve_model", resolve_model)
+
+    def observe(args: list[str]) -> dict:
+        services = started(plan_for(["--model-id", BASE_ID, *args]))
+        flat = {"services": sorted(services), **{f"resolve_model.{k}": v for k, v in calls.items()}}
+        for name, (settings, env) in services.items():
+            flat.update({f"{name}.{f.name}": getattr(settings, f.name) for f in dataclasses.fields(settings)})
+            flat.update({f"{name}.env.{k}": v for k, v in env.items()})
+        return flat
+
+    return observe
+
+
+def expected_changes(option) -> tuple[list[str], dict, dict]:
+    """(flags, environment, changes) for one `llmbus up` option: a service setting reaches every service
+    that declares it (secrets through the environment), a launch flag does what LAUNCH_FLAGS says."""
+    by_name = {d.name: d for d in user_settings()}
+    if option.name not in by_name:
+        assert option.name in LAUNCH_FLAGS, f"{option.opts[0]}: say in LAUNCH_FLAGS what it changes"
+        return LAUNCH_FLAGS[option.name]
+    d = by_name[option.name]
+    value = other_value(d)
+    changes = dict(DERIVED.get(d.name, {}))
+    for service, cls in SERVICE_CLASSES.items():
+        if d.name in {x.name for x in declared(cls)}:
+            changes[f"{service}.{d.name}"] = value
+            if d.spec.secret:
+                changes[f"{service}.env.{d.spec.env}"] = value
+    return as_flags(d, value), {}, changes
+
+
+@pytest.mark.parametrize("option", [p for p in cli.up.params if isinstance(p, click.Option)],
+                         ids=lambda p: p.opts[0])
+def test_every_up_flag_reaches_only_what_it_should(option, observe, monkeypatch):
+    flags, env, changes = expected_changes(option)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    baseline, got = observe([]), observe(flags)
+    comparable = (set(baseline["services"]) & set(got["services"])) | {"services", "resolve_model"}
+    changed = {k: got.get(k) for k in got.keys() | baseline.keys()
+               if got.get(k) != baseline.get(k) and k.split(".")[0] in comparable}
+    assert changed.keys() == changes.keys(), f"{option.opts[0]} changed {sorted(changed)}"
+    for key, value in changes.items():
+        assert value is ANY or changed[key] == value, key
+
+
+def test_a_setting_several_services_read_is_declared_alike():
+    """`llmbus up` has one option for such a setting (built from its first declaration): every service
+    must read the same flag, variable, type and default from it."""
+    def as_read(d):
+        return d.flag, d.spec.aliases, d.spec.env, d.kind, d.default, d.spec.choices, d.spec.secret
+
+    first = {}
+    for service in SERVICES:
+        for d in service.user_settings():
+            assert as_read(d) == as_read(first.setdefault(d.name, d)), f"{d.name} of {service.__name__}"
 
 
 def test_env_vars_work_like_flags(tiny_model_dir, monkeypatch):
@@ -115,10 +204,12 @@ def test_env_vars_work_like_flags(tiny_model_dir, monkeypatch):
 def test_procfile_and_up_give_identical_settings(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("API_KEY", raising=False)
     flags = ["--model-id", str(tiny_model_dir), "--quantize", "int8", "--max-total-tokens", "200",
-             "--prefix-caching", "false", "--api-key", "k", "--num-frontends", "2", "--run-dir", RUN_DIR]
+             "--prefix-caching", "false", "--api-key", "k", "--num-frontends", "2", "--run-dir", RUN_DIR,
+             "--json-output"]
     result = CliRunner().invoke(cli.main, ["procfile", "-o", str(tmp_path), *flags])
     assert result.exit_code == 0, result.output
     env = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines())
+    assert env[ENV_JSON_LOGS] == "1"
     from_procfile = {}
     for line in (tmp_path / "Procfile").read_text().splitlines():
         if line.startswith("#"):
