@@ -24,9 +24,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
-WIRE_VERSION = 4  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 5  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
+# 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -150,6 +151,25 @@ class SamplingParams(Message):
 
 
 @dataclass(slots=True)
+class Grammar(Message):
+    """What a constrained request's output must match; rank 0 masks every sampled token with it.
+
+    The frontend has checked that it compiles, so ranks trust it. Kinds (the source's language):
+    - ``json_schema``: a JSON Schema as JSON text (``{"type": "object"}`` is "any JSON object"); an
+      ``x-guidance`` key may set llguidance's JSON options (separators, whitespace).
+    - ``regex``: a regular expression the whole output must match (Rust ``regex`` syntax, no lookaround).
+    - ``lark``: a context-free grammar in llguidance's Lark dialect (``%json {...}`` embeds a schema, and
+      ``<|special|>`` names a special token); tool calling sends one of these.
+    """
+
+    kind: str
+    source: str
+
+
+GRAMMAR_KINDS = ("json_schema", "regex", "lark")
+
+
+@dataclass(slots=True)
 class StoppingParams(Message):
     """When the scheduler finishes a request without the frontend's help."""
 
@@ -186,9 +206,11 @@ class AddRequest(Message):
     prompt_logprobs: bool = False  # decoder_input_details: return logprobs of the prompt tokens
     arrival_time: float = 0.0  # time.time() when the HTTP request arrived
     traceparent: str = ""  # W3C trace context of the request's span (tracing on), so the scheduler's span joins it
+    grammar: Grammar | None = None  # constrained decoding; None: any token may follow
 
 
 _nested("AddRequest", "sampling", SamplingParams)
+_nested("AddRequest", "grammar", Grammar)
 _nested("AddRequest", "stopping", StoppingParams)
 
 
@@ -254,9 +276,13 @@ class NewRequestData(Message):
     # num_computed for it starts at len(cached_ids)). Ranks need them only for the token history that
     # repetition and frequency penalties read; empty when nothing was cached.
     cached_ids: list[int] = field(default_factory=list)
+    # AddRequest.grammar. Rank 0 rebuilds the grammar's state from the tokens after ``prompt_len`` that
+    # it is given (cached_ids and prompt chunks), so a preempted request resumes where it was.
+    grammar: Grammar | None = None
 
 
 _nested("NewRequestData", "sampling", SamplingParams)
+_nested("NewRequestData", "grammar", Grammar)
 
 
 @dataclass(slots=True)
@@ -320,6 +346,9 @@ class StepResult(Message):
     sample_time: float = 0.0  # seconds spent sampling
     top_tokens: list[list] = field(default_factory=list)  # per sampled request: [[ids], [logprobs]]
     prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprob per prompt token]]]
+    # [[rid, why]]: requests rank 0 cannot go on with (their grammar failed: a parser limit, a token it
+    # could not follow). Their token this step is an end-of-sequence; the scheduler fails them.
+    errors: list[list] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from llmbus.bus.messages import FinishReason, SamplingParams, StoppingParams
+from llmbus.bus.messages import FinishReason, Grammar, SamplingParams, StoppingParams
 from llmbus.scheduler.kv_blocks import KVBlockManager
 
 
@@ -52,6 +52,7 @@ class Request:
     prompt_logprobs: bool = False
     arrival_time: float = 0.0
     traceparent: str = ""  # the frontend's span of this request, when tracing (bus/tracing.py)
+    grammar: Grammar | None = None  # passed to the ranks with the request; the policy never reads it
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache

@@ -207,7 +207,7 @@ class SchedulerService:
     def _add(self, msg: m.AddRequest) -> None:
         req = Request(rid=msg.rid, frontend_id=msg.frontend_id, prompt_ids=list(msg.input_ids),
                       sampling=msg.sampling, stopping=msg.stopping, prompt_logprobs=msg.prompt_logprobs,
-                      arrival_time=msg.arrival_time, traceparent=msg.traceparent)
+                      arrival_time=msg.arrival_time, traceparent=msg.traceparent, grammar=msg.grammar)
         try:
             if self.stopping:
                 raise ValueError("the server is shutting down")
@@ -268,7 +268,7 @@ class SchedulerService:
             step_id=self.step_id,
             new_requests=[m.NewRequestData(rid=r.rid, sampling=r.sampling, block_table=list(r.block_table),
                                            prompt_len=len(r.prompt_ids), prompt_logprobs=r.wants_prompt_logprobs,
-                                           cached_ids=r.tokens(0, r.num_computed))
+                                           cached_ids=r.tokens(0, r.num_computed), grammar=r.grammar)
                           for r in batch.new_requests],
             rids=[s.request.rid for s in batch.seqs],
             num_computed=[s.num_computed for s in batch.seqs],
@@ -285,6 +285,11 @@ class SchedulerService:
                                  time.monotonic() - started)
         sampled = dict(zip(result.rids, zip(result.token_ids, result.logprobs)))
         prompt_logprobs = {rid: values for rid, values in result.prompt_logprobs} if result.prompt_logprobs else None
+        for rid, why in result.errors:
+            # Before update: the request's last token (an end-of-sequence rank 0 forced) is not sent.
+            for req in self.policy.abort([rid]):
+                self.log.warning("request failed in the engine", rid=rid, reason=why)
+                self._to_frontend(req.frontend_id, m.RequestFailed(rid=rid, error_type="generation", message=why))
         events = self.policy.update(batch, sampled, prompt_logprobs)
         # Per sampled rid, [[ids], [logprobs]] or [] (it asked for none); None when no request asked.
         top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None

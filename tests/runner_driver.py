@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.bus.messages import SamplingParams
+from llmbus.bus.messages import Grammar, SamplingParams
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
@@ -100,10 +100,12 @@ class Request:
     cached_ids: list[int] = field(default_factory=list)  # what NewRequestData.cached_ids would carry
     resume_step: int = 0
     preemptions: int = 0
+    grammar: Grammar | None = None
+    eos_ids: tuple[int, ...] = ()  # ids that end the request (none: only max_new_tokens does)
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.max_new_tokens
+        return len(self.tokens) >= self.max_new_tokens or bool(self.tokens and self.tokens[-1] in self.eos_ids)
 
 
 def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> dict[str, Request]:
@@ -144,7 +146,7 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
             scheduled.append((req, take, sample))
             seqs.append(SeqInput(rid=req.rid, token_ids=new_tokens, num_computed=req.computed,
                                  block_table=list(req.blocks), sample=sample, sampling=req.sampling,
-                                 prompt_len=len(req.prompt), cached_ids=req.cached_ids))
+                                 prompt_len=len(req.prompt), cached_ids=req.cached_ids, grammar=req.grammar))
         out = runner.step(seqs)
         sampled = ({rid: (t, lp) for rid, t, lp in zip(out.rids, out.token_ids, out.logprobs)}
                    if out is not None else None)

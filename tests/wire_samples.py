@@ -6,11 +6,12 @@ SAMPLING = m.SamplingParams(temperature=0.5, top_k=10, top_p=0.9, typical_p=1.0,
                             repetition_penalty=1.1, frequency_penalty=0.2, top_n_tokens=2, watermark=False,
                             presence_penalty=0.5)
 STOPPING = m.StoppingParams(max_new_tokens=20, stop_token_ids=[2], ignore_eos=False)
+GRAMMAR = m.Grammar(kind="json_schema", source='{"type": "object", "properties": {"a": {"type": "integer"}}}')
 
 SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.FRONTEND_HELLO: m.FrontendHello("f0", "ipc:///tmp/llmbus-x/events-f0.sock"),
     m.Kind.ADD_REQUEST: m.AddRequest("f0-1", "f0", [1, 300, 301], SAMPLING, STOPPING, True, 1700000000.5,
-                                     "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+                                     "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", GRAMMAR),
     m.Kind.HEALTH_CHECK: m.HealthCheck("f0", 3, 5.0),
     m.Kind.FRONTEND_STATS: m.FrontendStats("f1", 10, 8, ["validation"], [2], ["duration"],
                                            [m.Histogram([0.01, 0.1], [1, 6, 1], 0.4)]),
@@ -19,12 +20,14 @@ SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.HEALTH_REPLY: m.HealthReply(3, False, "rank 1 did not answer within 5 s"),
     m.Kind.ABORT_REQUEST: m.AbortRequest(["f0-1", "f0-2"]),
     m.Kind.STEP: m.StepCommand(
-        step_id=7, new_requests=[m.NewRequestData("f0-2", SAMPLING, [4, 5, 8], 36, False, list(range(16)))],
+        step_id=7, new_requests=[m.NewRequestData("f0-2", SAMPLING, [4, 5, 8], 36, False, list(range(16)),
+                                                         GRAMMAR)],
         rids=["f0-1", "f0-2"], num_computed=[33, 16], num_new=[1, 20], token_ids=[9] + list(range(20)),
         sample=[True, True], added_blocks=[["f0-1", [6]]], finished_rids=["f0-0"]),
     m.Kind.SHUTDOWN: m.Shutdown("scheduler stopped"),
     m.Kind.STEP_RESULT: m.StepResult(7, ["f0-1", "f0-2"], [11, 12], [-0.25, -1.5], 0.01, 0.001,
-                                     [[[11, 13], [-0.25, -2.0]], [[12, 14], [-1.5, -1.75]]], []),
+                                     [[[11, 13], [-0.25, -2.0]], [[12, 14], [-1.5, -1.75]]], [],
+                                     [["f0-2", "grammar state lost: no token at position 40"]]),
     m.Kind.WORKER_HELLO: m.WorkerHello(rank=1, world_size=2, pid=4242),
     m.Kind.WORKER_READY: m.WorkerReady(rank=0, num_blocks=1024, block_size=16, dtype="bfloat16", device="cpu",
                                        max_position_embeddings=2048),

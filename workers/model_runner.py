@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.bus.messages import SamplingParams
+from llmbus.bus.messages import Grammar, SamplingParams
 from llmbus.bus.service import ServiceError
 from llmbus.workers.attention import MIRROR_POOL_SHARE
+from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
 from llmbus.workers.sampling import has_penalties, sample
@@ -66,6 +67,7 @@ class SeqInput:
     # (re)started (NewRequestData.cached_ids; its first step has num_computed == len(cached_ids)). Read
     # only when rank 0 starts the token history of a request with penalties.
     cached_ids: list[int] = field(default_factory=list)
+    grammar: Grammar | None = None  # constrained decoding (rank 0 masks the sampled token's logits)
 
 
 @dataclass(slots=True)
@@ -82,6 +84,7 @@ class StepOutput:
     prompt_logprobs: list[list] = field(default_factory=list)
     # Per sampled sequence [[ids], [logprobs]] of its top_n_tokens ([] where none asked); [] if none did.
     top_tokens: list[list] = field(default_factory=list)
+    errors: list[list] = field(default_factory=list)  # [[rid, why]]: constrained requests that must fail
 
 
 class TokenHistory:
@@ -180,6 +183,10 @@ class ModelRunner:
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize)
+        self.model_dir = model_dir
+        # Rank 0, constrained decoding: built on the first request with a grammar (its vocabulary index
+        # takes ~0.3 s and some memory that a server without such requests need not spend).
+        self._grammar: GrammarMasks | None = None
         self.max_position_embeddings = self.model.max_position_embeddings
         # Rank 0 only, and only for requests with a repetition or frequency penalty.
         self.histories: dict[str, TokenHistory] = {}
@@ -271,6 +278,8 @@ class ModelRunner:
             return StepOutput([], [], [], 0.0, 0.0) if self.rank == 0 else None
         with torch.inference_mode():
             started = time.perf_counter()
+            # Constrained requests' masks are computed on another thread while the forward pass runs.
+            mask_job = self._start_masks(seqs) if self.rank == 0 else None
             prompt_rows = _PromptLogprobRows.plan(seqs, self.device)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None)
             self._synchronize()
@@ -285,6 +294,7 @@ class ModelRunner:
             if not sampled:
                 self._record_histories(seqs, sampled)
                 return StepOutput([], [], [], forward_done - started, 0.0, prompt_logprobs)
+            errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
             # The watermark seeds on the token before the sampled one: the last one fed this step.
@@ -295,7 +305,30 @@ class ModelRunner:
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,
                               sample_time=time.perf_counter() - forward_done, prompt_logprobs=prompt_logprobs,
-                              top_tokens=out.top_tokens)
+                              top_tokens=out.top_tokens, errors=[[rid, why] for rid, why in errors.items()])
+
+    def _start_masks(self, seqs: list[SeqInput]) -> MaskJob | None:
+        """Hand this step's tokens of the constrained requests to their matchers and start computing the
+        masks of those that sample; None when none does."""
+        rows, rids, positions = [], [], []
+        row = 0
+        for seq in seqs:
+            if seq.grammar is not None:
+                if self._grammar is None:
+                    self._grammar = GrammarMasks(self.model_dir, self.model.config.vocab_size)
+                self._grammar.observe(seq.rid, seq.grammar, seq.prompt_len, seq.cached_ids, seq.num_computed,
+                                      seq.token_ids)
+                if seq.sample:
+                    rows.append(row)
+                    rids.append(seq.rid)
+                    positions.append(seq.num_computed + len(seq.token_ids))
+            row += seq.sample
+        return self._grammar.start_masks(rows, rids, positions) if rids else None
+
+    @property
+    def grammar_requests(self) -> int:
+        """Constrained requests whose matcher rank 0 holds (0 once every one was dropped)."""
+        return self._grammar.active if self._grammar is not None else 0
 
     def _record_histories(self, seqs: list[SeqInput],
                           sampled: list[SeqInput]) -> list[torch.Tensor | None] | None:
@@ -323,6 +356,8 @@ class ModelRunner:
         for rid in rids:
             self.histories.pop(rid, None)
             self.pending_prompt_rows.pop(rid, None)
+        if self._grammar is not None:
+            self._grammar.drop(rids)
         if rids:
             self.model.attention_backend.forget()
 

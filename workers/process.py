@@ -61,6 +61,7 @@ class _RequestState:
     prompt_len: int
     prompt_logprobs: bool
     cached_ids: list[int]  # NewRequestData.cached_ids: the prefix its first step found already computed
+    grammar: m.Grammar | None = None
 
 
 class StepGap(RuntimeError):
@@ -174,7 +175,7 @@ class Worker:
                                                 logprobs=out.logprobs, forward_time=out.forward_time,
                                                 sample_time=out.sample_time,
                                                 prompt_logprobs=out.prompt_logprobs,
-                                                top_tokens=out.top_tokens))
+                                                top_tokens=out.top_tokens, errors=out.errors))
 
     def apply(self, cmd: m.StepCommand) -> list:
         SeqInput = self._seq_input
@@ -189,7 +190,7 @@ class Worker:
             self.runner.drop(restarted)
         for new in cmd.new_requests:
             self.states[new.rid] = _RequestState(new.sampling, list(new.block_table), new.prompt_len,
-                                                   new.prompt_logprobs, new.cached_ids)
+                                                   new.prompt_logprobs, new.cached_ids, new.grammar)
         for rid, blocks in cmd.added_blocks:
             self.states[rid].block_table.extend(blocks)
         seqs, offset = [], 0
@@ -198,7 +199,8 @@ class Worker:
             seqs.append(SeqInput(rid=rid, token_ids=cmd.token_ids[offset:offset + num_new],
                                  num_computed=num_computed, block_table=state.block_table, sample=sample,
                                  sampling=state.sampling, prompt_len=state.prompt_len,
-                                 prompt_logprobs=state.prompt_logprobs, cached_ids=state.cached_ids))
+                                 prompt_logprobs=state.prompt_logprobs, cached_ids=state.cached_ids,
+                                 grammar=state.grammar))
             offset += num_new
         return seqs
 

@@ -1,0 +1,216 @@
+"""Constrained decoding on rank 0: a grammar matcher per constrained request, and the batch's token masks.
+
+A request that carries a ``Grammar`` (bus/messages.py) gets an llguidance ``LLMatcher``: a parser of the
+grammar over the model's own token vocabulary. Before each token it samples, the matcher gives the set of
+tokens that keep the output inside the language (a bitmask, one bit per token id); the sampler sees the
+logits of every other token as ``-inf``. Once the grammar is complete, only the end-of-sequence tokens are
+allowed, so a request whose grammar reaches its end finishes with ``eos_token`` like any other.
+
+llguidance (MIT, the parser llama.cpp, vLLM and SGLang also use) was chosen over xgrammar and outlines-core
+by measurement: docs/design-notes.md, "Structured output", and benchmarks/grammar_libraries.py.
+
+State is rebuilt, never shipped: a matcher consumes the request's generated tokens as rank 0 sees them
+(positions from ``prompt_len`` on, whether they arrive as ``cached_ids``, prompt chunks of a recomputed
+request, or the last sampled token fed back in a decode step). So a preempted request that comes back as a
+new one recomputes its grammar state from the same tokens, and nothing about it survives ``drop``.
+
+The masks of a step are computed on a background thread while the forward pass runs (llguidance drops the
+GIL), then applied to the logits rows of the constrained requests; unconstrained rows are not touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmbus.bus.messages import Grammar
+
+log = logging.getLogger("llmbus.workers.grammar")
+
+COMPILED_CACHE_SIZE = 256  # distinct grammars kept compiled (a tool set or a schema is usually reused)
+
+# llguidance's JSON options unless a schema's own "x-guidance" says otherwise: the separators of Python's
+# json.dumps and no free whitespace, so a small model cannot spin in indentation, and outputs look like
+# the JSON models were trained on.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def llguidance_grammar(grammar: Grammar) -> str:
+    """The llguidance grammar (its JSON serialisation) for a wire ``Grammar``; raises ValueError for an
+    unknown kind or a schema that is not a JSON object. Compilation errors show only when a matcher is
+    built (``grammar_error``)."""
+    import llguidance
+
+    if grammar.kind == "json_schema":
+        schema = json.loads(grammar.source)
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be a JSON object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if grammar.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+    if grammar.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+    raise ValueError(f"unknown grammar kind {grammar.kind!r}")
+
+
+def grammar_error(grammar: Grammar, tokenizer=None) -> str | None:
+    """Why ``grammar`` cannot be used (llguidance's message), or None when it compiles. With the
+    tokenizer, special tokens named in a Lark grammar are checked too."""
+    import llguidance
+
+    try:
+        serialised = llguidance_grammar(grammar)
+    except ValueError as e:
+        return str(e)
+    message = llguidance.LLMatcher.validate_grammar(serialised, tokenizer)
+    return message or None
+
+
+def load_llg_tokenizer(model_dir: str | Path, vocab_size: int):
+    """llguidance's view of the model's vocabulary: tokenizer.json, the logits' width, and every id the
+    frontend stops on as end-of-sequence (so a finished grammar allows each of them)."""
+    import llguidance
+
+    from llmbus.frontend.tokenizer import load_tokenizer  # pure: tokenizers and JSON files only
+
+    model_dir = Path(model_dir)
+    eos = load_tokenizer(model_dir).eos_token_ids
+    text = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos or None)
+
+
+@dataclass(eq=False)
+class _RequestGrammar:
+    matcher: object  # llguidance.LLMatcher
+    consumed: int  # the matcher has consumed the tokens at positions prompt_len..consumed-1
+    pending: dict[int, int] = field(default_factory=dict)  # position -> token, seen but not yet consumed
+    error: str | None = None
+
+
+@dataclass
+class MaskJob:
+    """One step's masks, being computed: ``rows[i]`` is the logits row of ``rids[i]``."""
+
+    rows: list[int]
+    rids: list[str]
+    future: Future
+
+
+class GrammarMasks:
+    """Rank 0's matchers, keyed by request id, and the masks of each step."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.tokenizer = load_llg_tokenizer(model_dir, vocab_size)
+        self.eos_ids = [i for i in self.tokenizer.eos_tokens if i < vocab_size]
+        self.words = (vocab_size + 31) // 32
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.requests: dict[str, _RequestGrammar] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def _matcher(self, grammar: Grammar):
+        """A fresh matcher for ``grammar``: a copy of a compiled one, compiled once per distinct grammar."""
+        import llguidance
+
+        key = (grammar.kind, grammar.source)
+        pristine = self._compiled.get(key)
+        if pristine is None:
+            try:
+                serialised = llguidance_grammar(grammar)
+            except ValueError as e:
+                serialised = None
+                error = str(e)
+            if serialised is not None:
+                pristine = llguidance.LLMatcher(self.tokenizer, serialised, log_level=0)
+                error = pristine.get_error() if pristine.is_error() else None
+            if error is not None:
+                return None, error
+            self._compiled[key] = pristine
+            if len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return pristine.deep_copy(), None
+
+    def observe(self, rid: str, grammar: Grammar, prompt_len: int, cached_ids: list[int],
+                num_computed: int, token_ids: list[int]) -> None:
+        """Note a step's tokens of a constrained request (starting its state on first sight)."""
+        state = self.requests.get(rid)
+        if state is None:
+            matcher, error = self._matcher(grammar)
+            state = self.requests[rid] = _RequestGrammar(matcher=matcher, consumed=prompt_len, error=error)
+            for position in range(prompt_len, len(cached_ids)):
+                state.pending[position] = cached_ids[position]
+        for offset, token in enumerate(token_ids):
+            position = num_computed + offset
+            if position >= state.consumed:
+                state.pending[position] = token
+
+    def drop(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.requests.pop(rid, None)
+
+    @property
+    def active(self) -> int:
+        return len(self.requests)
+
+    # -- masks -------------------------------------------------------------------------------------
+
+    def start_masks(self, rows: list[int], rids: list[str], positions: list[int]) -> MaskJob:
+        """Begin computing, on the background thread, the masks of ``rids`` (logits rows ``rows``) for the
+        tokens they sample at ``positions``."""
+        states = [self.requests[rid] for rid in rids]
+        future = self._executor.submit(self._compute, states, positions)
+        return MaskJob(rows=rows, rids=rids, future=future)
+
+    def _compute(self, states: list[_RequestGrammar], positions: list[int]) -> np.ndarray:
+        masks = np.zeros((len(states), self.words), dtype=np.int32)
+        for i, (state, position) in enumerate(zip(states, positions)):
+            self._catch_up(state, position)
+            if state.error is None:
+                row = masks[i]
+                state.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                if state.matcher.is_error():
+                    state.error = state.matcher.get_error()
+        return masks
+
+    @staticmethod
+    def _catch_up(state: _RequestGrammar, position: int) -> None:
+        """Consume the tokens before ``position`` that the matcher has not seen yet."""
+        while state.error is None and state.consumed < position:
+            token = state.pending.pop(state.consumed, None)
+            if token is None:
+                state.error = f"grammar state lost: no token at position {state.consumed}"
+                return
+            if not state.matcher.consume_token(token):
+                state.error = state.matcher.get_error() or f"token {token} does not fit the grammar"
+            state.consumed += 1
+
+    def apply(self, logits: torch.Tensor, job: MaskJob) -> dict[str, str]:
+        """Mask ``logits [S, vocab]`` (float32, in place) with the job's masks; the requests whose grammar
+        failed, with why (their rows allow only end-of-sequence, so they end at once)."""
+        masks = job.future.result()
+        allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]]
+        allowed = torch.from_numpy(allowed).to(device=logits.device, dtype=torch.bool)
+        errors = {rid: self.requests[rid].error for rid in job.rids if self.requests[rid].error is not None}
+        if errors:
+            for i, rid in enumerate(job.rids):
+                if rid in errors:
+                    allowed[i].zero_()
+                    allowed[i, self.eos_ids] = True
+        rows = torch.tensor(job.rows, dtype=torch.long, device=logits.device)
+        constrained = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+        logits.index_copy_(0, rows, constrained)
+        return errors
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
