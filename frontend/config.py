@@ -79,6 +79,9 @@ class FrontendConfig(ServiceSettings):
     # declared as the workers declare it: `llmbus up --quantize` (or QUANTIZE) reaches both
     quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_METHODS,
                                    help="The workers' --quantize, reported in /info.")
+    disable_grammar_support: bool = setting(False, env="DISABLE_GRAMMAR_SUPPORT",
+                                            help="Refuse `grammar`, `response_format` and `tools` (422 `grammar is "
+                                                 "not supported`), as TGI does with this flag.")
     keepalive_s: float = 15.0  # SSE comment `:` after this long without an event
     compute_type: str = field(default_factory=_default_compute_type)  # x-compute-type header
 
@@ -128,6 +131,7 @@ class Limits:
     max_best_of: int
     max_stop_sequences: int
     max_top_n_tokens: int
+    grammar_support: bool = True  # False: --disable-grammar-support
 
 
 DEFAULT_MAX_TOTAL_TOKENS = 4096  # when neither the config nor the model says
@@ -148,4 +152,5 @@ def resolve_limits(config: FrontendConfig, model_max_length: int | None,
     if max_input >= total:
         raise ValueError(f"`max_input_tokens` must be < `max_total_tokens`. Given: {max_input} and {total}")
     return Limits(max_input_tokens=max_input, max_total_tokens=total, max_best_of=config.max_best_of,
-                  max_stop_sequences=config.max_stop_sequences, max_top_n_tokens=config.max_top_n_tokens)
+                  max_stop_sequences=config.max_stop_sequences, max_top_n_tokens=config.max_top_n_tokens,
+                  grammar_support=not config.disable_grammar_support)

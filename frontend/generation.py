@@ -249,7 +249,7 @@ class Generation:
                                       stop_token_ids=list(self.generator.tokenizer.eos_token_ids),
                                       ignore_eos=p.params.ignore_eos),
             prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time,
-            traceparent=tracing.current_traceparent())
+            traceparent=tracing.current_traceparent(), grammar=p.params.grammar)
         self.timings.queued = time.monotonic()
         self._queue = await engine.submit(request)
 

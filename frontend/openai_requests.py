@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
+from llmbus.frontend.grammar import response_format_grammar
 from llmbus.frontend.validation import GenerateParameters, load_json, to_f32
 
 _TYPE_CHECKS = {
@@ -210,8 +211,8 @@ def parse_chat(body: dict, limits: Limits, max_choices: int) -> ChatRequest:
         raise ApiError(ErrorKind.TOOL, "tool calls need constrained decoding, which this server does not "
                                        "have; send `tool_choice: \"none\"` to only show the tools to the model")
     response_format = _get(body, "response_format", "object")
-    if response_format and response_format.get("type") not in (None, "text"):
-        raise validation_error("grammar is not supported", param="response_format")
+    if response_format:
+        p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support)
     return ChatRequest(messages=messages, tools=tools or None, params=p, options=options)
 
 

@@ -13,9 +13,10 @@ import random
 import struct
 from dataclasses import dataclass, field
 
-from llmbus.bus.messages import SamplingParams
+from llmbus.bus.messages import Grammar, SamplingParams
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import body_parse_error, body_type_error, validation_error
+from llmbus.frontend.grammar import tgi_grammar
 
 _F32 = struct.Struct("<f")
 
@@ -51,6 +52,8 @@ class GenerateParameters:
     adapter_id: str | None = None
     ignore_eos_token: bool = False  # benchmarks: only max_new_tokens ends the request (vLLM's TGI client sends it)
     presence_penalty: float | None = None  # OpenAI's, also accepted here (TGI has none): -2.0 to 2.0
+    # Not read from a body: a grammar the OpenAI routes built already checked (response_format, tools)
+    constraint: Grammar | None = None
 
 
 # field -> (serde type, nullable)
@@ -206,6 +209,7 @@ class ValidParameters:
     max_new_tokens: int | None
     stop: list[str]
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # constrained decoding
 
 
 def validate_best_of(best_of: int, limits: Limits) -> int:
@@ -275,9 +279,9 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
     if p.truncate is not None and (p.truncate == 0 or p.truncate > limits.max_input_tokens):
         raise validation_error(f"`truncate` must be strictly positive and less than "
                                f"{limits.max_input_tokens}. Given: {p.truncate}")
+    grammar = p.constraint
     if p.grammar is not None:
-        # the engine has no constrained decoding yet: answer like TGI with --disable-grammar-support
-        raise validation_error("grammar is not supported")
+        grammar = tgi_grammar(p.grammar, enabled=limits.grammar_support)
 
     # The server samples when asked to or when any warper changes the distribution
     # (text_generation_server/utils/tokens.py); greedy requests report no seed.
@@ -288,7 +292,7 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
         top_n_tokens=top_n_tokens, watermark=p.watermark, presence_penalty=presence_penalty)
     return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
                            truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop),
-                           ignore_eos=p.ignore_eos_token)
+                           ignore_eos=p.ignore_eos_token, grammar=grammar)
 
 
 def validate_lengths(num_tokens: int, truncate: int | None, max_new_tokens: int | None,

@@ -39,9 +39,6 @@ class LaunchSettings:
                                             help="Share of the vocabulary in the watermark's green list (default 0.5).")
     watermark_delta: float | None = setting(None, env="WATERMARK_DELTA",
                                             help="Bias added to green-list logits (default 2.0).")
-    disable_grammar_support: bool = setting(False, env="DISABLE_GRAMMAR_SUPPORT",
-                                            help="Accepted for TGI parity: llmbus has no constrained decoding, "
-                                                 "`grammar` is always refused.")
     print_env: bool = setting(False, flag="--env", aliases=("-e",), env="ENV",
                               help="Print the runtime environment (versions, devices) before starting.")
     run_dir: str | None = setting(None, env=ENV_RUN_DIR, help="Private directory for ipc sockets.")

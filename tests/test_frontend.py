@@ -559,7 +559,9 @@ VALIDATION_CASES = [
     ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
     ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
     ({"best_of": 2, "do_sample": True, "seed": 7}, "`seed` must not be set when `best_of` > 1"),
-    ({"grammar": {"type": "regex", "value": "a+"}}, "grammar is not supported"),
+    ({"grammar": {"type": "json", "value": 5}}, "grammar is not supported"),
+    ({"grammar": {"type": "json", "value": {"type": "objectx"}}},
+     "grammar is not valid: 'objectx' is not valid under any of the given schemas"),
 ]
 
 

@@ -125,7 +125,9 @@ def test_chat_parameters_map_onto_sampling(fe):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages", "image_url content is not supported"),
     ({"logit_bias": {"5": 10}}, "logit_bias", "`logit_bias` is not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "grammar is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format", "grammar is not valid: 'objectx' is not valid under any of the given schemas"),
+    ({"response_format": {"type": "xml"}}, "response_format", "`response_format.type` must be `text`"),
 ])
 def test_chat_validation_errors_use_openai_envelope(fe, body, param, fragment):
     status, _, answer = chat(fe, **body)

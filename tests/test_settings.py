@@ -114,7 +114,6 @@ LAUNCH_FLAGS = {
                                 "frontend.max_total_tokens": 160, "frontend.max_input_tokens": 159}),
     "watermark_gamma": (["--watermark-gamma", "0.25"], {}, {"workers.env.WATERMARK_GAMMA": "0.25"}),
     "watermark_delta": (["--watermark-delta", "1.5"], {}, {"workers.env.WATERMARK_DELTA": "1.5"}),
-    "disable_grammar_support": (["--disable-grammar-support"], {}, {}),  # accepted for TGI parity only
     "print_env": (["--env"], {}, {}),  # printed by `up` itself before anything starts
     "json_output": (["--json-output"], {}, {}),  # the launcher's environment for all (test_logs), or .env
     "run_dir": (["--run-dir", RUN_DIR + "-other"], {},

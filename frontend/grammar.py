@@ -1,0 +1,132 @@
+"""Grammars in requests: TGI's ``grammar`` parameter and OpenAI's ``response_format``, checked and turned into
+the wire's ``Grammar`` (bus/messages.py) that rank 0 constrains sampling with.
+
+TGI's shapes (router/src/lib.rs ``GrammarType``, checked in validation.rs): ``{"type": "json" |
+"json_object", "value": <schema, or the schema as a JSON string>}``, ``{"type": "json_schema", "value":
+{"name"?, "schema"}}`` and ``{"type": "regex", "value": "..."}``. OpenAI's ``response_format``: ``{"type":
+"text"}`` (nothing), ``{"type": "json_object"}`` (any JSON object) and ``{"type": "json_schema",
+"json_schema": {"name", "schema"?, "strict"?}}``; TGI's ``value`` shapes are accepted there too.
+
+Errors carry TGI's texts: "grammar is not supported" (turned off with ``--disable-grammar-support``, or a
+JSON value that is neither an object nor a string), "grammar is not valid: <why>" (a schema that is not a
+valid Draft 2020-12 schema, a JSON string that does not parse, a regex that does not compile) and "cannot
+compile regex from schema: <why>" (a valid schema the grammar compiler refuses). Unlike TGI, a schema
+needs no top-level ``properties``: arrays, enums and scalars are fine (TGI refused them because it went
+through a regex its Python shards could build). Compile checks are cached per distinct grammar.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from llmbus.bus.grammar import grammar_error
+from llmbus.bus.messages import Grammar
+from llmbus.frontend.errors import body_type_error, validation_error
+
+ANY_JSON_OBJECT = {"type": "object"}
+_TGI_TYPES = ("json", "json_object", "regex", "json_schema")
+
+
+def _not_supported():
+    return validation_error("grammar is not supported")
+
+
+def _invalid(why: str, param: str | None = None):
+    return validation_error(f"grammar is not valid: {why}", param=param)
+
+
+@functools.lru_cache(maxsize=512)
+def _compile_error(kind: str, source: str) -> str | None:
+    return grammar_error(Grammar(kind, source))
+
+
+@functools.lru_cache(maxsize=512)
+def _meta_schema_error(source: str) -> str | None:
+    import jsonschema
+
+    try:
+        jsonschema.Draft202012Validator.check_schema(json.loads(source))
+    except jsonschema.SchemaError as e:
+        return e.message
+    return None
+
+
+def json_schema_grammar(schema, param: str | None = None) -> Grammar:
+    """The grammar of outputs that are JSON documents valid under ``schema`` (a dict, as TGI wants it)."""
+    if not isinstance(schema, dict):
+        raise _not_supported()
+    source = json.dumps(schema, sort_keys=False, separators=(",", ":"))
+    why = _meta_schema_error(source)
+    if why is not None:
+        raise _invalid(why, param)
+    why = _compile_error("json_schema", source)
+    if why is not None:
+        raise validation_error(f"cannot compile regex from schema: {why}", param=param)
+    return Grammar("json_schema", source)
+
+
+def regex_grammar(regex, param: str | None = None) -> Grammar:
+    """The grammar of outputs that ``regex`` matches whole."""
+    if not isinstance(regex, str):
+        raise _not_supported()
+    why = _compile_error("regex", regex)
+    if why is not None:
+        raise _invalid(why, param)
+    return Grammar("regex", regex)
+
+
+def _schema_value(value, param: str | None):
+    """TGI's json value: a schema object, or a string holding one (parsed again, as TGI does)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise _invalid(str(e), param) from None
+    return value
+
+
+def tgi_grammar(value: dict, *, enabled: bool, param: str | None = None) -> Grammar:
+    """TGI's ``parameters.grammar`` (already known to be a JSON object) as a wire Grammar."""
+    kind = value.get("type")
+    if kind not in _TGI_TYPES:
+        raise body_type_error(f"parameters.grammar: unknown variant `{kind}`, expected one of "
+                              + ", ".join(f"`{t}`" for t in _TGI_TYPES))
+    if "value" not in value:
+        raise body_type_error("parameters.grammar: missing field `value`")
+    if not enabled:
+        raise _not_supported()
+    raw = value["value"]
+    if kind == "regex":
+        return regex_grammar(raw, param)
+    if kind == "json_schema":
+        if not isinstance(raw, dict) or "schema" not in raw:
+            raise body_type_error("parameters.grammar.value: missing field `schema`")
+        return json_schema_grammar(_schema_value(raw["schema"], param), param)
+    return json_schema_grammar(_schema_value(raw, param), param)
+
+
+def response_format_grammar(value: dict, *, enabled: bool) -> Grammar | None:
+    """OpenAI's ``response_format`` (or TGI's shapes of it) as a wire Grammar; None for plain text."""
+    param = "response_format"
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if "value" in value:  # TGI's shape: {"type": ..., "value": ...}
+        return tgi_grammar(value, enabled=enabled, param=param)
+    if not enabled:
+        raise validation_error("grammar is not supported", param=param)
+    if kind in ("json_object", "json"):
+        return json_schema_grammar(ANY_JSON_OBJECT, param)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise validation_error("`response_format.json_schema` must be an object with a `schema`", param=param)
+        schema = spec.get("schema", ANY_JSON_OBJECT)
+        if not isinstance(schema, dict):
+            raise validation_error("`response_format.json_schema.schema` must be a JSON Schema object", param=param)
+        return json_schema_grammar(schema, param)
+    if kind == "regex":
+        raise validation_error("`response_format` of type `regex` takes its pattern in `value`", param=param)
+    raise validation_error(f"`response_format.type` must be `text`, `json_object` or `json_schema`. Given: "
+                           f"{json.dumps(kind)}", param=param)

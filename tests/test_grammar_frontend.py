@@ -1,0 +1,87 @@
+"""Grammars through the frontend, against test_frontend's fake scheduler (real zmq and HTTP): what reaches
+the scheduler for each shape of TGI's ``grammar`` and OpenAI's ``response_format``, and TGI's error texts
+for a grammar that is turned off, invalid or does not compile. Nothing invalid reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmbus.bus.messages import Grammar
+from test_frontend import last_rid
+from test_frontend import make_frontend, model_dir  # noqa: F401  (fixtures)
+from test_openai_frontend import chat, chat_model_dir, make_fe  # noqa: F401  (fixtures)
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name"]}
+COMPACT = json.dumps(SCHEMA, separators=(",", ":"))
+
+
+def generate(fe, grammar, **parameters):
+    return fe.post("/generate", {"inputs": "hi", "parameters": {"grammar": grammar, **parameters}})
+
+
+@pytest.mark.parametrize("grammar, expected", [
+    ({"type": "json", "value": SCHEMA}, Grammar("json_schema", COMPACT)),
+    ({"type": "json_object", "value": json.dumps(SCHEMA)}, Grammar("json_schema", COMPACT)),  # a JSON string
+    ({"type": "json_schema", "value": {"name": "person", "schema": SCHEMA}}, Grammar("json_schema", COMPACT)),
+    ({"type": "json", "value": {"type": "array", "items": {"enum": [1, 2]}}},  # no `properties`: fine here
+     Grammar("json_schema", '{"type":"array","items":{"enum":[1,2]}}')),
+    ({"type": "regex", "value": "[0-9]{3}-[a-z]+"}, Grammar("regex", "[0-9]{3}-[a-z]+")),
+])
+def test_tgi_grammar_reaches_the_scheduler(make_frontend, grammar, expected):
+    fe = make_frontend()
+    status, _, body = generate(fe, grammar)
+    assert status == 200, body
+    assert fe.sched.adds[last_rid(fe)].grammar == expected
+
+
+@pytest.mark.parametrize("grammar, error", [
+    ({"type": "regex", "value": "a(b"}, "Input validation error: grammar is not valid: "),
+    ({"type": "regex", "value": 7}, "Input validation error: grammar is not supported"),
+    ({"type": "json", "value": "{not json"}, "Input validation error: grammar is not valid: "),
+    ({"type": "json", "value": [1]}, "Input validation error: grammar is not supported"),
+    ({"type": "json", "value": {"type": "object", "properties": {"a": {"minimum": "x"}}}},
+     "Input validation error: grammar is not valid: 'x' is not of type 'number'"),
+    ({"type": "json", "value": {"$ref": "#/$defs/missing"}}, "Input validation error: cannot compile regex from schema: "),
+    ({"type": "yaml", "value": "x"}, "Failed to deserialize the JSON body into the target type: parameters.grammar: "
+                                     "unknown variant `yaml`"),
+    ({"type": "regex"}, "Failed to deserialize the JSON body into the target type: parameters.grammar: missing "
+                        "field `value`"),
+])
+def test_bad_grammars_get_tgi_texts(make_frontend, grammar, error):
+    fe = make_frontend()
+    status, _, body = generate(fe, grammar)
+    assert status == 422 and body["error"].startswith(error) and body["error_type"] == "validation", body
+    assert fe.sched.adds == {}
+    status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 3}})
+    assert status == 200, "the frontend keeps serving"
+
+
+def test_disable_grammar_support(make_frontend, make_fe):
+    fe = make_frontend(disable_grammar_support=True)
+    status, _, body = generate(fe, {"type": "regex", "value": "a+"})
+    assert (status, body) == (422, {"error": "Input validation error: grammar is not supported",
+                                    "error_type": "validation"})
+    chat_fe = make_fe(disable_grammar_support=True)
+    status, _, body = chat(chat_fe, response_format={"type": "json_object"})
+    assert status == 422 and body["error"]["message"] == "Input validation error: grammar is not supported"
+    assert chat_fe.sched.adds == {}
+
+
+@pytest.mark.parametrize("response_format, expected", [
+    ({"type": "text"}, None),
+    ({"type": "json_object"}, Grammar("json_schema", '{"type":"object"}')),
+    ({"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}},
+     Grammar("json_schema", COMPACT)),
+    ({"type": "json_schema", "value": {"name": "person", "schema": SCHEMA}}, Grammar("json_schema", COMPACT)),
+    ({"type": "json_object", "value": SCHEMA}, Grammar("json_schema", COMPACT)),
+    ({"type": "regex", "value": "(yes|no)"}, Grammar("regex", "(yes|no)")),
+])
+def test_response_format_shapes(make_fe, response_format, expected):
+    fe = make_fe()
+    status, _, body = chat(fe, response_format=response_format)
+    assert status == 200, body
+    assert fe.sched.adds[last_rid(fe)].grammar == expected
