@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
 from llmbus.frontend.grammar import response_format_grammar
+from llmbus.frontend.tools import ToolPlan, parse_tools
 from llmbus.frontend.validation import GenerateParameters, load_json, to_f32
 
 _TYPE_CHECKS = {
@@ -72,9 +73,11 @@ class OpenAIOptions:
 @dataclass
 class ChatRequest:
     messages: list[dict]
-    tools: list[dict] | None
+    tools: list[dict] | None  # as sent; shown to a template that declares tools even with tool_choice "none"
     params: GenerateParameters
     options: OpenAIOptions
+    plan: ToolPlan | None = None  # the tools the model may call, and the grammar that holds it to them
+    tool_prompt: str | None = None  # TGI's: the instruction appended with the tools (None: ours)
 
 
 @dataclass
@@ -206,14 +209,18 @@ def parse_chat(body: dict, limits: Limits, max_choices: int) -> ChatRequest:
     elif body.get("top_logprobs") is not None:
         raise validation_error("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
     tools = _get(body, "tools", "array")
-    tool_choice = body.get("tool_choice")
-    if tools and tool_choice != "none":
-        raise ApiError(ErrorKind.TOOL, "tool calls need constrained decoding, which this server does not "
-                                       "have; send `tool_choice: \"none\"` to only show the tools to the model")
+    plan = parse_tools(body)
     response_format = _get(body, "response_format", "object")
-    if response_format:
+    if plan is not None:
+        if response_format and response_format.get("type") not in (None, "text"):
+            raise ApiError(ErrorKind.TOOL, "Grammar and tools are mutually exclusive")
+        if not limits.grammar_support:
+            raise validation_error("grammar is not supported", param="tools")
+        p.constraint = plan.grammar
+    elif response_format:
         p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support)
-    return ChatRequest(messages=messages, tools=tools or None, params=p, options=options)
+    return ChatRequest(messages=messages, tools=tools or None, params=p, options=options, plan=plan,
+                       tool_prompt=_get(body, "tool_prompt", "string"))
 
 
 def parse_completion(body: dict, limits: Limits, max_client_batch_size: int) -> CompletionRequest:

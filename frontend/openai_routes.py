@@ -22,10 +22,11 @@ from aiohttp import web
 from llmbus.frontend.errors import ApiError
 from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, run_all
 from llmbus.frontend.middleware import mark_failed
-from llmbus.frontend.openai_requests import (CompletionRequest, OpenAIOptions, parse_chat,
+from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
                                              parse_completion, read_json_object)
 from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
+from llmbus.frontend.tools import ToolCallStream, parse_tool_output, prepare_messages, takes_tools
 from llmbus.frontend.validation import GenerateParameters
 
 _FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -235,6 +236,11 @@ class _Chunks:
 
 
 class _ChatChunks(_Chunks):
+    def __init__(self, header: dict, options: OpenAIOptions, tools: bool = False):
+        super().__init__(header, options)
+        # with tools, each choice's text goes through a parser that turns calls into tool_calls deltas
+        self.parsers: dict[int, ToolCallStream] | None = {} if tools else None
+
     def _delta(self, c: Choice, delta: dict, logprobs, finish) -> dict:
         return self._chunk({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
@@ -244,9 +250,53 @@ class _ChatChunks(_Chunks):
         text = c.next_delta()
         logprobs = _chat_logprobs(tokens, self.options)
         finish = c.finish_reason_of(tokens)
+        if self.parsers is not None:
+            return self._tool_deltas(c, text, logprobs, finish)
         if not text and logprobs is None and finish is None:
             return []  # a token whose text is held back, or a special token
         return [self._delta(c, {"content": text} if text or finish is None else {}, logprobs, finish)]
+
+    def _tool_deltas(self, c: Choice, text: str, logprobs, finish) -> list[dict]:
+        parser = self.parsers.setdefault(c.index, ToolCallStream())
+        deltas = parser.feed(text) if text else []
+        if finish is not None:
+            deltas += parser.finish()
+            finish = _tool_finish_reason(finish, parser.has_calls)
+        if not deltas and (logprobs is not None or finish is not None):
+            deltas = [{}]
+        chunks = [self._delta(c, d, None, None) for d in deltas]
+        if chunks:  # the event's logprobs ride on its first chunk, the finish reason on its last
+            chunks[0]["choices"][0]["logprobs"] = logprobs
+            chunks[-1]["choices"][0]["finish_reason"] = finish
+        return chunks
+
+
+def _tool_finish_reason(finish: str, has_calls: bool) -> str:
+    """OpenAI's "tool_calls" when the answer called tools and ended by itself (not cut by max_tokens)."""
+    return "tool_calls" if has_calls and finish == "stop" else finish
+
+
+def _chat_message(c: Choice, chat: ChatRequest) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice, and its finish reason."""
+    text = c.visible_text()
+    if chat.plan is None:
+        return {"role": "assistant", "content": text}, c.finish_reason
+    content, calls = parse_tool_output(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, c.finish_reason
+    return ({"role": "assistant", "content": content, "tool_calls": calls},
+            _tool_finish_reason(c.finish_reason, True))
+
+
+def chat_prompt(state: FrontendState, chat: ChatRequest) -> str:
+    """The conversation through the model's template, tools shown to the model as the template allows."""
+    source = state.chat_template.source
+    messages = prepare_messages(chat.messages, chat.plan, source, chat.tool_prompt)
+    if chat.plan is not None:
+        tools = chat.plan.template_tools(source)
+    else:  # tool_choice "none": a template that declares tools still sees them
+        tools = chat.tools if chat.tools and takes_tools(source) else None
+    return state.chat_template.render(messages, tools)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -254,20 +304,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
                       state.config.max_client_batch_size)
-    prompt = state.chat_template.render(chat.messages, chat.tools)
+    prompt = chat_prompt(state, chat)
     # the rendered template already holds the BOS and other special tokens
     jobs = [Job(i, 0, prompt, _choice_params(chat.params, i), add_special_tokens=False)
             for i in range(chat.options.n)]
     choices = await _prepare(state, jobs, start, arrival)
     header = _header(state, "chat.completion", _new_id("chatcmpl"), int(arrival))
     if chat.options.stream:
-        render = _ChatChunks({**header, "object": "chat.completion.chunk"}, chat.options)
+        render = _ChatChunks({**header, "object": "chat.completion.chunk"}, chat.options,
+                             tools=chat.plan is not None)
         return await _stream(request, state, choices, chat.options, render)
     await run_all([c.gen for c in choices])
+    answers = [(c, *_chat_message(c, chat)) for c in choices]
     return json_response({**header, "choices": [
-        {"index": c.index, "message": {"role": "assistant", "content": c.visible_text()},
-         "logprobs": _chat_logprobs(c.gen.tokens, chat.options), "finish_reason": c.finish_reason}
-        for c in choices], "usage": _usage(choices)})
+        {"index": c.index, "message": message, "logprobs": _chat_logprobs(c.gen.tokens, chat.options),
+         "finish_reason": finish} for c, message, finish in answers], "usage": _usage(choices)})
 
 
 # --- completions -----------------------------------------------------------------------------------

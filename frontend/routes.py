@@ -21,7 +21,7 @@ from llmbus.frontend.metrics import render
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openapi import add_openapi_routes
 from llmbus.frontend.openai_requests import parse_chat, read_json_object
-from llmbus.frontend.openai_routes import chat_completions, completions, setup_openai_routes
+from llmbus.frontend.openai_routes import chat_completions, chat_prompt, completions, setup_openai_routes
 from llmbus.frontend.state import STATE, VERSION, FrontendState, json_response
 from llmbus.frontend.validation import GenerateRequest, parse_request, validate_best_of
 
@@ -163,7 +163,7 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
                       state.config.max_client_batch_size)
-    text = state.chat_template.render(chat.messages, chat.tools)
+    text = chat_prompt(state, chat)
     spans = state.tokenizer.encode_with_offsets(text, add_special_tokens=False)
     return json_response({"tokenize_response": _token_spans(text, spans), "templated_text": text})
 

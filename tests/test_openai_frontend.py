@@ -159,12 +159,19 @@ def test_template_exceptions_are_template_errors(make_fe, chat_model_dir, tmp_pa
     openai_error(status, body, 422, "template_error", "Template error: roles must alternate")
 
 
-def test_tools_need_constrained_decoding(fe):
+def test_tools_reach_the_scheduler_as_a_grammar(make_fe):
+    fe = make_fe(max_input_tokens=900, max_total_tokens=1000)  # the tools are injected into the prompt
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     status, _, body = chat(fe, tools=tools)
-    openai_error(status, body, 422, "tool_error", "Tool error: tool calls need constrained decoding")
-    status, _, _ = chat(fe, tools=tools, tool_choice="none")
-    assert status == 200
+    assert status == 200, body
+    grammar = fe.sched.adds[last_rid(fe)].grammar
+    assert grammar.kind == "lark" and '"const": "f"' in grammar.source
+    status, _, body = chat(fe, tools=tools, tool_choice="none")
+    assert status == 200 and fe.sched.adds[last_rid(fe)].grammar is None
+    status, _, body = chat(fe, tools=tools, tool_choice={"type": "function", "function": {"name": "g"}})
+    openai_error(status, body, 422, "tool_error", "Tool error: Tool with name g not found")
+    status, _, body = chat(fe, tools=tools, response_format={"type": "json_object"})
+    openai_error(status, body, 422, "tool_error", "Tool error: Grammar and tools are mutually exclusive")
 
 
 def test_stop_text_is_cut_from_openai_answers(fe):
