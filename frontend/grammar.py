@@ -20,6 +20,10 @@ from __future__ import annotations
 import functools
 import json
 
+# Imported with the frontend, not in the first request that needs them (jsonschema alone takes ~0.1 s).
+import jsonschema
+import llguidance  # noqa: F401
+
 from llmbus.bus.grammar import grammar_error
 from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import body_type_error, validation_error
@@ -43,8 +47,6 @@ def _compile_error(kind: str, source: str) -> str | None:
 
 @functools.lru_cache(maxsize=512)
 def _meta_schema_error(source: str) -> str | None:
-    import jsonschema
-
     try:
         jsonschema.Draft202012Validator.check_schema(json.loads(source))
     except jsonschema.SchemaError as e:
