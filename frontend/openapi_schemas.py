@@ -65,15 +65,23 @@ def _grammar_schema() -> dict:
     json_value = {"description": "A JSON Schema, as an object or as a JSON string.",
                   "anyOf": [{"type": "object"}, {"type": "string"}]}
     return {
-        "description": "Constrained decoding. llmbus accepts the shape but has no constrained decoding "
-                       "yet, so any grammar is answered with 422 `grammar is not supported` (TGI with "
-                       "--disable-grammar-support does the same).",
+        "description": "Constrained decoding: every sampled token keeps the output inside the grammar, and "
+                       "the request ends (eos_token) once the grammar is complete. 422 `grammar is not "
+                       "supported` with --disable-grammar-support, `grammar is not valid: ...` for an invalid "
+                       "schema, regex or grammar, `cannot compile regex from schema: ...` for a schema the "
+                       "compiler refuses.",
         "oneOf": [
-            variant("json", json_value, "Output must match a JSON Schema."),
+            variant("json", json_value, "Output must be a JSON document valid under this JSON Schema "
+                                        "(Draft 2020-12; `$ref`, `anyOf`, bounds, patterns)."),
             variant("json_object", json_value, "Alias of `json`."),
-            variant("regex", {"type": "string"}, "Output must match a regular expression."),
+            variant("regex", {"type": "string"}, "Output must match this regular expression whole (Rust "
+                                                 "`regex` syntax: no lookaround or backreferences)."),
             variant("json_schema", _obj({"name": _t("string", nullable=True), "schema": {"type": "object"}},
                                         ("schema",)), "OpenAI-style named JSON Schema."),
+            variant("lark", {"type": "string"}, "A context-free grammar in llguidance's Lark dialect "
+                                                "(llmbus's extension)."),
+            variant("ebnf", {"type": "string"}, "A context-free grammar in llama.cpp's GBNF (llmbus's "
+                                                "extension)."),
         ],
     }
 
@@ -259,8 +267,23 @@ def openai_schemas(model_id: str) -> dict:
     role = _t("string", "system, user, assistant or tool.")
     # the models served are text-only: image parts are refused with 422
     content_part = _obj({"type": _t("string", const="text"), "text": _t("string")}, ("type", "text"))
-    finish = _t("string", "`stop` (end-of-sequence token or stop sequence) or `length`; null until the "
-                "choice ends.", nullable=True)
+    finish = _t("string", "`stop` (end-of-sequence token or stop sequence), `length`, or `tool_calls` (the "
+                "answer called tools); null until the choice ends.", nullable=True)
+    function_call = _obj({"name": _t("string"), "arguments": _t("string", "The arguments as a JSON text.")},
+                         ("name", "arguments"))
+    tool_call = _obj({"id": _t("string"), "type": _t("string", const="function"), "function": function_call},
+                     ("id", "type", "function"))
+    tool_call_delta = _obj({"index": _t("integer", minimum=0), "id": _t("string", "On a call's first delta."),
+                            "type": _t("string", const="function"),
+                            "function": _obj({"name": _t("string", "On a call's first delta."),
+                                              "arguments": _t("string", "A fragment; a call's fragments "
+                                                                        "join into its arguments.")})},
+                           ("index",), "One call's part of a chunk: its first delta names it (index, id, "
+                                       "type, name, arguments \"\"), later ones add argument fragments.")
+    tool = _obj({"type": _t("string", const="function"), "function": _obj({
+        "name": _t("string"), "description": _t("string"),
+        "parameters": _t("object", "A JSON Schema of the arguments (default: an object with no properties).")},
+        ("name",))}, ("type", "function"))
     choice_logprobs = _maybe(ref("ChatLogprobs"))
     top = _obj({"token": _t("string"), "logprob": _t("number")}, ("token", "logprob"))
     text_choice = {"index": _t("integer", minimum=0), "text": _t("string"),
@@ -276,7 +299,9 @@ def openai_schemas(model_id: str) -> dict:
                                                    "choices before [DONE].", default=False)}),
         "Message": _obj({"role": role,
                          "content": {"anyOf": [{"type": "string"}, array(content_part), {"type": "null"}]},
-                         "name": _t("string", nullable=True)}, ("role",)),
+                         "name": _t("string", nullable=True),
+                         "tool_calls": array(tool_call, "An assistant's earlier calls (a follow-up turn)."),
+                         "tool_call_id": _t("string", "The call a `tool` message answers.")}, ("role",)),
         "ChatRequest": _obj({
             **_openai_common(model_id),
             "messages": array(ref("Message"), "The conversation; rendered with the model's chat "
@@ -285,6 +310,19 @@ def openai_schemas(model_id: str) -> dict:
             "logprobs": _t("boolean", "Return the logprob of each output token.", nullable=True),
             "top_logprobs": _t("integer", "Also the n most likely alternatives per token (at most "
                                "--max-top-n-tokens); needs logprobs true.", nullable=True, minimum=0),
+            "tools": array(tool, "Functions the model may call; its calls always parse and their arguments "
+                           "validate against `parameters`."),
+            "tool_choice": {"description": "`auto` (default: answer in text or call tools), `none`, "
+                                           "`required`, or {\"type\": \"function\", \"function\": "
+                                           "{\"name\": ...}} (or the bare name) for that function.",
+                            "anyOf": [{"type": "string"}, {"type": "object"}]},
+            "parallel_tool_calls": _t("boolean", "Allow several calls in one answer.", default=True),
+            "tool_prompt": _t("string", "The instruction appended with the tools (TGI's; default: llmbus's).",
+                              nullable=True),
+            "response_format": {"description": "`{\"type\": \"json_object\"}`, OpenAI's `{\"type\": "
+                                               "\"json_schema\", \"json_schema\": {\"name\", \"schema\"}}`, "
+                                               "or TGI's GrammarType shapes (with `value`).",
+                                "type": "object"},
         }, ("messages",), example={"model": model_id, "max_tokens": 20,
                                    "messages": [{"role": "user", "content": "What is deep learning?"}]}),
         "CompletionRequest": _obj({
@@ -314,12 +352,14 @@ def openai_schemas(model_id: str) -> dict:
         "ChatCompletion": _openai_envelope("chat.completion", _obj({
             "index": _t("integer", minimum=0),
             "message": _obj({"role": _t("string", const="assistant"),
-                             "content": _t("string", nullable=True)}, ("role", "content")),
+                             "content": _t("string", nullable=True), "tool_calls": array(tool_call)},
+                            ("role", "content")),
             "logprobs": choice_logprobs, "finish_reason": finish},
             ("index", "message", "finish_reason")), usage_nullable=False),
         "ChatCompletionChunk": _openai_envelope("chat.completion.chunk", _obj({
             "index": _t("integer", minimum=0),
-            "delta": _obj({"role": _t("string"), "content": _t("string", nullable=True)}),
+            "delta": _obj({"role": _t("string"), "content": _t("string", nullable=True),
+                           "tool_calls": array(tool_call_delta)}),
             "logprobs": choice_logprobs, "finish_reason": finish},
             ("index", "delta", "finish_reason")), usage_nullable=True),
         "Completion": _openai_envelope("text_completion",

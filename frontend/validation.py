@@ -53,7 +53,7 @@ class GenerateParameters:
     ignore_eos_token: bool = False  # benchmarks: only max_new_tokens ends the request (vLLM's TGI client sends it)
     presence_penalty: float | None = None  # OpenAI's, also accepted here (TGI has none): -2.0 to 2.0
     # Not read from a body: a grammar the OpenAI routes built already checked (response_format, tools)
-    constraint: Grammar | None = None
+    constraint: Grammar | None = field(default=None, metadata={"body": False})
 
 
 # field -> (serde type, nullable)
