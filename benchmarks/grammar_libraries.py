@@ -164,7 +164,6 @@ class Model:
         self.eos_ids = eos if isinstance(eos, list) else [eos]
         self.tokenizer_json = (self.folder / "tokenizer.json").read_text()
         self._tokenizer = Tokenizer.from_str(self.tokenizer_json)
-        self.hf_tokenizer = None  # loaded for xgrammar, timed there
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -187,9 +186,13 @@ class Library:
     """One library behind the calls the benchmark makes. ``compile`` returns the reusable object that
     ``start`` turns into a fresh per-request matcher."""
 
-    name = ""
-    dists: tuple[str, ...] = ()  # distributions it installs that torch/transformers do not already pull
+    label = ""
+    dists: tuple[str, ...] = ()  # its distribution, then what it installs that torch/transformers do not
     parallel = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} {metadata.version(self.dists[0])}"
 
     def prepare(self, model: Model) -> None: ...
     def compile(self, schema: dict): ...
@@ -202,7 +205,7 @@ class Library:
 
 
 class LLGuidance(Library):
-    name = "llguidance 1.9.1"
+    label = "llguidance"
     dists = ("llguidance",)
     parallel = True
 
@@ -240,7 +243,7 @@ class LLGuidance(Library):
 
 
 class XGrammar(Library):
-    name = "xgrammar 0.2.8"
+    label = "xgrammar"
     dists = ("xgrammar", "apache-tvm-ffi", "triton")
     parallel = True
 
@@ -280,7 +283,7 @@ class XGrammar(Library):
 
 
 class OutlinesCore(Library):
-    name = "outlines-core 0.2.14"
+    label = "outlines-core"
     dists = ("outlines_core",)
 
     def prepare(self, model: Model) -> None:

@@ -27,3 +27,25 @@ def test_tp2_greedy_matches_transformers_alone_and_batched(tp_server, reference)
     for prompt, exp, got in zip(PROMPTS, expected, together):
         assert got == exp[:len(got)] and (len(got) == MAX_NEW or got[-1] == 1), prompt
     assert "world_size" in tp_server.stderr.text or "ranks=2" in tp_server.stderr.text
+
+
+def test_tp2_constrained_and_free_requests_share_steps(tp_server, reference):
+    """Rank 0 alone holds the grammars; the other rank computes the same steps without them. Greedy free
+    requests stay token-identical to transformers while constrained ones run beside them."""
+    import re
+
+    from httputil import post
+
+    def constrained(regex):
+        status, _, answer = post(f"{tp_server.url}/generate", {"inputs": "Hello", "parameters": {
+            "max_new_tokens": 12, "grammar": {"type": "regex", "value": regex}}})
+        assert status == 200 and re.fullmatch(regex, answer["generated_text"]), answer
+        return answer["generated_text"]
+
+    expected = [reference(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS) + 2) as pool:
+        held = [pool.submit(constrained, r) for r in ("[0-9]{6}", "(yes|no)")]
+        together = list(pool.map(lambda p: ids_of(generate(tp_server, p)[0]), PROMPTS))
+        [f.result() for f in held]
+    for prompt, exp, got in zip(PROMPTS, expected, together):
+        assert got == exp[:len(got)] and (len(got) == MAX_NEW or got[-1] == 1), prompt

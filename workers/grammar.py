@@ -163,17 +163,23 @@ class GrammarMasks:
         """Mask ``logits [S, vocab]`` (float32, in place) with the job's masks; the requests whose grammar
         failed, with why (their rows allow only end-of-sequence, so they end at once)."""
         masks = job.future.result()
-        allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]]
-        allowed = torch.from_numpy(allowed).to(device=logits.device, dtype=torch.bool)
         errors = {rid: self.requests[rid].error for rid in job.rids if self.requests[rid].error is not None}
-        if errors:
-            for i, rid in enumerate(job.rids):
-                if rid in errors:
-                    allowed[i].zero_()
-                    allowed[i, self.eos_ids] = True
-        rows = torch.tensor(job.rows, dtype=torch.long, device=logits.device)
-        constrained = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-        logits.index_copy_(0, rows, constrained)
+        words = masks.view(np.uint32)
+        for i, rid in enumerate(job.rids):
+            if rid in errors:  # only end-of-sequence: the request ends now, and the scheduler fails it
+                words[i] = 0
+                for token in self.eos_ids:
+                    words[i, token // 32] |= np.uint32(1 << (token % 32))
+        # The bits of what is forbidden, unpacked to a bool per token: one pass over the rows' logits
+        # (masked_fill_ is most of the cost, ~4 ms for 64 rows of 49k on CPU), so only constrained rows
+        # are touched, in place when every row is constrained.
+        forbidden = np.unpackbits(np.invert(masks).view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]]
+        forbidden = torch.from_numpy(forbidden).to(device=logits.device, dtype=torch.bool)
+        if job.rows == list(range(logits.shape[0])):
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            rows = torch.tensor(job.rows, dtype=torch.long, device=logits.device)
+            logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(forbidden, float("-inf")))
         return errors
 
     def shutdown(self) -> None:
