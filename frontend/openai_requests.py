@@ -246,5 +246,8 @@ def parse_completion(body: dict, limits: Limits, max_client_batch_size: int) -> 
         raise validation_error(f"`best_of` must equal `n` ({options.n}): choosing among extra samples is "
                                f"not supported. Given: {best_of}", param="best_of")
     _set_top_logprobs(p, options, _get(body, "logprobs", "integer"), "logprobs", limits)
+    response_format = _get(body, "response_format", "object")  # vLLM takes it here too
+    if response_format:
+        p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support)
     return CompletionRequest(prompts=prompts, echo=_get(body, "echo", "boolean", False), params=p,
                              options=options)

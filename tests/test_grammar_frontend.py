@@ -96,3 +96,10 @@ def test_gbnf_is_translated_to_lark(make_frontend):
     assert status == 200, body
     grammar = fe.sched.adds[last_rid(fe)].grammar
     assert grammar.kind == "lark" and '"yes"' in grammar.source and '"no"' in grammar.source
+
+
+def test_completions_take_response_format_too(make_fe):
+    fe = make_fe()
+    status, _, body = fe.post("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}})
+    assert status == 200, body
+    assert fe.sched.adds[last_rid(fe)].grammar == Grammar("json_schema", '{"type":"object"}')
