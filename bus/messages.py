@@ -346,8 +346,9 @@ class StepResult(Message):
     sample_time: float = 0.0  # seconds spent sampling
     top_tokens: list[list] = field(default_factory=list)  # per sampled request: [[ids], [logprobs]]
     prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprob per prompt token]]]
-    # [[rid, why]]: requests rank 0 cannot go on with (their grammar failed: a parser limit, a token it
-    # could not follow). Their token this step is an end-of-sequence; the scheduler fails them.
+    # [[rid, error_type, why]]: requests rank 0 cannot go on with (their grammar does not compile for this
+    # vocabulary: "validation"; it failed while generating: "generation"). Their token this step is an
+    # end-of-sequence, which the scheduler drops as it fails them (RequestFailed with that error_type).
     errors: list[list] = field(default_factory=list)
 
 

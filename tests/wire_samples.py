@@ -27,7 +27,7 @@ SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.SHUTDOWN: m.Shutdown("scheduler stopped"),
     m.Kind.STEP_RESULT: m.StepResult(7, ["f0-1", "f0-2"], [11, 12], [-0.25, -1.5], 0.01, 0.001,
                                      [[[11, 13], [-0.25, -2.0]], [[12, 14], [-1.5, -1.75]]], [],
-                                     [["f0-2", "grammar state lost: no token at position 40"]]),
+                                     [["f0-2", "generation", "grammar state lost: no token at position 40"]]),
     m.Kind.WORKER_HELLO: m.WorkerHello(rank=1, world_size=2, pid=4242),
     m.Kind.WORKER_READY: m.WorkerReady(rank=0, num_blocks=1024, block_size=16, dtype="bfloat16", device="cpu",
                                        max_position_embeddings=2048),

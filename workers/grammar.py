@@ -20,7 +20,6 @@ GIL), then applied to the logits rows of the constrained requests; unconstrained
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ import torch
 
 from llmbus.bus.grammar import llguidance_grammar
 from llmbus.bus.messages import Grammar
-
-log = logging.getLogger("llmbus.workers.grammar")
 
 COMPILED_CACHE_SIZE = 256  # distinct grammars kept compiled (a tool set or a schema is usually reused)
 
@@ -56,6 +53,9 @@ class _RequestGrammar:
     consumed: int  # the matcher has consumed the tokens at positions prompt_len..consumed-1
     pending: dict[int, int] = field(default_factory=dict)  # position -> token, seen but not yet consumed
     error: str | None = None
+    # "validation": the grammar itself is at fault (it named a special token this vocabulary lacks, which
+    # only a tokenizer shows); "generation": it broke while generating (a parser limit, a lost token)
+    error_type: str = "generation"
 
 
 @dataclass
@@ -82,27 +82,24 @@ class GrammarMasks:
     # -- requests ----------------------------------------------------------------------------------
 
     def _matcher(self, grammar: Grammar):
-        """A fresh matcher for ``grammar``: a copy of a compiled one, compiled once per distinct grammar."""
+        """(a fresh matcher for ``grammar``, None) or (None, why it cannot be built). Each distinct
+        grammar is compiled once; requests get copies."""
         import llguidance
 
         key = (grammar.kind, grammar.source)
         pristine = self._compiled.get(key)
-        if pristine is None:
-            try:
-                serialised = llguidance_grammar(grammar)
-            except ValueError as e:
-                serialised = None
-                error = str(e)
-            if serialised is not None:
-                pristine = llguidance.LLMatcher(self.tokenizer, serialised, log_level=0)
-                error = pristine.get_error() if pristine.is_error() else None
-            if error is not None:
-                return None, error
-            self._compiled[key] = pristine
-            if len(self._compiled) > COMPILED_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        else:
+        if pristine is not None:
             self._compiled.move_to_end(key)
+            return pristine.deep_copy(), None
+        try:
+            pristine = llguidance.LLMatcher(self.tokenizer, llguidance_grammar(grammar), log_level=0)
+        except ValueError as e:
+            return None, str(e)
+        if pristine.is_error():
+            return None, pristine.get_error()
+        self._compiled[key] = pristine
+        if len(self._compiled) > COMPILED_CACHE_SIZE:
+            self._compiled.popitem(last=False)
         return pristine.deep_copy(), None
 
     def observe(self, rid: str, grammar: Grammar, prompt_len: int, cached_ids: list[int],
@@ -111,7 +108,9 @@ class GrammarMasks:
         state = self.requests.get(rid)
         if state is None:
             matcher, error = self._matcher(grammar)
-            state = self.requests[rid] = _RequestGrammar(matcher=matcher, consumed=prompt_len, error=error)
+            state = self.requests[rid] = _RequestGrammar(
+                matcher=matcher, consumed=prompt_len, error=error and f"grammar is not valid: {error}",
+                error_type="validation")
             for position in range(prompt_len, len(cached_ids)):
                 state.pending[position] = cached_ids[position]
         for offset, token in enumerate(token_ids):
@@ -159,11 +158,13 @@ class GrammarMasks:
                 state.error = state.matcher.get_error() or f"token {token} does not fit the grammar"
             state.consumed += 1
 
-    def apply(self, logits: torch.Tensor, job: MaskJob) -> dict[str, str]:
+    def apply(self, logits: torch.Tensor, job: MaskJob) -> dict[str, tuple[str, str]]:
         """Mask ``logits [S, vocab]`` (float32, in place) with the job's masks; the requests whose grammar
-        failed, with why (their rows allow only end-of-sequence, so they end at once)."""
+        failed, with (error type, why): their rows allow only end-of-sequence, so they end at once."""
         masks = job.future.result()
-        errors = {rid: self.requests[rid].error for rid in job.rids if self.requests[rid].error is not None}
+        failed = [self.requests[rid] for rid in job.rids]
+        errors = {rid: (state.error_type, state.error) for rid, state in zip(job.rids, failed)
+                  if state.error is not None}
         words = masks.view(np.uint32)
         for i, rid in enumerate(job.rids):
             if rid in errors:  # only end-of-sequence: the request ends now, and the scheduler fails it
@@ -181,6 +182,3 @@ class GrammarMasks:
             rows = torch.tensor(job.rows, dtype=torch.long, device=logits.device)
             logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(forbidden, float("-inf")))
         return errors
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

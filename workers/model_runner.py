@@ -84,7 +84,7 @@ class StepOutput:
     prompt_logprobs: list[list] = field(default_factory=list)
     # Per sampled sequence [[ids], [logprobs]] of its top_n_tokens ([] where none asked); [] if none did.
     top_tokens: list[list] = field(default_factory=list)
-    errors: list[list] = field(default_factory=list)  # [[rid, why]]: constrained requests that must fail
+    errors: list[list] = field(default_factory=list)  # [[rid, error type, why]]: constrained requests that fail
 
 
 class TokenHistory:
@@ -305,7 +305,8 @@ class ModelRunner:
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,
                               sample_time=time.perf_counter() - forward_done, prompt_logprobs=prompt_logprobs,
-                              top_tokens=out.top_tokens, errors=[[rid, why] for rid, why in errors.items()])
+                              top_tokens=out.top_tokens,
+                              errors=[[rid, kind, why] for rid, (kind, why) in errors.items()])
 
     def _start_masks(self, seqs: list[SeqInput]) -> MaskJob | None:
         """Hand this step's tokens of the constrained requests to their matchers and start computing the
