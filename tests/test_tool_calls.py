@@ -111,6 +111,8 @@ def test_auto_answers_in_text_or_calls_and_none_never_calls(sdk):
         assert content == (message.content or "") and len(calls) >= len(message.tool_calls or [])
     answer = ask(sdk, tool_choice="none", max_tokens=30)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+    content, calls, _ = streamed(sdk, tool_choice="none", max_tokens=30)
+    assert calls == [] and content == answer.choices[0].message.content
 
 
 def test_second_turn_with_the_tool_result(sdk, smollm2_server):
