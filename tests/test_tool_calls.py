@@ -100,16 +100,15 @@ def test_parallel_calls_all_validate(sdk):
 
 
 def test_auto_answers_in_text_or_calls_and_none_never_calls(sdk):
-    for messages in (QUESTION, [{"role": "user", "content": "Say hello to my friend Anna."}]):
-        answer = ask(sdk, messages=messages, tool_choice="auto", max_tokens=40)
-        message = answer.choices[0].message
-        if message.tool_calls:
-            check_calls(message.tool_calls)
-            assert answer.choices[0].finish_reason in ("tool_calls", "length")
-        else:
-            assert "<tool_call>" not in message.content and message.content.strip(), message
-        content, calls, _ = streamed(sdk, messages=messages, tool_choice="auto", max_tokens=40)
-        assert content == (message.content or "") and len(calls) >= len(message.tool_calls or [])
+    answer = ask(sdk, tool_choice="auto", max_tokens=40)
+    message = answer.choices[0].message
+    if message.tool_calls:
+        check_calls(message.tool_calls)
+        assert answer.choices[0].finish_reason in ("tool_calls", "length")
+    else:
+        assert "<tool_call>" not in message.content and message.content.strip(), message
+    content, calls, _ = streamed(sdk, tool_choice="auto", max_tokens=40)
+    assert content == (message.content or "") and len(calls) >= len(message.tool_calls or [])
     answer = ask(sdk, tool_choice="none", max_tokens=30)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
     content, calls, _ = streamed(sdk, tool_choice="none", max_tokens=30)
