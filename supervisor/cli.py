@@ -17,7 +17,7 @@ from llmbus.scheduler.process import SchedulerProcessConfig
 from llmbus.supervisor.plan import LaunchPlan, build_plan
 from llmbus.supervisor.settings import service_settings, up_options
 from llmbus.supervisor.weights import served_model_id
-from llmbus.workers.process import WorkerConfig
+from llmbus.workers.process import WorkerConfig, gpu_shortage
 
 
 class InvalidArgument(click.ClickException):
@@ -180,6 +180,9 @@ def _check_static(kw: dict) -> None:
     kw["num_shard"] = num_shard
     if num_shard < 1:
         raise InvalidArgument("`num_shard` cannot be < 1")
+    shortage = gpu_shortage(kw["device"], num_shard)
+    if shortage is not None:
+        raise InvalidArgument(shortage)
     if kw["validation_workers"] < 1:
         raise InvalidArgument("`validation_workers` must be > 0")
     for name in ("watermark_gamma",):

@@ -38,9 +38,10 @@ def test_twenty_schemas_greedy_and_sampled_all_validate(server):
     def ask(case, sampled: bool):
         name, prompt, schema = case
         sampling = {"temperature": 0.9, "seed": 11} if sampled else {"temperature": 0}
+        # the answers take ~20-80 tokens; 400 leaves sampled ones room to wander inside bounded strings
         status, _, answer = post(f"{server.url}/v1/chat/completions",
-                                 chat_body(prompt, response_format=schema_format(name, schema), **sampling),
-                                 timeout=600)
+                                 chat_body(prompt, response_format=schema_format(name, schema), max_tokens=400,
+                                           **sampling), timeout=600)
         assert status == 200, answer
         return case, sampled, answer["choices"][0]
 
@@ -87,7 +88,9 @@ def test_any_json_and_a_context_free_grammar(server):
 
 def test_stream_n_and_best_of_with_a_grammar(server):
     # every key fixed (additionalProperties false) and every string bounded: sampled at temperature 1, a
-    # 135M model may otherwise invent a key and ramble inside it until max_new_tokens
+    # 135M model may otherwise invent a key and ramble inside it until max_new_tokens. Three strings of at
+    # most 30 characters take at most 3 x 30 x 4 byte tokens, so 512 tokens always let the answer end
+    # (best_of allows no seed: its samples differ from run to run).
     name, prompt, schema = next(case for case in SCHEMAS if case[0] == "ref")
     raw = stream(f"{server.url}/generate_stream", {"inputs": prompt, "parameters": {
         "max_new_tokens": 100, "grammar": {"type": "json", "value": schema}}})
@@ -97,13 +100,13 @@ def test_stream_n_and_best_of_with_a_grammar(server):
     jsonschema.validate(json.loads(text), schema)
 
     status, _, answer = post(f"{server.url}/v1/chat/completions", chat_body(
-        prompt, n=2, temperature=1.0, seed=9, response_format=schema_format(name, schema)))
+        prompt, n=2, temperature=1.0, seed=9, max_tokens=512, response_format=schema_format(name, schema)))
     assert status == 200 and len(answer["choices"]) == 2, answer
     for choice in answer["choices"]:
         jsonschema.validate(json.loads(choice["message"]["content"]), schema)
 
     status, _, answer = post(f"{server.url}/generate", {"inputs": prompt, "parameters": {
-        "max_new_tokens": 100, "best_of": 2, "do_sample": True, "details": True,
+        "max_new_tokens": 512, "best_of": 2, "do_sample": True, "details": True,
         "grammar": {"type": "json", "value": schema}}})
     assert status == 200, answer
     texts = [answer["generated_text"]] + [s["generated_text"] for s in answer["details"]["best_of_sequences"]]

@@ -17,7 +17,7 @@ import structlog
 
 from llmbus.bus.rundir import ensure_run_dir
 from llmbus.bus.service import die_with_parent, setup_logging, terminate_all
-from llmbus.workers.process import WorkerConfig, run_worker
+from llmbus.workers.process import WorkerConfig, gpu_shortage, run_worker
 
 GRACE_S = 5.0
 
@@ -71,5 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = WorkerConfig.parse(argv, prog="llmbus workers")
     ensure_run_dir(cfg.run_dir)
     if cfg.rank is None:
+        shortage = gpu_shortage(cfg.device, cfg.world_size)
+        if shortage is not None:
+            print(f"llmbus workers: {shortage}", file=sys.stderr)
+            return 2
         return run_group(argv, cfg.world_size)
     return run_worker(cfg)

@@ -417,8 +417,18 @@ class ModelRunner:
         self._synchronize()
         if not size_from_free_memory:
             return
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated_before - cache.nbytes
+        scratch_bytes = cache.nbytes
         del cache, logits
+        num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes)
+        self.kv_cache = self._new_cache(num_blocks)
+        self.num_blocks = num_blocks
+
+    def _blocks_for_free_gpu_memory(self, allocated_before: int, scratch_bytes: int) -> int:
+        """The KV blocks a GPU pool gets after warmup: of the memory free now, less what
+        ``--cuda-memory-fraction`` keeps for others, ``CUDA_KV_HEADROOM``, minus the warmup's activation peak
+        (its allocation high-water mark above what was allocated before it, less its ``scratch_bytes`` KV
+        scratch), which later prefills will need again."""
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated_before - scratch_bytes
         torch.cuda.empty_cache()
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
         usable = free_bytes - (1.0 - self.cuda_memory_fraction) * total_bytes
@@ -429,5 +439,4 @@ class ModelRunner:
                 f"no GPU memory left for the KV cache after warmup: {free_bytes} bytes free of {total_bytes}, "
                 f"`--cuda-memory-fraction` {self.cuda_memory_fraction}, activation peak {activation_peak} "
                 f"bytes. Decrease `--max-batch-prefill-tokens` or raise `--cuda-memory-fraction`")
-        self.kv_cache = self._new_cache(num_blocks)
-        self.num_blocks = num_blocks
+        return num_blocks

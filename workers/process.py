@@ -68,6 +68,28 @@ class StepGap(RuntimeError):
     pass
 
 
+def gpu_shortage(device: str, world_size: int) -> str | None:
+    """Why ``world_size`` ranks cannot each have a GPU of their own under ``device``, or None when they
+    can (or run on CPU). Checked before any weights load: ranks sharing a GPU would only run out of
+    memory later, and ``--device cuda`` without a GPU would fail in every rank at once."""
+    if device == "cpu" or (device == "auto" and world_size == 1):
+        return None  # auto with one rank: CUDA when there is one, CPU otherwise, never short
+    import torch
+
+    available = torch.cuda.is_available()
+    if device == "auto" and not available:
+        return None  # CPU ranks: `--gpus N` is N processes
+    count = torch.cuda.device_count() if available else 0
+    if world_size <= count:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    needs = f"{world_size} GPU{'s' if world_size > 1 else ''}"
+    return (f"`--gpus {world_size}` needs {needs}, one per tensor-parallel rank, but {count} "
+            f"{'is' if count == 1 else 'are'} visible{where}. Lower `--gpus`, or use `--device cpu` to run "
+            f"the ranks as CPU processes")
+
+
 def resolve_device(device: str, rank: int) -> "torch.device":
     import torch
 
