@@ -41,7 +41,9 @@ def _invalid(why: str, param: str | None = None):
 
 
 @functools.lru_cache(maxsize=512)
-def _compile_error(kind: str, source: str) -> str | None:
+def compile_error(kind: str, source: str) -> str | None:
+    """Why a grammar of ``kind`` does not compile, or None; cached, as clients resend the same schemas and
+    tool sets turn after turn."""
     return grammar_error(Grammar(kind, source))
 
 
@@ -62,7 +64,7 @@ def json_schema_grammar(schema, param: str | None = None) -> Grammar:
     why = _meta_schema_error(source)
     if why is not None:
         raise _invalid(why, param)
-    why = _compile_error("json_schema", source)
+    why = compile_error("json_schema", source)
     if why is not None:
         raise validation_error(f"cannot compile regex from schema: {why}", param=param)
     return Grammar("json_schema", source)
@@ -72,7 +74,7 @@ def regex_grammar(regex, param: str | None = None) -> Grammar:
     """The grammar of outputs that ``regex`` matches whole."""
     if not isinstance(regex, str):
         raise _not_supported()
-    why = _compile_error("regex", regex)
+    why = compile_error("regex", regex)
     if why is not None:
         raise _invalid(why, param)
     return Grammar("regex", regex)
@@ -89,7 +91,7 @@ def lark_grammar(source, param: str | None = None, *, gbnf: bool = False) -> Gra
             source = gbnf_to_lark(source)
         except Exception as e:  # noqa: BLE001 - the translator raises assorted types for bad input
             raise _invalid(str(e) or type(e).__name__, param) from None
-    why = _compile_error("lark", source)
+    why = compile_error("lark", source)
     if why is not None:
         raise _invalid(why, param)
     return Grammar("lark", source)

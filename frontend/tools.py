@@ -31,16 +31,16 @@ it (trailing whitespace dropped) is the content and what follows is calls only.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Callable
 
-from llmbus.bus.grammar import JSON_OPTIONS, grammar_error
+from llmbus.bus.grammar import JSON_OPTIONS
 from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+from llmbus.frontend.grammar import compile_error
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -120,12 +120,6 @@ def _choice(value) -> tuple[str, str | None]:
                            '{"type": "function", "function": {"name": ...}}', param="tool_choice")
 
 
-@functools.lru_cache(maxsize=512)
-def _compile_error(kind: str, source: str) -> str | None:
-    # clients resend the same tools every turn: compile each distinct schema once
-    return grammar_error(Grammar(kind, source))
-
-
 def parse_tools(body: dict) -> ToolPlan | None:
     """The plan of a chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when the
     generation is not about tools (no tools, or ``tool_choice: "none"``)."""
@@ -151,11 +145,11 @@ def parse_tools(body: dict) -> ToolPlan | None:
         raise ApiError(ErrorKind.TOOL, f"Tool with name {function} not found")
     plan = ToolPlan(tools, choice, function, parallel is not False, Grammar("lark", ""))
     plan.grammar = tool_grammar(plan.offered, choice, plan.parallel)
-    why = _compile_error("lark", plan.grammar.source)
+    why = compile_error("lark", plan.grammar.source)
     if why is not None:  # name the culprit: compiling each schema alone gives llguidance's plain reason
         for tool in plan.offered:
             fn = tool["function"]
-            alone = _compile_error("json_schema", json.dumps(fn["parameters"]))
+            alone = compile_error("json_schema", json.dumps(fn["parameters"]))
             if alone is not None:
                 raise ApiError(ErrorKind.TOOL, f"invalid parameters schema of {fn['name']}: {alone}")
         raise ApiError(ErrorKind.TOOL, f"the tools make no grammar: {why}")
