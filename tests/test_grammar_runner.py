@@ -89,3 +89,21 @@ def test_many_requests_leave_no_matchers_behind(smollm2):
     out = drive(runner, requests)
     assert all(re.fullmatch("[0-9]{1,3}", text_of(tok, r)) for r in out.values())
     assert runner.grammar_requests == 0
+
+
+def test_failures_name_their_cause(smollm2):
+    """A grammar rank 0 cannot build is the request's fault (validation); one that breaks while generating
+    is the engine's (generation). Either row keeps only end-of-sequence."""
+    from llmbus.supervisor.gguf_model import materialize
+    from llmbus.workers.grammar import GrammarMasks
+
+    masks = GrammarMasks(materialize(smollm2_gguf()), 49152)
+    masks.observe("bad", Grammar("lark", 'start: <|no_such_token|> "a"'), 3, [], 0, [1, 2, 3])
+    masks.observe("lost", DIGITS, 3, [], 0, [1, 2, 3])
+    masks.observe("lost", DIGITS, 3, [], 5, [7])  # positions 3 and 4 never arrived
+    job = masks.start_masks([0, 1], ["bad", "lost"], [3, 6])
+    logits = torch.zeros(2, 49152)
+    errors = masks.apply(logits, job)
+    assert errors["bad"][0] == "validation" and "unknown special token" in errors["bad"][1]
+    assert errors["lost"] == ("generation", "grammar state lost: no token at position 3")
+    assert torch.isfinite(logits).nonzero()[:, 1].unique().tolist() == sorted(EOS)

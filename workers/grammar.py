@@ -71,7 +71,6 @@ class GrammarMasks:
     """Rank 0's matchers, keyed by request id, and the masks of each step."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int):
-        self.vocab_size = vocab_size
         self.tokenizer = load_llg_tokenizer(model_dir, vocab_size)
         self.eos_ids = [i for i in self.tokenizer.eos_tokens if i < vocab_size]
         self.words = (vocab_size + 31) // 32
@@ -108,9 +107,9 @@ class GrammarMasks:
         state = self.requests.get(rid)
         if state is None:
             matcher, error = self._matcher(grammar)
-            state = self.requests[rid] = _RequestGrammar(
-                matcher=matcher, consumed=prompt_len, error=error and f"grammar is not valid: {error}",
-                error_type="validation")
+            state = self.requests[rid] = _RequestGrammar(matcher=matcher, consumed=prompt_len)
+            if error is not None:
+                state.error, state.error_type = f"grammar is not valid: {error}", "validation"
             for position in range(prompt_len, len(cached_ids)):
                 state.pending[position] = cached_ids[position]
         for offset, token in enumerate(token_ids):
@@ -162,8 +161,8 @@ class GrammarMasks:
         """Mask ``logits [S, vocab]`` (float32, in place) with the job's masks; the requests whose grammar
         failed, with (error type, why): their rows allow only end-of-sequence, so they end at once."""
         masks = job.future.result()
-        failed = [self.requests[rid] for rid in job.rids]
-        errors = {rid: (state.error_type, state.error) for rid, state in zip(job.rids, failed)
+        states = [self.requests[rid] for rid in job.rids]
+        errors = {rid: (state.error_type, state.error) for rid, state in zip(job.rids, states)
                   if state.error is not None}
         words = masks.view(np.uint32)
         for i, rid in enumerate(job.rids):
