@@ -4,7 +4,7 @@ SDPA for longer ones, over the same paged cache, with ragged query lengths, GQA 
 import pytest
 import torch
 
-from llmbus.workers import attention
+from llmbus.workers.attention import torch_sdpa as attention
 from llmbus.workers.attention import TorchSDPABackend
 from llmbus.workers.kv_cache import PagedKVCache
 

@@ -1,7 +1,8 @@
 """The C decode-attention kernel (workers/decode_attention.c) against a float32 reference written with
-torch ops: the attended output, the new K/V it writes into the mirror and the pool, GQA groups, sliding
-windows (a first visible key per sequence), both dtypes, and head dims that take the AVX-512 path (64,
-128) or the portable one (8). Also: where the kernel cannot be built, attention falls back to torch."""
+torch ops: the attended output over a paged pool read through block tables, the new K/V it writes into
+the pool (in the kernel's layout for bf16), the writer used beside prompts, GQA groups, sliding windows (a
+first visible key per sequence), both dtypes, and head dims that take the AVX-512 path (64, 128) or the
+portable one (8). Also: where the kernel cannot be built, attention falls back to torch."""
 
 import pytest
 import torch
@@ -13,13 +14,13 @@ pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kerne
 
 
 def reference(query, keys, values, lens, starts, scale, round_probs):
-    """``query [B, Hq, D]`` over ``keys``/``values [Hkv, B, capacity, D]`` -> float32 ``[B, Hq, D]``."""
+    """``query [B, Hq, D]`` over ``keys``/``values [Hkv, B, ctx, D]`` -> float32 ``[B, Hq, D]``."""
     batch, num_heads, head_dim = query.shape
-    num_kv_heads, capacity = keys.shape[0], keys.shape[2]
+    num_kv_heads, ctx = keys.shape[0], keys.shape[2]
     group = num_heads // num_kv_heads
     q = query.float().view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
     scores = torch.einsum("hbgd,hbjd->hbgj", q, keys.float()) * scale
-    position = torch.arange(capacity)[None, :]
+    position = torch.arange(ctx)[None, :]
     visible = (position < lens[:, None]) & (position >= starts[:, None])
     probs = scores.masked_fill(~visible[None, :, None, :], float("-inf")).softmax(-1)
     if round_probs:  # bf16: probabilities meet V in bf16, as on torch's path
@@ -28,44 +29,82 @@ def reference(query, keys, values, lens, starts, scale, round_probs):
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads, head_dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 12, 4), (128, 4, 4), (8, 6, 2)])
-def test_kernel_attends_and_writes_as_reference(dtype, head_dim, num_heads, num_kv_heads):
+def paged_problem(dtype, head_dim, num_heads, num_kv_heads, block_size):
+    """A pool of shuffled blocks holding 9 sequences' contexts, with each one's query and new K/V."""
     torch.manual_seed(0)
-    batch, capacity, pool_size = 9, 80, 300
-    keys = torch.randn(num_kv_heads, batch, capacity, head_dim).to(dtype)
-    values = torch.randn(num_kv_heads, batch, capacity, head_dim).to(dtype)
     lens = torch.tensor([1, 2, 17, 31, 32, 33, 50, 64, 80])
     starts = torch.tensor([0, 1, 0, 5, 16, 0, 33, 40, 0])  # windows: the first visible key of each
+    batch = len(lens)
+    blocks_of = [-(-int(n) // block_size) for n in lens]
+    order = torch.randperm(sum(blocks_of) + 3).tolist()  # scattered, with unused blocks between
+    tables, at = [], 0
+    for n in blocks_of:
+        tables.append(order[at:at + n])
+        at += n
+    width = max(blocks_of) + 2  # rows longer than needed: the kernel reads only what lens asks
+    table_t = torch.full((batch, width), len(order), dtype=torch.long)
+    for b, table in enumerate(tables):
+        table_t[b, :len(table)] = torch.tensor(table)
+    pool_key = torch.randn(num_kv_heads, len(order) + 1, block_size, head_dim).to(dtype)
+    pool_value = torch.randn(num_kv_heads, len(order) + 1, block_size, head_dim).to(dtype)
     qkv = torch.randn(batch, num_heads + 2 * num_kv_heads, head_dim).to(dtype)  # strided rows, as in the model
     query, new_key = qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads]
     new_value = qkv[:, num_heads + num_kv_heads:]
-    pool_key, pool_value = torch.zeros(num_kv_heads, pool_size, head_dim, dtype=dtype), torch.zeros(
-        num_kv_heads, pool_size, head_dim, dtype=dtype)
-    slots = torch.randperm(pool_size)[:batch]
+    slots = torch.tensor([table[(int(n) - 1) // block_size] * block_size + (int(n) - 1) % block_size
+                          for table, n in zip(tables, lens)])
+    return lens, starts, table_t, pool_key, pool_value, query, new_key, new_value, slots
 
-    mirror_key, mirror_value = KERNEL.layout(keys.clone(), values.clone())
-    out = KERNEL(query, new_key, new_value, mirror_key, mirror_value, lens, starts, head_dim ** -0.5,
-                 pool=(pool_key, pool_value, slots))
 
-    rows = torch.arange(batch)
-    keys[:, rows, lens - 1], values[:, rows, lens - 1] = new_key.transpose(0, 1), new_value.transpose(0, 1)
-    expected_key, expected_value = KERNEL.layout(keys, values)
-    assert torch.equal(mirror_key, expected_key) and torch.equal(mirror_value, expected_value)
-    assert torch.equal(pool_key[:, slots], new_key.transpose(0, 1))
-    assert torch.equal(pool_value[:, slots], new_value.transpose(0, 1))
-    assert out.dtype == dtype and out.shape == (batch, num_heads, head_dim)
-    expected = reference(query, keys, values, lens, starts, head_dim ** -0.5, dtype == torch.bfloat16)
+def contexts(pool, table_t, lens):
+    """Each sequence's context from a torch-layout pool, padded: ``[Hkv, B, max_len, D]``."""
+    ctx = int(lens.max())
+    return torch.stack([pool[:, row].flatten(1, 2)[:, :ctx] for row in table_t], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 12, 4), (128, 4, 4), (8, 6, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_kernel_attends_the_pool_in_place_and_writes_as_reference(dtype, head_dim, num_heads, num_kv_heads,
+                                                                 block_size):
+    lens, starts, tables, pool_key, pool_value, query, new_key, new_value, slots = paged_problem(
+        dtype, head_dim, num_heads, num_kv_heads, block_size)
+    laid_key, laid_value = KERNEL.to_layout(pool_key, pool_value)
+    out = KERNEL(query, laid_key, laid_value, tables, lens, starts, int(lens.max()), head_dim ** -0.5,
+                 new=(new_key, new_value, slots))
+
+    for pool, new in ((pool_key, new_key), (pool_value, new_value)):
+        pool.view(pool.shape[0], -1, head_dim)[:, slots] = new.transpose(0, 1)
+    expected_key, expected_value = KERNEL.to_layout(pool_key, pool_value)
+    assert torch.equal(laid_key, expected_key) and torch.equal(laid_value, expected_value)
+    assert out.dtype == dtype and out.shape == query.shape
+    expected = reference(query, contexts(pool_key, tables, lens), contexts(pool_value, tables, lens), lens, starts,
+                         head_dim ** -0.5, dtype == torch.bfloat16)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the output's own rounding
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_writer_and_layout_round_trip(dtype):
+    torch.manual_seed(1)
+    num_kv_heads, blocks, block_size, head_dim = 2, 5, 32, 64
+    pool = [torch.zeros(num_kv_heads, blocks, block_size, head_dim, dtype=dtype) for _ in range(2)]
+    kv = torch.randn(7, 2 * num_kv_heads, head_dim).to(dtype)  # strided rows, as in the model
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    slots = torch.tensor([0, 31, 32, 45, 100, 127, 159])
+    KERNEL.write(key, value, *pool, slots)
+    torch_key, torch_value = KERNEL.from_layout(*pool)
+    assert torch.equal(torch_key.view(num_kv_heads, -1, head_dim)[:, slots], key.transpose(0, 1))
+    assert torch.equal(torch_value.view(num_kv_heads, -1, head_dim)[:, slots], value.transpose(0, 1))
+    assert torch.equal(torch.stack(KERNEL.to_layout(torch_key, torch_value)), torch.stack(pool))
+
+
 def test_kernel_refuses_shapes_it_cannot_take():
     query = torch.randn(2, 5, 8)
-    key = torch.randn(2, 2, 8)
-    mirror = torch.zeros(2, 2, 16, 8)
+    pool = torch.zeros(2, 3, 16, 8)
+    tables, ones = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
     with pytest.raises(ValueError, match="5 heads over 2 KV heads"):
-        KERNEL(query, key, key.clone(), mirror, mirror.clone(), torch.tensor([1, 1]), torch.tensor([0, 0]), 1.0)
+        KERNEL(query, pool, pool.clone(), tables, ones, ones - 1, 1, 1.0)
+    assert not KERNEL.supports(torch.bfloat16, 64, 8) and KERNEL.supports(torch.float32, 64, 8)
 
 
 def test_disabled_kernel_leaves_attention_to_torch(monkeypatch):
@@ -75,11 +114,11 @@ def test_disabled_kernel_leaves_attention_to_torch(monkeypatch):
     cpu_kernels.decode_attention_kernel.cache_clear()
     try:
         assert cpu_kernels.decode_attention_kernel() is None
-        assert make_attention_backend(torch.device("cpu")).decode_kernel is None
+        assert make_attention_backend(torch.device("cpu")).name == "torch_sdpa"
     finally:
         monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
         cpu_kernels.decode_attention_kernel.cache_clear()
-    assert make_attention_backend(torch.device("cpu")).decode_kernel is not None
+    assert make_attention_backend(torch.device("cpu")).name == "cpu_kernel"
 
 
 def test_failed_build_is_a_warning_not_an_error(monkeypatch, tmp_path):

@@ -11,7 +11,6 @@ reference step must have a top-1/top-2 logit margin above ``MIN_MARGIN``, so a m
 
 from __future__ import annotations
 
-import inspect
 import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,6 @@ import torch
 
 from harness import Server
 from httputil import post
-from llmbus.workers.attention import make_attention_backend
 from llmbus.workers.model_runner import ModelRunner
 from llmbus.workers.models.hf_fallback import HFFallbackForCausalLM
 
@@ -134,8 +132,6 @@ def test_tensor_parallelism_is_refused_clearly(batched):
 def test_sliding_window_layers_match_transformers(tmp_path):
     import transformers
 
-    if "sliding_windows" not in inspect.signature(make_attention_backend).parameters:
-        pytest.skip("this attention backend has no sliding windows (the fallback limits the context instead)")
     config = transformers.Starcoder2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                            num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
                                            sliding_window=8, vocab_size=VOCAB_SIZE, bos_token_id=None,

@@ -93,6 +93,26 @@ def test_greedy_logprobs_match_transformers_log_softmax(checkpoint, runner):
                                    rtol=0, atol=1e-4)
 
 
+def test_fused_decode_layer_and_torch_layers_both_match_transformers(checkpoint, runner, monkeypatch):
+    """On CPU in float32 small decode-only steps run through the fused C layer (fused_decode.py); the
+    same requests through the torch layers give the same tokens, and both equal transformers'."""
+    fused = runner.model.fused_decode
+    if fused is None:
+        pytest.skip("no C compiler: the fused decode layer is optional")
+    prompts, ref = checkpoint.prompts, checkpoint.reference
+    ran = []
+    monkeypatch.setattr(fused, "run", lambda *args, run=fused.run: ran.append(run(*args)) or ran[-1])
+    for name, layers in (("fused", fused), ("torch", None)):
+        runner.model.fused_decode = layers
+        try:
+            results = drive(runner, mixed_requests(prompts))
+        finally:
+            runner.model.fused_decode = fused
+        for i in range(len(prompts)):
+            assert results[f"r{i}"].tokens == ref.tokens[i], f"{name}: prompt {i}"
+    assert sum(ran) >= 5 and not all(ran)  # decode-only steps took it; steps with prompts did not
+
+
 # -- tensor parallelism --------------------------------------------------------------------------
 
 

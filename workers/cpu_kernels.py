@@ -51,8 +51,18 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(lines))
 
 
+def _local_includes(source_path: Path) -> list[Path]:
+    """The sibling sources ``source_path`` includes with ``#include "name"``, recursively."""
+    found = []
+    for line in source_path.read_text().splitlines():
+        if line.startswith('#include "'):
+            included = source_path.with_name(line.split('"')[1])
+            found += [included, *_local_includes(included)]
+    return found
+
+
 def _build(compiler: str, source_path: Path = SOURCE) -> Path:
-    source = source_path.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in [source_path, *_local_includes(source_path)])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
@@ -72,68 +82,105 @@ def _build(compiler: str, source_path: Path = SOURCE) -> Path:
 
 
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = [_POINTER, _I64, _POINTER, _I64, _POINTER, _I64,  # query, new key, new value (+ row strides)
-             _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _I64,  # mirror K/V, pool K/V, pool slots, size
-             _POINTER, _POINTER, _POINTER,  # out, lens, starts
-             _I64, _I64, _I64, _I64, _I64, _F32, _POINTER]  # batch, heads, kv heads, capacity, head dim, ...
+_ATTENTION_ARGTYPES = [_POINTER, _I64, _POINTER, _I64, _POINTER, _I64,  # query, new key, new value (+ row strides)
+                       _POINTER, _POINTER, _I64, _I64,  # pool K/V, pool blocks, block size
+                       _POINTER, _POINTER, _I64,  # slots (or null), block tables (+ row stride)
+                       _POINTER, _POINTER, _POINTER,  # out, lens, starts
+                       _I64, _I64, _I64, _I64, _F32, _POINTER, _I64]  # batch, heads, kv heads, head dim, scale, scratch
+_WRITE_ARGTYPES = [_POINTER, _I64, _POINTER, _I64,  # new key, new value (+ row strides)
+                   _POINTER, _POINTER, _I64, _I64,  # pool K/V, pool blocks, block size
+                   _POINTER, _I64, _I64, _I64]  # slots, tokens, kv heads, head dim
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _packed_rows(tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows may be strided (views into the fused QKV output); within a row the heads must be packed."""
+    return tensor if tensor.stride(2) == 1 and tensor.stride(1) == head_dim else tensor.contiguous()
 
 
 class DecodeAttentionKernel:
-    """``decode_attention.c`` loaded: one call per layer of a decode step over the K/V mirror."""
+    """``decode_attention.c`` loaded: decode attention over one layer's paged pool, read in place, and
+    the write of tokens' K/V into the pool in the kernel's layout."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = {}
-        for dtype, name in ((torch.bfloat16, "decode_attention_bf16"), (torch.float32, "decode_attention_f32")):
-            function = getattr(library, name)
-            function.argtypes = _ARGTYPES
-            function.restype = ctypes.c_int
-            self._functions[dtype] = function
+        self._attend, self._write = {}, {}
+        for dtype, suffix in _SUFFIX.items():
+            attend, write = getattr(library, f"decode_attention_{suffix}"), getattr(library, f"write_kv_{suffix}")
+            attend.argtypes, attend.restype = _ATTENTION_ARGTYPES, ctypes.c_int
+            write.argtypes, write.restype = _WRITE_ARGTYPES, None
+            self._attend[dtype], self._write[dtype] = attend, write
         self._scratch = torch.empty(0, dtype=torch.float32)
 
-    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in self._functions and head_dim % 2 == 0
+    def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """Whether a pool of ``dtype`` blocks of ``block_size`` positions of ``head_dim`` can be attended."""
+        return (dtype in self._attend and head_dim % 2 == 0
+                and (dtype != torch.bfloat16 or block_size % 16 == 0))
 
     @staticmethod
-    def layout(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[..., capacity, D]`` K and V (capacity a multiple of 16) in the kernel's layout for their
-        dtype: bf16 K as ``[..., capacity/16, D/2, 16, 2]`` and V as ``[..., capacity/2, D, 2]``; float32
-        as they are."""
+    def uses_own_layout(dtype: torch.dtype) -> bool:
+        """Whether the kernel keeps blocks of ``dtype`` in a layout of its own (see ``to_layout``)."""
+        return dtype == torch.bfloat16
+
+    @staticmethod
+    def to_layout(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[..., block_size, D]`` K and V blocks in the kernel's layout for their dtype: bf16 K as
+        ``[..., block_size/16, D/2, 16, 2]`` and V as ``[..., block_size/2, D, 2]`` (same shapes back);
+        float32 as they are."""
         if key.dtype != torch.bfloat16:
             return key, value
-        *lead, capacity, head_dim = key.shape
-        key = key.view(*lead, capacity // 16, 16, head_dim // 2, 2).transpose(-3, -2).contiguous()
-        value = value.view(*lead, capacity // 2, 2, head_dim).transpose(-2, -1).contiguous()
-        return key, value
+        *lead, block_size, head_dim = key.shape
+        laid_key = key.reshape(*lead, block_size // 16, 16, head_dim // 2, 2).transpose(-3, -2)
+        laid_value = value.reshape(*lead, block_size // 2, 2, head_dim).transpose(-2, -1)
+        return laid_key.reshape(key.shape), laid_value.reshape(value.shape)
 
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mirror_key: torch.Tensor,
-                 mirror_value: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, scale: float,
-                 pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``query [B, Hq, D]``, ``key``/``value [B, Hkv, D]``; ``mirror_key``/``mirror_value`` contiguous
-        ``[Hkv, B, ...]`` in the layout ``layout`` gives their dtype; ``lens``/``starts [B]`` int64: each
-        sequence's context length with this token, and its first visible key. Writes the new K/V at
-        ``lens - 1`` in the mirror and, with ``pool = (key slots [Hkv, S, D], value slots, slots [B])``,
-        into the pool; returns the attended ``[B, Hq, D]``."""
+    @staticmethod
+    def from_layout(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of ``to_layout``: blocks as torch reads them, ``[..., block_size, D]``."""
+        if key.dtype != torch.bfloat16:
+            return key, value
+        *lead, block_size, head_dim = key.shape
+        torch_key = key.reshape(*lead, block_size // 16, head_dim // 2, 16, 2).transpose(-3, -2)
+        torch_value = value.reshape(*lead, block_size // 2, head_dim, 2).transpose(-2, -1)
+        return torch_key.reshape(key.shape), torch_value.reshape(value.shape)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, pool_key: torch.Tensor, pool_value: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """``key``/``value [T, Hkv, D]`` into one layer's pool ``[Hkv, blocks, block_size, D]`` at ``slots
+        [T]`` (int64, block * block_size + position)."""
+        tokens, num_kv_heads, head_dim = key.shape
+        key, value = _packed_rows(key, head_dim), _packed_rows(value, head_dim)
+        self._write[key.dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                               pool_key.data_ptr(), pool_value.data_ptr(), pool_key.shape[1], pool_key.shape[2],
+                               slots.data_ptr(), tokens, num_kv_heads, head_dim)
+
+    def __call__(self, query: torch.Tensor, pool_key: torch.Tensor, pool_value: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, starts: torch.Tensor, max_len: int, scale: float,
+                 new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``query [B, Hq, D]`` of each sequence's new token; ``pool_key``/``pool_value``: one layer's
+        contiguous ``[Hkv, blocks, block_size, D]`` pool in the kernel's layout for their dtype; ``tables
+        [B, n]`` int64 each sequence's blocks in order; ``lens``/``starts [B]`` int64 each sequence's
+        context length with this token, and its first visible key; ``max_len`` the largest of ``lens``.
+        ``new = (key, value, slots)``: each sequence's new ``[B, Hkv, D]`` K/V, written at ``slots [B]``
+        first; without it the pool already holds them. Returns the attended ``[B, Hq, D]``."""
         batch, num_heads, head_dim = query.shape
-        num_kv_heads = mirror_key.shape[0]
-        capacity = mirror_key[0, 0].numel() // head_dim  # positions per pair, whatever the layout
-        # Rows may be strided (views into the fused QKV output); within a row the heads must be packed.
-        query, key, value = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous()
-                             for t in (query, key, value))
-        needed = batch * num_heads * (capacity + 16)
+        num_kv_heads, pool_blocks, block_size = pool_key.shape[0], pool_key.shape[1], pool_key.shape[2]
+        query = _packed_rows(query, head_dim)
+        key, value, slots = ((_packed_rows(new[0], head_dim), _packed_rows(new[1], head_dim), new[2])
+                             if new is not None else (query, query, None))
+        scores_stride = -(-max_len // 16) * 16 + 16
+        needed = batch * num_heads * scores_stride
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.float32)
         out = query.new_empty(batch, num_heads, head_dim)
-        pool_key, pool_value, slots = pool if pool is not None else (None, None, None)
-        status = self._functions[query.dtype](
+        status = self._attend[query.dtype](
             query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-            mirror_key.data_ptr(), mirror_value.data_ptr(),
-            pool_key.data_ptr() if pool is not None else None, pool_value.data_ptr() if pool is not None else None,
-            slots.data_ptr() if pool is not None else None, pool_key.shape[1] if pool is not None else 0,
+            pool_key.data_ptr(), pool_value.data_ptr(), pool_blocks, block_size,
+            slots.data_ptr() if slots is not None else None, tables.data_ptr(), tables.stride(0),
             out.data_ptr(), lens.data_ptr(), starts.data_ptr(),
-            batch, num_heads, num_kv_heads, capacity, head_dim, scale, self._scratch.data_ptr())
+            batch, num_heads, num_kv_heads, head_dim, scale, self._scratch.data_ptr(), scores_stride)
         if status != 0:
             raise ValueError(f"decode attention cannot take {num_heads} heads over {num_kv_heads} KV heads "
-                             f"of dimension {head_dim}")
+                             f"of dimension {head_dim} in blocks of {block_size}")
         return out
 
 

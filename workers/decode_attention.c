@@ -1,19 +1,21 @@
-/* Decode attention over the dense K/V mirror (see attention.py's _DecodeMirror), one call per layer.
+/* Decode attention over the paged KV pool, read in place through each sequence's block table, one call
+ * per layer (the CPU attention backend, workers/attention/cpu.py).
  *
  * Every sequence of a decode step brings one query token. For each (kv head, sequence) pair this writes
- * the step's new K/V into the mirror (and into the paged pool when asked), then attends the pair's
- * query heads (its GQA group) over keys start..len-1, reading each K and V row once from memory.
- * torch's batched matmuls read the same rows as 2 x Hkv * B tiny GEMVs, which on CPU run far below
- * memory bandwidth; they, the float32 softmax and bias add between them, and the four index_copy_
- * writes of the new K/V were about a quarter of a batch-64 decode step.
+ * the step's new K/V into the pool (unless write_kv already did), then attends the pair's query heads (its
+ * GQA group) over keys start..len-1, reading each K and V row once from memory, where it lies: no gather
+ * into a padded batch, no copy kept between steps. torch's batched matmuls over a gathered [Hkv * B,
+ * max_ctx, D] batch read the same rows as 2 x Hkv * B tiny GEMVs, far below memory bandwidth on CPU, and
+ * the gather itself copies every sequence's context, padded to the longest, every step.
  *
- * Layouts of one pair's context (``capacity`` positions; ``D`` the head dim):
- *   float32:  K and V [capacity][D], as torch keeps them.
- *   bfloat16: K as [capacity/16][D/2][16][2] (blocks of 16 keys, two dims of a key side by side) and
- *             V as [capacity/2][D][2] (two keys of a dim side by side): the operand layouts of
+ * Layouts of one block of ``block_size`` positions (``D`` the head dim):
+ *   float32:  K and V [block_size][D], as torch keeps them.
+ *   bfloat16: K as [block_size/16][D/2][16][2] (chunks of 16 keys, two dims of a key side by side) and
+ *             V as [block_size/2][D][2] (two keys of a dim side by side): the operand layouts of
  *             AVX512-BF16's VDPBF16PS, which multiplies bf16 pairs into float32 lanes, so q.k for 16
  *             keys and p.V for 16 dims are one instruction per pair of terms with no conversions or
- *             horizontal sums, and both stream through memory in order.
+ *             horizontal sums, and both stream through memory in order. The backend keeps the bf16 pool
+ *             in this layout (block_size a multiple of 16) and converts when torch reads it.
  * Arithmetic: products of bf16 values are exact in float32 and accumulate in float32; scores,
  * softmax and the weighted sum stay float32 except that bf16 probabilities are rounded to bf16 before
  * multiplying V, as torch's CPU attention does for bf16 (and llmbus' torch path, whose bmm takes them
@@ -78,63 +80,63 @@ static inline void softmax_in_place(float *scores, int64_t start, int64_t len) {
     for (int64_t j = start; j < len; j++) scores[j] *= inverse;
 }
 
-/* Where element (position j, dim d) of a pair's context lives, per dtype (see the layouts above). */
-#define F32_KEY(j, d, capacity, head_dim) ((j) * (head_dim) + (d))
-#define F32_VALUE(j, d, capacity, head_dim) ((j) * (head_dim) + (d))
-#define BF16_KEY(j, d, capacity, head_dim) ((((j) >> 4) * ((head_dim) >> 1) + ((d) >> 1)) * 32 + ((j) & 15) * 2 + ((d) & 1))
-#define BF16_VALUE(j, d, capacity, head_dim) (((j) >> 1) * (head_dim) * 2 + (d) * 2 + ((j) & 1))
+/* Where element (position w within its block, dim d) of a KV block lives, per dtype (see the layouts
+ * above); a block holds block_size positions, so it starts at block * block_size * head_dim. */
+#define F32_KEY(w, d, head_dim) ((w) * (head_dim) + (d))
+#define F32_VALUE(w, d, head_dim) ((w) * (head_dim) + (d))
+#define BF16_KEY(w, d, head_dim) ((((w) >> 4) * ((head_dim) >> 1) + ((d) >> 1)) * 32 + ((w) & 15) * 2 + ((d) & 1))
+#define BF16_VALUE(w, d, head_dim) (((w) >> 1) * (head_dim) * 2 + (d) * 2 + ((w) & 1))
 static inline float f32_identity(float value) { return value; }
 static inline float f32_load(const float *p) { return *p; }
 static inline float bf16_load(const uint16_t *p) { return bf16_to_f32(*p); }
 static inline float bf16_prob(float value) { return bf16_to_f32(f32_to_bf16(value)); }
 
-/* The new token's K/V into the mirror at position len - 1, and into the pool when it is given. */
+/* One token's K/V (one kv head) into the pool at ``slot`` (block * block_size + position in it). */
 #define DEFINE_WRITE(NAME, T, KEY_AT, VALUE_AT)                                                             \
-static inline void NAME(const T *key_in, const T *value_in, T *keys, T *values, int64_t position,          \
-                        int64_t capacity, int64_t head_dim, T *pool_key, T *pool_value, int64_t slot) {     \
+static inline void NAME(const T *key_in, const T *value_in, T *keys, T *values, int64_t slot,              \
+                        int64_t block_size, int64_t head_dim) {                                             \
+    int64_t base = (slot / block_size) * block_size * head_dim, w = slot % block_size;                      \
     for (int64_t d = 0; d < head_dim; d++) {                                                                \
-        keys[KEY_AT(position, d, capacity, head_dim)] = key_in[d];                                          \
-        values[VALUE_AT(position, d, capacity, head_dim)] = value_in[d];                                    \
-    }                                                                                                       \
-    if (pool_key != 0) {                                                                                    \
-        memcpy(pool_key + slot * head_dim, key_in, head_dim * sizeof(T));                                   \
-        memcpy(pool_value + slot * head_dim, value_in, head_dim * sizeof(T));                               \
+        keys[base + KEY_AT(w, d, head_dim)] = key_in[d];                                                    \
+        values[base + VALUE_AT(w, d, head_dim)] = value_in[d];                                              \
     }                                                                                                       \
 }
 DEFINE_WRITE(write_f32, float, F32_KEY, F32_VALUE)
 DEFINE_WRITE(write_bf16, uint16_t, BF16_KEY, BF16_VALUE)
 
-/* One (kv head, sequence) pair, portable: every query head of the group in turn. */
+/* One (kv head, sequence) pair, portable: every query head of the group in turn, reading position j of
+ * the sequence from block table[j / block_size] of this kv head's blocks. */
 #define DEFINE_PORTABLE_PAIR(NAME, T, LOAD, KEY_AT, VALUE_AT, PROB, ROUND)                                  \
-static void NAME(const T *query, const T *keys, const T *values, int64_t start, int64_t len,               \
-                 int64_t capacity, int64_t head_dim, int64_t group, float scale, float *scores, T *out) {   \
+static void NAME(const T *query, const T *keys, const T *values, const int64_t *table, int64_t block_size, \
+                 int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,  \
+                 int64_t scores_stride, T *out) {                                                          \
     float acc[head_dim];                                                                                    \
+    const int64_t block_elems = block_size * head_dim;                                                      \
     for (int64_t g = 0; g < group; g++) {                                                                   \
         const T *q = query + g * head_dim;                                                                  \
+        float *row = scores + g * scores_stride;                                                            \
         for (int64_t j = start; j < len; j++) {                                                             \
+            const T *block = keys + table[j / block_size] * block_elems;                                    \
+            int64_t w = j % block_size;                                                                     \
             float dot = 0.0f;                                                                               \
             _Pragma("omp simd reduction(+:dot)")                                                            \
             for (int64_t d = 0; d < head_dim; d++)                                                          \
-                dot += LOAD(q + d) * LOAD(keys + KEY_AT(j, d, capacity, head_dim));                         \
-            scores[j] = dot * scale;                                                                        \
+                dot += LOAD(q + d) * LOAD(block + KEY_AT(w, d, head_dim));                                  \
+            row[j] = dot * scale;                                                                           \
         }                                                                                                   \
-        softmax_in_place(scores, start, len);                                                               \
+        softmax_in_place(row, start, len);                                                                  \
         for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;                                               \
         for (int64_t j = start; j < len; j++) {                                                             \
-            float p = PROB(scores[j]);                                                                      \
+            const T *block = values + table[j / block_size] * block_elems;                                  \
+            int64_t w = j % block_size;                                                                     \
+            float p = PROB(row[j]);                                                                         \
             _Pragma("omp simd")                                                                             \
-            for (int64_t d = 0; d < head_dim; d++) acc[d] += p * LOAD(values + VALUE_AT(j, d, capacity, head_dim)); \
+            for (int64_t d = 0; d < head_dim; d++) acc[d] += p * LOAD(block + VALUE_AT(w, d, head_dim));    \
         }                                                                                                   \
         for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = ROUND(acc[d]);                       \
     }                                                                                                       \
 }
-DEFINE_PORTABLE_PAIR(portable_f32_pair, float, f32_load, F32_KEY, F32_VALUE, f32_identity, f32_identity)
-static void portable_f32(const float *query, const float *keys, const float *values, int64_t start, int64_t len,
-                         int64_t capacity, int64_t head_dim, int64_t group, float scale, float *scores, float *out,
-                         int64_t last_pair) {
-    (void)last_pair;
-    portable_f32_pair(query, keys, values, start, len, capacity, head_dim, group, scale, scores, out);
-}
+DEFINE_PORTABLE_PAIR(pair_f32, float, f32_load, F32_KEY, F32_VALUE, f32_identity, f32_identity)
 DEFINE_PORTABLE_PAIR(portable_bf16, uint16_t, bf16_load, BF16_KEY, BF16_VALUE, bf16_prob, f32_to_bf16)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -185,23 +187,28 @@ static inline void softmax_to_bf16(float *scores, int64_t start, int64_t len) {
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(scores + j), inverse)));
 }
 
-/* bf16, head_dim 64 or 128. K: per block of 16 keys (one contiguous 2 or 4 kB run), q.k for the 16 keys
- * and every query head of the group, so K streams from memory once and is re-read from L1 per head. V:
- * per pair of keys (one contiguous run of 2 x D values), p.V for 16 dims at a time; each head's output
- * accumulators stay in registers over a block of 16 keys. */
+/* bf16, head_dim 64 or 128. K: per chunk of 16 keys (one contiguous 2 or 4 kB run inside a block),
+ * q.k for the 16 keys and every query head of the group, so K streams from memory once and is re-read
+ * from L1 per head. V: per pair of keys (one contiguous run of 2 x D values), p.V for 16 dims at a
+ * time; each head's output accumulators stay in registers over a chunk of 16 keys. block_size is a
+ * multiple of 16, so a chunk never straddles two blocks. */
 #define DEFINE_FAST_PAIR(NAME, HEAD_DIM)                                                                    \
-static void NAME(const uint16_t *query, const uint16_t *keys, const uint16_t *values, int64_t start,       \
-                 int64_t len, int64_t capacity, int64_t group, float scale, float *scores, uint16_t *out,   \
-                 const char *next_keys, const char *next_values) {                                          \
+static void NAME(const uint16_t *query, const uint16_t *keys, const uint16_t *values, const int64_t *table, \
+                 int64_t block_size, int64_t start, int64_t len, int64_t group, float scale, float *scores, \
+                 int64_t scores_stride, uint16_t *out) {                                                    \
     enum { PAIRS = HEAD_DIM / 2, CHUNKS = HEAD_DIM / 16 };                                                  \
-    const int64_t first = start & ~(int64_t)15, stride = capacity + 16;                                     \
+    const int64_t first = start & ~(int64_t)15, block_elems = block_size * HEAD_DIM;                        \
     for (int64_t j = first; j < len; j += 16) {                                                             \
-        const uint16_t *block = keys + j * HEAD_DIM;                                                        \
-        /* The next pair's K and V for these 16 positions, while this block computes: the hardware       \
-         * prefetcher stops at every 4 kB page, and a pair's context is many pages. */                     \
-        for (int line = 0; line < HEAD_DIM / 2; line++) {                                                   \
-            _mm_prefetch(next_keys + (j * HEAD_DIM + line * 32) * 2, _MM_HINT_T1);                          \
-            _mm_prefetch(next_values + (j * HEAD_DIM + line * 32) * 2, _MM_HINT_T1);                        \
+        const int64_t offset = table[j / block_size] * block_elems + (j % block_size) * HEAD_DIM;           \
+        const uint16_t *chunk = keys + offset;                                                              \
+        /* The next chunk's K and V while this one computes: blocks are scattered through the pool, so   \
+         * the hardware prefetcher cannot follow from one to the next. */                                  \
+        if (j + 16 < len) {                                                                                 \
+            const int64_t next = table[(j + 16) / block_size] * block_elems + ((j + 16) % block_size) * HEAD_DIM; \
+            for (int line = 0; line < HEAD_DIM / 2; line++) {                                               \
+                _mm_prefetch((const char *)(keys + next + line * 32), _MM_HINT_T0);                         \
+                _mm_prefetch((const char *)(values + next + line * 32), _MM_HINT_T0);                       \
+            }                                                                                               \
         }                                                                                                   \
         for (int64_t g = 0; g < group; g++) {                                                               \
             const uint32_t *q_pairs = (const uint32_t *)(query + g * HEAD_DIM);                             \
@@ -210,19 +217,20 @@ static void NAME(const uint16_t *query, const uint16_t *keys, const uint16_t *va
             for (int p = 0; p < PAIRS; p += 4)                                                              \
                 for (int u = 0; u < 4; u++)                                                                 \
                     dot[u] = _mm512_dpbf16_ps(dot[u],                                                       \
-                                              (__m512bh)_mm512_loadu_si512((const void *)(block + (p + u) * 32)), \
+                                              (__m512bh)_mm512_loadu_si512((const void *)(chunk + (p + u) * 32)), \
                                               (__m512bh)_mm512_set1_epi32((int)q_pairs[p + u]));           \
             __m512 sum = _mm512_add_ps(_mm512_add_ps(dot[0], dot[1]), _mm512_add_ps(dot[2], dot[3]));      \
-            _mm512_storeu_ps(scores + g * stride + j, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));           \
+            _mm512_storeu_ps(scores + g * scores_stride + j, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));    \
         }                                                                                                   \
     }                                                                                                       \
-    for (int64_t g = 0; g < group; g++) softmax_to_bf16(scores + g * stride, start, len);                  \
+    for (int64_t g = 0; g < group; g++) softmax_to_bf16(scores + g * scores_stride, start, len);           \
     float totals[group][HEAD_DIM];                                                                          \
     memset(totals, 0, sizeof totals);                                                                       \
     for (int64_t j0 = first; j0 < len; j0 += 16) {                                                          \
+        const uint16_t *chunk = values + table[j0 / block_size] * block_elems + (j0 % block_size) * HEAD_DIM; \
         for (int64_t g = 0; g < group; g++) {                                                               \
-            const uint32_t *prob_pairs = (const uint32_t *)((const uint16_t *)(scores + g * stride) + j0);  \
-            const uint16_t *v_pairs = values + (j0 >> 1) * HEAD_DIM * 2;                                    \
+            const uint32_t *prob_pairs = (const uint32_t *)((const uint16_t *)(scores + g * scores_stride) + j0); \
+            const uint16_t *v_pairs = chunk;                                                                \
             __m512 acc[CHUNKS];                                                                             \
             for (int c = 0; c < CHUNKS; c++) acc[c] = _mm512_loadu_ps(totals[g] + c * 16);                  \
             for (int k = 0; k < 8; k++, v_pairs += HEAD_DIM * 2) {                                          \
@@ -245,47 +253,63 @@ DEFINE_FAST_PAIR(fast_bf16_128, 128)
 #define FAST_BF16 0
 #endif
 
-static void pair_bf16(const uint16_t *query, const uint16_t *keys, const uint16_t *values, int64_t start,
-                      int64_t len, int64_t capacity, int64_t head_dim, int64_t group, float scale, float *scores,
-                      uint16_t *out, int64_t last_pair) {
+static void pair_bf16(const uint16_t *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
+                      int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale,
+                      float *scores, int64_t scores_stride, uint16_t *out) {
 #if FAST_BF16
-    /* the next pair's context follows this one's in the mirror (the last pair prefetches its own) */
-    const char *next_keys = (const char *)(keys + (last_pair ? 0 : capacity * head_dim));
-    const char *next_values = (const char *)(values + (last_pair ? 0 : capacity * head_dim));
     if (head_dim == 64)
-        return fast_bf16_64(query, keys, values, start, len, capacity, group, scale, scores, out, next_keys, next_values);
+        return fast_bf16_64(query, keys, values, table, block_size, start, len, group, scale, scores, scores_stride, out);
     if (head_dim == 128)
-        return fast_bf16_128(query, keys, values, start, len, capacity, group, scale, scores, out, next_keys, next_values);
-#else
-    (void)last_pair;
+        return fast_bf16_128(query, keys, values, table, block_size, start, len, group, scale, scores, scores_stride, out);
 #endif
-    portable_bf16(query, keys, values, start, len, capacity, head_dim, group, scale, scores, out);
+    portable_bf16(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride, out);
 }
 
-/* query [B, Hq, D] and new K/V [B, Hkv, D] with row strides; mirror K/V [Hkv, B, <layout>]; pool K/V
- * [Hkv, pool_size, D] with pool_slots [B], or null; out [B, Hq, D]; lens/starts [B]; scratch float32
- * [Hkv * B, group, capacity + 16]. Returns 0, or -1 for a shape it cannot take. */
-#define DEFINE_ENTRY(NAME, T, WRITE, PAIR)                                                                  \
+/* Arguments of both entries:
+ *   query [B, Hq, D], new K/V [B, Hkv, D], each with its row stride (they may be views of a fused QKV);
+ *   pool K/V: one layer's [Hkv, pool_blocks, block_size, D] in the dtype's layout;
+ *   slots [B]: where each sequence's new K/V go (block * block_size + position), or null when the pool
+ *   already holds them (written by write_kv beside other groups);
+ *   tables [B, table_stride]: each sequence's blocks, in order; lens [B] its context with this token;
+ *   starts [B] its first visible key (a sliding window); out [B, Hq, D];
+ *   scratch float32 [Hkv * B, group, scores_stride], scores_stride >= max(lens) rounded up to 16.
+ * Returns 0, or -1 for a shape it cannot take. */
+#define DEFINE_ENTRY(NAME, T, WRITE, PAIR, BLOCK_MULTIPLE)                                                  \
 int NAME(const T *query, int64_t query_stride, const T *new_key, int64_t key_stride, const T *new_value,   \
-         int64_t value_stride, T *mirror_key, T *mirror_value, T *pool_key, T *pool_value,                 \
-         const int64_t *pool_slots, int64_t pool_size, T *out, const int64_t *lens, const int64_t *starts,  \
-         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t head_dim,        \
-         float scale, float *scratch) {                                                                     \
-    if (num_heads % num_kv_heads != 0 || capacity % 16 != 0 || head_dim % 2 != 0) return -1;              \
-    int64_t group = num_heads / num_kv_heads;                                                               \
+         int64_t value_stride, T *pool_key, T *pool_value, int64_t pool_blocks, int64_t block_size,         \
+         const int64_t *slots, const int64_t *tables, int64_t table_stride, T *out, const int64_t *lens,    \
+         const int64_t *starts, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,   \
+         float scale, float *scratch, int64_t scores_stride) {                                              \
+    if (num_heads % num_kv_heads != 0 || block_size % BLOCK_MULTIPLE != 0 || head_dim % 2 != 0) return -1; \
+    int64_t group = num_heads / num_kv_heads, head_elems = pool_blocks * block_size * head_dim;            \
     _Pragma("omp parallel for schedule(static)")                                                            \
     for (int64_t pair = 0; pair < num_kv_heads * batch; pair++) {                                           \
-        int64_t kv_head = pair / batch, seq = pair % batch, len = lens[seq];                                \
-        T *keys = mirror_key + pair * capacity * head_dim;                                                  \
-        T *values = mirror_value + pair * capacity * head_dim;                                              \
-        WRITE(new_key + seq * key_stride + kv_head * head_dim,                                              \
-              new_value + seq * value_stride + kv_head * head_dim, keys, values, len - 1, capacity,         \
-              head_dim, pool_key, pool_value, pool_key != 0 ? kv_head * pool_size + pool_slots[seq] : 0);   \
-        PAIR(query + seq * query_stride + kv_head * group * head_dim, keys, values, starts[seq], len,       \
-             capacity, head_dim, group, scale, scratch + pair * group * (capacity + 16),                            \
-             out + (seq * num_heads + kv_head * group) * head_dim, pair + 1 == num_kv_heads * batch);       \
+        int64_t kv_head = pair / batch, seq = pair % batch;                                                 \
+        T *keys = pool_key + kv_head * head_elems, *values = pool_value + kv_head * head_elems;             \
+        if (slots != 0)                                                                                     \
+            WRITE(new_key + seq * key_stride + kv_head * head_dim, new_value + seq * value_stride + kv_head * head_dim, \
+                  keys, values, slots[seq], block_size, head_dim);                                          \
+        PAIR(query + seq * query_stride + kv_head * group * head_dim, keys, values, tables + seq * table_stride, \
+             block_size, starts[seq], lens[seq], head_dim, group, scale,                                    \
+             scratch + pair * group * scores_stride, scores_stride,                                         \
+             out + (seq * num_heads + kv_head * group) * head_dim);                                         \
     }                                                                                                       \
     return 0;                                                                                               \
 }
-DEFINE_ENTRY(decode_attention_bf16, uint16_t, write_bf16, pair_bf16)
-DEFINE_ENTRY(decode_attention_f32, float, write_f32, portable_f32)
+DEFINE_ENTRY(decode_attention_bf16, uint16_t, write_bf16, pair_bf16, 16)
+DEFINE_ENTRY(decode_attention_f32, float, write_f32, pair_f32, 1)
+
+/* Tokens' K/V [T, Hkv, D] (row strides as above) into one layer's pool at slots [T]: how every token of
+ * a step that is not only decodes reaches the pool in the kernel's layout. */
+#define DEFINE_WRITE_ENTRY(NAME, T, WRITE)                                                                  \
+void NAME(const T *new_key, int64_t key_stride, const T *new_value, int64_t value_stride, T *pool_key,     \
+          T *pool_value, int64_t pool_blocks, int64_t block_size, const int64_t *slots, int64_t tokens,     \
+          int64_t num_kv_heads, int64_t head_dim) {                                                         \
+    int64_t head_elems = pool_blocks * block_size * head_dim;                                               \
+    for (int64_t t = 0; t < tokens; t++)                                                                    \
+        for (int64_t h = 0; h < num_kv_heads; h++)                                                          \
+            WRITE(new_key + t * key_stride + h * head_dim, new_value + t * value_stride + h * head_dim,     \
+                  pool_key + h * head_elems, pool_value + h * head_elems, slots[t], block_size, head_dim);   \
+}
+DEFINE_WRITE_ENTRY(write_kv_bf16, uint16_t, write_bf16)
+DEFINE_WRITE_ENTRY(write_kv_f32, float, write_f32)

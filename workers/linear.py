@@ -26,12 +26,18 @@ class Linear:
 
     __slots__ = ("weight", "bias", "packed", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True):
+        """``pack=False`` keeps ``weight`` as it is (``[out, in]``, row-major), for native code that reads it."""
         self.out_features = weight.shape[0]
         self.bias = bias
-        self.packed = _onednn_packs(weight)
+        self.packed = pack and _onednn_packs(weight)
         # The batch-size hint only tunes the layout; 1 is the decode case and does as well at 1024 rows.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
+
+    @property
+    def plain(self) -> bool:
+        """Whether ``weight`` is the dense ``[out, in]`` tensor (not oneDNN's opaque reordered one)."""
+        return not self.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

@@ -22,7 +22,6 @@ import torch
 
 from llmbus.bus.messages import Grammar, SamplingParams
 from llmbus.bus.service import ServiceError
-from llmbus.workers.attention import MIRROR_POOL_SHARE
 from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
@@ -226,13 +225,11 @@ class ModelRunner:
         available = _available_host_memory()
         if available is None:
             return
-        # The decode attention's mirror of gathered K/V may take a share of the pool's size on top of it.
-        per_rank = int(bytes_per_block(**self._kv_layout) * (num_blocks + 1) * (1 + MIRROR_POOL_SHARE))
+        per_rank = bytes_per_block(**self._kv_layout) * (num_blocks + 1)
         # Every rank of a CPU group shares this machine's memory.
         if per_rank * self.world_size > available:
             raise WarmupOutOfMemory(
-                f"Not enough memory for the KV cache: {num_blocks} blocks (and the decode attention's copy of "
-                f"up to {MIRROR_POOL_SHARE:.0%} of them) take {per_rank} bytes per rank "
+                f"Not enough memory for the KV cache: {num_blocks} blocks take {per_rank} bytes per rank "
                 f"x {self.world_size} rank(s), but only {available} bytes are available. "
                 f"Decrease `--kv-cache-memory` (or `--num-blocks`)")
 
@@ -258,8 +255,7 @@ class ModelRunner:
                                  dtype=torch.long, device=self.device)
         meta = self.model.attention_backend.build_metadata(
             query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
-            kv_cache=kv_cache, device=self.device,
-            seq_ids=[s.rid for s in seqs])
+            kv_cache=kv_cache, device=self.device)
         if logits_index is None:
             last_rows = list(itertools.accumulate(query_lens))
             logits_index = torch.tensor([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample],
@@ -359,8 +355,6 @@ class ModelRunner:
             self.pending_prompt_rows.pop(rid, None)
         if self._grammar is not None:
             self._grammar.drop(rids)
-        if rids:
-            self.model.attention_backend.forget()
 
     # -- warmup ----------------------------------------------------------------------------------
 
@@ -413,7 +407,6 @@ class ModelRunner:
             raise WarmupOutOfMemory(
                 f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "
                 f"You need to decrease `--max-batch-prefill-tokens`") from e
-        self.model.attention_backend.forget()
         self._synchronize()
         if not size_from_free_memory:
             return

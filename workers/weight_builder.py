@@ -37,13 +37,15 @@ class DenseEmbedding:
 
 class WeightBuilder:
     def __init__(self, reader, *, rank: int, world_size: int, dtype: torch.dtype, device: torch.device,
-                 quantize: str | None = None):
+                 quantize: str | None = None, pack_linear: bool = True):
+        """``pack_linear=False`` keeps dense projections plain (see ``Linear``), for the fused decode layer."""
         if quantize is not None and quantize not in quant.QUANTIZE_METHODS:
             raise ValueError(f"unknown quantization {quantize!r} (known: {', '.join(quant.QUANTIZE_METHODS)})")
         if quantize is not None and device.type != "cpu":
             raise ValueError(f"--quantize {quantize} runs on CPU only (its kernels are torch's CPU ops)")
         self.reader, self.rank, self.world_size = reader, rank, world_size
         self.dtype, self.device, self.quantize = dtype, device, quantize
+        self.pack_linear = pack_linear
         self.keep_quantized = (hasattr(reader, "read_quantized") and device.type == "cpu"
                                and dtype in (torch.bfloat16, torch.float16))
         self.report: Counter[str] = Counter()  # "Q4_1 -> int4 (kept)": count of tensors
@@ -77,7 +79,7 @@ class WeightBuilder:
             self._count(weight_names, self.quantize)
             return quant.QuantizedLinear(quant.quantize(dense, self.quantize), bias, self.dtype)
         self._count(weight_names, _dtype_label(self.dtype))
-        return Linear(self.place(dense), bias)
+        return Linear(self.place(dense), bias, pack=self.pack_linear)
 
     def column_parallel(self, parts: list[tuple[str, int]]) -> object:
         """One projection fusing ``parts`` (``(prefix, rows_per_rank)``: ``prefix.weight`` and optional

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmbus.frontend.tokenizer import config_max_positions
-from llmbus.workers.attention import AttentionMetadata, TorchSDPABackend, make_attention_backend
+from llmbus.workers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
 
 ATTENTION_IMPLEMENTATION = "llmbus_paged"
@@ -65,7 +65,7 @@ class _Step:
 
     kv_cache: PagedKVCache
     meta: AttentionMetadata
-    backend: TorchSDPABackend
+    backend: AttentionBackend
 
 
 @dataclass(slots=True)
@@ -142,7 +142,7 @@ class HFFallbackForCausalLM:
         self.device = device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.config, windows = self._probe(model_type)
-        self.attention_backend = self._backend(windows, log)
+        self.attention_backend = make_attention_backend(self.device, windows)
         self.num_layers = self.config.num_layers
         self.num_local_kv_heads = self.config.num_kv_heads
         self.max_position_embeddings = self.config.max_position_embeddings
@@ -218,23 +218,6 @@ class HFFallbackForCausalLM:
                                 num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
                                 max_position_embeddings=_max_positions(hf_config))
         return config, [probe.layers[i].sliding_window for i in range(len(probe.layers))]
-
-    def _backend(self, windows: list[int | None], log):
-        """The attention backend, told each layer's sliding window. A backend without window support
-        attends to the whole context, which equals the windowed attention as long as no sequence is
-        longer than the smallest window: the context is then limited to it."""
-        if all(w is None for w in windows):
-            return make_attention_backend(self.device)
-        if "sliding_windows" in inspect.signature(make_attention_backend).parameters:
-            return make_attention_backend(self.device, sliding_windows=windows)
-        smallest = min(w for w in windows if w is not None)
-        if smallest < self.config.max_position_embeddings:
-            if log is not None:
-                log.warning("sliding-window attention: context limited to the window",
-                            model_type=self.config.model_type, window=smallest,
-                            max_position_embeddings=self.config.max_position_embeddings)
-            self.config.max_position_embeddings = smallest
-        return make_attention_backend(self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from llmbus.workers.attention import AttentionMetadata, make_attention_backend
+from llmbus.workers.fused_decode import FusedDecodeLayers, fused_decode_applies
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.weight_builder import WeightBuilder
 
@@ -293,6 +294,8 @@ class LlamaForCausalLM:
         self.dtype = dtype
         self.device = device
         self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
+        # Small decode-only steps in one native call per layer, where it applies (fused_decode.py).
+        self.fused_decode = FusedDecodeLayers.for_model(self)
 
     @property
     def num_layers(self) -> int:
@@ -316,8 +319,9 @@ class LlamaForCausalLM:
         Every rank must call this with the same shapes (the collectives pair up)."""
         hidden = self.embed(input_ids).to(RESIDUAL_DTYPE)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, self.attention_backend, kv_cache, meta)
+        if self.fused_decode is None or not self.fused_decode.run(hidden, cos, sin, kv_cache, meta):
+            for layer in self.layers:
+                hidden = layer(hidden, cos, sin, self.attention_backend, kv_cache, meta)
         if logits_index.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32) if self.tp.rank == 0 else None
         # The final norm is per token, so it only runs on the rows that need logits.
@@ -343,7 +347,8 @@ class LlamaForCausalLM:
                              f"({config.intermediate_size}) divisible by {world_size}")
         tp = TensorParallel(rank, world_size)
         build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
-                              quantize=quantize)
+                              quantize=quantize,
+                              pack_linear=not fused_decode_applies(device, world_size, dtype, quantize))
         head_dim = config.head_dim
         q_rows = config.num_heads // world_size * head_dim
         kv_rows = config.num_kv_heads // world_size * head_dim

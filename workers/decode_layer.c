@@ -1,0 +1,151 @@
+/* One decoder layer of the Llama family for a decode step on CPU, as one call: RMSNorm, the fused QKV
+ * projection, RoPE, the new K/V into the paged pool, paged attention, the output projection and the
+ * residual, RMSNorm, the fused gate/up projection with SiLU, the down projection and the residual.
+ *
+ * Why: a decode step of a small model is dispatch-bound in eager torch (about 30 small ops a layer,
+ * each a few microseconds of Python, dispatcher and allocation around little arithmetic). Here a layer
+ * is one parallel region whose stages are separated by OpenMP barriers; the projections are GEMVs that
+ * stream each weight row once for every row of the batch, which is what bounds a small batch's step.
+ *
+ * float32 only: weights [out, in] row-major as checkpoints store them, the residual stream float32 (as
+ * the torch path keeps it), the pool in torch's layout. Arithmetic is the torch path's up to the order of
+ * float32 sums. Built on first use by cpu_kernels.py, like decode_attention.c (included below).
+ */
+#include "decode_attention.c"
+
+#include <omp.h>
+
+enum { MAX_ROWS = 8 }; /* batch rows one GEMV pass serves; larger batches go to torch's GEMMs */
+
+typedef struct {
+    const float *input_norm, *qkv, *qkv_bias, *o_proj, *o_bias;
+    const float *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    float *pool_key, *pool_value;
+    const int64_t *starts; /* [B] first visible key, for this layer's window */
+} LayerArgs;
+
+typedef struct {
+    int64_t batch, hidden, intermediate, num_heads, num_kv_heads, head_dim;
+    int64_t pool_blocks, block_size, table_stride, scores_stride;
+    float eps, scale;
+    const float *cos, *sin;                    /* [B, D], sin signed as RotaryEmbedding.cos_sin gives it */
+    const int64_t *slots, *tables, *lens;      /* [B], [B, table_stride], [B] */
+    float *normed, *qkv_out, *attended, *act;  /* scratch: [B, H], [B, (Hq + 2 Hkv) D], [B, Hq D], [B, I] */
+    float *scores;                             /* [Hkv * B, group, scores_stride] */
+} StepArgs;
+
+/* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats. */
+static inline void dot_rows(const float *w, const float *x, int64_t x_stride, int64_t rows, int64_t n,
+                            float *y) {
+#if defined(__AVX512F__)
+    __m512 acc[MAX_ROWS], acc2 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < rows; b++) acc[b] = _mm512_setzero_ps();
+    int64_t k = 0;
+    if (rows == 1) { /* two chains: one would wait on the FMA latency */
+        for (; k + 32 <= n; k += 32) {
+            acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc[0]);
+            acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), acc2);
+        }
+    }
+    for (; k + 16 <= n; k += 16) {
+        __m512 wv = _mm512_loadu_ps(w + k);
+        for (int64_t b = 0; b < rows; b++)
+            acc[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * x_stride + k), acc[b]);
+    }
+    if (k < n) {
+        __mmask16 tail = (__mmask16)((1u << (n - k)) - 1u);
+        __m512 wv = _mm512_maskz_loadu_ps(tail, w + k);
+        for (int64_t b = 0; b < rows; b++)
+            acc[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + b * x_stride + k), acc[b]);
+    }
+    acc[0] = _mm512_add_ps(acc[0], acc2);
+    for (int64_t b = 0; b < rows; b++) y[b] = _mm512_reduce_add_ps(acc[b]);
+#else
+    for (int64_t b = 0; b < rows; b++) {
+        float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+        for (int64_t k = 0; k < n; k++) sum += w[k] * x[b * x_stride + k];
+        y[b] = sum;
+    }
+#endif
+}
+
+/* out[b] (+)= W x[b] (+ bias) for rows this thread takes; called inside a parallel region. */
+static inline void gemv(const float *weight, const float *bias, const float *x, int64_t in, int64_t out_features,
+                        int64_t rows, float *y, int64_t y_stride, int accumulate) {
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < out_features; o++) {
+        float dots[MAX_ROWS];
+        dot_rows(weight + o * in, x, in, rows, in, dots);
+        float add = bias != 0 ? bias[o] : 0.0f;
+        for (int64_t b = 0; b < rows; b++) {
+            if (accumulate) y[b * y_stride + o] += dots[b] + add;
+            else y[b * y_stride + o] = dots[b] + add;
+        }
+    }
+}
+
+static inline void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+    for (int64_t k = 0; k < n; k++) sum += x[k] * x[k];
+    float inverse = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) out[k] = weight[k] * (x[k] * inverse);
+}
+
+/* x * cos + rotate_half(x) * sin over one head, in place. */
+static inline void rope(float *x, const float *cos, const float *sin, int64_t head_dim) {
+    int64_t half = head_dim / 2;
+    float rotated[head_dim];
+    for (int64_t d = 0; d < half; d++) {
+        rotated[d] = x[d] * cos[d] + x[d + half] * sin[d];
+        rotated[d + half] = x[d + half] * cos[d + half] + x[d] * sin[d + half];
+    }
+    memcpy(x, rotated, sizeof rotated);
+}
+
+/* hidden [B, H] float32, updated in place. Returns 0, or -1 for a shape it cannot take. */
+int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
+    const int64_t B = s->batch, H = s->hidden, I = s->intermediate, D = s->head_dim;
+    const int64_t Hq = s->num_heads, Hkv = s->num_kv_heads, group = Hq / Hkv, qkv_width = (Hq + 2 * Hkv) * D;
+    if (B > MAX_ROWS || Hq % Hkv != 0 || D % 2 != 0) return -1;
+    const int64_t head_elems = s->pool_blocks * s->block_size * D;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
+        gemv(l->qkv, l->qkv_bias, s->normed, H, qkv_width, B, s->qkv_out, qkv_width, 0);
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < Hkv * B; pair++) {
+            int64_t kv_head = pair / B, b = pair % B;
+            float *row = s->qkv_out + b * qkv_width;
+            const float *cos = s->cos + b * D, *sin = s->sin + b * D;
+            float *query = row + kv_head * group * D, *key = row + (Hq + kv_head) * D;
+            for (int64_t g = 0; g < group; g++) rope(query + g * D, cos, sin, D);
+            rope(key, cos, sin, D);
+            float *keys = l->pool_key + kv_head * head_elems, *values = l->pool_value + kv_head * head_elems;
+            write_f32(key, row + (Hq + Hkv + kv_head) * D, keys, values, s->slots[b], s->block_size, D);
+            pair_f32(query, keys, values, s->tables + b * s->table_stride, s->block_size, l->starts[b], s->lens[b],
+                     D, group, s->scale, s->scores + pair * group * s->scores_stride, s->scores_stride,
+                     s->attended + (b * Hq + kv_head * group) * D);
+        }
+        gemv(l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
+        /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < I; i++) {
+            float gate[MAX_ROWS], up[MAX_ROWS];
+            dot_rows(l->gate_up + i * H, s->normed, H, B, H, gate);
+            dot_rows(l->gate_up + (I + i) * H, s->normed, H, B, H, up);
+            for (int64_t b = 0; b < B; b++) {
+                float g = gate[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[i] : 0.0f);
+                float u = up[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i] : 0.0f);
+                s->act[b * I + i] = g / (1.0f + expf(-g)) * u;
+            }
+        }
+        gemv(l->down, l->down_bias, s->act, I, H, B, hidden, H, 1);
+    }
+    return 0;
+}

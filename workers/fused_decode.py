@@ -1,0 +1,158 @@
+"""Decode steps of a small batch through ``decode_layer.c``: one native call per layer.
+
+A batch-1 decode step of SmolLM2 in eager torch is ~30 ops a layer (norms, projections, RoPE's slices and
+concatenations, attention's bookkeeping, SiLU, residual adds), each a few microseconds of dispatch,
+allocation and Python around very little arithmetic: ~900 a step, as much time as streaming the weights.
+``FusedDecodeLayers`` replaces the layer loop for steps that only decode and have at most ``MAX_BATCH``
+sequences (where a GEMV pass over each weight row is what bounds the step); prompts, larger batches and
+everything else keep the torch path, which stays the reference.
+
+It applies to a native Llama-family model on CPU, float32, one rank, with plain (unquantized) projections
+and the CPU attention backend. The C layer reads weights as checkpoints store them ([out, in], row-major),
+so the projections of such a model are kept plain (``Linear.plain``), not reordered for oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import structlog
+import torch
+
+from llmbus.workers import cpu_kernels
+from llmbus.workers.attention import AttentionMetadata, CPUKernelBackend
+from llmbus.workers.attention.cpu import KernelDecodeGroup
+from llmbus.workers.kv_cache import PagedKVCache
+
+SOURCE = Path(__file__).with_name("decode_layer.c")
+MAX_BATCH = 8  # decode_layer.c's MAX_ROWS
+log = structlog.get_logger("llmbus.workers.fused_decode")
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _LayerArgs(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o_proj", "o_bias", "post_norm",
+                                        "gate_up", "gate_up_bias", "down", "down_bias", "pool_key", "pool_value",
+                                        "starts")]
+
+
+class _StepArgs(ctypes.Structure):
+    _fields_ = ([(name, _I64) for name in ("batch", "hidden", "intermediate", "num_heads", "num_kv_heads",
+                                           "head_dim", "pool_blocks", "block_size", "table_stride",
+                                           "scores_stride")]
+                + [("eps", _F32), ("scale", _F32)]
+                + [(name, _P) for name in ("cos", "sin", "slots", "tables", "lens", "normed", "qkv_out",
+                                           "attended", "act", "scores")])
+
+
+@functools.cache
+def decode_layer_library() -> ctypes.CDLL | None:
+    """``decode_layer.c`` built and loaded; None where it cannot be (logged once, with the reason)."""
+    if os.environ.get(cpu_kernels.DISABLE_ENV, "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(cpu_kernels._build(compiler, SOURCE)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("could not build the fused decode layer: decodes run on torch ops", error=str(exc))
+        return None
+    library.decode_layer_f32.argtypes = [ctypes.POINTER(_StepArgs), ctypes.POINTER(_LayerArgs), _P]
+    library.decode_layer_f32.restype = ctypes.c_int
+    return library
+
+
+def fused_decode_applies(device: torch.device, world_size: int, dtype: torch.dtype, quantize: str | None) -> bool:
+    """Whether a native model loaded so will decode through the fused layer (then its projections stay
+    plain): decided before the weights are read."""
+    return (device.type == "cpu" and world_size == 1 and dtype == torch.float32 and quantize is None
+            and CPUKernelBackend.available(device) and decode_layer_library() is not None)
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class FusedDecodeLayers:
+    """The layer loop of ``LlamaForCausalLM`` for small decode-only steps, one C call per layer."""
+
+    def __init__(self, model, library: ctypes.CDLL):
+        self._function = library.decode_layer_f32
+        self._model = model
+        config = model.config
+        self._hidden, self._intermediate = config.hidden_size, config.intermediate_size
+        first = model.layers[0].attention
+        self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self._eps, self._scale = config.rms_norm_eps, first.scale
+        self._weights = []  # kept alive: the structures hold raw pointers to them
+        self._layers = []
+        for layer in model.layers:
+            attention, mlp = layer.attention, layer.mlp
+            tensors = dict(input_norm=layer.input_norm.weight, qkv=attention.qkv.weight, qkv_bias=attention.qkv.bias,
+                           o_proj=attention.o_proj.weight, o_bias=attention.o_bias,
+                           post_norm=layer.post_attention_norm.weight, gate_up=mlp.gate_up.weight,
+                           gate_up_bias=mlp.gate_up.bias, down=mlp.down.weight, down_bias=mlp.down_bias)
+            tensors = {k: None if t is None else t.contiguous() for k, t in tensors.items()}
+            self._weights.append(tensors)
+            self._layers.append(_LayerArgs(**{k: _ptr(t) for k, t in tensors.items()}))
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def for_model(cls, model) -> "FusedDecodeLayers | None":
+        """The fused path for ``model`` if it applies (see the module's docstring), else None."""
+        if (model.device.type != "cpu" or model.tp.world_size != 1 or model.dtype != torch.float32
+                or not isinstance(model.attention_backend, CPUKernelBackend)):
+            return None
+        for layer in model.layers:
+            projections = (layer.attention.qkv, layer.attention.o_proj, layer.mlp.gate_up, layer.mlp.down)
+            if not all(getattr(p, "plain", False) for p in projections):
+                return None
+        library = decode_layer_library()
+        return cls(model, library) if library is not None else None
+
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        buffer = self._scratch.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._scratch[name] = torch.empty(numel, dtype=torch.float32)
+        return buffer
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,
+            meta: AttentionMetadata) -> bool:
+        """Every layer over ``hidden [B, H]`` (float32, updated in place) if this step is one the fused
+        path takes; False (nothing done) otherwise."""
+        groups = meta.groups
+        if (len(groups) != 1 or not isinstance(groups[0], KernelDecodeGroup) or groups[0].token_index is not None
+                or hidden.shape[0] > MAX_BATCH):
+            return False
+        group = groups[0]
+        batch = hidden.shape[0]
+        qkv_width = (self._num_heads + 2 * self._num_kv_heads) * self._head_dim
+        scores_stride = -(-group.max_context // 16) * 16 + 16
+        buffers = {"normed": batch * self._hidden, "qkv_out": batch * qkv_width,
+                   "attended": batch * self._num_heads * self._head_dim, "act": batch * self._intermediate,
+                   "scores": batch * self._num_heads * scores_stride}
+        cos, sin = cos.reshape(batch, -1).contiguous(), sin.reshape(batch, -1).contiguous()
+        step = _StepArgs(batch=batch, hidden=self._hidden, intermediate=self._intermediate,
+                         num_heads=self._num_heads, num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
+                         pool_blocks=kv_cache.num_blocks + 1, block_size=kv_cache.block_size,
+                         table_stride=group.block_index.stride(0), scores_stride=scores_stride,
+                         eps=self._eps, scale=self._scale, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                         slots=meta.slot_mapping.data_ptr(), tables=group.block_index.data_ptr(),
+                         lens=group.context_lens.data_ptr(),
+                         **{name: self._buffer(name, n).data_ptr() for name, n in buffers.items()})
+        backend = self._model.attention_backend
+        hidden_ptr = hidden.data_ptr()
+        for index, layer in enumerate(self._layers):
+            layer.pool_key = kv_cache.key[index].data_ptr()
+            layer.pool_value = kv_cache.value[index].data_ptr()
+            layer.starts = group.window_starts[backend.window_index(index)].data_ptr()
+            if self._function(ctypes.byref(step), ctypes.byref(layer), hidden_ptr) != 0:
+                raise ValueError("the fused decode layer cannot take this shape")
+        return True
