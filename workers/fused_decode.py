@@ -66,6 +66,8 @@ def decode_layer_library() -> ctypes.CDLL | None:
         return None
     library.decode_layer_f32.argtypes = [ctypes.POINTER(_StepArgs), ctypes.POINTER(_LayerArgs), _P]
     library.decode_layer_f32.restype = ctypes.c_int
+    library.gemv_f32.argtypes = [_P, _P, _I64, _I64, _I64, _P]
+    library.gemv_f32.restype = ctypes.c_int
     return library
 
 
@@ -85,7 +87,11 @@ class FusedDecodeLayers:
 
     def __init__(self, model, library: ctypes.CDLL):
         self._function = library.decode_layer_f32
+        self._gemv = library.gemv_f32
         self._model = model
+        # The LM head as a plain [vocab, hidden] weight where the model has one (a tied embedding); else
+        # the model's own head.
+        self._head_weight = model.plain_head_weight
         config = model.config
         self._hidden, self._intermediate = config.hidden_size, config.intermediate_size
         first = model.layers[0].attention
@@ -122,6 +128,18 @@ class FusedDecodeLayers:
         if buffer is None or buffer.numel() < numel:
             buffer = self._scratch[name] = torch.empty(numel, dtype=torch.float32)
         return buffer
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of the normed ``hidden [B, H]`` of a step ``run`` took."""
+        if self._head_weight is None:
+            return self._model.lm_head(hidden)
+        hidden = hidden.contiguous()
+        vocab, width = self._head_weight.shape
+        logits = hidden.new_empty(hidden.shape[0], vocab)
+        if self._gemv(self._head_weight.data_ptr(), hidden.data_ptr(), width, vocab, hidden.shape[0],
+                      logits.data_ptr()) != 0:
+            raise ValueError("the fused LM head cannot take this shape")
+        return logits
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,
             meta: AttentionMetadata) -> bool:

@@ -32,6 +32,12 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024  # when neither num_blocks nor kv_cac
 # fragmentation and the CUDA context grow a little after warmup (TGI keeps a similar margin).
 CUDA_KV_HEADROOM = 0.95
 WARMUP_RID_PREFIX = "__warmup__"
+# On CPU the warmup prefills this many tokens at most, not the whole prefill budget: it runs every code path
+# once (kernels, oneDNN primitives, the sampling warpers), but it cannot find a memory shortfall the way it
+# does on CUDA (the host overcommits, then the OOM killer ends the process; the pool's size is checked
+# against available memory instead), and a 4096-token float32 prefill took 23 s of a 29 s start on a
+# 2-core machine.
+CPU_WARMUP_TOKENS = 256
 
 
 def _available_host_memory() -> int | None:
@@ -359,8 +365,11 @@ class ModelRunner:
     # -- warmup ----------------------------------------------------------------------------------
 
     def _warmup_batch(self) -> list[SeqInput]:
-        """``max_batch_prefill_tokens`` prompt tokens, split into sequences the model can position."""
+        """``max_batch_prefill_tokens`` prompt tokens (on CPU at most ``CPU_WARMUP_TOKENS``), split into
+        sequences the model can position."""
         total = self.max_batch_prefill_tokens
+        if self.device.type == "cpu":
+            total = min(total, CPU_WARMUP_TOKENS)
         longest = max(1, min(total, self.max_position_embeddings))
         lengths = [longest] * (total // longest) + ([total % longest] if total % longest else [])
         seqs, next_block = [], 0
@@ -378,9 +387,10 @@ class ModelRunner:
         return seqs
 
     def warmup(self) -> None:
-        """A real worst-case prefill (all ``max_batch_prefill_tokens`` at once), results discarded.
+        """A real worst-case prefill (all ``max_batch_prefill_tokens`` at once; a short one on CPU, see
+        ``CPU_WARMUP_TOKENS``), results discarded.
 
-        It fails here rather than on the first real batch if memory is short, and on CUDA without an
+        On CUDA it fails here rather than on the first real batch if memory is short, and without an
         explicit budget it sizes the KV pool from what is free once the activation peak is known.
         """
         seqs = self._warmup_batch()

@@ -275,7 +275,7 @@ class LlamaForCausalLM:
 
     def __init__(self, *, config: DecoderConfig, tp: TensorParallel, embedding, vocab_per_rank: int,
                  layers: list[LlamaDecoderLayer], norm: RMSNorm, lm_head, dtype: torch.dtype,
-                 device: torch.device, weight_summary: str = ""):
+                 device: torch.device, weight_summary: str = "", plain_head_weight: torch.Tensor | None = None):
         self.config = config
         self.tp = tp
         # ids -> rows of this rank's [vocab_per_rank, hidden] shard (zero rows past the real vocabulary)
@@ -283,6 +283,7 @@ class LlamaForCausalLM:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head  # the same vocabulary rows as a projection (one int8 copy when tied)
+        self.plain_head_weight = plain_head_weight  # the head as a dense [vocab, hidden] tensor, if there is one
         self.vocab_per_rank = vocab_per_rank
         self.vocab_start = tp.rank * self.vocab_per_rank
         self.num_local_heads = config.num_heads // tp.world_size
@@ -319,14 +320,16 @@ class LlamaForCausalLM:
         Every rank must call this with the same shapes (the collectives pair up)."""
         hidden = self.embed(input_ids).to(RESIDUAL_DTYPE)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        if self.fused_decode is None or not self.fused_decode.run(hidden, cos, sin, kv_cache, meta):
+        fused = self.fused_decode is not None and self.fused_decode.run(hidden, cos, sin, kv_cache, meta)
+        if not fused:
             for layer in self.layers:
                 hidden = layer(hidden, cos, sin, self.attention_backend, kv_cache, meta)
         if logits_index.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32) if self.tp.rank == 0 else None
         # The final norm is per token, so it only runs on the rows that need logits.
         last_hidden = self.norm(hidden.index_select(0, logits_index))
-        logits = self.tp.gather_last_dim_to_first_rank(self.lm_head(last_hidden))
+        head = self.fused_decode.lm_head if fused else self.lm_head
+        logits = self.tp.gather_last_dim_to_first_rank(head(last_hidden))
         if logits is None:
             return None
         return logits[:, : self.config.vocab_size].float()
@@ -377,5 +380,7 @@ class LlamaForCausalLM:
         tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
         embedding, lm_head, vocab_per_rank = build.embedding_and_head(config.vocab_size, config.hidden_size, tied)
         norm = RMSNorm(build.vector("model.norm.weight"), config.rms_norm_eps)
+        plain_head = getattr(embedding, "weight", None) if tied else None
         return cls(config=config, tp=tp, embedding=embedding, vocab_per_rank=vocab_per_rank, layers=layers,
-                   norm=norm, lm_head=lm_head, dtype=dtype, device=device, weight_summary=build.summary())
+                   norm=norm, lm_head=lm_head, dtype=dtype, device=device, weight_summary=build.summary(),
+                   plain_head_weight=plain_head if isinstance(plain_head, torch.Tensor) else None)
