@@ -29,7 +29,7 @@ def exit_on_sigterm() -> None:
 
 
 def default_model_dir() -> str:
-    """The demo `small` model's folder (what `llmbus up` serves by default), built on first use."""
+    """The demo `small` model's folder (random weights, generated on first use)."""
     from llmbus.supervisor.demo_model import demo_model_dir
 
     return str(demo_model_dir("small"))

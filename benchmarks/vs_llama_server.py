@@ -102,7 +102,8 @@ def main() -> None:
             ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv,
                                                   "--quantize", "int8"]), smol_prompts),
             ("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind)), demo_prompts),
-            ("demo llmbus " + dtype, lambda: LlmbusServer(["--dtype", dtype, *demo_kv]), demo_prompts)]
+            ("demo llmbus " + dtype,
+             lambda: LlmbusServer(["--model-id", default_model_dir(), "--dtype", dtype, *demo_kv]), demo_prompts)]
     for name, server, (single, many, warm) in runs:
         with server() as srv:
             results[name] = measure(srv.url, single, many, warm, a.new_tokens)

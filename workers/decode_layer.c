@@ -14,6 +14,9 @@
 #include "decode_attention.c"
 
 #include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 enum { MAX_ROWS = 8 }; /* batch rows one GEMV pass serves; larger batches go to torch's GEMMs */
 
@@ -60,6 +63,32 @@ static inline void dot_rows(const float *w, const float *x, int64_t x_stride, in
     }
     acc[0] = _mm512_add_ps(acc[0], acc2);
     for (int64_t b = 0; b < rows; b++) y[b] = _mm512_reduce_add_ps(acc[b]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[MAX_ROWS], extra[3] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < rows; b++) acc[b] = _mm256_setzero_ps();
+    int64_t k = 0;
+    if (rows == 1) { /* four chains: one would wait on the FMA latency */
+        for (; k + 32 <= n; k += 32) {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc[0]);
+            extra[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), extra[0]);
+            extra[1] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), extra[1]);
+            extra[2] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), extra[2]);
+        }
+        acc[0] = _mm256_add_ps(_mm256_add_ps(acc[0], extra[0]), _mm256_add_ps(extra[1], extra[2]));
+    }
+    for (; k + 8 <= n; k += 8) {
+        __m256 wv = _mm256_loadu_ps(w + k);
+        for (int64_t b = 0; b < rows; b++)
+            acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * x_stride + k), acc[b]);
+    }
+    for (int64_t b = 0; b < rows; b++) {
+        __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[b]), _mm256_extractf128_ps(acc[b], 1));
+        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        half = _mm_add_ss(half, _mm_movehdup_ps(half));
+        float sum = _mm_cvtss_f32(half);
+        for (int64_t t = k; t < n; t++) sum += w[t] * x[b * x_stride + t];
+        y[b] = sum;
+    }
 #else
     for (int64_t b = 0; b < rows; b++) {
         float sum = 0.0f;

@@ -242,6 +242,13 @@ class ModelRunner:
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
         return PagedKVCache(num_blocks=num_blocks, device=self.device, **self._kv_layout)
 
+    @property
+    def compute_paths(self) -> dict:
+        """Which attention backend runs, and whether small decode steps take the fused C layer (for the log)."""
+        backend = getattr(self.model, "attention_backend", None)
+        return {"attention": getattr(backend, "name", "model's own"),
+                "fused_decode": getattr(self.model, "fused_decode", None) is not None}
+
     # -- steps -----------------------------------------------------------------------------------
 
     def _forward(self, seqs: list[SeqInput], kv_cache: PagedKVCache,

@@ -171,7 +171,8 @@ class Worker:
         self.runner.warmup()
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
                       device=str(device), load_s=round(load_s, 2),
-                      warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks)
+                      warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks,
+                      **getattr(self.runner, "compute_paths", {}))
         send(self.control, m.WorkerReady(rank=self.cfg.rank, num_blocks=self.runner.num_blocks,
                                          block_size=self.runner.block_size,
                                          dtype=str(dtype).removeprefix("torch."), device=str(device),
