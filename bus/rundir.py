@@ -1,10 +1,14 @@
 """The private run directory that holds one launch's ipc endpoints.
 
-One directory per launch (mode 0700, so other users cannot connect to our sockets), locked by the
-process that owns the launch with ``flock`` so a second launch on the same directory fails with a clear
-message instead of silently stealing the endpoints (a second ``bind`` on an ipc path takes it over).
-The owner removes it on exit; nothing is left behind. Every endpoint may instead be a ``tcp://`` address
-(see ``Endpoints``) so services can live on different hosts.
+One directory per launch (mode 0700, so other users cannot connect to our sockets; the socket files
+themselves are 0600), locked by the process that owns the launch with ``flock`` so a second launch on the
+same directory fails with a clear message instead of silently stealing the endpoints (a second ``bind``
+on an ipc path takes it over). A directory given by path that already exists must be ours: owned by this
+user, a real directory (not a symlink) and closed to group and others; otherwise whoever created it could
+swap the sockets or read prompts, and it is refused. The owner removes it on exit; a launch killed with
+SIGKILL cannot, so each new launch removes this user's ``llmbus-*`` run dirs whose lock nobody holds.
+Every endpoint may instead be a ``tcp://`` address (see ``Endpoints``) so services can live on different
+hosts.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +24,60 @@ from pathlib import Path
 ENV_RUN_DIR = "LLMBUS_RUN_DIR"
 
 
-class RunDirInUse(RuntimeError):
+class RunDirError(RuntimeError):
+    """A run dir that cannot be used; the message says why and what to do."""
+
+
+class RunDirInUse(RunDirError):
     pass
+
+
+class RunDirNotPrivate(RunDirError):
+    pass
+
+
+def _claim(path: Path) -> None:
+    """Create ``path`` private, or accept it if it already is: a directory of this user's, mode 0700 or
+    stricter. Refuse anything else."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        return
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise RunDirNotPrivate(f"run dir {path} exists and is not a directory (a symlink or a file); "
+                               f"remove it or pick another --run-dir")
+    if info.st_uid != os.getuid():
+        raise RunDirNotPrivate(f"run dir {path} belongs to uid {info.st_uid}, not to this user (uid "
+                               f"{os.getuid()}): its owner could replace the sockets and read prompts; "
+                               f"pick another --run-dir")
+    if info.st_mode & 0o077:
+        raise RunDirNotPrivate(f"run dir {path} has mode {stat.S_IMODE(info.st_mode):o}: group or others may "
+                               f"reach its sockets; make it private (chmod 700) or pick another --run-dir")
+
+
+def remove_stale_run_dirs(parent: str | os.PathLike) -> list[Path]:
+    """This user's ``llmbus-*`` run dirs in ``parent`` whose launch is gone (its lock file is held by
+    nobody), removed; the ones removed. Dirs without a lock file may be a launch starting: kept."""
+    removed = []
+    for candidate in Path(parent).glob("llmbus-*"):
+        try:
+            info = os.lstat(candidate)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            fd = os.open(candidate / "lock", os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live launch holds it
+        finally:
+            os.close(fd)  # also releases our lock, if we took it
+        shutil.rmtree(candidate, ignore_errors=True)
+        removed.append(candidate)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -43,9 +100,10 @@ class Endpoints:
 
 
 def ensure_run_dir(path: str | os.PathLike) -> Path:
-    """For services started on their own (Procfile): make the shared run dir, private, if none did yet."""
+    """For services started on their own (Procfile): make the shared run dir, private, if none did yet;
+    refuse one that is not ours (``RunDirNotPrivate``)."""
     d = Path(path)
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _claim(d)
     return d
 
 
@@ -53,13 +111,15 @@ class RunDir:
     """Owns a run directory: creates it private, locks it, removes it on ``close``."""
 
     def __init__(self, path: str | os.PathLike | None = None):
+        self._lock_fd = None
         if path is None:
             # /tmp keeps ipc paths short: a unix socket path must stay under ~107 bytes.
-            self.path = Path(tempfile.mkdtemp(prefix="llmbus-", dir=os.environ.get("TMPDIR", "/tmp")))
+            parent = os.environ.get("TMPDIR", "/tmp")
+            remove_stale_run_dirs(parent)
+            self.path = Path(tempfile.mkdtemp(prefix="llmbus-", dir=parent))
         else:
             self.path = Path(path)
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.path, 0o700)
+            _claim(self.path)
         self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

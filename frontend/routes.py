@@ -42,7 +42,7 @@ async def _generate_json(state: FrontendState, req: GenerateRequest, start: floa
                          *, as_list: bool) -> web.Response:
     p = req.parameters
     best_of = 1 if p.best_of is None else p.best_of
-    if best_of > 1:
+    if best_of != 1:
         validate_best_of(best_of, state.limits)
     gens = await state.generator.prepare_all([(req.inputs, p, True)] * best_of, start, arrival)
     await run_all(gens)

@@ -167,16 +167,41 @@ def _parse_parameters(value) -> GenerateParameters:
     return params
 
 
+def _lone_surrogate(value) -> str | None:
+    """The first lone UTF-16 surrogate in ``value``'s strings (keys included), escaped; None if none.
+    JSON's ``\\ud800`` escapes parse to such characters in Python, which no tokenizer or UTF-8 encoder
+    takes; serde refuses them while parsing."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"\\u{ord(item[e.start]):04x}"
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 def load_json(raw: bytes):
-    """The JSON value of a body (NaN and Infinity refused, as serde does), or a body_parse_error."""
+    """The JSON value of a body (NaN and Infinity refused, as serde does; so are lone surrogates), or a
+    body_parse_error."""
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        value = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
         raise body_parse_error(f"invalid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
         raise body_parse_error(f"{e.msg} at line {e.lineno} column {e.colno}") from None
     except (ValueError, RecursionError) as e:
         raise body_parse_error(str(e)) from None
+    surrogate = _lone_surrogate(value)
+    if surrogate is not None:
+        raise body_parse_error(f"lone surrogate {surrogate} in a string: not a Unicode character")
+    return value
 
 
 def parse_request(raw: bytes, *, compat: bool = False) -> GenerateRequest:
@@ -213,10 +238,11 @@ class ValidParameters:
 
 
 def validate_best_of(best_of: int, limits: Limits) -> int:
-    """Infer::generate_best_of's check, run before the others when best_of > 1."""
+    """Infer::generate_best_of's check, run before the others when best_of != 1 (TGI lets 0 through to one
+    generation; it is refused here with the same message)."""
     if limits.max_best_of == 1 and best_of != 1:
         raise validation_error("`best_of` != 1 is not allowed for this endpoint")
-    if best_of > limits.max_best_of:
+    if best_of > limits.max_best_of or best_of < 1:
         raise validation_error(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
     return best_of
 
@@ -225,6 +251,8 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
                         rng: random.Random | None = None) -> ValidParameters:
     """validation.rs ``validate`` up to tokenization, in TGI's order."""
     best_of = 1 if p.best_of is None else p.best_of
+    if best_of < 1:
+        raise validation_error(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
     sampling_requested = (p.do_sample or p.temperature is not None or p.top_k is not None
                           or p.top_p is not None or p.typical_p is not None)
     if best_of > 1 and not sampling_requested:

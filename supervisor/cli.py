@@ -38,7 +38,7 @@ def main() -> None:
 @main.command()
 def up(**kw) -> None:
     """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
-    from llmbus.bus.rundir import RunDir, RunDirInUse
+    from llmbus.bus.rundir import RunDir, RunDirError
     from llmbus.supervisor.launcher import Launcher
 
     if kw["print_env"]:
@@ -46,7 +46,7 @@ def up(**kw) -> None:
     settings = _resolve(kw)
     try:
         run_dir = RunDir(kw["run_dir"])
-    except RunDirInUse as e:
+    except RunDirError as e:
         raise click.ClickException(str(e)) from None
     launch = _launch_plan(kw, settings, str(run_dir.path))
     with run_dir:

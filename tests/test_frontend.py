@@ -492,6 +492,24 @@ def test_best_of(fe):
     assert list(seqs[0]) == ["generated_text", "finish_reason", "generated_tokens", "seed", "prefill", "tokens"]
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"inputs": "hi", "parameters": {"best_of": 0}}),
+    ("/generate", {"inputs": "\ud800 hi"}),
+    ("/tokenize", {"inputs": "\ud800"}),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["\udc00"], "top_k": "\ud800"}}),  # an invalid field
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "\ud83d"}]}),
+])
+def test_bad_input_found_by_fuzzing_is_a_422_and_the_server_keeps_serving(fe, path, body):
+    """best_of 0 and lone UTF-16 surrogates (``"\\ud800"`` in the JSON) were 500s (IndexError, then
+    UnicodeEncodeError in the tokenizer or in the error message itself)."""
+    status, _, answer = fe.post(path, body)
+    assert status == 422, answer
+    text = json.dumps(answer)
+    assert ("`best_of` must be > 0 and <= 2. Given: 0" in text
+            or "Failed to parse the request body as JSON: lone surrogate \\\\ud" in text), text
+    assert fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}})[0] == 200
+
+
 def test_stop_sequence_finishes_and_aborts(fe):
     status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {
         "stop": ["nothing", "wörld"], "details": True, "max_new_tokens": 50}})
