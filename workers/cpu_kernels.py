@@ -184,17 +184,24 @@ class DecodeAttentionKernel:
         return out
 
 
-@functools.cache
-def decode_attention_kernel() -> DecodeAttentionKernel | None:
-    """The kernel, built if needed; None where it cannot be (logged once, with the reason)."""
+def load_library(source: Path, falls_back: str) -> ctypes.CDLL | None:
+    """``source`` built if needed and loaded; None where kernels are disabled (``LLMBUS_CPU_KERNELS=0``),
+    there is no C compiler, or the build fails (logged, with ``falls_back``: what runs instead)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: decode attention runs on torch ops (slower)")
+        log.warning(f"no C compiler found: {falls_back}", source=source.name)
         return None
     try:
-        return DecodeAttentionKernel(ctypes.CDLL(str(_build(compiler))))
+        return ctypes.CDLL(str(_build(compiler, source)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("could not build the decode attention kernel: it runs on torch ops (slower)", error=str(exc))
+        log.warning(f"could not build {source.name}: {falls_back}", error=str(exc))
         return None
+
+
+@functools.cache
+def decode_attention_kernel() -> DecodeAttentionKernel | None:
+    """The kernel, built if needed; None where it cannot be (logged once, with the reason)."""
+    library = load_library(SOURCE, "decode attention runs on torch ops (slower)")
+    return DecodeAttentionKernel(library) if library is not None else None

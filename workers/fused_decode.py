@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
-import structlog
 import torch
 
 from llmbus.workers import cpu_kernels
@@ -31,7 +27,6 @@ from llmbus.workers.kv_cache import PagedKVCache
 
 SOURCE = Path(__file__).with_name("decode_layer.c")
 MAX_BATCH = 8  # decode_layer.c's MAX_ROWS
-log = structlog.get_logger("llmbus.workers.fused_decode")
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -54,15 +49,8 @@ class _StepArgs(ctypes.Structure):
 @functools.cache
 def decode_layer_library() -> ctypes.CDLL | None:
     """``decode_layer.c`` built and loaded; None where it cannot be (logged once, with the reason)."""
-    if os.environ.get(cpu_kernels.DISABLE_ENV, "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
-    try:
-        library = ctypes.CDLL(str(cpu_kernels._build(compiler, SOURCE)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("could not build the fused decode layer: decodes run on torch ops", error=str(exc))
+    library = cpu_kernels.load_library(SOURCE, "small decode steps run layer by layer on torch ops (slower)")
+    if library is None:
         return None
     library.decode_layer_f32.argtypes = [ctypes.POINTER(_StepArgs), ctypes.POINTER(_LayerArgs), _P]
     library.decode_layer_f32.restype = ctypes.c_int

@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,16 +207,8 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """quant_kernels.c built and loaded, or None (logged once) where it cannot run here."""
-    if os.environ.get(cpu_kernels.DISABLE_ENV, "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: quantized layers run on torch's kernels (slower)")
-        return None
-    try:
-        library = ctypes.CDLL(str(cpu_kernels._build(compiler, KERNEL_SOURCE)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("could not build the quantized kernels: torch's run instead (slower)", error=str(exc))
+    library = cpu_kernels.load_library(KERNEL_SOURCE, "quantized layers run on torch's kernels (slower)")
+    if library is None:
         return None
     if not library.quant_kernels_available():
         log.info("this CPU has no AVX512-BF16: quantized layers run on torch's kernels")
