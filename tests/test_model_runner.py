@@ -113,6 +113,25 @@ def test_fused_decode_layer_and_torch_layers_both_match_transformers(checkpoint,
     assert sum(ran) >= 5 and not all(ran)  # decode-only steps took it; steps with prompts did not
 
 
+def test_fused_decode_layer_reads_int8_weights_as_the_torch_path_computes_them(checkpoint):
+    """--quantize int8 with float32 activations where quant_kernels.c does not run: the fused layer
+    streams the int8 rows and their group scales; the torch path multiplies by the dequantized copy.
+    Same tokens (no transformers reference: the weights are not the checkpoint's)."""
+    runner = ModelRunner(checkpoint.path, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=512,
+                         quantize="int8")
+    fused = runner.model.fused_decode
+    if fused is None:
+        pytest.skip("int8 runs on quant_kernels.c here (or no C compiler): the fused layer does not take it")
+    ran = []
+    fused.run = lambda *args, run=fused.run: ran.append(run(*args)) or ran[-1]
+    results = {}
+    for name, layers in (("fused", fused), ("torch", None)):
+        runner.model.fused_decode = layers
+        results[name] = drive(runner, mixed_requests(checkpoint.prompts))
+    assert {r: v.tokens for r, v in results["fused"].items()} == {r: v.tokens for r, v in results["torch"].items()}
+    assert all(len(v.tokens) > 1 for v in results["fused"].values()) and sum(ran) >= 5
+
+
 # -- tensor parallelism --------------------------------------------------------------------------
 
 

@@ -7,8 +7,9 @@
  * is one parallel region whose stages are separated by OpenMP barriers; the projections are GEMVs that
  * stream each weight row once for every row of the batch, which is what bounds a small batch's step.
  *
- * float32 only: weights [out, in] row-major as checkpoints store them, the residual stream float32 (as
- * the torch path keeps it), the pool in torch's layout. Arithmetic is the torch path's up to the order of
+ * float32 activations: weights [out, in] row-major as checkpoints store them, or int8 rows with group
+ * scales (--quantize int8 where no AVX512-BF16 kernel runs: a quarter of the bytes to stream), the residual
+ * stream float32 (as the torch path keeps it), the pool in torch's layout. Arithmetic is the torch path's up to the order of
  * float32 sums. Built on first use by cpu_kernels.py, like decode_attention.c (included below).
  */
 #include "decode_attention.c"
@@ -20,9 +21,18 @@
 
 enum { MAX_ROWS = 8 }; /* batch rows one GEMV pass serves; larger batches go to torch's GEMMs */
 
+/* A projection's weight [out, in]: float32 rows, or int8 rows with a float32 scale per row and group of
+ * ``group`` inputs (w = value * scale; quant.py's Int8Weight: scale [out, ceil(in / group)]). */
 typedef struct {
-    const float *input_norm, *qkv, *qkv_bias, *o_proj, *o_bias;
-    const float *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    const float *dense;   /* or null: int8 */
+    const int8_t *values;
+    const float *scale;
+    int64_t group;
+} Proj;
+
+typedef struct {
+    const float *input_norm, *qkv_bias, *o_bias, *post_norm, *gate_up_bias, *down_bias;
+    Proj qkv, o_proj, gate_up, down;
     float *pool_key, *pool_value;
     const int64_t *starts; /* [B] first visible key, for this layer's window */
 } LayerArgs;
@@ -99,13 +109,77 @@ static inline void dot_rows(const float *w, const float *x, int64_t x_stride, in
 #endif
 }
 
+/* y[b] = w . x[b] for int8 row ``w`` with one scale per group of ``group`` inputs: the group's dot product
+ * of the raw values, times its scale (the same sum as the dequantized row's, up to float32 rounding). */
+static inline void dot_rows_int8(const int8_t *w, const float *scale, int64_t group, const float *x,
+                                 int64_t x_stride, int64_t rows, int64_t n, float *y) {
+    float total[MAX_ROWS] = {0};
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 sums[MAX_ROWS];
+    for (int64_t b = 0; b < rows; b++) sums[b] = _mm256_setzero_ps();
+#define INT8X8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+    for (int64_t g0 = 0, gi = 0; g0 < n; g0 += group, gi++) {
+        const int64_t end = g0 + group < n ? g0 + group : n;
+        int64_t k = g0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 group_scale = _mm256_set1_ps(scale[gi]);
+        if (rows == 1) { /* two chains, no arrays: the batch-1 step is this loop */
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (; k + 16 <= end; k += 16) {
+                a0 = _mm256_fmadd_ps(INT8X8(w + k), _mm256_loadu_ps(x + k), a0);
+                a1 = _mm256_fmadd_ps(INT8X8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+            }
+            for (; k + 8 <= end; k += 8) a0 = _mm256_fmadd_ps(INT8X8(w + k), _mm256_loadu_ps(x + k), a0);
+            sums[0] = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), group_scale, sums[0]);
+        } else {
+            __m256 acc[MAX_ROWS];
+            for (int64_t b = 0; b < rows; b++) acc[b] = _mm256_setzero_ps();
+            for (; k + 8 <= end; k += 8) {
+                __m256 wv = INT8X8(w + k);
+                for (int64_t b = 0; b < rows; b++)
+                    acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * x_stride + k), acc[b]);
+            }
+            for (int64_t b = 0; b < rows; b++) sums[b] = _mm256_fmadd_ps(acc[b], group_scale, sums[b]);
+        }
+#endif
+        if (k < end) {
+            for (int64_t b = 0; b < rows; b++) {
+                float rest = 0.0f;
+                for (int64_t t = k; t < end; t++) rest += (float)w[t] * x[b * x_stride + t];
+                total[b] += rest * scale[gi];
+            }
+        }
+    }
+    for (int64_t b = 0; b < rows; b++) {
+#if defined(__AVX2__) && defined(__FMA__)
+        __m128 half = _mm_add_ps(_mm256_castps256_ps128(sums[b]), _mm256_extractf128_ps(sums[b], 1));
+        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        half = _mm_add_ss(half, _mm_movehdup_ps(half));
+        total[b] += _mm_cvtss_f32(half);
+#endif
+        y[b] = total[b];
+    }
+}
+
+/* Row ``o`` of projection ``p`` (``in`` inputs) against the batch. */
+static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x, int64_t x_stride, int64_t rows,
+                            float *y) {
+    if (p->dense != 0) {
+        dot_rows(p->dense + o * in, x, x_stride, rows, in, y);
+    } else {
+        const int64_t groups = (in + p->group - 1) / p->group;
+        dot_rows_int8(p->values + o * in, p->scale + o * groups, p->group, x, x_stride, rows, in, y);
+    }
+}
+
 /* out[b] (+)= W x[b] (+ bias) for rows this thread takes; called inside a parallel region. */
-static inline void gemv(const float *weight, const float *bias, const float *x, int64_t in, int64_t out_features,
+static inline void gemv(const Proj *weight, const float *bias, const float *x, int64_t in, int64_t out_features,
                         int64_t rows, float *y, int64_t y_stride, int accumulate) {
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < out_features; o++) {
         float dots[MAX_ROWS];
-        dot_rows(weight + o * in, x, in, rows, in, dots);
+        dot_proj(weight, o, in, x, in, rows, dots);
         float add = bias != 0 ? bias[o] : 0.0f;
         for (int64_t b = 0; b < rows; b++) {
             if (accumulate) y[b * y_stride + o] += dots[b] + add;
@@ -144,7 +218,7 @@ int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
     {
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
-        gemv(l->qkv, l->qkv_bias, s->normed, H, qkv_width, B, s->qkv_out, qkv_width, 0);
+        gemv(&l->qkv, l->qkv_bias, s->normed, H, qkv_width, B, s->qkv_out, qkv_width, 0);
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < Hkv * B; pair++) {
             int64_t kv_head = pair / B, b = pair % B;
@@ -159,22 +233,22 @@ int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
                      D, group, s->scale, s->scores + pair * group * s->scores_stride, s->scores_stride,
                      s->attended + (b * Hq + kv_head * group) * D);
         }
-        gemv(l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);
+        gemv(&l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
         /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < I; i++) {
             float gate[MAX_ROWS], up[MAX_ROWS];
-            dot_rows(l->gate_up + i * H, s->normed, H, B, H, gate);
-            dot_rows(l->gate_up + (I + i) * H, s->normed, H, B, H, up);
+            dot_proj(&l->gate_up, i, H, s->normed, H, B, gate);
+            dot_proj(&l->gate_up, I + i, H, s->normed, H, B, up);
             for (int64_t b = 0; b < B; b++) {
                 float g = gate[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[i] : 0.0f);
                 float u = up[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i] : 0.0f);
                 s->act[b * I + i] = g / (1.0f + expf(-g)) * u;
             }
         }
-        gemv(l->down, l->down_bias, s->act, I, H, B, hidden, H, 1);
+        gemv(&l->down, l->down_bias, s->act, I, H, B, hidden, H, 1);
     }
     return 0;
 }
@@ -183,7 +257,18 @@ int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
  * step (its largest matrix), streamed once for every row. */
 int gemv_f32(const float *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y) {
     if (rows > MAX_ROWS) return -1;
+    const Proj dense = {weight, 0, 0, 0};
 #pragma omp parallel
-    gemv(weight, 0, x, in, out_features, rows, y, out_features, 0);
+    gemv(&dense, 0, x, in, out_features, rows, y, out_features, 0);
+    return 0;
+}
+
+/* The same for an int8 weight with group scales (quant.py's Int8Weight): a quantized LM head. */
+int gemv_int8(const int8_t *values, const float *scale, int64_t group, const float *x, int64_t in,
+              int64_t out_features, int64_t rows, float *y) {
+    if (rows > MAX_ROWS) return -1;
+    const Proj weight = {0, values, scale, group};
+#pragma omp parallel
+    gemv(&weight, 0, x, in, out_features, rows, y, out_features, 0);
     return 0;
 }

@@ -7,9 +7,11 @@ allocation and Python around very little arithmetic: ~900 a step, as much time a
 sequences (where a GEMV pass over each weight row is what bounds the step); prompts, larger batches and
 everything else keep the torch path, which stays the reference.
 
-It applies to a native Llama-family model on CPU, float32, one rank, with plain (unquantized) projections
-and the CPU attention backend. The C layer reads weights as checkpoints store them ([out, in], row-major),
-so the projections of such a model are kept plain (``Linear.plain``), not reordered for oneDNN.
+It applies to a native Llama-family model on CPU, float32 activations, one rank, the CPU attention backend,
+and projections it can read: plain float32 ones (the C layer reads weights as checkpoints store them, [out,
+in] row-major, so such a model's projections are kept plain, ``Linear.plain``, not reordered for oneDNN),
+or int8 ones that otherwise compute through a dense float32 copy (``--quantize int8`` where quant_kernels.c
+does not run): the layer then streams the int8 rows, a quarter of the bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from llmbus.workers import cpu_kernels
 from llmbus.workers.attention import AttentionMetadata, CPUKernelBackend
 from llmbus.workers.attention.cpu import KernelDecodeGroup
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.linear import Linear
+from llmbus.workers.quant import Int8Weight, _DensePack
 
 SOURCE = Path(__file__).with_name("decode_layer.c")
 MAX_BATCH = 8  # decode_layer.c's MAX_ROWS
@@ -31,10 +35,37 @@ MAX_BATCH = 8  # decode_layer.c's MAX_ROWS
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+class _Proj(ctypes.Structure):
+    _fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64)]
+
+
 class _LayerArgs(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o_proj", "o_bias", "post_norm",
-                                        "gate_up", "gate_up_bias", "down", "down_bias", "pool_key", "pool_value",
-                                        "starts")]
+    _fields_ = ([(name, _P) for name in ("input_norm", "qkv_bias", "o_bias", "post_norm", "gate_up_bias",
+                                         "down_bias")]
+                + [(name, _Proj) for name in ("qkv", "o_proj", "gate_up", "down")]
+                + [(name, _P) for name in ("pool_key", "pool_value", "starts")])
+
+
+def _int8_source(projection) -> Int8Weight | None:
+    """The int8 weight behind a ``QuantizedLinear`` that computes through a dense float32 copy (float32
+    activations where quant_kernels.c does not run), else None."""
+    pack = getattr(projection, "_pack", None)
+    source = getattr(pack, "source", None)
+    return source if isinstance(pack, _DensePack) and isinstance(source, Int8Weight) else None
+
+
+def _proj_args(projection, keep: list) -> "_Proj | None":
+    """The C view of a projection the fused layer can read (plain float32, or int8 with group scales)."""
+    if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
+        weight = projection.weight.contiguous()
+        keep.append(weight)
+        return _Proj(dense=weight.data_ptr())
+    source = _int8_source(projection)
+    if source is None:
+        return None
+    values, scale = source.values.contiguous(), source.scale.contiguous()
+    keep += [values, scale]
+    return _Proj(values=values.data_ptr(), scale=scale.data_ptr(), group=source.group or values.shape[1])
 
 
 class _StepArgs(ctypes.Structure):
@@ -56,13 +87,15 @@ def decode_layer_library() -> ctypes.CDLL | None:
     library.decode_layer_f32.restype = ctypes.c_int
     library.gemv_f32.argtypes = [_P, _P, _I64, _I64, _I64, _P]
     library.gemv_f32.restype = ctypes.c_int
+    library.gemv_int8.argtypes = [_P, _P, _I64, _P, _I64, _I64, _I64, _P]
+    library.gemv_int8.restype = ctypes.c_int
     return library
 
 
 def fused_decode_applies(device: torch.device, world_size: int, dtype: torch.dtype, quantize: str | None) -> bool:
     """Whether a native model loaded so will decode through the fused layer (then its projections stay
     plain): decided before the weights are read."""
-    return (device.type == "cpu" and world_size == 1 and dtype == torch.float32 and quantize is None
+    return (device.type == "cpu" and world_size == 1 and dtype == torch.float32 and quantize in (None, "int8")
             and CPUKernelBackend.available(device) and decode_layer_library() is not None)
 
 
@@ -80,6 +113,10 @@ class FusedDecodeLayers:
         # The LM head as a plain [vocab, hidden] weight where the model has one (a tied embedding); else
         # the model's own head.
         self._head_weight = model.plain_head_weight
+        self._gemv_int8 = library.gemv_int8
+        head_int8 = _int8_source(model.lm_head) if self._head_weight is None else None
+        contiguous = head_int8 is not None and head_int8.values.is_contiguous() and head_int8.scale.is_contiguous()
+        self._head_int8 = head_int8 if contiguous else None
         config = model.config
         self._hidden, self._intermediate = config.hidden_size, config.intermediate_size
         first = model.layers[0].attention
@@ -89,13 +126,14 @@ class FusedDecodeLayers:
         self._layers = []
         for layer in model.layers:
             attention, mlp = layer.attention, layer.mlp
-            tensors = dict(input_norm=layer.input_norm.weight, qkv=attention.qkv.weight, qkv_bias=attention.qkv.bias,
-                           o_proj=attention.o_proj.weight, o_bias=attention.o_bias,
-                           post_norm=layer.post_attention_norm.weight, gate_up=mlp.gate_up.weight,
-                           gate_up_bias=mlp.gate_up.bias, down=mlp.down.weight, down_bias=mlp.down_bias)
-            tensors = {k: None if t is None else t.contiguous() for k, t in tensors.items()}
-            self._weights.append(tensors)
-            self._layers.append(_LayerArgs(**{k: _ptr(t) for k, t in tensors.items()}))
+            vectors = dict(input_norm=layer.input_norm.weight, qkv_bias=attention.qkv.bias, o_bias=attention.o_bias,
+                           post_norm=layer.post_attention_norm.weight, gate_up_bias=mlp.gate_up.bias,
+                           down_bias=mlp.down_bias)
+            vectors = {k: None if t is None else t.float().contiguous() for k, t in vectors.items()}
+            self._weights.append(vectors)
+            projections = dict(qkv=attention.qkv, o_proj=attention.o_proj, gate_up=mlp.gate_up, down=mlp.down)
+            self._layers.append(_LayerArgs(**{k: _ptr(t) for k, t in vectors.items()},
+                                           **{k: _proj_args(p, self._weights) for k, p in projections.items()}))
         self._scratch: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -106,7 +144,7 @@ class FusedDecodeLayers:
             return None
         for layer in model.layers:
             projections = (layer.attention.qkv, layer.attention.o_proj, layer.mlp.gate_up, layer.mlp.down)
-            if not all(getattr(p, "plain", False) for p in projections):
+            if any(_proj_args(p, []) is None for p in projections):
                 return None
         library = decode_layer_library()
         return cls(model, library) if library is not None else None
@@ -119,6 +157,8 @@ class FusedDecodeLayers:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, vocab]`` of the normed ``hidden [B, H]`` of a step ``run`` took."""
+        if self._head_int8 is not None:
+            return self._int8_head(hidden.contiguous())
         if self._head_weight is None:
             return self._model.lm_head(hidden)
         hidden = hidden.contiguous()
@@ -126,6 +166,15 @@ class FusedDecodeLayers:
         logits = hidden.new_empty(hidden.shape[0], vocab)
         if self._gemv(self._head_weight.data_ptr(), hidden.data_ptr(), width, vocab, hidden.shape[0],
                       logits.data_ptr()) != 0:
+            raise ValueError("the fused LM head cannot take this shape")
+        return logits
+
+    def _int8_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self._head_int8
+        vocab, width = weight.shape
+        logits = hidden.new_empty(hidden.shape[0], vocab)
+        if self._gemv_int8(weight.values.data_ptr(), weight.scale.data_ptr(), weight.group or width,
+                           hidden.data_ptr(), width, vocab, hidden.shape[0], logits.data_ptr()) != 0:
             raise ValueError("the fused LM head cannot take this shape")
         return logits
 
