@@ -13,6 +13,7 @@ frontend gets EngineDead and the process exits non-zero so the supervisor tears 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +41,16 @@ _POLICY = SchedulerConfig()  # the policy owns its defaults; the command line of
 class EngineFailure(ServiceError):
     pass
 
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host (a zombie, which a killed rank is until its group reaps it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            state = stat_file.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 @dataclass
 class SchedulerProcessConfig(ServiceSettings):
@@ -105,6 +116,8 @@ class SchedulerService:
         # Every rank keeps a connection to `control` for its whole life, so a disconnect there is a rank
         # that died (even by SIGKILL): fail fast instead of waiting for a step deadline.
         self.control_monitor = self.control.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.rank_pids: dict[int, int] = {}  # from each rank's WorkerHello
+        self._stranger_logged_at = float("-inf")
 
     # ------------------------------------------------------------------ startup
 
@@ -135,6 +148,7 @@ class SchedulerService:
                         raise EngineFailure(f"rank {msg.rank} was started with world size {msg.world_size}, "
                                             f"the scheduler expects {n}")
                     hellos.add(msg.rank)
+                    self.rank_pids[msg.rank] = msg.pid
                 elif isinstance(msg, m.WorkerReady):
                     ready[msg.rank] = msg
                 elif isinstance(msg, m.WorkerFatal):
@@ -402,7 +416,27 @@ class SchedulerService:
                 # A fatal report may be right behind the disconnect: prefer its text.
                 if poll([self.control], 200):
                     self.check_workers({self.control})
-                raise EngineFailure("a worker rank disconnected: its process died")
+                dead = self._dead_ranks()
+                if dead == []:
+                    self._log_stranger()
+                    return
+                raise EngineFailure(f"worker rank {dead[0]} disconnected: its process died" if dead
+                                    else "a worker rank disconnected: its process died")
+
+    def _dead_ranks(self) -> list[int] | None:
+        """The ranks whose process is gone, by the pids of their hellos; None where that cannot be told
+        (ranks on other hosts: the control endpoint is not ipc; or no /proc)."""
+        if not self.cfg.endpoints.control.startswith("ipc://") or not os.path.isdir("/proc/self"):
+            return None
+        return [rank for rank, pid in sorted(self.rank_pids.items()) if not _process_alive(pid)]
+
+    def _log_stranger(self) -> None:
+        """Any local process may connect to control.sock and leave; only a rank's leaving is fatal."""
+        now = time.monotonic()
+        if now - self._stranger_logged_at >= 10.0:
+            self._stranger_logged_at = now
+            self.log.warning("a peer that is not a worker rank left the control channel; ignored",
+                             endpoint=self.cfg.endpoints.control)
 
     def shutdown_workers(self, reason: str) -> None:
         try:

@@ -18,3 +18,29 @@ def test_dropped_messages_are_logged_at_most_once_per_interval_per_kind(monkeypa
         assert sockets._decode_or_log([b"\x01", b"\xc1"]) is None
     lines = [entry for entry in logs if entry["event"] == "dropped malformed message"]
     assert [(line["kind"], line["suppressed_since_last"]) for line in lines] == [("01", 0), ("?", 0), ("01", 19_999)]
+
+
+def test_a_stranger_leaving_the_control_channel_does_not_stop_the_server(tmp_path, tiny_model_dir):
+    """Any local process of ours may connect to control.sock; only a worker rank's leaving is fatal (the
+    scheduler tells ranks by the pids of their hellos). A bare connect and disconnect stopped the server."""
+    import zmq
+
+    from harness import Server
+    from httputil import post
+
+    run_dir = tmp_path / "run"
+    srv = Server(["--model-id", str(tiny_model_dir), "--run-dir", str(run_dir), "--max-total-tokens", "256"])
+    try:
+        ctx = zmq.Context()
+        for _ in range(3):
+            stranger = ctx.socket(zmq.PUSH)
+            stranger.connect(f"ipc://{run_dir}/control.sock")
+            stranger.send_multipart([b"\x01", b"\xc1"])  # and a malformed message on the way out
+            stranger.close(linger=1000)
+        ctx.term()
+        status, _, body = post(f"{srv.url}/generate", {"inputs": "hello", "parameters": {"max_new_tokens": 3}})
+        assert status == 200, body
+        srv.stderr.wait_for("not a worker rank left the control channel", 30)
+        assert srv.proc.poll() is None
+    finally:
+        assert srv.stop() == 0
