@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,16 @@ def ensure_run_dir(path: str | os.PathLike) -> Path:
     d = Path(path)
     _claim(d)
     return d
+
+
+def ensure_run_dir_or_exit(path: str | os.PathLike, prog: str) -> Path:
+    """``ensure_run_dir`` for a service's entry point: a run dir that is not ours ends the process with
+    ``prog: why`` on stderr and exit status 2."""
+    try:
+        return ensure_run_dir(path)
+    except RunDirError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 class RunDir:

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, RunDirError, ensure_run_dir
+from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir_or_exit
 from llmbus.frontend.app import run_frontend
 from llmbus.frontend.config import FrontendConfig
 
@@ -33,10 +33,7 @@ def from_args(argv: list[str] | None = None) -> tuple[FrontendConfig, str]:
     if values["frontend_id"] is None:
         del values["frontend_id"]
     if run_dir:
-        try:
-            ensure_run_dir(run_dir)
-        except RunDirError as e:
-            parser.exit(2, f"llmbus frontend: {e}\n")
+        ensure_run_dir_or_exit(run_dir, "llmbus frontend")
         endpoints = Endpoints.in_dir(run_dir)
         values["requests_endpoint"] = values["requests_endpoint"] or endpoints.requests
         if values["events_endpoint"] is None:

@@ -251,8 +251,6 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
                         rng: random.Random | None = None) -> ValidParameters:
     """validation.rs ``validate`` up to tokenization, in TGI's order."""
     best_of = 1 if p.best_of is None else p.best_of
-    if best_of < 1:
-        raise validation_error(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
     sampling_requested = (p.do_sample or p.temperature is not None or p.top_k is not None
                           or p.top_p is not None or p.typical_p is not None)
     if best_of > 1 and not sampling_requested:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from llmbus.bus import messages as m
 from llmbus.bus import tracing
-from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, RunDirError, ensure_run_dir
+from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir_or_exit
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.service import ServiceContext, ServiceError, Terminate, install_stop_signals, run_service
 from llmbus.bus.sockets import open_socket, poll, recv, send
@@ -499,9 +498,5 @@ def main(argv: list[str] | None = None) -> int:
         # the default budget may be lowered to what the KV pool holds; an explicit one is checked instead
         cfg = dataclasses.replace(cfg, max_batch_prefill_tokens=DEFAULT_MAX_BATCH_PREFILL_TOKENS,
                                   fit_prefill_tokens_to_kv=True)
-    try:
-        ensure_run_dir(cfg.run_dir)
-    except RunDirError as e:
-        print(f"llmbus scheduler: {e}", file=sys.stderr)
-        return 2
+    ensure_run_dir_or_exit(cfg.run_dir, "llmbus scheduler")
     return run_scheduler(cfg)

@@ -126,7 +126,7 @@ class DecodeAttentionKernel:
         """``[..., block_size, D]`` K and V blocks in the kernel's layout for their dtype: bf16 K as
         ``[..., block_size/16, D/2, 16, 2]`` and V as ``[..., block_size/2, D, 2]`` (same shapes back);
         float32 as they are."""
-        if key.dtype != torch.bfloat16:
+        if not DecodeAttentionKernel.uses_own_layout(key.dtype):
             return key, value
         *lead, block_size, head_dim = key.shape
         laid_key = key.reshape(*lead, block_size // 16, 16, head_dim // 2, 2).transpose(-3, -2)
@@ -136,7 +136,7 @@ class DecodeAttentionKernel:
     @staticmethod
     def from_layout(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of ``to_layout``: blocks as torch reads them, ``[..., block_size, D]``."""
-        if key.dtype != torch.bfloat16:
+        if not DecodeAttentionKernel.uses_own_layout(key.dtype):
             return key, value
         *lead, block_size, head_dim = key.shape
         torch_key = key.reshape(*lead, block_size // 16, head_dim // 2, 16, 2).transpose(-3, -2)

@@ -47,6 +47,15 @@ typedef struct {
     float *scores;                             /* [Hkv * B, group, scores_stride] */
 } StepArgs;
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The sum of the 8 lanes. */
+static inline float hsum256(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+#endif
+
 /* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats. */
 static inline void dot_rows(const float *w, const float *x, int64_t x_stride, int64_t rows, int64_t n,
                             float *y) {
@@ -92,10 +101,7 @@ static inline void dot_rows(const float *w, const float *x, int64_t x_stride, in
             acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * x_stride + k), acc[b]);
     }
     for (int64_t b = 0; b < rows; b++) {
-        __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[b]), _mm256_extractf128_ps(acc[b], 1));
-        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        half = _mm_add_ss(half, _mm_movehdup_ps(half));
-        float sum = _mm_cvtss_f32(half);
+        float sum = hsum256(acc[b]);
         for (int64_t t = k; t < n; t++) sum += w[t] * x[b * x_stride + t];
         y[b] = sum;
     }
@@ -153,10 +159,7 @@ static inline void dot_rows_int8(const int8_t *w, const float *scale, int64_t gr
     }
     for (int64_t b = 0; b < rows; b++) {
 #if defined(__AVX2__) && defined(__FMA__)
-        __m128 half = _mm_add_ps(_mm256_castps256_ps128(sums[b]), _mm256_extractf128_ps(sums[b], 1));
-        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        half = _mm_add_ss(half, _mm_movehdup_ps(half));
-        total[b] += _mm_cvtss_f32(half);
+        total[b] += hsum256(sums[b]);
 #endif
         y[b] = total[b];
     }
@@ -253,22 +256,11 @@ int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
     return 0;
 }
 
-/* y [rows, out] = x [rows, in] W^T for a plain float32 weight [out, in]: the LM head of a small decode
+/* y [rows, out] = x [rows, in] W^T for one projection (float32 or int8 rows): the LM head of a small decode
  * step (its largest matrix), streamed once for every row. */
-int gemv_f32(const float *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y) {
+int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y) {
     if (rows > MAX_ROWS) return -1;
-    const Proj dense = {weight, 0, 0, 0};
 #pragma omp parallel
-    gemv(&dense, 0, x, in, out_features, rows, y, out_features, 0);
-    return 0;
-}
-
-/* The same for an int8 weight with group scales (quant.py's Int8Weight): a quantized LM head. */
-int gemv_int8(const int8_t *values, const float *scale, int64_t group, const float *x, int64_t in,
-              int64_t out_features, int64_t rows, float *y) {
-    if (rows > MAX_ROWS) return -1;
-    const Proj weight = {0, values, scale, group};
-#pragma omp parallel
-    gemv(&weight, 0, x, in, out_features, rows, y, out_features, 0);
+    gemv(weight, 0, x, in, out_features, rows, y, out_features, 0);
     return 0;
 }

@@ -54,18 +54,25 @@ def _int8_source(projection) -> Int8Weight | None:
     return source if isinstance(pack, _DensePack) and isinstance(source, Int8Weight) else None
 
 
-def _proj_args(projection, keep: list) -> "_Proj | None":
-    """The C view of a projection the fused layer can read (plain float32, or int8 with group scales)."""
-    if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
-        weight = projection.weight.contiguous()
-        keep.append(weight)
-        return _Proj(dense=weight.data_ptr())
-    source = _int8_source(projection)
-    if source is None:
-        return None
+def _dense_proj(weight: torch.Tensor, keep: list) -> _Proj:
+    weight = weight.contiguous()
+    keep.append(weight)
+    return _Proj(dense=weight.data_ptr())
+
+
+def _int8_proj(source: Int8Weight, keep: list) -> _Proj:
     values, scale = source.values.contiguous(), source.scale.contiguous()
     keep += [values, scale]
     return _Proj(values=values.data_ptr(), scale=scale.data_ptr(), group=source.group or values.shape[1])
+
+
+def _proj_args(projection, keep: list) -> _Proj | None:
+    """The C view of a projection the fused layer can read (plain float32, or int8 with group scales); the
+    tensors it points into are appended to ``keep``."""
+    if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
+        return _dense_proj(projection.weight, keep)
+    source = _int8_source(projection)
+    return _int8_proj(source, keep) if source is not None else None
 
 
 class _StepArgs(ctypes.Structure):
@@ -85,17 +92,19 @@ def decode_layer_library() -> ctypes.CDLL | None:
         return None
     library.decode_layer_f32.argtypes = [ctypes.POINTER(_StepArgs), ctypes.POINTER(_LayerArgs), _P]
     library.decode_layer_f32.restype = ctypes.c_int
-    library.gemv_f32.argtypes = [_P, _P, _I64, _I64, _I64, _P]
-    library.gemv_f32.restype = ctypes.c_int
-    library.gemv_int8.argtypes = [_P, _P, _I64, _P, _I64, _I64, _I64, _P]
-    library.gemv_int8.restype = ctypes.c_int
+    library.gemv_proj.argtypes = [ctypes.POINTER(_Proj), _P, _I64, _I64, _I64, _P]
+    library.gemv_proj.restype = ctypes.c_int
     return library
+
+
+def _runs_on(device: torch.device, world_size: int, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and world_size == 1 and dtype == torch.float32
 
 
 def fused_decode_applies(device: torch.device, world_size: int, dtype: torch.dtype, quantize: str | None) -> bool:
     """Whether a native model loaded so will decode through the fused layer (then its projections stay
     plain): decided before the weights are read."""
-    return (device.type == "cpu" and world_size == 1 and dtype == torch.float32 and quantize in (None, "int8")
+    return (_runs_on(device, world_size, dtype) and quantize in (None, "int8")
             and CPUKernelBackend.available(device) and decode_layer_library() is not None)
 
 
@@ -106,48 +115,57 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 class FusedDecodeLayers:
     """The layer loop of ``LlamaForCausalLM`` for small decode-only steps, one C call per layer."""
 
-    def __init__(self, model, library: ctypes.CDLL):
+    def __init__(self, model, library: ctypes.CDLL, layers: list[_LayerArgs], weights: list):
+        """``layers``: each layer's C arguments (``_layer_args``), pointing into ``weights``."""
         self._function = library.decode_layer_f32
-        self._gemv = library.gemv_f32
+        self._gemv = library.gemv_proj
         self._model = model
-        # The LM head as a plain [vocab, hidden] weight where the model has one (a tied embedding); else
-        # the model's own head.
-        self._head_weight = model.plain_head_weight
-        self._gemv_int8 = library.gemv_int8
-        head_int8 = _int8_source(model.lm_head) if self._head_weight is None else None
-        contiguous = head_int8 is not None and head_int8.values.is_contiguous() and head_int8.scale.is_contiguous()
-        self._head_int8 = head_int8 if contiguous else None
+        self._layers, self._weights = layers, weights  # kept alive: the structures hold raw pointers to them
+        # The LM head as a plain [vocab, hidden] float32 weight (a tied embedding) or int8 rows (a tied int8
+        # embedding computing through a dense copy); None: the model's own head.
+        if model.plain_head_weight is not None:
+            self._head = _dense_proj(model.plain_head_weight, weights)
+            self._head_shape = tuple(model.plain_head_weight.shape)
+        elif (head_int8 := _int8_source(model.lm_head)) is not None:
+            self._head, self._head_shape = _int8_proj(head_int8, weights), head_int8.shape
+        else:
+            self._head = None
         config = model.config
         self._hidden, self._intermediate = config.hidden_size, config.intermediate_size
         first = model.layers[0].attention
         self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self._eps, self._scale = config.rms_norm_eps, first.scale
-        self._weights = []  # kept alive: the structures hold raw pointers to them
-        self._layers = []
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _layer_args(model, weights: list) -> list[_LayerArgs] | None:
+        """Each layer's C arguments, pointing into tensors appended to ``weights``; None if a projection is
+        one the C layer cannot read."""
+        layers = []
         for layer in model.layers:
             attention, mlp = layer.attention, layer.mlp
+            projections = dict(qkv=attention.qkv, o_proj=attention.o_proj, gate_up=mlp.gate_up, down=mlp.down)
+            projections = {name: _proj_args(p, weights) for name, p in projections.items()}
+            if any(p is None for p in projections.values()):
+                return None
             vectors = dict(input_norm=layer.input_norm.weight, qkv_bias=attention.qkv.bias, o_bias=attention.o_bias,
                            post_norm=layer.post_attention_norm.weight, gate_up_bias=mlp.gate_up.bias,
                            down_bias=mlp.down_bias)
             vectors = {k: None if t is None else t.float().contiguous() for k, t in vectors.items()}
-            self._weights.append(vectors)
-            projections = dict(qkv=attention.qkv, o_proj=attention.o_proj, gate_up=mlp.gate_up, down=mlp.down)
-            self._layers.append(_LayerArgs(**{k: _ptr(t) for k, t in vectors.items()},
-                                           **{k: _proj_args(p, self._weights) for k, p in projections.items()}))
-        self._scratch: dict[str, torch.Tensor] = {}
+            weights += [t for t in vectors.values() if t is not None]
+            layers.append(_LayerArgs(**{k: _ptr(t) for k, t in vectors.items()}, **projections))
+        return layers
 
     @classmethod
     def for_model(cls, model) -> "FusedDecodeLayers | None":
         """The fused path for ``model`` if it applies (see the module's docstring), else None."""
-        if (model.device.type != "cpu" or model.tp.world_size != 1 or model.dtype != torch.float32
+        if (not _runs_on(model.device, model.tp.world_size, model.dtype)
                 or not isinstance(model.attention_backend, CPUKernelBackend)):
             return None
-        for layer in model.layers:
-            projections = (layer.attention.qkv, layer.attention.o_proj, layer.mlp.gate_up, layer.mlp.down)
-            if any(_proj_args(p, []) is None for p in projections):
-                return None
         library = decode_layer_library()
-        return cls(model, library) if library is not None else None
+        weights = []
+        layers = cls._layer_args(model, weights) if library is not None else None
+        return cls(model, library, layers, weights) if layers is not None else None
 
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
         buffer = self._scratch.get(name)
@@ -157,24 +175,13 @@ class FusedDecodeLayers:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, vocab]`` of the normed ``hidden [B, H]`` of a step ``run`` took."""
-        if self._head_int8 is not None:
-            return self._int8_head(hidden.contiguous())
-        if self._head_weight is None:
+        if self._head is None:
             return self._model.lm_head(hidden)
         hidden = hidden.contiguous()
-        vocab, width = self._head_weight.shape
+        vocab, width = self._head_shape
         logits = hidden.new_empty(hidden.shape[0], vocab)
-        if self._gemv(self._head_weight.data_ptr(), hidden.data_ptr(), width, vocab, hidden.shape[0],
+        if self._gemv(ctypes.byref(self._head), hidden.data_ptr(), width, vocab, hidden.shape[0],
                       logits.data_ptr()) != 0:
-            raise ValueError("the fused LM head cannot take this shape")
-        return logits
-
-    def _int8_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self._head_int8
-        vocab, width = weight.shape
-        logits = hidden.new_empty(hidden.shape[0], vocab)
-        if self._gemv_int8(weight.values.data_ptr(), weight.scale.data_ptr(), weight.group or width,
-                           hidden.data_ptr(), width, vocab, hidden.shape[0], logits.data_ptr()) != 0:
             raise ValueError("the fused LM head cannot take this shape")
         return logits
 

@@ -15,7 +15,7 @@ import sys
 
 import structlog
 
-from llmbus.bus.rundir import RunDirError, ensure_run_dir
+from llmbus.bus.rundir import ensure_run_dir_or_exit
 from llmbus.bus.service import die_with_parent, setup_logging, terminate_all
 from llmbus.workers.process import WorkerConfig, gpu_shortage, run_worker
 
@@ -69,11 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     cfg, _ = WorkerConfig.parse(argv, prog="llmbus workers")
-    try:
-        ensure_run_dir(cfg.run_dir)
-    except RunDirError as e:
-        print(f"llmbus workers: {e}", file=sys.stderr)
-        return 2
+    ensure_run_dir_or_exit(cfg.run_dir, "llmbus workers")
     if cfg.rank is None:
         shortage = gpu_shortage(cfg.device, cfg.world_size)
         if shortage is not None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmbus.workers.attention.base import (AttentionBackend, AttentionMetadata, StepIndex, group_token_index,
-                                           step_index)
+from llmbus.workers.attention.base import (AttentionBackend, AttentionMetadata, StepIndex, exclusive_cumsum,
+                                           group_token_index, step_index)
 from llmbus.workers.kv_cache import PagedKVCache
 
 # Groups whose sequences bring at most this many query tokens attend with two batched matmuls instead of
@@ -113,7 +113,7 @@ class TorchSDPABackend(AttentionBackend):
             padded_row = None
         else:
             padded_row = torch.arange(group_tokens, device=device) + torch.repeat_interleave(
-                torch.arange(batch, device=device) * max_query_len - (torch.cumsum(lens, 0) - lens), lens,
+                torch.arange(batch, device=device) * max_query_len - exclusive_cumsum(lens), lens,
                 output_size=group_tokens)
         key_pos = torch.arange(max_ctx, device=device)
         in_context = key_pos[None, :] < context_lens[:, None]  # [B, max_ctx]
