@@ -24,10 +24,13 @@ from typing import Any, ClassVar
 
 import msgpack
 
-WIRE_VERSION = 5  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 6  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
+# 6: RestartService (a scheduler that resumes after its ranks died relies on a supervisor that restarts
+#    them); WorkerReady's warmup step time (the default step deadline) and vocab size;
+#    SchedulerStats.worker_restarts
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -58,6 +61,7 @@ class Kind(enum.IntEnum):
     ENGINE_DEAD = 0x3F
     SERVICE_READY = 0x40
     SERVICE_FATAL = 0x41
+    RESTART_SERVICE = 0x42
 
 
 class FinishReason(enum.IntEnum):
@@ -374,6 +378,11 @@ class WorkerReady(Message):
     dtype: str = ""
     device: str = ""
     max_position_embeddings: int = 0
+    # The slowest warmup step and the tokens it computed: the scheduler's default step deadline scales
+    # from it (0: not measured).
+    warmup_step_s: float = 0.0
+    warmup_step_tokens: int = 0
+    vocab_size: int = 0  # rows of the LM head: token ids the scheduler accepts are below it (0: unknown)
 
 
 @dataclass(slots=True)
@@ -451,6 +460,7 @@ class SchedulerStats(Message):
     prefill_duration: Histogram | None = None  # whole prefill steps: command sent to result back
     decode_duration: Histogram | None = None  # whole decode steps
     next_batch_size: Histogram | None = None  # requests admitted by each step that admitted any
+    worker_restarts: int = 0  # times the worker ranks died or hung and were restarted, requests resumed
 
 
 for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size"):
@@ -510,11 +520,24 @@ class ServiceFatal(Message):
     error: str
 
 
+@dataclass(slots=True)
+class RestartService(Message):
+    """The scheduler lost its worker ranks (one died, or a step outlived its deadline) and will resume
+    every request once new ranks are ready: stop what is left of the group (SIGKILL: a hung rank does not
+    answer SIGTERM) and start it again. Without a supervisor to send it to, the scheduler gives up instead."""
+
+    KIND: ClassVar[Kind] = Kind.RESTART_SERVICE
+    service: str  # the plan's name: "workers"
+    pid: int  # of the sender
+    reason: str  # what happened, for the operator
+
+
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
     for cls in (FrontendHello, AddRequest, AbortRequest, HealthCheck, FrontendStats, StepCommand, Shutdown,
                 HealthProbe, StepResult, WorkerHello, WorkerReady, WorkerFatal, HealthAck, SchedulerHello,
-                SchedulerStats, HealthReply, TokenBatch, RequestFailed, EngineDead, ServiceReady, ServiceFatal)
+                SchedulerStats, HealthReply, TokenBatch, RequestFailed, EngineDead, ServiceReady, ServiceFatal,
+                RestartService)
 }
 assert len(MESSAGE_TYPES) == len(Kind), "every Kind has exactly one message class"
 

@@ -114,6 +114,14 @@ class ServiceContext:
     def fatal(self, error: str) -> None:
         self._tell_supervisor(m.ServiceFatal(service=self.name, pid=os.getpid(), error=error))
 
+    @property
+    def can_restart_services(self) -> bool:
+        """Launched by `llmbus up`, whose supervisor restarts a service on request (honcho cannot)."""
+        return bool(self.supervisor_endpoint)
+
+    def request_restart(self, service: str, reason: str) -> None:
+        self._tell_supervisor(m.RestartService(service=service, pid=os.getpid(), reason=reason))
+
 
 def terminate_all(procs: list[subprocess.Popen], grace_s: float,
                   on_kill: Callable[[subprocess.Popen], None] | None = None) -> None:

@@ -8,6 +8,12 @@ Aborts are batched: ``abort`` never blocks (it is called from ``finally`` blocks
 and a sender task ships every pending rid in one ``AbortRequest``. ``check_ranks`` asks the scheduler to
 probe every rank (/health); concurrent checks share one probe. Other frontends' request metrics arrive
 relayed by the scheduler and are kept in ``peer_stats``.
+
+The scheduler sends something at least every few hundred milliseconds (its SchedulerStats heartbeat), so
+a watchdog task takes SCHEDULER_SILENCE_S without any message for a dead or stopped scheduler and fails
+every request in flight with an in-band error instead of leaving clients waiting. Any message that arrives
+later (a scheduler that was only slow, or a forged EngineDead followed by the real scheduler's heartbeat)
+makes the engine healthy again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from llmbus.frontend.errors import ApiError, engine_error, generation_error
 log = structlog.get_logger("llmbus.frontend")
 
 SCHEDULER_ANSWER_MARGIN_S = 2.0  # beyond a health check's own timeout, before the scheduler counts as stuck
+SCHEDULER_SILENCE_S = 1.0  # four of the scheduler's heartbeats (scheduler/process.py HEARTBEAT_INTERVAL_S)
 
 
 @dataclass(slots=True)
@@ -75,6 +82,7 @@ class EngineClient:
         self.stats: m.SchedulerStats | None = None  # the scheduler's latest gauges
         self.peer_stats: dict[str, m.FrontendStats] = {}  # other frontends' request metrics, by id
         self.dead_reason: str | None = None
+        self._last_heard = 0.0  # loop time of the scheduler's latest message
         self._health_checks: dict[int, asyncio.Future] = {}
         self._health_check: asyncio.Future | None = None  # the check in flight, shared by concurrent callers
         self._next_check_id = 0
@@ -90,8 +98,10 @@ class EngineClient:
             await self.close()
             raise
         self.hello = msg
+        self._last_heard = asyncio.get_running_loop().time()
         self._tasks = [asyncio.create_task(self._read_loop(), name="engine-reader"),
-                       asyncio.create_task(self._abort_loop(), name="engine-aborts")]
+                       asyncio.create_task(self._abort_loop(), name="engine-aborts"),
+                       asyncio.create_task(self._watchdog(), name="engine-watchdog")]
         log.info("connected to scheduler", max_batch_total_tokens=msg.max_batch_total_tokens,
                  block_size=msg.block_size)
         return msg
@@ -220,6 +230,10 @@ class EngineClient:
                 msg = await arecv(self._pull)
                 if msg is None:
                     continue  # malformed, already logged
+                self._last_heard = asyncio.get_running_loop().time()
+                if self.dead_reason is not None and not isinstance(msg, m.EngineDead):
+                    log.warning("the scheduler is answering again: engine healthy", after=self.dead_reason)
+                    self.dead_reason = None
                 try:
                     self._dispatch(msg)
                 except Exception as e:  # noqa: BLE001 - one bad message must not stop the reader
@@ -252,6 +266,16 @@ class EngineClient:
             log.info("scheduler said hello again", max_batch_total_tokens=msg.max_batch_total_tokens)
         else:
             log.warning("unexpected message on the events channel", kind=type(msg).__name__)
+
+    async def _watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SCHEDULER_SILENCE_S / 4)
+            if self.dead_reason is not None or loop.time() - self._last_heard < SCHEDULER_SILENCE_S:
+                continue
+            if self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                continue  # this loop was busy, not the scheduler silent: the reader gets to it next
+            self._engine_dead(f"the scheduler sent nothing for {SCHEDULER_SILENCE_S:g} s: it died or hangs")
 
     def _on_tokens(self, batch: m.TokenBatch) -> None:
         now = asyncio.get_running_loop().time()

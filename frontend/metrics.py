@@ -46,6 +46,9 @@ class SchedulerStatsCollector(Collector):
                       {(): stats.prefix_cache_hit_tokens})
         yield counter("llmbus_preemptions_total", "Running requests sent back to the queue for lack of KV blocks",
                       {(): stats.preemptions})
+        yield counter("llmbus_worker_restarts_total",
+                      "Times the worker ranks died or hung and were restarted, their requests resumed",
+                      {(): stats.worker_restarts})
         yield counter("tgi_batch_inference_count", "Steps run",
                       {("prefill",): stats.prefill_steps, ("decode",): stats.decode_steps}, ("method",))
         yield counter("tgi_batch_concat", "New requests joining a running batch",

@@ -1,4 +1,5 @@
-"""Rank health probes: which /health checks wait, and which ranks still owe an answer (pure: no I/O).
+"""Rank health probes: which /health checks wait, and which ranks still owe an answer; and how often lost
+ranks are restarted (pure: no I/O).
 
 A check is answered ok only once every rank has acknowledged a probe sent after the check arrived, so a
 rank that is alive but stuck (a hung collective, a stopped process) fails /health instead of passing on
@@ -70,6 +71,30 @@ class RankHealth:
             self.owed = set()
         return answers
 
+    def fail_all(self, message: str) -> list[Answer]:
+        """The ranks are gone (being restarted): every waiting check fails now, and no probe is out."""
+        answers = [Answer(c.frontend_id, c.check_id, False, message) for c in self.covered + self.queued]
+        self.covered, self.queued, self.owed = [], [], set()
+        return answers
+
     def next_deadline(self) -> float | None:
         deadlines = [c.deadline for c in self.covered + self.queued]
         return min(deadlines) if deadlines else None
+
+
+@dataclass
+class RestartBudget:
+    """How often lost worker ranks are restarted: at most ``max_restarts`` within any ``window_s``; more
+    is a crash loop that restarting only repeats."""
+
+    max_restarts: int
+    window_s: float = 60.0
+    restarts: list[float] = field(default_factory=list)  # monotonic times of the ones in the window
+
+    def allow(self, now: float) -> bool:
+        """Whether one more restart fits; if so it is counted."""
+        self.restarts = [t for t in self.restarts if now - t < self.window_s]
+        if len(self.restarts) >= self.max_restarts:
+            return False
+        self.restarts.append(now)
+        return True

@@ -198,6 +198,23 @@ class Scheduler:
             aborted.append(req)
         return aborted
 
+    def restart(self, kv: KVBlockManager) -> list[Request]:
+        """The ranks were replaced and every KV block (and cached prefix) went with them: continue on
+        ``kv``, the new ranks' pool. Running requests go back to the head of the queue, oldest first, to
+        recompute prompt and output as preempted ones do; a request the new pool can no longer hold is
+        removed and returned."""
+        running, self.running = self.running, []
+        for req in reversed(running):
+            req.block_table, req.num_computed, req.status = [], 0, RequestStatus.WAITING
+            if req.wants_prompt_logprobs:
+                req.prompt_logprob_values.clear()
+            self.waiting.appendleft(req)
+        self.kv = kv
+        self._watermark_blocks = int(self.config.watermark * kv.num_blocks)
+        self._dropped_rids = []  # the new ranks hold no state to drop
+        too_big = [r.rid for r in self.waiting if kv.blocks_for(r.max_kv_tokens) > kv.num_blocks]
+        return self.abort(too_big)
+
     def abort_all(self) -> list[Request]:
         return self.abort(list(self._by_rid))
 

@@ -6,8 +6,16 @@ frontend, connected to the PULL that frontend announced in its FrontendHello (re
 PUSH never drops what it sends before the connection is up, unlike PUB/SUB).
 
 Lock-step: one StepCommand in flight at a time; requests that arrive meanwhile are queued by the policy
-and join the next step. Any rank failure, a step id mismatch or a step past its deadline is fatal: every
-frontend gets EngineDead and the process exits non-zero so the supervisor tears the launch down.
+and join the next step. A rank that dies or reports a fatal error, or a step past its deadline, loses the
+worker group. Launched by `llmbus up`, the scheduler then asks the supervisor to restart the group, keeps
+every request (the running ones go back to the queue as if preempted: their KV is recomputed from prompt
+and output, so the tokens are those of an undisturbed run) and resumes once the new ranks are ready; /health
+fails meanwhile. A crash loop (more than --max-restarts in RESTART_WINDOW_S), any other failure, or no
+supervisor to restart the group is fatal: every frontend gets EngineDead and the process exits non-zero so
+the supervisor tears the launch down.
+
+Every frontend hears from the scheduler at least every HEARTBEAT_INTERVAL_S (SchedulerStats), so a
+frontend tells a dead or stopped scheduler from a quiet one.
 """
 
 from __future__ import annotations
@@ -27,19 +35,28 @@ from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.service import ServiceContext, ServiceError, Terminate, install_stop_signals, run_service
 from llmbus.bus.sockets import open_socket, poll, recv, send
 from llmbus.scheduler.batch_metrics import BatchMetrics
-from llmbus.scheduler.health import Answer, RankHealth
+from llmbus.scheduler.health import Answer, RankHealth, RestartBudget
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import (DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, Request, ScheduledBatch,
                                      Scheduler, SchedulerConfig)
 
 
 STATS_INTERVAL_S = 0.25  # SchedulerStats while steps run back to back
+HEARTBEAT_INTERVAL_S = 0.25  # SchedulerStats at least this often, busy or idle (frontend/engine_client.py)
+RESTART_WINDOW_S = 60.0
+# The default step deadline: this floor (first steps after a start, an odd slow step) plus this many times
+# what the warmup measured for the step's tokens.
+STEP_TIMEOUT_FLOOR_S = 30.0
+STEP_TIMEOUT_WARMUP_FACTOR = 10.0
 _POLICY = SchedulerConfig()  # the policy owns its defaults; the command line offers the same ones
 
 
 class EngineFailure(ServiceError):
     pass
 
+
+class WorkersLost(EngineFailure):
+    """The worker ranks died, failed or hung: restarting the group and recomputing resumes every request."""
 
 
 def _process_alive(pid: int) -> bool:
@@ -82,7 +99,16 @@ class SchedulerProcessConfig(ServiceSettings):
                                              "http/protobuf for OTLP/HTTP). Needs the tracing extra.")
     otlp_service_name: str = setting("llmbus", env="OTLP_SERVICE_NAME",
                                      help="Spans come from <name>.frontend and <name>.scheduler.")
-    step_timeout_s: float = 300.0
+    step_timeout_s: float | None = setting(
+        None, flag="--step-timeout", env="STEP_TIMEOUT",
+        help=f"Seconds one step may take before its ranks count as hung (and are restarted, see --max-restarts). "
+             f"Default: {STEP_TIMEOUT_FLOOR_S:g} s plus {STEP_TIMEOUT_WARMUP_FACTOR:g}x the warmup's time per "
+             f"token for the step's tokens.")
+    max_restarts: int = setting(
+        3, env="MAX_RESTARTS",
+        help=f"Restart worker ranks that crashed or hung, resuming every request where it was, at most this many "
+             f"times in {RESTART_WINDOW_S:g} s (also a dead frontend, with --num-frontends > 1). 0: a worker "
+             f"failure stops the server, as TGI's does.")
 
     @property
     def endpoints(self) -> Endpoints:
@@ -104,6 +130,12 @@ class SchedulerService:
         self.metrics = BatchMetrics()
         self.health = RankHealth(cfg.world_size)
         self.frontend_stats: dict[str, m.FrontendStats] = {}  # the latest of each, relayed to the others
+        self.restarts = RestartBudget(cfg.max_restarts, RESTART_WINDOW_S)
+        self.worker_restarts = 0
+        self.recovering: str | None = None  # why the ranks are being restarted, while they are
+        self.warmup_s_per_token = 0.0
+        self.warmup_step_tokens = 1
+        self.vocab_size = 0  # 0: unknown (ranks of an older version)
         self._init_sockets()
 
     def _init_sockets(self) -> None:
@@ -121,7 +153,9 @@ class SchedulerService:
     # ------------------------------------------------------------------ startup
 
     def wait_for_workers(self) -> None:
-        """Hello from every rank and a subscription from every rank, then Ready from every rank."""
+        """Hello from every rank and a subscription from every rank, then Ready from every rank. While
+        ``recovering``, requests keep arriving (queued), health checks fail at once, frontends get their
+        heartbeats, and a new rank that dies or fails raises WorkersLost."""
         n = self.cfg.world_size
         deadline = time.monotonic() + self.cfg.worker_start_timeout_s
         subscriptions, hellos, ready = 0, set(), {}
@@ -132,7 +166,19 @@ class SchedulerService:
                     f"timed out after {self.cfg.worker_start_timeout_s:.0f}s waiting for {n} worker rank(s) "
                     f"(subscribed {subscriptions}, hello {sorted(hellos)}, ready {sorted(ready)}); weight "
                     f"loading or warmup may be slow: raise --worker-start-timeout")
-            for sock in poll([self.steps, self.control], int(min(remaining, 1.0) * 1000)):
+            watched = [self.steps, self.control]
+            if self.recovering:
+                watched += [self.requests, self.control_monitor]
+                self.publish_stats()
+            for sock in poll(watched, int(min(remaining, HEARTBEAT_INTERVAL_S) * 1000) + 1):
+                if sock is self.requests:
+                    self.drain_intake()
+                    continue
+                if sock is self.control_monitor:
+                    recv_monitor_message(self.control_monitor)
+                    if self._dead_ranks():  # the old group's ranks are forgotten: only a new one counts
+                        raise WorkersLost(f"worker rank {self._dead_ranks()[0]} died while starting")
+                    continue
                 if sock is self.steps:
                     frame = self.steps.recv()
                     if frame[:1] == b"\x01":
@@ -151,7 +197,10 @@ class SchedulerService:
                 elif isinstance(msg, m.WorkerReady):
                     ready[msg.rank] = msg
                 elif isinstance(msg, m.WorkerFatal):
-                    raise EngineFailure(f"worker rank {msg.rank} failed during startup: {msg.error}")
+                    if self.recovering and msg.rank not in hellos:
+                        continue  # a rank of the lost group, reporting its end late
+                    failure = WorkersLost if self.recovering else EngineFailure
+                    raise failure(f"worker rank {msg.rank} failed during startup: {msg.error}")
         num_blocks = min(r.num_blocks for r in ready.values())
         block_size = ready[0].block_size
         capacity = num_blocks * block_size
@@ -167,11 +216,22 @@ class SchedulerService:
             raise EngineFailure(f"`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: "
                                 f"{self.cfg.max_batch_prefill_tokens} and {capacity}")
         self.kv_info = (num_blocks, block_size)
+        slowest = max(ready.values(), key=lambda r: r.warmup_step_s)
+        self.warmup_step_tokens = max(slowest.warmup_step_tokens, 1)
+        self.warmup_s_per_token = slowest.warmup_step_s / self.warmup_step_tokens
+        self.vocab_size = ready[0].vocab_size
         cfg = self.cfg
+        kv = KVBlockManager(num_blocks, block_size, prefix_caching=cfg.prefix_caching)
+        if self.policy is not None:  # new ranks after a restart
+            for req in self.policy.restart(kv):
+                self._to_frontend(req.frontend_id, m.RequestFailed(
+                    rid=req.rid, error_type="validation",
+                    message=f"the restarted ranks hold {capacity} KV tokens, too few for this request"))
+            return
         self.policy = Scheduler(
             SchedulerConfig(cfg.max_batch_prefill_tokens, cfg.max_batch_size, prefill_chunking=cfg.prefill_chunking,
                             waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens),
-            KVBlockManager(num_blocks, block_size, prefix_caching=cfg.prefix_caching))
+            kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,
                       prefix_caching=cfg.prefix_caching, prefill_chunking=cfg.prefill_chunking)
@@ -188,6 +248,9 @@ class SchedulerService:
                 if req.traceparent:
                     _trace_request(req, "aborted")
         elif isinstance(msg, m.HealthCheck):
+            if self.recovering:
+                self._to_frontend(msg.frontend_id, m.HealthReply(msg.check_id, False, self._recovering_text()))
+                return
             self.health.check(msg.frontend_id, msg.check_id, msg.timeout_s, time.monotonic())
             self._probe_ranks()
         elif isinstance(msg, m.FrontendStats):
@@ -208,6 +271,13 @@ class SchedulerService:
         old = self.frontends.pop(msg.frontend_id, None)
         if old is not None:
             old.close(0)
+            # A frontend says hello once: this is a new process under a dead one's id (restarted by the
+            # supervisor), which knows nothing of the old one's requests and will reuse their rids.
+            orphans = self.policy.abort([r.rid for r in self.policy.running + list(self.policy.waiting)
+                                         if r.frontend_id == msg.frontend_id])
+            if orphans:
+                self.log.warning("frontend restarted: its earlier requests aborted", frontend=msg.frontend_id,
+                                 aborted=len(orphans))
         sock = open_socket(self.ctx.zmq_ctx, zmq.PUSH, msg.events_endpoint)
         self.frontends[msg.frontend_id] = sock
         num_blocks, block_size = self.kv_info
@@ -294,7 +364,7 @@ class SchedulerService:
         )
         started = time.monotonic()
         send(self.steps, cmd)
-        result = self._await_result()
+        result = self._await_result(self._step_timeout(len(cmd.token_ids)))
         self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
                                  time.monotonic() - started)
         sampled = dict(zip(result.rids, zip(result.token_ids, result.logprobs)))
@@ -309,23 +379,33 @@ class SchedulerService:
         top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None
         self._publish(events, top_tokens)
 
-    def _await_result(self) -> m.StepResult:
-        deadline = time.monotonic() + self.cfg.step_timeout_s
+    def _step_timeout(self, num_tokens: int) -> float:
+        if self.cfg.step_timeout_s is not None:
+            return self.cfg.step_timeout_s
+        tokens = max(num_tokens, self.warmup_step_tokens)
+        return STEP_TIMEOUT_FLOOR_S + STEP_TIMEOUT_WARMUP_FACTOR * self.warmup_s_per_token * tokens
+
+    def _await_result(self, timeout_s: float) -> m.StepResult:
+        deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EngineFailure(f"step {self.step_id} got no result within {self.cfg.step_timeout_s:.0f}s")
+                raise WorkersLost(f"step {self.step_id} got no result within {timeout_s:.1f}s (--step-timeout): "
+                                  f"a rank hangs")
             ready = poll([self.results, self.control, self.control_monitor, self.requests],
-                         self._poll_ms(min(remaining, 1.0)))
+                         self._poll_ms(min(remaining, HEARTBEAT_INTERVAL_S)))
             self.check_workers(ready)
             if self.requests in ready:
                 self.drain_intake()  # requests arriving mid-step join the next one
+            self.publish_stats()
             if self.results in ready:
                 msg = recv(self.results, zmq.NOBLOCK)
                 if not isinstance(msg, m.StepResult):
                     continue
+                if msg.step_id < self.step_id:
+                    continue  # sent by a rank 0 that died before it was read: that step was computed again
                 if msg.step_id != self.step_id:
-                    raise EngineFailure(f"rank 0 answered step {msg.step_id} while step {self.step_id} was due")
+                    raise WorkersLost(f"rank 0 answered step {msg.step_id} while step {self.step_id} was due")
                 return msg
 
     def _publish(self, events, top_tokens: dict[str, list] | None = None) -> None:
@@ -362,13 +442,16 @@ class SchedulerService:
             kv_blocks_cached=kv.num_cached, prefix_cache_queried_tokens=counters.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=counters.prefix_cache_hit_tokens, preemptions=counters.preemptions,
             concat_chunking=counters.concat["chunking"], concat_backpressure=counters.concat["backpressure"],
-            concat_wait_exceeded=counters.concat["wait_exceeded"]))
+            concat_wait_exceeded=counters.concat["wait_exceeded"], worker_restarts=self.worker_restarts))
 
     def publish_stats(self, force: bool = False) -> None:
         """Gauges to every frontend: when ``force``d (a request joined or left the batch, or the
-        scheduler went idle), otherwise at most every STATS_INTERVAL_S."""
+        scheduler went idle), otherwise at most every STATS_INTERVAL_S; and unchanged ones every
+        HEARTBEAT_INTERVAL_S, as a sign of life."""
         now = time.monotonic()
-        if not self._stats_dirty or (not force and now - self._stats_sent_at < STATS_INTERVAL_S):
+        since = now - self._stats_sent_at
+        changed = self._stats_dirty and (force or since >= STATS_INTERVAL_S)
+        if not changed and since < HEARTBEAT_INTERVAL_S:
             return
         stats = self._stats()
         for frontend_id in list(self.frontends):
@@ -387,17 +470,69 @@ class SchedulerService:
 
     def loop(self) -> None:
         while not self.stopping or self.policy.has_work:
-            self.drain_intake()
-            batch = self.policy.schedule(time.time())
-            if batch is not None:
-                running_before = len(self.policy.running) - len(batch.new_requests)
-                self.run_step(batch)
-                self._stats_dirty = True
-                self.publish_stats(force=bool(batch.new_requests) or len(self.policy.running) != running_before)
+            try:
+                self._loop_once()
+            except WorkersLost as e:
+                self.recover(str(e))
+
+    def _loop_once(self) -> None:
+        self.drain_intake()
+        batch = self.policy.schedule(time.time())
+        if batch is not None:
+            running_before = len(self.policy.running) - len(batch.new_requests)
+            self.run_step(batch)
+            self._stats_dirty = True
+            self.publish_stats(force=bool(batch.new_requests) or len(self.policy.running) != running_before)
+            return
+        self.publish_stats(force=True)
+        # Idle: block until a request (or a rank's death notice) arrives, or a heartbeat is due.
+        self.check_workers(poll([self.requests, self.control, self.control_monitor],
+                                self._poll_ms(HEARTBEAT_INTERVAL_S)))
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self, reason: str) -> None:
+        """Restart the worker group and resume every request on the new ranks; EngineFailure when that is
+        not possible (no supervisor, restarts off) or the group keeps failing."""
+        while True:
+            if not self.ctx.can_restart_services or self.cfg.max_restarts <= 0:
+                raise EngineFailure(reason)
+            if not self.restarts.allow(time.monotonic()):
+                raise EngineFailure(f"{reason}; the worker ranks were restarted {self.cfg.max_restarts} times in "
+                                    f"{RESTART_WINDOW_S:g} s already: giving up")
+            started = time.monotonic()
+            self.recovering = reason
+            self.log.warning("worker ranks lost: restarting them; requests resume after", reason=reason,
+                             requests=self.policy.num_requests)
+            self._answer_health(self.health.fail_all(self._recovering_text()))
+            self.rank_pids.clear()  # the old ranks' leaving is expected from now on
+            self._drain_stale_worker_messages()
+            self.ctx.request_restart("workers", reason)
+            try:
+                self.wait_for_workers()
+            except WorkersLost as e:
+                reason = str(e)
                 continue
-            self.publish_stats(force=True)
-            # Idle: block until a request (or a rank's death notice) arrives.
-            self.check_workers(poll([self.requests, self.control, self.control_monitor], self._poll_ms(1.0)))
+            finally:
+                self._stats_dirty = True
+            self.recovering = None
+            self.worker_restarts += 1
+            self.log.info("worker ranks back: resuming", requests=self.policy.num_requests,
+                          recovery_s=round(time.monotonic() - started, 2), restarts=self.worker_restarts)
+            return
+
+    def _recovering_text(self) -> str:
+        return f"restarting the worker ranks after: {self.recovering}"
+
+    def _drain_stale_worker_messages(self) -> None:
+        """What the lost group sent and nobody read (a last result, a fatal report, a health ack): the new
+        ranks' startup must not read it as theirs."""
+        for sock in (self.control, self.results):
+            while True:
+                try:
+                    recv(sock, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
 
     def check_workers(self, ready: set) -> None:
         """Raise EngineFailure if a rank reported a fatal error or its process went away; answer the
@@ -405,7 +540,7 @@ class SchedulerService:
         if self.control in ready:
             msg = recv(self.control, zmq.NOBLOCK)
             if isinstance(msg, m.WorkerFatal):
-                raise EngineFailure(f"worker rank {msg.rank} failed: {msg.error}")
+                raise WorkersLost(f"worker rank {msg.rank} failed: {msg.error}")
             if isinstance(msg, m.HealthAck):
                 self._answer_health(self.health.ack(msg.rank, msg.probe_id))
         self._answer_health(self.health.expire(time.monotonic()))
@@ -419,8 +554,8 @@ class SchedulerService:
                 if dead == []:
                     self._log_stranger()
                     return
-                raise EngineFailure(f"worker rank {dead[0]} disconnected: its process died" if dead
-                                    else "a worker rank disconnected: its process died")
+                raise WorkersLost(f"worker rank {dead[0]} disconnected: its process died" if dead
+                                  else "a worker rank disconnected: its process died")
 
     def _dead_ranks(self) -> list[int] | None:
         """The ranks whose process is gone, by the pids of their hellos; None where that cannot be told

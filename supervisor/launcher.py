@@ -2,8 +2,11 @@
 
 - Readiness comes from explicit ServiceReady messages on the supervisor's PULL socket, never from
   sleeps or files: the scheduler says ready once every rank is warmed up, the frontend once it listens.
-- Any child that exits unexpectedly tears everything down (SIGTERM, SIGKILL after a grace period), and
-  its last stderr lines are printed so the root cause is never lost. The exit code is non-zero.
+- A child that exits unexpectedly tears everything down (SIGTERM, SIGKILL after a grace period), and
+  its last stderr lines are printed so the root cause is never lost. The exit code is non-zero. Two
+  exceptions, by the spec's ``restart``: the worker group is restarted when the scheduler asks
+  (RestartService: it lost its ranks and resumes their requests; it owns that budget), and one of several
+  frontends is restarted while the others serve (at most ``max_restarts`` times in RESTART_WINDOW_S).
 - SIGTERM / Ctrl-C: the frontend drains (in-flight requests finish) and exits, then the engine is
   stopped; the launch exits 0. A second signal skips the drain.
 - Children run in their own sessions (a terminal's Ctrl-C reaches only us, so we choose the order) and
@@ -29,9 +32,14 @@ from llmbus.bus import messages as m
 from llmbus.bus.rundir import ENV_RUN_DIR, RunDir
 from llmbus.bus.service import ENV_JSON_LOGS, ENV_SUPERVISOR, terminate_all
 from llmbus.bus.sockets import open_socket, poll, recv
+from llmbus.scheduler.health import RestartBudget
 
 STDERR_TAIL_LINES = 40
 FRONTEND_EXIT_GRACE_S = 10.0  # beyond the graceful timeout: a frontend's own cut-short drain and exit
+RESTART_WINDOW_S = 60.0
+# A service restarted on request that exits first: how long its requester may take to ask (it notices
+# the loss within a second) before the exit counts as a failure.
+RESTART_REQUEST_WAIT_S = 10.0
 
 
 @dataclass
@@ -43,6 +51,8 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     ready_after: str | None = None  # start only once this service said ready
     reports_ready: bool = True  # False: its readiness is implied by another's (the scheduler's for workers)
+    restart: str = "never"  # "on_request": when a RestartService names it; "on_exit": whenever it dies
+    max_restarts: int = 0  # "on_exit": at most this many in RESTART_WINDOW_S
 
 
 def json_line(service: str, event: str, level: str = "info") -> str:
@@ -77,6 +87,14 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def kill_group(self) -> None:
+        """SIGKILL the child and every process it started (a worker group's ranks, a stopped one too)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the group id is its pid
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
     def signal(self, sig: int) -> None:
         if self.alive():
             try:
@@ -100,6 +118,10 @@ class Launcher:
         self.ready: dict[str, str] = {}
         self.fatal: dict[str, str] = {}
         self.signals = 0
+        self.restart_requests: dict[str, str] = {}  # service -> why, from RestartService
+        self.awaiting_request: dict[str, float] = {}  # exited "on_request" services -> deadline to be asked
+        self.budgets = {s.name: RestartBudget(s.max_restarts, RESTART_WINDOW_S) for s in plan}
+        self.restarts = 0
 
     # ------------------------------------------------------------------ public
 
@@ -158,6 +180,16 @@ class Launcher:
             if self.signals:
                 return self._graceful_stop()
             failed = self._watch_once()
+            self._serve_restart_requests()
+            if failed is None:
+                failed = self._unasked_exit()
+            elif failed.spec.restart == "on_request":
+                self.awaiting_request.setdefault(failed.spec.name, time.monotonic() + RESTART_REQUEST_WAIT_S)
+                continue
+            elif failed.spec.restart == "on_exit" and self._others_serve(failed) \
+                    and self.budgets[failed.spec.name].allow(time.monotonic()):
+                self._restart(failed, f"it {_exit_text(failed.proc.returncode)}")
+                continue
             if failed is not None:
                 return self._report_failure(failed)
 
@@ -173,15 +205,48 @@ class Launcher:
                     self.ready[msg.service] = msg.detail
                 elif isinstance(msg, m.ServiceFatal):
                     self.fatal[msg.service] = msg.error
+                elif isinstance(msg, m.RestartService):
+                    self.restart_requests[msg.service] = msg.reason
         for child in self.children:
-            if not child.alive():
+            if not child.alive() and child.spec.name not in self.awaiting_request:
                 return child
         return None
 
+    def _serve_restart_requests(self) -> None:
+        for name, reason in list(self.restart_requests.items()):
+            del self.restart_requests[name]
+            self.awaiting_request.pop(name, None)
+            child = next((c for c in self.children if c.spec.name == name and c.spec.restart == "on_request"), None)
+            if child is None:
+                self.echo(f"llmbus: restart of {name!r} requested, but no such service restarts on request")
+                continue
+            self._restart(child, reason)
+
+    def _unasked_exit(self) -> Child | None:
+        """An "on_request" service that exited and was not asked back in time: a failure after all."""
+        now = time.monotonic()
+        for name, deadline in list(self.awaiting_request.items()):
+            if now >= deadline:
+                del self.awaiting_request[name]
+                return next(c for c in self.children if c.spec.name == name)
+        return None
+
+    def _others_serve(self, child: Child) -> bool:
+        """Another process of the same role still serves (one of several frontends)."""
+        role = child.spec.name.rstrip("0123456789")
+        return any(c is not child and c.alive() and c.spec.name.rstrip("0123456789") == role for c in self.children)
+
+    def _restart(self, child: Child, reason: str) -> None:
+        child.kill_group()
+        child.stderr_tail()  # its last lines are printed before the new process's first
+        self.restarts += 1
+        self.echo(f"llmbus: restarting {child.spec.name}: {reason}")
+        self.ready.pop(child.spec.name, None)
+        self.children[self.children.index(child)] = Child(child.spec, self._env(child.spec),
+                                                          json_output=self.json_output)
+
     def _report_failure(self, child: Child) -> int:
-        code = child.proc.returncode
-        what = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        lines = [f"llmbus: {child.spec.name} {what}; stopping the other services."]
+        lines = [f"llmbus: {child.spec.name} {_exit_text(child.proc.returncode)}; stopping the other services."]
         if child.spec.name in self.fatal:
             lines.append(f"llmbus: {child.spec.name} error: {self.fatal[child.spec.name]}")
         tail = child.stderr_tail()
@@ -223,5 +288,10 @@ class Launcher:
                       self.graceful_timeout_s if graceful else self.kill_grace_s,
                       on_kill=lambda p: self.echo(f"llmbus: {names[p.pid]} ignored SIGTERM; sending SIGKILL"))
         for c in self.children:
+            c.kill_group()  # what a child left behind: a rank its group could not stop (SIGSTOPped, say)
             c._pump.join(timeout=2.0)
         self.children = [c for c in self.children if c.alive()]
+
+
+def _exit_text(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"

@@ -31,7 +31,7 @@ def build_plan(launch: LaunchPlan, python: str = sys.executable) -> list[Process
         ProcessSpec("scheduler", [python, "-m", "llmbus.scheduler", *launch.scheduler.to_argv()]),
         # The scheduler is ready only once every rank is: the group itself has nothing more to say.
         ProcessSpec("workers", [python, "-m", "llmbus.workers", *launch.workers.to_argv()], reports_ready=False,
-                    env=dict(launch.worker_env)),
+                    env=dict(launch.worker_env), restart="on_request"),
     ]
     for i in range(launch.num_frontends):
         plan.append(frontend_spec(launch, i, python))
@@ -48,7 +48,10 @@ def frontend_spec(launch: LaunchPlan, index: int, python: str = sys.executable) 
         events_endpoint=Endpoints.in_dir(run_dir).frontend_events(run_dir, frontend_id))
     # the key travels in the environment: a command line is readable by every user of the machine
     return ProcessSpec(name, [python, "-m", "llmbus.frontend", "--run-dir", run_dir, *frontend.to_argv(),
-                              "--service-name", name], ready_after="scheduler", env=frontend.secret_env())
+                              "--service-name", name], ready_after="scheduler", env=frontend.secret_env(),
+                       # one of several restarts while the others serve; a lone one ends the launch as before
+                       restart="on_exit" if launch.num_frontends > 1 else "never",
+                       max_restarts=launch.scheduler.max_restarts)
 
 
 def render_procfile(plan: list[ProcessSpec], run_dir: str, *, json_output: bool = False) -> tuple[str, str]:

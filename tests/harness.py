@@ -95,6 +95,32 @@ class Server:
         return self.proc.returncode
 
 
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 class SupervisorSocket:
     """Stands in for `llmbus up`'s supervisor: collects ServiceReady / ServiceFatal messages."""
 
@@ -117,6 +143,17 @@ class SupervisorSocket:
                 if isinstance(msg, m.ServiceReady) and msg.service == service:
                     return msg
         raise TimeoutError(f"{service} not ready within {timeout}s")
+
+    def wait_for(self, kind: type[m.Message], timeout: float = 60.0) -> m.Message:
+        """The next message of ``kind`` (others are skipped)."""
+        deadline = time.monotonic() + timeout
+        while self.sock.poll(int(max(deadline - time.monotonic(), 0.0) * 1000) + 1):
+            msg = recv(self.sock)
+            if isinstance(msg, kind):
+                return msg
+            if time.monotonic() >= deadline:
+                break
+        raise TimeoutError(f"no {kind.__name__} within {timeout}s")
 
     def close(self) -> None:
         self.sock.close(0)

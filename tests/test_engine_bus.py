@@ -4,6 +4,7 @@ The test plays the frontend with raw sockets, so what is checked is the bus cont
 continuous batching, finishing, aborts, and failure reporting.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,21 +30,32 @@ def engine():
     sup = SupervisorSocket(run_dir.path)
     env = dict(os.environ, **sup.env)
     common = ["--run-dir", str(run_dir.path)]
+    workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none", "--gpus", str(WORLD_SIZE),
+                    "--runner", "fake", "--num-blocks", "64", "--block-size", "4"]
     procs = [
         subprocess.Popen([sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", str(WORLD_SIZE)],
                          env=env),
-        subprocess.Popen([sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none",
-                          "--gpus", str(WORLD_SIZE), "--runner", "fake", "--num-blocks", "64", "--block-size", "4"],
-                         env=env),
+        # its own session, as `llmbus up` starts it: the test kills the whole group when asked to restart it
+        subprocess.Popen(workers_argv, env=env, start_new_session=True),
     ]
+
+    def restart_workers() -> None:
+        """What the supervisor does on RestartService: SIGKILL what is left of the group, start a new one."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        procs[1] = subprocess.Popen(workers_argv, env=env, start_new_session=True)
+
     try:
         sup.wait_ready("scheduler", timeout=120)
-        yield run_dir, procs
+        yield run_dir, procs, sup, restart_workers
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(procs[1].pid, signal.SIGKILL)  # ranks of a group the test started last
         sup.close()
         run_dir.close()
 
@@ -190,21 +202,63 @@ def test_malformed_frames_do_not_kill_the_scheduler(engine):
     fe.close()
 
 
-def test_killed_rank_turns_into_engine_dead(engine):
-    """Runs last in this module: it takes the engine down."""
-    run_dir, (scheduler, group) = engine
-    fe = RawFrontend(run_dir, "kill")
-    fe.add("x", [1, 2], max_new_tokens=200)
-    assert isinstance(fe.next_event(), m.TokenBatch)
+def _kill_a_rank(group: subprocess.Popen, which: int) -> None:
     rank_pids = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(group.pid)]).split()]
     assert len(rank_pids) == WORLD_SIZE
-    os.kill(rank_pids[-1], signal.SIGKILL)
-    while True:
-        ev = fe.next_event(timeout=30)
-        if isinstance(ev, m.EngineDead):
-            break
-        assert isinstance(ev, m.TokenBatch)
-    assert "worker rank" in ev.reason
-    assert scheduler.wait(30) == 1  # the scheduler exits non-zero so a supervisor tears everything down
-    assert group.wait(30) != 0
+    os.kill(rank_pids[which], signal.SIGKILL)
+
+
+def test_lost_ranks_are_restarted_and_requests_resume_until_a_crash_loop(engine):
+    """Runs last in this module: it takes the engine down. The test plays the supervisor: on each
+    RestartService it starts a new worker group."""
+    run_dir, procs, sup, restart_workers = engine
+    fe = RawFrontend(run_dir, "kill")
+    fe.add("x", [1, 2], max_new_tokens=120)
+    fe.add("y", [7, 8, 9], max_new_tokens=80)
+    tokens: dict[str, list[int]] = {}
+    finished = set()
+
+    def pump(until) -> None:
+        """Take tokens and heartbeats until ``until()``."""
+        while not until():
+            assert fe.events.poll(30_000), "the scheduler went silent"
+            ev = recv(fe.events)
+            if isinstance(ev, m.SchedulerStats):
+                fe.stats = ev
+                continue
+            assert isinstance(ev, m.TokenBatch), ev
+            for rid, tok, fin in zip(ev.rids, ev.token_ids, ev.finish_reasons):
+                tokens.setdefault(rid, []).append(tok)
+                if fin:
+                    finished.add(rid)
+
+    def restarts() -> int:
+        return fe.stats.worker_restarts if fe.stats else 0
+
+    pump(lambda: tokens)
+    for loss, which in ((1, -1), (2, 0)):  # rank 1 mid-decode, then rank 0 of the new group
+        _kill_a_rank(procs[1], which)
+        restart = sup.wait_for(m.RestartService)
+        assert restart.service == "workers" and "worker rank" in restart.reason, restart
+        restart_workers()
+        pump(lambda: restarts() == loss)  # the new ranks are ready: a loss from now on is theirs
+    pump(lambda: len(finished) == 2)
+    # every token exactly once, as an undisturbed run computes them
+    assert tokens["kill-x"] == expected_tokens([1, 2], 120)
+    assert tokens["kill-y"] == expected_tokens([7, 8, 9], 80)
+    # A third loss is still restarted (--max-restarts 3 in 60 s); the fourth is a crash loop: EngineDead.
+    _kill_a_rank(procs[1], 0)
+    sup.wait_for(m.RestartService)
+    restart_workers()
+    pump(lambda: restarts() == 3)
+    _kill_a_rank(procs[1], 0)
+    ev = fe.next_event()
+    assert isinstance(ev, m.EngineDead) and "giving up" in ev.reason and "worker rank 0" in ev.reason, ev
+    assert procs[0].wait(30) == 1  # the scheduler exits non-zero so a supervisor tears everything down
     fe.close()
+
+
+def _kill_a_rank(group: subprocess.Popen, which: int) -> None:
+    rank_pids = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(group.pid)]).split()]
+    assert len(rank_pids) == WORLD_SIZE
+    os.kill(rank_pids[which], signal.SIGKILL)

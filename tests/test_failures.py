@@ -8,41 +8,16 @@ import subprocess
 import threading
 import time
 
-from harness import Server, free_port
+from harness import Server, cmdline, descendants, free_port
 from httputil import post
 
 
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def test_killed_rank_stops_everything_within_10s(tiny_model_dir, tmp_path):
+def test_killed_rank_stops_everything_within_10s_without_restarts(tiny_model_dir, tmp_path):
     # Two ranks: the survivor is inside a collective when its peer dies, the case that must not hang.
+    # --max-restarts 0 is TGI's behaviour (test_recovery.py covers restarting).
     run_dir = tmp_path / "run"
     srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
-                  "--num-blocks", "64", "--run-dir", str(run_dir), "--gpus", "2"])
+                  "--num-blocks", "64", "--run-dir", str(run_dir), "--gpus", "2", "--max-restarts", "0"])
     try:
         assert any(p.name.endswith(".sock") for p in run_dir.iterdir())
         procs = descendants(srv.proc.pid)

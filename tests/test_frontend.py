@@ -2,8 +2,10 @@
 
 The fake scheduler is a thread with real zmq sockets: it answers FrontendHello with SchedulerHello and
 each AddRequest with a scripted reply in TokenBatch messages (three tokens per batch, one emoji split
-into its four UTF-8 bytes, EOS at the end), and records what it receives. Words in the prompt pick
-the script: HOLD (wait for ``release``), FAIL (RequestFailed). Tests wait on conditions, never sleep.
+into its four UTF-8 bytes, EOS at the end), and records what it receives. Like the real one it sends
+SchedulerStats as a heartbeat (the latest a test sent, or zeros) until it says EngineDead. Words in the
+prompt pick the script: HOLD (wait for ``release``), FAIL (RequestFailed). Tests wait on conditions,
+never sleep.
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ class FakeScheduler:
         self.health_checks: list[m.HealthCheck] = []
         self.frontend_stats: list[m.FrontendStats] = []
         self.hellos: list[m.FrontendHello] = []
+        self.heartbeat = True
+        self.stats = m.SchedulerStats(0, 0, 0, 0, 0, 16)
+        self._heartbeat_at = 0.0
         self.cond = threading.Condition()
         self._commands: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -166,9 +171,15 @@ class FakeScheduler:
                 if cmd == "release":
                     self._answer(self._held.pop(arg))
                 elif cmd == "dead":
+                    self.heartbeat = False
                     send(self._push, m.EngineDead(reason=arg))
                 elif cmd == "send":
+                    if isinstance(arg, m.SchedulerStats):
+                        self.stats = arg
                     send(self._push, arg)
+            if self.heartbeat and self._push is not None and time.monotonic() - self._heartbeat_at >= 0.25:
+                self._heartbeat_at = time.monotonic()
+                send(self._push, self.stats)
 
     def _handle(self, msg) -> None:
         with self.cond:  # record first: the frontend may answer its client as soon as we reply
@@ -780,6 +791,39 @@ def test_engine_dead_fails_in_flight_and_health(fe):
     status, _, body = fe.post("/generate", {"inputs": "hi"})
     assert (status, body) == (424, expected)
     assert fe.sched.aborts == []
+
+
+def _wait_health(fe: Frontend, status: int) -> None:
+    deadline = time.monotonic() + WAIT
+    while fe.request("GET", "/health")[0] != status:
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+
+
+def test_a_silent_scheduler_fails_requests_in_band_and_its_next_heartbeat_heals(make_frontend):
+    fe = make_frontend()
+    streaming = Background(fe, "/generate_stream", {"inputs": "HOLD", "parameters": {"max_new_tokens": 5}})
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 1, "a request in flight")
+    fe.sched.heartbeat = False  # as a killed or SIGSTOPped scheduler: nothing arrives anymore
+    status, _, raw = streaming.result()
+    events = parse_sse(raw)
+    assert status == 200 and events[-1]["error_type"] == "generation", events
+    assert "the scheduler sent nothing for 1 s" in events[-1]["error"]
+    _wait_health(fe, 503)
+    fe.sched.heartbeat = True  # it was only slow after all
+    _wait_health(fe, 200)
+    status, _, body = fe.post("/generate", {"inputs": "hi"})
+    assert status == 200 and body["generated_text"] == REPLY
+
+
+def test_a_forged_engine_dead_lasts_until_the_next_heartbeat(make_frontend):
+    fe = make_frontend()
+    fe.sched.heartbeat = False  # held back until the forged message has taken effect
+    fe.sched.send_event(m.EngineDead(reason="forged by a stranger"))
+    _wait_health(fe, 503)
+    fe.sched.heartbeat = True  # the scheduler lives on
+    _wait_health(fe, 200)
+    status, _, body = fe.post("/generate", {"inputs": "hi"})
+    assert status == 200 and body["generated_text"] == REPLY
 
 
 SHUTTING_DOWN = {"error": "The server is shutting down", "error_type": "shutting_down"}

@@ -351,6 +351,40 @@ def test_preempted_request_recomputes_prompt_and_generated_tokens():
     assert b.output_ids == solo_output(b.prompt_ids, 9)
 
 
+def test_restart_after_a_lost_step_recomputes_everything_on_the_new_ranks():
+    """The ranks died during a step (its result never came): on new ranks with an empty pool, every
+    request resumes from its prompt and the tokens it had, with the output of an undisturbed run."""
+    s = make_scheduler(num_blocks=32, block_size=4)
+    reqs = [make_request(f"r{i}", prompt_len=5, max_new_tokens=10, first=20 * i) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    worker = SimWorker(4)
+    for _ in range(4):
+        batch = s.schedule()
+        s.update(batch, worker.run(batch))
+    s.add(make_request("late", prompt_len=6, max_new_tokens=10, first=90))
+    lost = s.schedule()  # sent, never answered
+    assert [r.rid for r in lost.new_requests] == ["late"]
+    had = {r.rid: list(r.output_ids) for r in reqs}
+    assert s.restart(KVBlockManager(24, 4, prefix_caching=True)) == []
+    assert [r.rid for r in s.waiting] == ["r0", "r1", "r2", "late"] and not s.running
+    assert all(r.num_computed == 0 and not r.block_table for r in s.waiting)
+    assert {r.rid: r.output_ids for r in reqs} == had  # nothing of the lost step was applied
+    drive(s, SimWorker(4))  # a new worker: any read of the old ranks' K/V (or cached prefix) fails
+    for r in reqs:
+        assert r.output_ids == solo_output(r.prompt_ids, 10)
+    assert s.kv.num_available == 24
+
+
+def test_restart_onto_a_smaller_pool_drops_what_no_longer_fits():
+    s = make_scheduler(num_blocks=16, block_size=4)
+    s.add(make_request("big", prompt_len=20, max_new_tokens=20))
+    s.add(make_request("small", prompt_len=2, max_new_tokens=2, first=60))
+    step(s)
+    dropped = s.restart(KVBlockManager(4, 4))
+    assert [r.rid for r in dropped] == ["big"] and [r.rid for r in s.waiting] == ["small"]
+
+
 def test_preemption_reuses_the_victims_cached_blocks():
     s = make_scheduler(num_blocks=5, block_size=4)
     a = make_request("a", prompt_len=4, max_new_tokens=9)

@@ -23,8 +23,8 @@ class FakeRunner:
         self.max_position_embeddings = 1 << 20
         self.steps = 0
 
-    def warmup(self) -> None:
-        pass
+    def warmup(self) -> int:
+        return 1
 
     def next_token(self, last_token: int, position: int) -> int:
         return (last_token * 31 + position * 7 + 3) % self.vocab_size

@@ -8,6 +8,7 @@ single Procfile entry (one process group) takes the whole TP group down with it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import structlog
 
 from llmbus.bus.rundir import ensure_run_dir_or_exit
 from llmbus.bus.service import die_with_parent, setup_logging, terminate_all
-from llmbus.workers.process import WorkerConfig, gpu_shortage, run_worker
+from llmbus.workers.process import WorkerConfig, default_dist_init_file, gpu_shortage, run_worker
 
 GRACE_S = 5.0
 
@@ -75,5 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         if shortage is not None:
             print(f"llmbus workers: {shortage}", file=sys.stderr)
             return 2
+        if cfg.dist_init is None:
+            # torch.distributed's file store: one left by a group that was killed (and is now restarted)
+            # holds that group's keys, which the new ranks must not read
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(default_dist_init_file(cfg.run_dir))
         return run_group(argv, cfg.world_size)
     return run_worker(cfg)

@@ -193,6 +193,7 @@ class ModelRunner:
         # takes ~0.3 s and some memory that a server without such requests need not spend).
         self._grammar: GrammarMasks | None = None
         self.max_position_embeddings = self.model.max_position_embeddings
+        self.vocab_size = self.model.config.vocab_size
         # Rank 0 only, and only for requests with a repetition or frequency penalty.
         self.histories: dict[str, TokenHistory] = {}
         # Rank 0, prompt logprobs of a chunked prompt: the log-softmax of a chunk's last row, which
@@ -393,9 +394,9 @@ class ModelRunner:
             next_block += num_blocks
         return seqs
 
-    def warmup(self) -> None:
+    def warmup(self) -> int:
         """A real worst-case prefill (all ``max_batch_prefill_tokens`` at once; a short one on CPU, see
-        ``CPU_WARMUP_TOKENS``), results discarded.
+        ``CPU_WARMUP_TOKENS``), results discarded; returns the tokens it computed.
 
         On CUDA it fails here rather than on the first real batch if memory is short, and without an
         explicit budget it sizes the KV pool from what is free once the activation peak is known.
@@ -425,13 +426,15 @@ class ModelRunner:
                 f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "
                 f"You need to decrease `--max-batch-prefill-tokens`") from e
         self._synchronize()
+        warmup_tokens = sum(len(s.token_ids) for s in seqs)
         if not size_from_free_memory:
-            return
+            return warmup_tokens
         scratch_bytes = cache.nbytes
         del cache, logits
         num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes)
         self.kv_cache = self._new_cache(num_blocks)
         self.num_blocks = num_blocks
+        return warmup_tokens
 
     def _blocks_for_free_gpu_memory(self, allocated_before: int, scratch_bytes: int) -> int:
         """The KV blocks a GPU pool gets after warmup: of the memory free now, less what

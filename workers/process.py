@@ -68,6 +68,10 @@ class StepGap(RuntimeError):
     pass
 
 
+def default_dist_init_file(run_dir: str) -> str:
+    return os.path.join(run_dir, "dist-init")
+
+
 def gpu_shortage(device: str, world_size: int) -> str | None:
     """Why ``world_size`` ranks cannot each have a GPU of their own under ``device``, or None when they
     can (or run on CPU). Checked before any weights load: ranks sharing a GPU would only run out of
@@ -149,7 +153,7 @@ class Worker:
         if self.cfg.world_size > 1:
             import torch.distributed as dist
 
-            init = self.cfg.dist_init or f"file://{os.path.join(self.cfg.run_dir, 'dist-init')}"
+            init = self.cfg.dist_init or f"file://{default_dist_init_file(self.cfg.run_dir)}"
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -168,7 +172,9 @@ class Worker:
                                                             or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
                                   cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize)
         load_s = time.monotonic() - t0
-        self.runner.warmup()
+        warmup_started = time.monotonic()
+        warmup_tokens = self.runner.warmup()
+        warmup_step_s = time.monotonic() - warmup_started
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
                       device=str(device), load_s=round(load_s, 2),
                       warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks,
@@ -176,7 +182,9 @@ class Worker:
         send(self.control, m.WorkerReady(rank=self.cfg.rank, num_blocks=self.runner.num_blocks,
                                          block_size=self.runner.block_size,
                                          dtype=str(dtype).removeprefix("torch."), device=str(device),
-                                         max_position_embeddings=self.runner.max_position_embeddings))
+                                         max_position_embeddings=self.runner.max_position_embeddings,
+                                         warmup_step_s=warmup_step_s, warmup_step_tokens=warmup_tokens,
+                                         vocab_size=self.runner.vocab_size))
 
     def loop(self) -> None:
         while True:
@@ -189,7 +197,8 @@ class Worker:
                 continue
             if not isinstance(msg, m.StepCommand):
                 continue
-            if msg.step_id != self.last_step + 1:
+            # A rank started to replace a lost group joins at whatever step the scheduler is at.
+            if self.last_step and msg.step_id != self.last_step + 1:
                 raise StepGap(f"rank {self.cfg.rank} got step {msg.step_id} after step {self.last_step}")
             self.last_step = msg.step_id
             out = self.runner.step(self.apply(msg))
