@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from harness import LineReader, free_port  # noqa: E402
-from test_failures import descendants  # noqa: E402  (the launcher's process tree, read from /proc)
+from harness import LineReader, descendants, free_port  # noqa: E402  (descendants: the launcher's process tree)
 
 
 def exit_on_sigterm() -> None:

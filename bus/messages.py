@@ -11,18 +11,22 @@ Evolution rules (the wire is a protocol, like TGI's generate.proto):
 - A change that breaks that (a field's meaning, a removed field) bumps ``WIRE_VERSION``, which the
   handshakes (``WorkerHello``, ``FrontendHello``) check. ``tests/test_wire_golden.py`` pins the bytes.
 
+Decoding checks every field's type (bus/codec.py).
+
 Token ids only: workers never see text. Hot-path messages (``StepCommand``, ``StepResult``,
 ``TokenBatch``) are columnar (one list per field) so a step is one message, not one per request.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgpack
+
+from llmbus.bus.codec import Message, ProtocolError, register_nested  # noqa: F401 - ProtocolError: this API's
 
 WIRE_VERSION = 6  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
@@ -76,60 +80,6 @@ class FinishReason(enum.IntEnum):
     @property
     def tgi_name(self) -> str:
         return {1: "length", 2: "eos_token", 3: "stop_sequence"}.get(int(self), "aborted")
-
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid message of this wire version."""
-
-
-# (owner class name, field name) -> (nested message class, is a list of them)
-_NESTED: dict[tuple[str, str], tuple[type, bool]] = {}
-
-
-class Message:
-    """Base of every wire struct: array encoding in field order, defaults for missing trailing fields."""
-
-    KIND: ClassVar[Kind]
-
-    def to_wire(self) -> list:
-        out = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            nested = _NESTED.get((type(self).__name__, f.name))
-            if nested is not None and value is not None:
-                value = [v.to_wire() for v in value] if nested[1] else value.to_wire()
-            out.append(value)
-        return out
-
-    @classmethod
-    def from_wire(cls, values: Any):
-        if not isinstance(values, (list, tuple)):
-            raise ProtocolError(f"{cls.__name__}: expected an array, got {type(values).__name__}")
-        fields = dataclasses.fields(cls)
-        kwargs = {}
-        for f, value in zip(fields, values):
-            nested = _NESTED.get((cls.__name__, f.name))
-            if nested is not None and value is not None:  # None: an optional nested struct left out
-                nested_cls, many = nested
-                if many:
-                    if not isinstance(value, list):
-                        raise ProtocolError(f"{cls.__name__}.{f.name}: expected an array")
-                    value = [nested_cls.from_wire(v) for v in value]
-                else:
-                    value = nested_cls.from_wire(value)
-            kwargs[f.name] = value
-        missing = [f for f in fields[len(values):] if f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise ProtocolError(f"{cls.__name__}: missing required field {missing[0].name!r}")
-        try:
-            return cls(**kwargs)
-        except TypeError as e:
-            raise ProtocolError(f"{cls.__name__}: {e}") from None
-
-
-def _nested(owner: str, name: str, cls: type, many: bool = False) -> None:
-    _NESTED[(owner, name)] = (cls, many)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,9 +163,33 @@ class AddRequest(Message):
     grammar: Grammar | None = None  # constrained decoding; None: any token may follow
 
 
-_nested("AddRequest", "sampling", SamplingParams)
-_nested("AddRequest", "grammar", Grammar)
-_nested("AddRequest", "stopping", StoppingParams)
+    def problem(self, vocab_size: int) -> str | None:
+        """What makes this request unsafe to hand to the ranks (which trust what they are given), or None.
+        The frontend never sends such a request; any other local process might. ``vocab_size`` 0: unknown."""
+        if not self.input_ids:
+            return "empty prompt"
+        if min(self.input_ids) < 0 or (vocab_size and max(self.input_ids) >= vocab_size):
+            return f"token ids must be in [0, {vocab_size}): the model's vocabulary"
+        sp, st = self.sampling, self.stopping
+        if not all(math.isfinite(v) for v in (sp.temperature, sp.top_p, sp.typical_p, sp.repetition_penalty,
+                                              sp.frequency_penalty, sp.presence_penalty)):
+            return "sampling parameters must be finite numbers"
+        if sp.temperature <= 0 or sp.repetition_penalty <= 0:
+            return "temperature and repetition_penalty must be > 0"
+        if not (0 < sp.top_p <= 1 and 0 < sp.typical_p <= 1):
+            return "top_p and typical_p must be in (0, 1]"
+        if sp.top_k < 0 or not 0 <= sp.top_n_tokens <= 1024 or sp.seed < 0:
+            return "top_k, top_n_tokens and seed must be >= 0 (top_n_tokens at most 1024)"
+        if st.max_new_tokens < 1 or any(t < 0 for t in st.stop_token_ids):
+            return "max_new_tokens must be >= 1 and stop token ids >= 0"
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            return f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}"
+        return None
+
+
+register_nested("AddRequest", "sampling", SamplingParams)
+register_nested("AddRequest", "grammar", Grammar)
+register_nested("AddRequest", "stopping", StoppingParams)
 
 
 @dataclass(slots=True)
@@ -285,8 +259,8 @@ class NewRequestData(Message):
     grammar: Grammar | None = None
 
 
-_nested("NewRequestData", "sampling", SamplingParams)
-_nested("NewRequestData", "grammar", Grammar)
+register_nested("NewRequestData", "sampling", SamplingParams)
+register_nested("NewRequestData", "grammar", Grammar)
 
 
 @dataclass(slots=True)
@@ -300,7 +274,7 @@ class StepCommand(Message):
     """
 
     KIND: ClassVar[Kind] = Kind.STEP
-    step_id: int  # 1, 2, 3, ... per scheduler run; a rank that sees a gap dies
+    step_id: int  # 1, 2, 3, ... per scheduler run; a rank that sees a gap dies (a new rank starts anywhere)
     new_requests: list[NewRequestData]  # requests scheduled for the first time (or after preemption)
     rids: list[str]  # scheduled requests, in batch order
     num_computed: list[int]  # per scheduled request: tokens already in its KV cache
@@ -311,8 +285,8 @@ class StepCommand(Message):
     finished_rids: list[str] = field(default_factory=list)  # drop state: finished, aborted, preempted
 
 
-_nested("StepCommand", "new_requests", NewRequestData, many=True)
-_nested("FrontendStats", "histograms", Histogram, many=True)
+register_nested("StepCommand", "new_requests", NewRequestData, many=True)
+register_nested("FrontendStats", "histograms", Histogram, many=True)
 
 
 @dataclass(slots=True)
@@ -464,7 +438,7 @@ class SchedulerStats(Message):
 
 
 for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size"):
-    _nested("SchedulerStats", _name, Histogram)
+    register_nested("SchedulerStats", _name, Histogram)
 
 
 @dataclass(slots=True)

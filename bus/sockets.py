@@ -3,6 +3,10 @@
 Rules (see ARCHITECTURE.md): receivers and publishers bind, senders and subscribers connect; high-water
 marks are finite; LINGER is 0 except where a last message must get out (``linger_ms``). A malformed frame
 is logged and dropped: ``recv`` returns None, it never raises into the caller's loop.
+
+Over ipc the kernel tells who sent a message (ZeroMQ's Peer-Address metadata carries the sender's pid):
+``recv_from`` returns it, so a receiver can take a message only from the process that must have sent it,
+and every dropped message's log line names its sender.
 """
 
 from __future__ import annotations
@@ -58,8 +62,13 @@ def send(sock: zmq.Socket, msg: Message, flags: int = 0) -> None:
 
 def recv(sock: zmq.Socket, flags: int = 0) -> Message | None:
     """Next message, or None if the frames were malformed (logged). Raises zmq.Again with NOBLOCK."""
-    frames = sock.recv_multipart(flags=flags)
-    return _decode_or_log(frames)
+    return recv_from(sock, flags)[0]
+
+
+def recv_from(sock: zmq.Socket, flags: int = 0) -> tuple[Message | None, int | None]:
+    """``recv``, and the sender's pid (None where the transport cannot tell: tcp)."""
+    frames = sock.recv_multipart(flags=flags, copy=False)
+    return _decode_frames(frames)
 
 
 async def asend(sock: zmq.asyncio.Socket, msg: Message) -> None:
@@ -67,8 +76,33 @@ async def asend(sock: zmq.asyncio.Socket, msg: Message) -> None:
 
 
 async def arecv(sock: zmq.asyncio.Socket) -> Message | None:
-    frames = await sock.recv_multipart()
-    return _decode_or_log(frames)
+    return (await arecv_from(sock))[0]
+
+
+async def arecv_from(sock: zmq.asyncio.Socket) -> tuple[Message | None, int | None]:
+    frames = await sock.recv_multipart(copy=False)
+    return _decode_frames(frames)
+
+
+def peer_pid(frame: zmq.Frame) -> int | None:
+    """The sending process of ``frame`` over ipc ("host:uid:gid:pid"); None otherwise."""
+    try:
+        parts = frame.get("Peer-Address").split(":")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() else None
+
+
+def _decode_frames(frames: list[zmq.Frame]) -> tuple[Message | None, int | None]:
+    peer = peer_pid(frames[0]) if frames else None
+    data = [f.bytes for f in frames]
+    try:
+        return decode(data), peer
+    except ProtocolError as e:
+        kind = data[0][:1].hex() if data and len(data[0]) == 1 else "?"
+        log_dropped(kind, "dropped malformed message", error=str(e), peer_pid=peer, frames=len(data),
+                    sizes=[len(f) for f in data][:4])
+        return None, peer
 
 
 # A malformed message is logged at most once per this many seconds per kind, with a count of the ones
@@ -76,34 +110,26 @@ async def arecv(sock: zmq.asyncio.Socket) -> Message | None:
 DROP_LOG_INTERVAL_S = 10.0
 
 
-class _DropLog:
-    """Rate-limited error lines for dropped messages, keyed by the message kind (its first frame)."""
+class DropLog:
+    """Rate-limited error lines for messages a receiver drops (malformed, or refused: a forged sender, an
+    out-of-range field), keyed by message kind and event: at most one line per key per interval, which
+    counts the ones dropped silently since."""
 
     def __init__(self):
-        self._last: dict[bytes, float] = {}
-        self._suppressed: dict[bytes, int] = {}
+        self._last: dict[tuple[str, str], float] = {}
+        self._suppressed: dict[tuple[str, str], int] = {}
 
-    def __call__(self, frames: list[bytes], error: ProtocolError) -> None:
-        kind = frames[0][:1] if frames and len(frames[0]) == 1 else b"?"
+    def __call__(self, kind: str, event: str, **fields) -> None:
+        key = (kind, event)
         now = time.monotonic()
-        if now - self._last.get(kind, float("-inf")) < DROP_LOG_INTERVAL_S:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+        if now - self._last.get(key, float("-inf")) < DROP_LOG_INTERVAL_S:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
             return
-        self._last[kind] = now
-        log.error("dropped malformed message", error=str(error), kind=kind.hex() if kind != b"?" else "?",
-                  frames=len(frames), sizes=[len(f) for f in frames][:4],
-                  suppressed_since_last=self._suppressed.pop(kind, 0))
+        self._last[key] = now
+        log.error(event, kind=kind, **fields, suppressed_since_last=self._suppressed.pop(key, 0))
 
 
-_log_drop = _DropLog()
-
-
-def _decode_or_log(frames: list[bytes]) -> Message | None:
-    try:
-        return decode(frames)
-    except ProtocolError as e:
-        _log_drop(frames, e)
-        return None
+log_dropped = DropLog()
 
 
 def poll(sockets: list[zmq.Socket], timeout_ms: int | None) -> set[zmq.Socket]:

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from llmbus.bus import messages as m
-from llmbus.bus.sockets import arecv, asend, open_socket
+from llmbus.bus.sockets import arecv_from, asend, log_dropped, open_socket
 from llmbus.frontend.errors import ApiError, engine_error, generation_error
 
 log = structlog.get_logger("llmbus.frontend")
@@ -83,6 +83,7 @@ class EngineClient:
         self.peer_stats: dict[str, m.FrontendStats] = {}  # other frontends' request metrics, by id
         self.dead_reason: str | None = None
         self._last_heard = 0.0  # loop time of the scheduler's latest message
+        self._scheduler_pid: int | None = None  # over ipc: the sender of SchedulerHello; no one else is heard
         self._health_checks: dict[int, asyncio.Future] = {}
         self._health_check: asyncio.Future | None = None  # the check in flight, shared by concurrent callers
         self._next_check_id = 0
@@ -119,8 +120,9 @@ class EngineClient:
                 raise RuntimeError(
                     f"no SchedulerHello within {timeout_s:g} s: is the scheduler running and reading "
                     f"{self.requests_endpoint}? (this frontend listens on {self.events_endpoint})")
-            msg = await arecv(self._pull)
+            msg, sender = await arecv_from(self._pull)
             if isinstance(msg, m.SchedulerHello):
+                self._scheduler_pid = sender
                 break
             log.warning("message before SchedulerHello ignored", kind=type(msg).__name__)
         if msg.wire_version != m.WIRE_VERSION:
@@ -227,9 +229,15 @@ class EngineClient:
     async def _read_loop(self) -> None:
         try:
             while True:
-                msg = await arecv(self._pull)
+                msg, sender = await arecv_from(self._pull)
                 if msg is None:
                     continue  # malformed, already logged
+                if sender is not None and self._scheduler_pid is not None and sender != self._scheduler_pid:
+                    # any local process may write to our events socket: EngineDead from one would fail
+                    # every request, a TokenBatch would put words in the model's mouth
+                    log_dropped(type(msg).__name__, "event from a process that is not the scheduler",
+                                peer_pid=sender, scheduler_pid=self._scheduler_pid)
+                    continue
                 self._last_heard = asyncio.get_running_loop().time()
                 if self.dead_reason is not None and not isinstance(msg, m.EngineDead):
                     log.warning("the scheduler is answering again: engine healthy", after=self.dead_reason)

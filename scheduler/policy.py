@@ -182,6 +182,10 @@ class Scheduler:
         self._by_rid[request.rid] = request
         self.waiting.append(request)
 
+    def frontend_of(self, rid: str) -> str | None:
+        req = self._by_rid.get(rid)
+        return req.frontend_id if req is not None else None
+
     def abort(self, rids: list[str]) -> list[Request]:
         """Remove requests wherever they are; returns the ones that were known."""
         aborted = []

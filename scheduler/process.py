@@ -15,58 +15,36 @@ supervisor to restart the group is fatal: every frontend gets EngineDead and the
 the supervisor tears the launch down.
 
 Every frontend hears from the scheduler at least every HEARTBEAT_INTERVAL_S (SchedulerStats), so a
-frontend tells a dead or stopped scheduler from a quiet one.
+frontend tells a dead or stopped scheduler from a quiet one. This module is the frontends' side and the
+loop; the ranks' side (their sockets, handshake, step results, losses and restarts) is scheduler/ranks.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from llmbus.bus import messages as m
 from llmbus.bus import tracing
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir_or_exit
 from llmbus.bus.settings import ServiceSettings, setting
-from llmbus.bus.service import ServiceContext, ServiceError, Terminate, install_stop_signals, run_service
-from llmbus.bus.sockets import open_socket, poll, recv, send
+from llmbus.bus.service import ServiceContext, Terminate, install_stop_signals, run_service
+from llmbus.bus.sockets import log_dropped, open_socket, poll, recv_from, send
 from llmbus.scheduler.batch_metrics import BatchMetrics
-from llmbus.scheduler.health import Answer, RankHealth, RestartBudget
+from llmbus.scheduler.health import RankHealth, RestartBudget
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import (DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, Request, ScheduledBatch,
                                      Scheduler, SchedulerConfig)
-
+from llmbus.scheduler.ranks import (HEARTBEAT_INTERVAL_S, RESTART_WINDOW_S, STEP_TIMEOUT_FLOOR_S,
+                                    STEP_TIMEOUT_WARMUP_FACTOR, EngineFailure, RankChannel, WorkersLost,
+                                    process_alive)
 
 STATS_INTERVAL_S = 0.25  # SchedulerStats while steps run back to back
-HEARTBEAT_INTERVAL_S = 0.25  # SchedulerStats at least this often, busy or idle (frontend/engine_client.py)
-RESTART_WINDOW_S = 60.0
-# The default step deadline: this floor (first steps after a start, an odd slow step) plus this many times
-# what the warmup measured for the step's tokens.
-STEP_TIMEOUT_FLOOR_S = 30.0
-STEP_TIMEOUT_WARMUP_FACTOR = 10.0
 _POLICY = SchedulerConfig()  # the policy owns its defaults; the command line offers the same ones
 
-
-class EngineFailure(ServiceError):
-    pass
-
-
-class WorkersLost(EngineFailure):
-    """The worker ranks died, failed or hung: restarting the group and recomputing resumes every request."""
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs on this host (a zombie, which a killed rank is until its group reaps it, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            state = stat_file.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 @dataclass
 class SchedulerProcessConfig(ServiceSettings):
@@ -115,13 +93,14 @@ class SchedulerProcessConfig(ServiceSettings):
         return Endpoints.in_dir(self.run_dir)
 
 
-class SchedulerService:
+class SchedulerService(RankChannel):
     def __init__(self, cfg: SchedulerProcessConfig, ctx: ServiceContext):
         self.cfg = cfg
         self.ctx = ctx
         self.log = ctx.log
         self.step_id = 0
         self.frontends: dict[str, zmq.Socket] = {}
+        self.frontend_pids: dict[str, int] = {}  # over ipc: the process that said each frontend's hello
         self.stopping = False
         self.policy: Scheduler | None = None
         self.kv_info: tuple[int, int] | None = None  # (num_blocks, block_size)
@@ -139,68 +118,14 @@ class SchedulerService:
         self._init_sockets()
 
     def _init_sockets(self) -> None:
-        ep, z = self.cfg.endpoints, self.ctx.zmq_ctx
-        self.requests = open_socket(z, zmq.PULL, ep.requests)
-        self.steps = open_socket(z, zmq.XPUB, ep.steps)
-        self.results = open_socket(z, zmq.PULL, ep.results)
-        self.control = open_socket(z, zmq.PULL, ep.control)
-        # Every rank keeps a connection to `control` for its whole life, so a disconnect there is a rank
-        # that died (even by SIGKILL): fail fast instead of waiting for a step deadline.
-        self.control_monitor = self.control.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.rank_pids: dict[int, int] = {}  # from each rank's WorkerHello
-        self._stranger_logged_at = float("-inf")
+        self.requests = open_socket(self.ctx.zmq_ctx, zmq.PULL, self.cfg.endpoints.requests)
+        self._init_rank_sockets()
 
     # ------------------------------------------------------------------ startup
 
-    def wait_for_workers(self) -> None:
-        """Hello from every rank and a subscription from every rank, then Ready from every rank. While
-        ``recovering``, requests keep arriving (queued), health checks fail at once, frontends get their
-        heartbeats, and a new rank that dies or fails raises WorkersLost."""
+    def _adopt_ranks(self, ready: dict[int, m.WorkerReady]) -> None:
+        """Size the policy to the ranks' KV pools (first start), or hand it the new ranks' pool (restart)."""
         n = self.cfg.world_size
-        deadline = time.monotonic() + self.cfg.worker_start_timeout_s
-        subscriptions, hellos, ready = 0, set(), {}
-        while subscriptions < n or len(hellos) < n or len(ready) < n:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EngineFailure(
-                    f"timed out after {self.cfg.worker_start_timeout_s:.0f}s waiting for {n} worker rank(s) "
-                    f"(subscribed {subscriptions}, hello {sorted(hellos)}, ready {sorted(ready)}); weight "
-                    f"loading or warmup may be slow: raise --worker-start-timeout")
-            watched = [self.steps, self.control]
-            if self.recovering:
-                watched += [self.requests, self.control_monitor]
-                self.publish_stats()
-            for sock in poll(watched, int(min(remaining, HEARTBEAT_INTERVAL_S) * 1000) + 1):
-                if sock is self.requests:
-                    self.drain_intake()
-                    continue
-                if sock is self.control_monitor:
-                    recv_monitor_message(self.control_monitor)
-                    if self._dead_ranks():  # the old group's ranks are forgotten: only a new one counts
-                        raise WorkersLost(f"worker rank {self._dead_ranks()[0]} died while starting")
-                    continue
-                if sock is self.steps:
-                    frame = self.steps.recv()
-                    if frame[:1] == b"\x01":
-                        subscriptions += 1
-                    continue
-                msg = recv(self.control, zmq.NOBLOCK)
-                if isinstance(msg, m.WorkerHello):
-                    if msg.wire_version != m.WIRE_VERSION:
-                        raise EngineFailure(f"rank {msg.rank} speaks wire version {msg.wire_version}, "
-                                            f"the scheduler {m.WIRE_VERSION}: mixed llmbus versions")
-                    if msg.world_size != n:
-                        raise EngineFailure(f"rank {msg.rank} was started with world size {msg.world_size}, "
-                                            f"the scheduler expects {n}")
-                    hellos.add(msg.rank)
-                    self.rank_pids[msg.rank] = msg.pid
-                elif isinstance(msg, m.WorkerReady):
-                    ready[msg.rank] = msg
-                elif isinstance(msg, m.WorkerFatal):
-                    if self.recovering and msg.rank not in hellos:
-                        continue  # a rank of the lost group, reporting its end late
-                    failure = WorkersLost if self.recovering else EngineFailure
-                    raise failure(f"worker rank {msg.rank} failed during startup: {msg.error}")
         num_blocks = min(r.num_blocks for r in ready.values())
         block_size = ready[0].block_size
         capacity = num_blocks * block_size
@@ -238,12 +163,24 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ intake
 
-    def handle_intake(self, msg: m.Message | None) -> None:
+    def handle_intake(self, msg: m.Message | None, sender: int | None = None) -> None:
+        """One message from a frontend. Anything but a hello must come from a frontend that said hello,
+        and over ipc from that frontend's own process: any other local process may write to the socket."""
+        if msg is None:
+            return
         self._stats_dirty = True
+        if isinstance(msg, m.FrontendHello):
+            self._hello(msg, sender)
+            return
+        frontend_id = getattr(msg, "frontend_id", None)
+        if frontend_id is not None and not self._from_frontend(msg, frontend_id, sender):
+            return
         if isinstance(msg, m.AddRequest):
             self._add(msg)
         elif isinstance(msg, m.AbortRequest):
-            for req in self.policy.abort(msg.rids):
+            known = {fid for fid, pid in self.frontend_pids.items() if sender is None or pid == sender}
+            rids = [rid for rid in msg.rids if self.policy.frontend_of(rid) in known]
+            for req in self.policy.abort(rids):
                 self.log.debug("aborted", rid=req.rid)
                 if req.traceparent:
                     _trace_request(req, "aborted")
@@ -258,15 +195,36 @@ class SchedulerService:
             for frontend_id in list(self.frontends):
                 if frontend_id != msg.frontend_id:
                     self._to_frontend(frontend_id, msg)
-        elif isinstance(msg, m.FrontendHello):
-            self._hello(msg)
-        elif msg is not None:
-            self.log.warning("unexpected message on the requests socket", kind=type(msg).__name__)
+        else:
+            log_dropped(type(msg).__name__, "unexpected message on the requests socket", peer_pid=sender)
 
-    def _hello(self, msg: m.FrontendHello) -> None:
+    def _from_frontend(self, msg: m.Message, frontend_id: str, sender: int | None) -> bool:
+        if frontend_id not in self.frontends:
+            log_dropped(type(msg).__name__, "message for a frontend that never said hello",
+                        frontend=frontend_id, peer_pid=sender)
+            return False
+        pid = self.frontend_pids.get(frontend_id)
+        if sender is not None and pid is not None and sender != pid:
+            log_dropped(type(msg).__name__, "message in another frontend's name", frontend=frontend_id,
+                        peer_pid=sender, frontend_pid=pid)
+            return False
+        return True
+
+    def _hello(self, msg: m.FrontendHello, sender: int | None) -> None:
         if msg.wire_version != m.WIRE_VERSION:
-            self.log.error("frontend speaks another wire version; ignored", frontend=msg.frontend_id,
-                           version=msg.wire_version)
+            log_dropped("FrontendHello", "frontend speaks another wire version: mixed llmbus versions; ignored",
+                        frontend=msg.frontend_id, version=msg.wire_version, ours=m.WIRE_VERSION, peer_pid=sender)
+            return
+        holder = self.frontend_pids.get(msg.frontend_id)
+        if holder is not None and holder != sender and process_alive(holder):
+            log_dropped("FrontendHello", "hello under the id of a frontend that is still running; ignored",
+                        frontend=msg.frontend_id, frontend_pid=holder, peer_pid=sender)
+            return
+        try:
+            sock = open_socket(self.ctx.zmq_ctx, zmq.PUSH, msg.events_endpoint)
+        except zmq.ZMQError as e:
+            log_dropped("FrontendHello", "frontend hello with an unusable events endpoint; ignored",
+                        frontend=msg.frontend_id, endpoint=msg.events_endpoint, error=str(e), peer_pid=sender)
             return
         old = self.frontends.pop(msg.frontend_id, None)
         if old is not None:
@@ -278,8 +236,9 @@ class SchedulerService:
             if orphans:
                 self.log.warning("frontend restarted: its earlier requests aborted", frontend=msg.frontend_id,
                                  aborted=len(orphans))
-        sock = open_socket(self.ctx.zmq_ctx, zmq.PUSH, msg.events_endpoint)
         self.frontends[msg.frontend_id] = sock
+        if sender is not None:
+            self.frontend_pids[msg.frontend_id] = sender
         num_blocks, block_size = self.kv_info
         send(sock, m.SchedulerHello(max_batch_total_tokens=num_blocks * block_size, block_size=block_size))
         self._to_frontend(msg.frontend_id, self._stats())
@@ -289,6 +248,12 @@ class SchedulerService:
         self.log.info("frontend connected", frontend=msg.frontend_id)
 
     def _add(self, msg: m.AddRequest) -> None:
+        problem = msg.problem(self.vocab_size)
+        if problem is not None:
+            log_dropped("AddRequest", "request the ranks cannot take; failed", rid=msg.rid, reason=problem)
+            self._to_frontend(msg.frontend_id, m.RequestFailed(rid=msg.rid, error_type="validation",
+                                                               message=problem))
+            return
         req = Request(rid=msg.rid, frontend_id=msg.frontend_id, prompt_ids=list(msg.input_ids),
                       sampling=msg.sampling, stopping=msg.stopping, prompt_logprobs=msg.prompt_logprobs,
                       arrival_time=msg.arrival_time, traceparent=msg.traceparent, grammar=msg.grammar)
@@ -303,7 +268,7 @@ class SchedulerService:
     def _to_frontend(self, frontend_id: str, msg: m.Message) -> None:
         sock = self.frontends.get(frontend_id)
         if sock is None:
-            self.log.warning("event for an unknown frontend dropped", frontend=frontend_id)
+            log_dropped(type(msg).__name__, "event for an unknown frontend dropped", frontend=frontend_id)
             return
         try:
             # Never block the engine on one frontend: a dead one would otherwise stall every request
@@ -316,19 +281,6 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ health
 
-    def _probe_ranks(self) -> None:
-        probe_id = self.health.probe_to_send()
-        if probe_id is not None:
-            send(self.steps, m.HealthProbe(probe_id=probe_id))
-
-    def _answer_health(self, answers: list[Answer]) -> None:
-        for answer in answers:
-            if not answer.ok:
-                self.log.warning("health check failed", frontend=answer.frontend_id, reason=answer.message)
-            self._to_frontend(answer.frontend_id, m.HealthReply(answer.check_id, answer.ok, answer.message))
-        if answers:
-            self._probe_ranks()  # checks queued behind a finished probe get theirs
-
     def _poll_ms(self, limit_s: float) -> int:
         """A poll timeout that wakes up in time to fail a health check whose ranks did not answer."""
         deadline = self.health.next_deadline()
@@ -339,10 +291,10 @@ class SchedulerService:
     def drain_intake(self) -> None:
         while True:
             try:
-                msg = recv(self.requests, zmq.NOBLOCK)
+                msg, sender = recv_from(self.requests, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.handle_intake(msg)
+            self.handle_intake(msg, sender)
 
     # ------------------------------------------------------------------ stepping
 
@@ -378,35 +330,6 @@ class SchedulerService:
         # Per sampled rid, [[ids], [logprobs]] or [] (it asked for none); None when no request asked.
         top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None
         self._publish(events, top_tokens)
-
-    def _step_timeout(self, num_tokens: int) -> float:
-        if self.cfg.step_timeout_s is not None:
-            return self.cfg.step_timeout_s
-        tokens = max(num_tokens, self.warmup_step_tokens)
-        return STEP_TIMEOUT_FLOOR_S + STEP_TIMEOUT_WARMUP_FACTOR * self.warmup_s_per_token * tokens
-
-    def _await_result(self, timeout_s: float) -> m.StepResult:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkersLost(f"step {self.step_id} got no result within {timeout_s:.1f}s (--step-timeout): "
-                                  f"a rank hangs")
-            ready = poll([self.results, self.control, self.control_monitor, self.requests],
-                         self._poll_ms(min(remaining, HEARTBEAT_INTERVAL_S)))
-            self.check_workers(ready)
-            if self.requests in ready:
-                self.drain_intake()  # requests arriving mid-step join the next one
-            self.publish_stats()
-            if self.results in ready:
-                msg = recv(self.results, zmq.NOBLOCK)
-                if not isinstance(msg, m.StepResult):
-                    continue
-                if msg.step_id < self.step_id:
-                    continue  # sent by a rank 0 that died before it was read: that step was computed again
-                if msg.step_id != self.step_id:
-                    raise WorkersLost(f"rank 0 answered step {msg.step_id} while step {self.step_id} was due")
-                return msg
 
     def _publish(self, events, top_tokens: dict[str, list] | None = None) -> None:
         per_frontend: dict[str, m.TokenBatch] = {}
@@ -488,96 +411,6 @@ class SchedulerService:
         # Idle: block until a request (or a rank's death notice) arrives, or a heartbeat is due.
         self.check_workers(poll([self.requests, self.control, self.control_monitor],
                                 self._poll_ms(HEARTBEAT_INTERVAL_S)))
-
-    # ------------------------------------------------------------------ recovery
-
-    def recover(self, reason: str) -> None:
-        """Restart the worker group and resume every request on the new ranks; EngineFailure when that is
-        not possible (no supervisor, restarts off) or the group keeps failing."""
-        while True:
-            if not self.ctx.can_restart_services or self.cfg.max_restarts <= 0:
-                raise EngineFailure(reason)
-            if not self.restarts.allow(time.monotonic()):
-                raise EngineFailure(f"{reason}; the worker ranks were restarted {self.cfg.max_restarts} times in "
-                                    f"{RESTART_WINDOW_S:g} s already: giving up")
-            started = time.monotonic()
-            self.recovering = reason
-            self.log.warning("worker ranks lost: restarting them; requests resume after", reason=reason,
-                             requests=self.policy.num_requests)
-            self._answer_health(self.health.fail_all(self._recovering_text()))
-            self.rank_pids.clear()  # the old ranks' leaving is expected from now on
-            self._drain_stale_worker_messages()
-            self.ctx.request_restart("workers", reason)
-            try:
-                self.wait_for_workers()
-            except WorkersLost as e:
-                reason = str(e)
-                continue
-            finally:
-                self._stats_dirty = True
-            self.recovering = None
-            self.worker_restarts += 1
-            self.log.info("worker ranks back: resuming", requests=self.policy.num_requests,
-                          recovery_s=round(time.monotonic() - started, 2), restarts=self.worker_restarts)
-            return
-
-    def _recovering_text(self) -> str:
-        return f"restarting the worker ranks after: {self.recovering}"
-
-    def _drain_stale_worker_messages(self) -> None:
-        """What the lost group sent and nobody read (a last result, a fatal report, a health ack): the new
-        ranks' startup must not read it as theirs."""
-        for sock in (self.control, self.results):
-            while True:
-                try:
-                    recv(sock, zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-
-    def check_workers(self, ready: set) -> None:
-        """Raise EngineFailure if a rank reported a fatal error or its process went away; answer the
-        health checks whose probe every rank acknowledged, or whose time is up."""
-        if self.control in ready:
-            msg = recv(self.control, zmq.NOBLOCK)
-            if isinstance(msg, m.WorkerFatal):
-                raise WorkersLost(f"worker rank {msg.rank} failed: {msg.error}")
-            if isinstance(msg, m.HealthAck):
-                self._answer_health(self.health.ack(msg.rank, msg.probe_id))
-        self._answer_health(self.health.expire(time.monotonic()))
-        if self.control_monitor in ready:
-            event = recv_monitor_message(self.control_monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED and (self.policy.has_work or not self.stopping):
-                # A fatal report may be right behind the disconnect: prefer its text.
-                if poll([self.control], 200):
-                    self.check_workers({self.control})
-                dead = self._dead_ranks()
-                if dead == []:
-                    self._log_stranger()
-                    return
-                raise WorkersLost(f"worker rank {dead[0]} disconnected: its process died" if dead
-                                  else "a worker rank disconnected: its process died")
-
-    def _dead_ranks(self) -> list[int] | None:
-        """The ranks whose process is gone, by the pids of their hellos; None where that cannot be told
-        (ranks on other hosts: the control endpoint is not ipc; or no /proc)."""
-        if not self.cfg.endpoints.control.startswith("ipc://") or not os.path.isdir("/proc/self"):
-            return None
-        return [rank for rank, pid in sorted(self.rank_pids.items()) if not _process_alive(pid)]
-
-    def _log_stranger(self) -> None:
-        """Any local process may connect to control.sock and leave; only a rank's leaving is fatal."""
-        now = time.monotonic()
-        if now - self._stranger_logged_at >= 10.0:
-            self._stranger_logged_at = now
-            self.log.warning("a peer that is not a worker rank left the control channel; ignored",
-                             endpoint=self.cfg.endpoints.control)
-
-    def shutdown_workers(self, reason: str) -> None:
-        try:
-            send(self.steps, m.Shutdown(reason=reason), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        self.steps.setsockopt(zmq.LINGER, 1000)
 
 
 def _trace_request(req: Request, finish_reason: str) -> None:

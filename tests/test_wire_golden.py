@@ -82,3 +82,34 @@ if __name__ == "__main__" and "--regenerate" in sys.argv:
         kind_frame, payload = m.encode(msg)
         fixture_path(kind).write_bytes(kind_frame + payload)
     print(f"wrote {len(SAMPLES)} fixtures to {FIXTURES}")
+
+
+def _with(kind: m.Kind, index: int, value) -> list[bytes]:
+    import msgpack
+
+    values = SAMPLES[kind].to_wire()
+    values[index] = value
+    return [bytes([kind.value]), msgpack.packb(values)]
+
+
+@pytest.mark.parametrize("kind,index,value", [
+    (m.Kind.ADD_REQUEST, 2, ["x"]),  # input_ids
+    (m.Kind.ADD_REQUEST, 2, [True]),  # a bool is not a token id
+    (m.Kind.ADD_REQUEST, 2, 5),
+    (m.Kind.ADD_REQUEST, 3, [1.0, "hot"]),  # sampling.temperature, nested
+    (m.Kind.ADD_REQUEST, 4, [None]),  # stopping.max_new_tokens is required and an int
+    (m.Kind.ADD_REQUEST, 8, ["json_schema", 7]),  # grammar.source
+    (m.Kind.ABORT_REQUEST, 0, [1, 2]),  # rids are strings
+    (m.Kind.HEALTH_CHECK, 2, "soon"),
+    (m.Kind.STEP, 5, [1, None]),  # token_ids
+    (m.Kind.TOKEN_BATCH, 3, [0, 1.5]),  # finish_reasons
+    (m.Kind.FRONTEND_HELLO, 0, None),
+])
+def test_wrong_field_types_raise_protocol_error(kind, index, value):
+    with pytest.raises(m.ProtocolError, match=r"\."):
+        m.decode(_with(kind, index, value))
+
+
+def test_floats_may_arrive_as_integers_and_optional_fields_as_nil():
+    assert m.decode(_with(m.Kind.HEALTH_CHECK, 2, 5)).timeout_s == 5
+    assert m.decode(_with(m.Kind.ADD_REQUEST, 8, None)).grammar is None
