@@ -28,13 +28,15 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # noqa: F401 - ProtocolError: this API's
 
-WIRE_VERSION = 6  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 7  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
 # 6: RestartService (a scheduler that resumes after its ranks died relies on a supervisor that restarts
 #    them); WorkerReady's warmup step time (the default step deadline) and vocab size;
 #    SchedulerStats.worker_restarts
+# 7: speculation (StepCommand.num_spec, StepResult.num_tokens): a rank that ignored num_spec would take
+#    guesses for computed tokens; SchedulerStats.spec_proposed/spec_accepted
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -283,6 +285,9 @@ class StepCommand(Message):
     sample: list[bool]  # per scheduled request: sample a token after this step (False mid-prompt)
     added_blocks: list[list] = field(default_factory=list)  # [[rid, [block ids]]]: blocks appended
     finished_rids: list[str] = field(default_factory=list)  # drop state: finished, aborted, preempted
+    # Per scheduled request: of its tokens this step, the trailing guesses to verify (speculation;
+    # scheduler/speculation.py); [] when none speculates.
+    num_spec: list[int] = field(default_factory=list)
 
 
 register_nested("StepCommand", "new_requests", NewRequestData, many=True)
@@ -328,6 +333,9 @@ class StepResult(Message):
     # vocabulary: "validation"; it failed while generating: "generation"). Their token this step is an
     # end-of-sequence, which the scheduler drops as it fails them (RequestFailed with that error_type).
     errors: list[list] = field(default_factory=list)
+    # Per sampled request: how many of token_ids / logprobs are its (a speculating one keeps its verified
+    # guesses and one sampled token); [] when each has one.
+    num_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -404,6 +412,8 @@ class TokenBatch(Message):
     top_tokens: list[list] = field(default_factory=list)  # per token [[ids], [logprobs]] when asked
     prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprobs]]] on first tokens
     queue_times: list[float] = field(default_factory=list)  # per token: seconds queued (first token only, else 0)
+    # [[rid, guessed tokens, kept]] for each request that finished in this batch after speculating
+    speculation: list[list] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -435,6 +445,8 @@ class SchedulerStats(Message):
     decode_duration: Histogram | None = None  # whole decode steps
     next_batch_size: Histogram | None = None  # requests admitted by each step that admitted any
     worker_restarts: int = 0  # times the worker ranks died or hung and were restarted, requests resumed
+    spec_proposed: int = 0  # guessed tokens fed to the ranks (n-gram speculation)
+    spec_accepted: int = 0  # of those, kept
 
 
 for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size"):

@@ -51,6 +51,7 @@ class EngineTokens:
     tokens: list[TokenEvent]
     prompt_logprobs: list | None = None
     received_at: float = 0.0
+    speculation: tuple[int, int] | None = None  # (guessed, kept) once a request that speculated finishes
 
 
 @dataclass(slots=True)
@@ -305,6 +306,9 @@ class EngineClient:
         for entry in batch.prompt_logprobs:
             if isinstance(entry, list) and len(entry) == 2 and entry[0] in per_request:
                 per_request[entry[0]].prompt_logprobs = entry[1]
+        for entry in batch.speculation:
+            if isinstance(entry, list) and len(entry) == 3 and entry[0] in per_request:
+                per_request[entry[0]].speculation = (entry[1], entry[2])
         for rid, item in per_request.items():
             self._channels[rid].queue.put_nowait(item)
 

@@ -212,6 +212,7 @@ class Generation:
     text_parts: list[str] = field(default_factory=list)  # texts of the non-special tokens
     finish_reason: str | None = None
     prompt_logprobs: list | None = None
+    speculation: tuple[int, int] | None = None  # (guessed tokens, kept), for the request log
     timings: Timings = field(default_factory=Timings)
     _queue: asyncio.Queue | None = None
     _pending: asyncio.Future | None = None
@@ -301,6 +302,8 @@ class Generation:
         tok = self.generator.tokenizer
         if item.prompt_logprobs is not None:
             self.prompt_logprobs = item.prompt_logprobs
+        if item.speculation is not None:
+            self.speculation = item.speculation
         if not self.timings.first_token:
             self.timings.first_token = time.monotonic()
             if item.tokens and item.tokens[0].queue_time:

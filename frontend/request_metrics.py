@@ -89,10 +89,14 @@ class RequestMetrics(Collector):
         """Observe a finished generation, and log it as TGI logs each request it answered."""
         generated = len(gen.tokens)
         total, validation, queue, inference = gen.timings.split(gen.prepared.start_time)
+        speculation = {}
+        if gen.speculation is not None:
+            guessed, kept = gen.speculation
+            speculation = {"speculated_tokens": guessed, "acceptance_rate": round(kept / max(guessed, 1), 3)}
         log.info("request", rid=gen.rid, total_time=round(total, 6), validation_time=round(validation, 6),
                  queue_time=round(queue, 6), inference_time=round(inference, 6),
                  time_per_token=round(inference / max(generated, 1), 6), input_length=gen.input_length,
-                 generated_tokens=generated, finish_reason=gen.finish_reason, seed=gen.seed)
+                 generated_tokens=generated, finish_reason=gen.finish_reason, seed=gen.seed, **speculation)
         if tracing.enabled():
             tracing.record_span("validation", tracing.wall_time(gen.prepared.start_time),
                                 tracing.wall_time(gen.timings.queued), attributes={"input_length": gen.input_length})

@@ -22,6 +22,14 @@ Every step, ``schedule`` builds one forward pass and ``update`` applies its samp
 
 Finished, aborted and preempted requests release their blocks at once; their ids ride on the next
 step so the workers drop their state.
+
+4. **Speculation** (``speculate`` > 0; scheduler/speculation.py). A decoding request also feeds up to
+   ``speculate`` guessed tokens, when the batch has at most ``speculate_max_batch`` decodes (beyond that a
+   step is compute-bound and guesses cost more than they save) and blocks for them are free (a guess never
+   preempts anyone). The ranks keep the guesses their samples agree with, plus one sampled token; only
+   those tokens' K/V count as computed, so a rejected guess's slots are rewritten by later tokens and the
+   prefix cache only ever holds verified tokens. Never for requests with penalties, a watermark, a
+   grammar, top_n_tokens or pending prompt logprobs, and never past ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from dataclasses import dataclass, field
 
 from llmbus.bus.messages import FinishReason, Grammar, SamplingParams, StoppingParams
 from llmbus.scheduler.kv_blocks import KVBlockManager
+from llmbus.scheduler.speculation import NgramIndex
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +69,9 @@ class Request:
     admitted_time: float | None = None  # first admission
     prompt_logprob_values: list[float] = field(default_factory=list)  # prompt tokens 1..n-1, as computed
     num_preemptions: int = 0
+    ngrams: NgramIndex | None = None  # prompt + output, indexed once the request first speculates
+    spec_proposed: int = 0  # guessed tokens fed ...
+    spec_accepted: int = 0  # ... and kept
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +112,8 @@ class SchedulerConfig:
     waiting_served_ratio: float = 0.3  # without chunking: admit while a batch runs only this many x its size
     max_waiting_tokens: int = 20  # without chunking: ... or after this many steps without admission
     watermark: float = 0.01  # share of KV blocks admission leaves free for running requests to grow into
+    speculate: int = 0  # guessed tokens per decode (n-gram prompt lookup); 0 = off
+    speculate_max_batch: int = 4  # speculate only in steps with at most this many decodes
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens < 1:
@@ -108,6 +122,8 @@ class SchedulerConfig:
             raise ValueError("`max_batch_size` must be > 0")
         if self.waiting_served_ratio < 0 or self.max_waiting_tokens < 0:
             raise ValueError("`waiting_served_ratio` and `max_waiting_tokens` must be >= 0")
+        if self.speculate < 0 or self.speculate_max_batch < 0:
+            raise ValueError("`speculate` and `speculate_max_batch` must be >= 0")
 
 
 @dataclass(slots=True)
@@ -117,6 +133,7 @@ class ScheduledSeq:
     num_computed: int  # before this step
     sample: bool
     is_decode: bool = False  # computes only the token sampled last (else prompt or recomputed tokens)
+    num_spec: int = 0  # of token_ids, the trailing guessed ones the ranks verify (a speculating decode)
 
 
 @dataclass(slots=True)
@@ -150,6 +167,8 @@ class PolicyCounters:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     preemptions: int = 0
+    spec_proposed: int = 0  # guessed tokens fed to the ranks
+    spec_accepted: int = 0  # of those, kept
     concat: dict[str, int] = field(default_factory=lambda: {"chunking": 0, "backpressure": 0,
                                                               "wait_exceeded": 0})
 
@@ -256,6 +275,8 @@ class Scheduler:
         the prefill budget left for admissions."""
         budget = self._prefill_budget()
         preempted = False
+        speculating = self.config.speculate > 0 and sum(
+            1 for r in self.running if r.num_tokens - r.num_computed == 1) <= self.config.speculate_max_batch
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -264,6 +285,13 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if speculating and remaining == 1 and req.output_ids and budget > 0:
+                seq = self._guess(req, budget, batch)
+                if seq is not None:
+                    i += 1
+                    budget -= seq.num_spec
+                    batch.seqs.append(seq)
+                    continue
             need = self.kv.blocks_for(req.num_computed + n) - len(req.block_table)
             blocks = self.kv.allocate(need) if need > 0 else []
             while blocks is None:
@@ -285,6 +313,28 @@ class Scheduler:
                                            is_decode=remaining == 1 and bool(req.output_ids)))
             i += 1
         return preempted, budget
+
+    def _guess(self, req: Request, budget: int, batch: ScheduledBatch) -> ScheduledSeq | None:
+        """A decode of ``req`` with guessed tokens after its last one, if it may speculate, a guess exists
+        and blocks for it are free; else None (it decodes plainly)."""
+        if not _may_speculate(req):
+            return None
+        if req.ngrams is None:
+            req.ngrams = NgramIndex(req.prompt_ids + req.output_ids)
+        # the kept guesses and the token sampled after them must fit in max_new_tokens
+        room = req.stopping.max_new_tokens - len(req.output_ids) - 1
+        guess = req.ngrams.propose(min(self.config.speculate, room, budget))
+        if not guess:
+            return None
+        need = self.kv.blocks_for(req.num_computed + 1 + len(guess)) - len(req.block_table)
+        blocks = self.kv.allocate(need) if need > 0 else []
+        if blocks is None:
+            return None
+        if blocks:
+            req.block_table.extend(blocks)
+            batch.added_blocks.append((req.rid, blocks))
+        return ScheduledSeq(req, [req.output_ids[-1], *guess], req.num_computed, True, is_decode=True,
+                            num_spec=len(guess))
 
     def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> bool:
         cfg, kv = self.config, self.kv
@@ -354,10 +404,11 @@ class Scheduler:
             batch.seqs.append(seq)
         return True
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple[int, float]],
+    def update(self, batch: ScheduledBatch, sampled: dict[str, tuple[int, float] | list[tuple[int, float]]],
                prompt_logprobs: dict[str, list[float]] | None = None) -> list[TokenEvent]:
         """Apply one step's sampled tokens (and the prompt logprobs computed in it, per rid); returns one
-        event per token that reaches a client."""
+        event per token that reaches a client. ``sampled``: rid -> (token, logprob); for a sequence that
+        speculated, the list of them the ranks kept (its accepted guesses, then the token sampled after)."""
         events = []
         for seq in batch.seqs:
             req = seq.request
@@ -372,14 +423,26 @@ class Scheduler:
                 self.kv.insert(req.prompt_ids, req.block_table, releasing=False)
             if not seq.sample:
                 continue
-            token_id, logprob = sampled[req.rid]
-            req.output_ids.append(token_id)
-            reason = self._finish_reason(req, token_id)
-            if reason is not FinishReason.NONE:
-                self._finish(req)
-            first_with_prompt = req.prompt_logprobs and len(req.output_ids) == 1
-            events.append(TokenEvent(req, token_id, logprob, reason,
-                                     req.prompt_logprob_values if first_with_prompt else None))
+            kept = sampled[req.rid] if seq.num_spec else [sampled[req.rid]]
+            if seq.num_spec:
+                # K/V of the last token and of the guesses kept; the token sampled after them comes next
+                req.num_computed = seq.num_computed + len(kept)
+                accepted = len(kept) - 1
+                req.spec_proposed += seq.num_spec
+                req.spec_accepted += accepted
+                self.counters.spec_proposed += seq.num_spec
+                self.counters.spec_accepted += accepted
+            for token_id, logprob in kept:
+                req.output_ids.append(token_id)
+                if req.ngrams is not None:
+                    req.ngrams.extend([token_id])
+                reason = self._finish_reason(req, token_id)
+                first_with_prompt = req.prompt_logprobs and len(req.output_ids) == 1
+                events.append(TokenEvent(req, token_id, logprob, reason,
+                                         req.prompt_logprob_values if first_with_prompt else None))
+                if reason is not FinishReason.NONE:
+                    self._finish(req)  # an EOS among the kept guesses ends it there
+                    break
         return events
 
     # ------------------------------------------------------------------ helpers
@@ -415,3 +478,11 @@ class Scheduler:
             req.prompt_logprob_values.clear()  # recomputed from the first chunk on
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
+
+
+def _may_speculate(req: Request) -> bool:
+    """Guesses are verified by sampling each position alone: only what that sampling covers may speculate
+    (penalties and the watermark read the tokens before, a grammar's state moves token by token)."""
+    sp = req.sampling
+    return (req.grammar is None and not sp.watermark and sp.top_n_tokens == 0 and not req.wants_prompt_logprobs
+            and sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0)

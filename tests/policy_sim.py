@@ -9,17 +9,22 @@ from __future__ import annotations
 from llmbus.scheduler.policy import ScheduledBatch, Scheduler
 
 
-def next_token(prefix: tuple[int, ...], eos: int | None = None) -> int:
+def next_token(prefix: tuple[int, ...], eos: int | None = None, copy_period: int | None = None) -> int:
+    """With ``copy_period``, mostly the token that many places back (a model that quotes its input, as
+    speculation needs), else a hash of the prefix."""
     token = (hash(prefix) % 997) + 10  # never a small id such as an EOS id, unless asked
     if eos is not None and len(prefix) % 7 == 0:
         return eos
+    if copy_period is not None and len(prefix) >= copy_period and token % 4:
+        return prefix[-copy_period]
     return token
 
 
-def solo_output(prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+def solo_output(prompt: list[int], max_new_tokens: int, eos: int | None = None,
+                copy_period: int | None = None) -> list[int]:
     tokens, out = list(prompt), []
     for _ in range(max_new_tokens):
-        t = next_token(tuple(tokens), eos)
+        t = next_token(tuple(tokens), eos, copy_period)
         out.append(t)
         tokens.append(t)
         if t == eos:
@@ -28,9 +33,10 @@ def solo_output(prompt: list[int], max_new_tokens: int, eos: int | None = None) 
 
 
 class SimWorker:
-    def __init__(self, block_size: int, eos: int | None = None):
+    def __init__(self, block_size: int, eos: int | None = None, copy_period: int | None = None):
         self.block_size = block_size
         self.eos = eos
+        self.copy_period = copy_period
         self.tables: dict[str, list[int]] = {}
         self.kv: dict[tuple[int, int], int] = {}  # (block, slot) -> hash of the prefix up to that position
         self.steps = 0
@@ -59,8 +65,17 @@ class SimWorker:
                 slot = (table[p // bs], p % bs)
                 assert slot not in writes, f"two sequences write block slot {slot} in one step"
                 writes[slot] = hash(tokens[:p + 1])
-            if seq.sample:
-                sampled[req.rid] = (next_token(tokens, self.eos), -0.5)
+            if seq.sample and seq.num_spec:
+                # every position sampled alone; guesses kept up to the first disagreement, plus that sample
+                first = len(tokens) - seq.num_spec
+                kept = []
+                for end in range(first, len(tokens) + 1):
+                    kept.append((next_token(tokens[:end], self.eos, self.copy_period), -0.5))
+                    if end == len(tokens) or kept[-1][0] != tokens[end]:
+                        break
+                sampled[req.rid] = kept
+            elif seq.sample:
+                sampled[req.rid] = (next_token(tokens, self.eos, self.copy_period), -0.5)
         self.kv.update(writes)
         return sampled
 
@@ -86,8 +101,11 @@ def check_budgets(s: Scheduler, batch: ScheduledBatch) -> None:
         assert len(batch.seqs) <= cfg.max_batch_size
     prefill = sum(len(q.token_ids) for q in batch.seqs if not q.is_decode)
     decodes = sum(1 for q in batch.seqs if q.is_decode)
+    guesses = sum(q.num_spec for q in batch.seqs)
+    if guesses:
+        assert decodes <= cfg.speculate_max_batch and all(q.num_spec <= cfg.speculate for q in batch.seqs)
     if cfg.prefill_chunking:
-        assert prefill <= max(0, cfg.max_batch_prefill_tokens - decodes), "prefill budget exceeded"
+        assert prefill + guesses <= max(0, cfg.max_batch_prefill_tokens - decodes), "prefill budget exceeded"
     else:
         # Whole prompts: one may exceed the budget alone.
         prompts = [len(q.token_ids) for q in batch.seqs if not q.is_decode]

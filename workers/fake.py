@@ -33,11 +33,23 @@ class FakeRunner:
         self.steps += 1
         t0 = time.perf_counter()
         sampled = [s for s in seqs if s.sample]
-        tokens = [self.next_token(s.token_ids[-1], s.num_computed + len(s.token_ids)) for s in sampled]
         if self.rank != 0:
             return None
+        tokens, num_tokens = [], []
+        for s in sampled:
+            # each guessed position verified as the real runner does: kept while the next token agrees
+            first = len(s.token_ids) - 1 - s.num_spec
+            kept = 0
+            while True:
+                token = self.next_token(s.token_ids[first + kept], s.num_computed + first + kept + 1)
+                tokens.append(token)
+                kept += 1
+                if kept > s.num_spec or token != s.token_ids[first + kept]:
+                    break
+            num_tokens.append(kept)
         return StepOutput(rids=[s.rid for s in sampled], token_ids=tokens, logprobs=[-1.0] * len(tokens),
-                          forward_time=time.perf_counter() - t0, sample_time=0.0)
+                          forward_time=time.perf_counter() - t0, sample_time=0.0,
+                          num_tokens=num_tokens if any(s.num_spec for s in sampled) else [])
 
     def drop(self, rids: list[str]) -> None:
         pass

@@ -73,11 +73,16 @@ class SeqInput:
     # only when rank 0 starts the token history of a request with penalties.
     cached_ids: list[int] = field(default_factory=list)
     grammar: Grammar | None = None  # constrained decoding (rank 0 masks the sampled token's logits)
+    # Of token_ids, the trailing guesses to verify (speculation): every one of the last 1 + num_spec
+    # positions is sampled, and the guesses are kept up to the first one its position's sample disagrees
+    # with, then that sample (scheduler/speculation.py).
+    num_spec: int = 0
 
 
 @dataclass(slots=True)
 class StepOutput:
-    """Rank 0's result of a step: one token per sequence that sampled, in input order."""
+    """Rank 0's result of a step: one token per sequence that sampled, in input order (several for one
+    that speculated: ``num_tokens``)."""
 
     rids: list[str]
     token_ids: list[int]
@@ -90,6 +95,7 @@ class StepOutput:
     # Per sampled sequence [[ids], [logprobs]] of its top_n_tokens ([] where none asked); [] if none did.
     top_tokens: list[list] = field(default_factory=list)
     errors: list[list] = field(default_factory=list)  # [[rid, error type, why]]: constrained requests that fail
+    num_tokens: list[int] = field(default_factory=list)  # tokens per sequence; [] when each has one
 
 
 class TokenHistory:
@@ -123,12 +129,13 @@ class _PromptLogprobRows:
     prompt tokens, besides the last row of each sampled sequence."""
 
     logits_index: torch.Tensor  # rows of the flat token batch to compute logits for
-    sample_rows: torch.Tensor  # positions in logits_index of the sampled sequences' last rows
+    sample_rows: torch.Tensor  # positions in logits_index of the rows sampled (1 + num_spec per sequence)
     spans: list[tuple[SeqInput, int, int]]  # (sequence, first position in logits_index, prompt tokens in it)
 
     @classmethod
     def plan(cls, seqs: list[SeqInput], device: torch.device) -> "_PromptLogprobRows | None":
-        if not any(s.prompt_logprobs and s.num_computed < s.prompt_len for s in seqs):
+        """None when every sampled sequence needs its last row only (the forward pass's default)."""
+        if not any((s.prompt_logprobs and s.num_computed < s.prompt_len) or s.num_spec for s in seqs):
             return None
         pieces, sample_rows, spans = [], [], []
         row, taken = 0, 0
@@ -141,9 +148,10 @@ class _PromptLogprobRows:
                 if seq.sample:
                     sample_rows.append(taken - 1)
             elif seq.sample:
-                pieces.append(torch.tensor([row + n - 1]))
-                sample_rows.append(taken)
-                taken += 1
+                rows = 1 + seq.num_spec
+                pieces.append(torch.arange(row + n - rows, row + n))
+                sample_rows.extend(range(taken, taken + rows))
+                taken += rows
             row += n
         return cls(torch.cat(pieces).to(device), torch.tensor(sample_rows, dtype=torch.long, device=device), spans)
 
@@ -162,6 +170,27 @@ class _PromptLogprobRows:
                 pending[seq.rid] = logprobs[-1]
             out.append([seq.rid, values.tolist()])
         return out
+
+
+def _keep_verified(sampled: list[SeqInput], tokens: list[int], logprobs: list[float],
+                   top_tokens: list) -> tuple[list[int], list[float], list, list[int]]:
+    """From one sample per row to what each sequence keeps: a speculating one its guesses up to the first
+    its samples disagree with, then that sample (or the one after its last guess); the others their one
+    token. Also how many tokens each kept, and one top_tokens entry per sequence (speculating ones ask none)."""
+    kept_tokens, kept_logprobs, kept_top, num_tokens = [], [], [], []
+    row = 0
+    for seq in sampled:
+        guesses = seq.token_ids[len(seq.token_ids) - seq.num_spec:]
+        n = 1
+        while n <= seq.num_spec and tokens[row + n - 1] == guesses[n - 1]:
+            n += 1
+        kept_tokens += tokens[row:row + n]
+        kept_logprobs += logprobs[row:row + n]
+        if top_tokens:
+            kept_top.append(top_tokens[row])
+        num_tokens.append(n)
+        row += 1 + seq.num_spec
+    return kept_tokens, kept_logprobs, kept_top, num_tokens
 
 
 class ModelRunner:
@@ -307,16 +336,27 @@ class ModelRunner:
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
-            # The watermark seeds on the token before the sampled one: the last one fed this step.
-            out = sample(logits, [s.sampling for s in sampled],
-                         [s.num_computed + len(s.token_ids) for s in sampled], histories,
-                         [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled])
+            # One row per position sampled: a speculating sequence's 1 + num_spec rows each sample the
+            # token after their position, with that position's seeded draw, as if it were the only one.
+            # The watermark seeds on the token before the sampled one: the one fed at that row.
+            rows = [(s, r) for s in sampled for r in range(1 + s.num_spec)]
+            out = sample(logits, [s.sampling for s, _ in rows],
+                         [s.num_computed + len(s.token_ids) - s.num_spec + r for s, r in rows],
+                         None if histories is None else [h for s, h in zip(sampled, histories)
+                                                         for _ in range(1 + s.num_spec)],
+                         [s.token_ids[len(s.token_ids) - 1 - s.num_spec + r] for s, r in rows],
+                         [s.prompt_len for s, _ in rows])
             token_list, logprob_list = out.token_ids.tolist(), out.logprobs.tolist()
+            top_tokens, num_tokens = out.top_tokens, []
+            if len(rows) > len(sampled):
+                token_list, logprob_list, top_tokens, num_tokens = _keep_verified(
+                    sampled, token_list, logprob_list, top_tokens)
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,
                               sample_time=time.perf_counter() - forward_done, prompt_logprobs=prompt_logprobs,
-                              top_tokens=out.top_tokens,
-                              errors=[[rid, kind, why] for rid, (kind, why) in errors.items()])
+                              top_tokens=top_tokens,
+                              errors=[[rid, kind, why] for rid, (kind, why) in errors.items()],
+                              num_tokens=num_tokens)
 
     def _start_masks(self, seqs: list[SeqInput]) -> MaskJob | None:
         """Hand this step's tokens of the constrained requests to their matchers and start computing the
@@ -333,7 +373,7 @@ class ModelRunner:
                     rows.append(row)
                     rids.append(seq.rid)
                     positions.append(seq.num_computed + len(seq.token_ids))
-            row += seq.sample
+            row += seq.sample * (1 + seq.num_spec)  # logits rows: a speculating sequence has several
         return self._grammar.start_masks(rows, rids, positions) if rids else None
 
     @property

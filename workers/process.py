@@ -207,7 +207,8 @@ class Worker:
                                                 logprobs=out.logprobs, forward_time=out.forward_time,
                                                 sample_time=out.sample_time,
                                                 prompt_logprobs=out.prompt_logprobs,
-                                                top_tokens=out.top_tokens, errors=out.errors))
+                                                top_tokens=out.top_tokens, errors=out.errors,
+                                                num_tokens=out.num_tokens))
 
     def apply(self, cmd: m.StepCommand) -> list:
         SeqInput = self._seq_input
@@ -226,13 +227,15 @@ class Worker:
         for rid, blocks in cmd.added_blocks:
             self.states[rid].block_table.extend(blocks)
         seqs, offset = [], 0
-        for rid, num_computed, num_new, sample in zip(cmd.rids, cmd.num_computed, cmd.num_new, cmd.sample):
+        num_spec = cmd.num_spec or [0] * len(cmd.rids)
+        for rid, num_computed, num_new, sample, spec in zip(cmd.rids, cmd.num_computed, cmd.num_new, cmd.sample,
+                                                             num_spec):
             state = self.states[rid]
             seqs.append(SeqInput(rid=rid, token_ids=cmd.token_ids[offset:offset + num_new],
                                  num_computed=num_computed, block_table=state.block_table, sample=sample,
                                  sampling=state.sampling, prompt_len=state.prompt_len,
                                  prompt_logprobs=state.prompt_logprobs, cached_ids=state.cached_ids,
-                                 grammar=state.grammar))
+                                 grammar=state.grammar, num_spec=spec))
             offset += num_new
         return seqs
 
