@@ -29,7 +29,7 @@ from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import body_type_error, validation_error
 
 ANY_JSON_OBJECT = {"type": "object"}
-_TGI_TYPES = ("json", "json_object", "regex", "json_schema", "lark", "ebnf")
+GRAMMAR_TYPES = ("json", "json_object", "regex", "json_schema", "lark", "ebnf")
 
 
 def _not_supported():
@@ -110,9 +110,9 @@ def _schema_value(value, param: str | None):
 def tgi_grammar(value: dict, *, enabled: bool, param: str | None = None) -> Grammar:
     """TGI's ``parameters.grammar`` (already known to be a JSON object) as a wire Grammar."""
     kind = value.get("type")
-    if kind not in _TGI_TYPES:
+    if kind not in GRAMMAR_TYPES:
         raise body_type_error(f"parameters.grammar: unknown variant `{kind}`, expected one of "
-                              + ", ".join(f"`{t}`" for t in _TGI_TYPES))
+                              + ", ".join(f"`{t}`" for t in GRAMMAR_TYPES))
     if "value" not in value:
         raise body_type_error("parameters.grammar: missing field `value`")
     if not enabled:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 
+import structlog
 from aiohttp import web
 
 from llmbus.bus import tracing
@@ -23,8 +24,11 @@ AUTH_PATHS = GENERATION_PATHS | {"/tokenize"}
 # a streaming handler that answered 200 but then failed in-band (or lost its client) says so here
 OUTCOME = web.RequestKey("llmbus_outcome", str)
 OPENAI_PREFIX = "/v1/"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: what tracing and access logs see; never sent
 CORS_METHODS = "GET,POST"
 CORS_HEADERS = "content-type,authorization"
+
+log = structlog.get_logger("llmbus.frontend")
 
 
 @web.middleware
@@ -35,6 +39,11 @@ async def error_middleware(request: web.Request, handler):
         error = e
     except web.HTTPRequestEntityTooLarge:
         error = ApiError(ErrorKind.PAYLOAD_TOO_LARGE, "length limit exceeded")
+    except ConnectionResetError:
+        # the client left before the response started (a stream's headers found the socket closing): no
+        # one to answer, and not the server's fault, so no traceback from aiohttp's 500 path either
+        log.info("client disconnected before the response", method=request.method, path=request.path)
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
     body = error.openai_body() if request.path.startswith(OPENAI_PREFIX) else error.body()
     return json_response(body, status=error.status)
 

@@ -15,7 +15,7 @@ from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
 from llmbus.frontend.grammar import response_format_grammar
 from llmbus.frontend.tools import ToolPlan, parse_tools
-from llmbus.frontend.validation import GenerateParameters, load_json, to_f32
+from llmbus.frontend.validation import I32_MAX, GenerateParameters, load_json, to_f32
 
 _TYPE_CHECKS = {
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -123,6 +123,8 @@ def _common(body: dict, max_choices: int,
     if top_p is not None and top_p < 1.0:
         p.top_p = float(top_p)
     top_k = _get(body, "top_k", "integer")  # vLLM's extension; -1 and 0 mean off there
+    if top_k is not None and top_k > I32_MAX:  # the engine's top_k is TGI's i32
+        raise validation_error(f"`top_k` must be <= {I32_MAX}. Given: {top_k}", param="top_k")
     if top_k is not None and top_k > 0:
         p.top_k = top_k
     frequency = _get(body, "frequency_penalty", "number")
@@ -194,6 +196,10 @@ def _messages(body: dict) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise validation_error(f"`messages[{i}]` must be an object with a string `role`", param="messages")
+        for key in ("name", "tool_call_id"):  # strings the template reads (TGI's Option<String>)
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise validation_error(f"`messages[{i}].{key}` must be a string. Given: "
+                                       f"{json.dumps(message[key])}", param="messages")
         # a plain copy for the template: text parts joined into one string, which every template reads
         clean = dict(message)
         clean["content"] = _message_content(message, i)

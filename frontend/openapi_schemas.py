@@ -43,14 +43,22 @@ def _obj(properties: dict, required: tuple[str, ...] = (), description: str | No
     return schema
 
 
-def _string_or_list(description: str, *, nullable: bool = False, **list_extra) -> dict:
-    options = [{"type": "string"}, array({"type": "string"}, **list_extra)]
+def _string_or_list(description: str, *, nullable: bool = False, non_empty: bool = False) -> dict:
+    text = {"type": "string", "minLength": 1} if non_empty else {"type": "string"}
+    options = [text, array(text, minItems=1) if non_empty else array(text)]
     return {"description": description, "anyOf": (options + [{"type": "null"}]) if nullable else options}
 
 
 # ------------------------------------------------------------------------------------------------
 # Component schemas
 # ------------------------------------------------------------------------------------------------
+
+# TGI reads its numbers as Rust types (serde): a value outside the type's range is refused, and so is a
+# positive number that rounds to 0 as a 32-bit float, so the bounds are the types' own.
+U32_MAX, I32_MAX, U64_MAX = 2**32 - 1, 2**31 - 1, 2**64 - 1
+F32_MAX = 3.4028234663852886e38  # the largest finite f32: a larger number does not fit
+F32_TINY = 1.401298464324817e-45  # the smallest positive f32: a smaller positive number reads as 0
+F32_BELOW_ONE = 0.9999999403953552  # the largest f32 below 1: a number closer to 1 reads as 1
 
 _FINISH_REASON = {"type": "string", "enum": ["length", "eos_token", "stop_sequence"],
                   "description": "Why generation stopped: the token budget ran out, the model emitted an "
@@ -91,33 +99,37 @@ def _generate_parameters() -> dict:
     return _obj({
         "best_of": _t("integer", "Run this many sampled generations and return the one with the highest "
                       "mean token logprob (the others go to `details.best_of_sequences`). Needs sampling, "
-                      "no `seed`, and no streaming; at most --max-best-of.", nullable=True, minimum=1),
+                      "no `seed`, and no streaming; at most --max-best-of.", nullable=True, minimum=1,
+                      maximum=U64_MAX),
         "temperature": _t(f32, "Divide the logits by this before sampling; below 1 sharpens, above 1 "
-                          "flattens. Setting it turns sampling on.", nullable=True, exclusiveMinimum=0),
+                          "flattens. Setting it turns sampling on.", nullable=True, minimum=F32_TINY,
+                          maximum=F32_MAX),
         "repetition_penalty": _t(f32, "Penalty for tokens already in the prompt or output (1.0 = none; "
-                                 "above 1 discourages repeats).", nullable=True, exclusiveMinimum=0),
+                                 "above 1 discourages repeats).", nullable=True, minimum=F32_TINY,
+                                 maximum=F32_MAX),
         "frequency_penalty": _t(f32, "TGI's frequency penalty: the logit loses penalty x (occurrences in "
                                 "prompt and output / their length); 0 = none.", nullable=True, minimum=-2,
                                 maximum=2),
         "presence_penalty": _t(f32, "llmbus extension (OpenAI's): subtracted from the logit of every token "
                                "already generated; 0 = none.", nullable=True, minimum=-2, maximum=2),
-        "top_k": _t("integer", "Sample only among the k most likely tokens.", nullable=True, minimum=1),
+        "top_k": _t("integer", "Sample only among the k most likely tokens.", nullable=True, minimum=1,
+                    maximum=I32_MAX),
         "top_p": _t(f32, "Nucleus sampling: keep the smallest set of tokens whose probabilities add up to "
-                    "top_p. 1.0 itself is rejected, as in TGI.", nullable=True,
-                    exclusiveMinimum=0, exclusiveMaximum=1),
+                    "top_p. 1.0 itself is rejected, as in TGI.", nullable=True, minimum=F32_TINY,
+                    maximum=F32_BELOW_ONE),
         "typical_p": _t(f32, "Locally typical sampling mass (same bounds as top_p).", nullable=True,
-                        exclusiveMinimum=0, exclusiveMaximum=1),
+                        minimum=F32_TINY, maximum=F32_BELOW_ONE),
         "do_sample": _t("boolean", "Sample instead of greedy decoding. Defaults to false when `parameters` "
                         "is given, but to true when the body has no `parameters` at all (TGI's quirk).",
                         default=False),
         "max_new_tokens": _t("integer", "Most tokens to generate. Unset: up to --max-total-tokens minus the "
-                             "prompt.", nullable=True, minimum=1),
+                             "prompt.", nullable=True, minimum=1, maximum=U32_MAX),
         "return_full_text": _t("boolean", "Prepend the prompt to `generated_text`. Unset: false on "
                                "/generate, the model's pipeline default on POST /.", nullable=True),
         "stop": array({"type": "string"}, "Stop when the output ends with any of these; the stop text "
                        "stays in the output. At most --max-stop-sequences (default 4).", default=[]),
         "truncate": _t("integer", "Keep only the last `truncate` prompt tokens (at most "
-                       "--max-input-tokens).", nullable=True, minimum=1),
+                       "--max-input-tokens).", nullable=True, minimum=1, maximum=U64_MAX),
         "watermark": _t("boolean", "Bias sampling with a Kirchenbauer et al. watermark.", default=False),
         "details": _t("boolean", "Return `details`: finish reason, token ids, logprobs and seed.",
                       default=False),
@@ -125,9 +137,9 @@ def _generate_parameters() -> dict:
                                     "logprobs only with --enable-prefill-logprobs). Not with streaming.",
                                     default=False),
         "seed": _t("integer", "Random seed for sampling (unsigned 64-bit); random when unset.",
-                   nullable=True, minimum=0, maximum=2**64 - 1),
+                   nullable=True, minimum=0, maximum=U64_MAX),
         "top_n_tokens": _t("integer", "Also return the n most likely alternatives at each step (at most "
-                           "--max-top-n-tokens, default 5).", nullable=True, minimum=0),
+                           "--max-top-n-tokens, default 5).", nullable=True, minimum=0, maximum=U32_MAX),
         "grammar": _maybe(ref("GrammarType")),
         "adapter_id": _t("string", "LoRA adapter to use (accepted; llmbus serves the base model).",
                          nullable=True),
@@ -233,11 +245,11 @@ def _openai_common(model_id: str) -> dict:
         "temperature": _t("number", "Sampling temperature; 0 means greedy decoding.", nullable=True,
                           minimum=0, maximum=2),
         "top_p": _t("number", "Nucleus sampling mass; unlike TGI's native routes, 1 is accepted and means "
-                    "no cut.", nullable=True, exclusiveMinimum=0, maximum=1),
+                    "no cut.", nullable=True, minimum=F32_TINY, maximum=1),
         "top_k": _t("integer", "Sample among the k most likely tokens (vLLM's extension; 0 or less means "
-                    "off).", nullable=True),
+                    "off).", nullable=True, maximum=I32_MAX),
         "repetition_penalty": _t("number", "TGI's repetition penalty (1.0 = none).", nullable=True,
-                                 exclusiveMinimum=0),
+                                 minimum=F32_TINY, maximum=F32_MAX),
         "stop": _string_or_list("Stop sequences (a string or a list); a matched one is cut from the text.",
                                 nullable=True),
         "seed": _t("integer", "Random seed for sampling (OpenAI's signed 64-bit seed; taken modulo 2^64).",
@@ -248,10 +260,11 @@ def _openai_common(model_id: str) -> dict:
                                 nullable=True, minimum=-2, maximum=2),
         "presence_penalty": _t("number", "Subtracted from the logit of every token already generated.",
                                nullable=True, minimum=-2, maximum=2),
-        "stream": _t("boolean", "Answer with an SSE stream ending with `data: [DONE]`.", default=False),
+        "stream": _t("boolean", "Answer with an SSE stream ending with `data: [DONE]`.", nullable=True,
+                      default=False),
         "stream_options": _maybe(ref("StreamOptions")),
         "ignore_eos": _t("boolean", "llmbus extension: keep generating past end-of-sequence tokens until "
-                         "max_tokens.", default=False),
+                         "max_tokens.", nullable=True, default=False),
     }
 
 
@@ -296,12 +309,14 @@ def openai_schemas(model_id: str) -> dict:
             "error_type": _t("string", "TGI's error_type again, for TGI clients.")},
             ("error",), "OpenAI's error body."),
         "StreamOptions": _obj({"include_usage": _t("boolean", "Send one last chunk with `usage` and no "
-                                                   "choices before [DONE].", default=False)}),
+                                                   "choices before [DONE].", nullable=True, default=False)}),
         "Message": _obj({"role": role,
                          "content": {"anyOf": [{"type": "string"}, array(content_part), {"type": "null"}]},
                          "name": _t("string", nullable=True),
-                         "tool_calls": array(tool_call, "An assistant's earlier calls (a follow-up turn)."),
-                         "tool_call_id": _t("string", "The call a `tool` message answers.")}, ("role",)),
+                         "tool_calls": _maybe(array(tool_call), "An assistant's earlier calls (a follow-up "
+                                                                "turn)."),
+                         "tool_call_id": _t("string", "The call a `tool` message answers.", nullable=True)},
+                        ("role",)),
         "ChatRequest": _obj({
             **_openai_common(model_id),
             "messages": array(ref("Message"), "The conversation; rendered with the model's chat "
@@ -310,29 +325,31 @@ def openai_schemas(model_id: str) -> dict:
             "logprobs": _t("boolean", "Return the logprob of each output token.", nullable=True),
             "top_logprobs": _t("integer", "Also the n most likely alternatives per token (at most "
                                "--max-top-n-tokens); needs logprobs true.", nullable=True, minimum=0),
-            "tools": array(tool, "Functions the model may call; its calls always parse and their arguments "
-                           "validate against `parameters`."),
+            "tools": _maybe(array(tool), "Functions the model may call; its calls always parse and their "
+                                         "arguments validate against `parameters`."),
             "tool_choice": {"description": "`auto` (default: answer in text or call tools), `none`, "
                                            "`required`, or {\"type\": \"function\", \"function\": "
                                            "{\"name\": ...}} (or the bare name) for that function.",
-                            "anyOf": [{"type": "string"}, {"type": "object"}]},
-            "parallel_tool_calls": _t("boolean", "Allow several calls in one answer.", default=True),
+                            "anyOf": [{"type": "string"}, {"type": "object"}, {"type": "null"}]},
+            "parallel_tool_calls": _t("boolean", "Allow several calls in one answer.", nullable=True,
+                                      default=True),
             "tool_prompt": _t("string", "The instruction appended with the tools (TGI's; default: llmbus's).",
                               nullable=True),
             "response_format": {"description": "`{\"type\": \"json_object\"}`, OpenAI's `{\"type\": "
                                                "\"json_schema\", \"json_schema\": {\"name\", \"schema\"}}`, "
                                                "or TGI's GrammarType shapes (with `value`).",
-                                "type": "object"},
+                                "type": ["object", "null"]},
         }, ("messages",), example={"model": model_id, "max_tokens": 20,
                                    "messages": [{"role": "user", "content": "What is deep learning?"}]}),
         "CompletionRequest": _obj({
             **_openai_common(model_id),
-            "prompt": _string_or_list("One prompt or a non-empty list (at most --max-client-batch-size).",
-                                      minItems=1),
+            "prompt": _string_or_list("One prompt or a non-empty list (at most --max-client-batch-size); "
+                                      "no prompt may be empty.", non_empty=True),
             "max_tokens": _t("integer", "Most tokens to generate.", nullable=True, minimum=1, default=16),
             "logprobs": _t("integer", "Return each token's logprob and this many most likely alternatives "
                            "(at most --max-top-n-tokens).", nullable=True, minimum=0),
-            "echo": _t("boolean", "Put the prompt in front of the completion text.", default=False),
+            "echo": _t("boolean", "Put the prompt in front of the completion text.", nullable=True,
+                       default=False),
             "best_of": _t("integer", "Accepted only equal to n: choosing among extra samples is not "
                           "supported.", nullable=True, minimum=1),
         }, ("prompt",), example={"model": model_id, "prompt": "What is deep learning?", "max_tokens": 20}),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from llmbus.bus.messages import Grammar, SamplingParams
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import body_parse_error, body_type_error, validation_error
+from llmbus.frontend.grammar import GRAMMAR_TYPES
 from llmbus.frontend.grammar import tgi_grammar
 
 _F32 = struct.Struct("<f")
@@ -23,8 +24,9 @@ _F32 = struct.Struct("<f")
 # TGI schedules at most this many new tokens when the client sets none (validation.rs).
 DEFAULT_GENERATION_LENGTH = 1024
 
+I32_MAX = 2**31 - 1
 _INT_RANGES = {"u32": (0, 2**32 - 1), "u64": (0, 2**64 - 1), "usize": (0, 2**64 - 1),
-               "i32": (-(2**31), 2**31 - 1)}
+               "i32": (-(2**31), I32_MAX)}
 
 
 @dataclass
@@ -148,8 +150,25 @@ def _convert(path: str, value, serde_type: str):
         if not isinstance(value, dict):
             raise body_type_error(f"{path}: invalid type: {_unexpected(value)}, expected internally "
                                   f"tagged enum GrammarType")
-        return value
+        return _grammar_shape(path, value)
     raise AssertionError(serde_type)
+
+
+def _grammar_shape(path: str, value: dict) -> dict:
+    """serde's share of reading a GrammarType: a known ``type`` and a ``value`` (json_schema's with a
+    ``schema``). Refused with the body, before any rule runs, so with an HTTP 422 on /generate_stream and
+    /tokenize too (TGI's axum rejects the body); what the value holds is a rule, checked in TGI's order."""
+    kind = value.get("type")
+    if kind is None:
+        raise body_type_error(f"{path}: missing field `type`")
+    if kind not in GRAMMAR_TYPES:
+        raise body_type_error(f"{path}: unknown variant `{kind}`, expected one of "
+                              + ", ".join(f"`{t}`" for t in GRAMMAR_TYPES))
+    if "value" not in value:
+        raise body_type_error(f"{path}: missing field `value`")
+    if kind == "json_schema" and not (isinstance(value["value"], dict) and "schema" in value["value"]):
+        raise body_type_error(f"{path}.value: missing field `schema`")
+    return value
 
 
 def _parse_parameters(value) -> GenerateParameters:

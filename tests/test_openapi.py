@@ -78,6 +78,17 @@ def test_generate_parameters_match_the_dataclass(spec):
     assert documented == {f.name for f in dataclasses.fields(GenerateParameters) if f.metadata.get("body", True)}
 
 
+def test_number_bounds_are_what_the_server_reads():
+    """The f32 bounds in the document are the edges of what validation reads as a positive f32 below the
+    overflow (and below 1 for top_p): 5e-324 passed `exclusiveMinimum: 0` but reads as 0 and was refused."""
+    from llmbus.frontend.openapi_schemas import F32_BELOW_ONE, F32_MAX, F32_TINY
+    from llmbus.frontend.validation import to_f32
+
+    assert to_f32(F32_TINY) > 0 and to_f32(F32_TINY / 2) == 0 and to_f32(5e-324) == 0
+    assert to_f32(F32_BELOW_ONE) == F32_BELOW_ONE < 1 and to_f32(1 - 2**-25 + 2**-40) == 1
+    assert to_f32(F32_MAX) == F32_MAX and to_f32(F32_MAX * (1 + 2**-23)) is None
+
+
 def test_every_served_route_is_documented(tiny_model_dir, spec):
     """The app and the document agree both ways: a route served but not described fails, and so does a
     described route the app does not serve."""
