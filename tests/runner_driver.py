@@ -9,6 +9,7 @@ then meaningful, not a coin flip between two almost equal logits, and a mismatch
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -102,6 +103,10 @@ class Request:
     preemptions: int = 0
     grammar: Grammar | None = None
     eos_ids: tuple[int, ...] = ()  # ids that end the request (none: only max_new_tokens does)
+    # Speculation: each decode also feeds up to ``speculate`` guesses, read from ``oracle`` (the expected
+    # tokens) with every third one made wrong, so steps keep some guesses and reject others.
+    speculate: int = 0
+    oracle: list[int] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -139,25 +144,39 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
             remaining = len(sequence) - req.computed
             take = remaining if req.prefill_chunk is None else min(req.prefill_chunk, remaining)
             new_tokens = sequence[req.computed:req.computed + take]
+            guesses = []
+            if req.speculate and remaining == 1 and req.tokens:
+                n = len(req.tokens)
+                room = min(req.speculate, req.max_new_tokens - n - 1)
+                guesses = [t if (n + i) % 3 else t + 1 for i, t in enumerate(req.oracle[n:n + room])]
+                new_tokens, take = new_tokens + guesses, 1 + len(guesses)
             blocks_needed = -(-(req.computed + take) // runner.block_size)
             while len(req.blocks) < blocks_needed:
                 req.blocks.append(free_blocks.pop())
-            sample = take == remaining
-            scheduled.append((req, take, sample))
+            sample = take - len(guesses) == remaining
+            scheduled.append((req, take, sample, len(guesses)))
             seqs.append(SeqInput(rid=req.rid, token_ids=new_tokens, num_computed=req.computed,
                                  block_table=list(req.blocks), sample=sample, sampling=req.sampling,
-                                 prompt_len=len(req.prompt), cached_ids=req.cached_ids, grammar=req.grammar))
+                                 prompt_len=len(req.prompt), cached_ids=req.cached_ids, grammar=req.grammar,
+                                 num_spec=len(guesses)))
         out = runner.step(seqs)
-        sampled = ({rid: (t, lp) for rid, t, lp in zip(out.rids, out.token_ids, out.logprobs)}
-                   if out is not None else None)
+        sampled = None
+        if out is not None:  # rid -> [(token, logprob)]: one each, or what a speculating one kept
+            counts = out.num_tokens or [1] * len(out.rids)
+            pairs = list(zip(out.token_ids, out.logprobs))
+            starts = itertools.accumulate([0, *counts])
+            sampled = {rid: pairs[start:start + n] for rid, start, n in zip(out.rids, starts, counts)}
         if share_tokens is not None:
             sampled = share_tokens(sampled)
-        for req, num_new, sample in scheduled:
+        for req, num_new, sample, num_guesses in scheduled:
             req.computed += num_new
             if sample:
-                token, logprob = sampled[req.rid]
-                req.tokens.append(token)
-                req.logprobs.append(logprob)
+                kept = sampled[req.rid]
+                if num_guesses:  # the last token and the guesses kept count as computed, not the rest
+                    req.computed -= num_new - len(kept)
+                for token, logprob in kept:
+                    req.tokens.append(token)
+                    req.logprobs.append(logprob)
             if req.done:
                 release(req.blocks)  # the list stays, for tests that reuse the blocks' contents
                 runner.drop([req.rid])

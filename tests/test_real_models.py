@@ -186,14 +186,11 @@ def test_default_model_is_smollm2_and_knows_paris(smollm2_server):
 
 
 @smollm2
-def test_smollm2_float32_equals_transformers_on_the_same_weights(smollm2_server):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def test_smollm2_float32_equals_transformers_on_the_same_weights(smollm2_server, smollm2_transformers):
     from llmbus.workers.process import resolve_dtype
 
     path = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model, tokenizer = smollm2_transformers
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
     # The shared server already computes in float32 where dtype auto means float32 (no native bf16)
     own = resolve_dtype("auto", torch.device("cpu")) != torch.float32

@@ -238,24 +238,19 @@ GROUNDED = [f"Repeat this exactly: {PASSAGE}\nRepeated: ",
             "def add(a, b):\n    return a + b\n\n# the same function again\n"]
 
 
-def test_smollm2_speculating_server_keeps_transformers_greedy_tokens(smollm2_server):
+def test_smollm2_speculating_server_keeps_transformers_greedy_tokens(smollm2_server, smollm2_transformers):
     """The shared SmolLM2 server runs with --speculate 4: grounded prompts alone and beside other requests
     give transformers' float32 greedy tokens, guesses are proposed and kept (/metrics), and streams cut
     mid-way leave every KV block free."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from httputil import all_blocks_free, metrics, wait_for_metrics
-    from llmbus.supervisor.weights import smollm2_gguf
     from llmbus.workers.process import resolve_dtype
     from test_real_models import greedy_reference, served_greedy
 
     if resolve_dtype("auto", torch.device("cpu")) != torch.float32:
         pytest.skip("the shared server computes in bf16 here; exactness is checked in float32")
-    path = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model, tokenizer = smollm2_transformers
     want = [greedy_reference(model, tokenizer, prompt, 32) for prompt in GROUNDED]
     before = metrics(smollm2_server.url)
     for prompt, expected in zip(GROUNDED, want):
@@ -295,3 +290,38 @@ def post_generate(server, prompt: str, params: dict) -> str:
     status, _, body = post(f"{server.url}/generate", {"inputs": prompt, "parameters": {"max_new_tokens": 16, **params}})
     assert status == 200, body
     return body["generated_text"]
+
+
+def test_tensor_parallel_ranks_verify_guesses_as_one(tmp_path):
+    """At TP=2 (two gloo ranks) guesses kept and rejected in a continuous batch (chunked prefills beside,
+    a preemption) give transformers' greedy tokens: rank 1 computes the same guessed positions, and learns
+    what was kept from the next step, as from any step."""
+    from runner_driver import drive_tensor_parallel, make_prompts, mixed_requests, reference
+
+    path = str(tmp_path / "model")
+    _save_tiny_llama(path, tied=False, vocab_size=509)
+    prompts = make_prompts(509)
+    ref = reference(path, prompts)
+    requests = mixed_requests(prompts)
+    for req, tokens in zip(requests, ref.tokens):
+        req.speculate, req.oracle = 3, tokens
+    requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
+    out = drive_tensor_parallel(path, {"spec": requests}, str(tmp_path))["spec"]
+    for req, tokens in zip(requests, ref.tokens):
+        assert out[req.rid][0] == tokens, req.rid
+
+
+def test_guesses_through_the_runner_driver_alone(tmp_path):
+    from runner_driver import drive, make_prompts, mixed_requests, reference
+
+    path = str(tmp_path / "model")
+    _save_tiny_llama(path, tied=True, vocab_size=512)
+    prompts = make_prompts(512)
+    ref = reference(path, prompts)
+    runner = ModelRunner(path, block_size=4, num_blocks=256, max_batch_prefill_tokens=512)
+    requests = mixed_requests(prompts)
+    for req, tokens in zip(requests, ref.tokens):
+        req.speculate, req.oracle = 4, tokens
+    done = drive(runner, requests)
+    for req, tokens in zip(requests, ref.tokens):
+        assert done[req.rid].tokens == tokens, req.rid

@@ -290,17 +290,27 @@ int NAME(const T *query, int64_t query_stride, const T *new_key, int64_t key_str
          float scale, float *scratch, int64_t scores_stride) {                                              \
     if (num_heads % num_kv_heads != 0 || block_size % BLOCK_MULTIPLE != 0 || head_dim % 2 != 0) return -1; \
     int64_t group = num_heads / num_kv_heads, head_elems = pool_blocks * block_size * head_dim;            \
-    _Pragma("omp parallel for schedule(static)")                                                            \
-    for (int64_t pair = 0; pair < num_kv_heads * batch; pair++) {                                           \
-        int64_t kv_head = pair / batch, seq = pair % batch;                                                 \
-        T *keys = pool_key + kv_head * head_elems, *values = pool_value + kv_head * head_elems;             \
-        if (slots != 0)                                                                                     \
-            WRITE(new_key + seq * key_stride + kv_head * head_dim, new_value + seq * value_stride + kv_head * head_dim, \
-                  keys, values, slots[seq], block_size, head_dim);                                          \
-        PAIR(query + seq * query_stride + kv_head * group * head_dim, keys, values, tables + seq * table_stride, \
-             block_size, starts[seq], lens[seq], head_dim, group, scale,                                    \
-             scratch + pair * group * scores_stride, scores_stride,                                         \
-             out + (seq * num_heads + kv_head * group) * head_dim);                                         \
+    /* every row's K/V first: rows may be positions of one sequence (speculation), each attending to the \
+     * ones before it */                                                                                   \
+    _Pragma("omp parallel")                                                                                 \
+    {                                                                                                       \
+        if (slots != 0) {                                                                                   \
+            _Pragma("omp for schedule(static)")                                                             \
+            for (int64_t pair = 0; pair < num_kv_heads * batch; pair++) {                                   \
+                int64_t kv_head = pair / batch, seq = pair % batch;                                         \
+                WRITE(new_key + seq * key_stride + kv_head * head_dim,                                      \
+                      new_value + seq * value_stride + kv_head * head_dim, pool_key + kv_head * head_elems,  \
+                      pool_value + kv_head * head_elems, slots[seq], block_size, head_dim);                 \
+            }                                                                                               \
+        }                                                                                                   \
+        _Pragma("omp for schedule(static)")                                                                 \
+        for (int64_t pair = 0; pair < num_kv_heads * batch; pair++) {                                       \
+            int64_t kv_head = pair / batch, seq = pair % batch;                                             \
+            PAIR(query + seq * query_stride + kv_head * group * head_dim, pool_key + kv_head * head_elems,  \
+                 pool_value + kv_head * head_elems, tables + seq * table_stride, block_size, starts[seq],   \
+                 lens[seq], head_dim, group, scale, scratch + pair * group * scores_stride, scores_stride,  \
+                 out + (seq * num_heads + kv_head * group) * head_dim);                                     \
+        }                                                                                                   \
     }                                                                                                       \
     return 0;                                                                                               \
 }

@@ -230,10 +230,18 @@ int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
             float *query = row + kv_head * group * D, *key = row + (Hq + kv_head) * D;
             for (int64_t g = 0; g < group; g++) rope(query + g * D, cos, sin, D);
             rope(key, cos, sin, D);
-            float *keys = l->pool_key + kv_head * head_elems, *values = l->pool_value + kv_head * head_elems;
-            write_f32(key, row + (Hq + Hkv + kv_head) * D, keys, values, s->slots[b], s->block_size, D);
-            pair_f32(query, keys, values, s->tables + b * s->table_stride, s->block_size, l->starts[b], s->lens[b],
-                     D, group, s->scale, s->scores + pair * group * s->scores_stride, s->scores_stride,
+            write_f32(key, row + (Hq + Hkv + kv_head) * D, l->pool_key + kv_head * head_elems,
+                      l->pool_value + kv_head * head_elems, s->slots[b], s->block_size, D);
+        }
+        /* every row's K/V is in the pool before any row attends: rows may be positions of one sequence
+         * (speculation), each attending to the ones before it */
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < Hkv * B; pair++) {
+            int64_t kv_head = pair / B, b = pair % B;
+            const float *query = s->qkv_out + b * qkv_width + kv_head * group * D;
+            pair_f32(query, l->pool_key + kv_head * head_elems, l->pool_value + kv_head * head_elems,
+                     s->tables + b * s->table_stride, s->block_size, l->starts[b], s->lens[b], D, group, s->scale,
+                     s->scores + pair * group * s->scores_stride, s->scores_stride,
                      s->attended + (b * Hq + kv_head * group) * D);
         }
         gemv(&l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);

@@ -14,6 +14,8 @@ and the token history of a penalised request restarts from the step's tokens and
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -129,13 +131,12 @@ class _PromptLogprobRows:
     prompt tokens, besides the last row of each sampled sequence."""
 
     logits_index: torch.Tensor  # rows of the flat token batch to compute logits for
-    sample_rows: torch.Tensor  # positions in logits_index of the rows sampled (1 + num_spec per sequence)
+    sample_rows: torch.Tensor  # positions in logits_index of the sampled sequences' last rows
     spans: list[tuple[SeqInput, int, int]]  # (sequence, first position in logits_index, prompt tokens in it)
 
     @classmethod
     def plan(cls, seqs: list[SeqInput], device: torch.device) -> "_PromptLogprobRows | None":
-        """None when every sampled sequence needs its last row only (the forward pass's default)."""
-        if not any((s.prompt_logprobs and s.num_computed < s.prompt_len) or s.num_spec for s in seqs):
+        if not any(s.prompt_logprobs and s.num_computed < s.prompt_len for s in seqs):
             return None
         pieces, sample_rows, spans = [], [], []
         row, taken = 0, 0
@@ -148,10 +149,9 @@ class _PromptLogprobRows:
                 if seq.sample:
                     sample_rows.append(taken - 1)
             elif seq.sample:
-                rows = 1 + seq.num_spec
-                pieces.append(torch.arange(row + n - rows, row + n))
-                sample_rows.extend(range(taken, taken + rows))
-                taken += rows
+                pieces.append(torch.tensor([row + n - 1]))
+                sample_rows.append(taken)
+                taken += 1
             row += n
         return cls(torch.cat(pieces).to(device), torch.tensor(sample_rows, dtype=torch.long, device=device), spans)
 
@@ -172,25 +172,46 @@ class _PromptLogprobRows:
         return out
 
 
-def _keep_verified(sampled: list[SeqInput], tokens: list[int], logprobs: list[float],
-                   top_tokens: list) -> tuple[list[int], list[float], list, list[int]]:
-    """From one sample per row to what each sequence keeps: a speculating one its guesses up to the first
-    its samples disagree with, then that sample (or the one after its last guess); the others their one
-    token. Also how many tokens each kept, and one top_tokens entry per sequence (speculating ones ask none)."""
-    kept_tokens, kept_logprobs, kept_top, num_tokens = [], [], [], []
-    row = 0
-    for seq in sampled:
-        guesses = seq.token_ids[len(seq.token_ids) - seq.num_spec:]
+def _one_token_rows(seqs: list[SeqInput]) -> list[SeqInput]:
+    """A speculating decode as 1 + num_spec one-token decodes of itself, one per position, sharing its
+    block table: each sees the K/V of the positions before it (every attention path writes a step's K/V
+    before it attends), so the forward pass and sampling treat each position as a step of its own, and
+    small steps keep the fused decode path."""
+    rows = []
+    for seq in seqs:
+        if not (seq.num_spec and seq.sample):
+            rows.append(seq)
+            continue
+        first = len(seq.token_ids) - 1 - seq.num_spec  # tokens before the last real one: a plain chunk
+        if first > 0:
+            rows.append(dataclasses.replace(seq, token_ids=seq.token_ids[:first], sample=False, num_spec=0))
+        rows += [dataclasses.replace(seq, token_ids=[token], num_computed=seq.num_computed + first + r, num_spec=0)
+                 for r, token in enumerate(seq.token_ids[first:])]
+        rows[-1 - seq.num_spec].num_spec = seq.num_spec  # the first sampled row says how many follow
+    return rows
+
+
+def _keep_verified(rows: list[SeqInput], tokens: list[int], logprobs: list[float],
+                   top_tokens: list) -> tuple[list[str], list[int], list[float], list, list[int]]:
+    """From one sample per row back to one entry per sequence: a speculating one keeps its guesses up to
+    the first its samples disagree with, then that sample (or the one after its last guess); the others
+    their one token. Also the rids, how many tokens each kept and one top_tokens entry per sequence."""
+    rids, kept_tokens, kept_logprobs, kept_top, num_tokens = [], [], [], [], []
+    i = 0
+    while i < len(rows):
+        seq = rows[i]
+        guesses = [r.token_ids[0] for r in rows[i + 1:i + 1 + seq.num_spec]]
         n = 1
-        while n <= seq.num_spec and tokens[row + n - 1] == guesses[n - 1]:
+        while n <= seq.num_spec and tokens[i + n - 1] == guesses[n - 1]:
             n += 1
-        kept_tokens += tokens[row:row + n]
-        kept_logprobs += logprobs[row:row + n]
+        rids.append(seq.rid)
+        kept_tokens += tokens[i:i + n]
+        kept_logprobs += logprobs[i:i + n]
         if top_tokens:
-            kept_top.append(top_tokens[row])
+            kept_top.append(top_tokens[i])
         num_tokens.append(n)
-        row += 1 + seq.num_spec
-    return kept_tokens, kept_logprobs, kept_top, num_tokens
+        i += 1 + seq.num_spec
+    return rids, kept_tokens, kept_logprobs, kept_top, num_tokens
 
 
 class ModelRunner:
@@ -315,6 +336,9 @@ class ModelRunner:
             raise RuntimeError("the KV cache is sized by warmup() on CUDA: call it before step()")
         if not seqs:
             return StepOutput([], [], [], 0.0, 0.0) if self.rank == 0 else None
+        speculating = [s for s in seqs if s.num_spec and s.sample]
+        if speculating:
+            seqs = _one_token_rows(seqs)
         with torch.inference_mode():
             started = time.perf_counter()
             # Constrained requests' masks are computed on another thread while the forward pass runs.
@@ -336,20 +360,14 @@ class ModelRunner:
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
-            # One row per position sampled: a speculating sequence's 1 + num_spec rows each sample the
-            # token after their position, with that position's seeded draw, as if it were the only one.
-            # The watermark seeds on the token before the sampled one: the one fed at that row.
-            rows = [(s, r) for s in sampled for r in range(1 + s.num_spec)]
-            out = sample(logits, [s.sampling for s, _ in rows],
-                         [s.num_computed + len(s.token_ids) - s.num_spec + r for s, r in rows],
-                         None if histories is None else [h for s, h in zip(sampled, histories)
-                                                         for _ in range(1 + s.num_spec)],
-                         [s.token_ids[len(s.token_ids) - 1 - s.num_spec + r] for s, r in rows],
-                         [s.prompt_len for s, _ in rows])
+            # The watermark seeds on the token before the sampled one: the last one fed this step.
+            out = sample(logits, [s.sampling for s in sampled],
+                         [s.num_computed + len(s.token_ids) for s in sampled], histories,
+                         [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled])
             token_list, logprob_list = out.token_ids.tolist(), out.logprobs.tolist()
             top_tokens, num_tokens = out.top_tokens, []
-            if len(rows) > len(sampled):
-                token_list, logprob_list, top_tokens, num_tokens = _keep_verified(
+            if speculating:
+                rids, token_list, logprob_list, top_tokens, num_tokens = _keep_verified(
                     sampled, token_list, logprob_list, top_tokens)
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_done - started,
@@ -373,7 +391,7 @@ class ModelRunner:
                     rows.append(row)
                     rids.append(seq.rid)
                     positions.append(seq.num_computed + len(seq.token_ids))
-            row += seq.sample * (1 + seq.num_spec)  # logits rows: a speculating sequence has several
+            row += seq.sample
         return self._grammar.start_masks(rows, rids, positions) if rids else None
 
     @property
