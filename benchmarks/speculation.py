@@ -54,7 +54,7 @@ def chat(prompt: str) -> str:
     return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
-async def single(url: str, prompt: str, new_tokens: int) -> tuple[float, list[str]]:
+async def single_stream(url: str, prompt: str, new_tokens: int) -> tuple[float, list[str]]:
     async with client_session() as session:
         s = await stream_tokens(session, url, chat(prompt), {"max_new_tokens": new_tokens, "details": True})
     assert s.error is None, s.error
@@ -62,6 +62,7 @@ async def single(url: str, prompt: str, new_tokens: int) -> tuple[float, list[st
 
 
 async def concurrent(url: str, n: int, new_tokens: int) -> float:
+    """Tokens/s of ``n`` grounded requests at once."""
     prompts = list(TASKS.values())
     async with client_session() as session:
         t0 = time.perf_counter()
@@ -73,6 +74,30 @@ async def concurrent(url: str, n: int, new_tokens: int) -> float:
     return sum(len(s.times) for s in streams) / elapsed
 
 
+def spec_counts(samples: dict[str, float]) -> tuple[float, float]:
+    """(guessed, kept) tokens so far, over every method."""
+    def total(name: str) -> float:
+        return sum(v for k, v in samples.items() if k.split("{")[0] == name)
+    return (total("llmbus_speculative_proposed_tokens_total"), total("llmbus_speculative_accepted_tokens_total"))
+
+
+def sweep(concurrencies: list[int], args) -> int:
+    model = str(dense_folder("bfloat16"))
+    common = ["--model-id", model, "--dtype", "float32", "--max-total-tokens", "1024",
+              "--kv-cache-memory", str(2 * 2**30), "--max-concurrent-requests", "256"]
+    always = ["--speculate", str(args.speculate), "--speculate-max-batch", "1000"]
+    with LlmbusServer(common) as plain, LlmbusServer([*common, *always]) as spec:
+        print(f"\n{'concurrency':>11} {'plain tok/s':>12} {'speculate tok/s':>16} {'ratio':>7}")
+        for c in concurrencies:
+            rates = {"plain": [], "spec": []}
+            for _ in range(args.repeats):
+                for label, srv in (("plain", plain), ("spec", spec)):
+                    rates[label].append(asyncio.run(concurrent(srv.url, c, args.new_tokens)))
+            a, b = statistics.median(rates["plain"]), statistics.median(rates["spec"])
+            print(f"{c:>11} {a:>12.1f} {b:>16.1f} {b / a:>6.2f}x", flush=True)
+    return 0
+
+
 def main() -> int:
     exit_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,40 +105,47 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--sweep", default="", help="instead: concurrencies (e.g. 1,2,4,8) at which to compare plain "
+                                                "decoding with speculation that never switches off, to find where "
+                                                "it stops paying (--speculate-max-batch)")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep([int(c) for c in args.sweep.split(",")], args)
     model = str(dense_folder("bfloat16"))
     common = ["--model-id", model, "--dtype", "float32", "--max-total-tokens", "1024",
               "--kv-cache-memory", str(2 * 2**30), "--max-concurrent-requests", "256"]
-    results = {}
-    for label, extra in (("plain", []), ("speculate", ["--speculate", str(args.speculate)])):
-        with LlmbusServer([*common, *extra]) as srv:
-            per_task = {}
-            for task, prompt in TASKS.items():
-                asyncio.run(single(srv.url, prompt, 8))  # warm the path once
-                runs = [asyncio.run(single(srv.url, prompt, args.new_tokens)) for _ in range(args.repeats)]
-                per_task[task] = (statistics.median(r[0] for r in runs), runs[0][1])
-            before = metrics(srv.url)
-            c64 = [asyncio.run(concurrent(srv.url, args.concurrency, 64)) for _ in range(2)]
-            after = metrics(srv.url)
-            results[label] = {"tasks": per_task, "c64": max(c64), "metrics": before,
-                              "c64_proposed": after.get("llmbus_speculative_proposed_tokens_total", 0)
-                              - before.get("llmbus_speculative_proposed_tokens_total", 0)}
-    plain, spec = results["plain"], results["speculate"]
-    print(f"\nSmolLM2 float32, greedy, {args.new_tokens} new tokens, median of {args.repeats}; "
-          f"--speculate {args.speculate}")
+    # Both servers up at once and measured in turn (A, B, A, B, ...), so a slower minute of this shared
+    # machine falls on both.
+    with LlmbusServer(common) as plain, LlmbusServer([*common, "--speculate", str(args.speculate)]) as spec:
+        servers = {"plain": plain, "speculate": spec}
+        single = {label: {task: [] for task in TASKS} for label in servers}
+        texts = {label: {} for label in servers}
+        for task, prompt in TASKS.items():
+            for srv in servers.values():
+                asyncio.run(single_stream(srv.url, prompt, 8))  # warm the path once
+            for _ in range(args.repeats):
+                for label, srv in servers.items():
+                    rate, text = asyncio.run(single_stream(srv.url, prompt, args.new_tokens))
+                    single[label][task].append(rate)
+                    texts[label][task] = text
+        guessed, kept = spec_counts(metrics(spec.url))
+        loaded = {label: [] for label in servers}
+        for _ in range(args.repeats):
+            for label, srv in servers.items():
+                loaded[label].append(asyncio.run(concurrent(srv.url, args.concurrency, 64)))
+        guessed_loaded = spec_counts(metrics(spec.url))[0] - guessed
+    print(f"\nSmolLM2 float32, greedy, {args.new_tokens} new tokens, median of {args.repeats}, servers measured "
+          f"in turn; --speculate {args.speculate}")
     print(f"{'task':<14} {'plain tok/s':>12} {'speculate tok/s':>16} {'ratio':>7}  same output")
     for task in TASKS:
-        a, text_a = plain["tasks"][task]
-        b, text_b = spec["tasks"][task]
-        print(f"{task:<14} {a:>12.1f} {b:>16.1f} {b / a:>6.2f}x  {text_a == text_b}")
-    m = spec["metrics"]
-    proposed = m.get("llmbus_speculative_proposed_tokens_total", 0)
-    accepted = m.get("llmbus_speculative_accepted_tokens_total", 0)
-    print(f"acceptance over the single-stream runs: {accepted:.0f} of {proposed:.0f} guesses "
-          f"({accepted / max(proposed, 1):.0%})")
-    print(f"c={args.concurrency}: plain {plain['c64']:.1f} tok/s, speculate {spec['c64']:.1f} tok/s "
-          f"({spec['c64'] / plain['c64']:.3f}x; guesses fed at this load: {spec['c64_proposed']:.0f})")
-    same = all(plain["tasks"][t][1] == spec["tasks"][t][1] for t in TASKS)
+        a, b = statistics.median(single["plain"][task]), statistics.median(single["speculate"][task])
+        print(f"{task:<14} {a:>12.1f} {b:>16.1f} {b / a:>6.2f}x  {texts['plain'][task] == texts['speculate'][task]}")
+    print(f"acceptance over the single-stream runs: {kept:.0f} of {guessed:.0f} guesses ({kept / max(guessed, 1):.0%})")
+    a, b = statistics.median(loaded["plain"]), statistics.median(loaded["speculate"])
+    print(f"c={args.concurrency}: plain {a:.1f} tok/s, speculate {b:.1f} tok/s ({b / a:.3f}x; runs plain "
+          f"{[round(x, 1) for x in loaded['plain']]}, speculate {[round(x, 1) for x in loaded['speculate']]}; "
+          f"guesses fed at this load: {guessed_loaded:.0f})")
+    same = all(texts["plain"][t] == texts["speculate"][t] for t in TASKS)
     return 0 if same else 1
 
 

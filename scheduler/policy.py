@@ -25,8 +25,8 @@ step so the workers drop their state.
 
 4. **Speculation** (``speculate`` > 0; scheduler/speculation.py). A decoding request also feeds up to
    ``speculate`` guessed tokens, when the batch has at most ``speculate_max_batch`` decodes (beyond that a
-   step is compute-bound and guesses cost more than they save) and blocks for them are free (a guess never
-   preempts anyone). The ranks keep the guesses their samples agree with, plus one sampled token; only
+   step is compute-bound and guesses cost more than they save), blocks for them are free (a guess never
+   preempts anyone) and its guesses so far pay (a request that keeps under a quarter of them stops). The ranks keep the guesses their samples agree with, plus one sampled token; only
    those tokens' K/V count as computed, so a rejected guess's slots are rewritten by later tokens and the
    prefix cache only ever holds verified tokens. Never for requests with penalties, a watermark, a
    grammar, top_n_tokens or pending prompt logprobs, and never past ``max_new_tokens``.
@@ -113,7 +113,7 @@ class SchedulerConfig:
     max_waiting_tokens: int = 20  # without chunking: ... or after this many steps without admission
     watermark: float = 0.01  # share of KV blocks admission leaves free for running requests to grow into
     speculate: int = 0  # guessed tokens per decode (n-gram prompt lookup); 0 = off
-    speculate_max_batch: int = 4  # speculate only in steps with at most this many decodes
+    speculate_max_batch: int = 16  # speculate only in steps with at most this many decodes
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens < 1:
@@ -317,7 +317,7 @@ class Scheduler:
     def _guess(self, req: Request, budget: int, batch: ScheduledBatch) -> ScheduledSeq | None:
         """A decode of ``req`` with guessed tokens after its last one, if it may speculate, a guess exists
         and blocks for it are free; else None (it decodes plainly)."""
-        if not _may_speculate(req):
+        if not _may_speculate(req) or _guesses_do_not_pay(req):
             return None
         if req.ngrams is None:
             req.ngrams = NgramIndex(req.prompt_ids + req.output_ids)
@@ -478,6 +478,16 @@ class Scheduler:
             req.prompt_logprob_values.clear()  # recomputed from the first chunk on
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
+
+
+# A request whose guesses keep failing stops guessing: past this many guesses, below this share kept, each
+# guess costs a position's compute for little (a batch step on a CPU is compute-bound).
+SPEC_PROBATION_GUESSES = 24
+SPEC_MIN_KEPT_SHARE = 0.25
+
+
+def _guesses_do_not_pay(req: Request) -> bool:
+    return req.spec_proposed >= SPEC_PROBATION_GUESSES and req.spec_accepted < SPEC_MIN_KEPT_SHARE * req.spec_proposed
 
 
 def _may_speculate(req: Request) -> bool:

@@ -325,3 +325,16 @@ def test_guesses_through_the_runner_driver_alone(tmp_path):
     done = drive(runner, requests)
     for req, tokens in zip(requests, ref.tokens):
         assert done[req.rid].tokens == tokens, req.rid
+
+
+def test_a_request_whose_guesses_keep_failing_stops_guessing():
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    s = Scheduler(SchedulerConfig(64, speculate=4), KVBlockManager(64, 4))
+    (req,) = _requests([prompt], [120])
+    s.add(req)
+    worker = SimWorker(4)  # a model that never repeats: guesses from the prompt's pattern always fail
+    while s.has_work:
+        batch = s.schedule()
+        s.update(batch, worker.run(batch))
+    assert req.output_ids == solo_output(prompt, 120)
+    assert 0 < req.spec_proposed < 24 + 4 and req.spec_accepted < req.spec_proposed / 4
