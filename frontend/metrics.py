@@ -59,7 +59,8 @@ class SchedulerStatsCollector(Collector):
                       {(reason,): getattr(stats, f"concat_{reason}")
                        for reason in ("chunking", "backpressure", "wait_exceeded")}, ("reason",))
         for name, doc, pair in (
-                ("tgi_batch_forward_duration", "Forward pass time (rank 0)", (stats.prefill_forward, stats.decode_forward)),
+                ("tgi_batch_forward_duration", "Forward pass time (rank 0)",
+                 (stats.prefill_forward, stats.decode_forward)),
                 ("tgi_batch_inference_duration", "Step time, command to result",
                  (stats.prefill_duration, stats.decode_duration))):
             family = HistogramMetricFamily(name, doc, labels=["method"])

@@ -24,12 +24,13 @@ Finished, aborted and preempted requests release their blocks at once; their ids
 step so the workers drop their state.
 
 4. **Speculation** (``speculate`` > 0; scheduler/speculation.py). A decoding request also feeds up to
-   ``speculate`` guessed tokens, when the batch has at most ``speculate_max_batch`` decodes (beyond that a
+   ``speculate`` guessed tokens when the batch has at most ``speculate_max_batch`` decodes (beyond that a
    step is compute-bound and guesses cost more than they save), blocks for them are free (a guess never
-   preempts anyone) and its guesses so far pay (a request that keeps under a quarter of them stops). The ranks keep the guesses their samples agree with, plus one sampled token; only
-   those tokens' K/V count as computed, so a rejected guess's slots are rewritten by later tokens and the
-   prefix cache only ever holds verified tokens. Never for requests with penalties, a watermark, a
-   grammar, top_n_tokens or pending prompt logprobs, and never past ``max_new_tokens``.
+   preempts anyone) and its guesses so far pay (one that keeps under a quarter of them stops). The ranks
+   keep the guesses their samples agree with, plus one sampled token; only those tokens' K/V count as
+   computed, so a rejected guess's slots are rewritten by later tokens and the prefix cache only ever
+   holds verified tokens. Never for requests with penalties, a watermark, a grammar, top_n_tokens or
+   pending prompt logprobs, and never past ``max_new_tokens``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from llmbus.bus import messages as m
 from llmbus.bus.service import ServiceError
-from llmbus.bus.sockets import log_dropped, open_socket, poll, recv, recv_from, send
+from llmbus.bus.sockets import log_dropped, open_socket, poll, recv_from, send
 from llmbus.scheduler.health import Answer
 
 HEARTBEAT_INTERVAL_S = 0.25  # SchedulerStats at least this often, busy or idle (frontend/engine_client.py)
@@ -218,12 +218,12 @@ class RankChannel:
         return f"restarting the worker ranks after: {self.recovering}"
 
     def _drain_stale_worker_messages(self) -> None:
-        """What the lost group sent and nobody read (a last result, a fatal report, a health ack): the new
-        ranks' startup must not read it as theirs."""
-        for sock in (self.control, self.results):
+        """What the lost group sent and nobody read (a last result, a fatal report, a health ack, the
+        step channel's (un)subscriptions): the new ranks' startup must not count it as theirs."""
+        for sock in (self.control, self.results, self.steps):
             while True:
                 try:
-                    recv(sock, zmq.NOBLOCK)
+                    sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
 
