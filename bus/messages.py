@@ -43,6 +43,9 @@ WIRE_VERSION = 7  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, p
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
 
+DRAFT_GUESS = -1  # StepCommand.token_ids: a guess the draft model fills in
+
+
 class Kind(enum.IntEnum):
     """Frame 0 of every message. Stable wire ids: never renumber."""
 
@@ -286,7 +289,8 @@ class StepCommand(Message):
     added_blocks: list[list] = field(default_factory=list)  # [[rid, [block ids]]]: blocks appended
     finished_rids: list[str] = field(default_factory=list)  # drop state: finished, aborted, preempted
     # Per scheduled request: of its tokens this step, the trailing guesses to verify (speculation;
-    # scheduler/speculation.py); [] when none speculates.
+    # scheduler/speculation.py); [] when none speculates. A guess of DRAFT_GUESS is left for rank 0's draft
+    # model to make (--draft-model-id), which it shares with the other ranks.
     num_spec: list[int] = field(default_factory=list)
 
 
@@ -447,6 +451,7 @@ class SchedulerStats(Message):
     worker_restarts: int = 0  # times the worker ranks died or hung and were restarted, requests resumed
     spec_proposed: int = 0  # guessed tokens fed to the ranks (n-gram speculation)
     spec_accepted: int = 0  # of those, kept
+    spec_method: str = "ngram"  # where the guesses come from: "ngram" or "draft"
 
 
 for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size"):

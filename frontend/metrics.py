@@ -47,9 +47,9 @@ class SchedulerStatsCollector(Collector):
         yield counter("llmbus_preemptions_total", "Running requests sent back to the queue for lack of KV blocks",
                       {(): stats.preemptions})
         yield counter("llmbus_speculative_proposed_tokens_total", "Guessed tokens fed to the ranks, by method",
-                      {("ngram",): stats.spec_proposed}, ("method",))
+                      {(stats.spec_method,): stats.spec_proposed}, ("method",))
         yield counter("llmbus_speculative_accepted_tokens_total", "Of the guessed tokens, those kept, by method",
-                      {("ngram",): stats.spec_accepted}, ("method",))
+                      {(stats.spec_method,): stats.spec_accepted}, ("method",))
         yield counter("llmbus_worker_restarts_total",
                       "Times the worker ranks died or hung and were restarted, their requests resumed",
                       {(): stats.worker_restarts})

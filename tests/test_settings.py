@@ -120,6 +120,10 @@ LAUNCH_FLAGS = {
                 {"scheduler.run_dir": RUN_DIR + "-other", "workers.run_dir": RUN_DIR + "-other",
                  "frontend.requests_endpoint": ANY, "frontend.events_endpoint": ANY}),
     "num_frontends": (["--num-frontends", "2"], {}, {"services": ["frontend0", "frontend1", "scheduler", "workers"]}),
+    # resolved like the model (the hub is not asked: the last resolve_model call is the draft's)
+    "draft_model_id": (["--draft-model-id", "org/draft"], {},
+                       {"resolve_model.model_id": "org/draft", "workers.draft_model_dir": ANY,
+                        "scheduler.speculate": 4, "scheduler.speculate_method": "draft"}),
 }
 
 

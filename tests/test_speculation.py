@@ -311,20 +311,30 @@ def test_tensor_parallel_ranks_verify_guesses_as_one(tmp_path):
         assert out[req.rid][0] == tokens, req.rid
 
 
-def test_guesses_through_the_runner_driver_alone(tmp_path):
-    from runner_driver import drive, make_prompts, mixed_requests, reference
+@pytest.fixture(scope="module")
+def checkpoint_512(tmp_path_factory):
+    from runner_driver import make_prompts, reference
 
-    path = str(tmp_path / "model")
+    path = str(tmp_path_factory.mktemp("spec512"))
     _save_tiny_llama(path, tied=True, vocab_size=512)
     prompts = make_prompts(512)
-    ref = reference(path, prompts)
+    return path, prompts, reference(path, prompts)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_guesses_of_every_length_in_a_mixed_batch_with_a_preemption(checkpoint_512, k):
+    from runner_driver import drive, mixed_requests
+
+    path, prompts, ref = checkpoint_512
     runner = ModelRunner(path, block_size=4, num_blocks=256, max_batch_prefill_tokens=512)
     requests = mixed_requests(prompts)
     for req, tokens in zip(requests, ref.tokens):
-        req.speculate, req.oracle = 4, tokens
+        req.speculate, req.oracle = k, tokens
+    requests[2].preempt_after, requests[2].resume_cached_blocks = 4, 1
     done = drive(runner, requests)
     for req, tokens in zip(requests, ref.tokens):
         assert done[req.rid].tokens == tokens, req.rid
+    assert sum(r.kept_guesses for r in requests) > 0 and requests[2].preemptions == 1
 
 
 def test_a_request_whose_guesses_keep_failing_stops_guessing():
@@ -338,3 +348,70 @@ def test_a_request_whose_guesses_keep_failing_stops_guessing():
         s.update(batch, worker.run(batch))
     assert req.output_ids == solo_output(prompt, 120)
     assert 0 < req.spec_proposed < 24 + 4 and req.spec_accepted < req.spec_proposed / 4
+
+
+# ---------------------------------------------------------------------------------------------- draft model
+
+def test_a_draft_model_guesses_and_the_output_stays_the_target_s(tmp_path):
+    """Guesses from a draft with other weights (mostly wrong) and from the target itself (always right):
+    transformers' tokens either way, and the right draft's guesses are kept."""
+    from runner_driver import drive, make_prompts, mixed_requests, reference
+
+    target, other = str(tmp_path / "target"), str(tmp_path / "other")
+    _save_tiny_llama(target, tied=True, vocab_size=512)
+    torch.manual_seed(1)
+    _save_tiny_llama(other, tied=True, vocab_size=512)
+    prompts = make_prompts(512)
+    ref = reference(target, prompts)
+    for draft_path in (other, target):
+        runner = ModelRunner(target, block_size=4, num_blocks=256, max_batch_prefill_tokens=512)
+        runner.attach_draft(ModelRunner(draft_path, block_size=4, num_blocks=256, max_batch_prefill_tokens=512))
+        requests = mixed_requests(prompts)
+        for req in requests:
+            req.speculate = 3
+        requests[3].preempt_after, requests[3].resume_cached_blocks = 5, 1  # the draft recomputes it too
+        done = drive(runner, requests)
+        for req, tokens in zip(requests, ref.tokens):
+            assert done[req.rid].tokens == tokens, (draft_path, req.rid)
+        if draft_path == target:
+            assert all(r.kept_guesses > len(r.tokens) // 2 for r in requests), [r.kept_guesses for r in requests]
+
+
+def test_draft_model_through_the_stack_at_tp2(tiny_model_dir, reference):
+    """`llmbus up --gpus 2 --draft-model-id`, the tiny model drafting for itself (every guess right), a KV
+    pool small enough to preempt: rank 0's draft guesses reach rank 1 by broadcast, greedy output is
+    transformers', /metrics counts kept guesses under method="draft" and preemptions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from harness import Server
+    from httputil import metrics
+    from test_e2e_scheduling import QUESTIONS, SYSTEM
+    from test_real_models import served_greedy
+
+    prompts = [SYSTEM + q for q in QUESTIONS[:8]]
+    want = [reference(p, 20) for p in prompts]
+    server = Server(["--model-id", str(tiny_model_dir), "--draft-model-id", str(tiny_model_dir), "--speculate", "3",
+                     "--gpus", "2", "--dtype", "float32", "--max-total-tokens", "96", "--max-input-tokens", "64",
+                     "--num-blocks", "40", "--block-size", "4", "--max-batch-prefill-tokens", "24"])
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: served_greedy(server, p, 20), prompts))
+        samples = metrics(server.url, labels=True)
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
+    for g, w in zip(got, want):
+        assert g == w[:len(g)] and (len(g) == 20 or g[-1] == 1), (g, w)  # 1: the tiny model's EOS
+    assert samples['llmbus_speculative_accepted_tokens_total{method="draft"}'] > 0, samples
+    assert samples["llmbus_preemptions_total"] > 0, samples
+
+
+def test_a_draft_with_another_vocabulary_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    import subprocess
+
+    from harness import free_port
+
+    other = tmp_path / "other"
+    _save_tiny_llama(str(other), tied=True, vocab_size=509)
+    proc = subprocess.run(["llmbus", "up", "--model-id", str(tiny_model_dir), "--draft-model-id", str(other),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "draft model's vocabulary (509 tokens)" in proc.stderr, proc.stderr[-2000:]

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.bus.messages import Grammar, SamplingParams
+from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
 from llmbus.bus.service import ServiceError
+from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
@@ -231,6 +232,7 @@ class ModelRunner:
                  quantize: str | None = None):
         self.rank = rank
         self.world_size = world_size
+        self.draft: DraftProposer | None = None  # attach_draft
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
@@ -337,6 +339,12 @@ class ModelRunner:
         if not seqs:
             return StepOutput([], [], [], 0.0, 0.0) if self.rank == 0 else None
         speculating = [s for s in seqs if s.num_spec and s.sample]
+        # decided before rank 0 fills them in: every rank must take part in the broadcast
+        guesses_to_share = self.world_size > 1 and any(DRAFT_GUESS in s.token_ids for s in speculating)
+        if self.draft is not None:
+            self.draft.fill(seqs)  # rank 0: the draft follows every step, and fills the guesses left to it
+        if guesses_to_share:
+            self._share_guesses(speculating)
         if speculating:
             seqs = _one_token_rows(seqs)
         with torch.inference_mode():
@@ -418,6 +426,24 @@ class ModelRunner:
             return None
         return [self.histories[s.rid].tokens() if has_penalties(s.sampling) else None for s in sampled]
 
+    def attach_draft(self, draft_runner: "ModelRunner") -> None:
+        """Rank 0: a draft model (--draft-model-id) guesses for requests the scheduler left guesses open."""
+        self.draft = DraftProposer(draft_runner)
+
+    def _share_guesses(self, speculating: list[SeqInput]) -> None:
+        """Every rank must feed rank 0's draft guesses: broadcast them (one small tensor a step)."""
+        count = sum(s.num_spec for s in speculating)
+        if self.rank == 0:
+            flat = [t for s in speculating for t in s.token_ids[len(s.token_ids) - s.num_spec:]]
+            buffer = torch.tensor(flat, dtype=torch.long, device=self.device)
+        else:
+            buffer = torch.empty(count, dtype=torch.long, device=self.device)
+        torch.distributed.broadcast(buffer, src=0)
+        values, offset = buffer.tolist(), 0
+        for s in speculating:
+            s.token_ids = s.token_ids[:len(s.token_ids) - s.num_spec] + values[offset:offset + s.num_spec]
+            offset += s.num_spec
+
     def drop(self, rids: list[str]) -> None:
         """Forget per-request state (token histories, pending prompt-logprob rows) of finished, aborted or
         preempted requests. Their KV blocks are left as they are: the scheduler may hand them to another
@@ -425,6 +451,8 @@ class ModelRunner:
         for rid in rids:
             self.histories.pop(rid, None)
             self.pending_prompt_rows.pop(rid, None)
+        if self.draft is not None:
+            self.draft.drop(rids)
         if self._grammar is not None:
             self._grammar.drop(rids)
 

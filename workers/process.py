@@ -51,6 +51,8 @@ class WorkerConfig(ServiceSettings):
     max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", help=PREFILL_TOKENS_HELP)
     runner: str = setting("model", env="LLMBUS_RUNNER", choices=("model", "fake"), hidden=True,
                           help="fake: workers return tokens without computing (to measure the stack alone).")
+    draft_model_dir: str | None = setting(None, user=False,
+                                          help="a draft model's folder (--draft-model-id): rank 0 guesses with it")
     dist_init: str | None = None  # torch.distributed init_method; default: a file in the run dir
 
 
@@ -175,6 +177,15 @@ class Worker:
         warmup_started = time.monotonic()
         warmup_tokens = self.runner.warmup()
         warmup_step_s = time.monotonic() - warmup_started
+        if self.cfg.draft_model_dir and self.cfg.rank == 0 and runner_cls is ModelRunner:
+            # its own pool with the target's block count and size: the same block tables address both
+            draft = ModelRunner(self.cfg.draft_model_dir, rank=0, world_size=1, dtype=dtype, device=device,
+                                block_size=self.runner.block_size, num_blocks=self.runner.num_blocks,
+                                max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
+                                                          or DEFAULT_MAX_BATCH_PREFILL_TOKENS))
+            draft.warmup()
+            self.runner.attach_draft(draft)
+            self.log.info("draft model loaded", model=self.cfg.draft_model_dir)
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
                       device=str(device), load_s=round(load_s, 2),
                       warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks,
