@@ -45,6 +45,7 @@ typedef struct {
     const int64_t *slots, *tables, *lens;      /* [B], [B, table_stride], [B] */
     float *normed, *qkv_out, *attended, *act;  /* scratch: [B, H], [B, (Hq + 2 Hkv) D], [B, Hq D], [B, I] */
     float *scores;                             /* [Hkv * B, group, scores_stride] */
+    int64_t rows_share_sequences;              /* rows are positions of one sequence (speculation) */
 } StepArgs;
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -211,6 +212,16 @@ static inline void rope(float *x, const float *cos, const float *sin, int64_t he
     memcpy(x, rotated, sizeof rotated);
 }
 
+static inline void attend_pair(const StepArgs *s, const LayerArgs *l, int64_t pair, int64_t head_elems,
+                               int64_t qkv_width, int64_t group) {
+    const int64_t B = s->batch, D = s->head_dim, Hq = s->num_heads;
+    int64_t kv_head = pair / B, b = pair % B;
+    const float *query = s->qkv_out + b * qkv_width + kv_head * group * D;
+    pair_f32(query, l->pool_key + kv_head * head_elems, l->pool_value + kv_head * head_elems,
+             s->tables + b * s->table_stride, s->block_size, l->starts[b], s->lens[b], D, group, s->scale,
+             s->scores + pair * group * s->scores_stride, s->scores_stride, s->attended + (b * Hq + kv_head * group) * D);
+}
+
 /* hidden [B, H] float32, updated in place. Returns 0, or -1 for a shape it cannot take. */
 int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
     const int64_t B = s->batch, H = s->hidden, I = s->intermediate, D = s->head_dim;
@@ -232,17 +243,13 @@ int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
             rope(key, cos, sin, D);
             write_f32(key, row + (Hq + Hkv + kv_head) * D, l->pool_key + kv_head * head_elems,
                       l->pool_value + kv_head * head_elems, s->slots[b], s->block_size, D);
+            if (!s->rows_share_sequences) attend_pair(s, l, pair, head_elems, qkv_width, group);
         }
-        /* every row's K/V is in the pool before any row attends: rows may be positions of one sequence
-         * (speculation), each attending to the ones before it */
+        /* rows that are positions of one sequence (speculation) each attend to the ones before it: every
+         * row's K/V is in the pool first (a barrier that one-row-per-sequence steps do without) */
+        if (s->rows_share_sequences) {
 #pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < Hkv * B; pair++) {
-            int64_t kv_head = pair / B, b = pair % B;
-            const float *query = s->qkv_out + b * qkv_width + kv_head * group * D;
-            pair_f32(query, l->pool_key + kv_head * head_elems, l->pool_value + kv_head * head_elems,
-                     s->tables + b * s->table_stride, s->block_size, l->starts[b], s->lens[b], D, group, s->scale,
-                     s->scores + pair * group * s->scores_stride, s->scores_stride,
-                     s->attended + (b * Hq + kv_head * group) * D);
+            for (int64_t pair = 0; pair < Hkv * B; pair++) attend_pair(s, l, pair, head_elems, qkv_width, group);
         }
         gemv(&l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);
 #pragma omp for schedule(static)

@@ -81,7 +81,8 @@ class _StepArgs(ctypes.Structure):
                                            "scores_stride")]
                 + [("eps", _F32), ("scale", _F32)]
                 + [(name, _P) for name in ("cos", "sin", "slots", "tables", "lens", "normed", "qkv_out",
-                                           "attended", "act", "scores")])
+                                           "attended", "act", "scores")]
+                + [("rows_share_sequences", _I64)])
 
 
 @functools.cache
@@ -208,6 +209,9 @@ class FusedDecodeLayers:
                          eps=self._eps, scale=self._scale, cos=cos.data_ptr(), sin=sin.data_ptr(),
                          slots=meta.slot_mapping.data_ptr(), tables=group.block_index.data_ptr(),
                          lens=group.context_lens.data_ptr(),
+                         # rows of one sequence (speculation) start in the same block
+                         rows_share_sequences=int(batch > 1 and bool(
+                             torch.unique(group.block_index[:, 0]).numel() < batch)),
                          **{name: self._buffer(name, n).data_ptr() for name, n in buffers.items()})
         backend = self._model.attention_backend
         hidden_ptr = hidden.data_ptr()
