@@ -96,8 +96,9 @@ class RankChannel:
                     continue
                 if sock is self.control_monitor:
                     self._control_event()
-                    if self._dead_ranks():  # the old group's ranks are forgotten: only a new one counts
-                        raise WorkersLost(f"worker rank {self._dead_ranks()[0]} died while starting")
+                    dead = self._dead_ranks()  # the old group's ranks are forgotten: only a new one counts
+                    if dead:
+                        raise WorkersLost(f"worker rank {dead[0]} died while starting")
                     continue
                 if sock is self.steps:
                     frame = self.steps.recv()
