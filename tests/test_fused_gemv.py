@@ -1,0 +1,54 @@
+"""The fused decode layer's GEMV (workers/decode_layer.c, ``gemv_proj``) against torch: float32 rows and
+int8 rows with group scales, for every batch size it takes (1..8), output counts that are and are not
+multiples of four (the batch-1 int8 loop takes four rows at a time and the rest one by one), and group
+shapes that its four-row loop takes (32, 64) or leaves to the one-row loop (per row, 24, a ragged last
+group)."""
+
+import ctypes
+
+import pytest
+import torch
+
+from llmbus.workers import fused_decode
+from llmbus.workers.quant import quantize_int8
+
+LIBRARY = fused_decode.decode_layer_library()
+pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler: the fused decode layer is optional")
+
+
+def gemv(proj: fused_decode._Proj, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    y = torch.full((x.shape[0], out_features), float("nan"))
+    assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), x.shape[1], out_features, x.shape[0],
+                             y.data_ptr()) == 0
+    return y
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize(("out_features", "in_features", "group"),
+                         [(64, 96, 32), (67, 128, 64), (6, 32, 32), (3, 64, 32), (65, 96, None), (66, 96, 24),
+                          (41, 80, 32)])
+def test_int8_rows_give_the_dequantized_weights_product(rows, out_features, in_features, group):
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = quantize_int8(torch.randn(out_features, in_features), group)
+    x = torch.randn(rows, in_features)
+    keep = []
+    y = gemv(fused_decode._int8_proj(weight, keep), x, out_features)
+    expected = (x.double() @ weight.dequantize().double().T).float()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (67, 100), (1, 7)])
+def test_float32_rows_give_the_product(rows, out_features, in_features):
+    torch.manual_seed(rows + out_features)
+    weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    keep = []
+    y = gemv(fused_decode._dense_proj(weight, keep), x, out_features)
+    torch.testing.assert_close(y, (x.double() @ weight.double().T).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_more_rows_than_one_pass_serves_are_refused():
+    keep = []
+    proj = fused_decode._dense_proj(torch.randn(4, 8), keep)
+    x, y = torch.randn(fused_decode.MAX_BATCH + 1, 8), torch.empty(fused_decode.MAX_BATCH + 1, 4)
+    assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), 8, 4, x.shape[0], y.data_ptr()) == -1
