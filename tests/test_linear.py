@@ -23,4 +23,31 @@ def test_packed_linear_equals_f_linear(dtype, atol, rows):
 def test_cpu_with_onednn_packs():
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    assert Linear(torch.randn(8, 8)).packed
+    linear = Linear(torch.randn(8, 8))
+    assert linear.packed is not None and not linear.plain
+    both = Linear(torch.randn(8, 8), keep_plain=True)
+    assert both.packed is not None and both.plain
+
+
+def test_plain_projections_are_also_packed_while_the_second_copies_fit(monkeypatch):
+    """For the fused decode layer, dense projections keep their plain form; a packed second copy (faster
+    GEMMs for prompts and large batches) is added while the copies fit in SECOND_COPY_SHARE of the host's
+    available memory, and the ones past it stay plain only, computing through F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    from llmbus.workers import weight_builder
+
+    weight_bytes = 16 * 32 * 4
+    monkeypatch.setattr(weight_builder, "available_host_memory",
+                        lambda: int(2.5 * weight_bytes / weight_builder.SECOND_COPY_SHARE))
+    build = weight_builder.WeightBuilder(object(), rank=0, world_size=1, dtype=torch.float32,
+                                         device=torch.device("cpu"), keep_plain=True)
+    linears = [build._dense_linear(torch.randn(16, 32), None) for _ in range(4)]
+    assert [(lin.plain, lin.packed is not None) for lin in linears] == [(True, True)] * 2 + [(True, False)] * 2
+    x = torch.randn(5, 32)
+    for lin in linears:
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=0, atol=1e-5)
+    assert "2 dense projections kept plain and packed" in build.summary()
+    unbounded = weight_builder.WeightBuilder(object(), rank=0, world_size=1, dtype=torch.float32,
+                                             device=torch.device("cpu"))
+    assert not unbounded._dense_linear(torch.randn(16, 32), None).plain

@@ -9,7 +9,8 @@ everything else keep the torch path, which stays the reference.
 
 It applies to a native Llama-family model on CPU, float32 activations, one rank, the CPU attention backend,
 and projections it can read: plain float32 ones (the C layer reads weights as checkpoints store them, [out,
-in] row-major, so such a model's projections are kept plain, ``Linear.plain``, not reordered for oneDNN),
+in] row-major, so such a model's projections are kept plain, ``Linear.plain``, and also reordered for
+oneDNN's GEMMs where host memory allows a second copy: ``weight_builder.SECOND_COPY_SHARE``),
 or int8 ones that otherwise compute through a dense float32 copy (``--quantize int8`` where quant_kernels.c
 does not run): the layer then streams the int8 rows, a quarter of the bytes.
 """
@@ -103,8 +104,8 @@ def _runs_on(device: torch.device, world_size: int, dtype: torch.dtype) -> bool:
 
 
 def fused_decode_applies(device: torch.device, world_size: int, dtype: torch.dtype, quantize: str | None) -> bool:
-    """Whether a native model loaded so will decode through the fused layer (then its projections stay
-    plain): decided before the weights are read."""
+    """Whether a native model loaded so will decode through the fused layer (then its projections keep a
+    plain copy): decided before the weights are read."""
     return (_runs_on(device, world_size, dtype) and quantize in (None, "int8")
             and CPUKernelBackend.available(device) and decode_layer_library() is not None)
 

@@ -26,6 +26,7 @@ from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
 from llmbus.bus.service import ServiceError
 from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
+from llmbus.workers.host_memory import available_host_memory
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
 from llmbus.workers.sampling import has_penalties, sample
@@ -41,18 +42,6 @@ WARMUP_RID_PREFIX = "__warmup__"
 # against available memory instead), and a 4096-token float32 prefill took 23 s of a 29 s start on a
 # 2-core machine.
 CPU_WARMUP_TOKENS = 256
-
-
-def _available_host_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes; None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class WarmupOutOfMemory(ServiceError):
@@ -281,7 +270,7 @@ class ModelRunner:
     def _check_host_memory(self, num_blocks: int) -> None:
         """Refuse a CPU pool the machine cannot back: ``torch.empty`` would succeed (pages are committed
         lazily) and the kernel's OOM killer would end the process mid-generation instead."""
-        available = _available_host_memory()
+        available = available_host_memory()
         if available is None:
             return
         per_rank = bytes_per_block(**self._kv_layout) * (num_blocks + 1)

@@ -351,7 +351,7 @@ class LlamaForCausalLM:
         tp = TensorParallel(rank, world_size)
         build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
                               quantize=quantize,
-                              pack_linear=not fused_decode_applies(device, world_size, dtype, quantize))
+                              keep_plain=fused_decode_applies(device, world_size, dtype, quantize))
         head_dim = config.head_dim
         q_rows = config.num_heads // world_size * head_dim
         kv_rows = config.num_kv_heads // world_size * head_dim
