@@ -22,7 +22,8 @@
  * in the value dtype). The output is rounded once to the storage dtype.
  *
  * Built on first use by cpu_kernels.py with the C compiler and OpenMP; the threads are torch's own (both
- * link the libgomp torch loaded). Without AVX-512 the portable loops below do the same, slower.
+ * link the libgomp torch loaded). float32 with a head dim that is a multiple of 64 has an AVX2 path;
+ * without AVX-512 (bf16) or AVX2 (float32) the portable loops below do the same, slower.
  */
 #include <math.h>
 #include <stdint.h>
@@ -144,7 +145,94 @@ static void NAME(const T *query, const T *keys, const T *values, const int64_t *
         for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = ROUND(acc[d]);                       \
     }                                                                                                       \
 }
-DEFINE_PORTABLE_PAIR(pair_f32, float, f32_load, F32_KEY, F32_VALUE, f32_identity, f32_identity)
+DEFINE_PORTABLE_PAIR(portable_f32, float, f32_load, F32_KEY, F32_VALUE, f32_identity, f32_identity)
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Lane j: the sum of the 8 lanes of sums[j]. */
+static inline __m256 lane_sums8(const __m256 sums[8]) {
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(sums[0], sums[1]), _mm256_hadd_ps(sums[2], sums[3]));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(sums[4], sums[5]), _mm256_hadd_ps(sums[6], sums[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* float32, head_dim a multiple of 64, AVX2: the portable pair's arithmetic with q.k for 8 keys at a time
+ * (one horizontal reduction per 8 keys, not per key) and p.V into 64 dims of accumulators held in
+ * registers (the portable loop loads and stores its accumulator array for every key). */
+static void avx2_f32(const float *query, const float *keys, const float *values, const int64_t *table,
+                     int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
+                     float scale, float *scores, int64_t scores_stride, float *out) {
+    const int64_t block_elems = block_size * head_dim;
+    const int64_t first_block = start / block_size, last_block = (len - 1) / block_size;
+    /* q.k: every head of the group over each chunk of 8 keys while the chunk is in L1 */
+    for (int64_t i = first_block; i <= last_block; i++) {
+        const float *block = keys + table[i] * block_elems;
+        const int64_t base = i * block_size;
+        const int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size;
+        int64_t w = lo;
+        for (; w + 8 <= hi; w += 8) {
+            for (int64_t g = 0; g < group; g++) {
+                const float *q = query + g * head_dim;
+                __m256 sums[8];
+                for (int j = 0; j < 8; j++) sums[j] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < head_dim; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(q + d);
+                    for (int j = 0; j < 8; j++)
+                        sums[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(block + (w + j) * head_dim + d), sums[j]);
+                }
+                _mm256_storeu_ps(scores + g * scores_stride + base + w,
+                                 _mm256_mul_ps(lane_sums8(sums), _mm256_set1_ps(scale)));
+            }
+        }
+        for (; w < hi; w++) {
+            for (int64_t g = 0; g < group; g++) {
+                const float *q = query + g * head_dim;
+                __m256 sum = _mm256_setzero_ps();
+                for (int64_t d = 0; d < head_dim; d += 8)
+                    sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(block + w * head_dim + d), sum);
+                __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+                half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+                scores[g * scores_stride + base + w] = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half))) * scale;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *row = scores + g * scores_stride;
+        softmax_in_place(row, start, len);
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+            __m256 acc[8];
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t i = first_block; i <= last_block; i++) {
+                const float *block = values + table[i] * block_elems + d0;
+                const int64_t base = i * block_size;
+                const int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size;
+                for (int64_t w = lo; w < hi; w++) {
+                    const __m256 p = _mm256_set1_ps(row[base + w]);
+                    for (int c = 0; c < 8; c++)
+                        acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(block + w * head_dim + 8 * c), acc[c]);
+                }
+            }
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + g * head_dim + d0 + 8 * c, acc[c]);
+        }
+    }
+}
+#endif
+
+/* One (kv head, sequence) pair in float32. */
+static inline void pair_f32(const float *query, const float *keys, const float *values, const int64_t *table,
+                            int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
+                            float scale, float *scores, int64_t scores_stride, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 64 == 0) {
+        avx2_f32(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
+                 out);
+        return;
+    }
+#endif
+    portable_f32(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
+                 out);
+}
 DEFINE_PORTABLE_PAIR(portable_bf16, uint16_t, bf16_load, BF16_KEY, BF16_VALUE, bf16_prob, f32_to_bf16)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

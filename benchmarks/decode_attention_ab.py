@@ -1,0 +1,63 @@
+"""The C decode-attention kernel of two source versions, timed alternately in one process: a batch of
+sequences over a float32 (or bf16) paged pool with SmolLM2's heads.
+
+    python benchmarks/decode_attention_ab.py OLD.c [NEW.c] [--batch 64] [--context 256] [--rounds 20]
+
+NEW defaults to this checkout's workers/decode_attention.c; OLD is any other version of it (say
+``git show HEAD~1:workers/decode_attention.c > /tmp/old.c``). Each round times one call of each, in turn,
+so both see the same machine; prints the median per call and OLD/NEW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from llmbus.workers import cpu_kernels
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old")
+    p.add_argument("new", nargs="?", default=str(cpu_kernels.SOURCE))
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim (SmolLM2's)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a = p.parse_args()
+    kernels = {}
+    for name, source in (("old", a.old), ("new", a.new)):
+        library = cpu_kernels.load_library(Path(source).resolve(), "")
+        if library is None:
+            raise SystemExit(f"{source} did not build")
+        kernels[name] = cpu_kernels.DecodeAttentionKernel(library)
+    num_heads, num_kv_heads, head_dim = (int(v) for v in a.heads.split(","))
+    dtype, block_size = getattr(torch, a.dtype), 16
+    blocks_per_seq = -(-a.context // block_size)
+    torch.manual_seed(0)
+    pool = [torch.randn(num_kv_heads, a.batch * blocks_per_seq + 1, block_size, head_dim).to(dtype)
+            for _ in range(2)]
+    tables = torch.randperm(a.batch * blocks_per_seq).view(a.batch, blocks_per_seq)
+    lens = torch.full((a.batch,), a.context, dtype=torch.long)
+    starts = torch.zeros(a.batch, dtype=torch.long)
+    query = torch.randn(a.batch, num_heads, head_dim).to(dtype)
+    times = {name: [] for name in kernels}
+    outs = {}
+    for _ in range(a.rounds):
+        for name, kernel in kernels.items():
+            t0 = time.perf_counter()
+            outs[name] = kernel(query, *pool, tables, lens, starts, a.context, head_dim ** -0.5)
+            times[name].append(time.perf_counter() - t0)
+    torch.testing.assert_close(outs["new"].float(), outs["old"].float(), rtol=1e-4, atol=1e-5)
+    old, new = (statistics.median(times[n]) * 1e3 for n in ("old", "new"))
+    print(f"batch {a.batch}, context {a.context}, {a.dtype}, heads {a.heads}: old {old:.3f} ms, new {new:.3f} ms "
+          f"per layer call; old/new {old / new:.2f}x (outputs agree)")
+
+
+if __name__ == "__main__":
+    main()
