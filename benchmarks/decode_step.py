@@ -34,15 +34,18 @@ BLOCK_SIZE = 16
 
 
 class LlmbusDecode:
-    def __init__(self, model_dir: str, dtype: torch.dtype, max_batch: int, context: int, steps: int):
+    def __init__(self, model_dir: str, dtype: torch.dtype, max_batch: int, context: int, steps: int,
+                 quantize: str | None = None):
         tokens_per_seq = context + steps + 1
         blocks_per_seq = -(-tokens_per_seq // BLOCK_SIZE)
         # The server's default pool (DEFAULT_KV_CACHE_BYTES), or more if the batches need it: the pool's
         # size decides whether decode attention may keep its gathered K/V between steps (attention.py).
-        self.runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE, max_batch_prefill_tokens=2048)
+        self.runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE, max_batch_prefill_tokens=2048,
+                                  quantize=quantize)
         if self.runner.num_blocks < max_batch * blocks_per_seq + 1:
             self.runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE,
-                                      num_blocks=max_batch * blocks_per_seq + 1, max_batch_prefill_tokens=2048)
+                                      num_blocks=max_batch * blocks_per_seq + 1, max_batch_prefill_tokens=2048,
+                                      quantize=quantize)
         self.runner.warmup()
         self.context, self.blocks_per_seq, self.vocab = context, blocks_per_seq, self.runner.model.config.vocab_size
 

@@ -2,7 +2,7 @@
 sizes and for a prefill step, plus the wall time of each.
 
     python benchmarks/model_profile.py [--model-id DIR] [--batches 1,16,64] [--prefill 32x128]
-                                       [--rows 20] [--context 128]
+                                       [--rows 20] [--context 128] [--quantize int8]
 
 Decode: every sequence has ``--context`` tokens cached, then 5 steps are profiled after 3 unprofiled
 ones. Prefill: ``--prefill NxL`` is N prompts of L tokens computed in one step (the scheduler's default
@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--prefill", default="32x128", help="NxL: N prompts of L tokens in one step ('' to skip)")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rows", type=int, default=20)
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"])
     a = p.parse_args()
     if a.model_id is None:
         from llmbus.supervisor.demo_model import demo_model_dir
@@ -84,8 +85,9 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",") if b]
     num, length = (int(v) for v in a.prefill.split("x")) if a.prefill else (0, 0)
     bench = LlmbusDecode(a.model_id, getattr(torch, a.dtype), max([*batches, num]),
-                         max(a.context, length), 16)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.dtype}")
+                         max(a.context, length), 16, quantize=a.quantize)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.dtype}, quantize={a.quantize}, "
+          f"{bench.runner.compute_paths}")
     for batch in batches:
         profile_decode(bench, batch, a.context, a.rows)
     if num:

@@ -117,7 +117,9 @@ def requantized_copy(model_dir: Path, out: Path, method: str, ranks: int) -> Pat
     return out
 
 
-@pytest.mark.parametrize("method,ranks", [("int8", 1), ("int4", 1), ("int8", 2), ("int4", 2)])
+# int4 over 2 ranks (groups cut at rank boundaries) is served end to end by
+# test_gguf_kept_quantized_in_bf16_serves_and_streams[2]; left out here for the suite's time budget.
+@pytest.mark.parametrize("method,ranks", [("int8", 1), ("int4", 1), ("int8", 2)])
 def test_quantize_equals_transformers_on_the_requantized_weights(method, ranks, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
