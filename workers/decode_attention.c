@@ -157,6 +157,12 @@ static inline __m256 lane_sums8(const __m256 sums[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+/* The cache lines of the ``bytes`` at ``p``: the next block of a sequence is usually on another page, where
+ * the hardware prefetcher does not follow, so each block would otherwise start with misses. */
+static inline void prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char *)p + offset, _MM_HINT_T0);
+}
+
 /* float32, head_dim a multiple of 64, AVX2: the portable pair's arithmetic with q.k for 8 keys at a time
  * (one horizontal reduction per 8 keys, not per key) and p.V into 64 dims of accumulators held in
  * registers (the portable loop loads and stores its accumulator array for every key). */
@@ -166,10 +172,13 @@ static void avx2_f32(const float *query, const float *keys, const float *values,
     const int64_t block_elems = block_size * head_dim;
     const int64_t first_block = start / block_size, last_block = (len - 1) / block_size;
     /* q.k: every head of the group over each chunk of 8 keys while the chunk is in L1 */
+    const int64_t block_bytes = block_elems * (int64_t)sizeof(float);
     for (int64_t i = first_block; i <= last_block; i++) {
         const float *block = keys + table[i] * block_elems;
         const int64_t base = i * block_size;
         const int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size;
+        prefetch_bytes(i < last_block ? keys + table[i + 1] * block_elems : values + table[first_block] * block_elems,
+                       block_bytes);
         int64_t w = lo;
         for (; w + 8 <= hi; w += 8) {
             for (int64_t g = 0; g < group; g++) {
@@ -207,6 +216,7 @@ static void avx2_f32(const float *query, const float *keys, const float *values,
                 const float *block = values + table[i] * block_elems + d0;
                 const int64_t base = i * block_size;
                 const int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size;
+                if (g == 0 && d0 == 0 && i < last_block) prefetch_bytes(values + table[i + 1] * block_elems, block_bytes);
                 for (int64_t w = lo; w < hi; w++) {
                     const __m256 p = _mm256_set1_ps(row[base + w]);
                     for (int c = 0; c < 8; c++)
