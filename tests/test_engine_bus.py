@@ -256,9 +256,3 @@ def test_lost_ranks_are_restarted_and_requests_resume_until_a_crash_loop(engine)
     assert isinstance(ev, m.EngineDead) and "giving up" in ev.reason and "worker rank 0" in ev.reason, ev
     assert procs[0].wait(30) == 1  # the scheduler exits non-zero so a supervisor tears everything down
     fe.close()
-
-
-def _kill_a_rank(group: subprocess.Popen, which: int) -> None:
-    rank_pids = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(group.pid)]).split()]
-    assert len(rank_pids) == WORLD_SIZE
-    os.kill(rank_pids[which], signal.SIGKILL)
