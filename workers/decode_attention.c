@@ -150,6 +150,13 @@ DEFINE_PORTABLE_PAIR(portable_f32, float, f32_load, F32_KEY, F32_VALUE, f32_iden
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+/* The sum of the 8 lanes (also decode_layer.c's, which includes this file). */
+static inline float hsum256(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
 /* Lane j: the sum of the 8 lanes of sums[j]. */
 static inline __m256 lane_sums8(const __m256 sums[8]) {
     __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(sums[0], sums[1]), _mm256_hadd_ps(sums[2], sums[3]));
@@ -200,9 +207,7 @@ static void avx2_f32(const float *query, const float *keys, const float *values,
                 __m256 sum = _mm256_setzero_ps();
                 for (int64_t d = 0; d < head_dim; d += 8)
                     sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(block + w * head_dim + d), sum);
-                __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-                half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-                scores[g * scores_stride + base + w] = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half))) * scale;
+                scores[g * scores_stride + base + w] = hsum256(sum) * scale;
             }
         }
     }

@@ -48,15 +48,6 @@ typedef struct {
     int64_t rows_share_sequences;              /* rows are positions of one sequence (speculation) */
 } StepArgs;
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* The sum of the 8 lanes. */
-static inline float hsum256(__m256 v) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-}
-#endif
-
 /* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats. */
 static inline void dot_rows(const float *w, const float *x, int64_t x_stride, int64_t rows, int64_t n,
                             float *y) {
@@ -227,7 +218,8 @@ static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x
 /* out[b] (+)= W x[b] (+ bias) for rows this thread takes; called inside a parallel region. */
 static inline void gemv(const Proj *weight, const float *bias, const float *x, int64_t in, int64_t out_features,
                         int64_t rows, float *y, int64_t y_stride, int accumulate) {
-    if (takes_dot4(weight, in, rows)) {
+    const int dot4 = takes_dot4(weight, in, rows);
+    if (dot4) {
 #pragma omp for schedule(static) nowait
         for (int64_t o4 = 0; o4 < out_features / 4; o4++) {
             const int64_t o[4] = {4 * o4, 4 * o4 + 1, 4 * o4 + 2, 4 * o4 + 3};
@@ -239,7 +231,7 @@ static inline void gemv(const Proj *weight, const float *bias, const float *x, i
             }
         }
     }
-    const int64_t first = takes_dot4(weight, in, rows) ? out_features / 4 * 4 : 0;
+    const int64_t first = dot4 ? out_features / 4 * 4 : 0;
 #pragma omp for schedule(static)
     for (int64_t o = first; o < out_features; o++) {
         float dots[MAX_ROWS];
