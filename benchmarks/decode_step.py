@@ -65,15 +65,21 @@ class LlmbusDecode:
             last += self.runner.step(seqs).token_ids
         return last
 
+    def decode(self, batch: int, last: list[int], computed: int) -> tuple[float, list[int]]:
+        """One decode step feeding each sequence its ``last`` token after ``computed`` cached ones: its
+        seconds and the sampled tokens."""
+        seqs = self._seqs(batch, [[t] for t in last], computed)
+        t0 = time.perf_counter()
+        tokens = self.runner.step(seqs).token_ids
+        return time.perf_counter() - t0, tokens
+
     def time_steps(self, batch: int, steps: int) -> float:
         """Median seconds per decode step over ``steps`` steps after a fresh prefill."""
         last = self.prefill(batch)
         times = []
         for k in range(steps):
-            seqs = self._seqs(batch, [[t] for t in last], self.context + k)
-            t0 = time.perf_counter()
-            last = self.runner.step(seqs).token_ids
-            times.append(time.perf_counter() - t0)
+            seconds, last = self.decode(batch, last, self.context + k)
+            times.append(seconds)
         self.runner.drop([f"b{batch}-{i}" for i in range(batch)])
         return statistics.median(times)
 

@@ -20,7 +20,7 @@ import torch
 from decode_step import LlmbusDecode
 
 
-def timed_alternately(bench: LlmbusDecode, use_packed, make_step, steps: int) -> dict[bool, float]:
+def timed_alternately(use_packed, make_step, steps: int) -> dict[bool, float]:
     times = {True: [], False: []}
     for k in range(steps):
         packed = k % 2 == 0
@@ -55,12 +55,10 @@ def main() -> None:
 
     def decode(k: int) -> float:
         nonlocal last
-        seqs = bench._seqs(a.batch, [[t] for t in last], a.context + k)
-        t0 = time.perf_counter()
-        last = bench.runner.step(seqs).token_ids
-        return time.perf_counter() - t0
+        seconds, last = bench.decode(a.batch, last, a.context + k)
+        return seconds
 
-    decode_ms = timed_alternately(bench, use_packed, decode, a.steps)
+    decode_ms = timed_alternately(use_packed, decode, a.steps)
     bench.runner.drop([f"b{a.batch}-{i}" for i in range(a.batch)])
     prompts = torch.randint(3, bench.vocab, (a.prompts, a.context), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -72,7 +70,7 @@ def main() -> None:
         bench.runner.drop([s.rid for s in seqs])
         return elapsed
 
-    prefill_ms = timed_alternately(bench, use_packed, prefill, 6)
+    prefill_ms = timed_alternately(use_packed, prefill, 6)
     for name, ms in ((f"decode step, batch {a.batch}", decode_ms), (f"prefill {a.prompts}x{a.context}", prefill_ms)):
         print(f"{name}: plain {ms[False]:.1f} ms, packed {ms[True]:.1f} ms, plain/packed {ms[False] / ms[True]:.2f}x")
 
