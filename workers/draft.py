@@ -15,7 +15,15 @@ from __future__ import annotations
 import dataclasses
 
 from llmbus.bus.messages import SamplingParams
+
 _GREEDY = SamplingParams()
+
+
+def _draft_row(seq, token_ids: list[int], num_computed: int, sample: bool):
+    """``seq`` (a SeqInput) as the draft computes it: ``token_ids`` after ``num_computed`` cached ones,
+    greedy, and none of the target's own sampling work (guesses, grammar, prompt logprobs)."""
+    return dataclasses.replace(seq, token_ids=token_ids, num_computed=num_computed, sample=sample,
+                               sampling=_GREEDY, num_spec=0, grammar=None, prompt_logprobs=False)
 
 
 class DraftProposer:
@@ -34,18 +42,14 @@ class DraftProposer:
             last_guess = self.uncomputed.pop(seq.rid, None)
             if last_guess is not None and last_guess[0] == start - 1:  # kept by the target
                 tokens, start = [last_guess[1], *tokens], start - 1
-            first_pass.append(dataclasses.replace(
-                seq, token_ids=tokens, num_computed=start, sample=bool(seq.sample and seq.num_spec),
-                sampling=_GREEDY, num_spec=0, grammar=None, prompt_logprobs=False))
+            first_pass.append(_draft_row(seq, tokens, start, bool(seq.sample and seq.num_spec)))
         out = self.runner.step(first_pass)
         guesses = dict(zip(out.rids, ([t] for t in out.token_ids)))
         speculating = [s for s in seqs if s.sample and s.num_spec]
         for r in range(1, max((s.num_spec for s in speculating), default=0)):
             more = [s for s in speculating if s.num_spec > r]
             position = {s.rid: s.num_computed + len(s.token_ids) - s.num_spec + r - 1 for s in more}
-            out = self.runner.step([dataclasses.replace(s, token_ids=[guesses[s.rid][-1]], num_computed=position[s.rid],
-                                                        sample=True, sampling=_GREEDY, num_spec=0, grammar=None,
-                                                        prompt_logprobs=False) for s in more])
+            out = self.runner.step([_draft_row(s, [guesses[s.rid][-1]], position[s.rid], True) for s in more])
             for rid, token in zip(out.rids, out.token_ids):
                 guesses[rid].append(token)
         for seq in speculating:
