@@ -1,12 +1,11 @@
-"""Prompt and batch-64 decode steps of one runner with its dense projections computed through the plain
-``[out, in]`` weights (``F.linear``: MKL packs the weight on every call) and through oneDNN's packed copy,
-alternating step by step in one process, so both see the same machine.
+"""Prompt and batch-64 decode steps of one float32 runner with its dense projections and LM head computed
+through ``workers/gemm.c`` on the plain ``[out, in]`` weights and through oneDNN with a weight reordered
+for it (what ``Linear`` used before gemm.c, and still uses where gemm.c does not run), alternating step by
+step in one process, so both see the same machine.
 
-    python benchmarks/packed_vs_plain.py [--model-id DIR] [--batch 64] [--context 128] [--steps 24]
+    python benchmarks/gemm_vs_onednn.py [--model-id DIR] [--batch 64] [--context 128] [--steps 24]
 
-Where the fused decode layer applies (float32, one rank, CPU) the projections keep both forms
-(``weight_builder.SECOND_COPY_SHARE``); this measures what the second copy buys. Prints the median step
-of each and plain/packed.
+Prints the median step of each and onednn/gemm (above 1: gemm.c is faster).
 """
 
 from __future__ import annotations
@@ -18,15 +17,16 @@ import time
 import torch
 
 from decode_step import LlmbusDecode
+from llmbus.workers.linear import PACK_BATCH_HINT
 
 
-def timed_alternately(use_packed, make_step, steps: int) -> dict[bool, float]:
+def timed_alternately(use_gemm, make_step, steps: int) -> dict[bool, float]:
     times = {True: [], False: []}
     for k in range(steps):
-        packed = k % 2 == 0
-        use_packed(packed)
-        times[packed].append(make_step(k))
-    return {packed: statistics.median(t) * 1e3 for packed, t in times.items()}
+        gemm = k % 2 == 0
+        use_gemm(gemm)
+        times[gemm].append(make_step(k))
+    return {gemm: statistics.median(t) * 1e3 for gemm, t in times.items()}
 
 
 def main() -> None:
@@ -41,15 +41,18 @@ def main() -> None:
         from llmbus.supervisor.demo_model import demo_model_dir
         a.model_id = str(demo_model_dir("small"))
     bench = LlmbusDecode(a.model_id, torch.float32, max(a.batch, a.prompts), a.context, a.steps)
-    projections = [p for layer in bench.runner.model.layers
+    model = bench.runner.model
+    projections = [p for layer in model.layers
                    for p in (layer.attention.qkv, layer.attention.o_proj, layer.mlp.gate_up, layer.mlp.down)]
-    if not all(getattr(p, "plain", False) and p.packed is not None for p in projections):
-        raise SystemExit("this runner's projections do not keep both forms (not the fused decode path here)")
-    packed_copies = [p.packed for p in projections]
+    projections.append(model.lm_head)
+    if not all(getattr(p, "gemm", None) is not None for p in projections):
+        raise SystemExit("gemm.c does not compute this runner's projections (not float32 on an AVX2 CPU)")
+    gemm = projections[0].gemm
+    onednn_copies = [torch.ops.mkldnn._reorder_linear_weight(p.weight, PACK_BATCH_HINT) for p in projections]
 
-    def use_packed(packed: bool) -> None:
-        for projection, copy in zip(projections, packed_copies):
-            projection.packed = copy if packed else None
+    def use_gemm(on: bool) -> None:
+        for projection, copy in zip(projections, onednn_copies):
+            projection.gemm, projection.packed = (gemm, None) if on else (None, copy)
 
     last = bench.prefill(a.batch)
 
@@ -58,7 +61,7 @@ def main() -> None:
         seconds, last = bench.decode(a.batch, last, a.context + k)
         return seconds
 
-    decode_ms = timed_alternately(use_packed, decode, a.steps)
+    decode_ms = timed_alternately(use_gemm, decode, a.steps)
     bench.runner.drop([f"b{a.batch}-{i}" for i in range(a.batch)])
     prompts = torch.randint(3, bench.vocab, (a.prompts, a.context), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -70,9 +73,9 @@ def main() -> None:
         bench.runner.drop([s.rid for s in seqs])
         return elapsed
 
-    prefill_ms = timed_alternately(use_packed, prefill, 6)
+    prefill_ms = timed_alternately(use_gemm, prefill, 6)
     for name, ms in ((f"decode step, batch {a.batch}", decode_ms), (f"prefill {a.prompts}x{a.context}", prefill_ms)):
-        print(f"{name}: plain {ms[False]:.1f} ms, packed {ms[True]:.1f} ms, plain/packed {ms[False] / ms[True]:.2f}x")
+        print(f"{name}: oneDNN {ms[False]:.1f} ms, gemm.c {ms[True]:.1f} ms, onednn/gemm {ms[False] / ms[True]:.2f}x")
 
 
 if __name__ == "__main__":
