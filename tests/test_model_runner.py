@@ -113,6 +113,32 @@ def test_fused_decode_layer_and_torch_layers_both_match_transformers(checkpoint,
     assert sum(ran) >= 5 and not all(ran)  # decode-only steps took it; steps with prompts did not
 
 
+def test_fused_decode_layer_takes_large_batches_through_gemm_and_matches_transformers(checkpoint, runner,
+                                                                                     monkeypatch):
+    """Past MAX_BATCH decode rows (float32, where gemm.c runs) the fused layer computes its projections as
+    GEMMs: four copies of every prompt decode together, 20 rows a step, each equal to transformers'."""
+    from llmbus.workers.fused_decode import MAX_BATCH
+
+    fused = runner.model.fused_decode
+    if fused is None or not fused._large_batches:
+        pytest.skip("no C compiler, or gemm.c does not run on this CPU: large batches take the torch layers")
+    prompts, ref = checkpoint.prompts, checkpoint.reference
+    fused_rows = []
+
+    def run(hidden, *args, run=fused.run):
+        took = run(hidden, *args)
+        fused_rows.extend([hidden.shape[0]] if took else [])
+        return took
+
+    monkeypatch.setattr(fused, "run", run)
+    requests = [Request(rid=f"c{copy}-{i}", prompt=prompt) for copy in range(4) for i, prompt in enumerate(prompts)]
+    results = drive(runner, requests)
+    for copy in range(4):
+        for i in range(len(prompts)):
+            assert results[f"c{copy}-{i}"].tokens == ref.tokens[i], f"copy {copy}, prompt {i}"
+    assert max(fused_rows) == len(requests) > MAX_BATCH
+
+
 def test_fused_decode_layer_reads_int8_weights_as_the_torch_path_computes_them(checkpoint):
     """--quantize int8 with float32 activations where quant_kernels.c does not run: the fused layer
     streams the int8 rows and their group scales; the torch path multiplies by the dequantized copy.

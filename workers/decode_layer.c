@@ -13,13 +13,14 @@
  * float32 sums. Built on first use by cpu_kernels.py, like decode_attention.c (included below).
  */
 #include "decode_attention.c"
+#include "gemm.c"
 
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-enum { MAX_ROWS = 8 }; /* batch rows one GEMV pass serves; larger batches go to torch's GEMMs */
+enum { MAX_ROWS = 8 }; /* batch rows one GEMV pass serves; larger batches go through gemm.c (float32) */
 
 /* A projection's weight [out, in]: float32 rows, or int8 rows with a float32 scale per row and group of
  * ``group`` inputs (w = value * scale; quant.py's Int8Weight: scale [out, ceil(in / group)]). */
@@ -46,6 +47,7 @@ typedef struct {
     float *normed, *qkv_out, *attended, *act;  /* scratch: [B, H], [B, (Hq + 2 Hkv) D], [B, Hq D], [B, I] */
     float *scores;                             /* [Hkv * B, group, scores_stride] */
     int64_t rows_share_sequences;              /* rows are positions of one sequence (speculation) */
+    float *gate_up_out, *panels;               /* batches past MAX_ROWS: [B, 2 I], gemm_panel_floats */
 } StepArgs;
 
 /* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats. */
@@ -274,35 +276,98 @@ static inline void attend_pair(const StepArgs *s, const LayerArgs *l, int64_t pa
              s->scores + pair * group * s->scores_stride, s->scores_stride, s->attended + (b * Hq + kv_head * group) * D);
 }
 
+/* RoPE on the step's queries and keys, the new K/V into the pool, and attention, for every (kv head, row)
+ * pair; called inside the layer's parallel region. */
+static inline void rope_write_attend(const StepArgs *s, const LayerArgs *l) {
+    const int64_t B = s->batch, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads, group = Hq / Hkv;
+    const int64_t qkv_width = (Hq + 2 * Hkv) * D, head_elems = s->pool_blocks * s->block_size * D;
+#pragma omp for schedule(static)
+    for (int64_t pair = 0; pair < Hkv * B; pair++) {
+        int64_t kv_head = pair / B, b = pair % B;
+        float *row = s->qkv_out + b * qkv_width;
+        const float *cos = s->cos + b * D, *sin = s->sin + b * D;
+        float *query = row + kv_head * group * D, *key = row + (Hq + kv_head) * D;
+        for (int64_t g = 0; g < group; g++) rope(query + g * D, cos, sin, D);
+        rope(key, cos, sin, D);
+        write_f32(key, row + (Hq + Hkv + kv_head) * D, l->pool_key + kv_head * head_elems,
+                  l->pool_value + kv_head * head_elems, s->slots[b], s->block_size, D);
+        if (!s->rows_share_sequences) attend_pair(s, l, pair, head_elems, qkv_width, group);
+    }
+    /* rows that are positions of one sequence (speculation) each attend to the ones before it: every
+     * row's K/V is in the pool first (a barrier that one-row-per-sequence steps do without) */
+    if (s->rows_share_sequences) {
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < Hkv * B; pair++) attend_pair(s, l, pair, head_elems, qkv_width, group);
+    }
+}
+
+/* SiLU(gate) * up, with the sigmoid from exp of a non-positive argument on either side of zero. */
+#pragma omp declare simd
+static inline float silu_times(float gate, float up) {
+    const float e = exp_nonpositive(gate < 0.0f ? gate : -gate);
+    return gate * (gate < 0.0f ? e : 1.0f) / (1.0f + e) * up;
+}
+
+#if GEMM_RUNS
+/* A batch past MAX_ROWS, float32 weights: the same stages, the projections as gemm.c's GEMMs (each weight
+ * row used for every row of the batch from cache, not streamed per row as a GEMV would). */
+static int decode_layer_gemm(const StepArgs *s, const LayerArgs *l, float *hidden) {
+    const int64_t B = s->batch, H = s->hidden, I = s->intermediate, D = s->head_dim, Hq = s->num_heads;
+    const int64_t qkv_width = (Hq + 2 * s->num_kv_heads) * D;
+    if (l->qkv.dense == 0 || l->o_proj.dense == 0 || l->gate_up.dense == 0 || l->down.dense == 0) return -1;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
+        gemm_team(s->normed, l->qkv.dense, l->qkv_bias, B, qkv_width, H, s->qkv_out, qkv_width, 0, s->panels);
+        rope_write_attend(s, l);
+        gemm_team(s->attended, l->o_proj.dense, l->o_bias, B, H, Hq * D, hidden, H, 1, s->panels);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
+        gemm_team(s->normed, l->gate_up.dense, l->gate_up_bias, B, 2 * I, H, s->gate_up_out, 2 * I, 0, s->panels);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            const float *gate = s->gate_up_out + b * 2 * I, *up = gate + I;
+            float *act = s->act + b * I;
+#pragma omp simd
+            for (int64_t i = 0; i < I; i++) act[i] = silu_times(gate[i], up[i]);
+        }
+        gemm_team(s->act, l->down.dense, l->down_bias, B, H, I, hidden, H, 1, s->panels);
+    }
+    return 0;
+}
+#else
+static int decode_layer_gemm(const StepArgs *s, const LayerArgs *l, float *hidden) {
+    (void)s, (void)l, (void)hidden;
+    return -1;
+}
+#endif
+
+/* Whether decode_layer_f32 takes batches past MAX_ROWS (with float32 weights) in this build. */
+int decode_layer_takes_large_batches(void) { return GEMM_RUNS; }
+
+/* The floats of StepArgs.panels a batch of ``rows`` needs, ``widest`` the most inputs of a projection. */
+int64_t decode_layer_panel_floats(int64_t rows, int64_t widest) {
+#if GEMM_RUNS
+    return gemm_panel_floats(rows, widest);
+#else
+    (void)rows, (void)widest;
+    return 0;
+#endif
+}
+
 /* hidden [B, H] float32, updated in place. Returns 0, or -1 for a shape it cannot take. */
 int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
     const int64_t B = s->batch, H = s->hidden, I = s->intermediate, D = s->head_dim;
-    const int64_t Hq = s->num_heads, Hkv = s->num_kv_heads, group = Hq / Hkv, qkv_width = (Hq + 2 * Hkv) * D;
-    if (B > MAX_ROWS || Hq % Hkv != 0 || D % 2 != 0) return -1;
-    const int64_t head_elems = s->pool_blocks * s->block_size * D;
+    const int64_t Hq = s->num_heads, Hkv = s->num_kv_heads, qkv_width = (Hq + 2 * Hkv) * D;
+    if (Hq % Hkv != 0 || D % 2 != 0) return -1;
+    if (B > MAX_ROWS) return decode_layer_gemm(s, l, hidden);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
         gemv(&l->qkv, l->qkv_bias, s->normed, H, qkv_width, B, s->qkv_out, qkv_width, 0);
-#pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < Hkv * B; pair++) {
-            int64_t kv_head = pair / B, b = pair % B;
-            float *row = s->qkv_out + b * qkv_width;
-            const float *cos = s->cos + b * D, *sin = s->sin + b * D;
-            float *query = row + kv_head * group * D, *key = row + (Hq + kv_head) * D;
-            for (int64_t g = 0; g < group; g++) rope(query + g * D, cos, sin, D);
-            rope(key, cos, sin, D);
-            write_f32(key, row + (Hq + Hkv + kv_head) * D, l->pool_key + kv_head * head_elems,
-                      l->pool_value + kv_head * head_elems, s->slots[b], s->block_size, D);
-            if (!s->rows_share_sequences) attend_pair(s, l, pair, head_elems, qkv_width, group);
-        }
-        /* rows that are positions of one sequence (speculation) each attend to the ones before it: every
-         * row's K/V is in the pool first (a barrier that one-row-per-sequence steps do without) */
-        if (s->rows_share_sequences) {
-#pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < Hkv * B; pair++) attend_pair(s, l, pair, head_elems, qkv_width, group);
-        }
+        rope_write_attend(s, l);
         gemv(&l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);

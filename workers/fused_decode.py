@@ -3,9 +3,11 @@
 A batch-1 decode step of SmolLM2 in eager torch is ~30 ops a layer (norms, projections, RoPE's slices and
 concatenations, attention's bookkeeping, SiLU, residual adds), each a few microseconds of dispatch,
 allocation and Python around very little arithmetic: ~900 a step, as much time as streaming the weights.
-``FusedDecodeLayers`` replaces the layer loop for steps that only decode and have at most ``MAX_BATCH``
-sequences (where a GEMV pass over each weight row is what bounds the step); prompts, larger batches and
-everything else keep the torch path, which stays the reference.
+``FusedDecodeLayers`` replaces the layer loop for steps that only decode: up to ``MAX_BATCH`` sequences
+with GEMVs (a pass over each weight row is what bounds such a step), and larger batches of float32
+weights with gemm.c's GEMMs inside the same one call per layer, where that is built (AVX2 without
+AVX-512), as a batch-64 step's ~20 torch ops a layer around the GEMMs cost about a tenth of the step.
+Prompts and everything else keep the torch path, which stays the reference.
 
 It applies to a native Llama-family model on CPU, float32 activations, one rank, the CPU attention backend,
 and projections it can read: plain float32 ones (the C layer reads weights as checkpoints store them, [out,
@@ -83,7 +85,8 @@ class _StepArgs(ctypes.Structure):
                 + [("eps", _F32), ("scale", _F32)]
                 + [(name, _P) for name in ("cos", "sin", "slots", "tables", "lens", "normed", "qkv_out",
                                            "attended", "act", "scores")]
-                + [("rows_share_sequences", _I64)])
+                + [("rows_share_sequences", _I64)]
+                + [(name, _P) for name in ("gate_up_out", "panels")])
 
 
 @functools.cache
@@ -96,6 +99,9 @@ def decode_layer_library() -> ctypes.CDLL | None:
     library.decode_layer_f32.restype = ctypes.c_int
     library.gemv_proj.argtypes = [ctypes.POINTER(_Proj), _P, _I64, _I64, _I64, _P]
     library.gemv_proj.restype = ctypes.c_int
+    library.decode_layer_takes_large_batches.restype = ctypes.c_int
+    library.decode_layer_panel_floats.argtypes = [_I64, _I64]
+    library.decode_layer_panel_floats.restype = _I64
     return library
 
 
@@ -120,6 +126,7 @@ class FusedDecodeLayers:
     def __init__(self, model, library: ctypes.CDLL, layers: list[_LayerArgs], weights: list):
         """``layers``: each layer's C arguments (``_layer_args``), pointing into ``weights``."""
         self._function = library.decode_layer_f32
+        self._panel_floats = library.decode_layer_panel_floats
         self._gemv = library.gemv_proj
         self._model = model
         self._layers, self._weights = layers, weights  # kept alive: the structures hold raw pointers to them
@@ -138,6 +145,9 @@ class FusedDecodeLayers:
         self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self._eps, self._scale = config.rms_norm_eps, first.scale
         self._scratch: dict[str, torch.Tensor] = {}
+        # Batches past MAX_BATCH: gemm.c's GEMMs, which read float32 weights only.
+        self._large_batches = bool(library.decode_layer_takes_large_batches()) and all(
+            projection.dense for layer in layers for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
 
     @staticmethod
     def _layer_args(model, weights: list) -> list[_LayerArgs] | None:
@@ -177,7 +187,7 @@ class FusedDecodeLayers:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, vocab]`` of the normed ``hidden [B, H]`` of a step ``run`` took."""
-        if self._head is None:
+        if self._head is None or hidden.shape[0] > MAX_BATCH:  # a large batch: the head's GEMM
             return self._model.lm_head(hidden)
         hidden = hidden.contiguous()
         vocab, width = self._head_shape
@@ -193,7 +203,7 @@ class FusedDecodeLayers:
         path takes; False (nothing done) otherwise."""
         groups = meta.groups
         if (len(groups) != 1 or not isinstance(groups[0], KernelDecodeGroup) or groups[0].token_index is not None
-                or hidden.shape[0] > MAX_BATCH):
+                or (hidden.shape[0] > MAX_BATCH and not self._large_batches)):
             return False
         group = groups[0]
         batch = hidden.shape[0]
@@ -202,6 +212,10 @@ class FusedDecodeLayers:
         buffers = {"normed": batch * self._hidden, "qkv_out": batch * qkv_width,
                    "attended": batch * self._num_heads * self._head_dim, "act": batch * self._intermediate,
                    "scores": batch * self._num_heads * scores_stride}
+        if batch > MAX_BATCH:
+            widest_input = max(self._hidden, self._num_heads * self._head_dim, self._intermediate)
+            buffers |= {"gate_up_out": batch * 2 * self._intermediate,
+                        "panels": self._panel_floats(batch, widest_input)}
         cos, sin = cos.reshape(batch, -1).contiguous(), sin.reshape(batch, -1).contiguous()
         step = _StepArgs(batch=batch, hidden=self._hidden, intermediate=self._intermediate,
                          num_heads=self._num_heads, num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,

@@ -81,15 +81,17 @@ static float *panels_for(int64_t floats) {
     return buffer;
 }
 
-int gemm_f32_runs(void) { return 1; }
+#define GEMM_RUNS 1
 
-int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k, float *y) {
-    if (m <= 0 || n <= 0 || k <= 0) return -1;
-    const int64_t block_rows = m < MC ? m : MC;
-    float *panels = panels_for((block_rows + MR - 1) / MR * MR * k);
-    if (panels == 0) return -1;
+/* Floats of panel buffer gemm_team needs for ``m`` rows of ``k`` inputs. */
+static inline int64_t gemm_panel_floats(int64_t m, int64_t k) { return ((m < MC ? m : MC) + MR - 1) / MR * MR * k; }
+
+/* y (+)= x w^T (+ bias) with y's rows ``y_stride`` apart: each thread of the enclosing parallel region
+ * calls it (it shares the work out and ends on a barrier); ``panels`` (gemm_panel_floats) is shared.
+ * ``accumulate`` adds to y (a residual) instead of overwriting it. */
+static void gemm_team(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k,
+                      float *y, int64_t y_stride, int accumulate, float *panels) {
     const int64_t tiles = (n + NR - 1) / NR;
-#pragma omp parallel
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
         const int64_t rows = m - m0 < MC ? m - m0 : MC, num_panels = (rows + MR - 1) / MR;
 #pragma omp for schedule(static)
@@ -107,21 +109,36 @@ int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64
                     rows_w[i] = w + (n0 + i < n ? n0 + i : n0) * k + k0;
                     next[i] = w + (n0 + NR + i < n ? n0 + NR + i : n0) * k + k0;
                 }
+                const int add = accumulate || k0 > 0;
                 for (int64_t p = 0; p < num_panels; p++) {
                     float out[NR][MR];
                     tile_6x16(rows_w, p == 0 ? next : 0, panels + p * k * MR + k0 * MR, kc, out);
                     for (int64_t r = 0; r < MR && p * MR + r < rows; r++) {
-                        float *dst = y + (m0 + p * MR + r) * n + n0;
-                        for (int64_t i = 0; i < NR && n0 + i < n; i++)
-                            dst[i] = (k0 == 0 ? (bias != 0 ? bias[n0 + i] : 0.0f) : dst[i]) + out[i][r];
+                        float *dst = y + (m0 + p * MR + r) * y_stride + n0;
+                        for (int64_t i = 0; i < NR && n0 + i < n; i++) {
+                            const float value = k0 == 0 && bias != 0 ? bias[n0 + i] + out[i][r] : out[i][r];
+                            dst[i] = add ? dst[i] + value : value;
+                        }
                     }
                 }
             }
         }
     }
+}
+
+int gemm_f32_runs(void) { return 1; }
+
+int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k, float *y) {
+    if (m <= 0 || n <= 0 || k <= 0) return -1;
+    float *panels = panels_for(gemm_panel_floats(m, k));
+    if (panels == 0) return -1;
+#pragma omp parallel
+    gemm_team(x, w, bias, m, n, k, y, n, 0, panels);
     return 0;
 }
 #else
+#define GEMM_RUNS 0
+
 int gemm_f32_runs(void) { return 0; }
 
 int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k, float *y) {
