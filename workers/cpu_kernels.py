@@ -27,7 +27,9 @@ import structlog
 import torch
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# -fno-trapping-math: without it gcc vectorises no loop that calls exp_nonpositive (the softmax's and SiLU's
+# exp), as it may not speculate the float-to-int conversion; nothing here reads floating-point traps.
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 DISABLE_ENV = "LLMBUS_CPU_KERNELS"
 CACHE_ENV = "LLMBUS_KERNEL_CACHE"
 
