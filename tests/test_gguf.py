@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import write_gguf
+from gguf_files import transformers_reads_cached, write_gguf
 from llmbus.supervisor.gguf_model import materialize
 from llmbus.supervisor.weights import ModelNotFound, resolve_model
 from llmbus.workers import quant
@@ -55,7 +55,8 @@ def gguf_dir(tmp_path_factory, tiny_model_dir) -> Path:
 def transformers_state(path: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with transformers_reads_cached():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.state_dict()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_files import write_gguf
+from gguf_files import transformers_reads_cached, write_gguf
 from harness import Server
 from httputil import get, post, sse_events, stream
 from llmbus.supervisor.weights import smollm2_gguf
@@ -60,8 +60,9 @@ def q4_gguf(tiny_model_dir, tmp_path_factory) -> Path:
 def test_gguf_served_in_float32_equals_transformers_on_the_file(q4_gguf):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(q4_gguf.parent), gguf_file=q4_gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(q4_gguf.parent), gguf_file=q4_gguf.name)
+    with transformers_reads_cached():
+        model = AutoModelForCausalLM.from_pretrained(str(q4_gguf.parent), gguf_file=q4_gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(q4_gguf.parent), gguf_file=q4_gguf.name)
     server = serve(["--model-id", str(q4_gguf), "--dtype", "float32"])
     try:
         for prompt in PROMPTS:
