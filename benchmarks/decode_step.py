@@ -28,6 +28,7 @@ import torch
 from roofline import read_bandwidth, weight_bytes  # noqa: E402 - this folder, run as a script
 
 from llmbus.bus.messages import SamplingParams
+from llmbus.workers.host_memory import keep_freed_memory
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 16
@@ -36,6 +37,7 @@ BLOCK_SIZE = 16
 class LlmbusDecode:
     def __init__(self, model_dir: str, dtype: torch.dtype, max_batch: int, context: int, steps: int,
                  quantize: str | None = None):
+        keep_freed_memory()  # as the worker process does on CPU
         tokens_per_seq = context + steps + 1
         blocks_per_seq = -(-tokens_per_seq // BLOCK_SIZE)
         # The server's default pool (DEFAULT_KV_CACHE_BYTES), or more if the batches need it: the pool's

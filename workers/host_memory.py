@@ -1,6 +1,12 @@
-"""How much memory this machine can still give: what CPU-side sizing decisions are checked against."""
+"""The host's memory: how much this machine can still give (what CPU-side sizing decisions are checked
+against), and how freed memory is kept for the next step."""
 
 from __future__ import annotations
+
+import ctypes
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
 
 def available_host_memory() -> int | None:
@@ -13,3 +19,20 @@ def available_host_memory() -> int | None:
     except OSError:
         pass
     return None
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc serve every block from its heap and keep what is freed there, for this process.
+
+    By default a block of 32 MB or more (a prompt step's activations: [4096, 3072] float32 is 50 MB) is
+    mapped afresh on each allocation and unmapped on free, so every step page-faults all of it in again:
+    371,000 minor faults (1.5 GB zeroed by the kernel) for one SmolLM2 step of 32 prompts of 128 tokens,
+    and 23% more CPU time for that step than with the memory kept (none). Decode steps allocate little
+    and were already free of faults. The cost: the heap keeps its peak size (vLLM and SGLang get the same
+    from tcmalloc or jemalloc, preloaded). Returns False where the C library has no mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

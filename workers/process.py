@@ -21,6 +21,7 @@ from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.scheduler.policy import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP
 from llmbus.workers import QUANTIZE_METHODS
+from llmbus.workers.host_memory import keep_freed_memory
 
 
 @dataclass
@@ -152,6 +153,8 @@ class Worker:
         if device.type == "cpu":
             # Ranks share the machine's cores; oversubscribing them makes every rank slower.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.cfg.world_size))
+            if not keep_freed_memory():
+                self.log.info("freed memory is returned to the system (no glibc mallopt): steps page-fault")
         if self.cfg.world_size > 1:
             import torch.distributed as dist
 
