@@ -5,7 +5,9 @@ step in one process, so both see the same machine.
 
     python benchmarks/gemm_vs_onednn.py [--model-id DIR] [--batch 64] [--context 128] [--steps 24]
 
-Prints the median step of each and onednn/gemm (above 1: gemm.c is faster).
+The decode steps run the torch layers (the fused layer's own batch-64 path calls gemm.c directly, with
+no oneDNN alternative), so the projections' GEMMs are the only difference. Prints the median step of
+each and onednn/gemm (above 1: gemm.c is faster).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main() -> None:
         a.model_id = str(demo_model_dir("small"))
     bench = LlmbusDecode(a.model_id, torch.float32, max(a.batch, a.prompts), a.context, a.steps)
     model = bench.runner.model
+    if model.fused_decode is not None:
+        model.fused_decode._large_batches = False  # batches past 8 rows take the torch layers and Linear
     projections = [p for layer in model.layers
                    for p in (layer.attention.qkv, layer.attention.o_proj, layer.mlp.gate_up, layer.mlp.down)]
     projections.append(model.lm_head)
