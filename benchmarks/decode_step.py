@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from _server import default_model_dir  # noqa: E402 - this folder, run as a script
 from roofline import read_bandwidth, weight_bytes  # noqa: E402 - this folder, run as a script
 
 from llmbus.bus.messages import SamplingParams
@@ -121,9 +122,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds; the best median counts")
     a = p.parse_args()
-    if a.model_id is None:
-        from llmbus.supervisor.demo_model import demo_model_dir
-        a.model_id = str(demo_model_dir("small"))
+    a.model_id = a.model_id or default_model_dir()
     dtype = getattr(torch, a.dtype)
     batches = [int(b) for b in a.batches.split(",")]
 

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from _server import default_model_dir
 from decode_step import LlmbusDecode
 from llmbus.workers.linear import PACK_BATCH_HINT
 
@@ -39,9 +40,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--prompts", type=int, default=16, help="prompts of --context tokens in the prefill step")
     a = p.parse_args()
-    if a.model_id is None:
-        from llmbus.supervisor.demo_model import demo_model_dir
-        a.model_id = str(demo_model_dir("small"))
+    a.model_id = a.model_id or default_model_dir()
     bench = LlmbusDecode(a.model_id, torch.float32, max(a.batch, a.prompts), a.context, a.steps)
     model = bench.runner.model
     if model.fused_decode is not None:

@@ -20,6 +20,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from _server import default_model_dir
 from decode_step import LlmbusDecode
 
 
@@ -77,9 +78,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--quantize", default=None, choices=["int8", "int4"])
     a = p.parse_args()
-    if a.model_id is None:
-        from llmbus.supervisor.demo_model import demo_model_dir
-        a.model_id = str(demo_model_dir("small"))
+    a.model_id = a.model_id or default_model_dir()
     batches = [int(b) for b in a.batches.split(",") if b]
     num, length = (int(v) for v in a.prefill.split("x")) if a.prefill else (0, 0)
     bench = LlmbusDecode(a.model_id, getattr(torch, a.dtype), max([*batches, num]),

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _server import default_model_dir  # noqa: E402
 from harness import Server  # noqa: E402
 
 PROMPT = "The history of the city begins with a small settlement on the river, where " * 8
@@ -68,10 +69,7 @@ def main() -> None:
     p.add_argument("--server-env", action="append", default=[],
                    help="KEY=VALUE in the server's environment only, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     a = p.parse_args()
-    if a.model_id is None:
-        from llmbus.supervisor.demo_model import demo_model_dir
-
-        a.model_id = str(demo_model_dir("small"))  # built before timing startup
+    a.model_id = a.model_id or default_model_dir()  # built before timing startup
 
     server_env = dict(kv.split("=", 1) for kv in a.server_env)  # transformers' side keeps the defaults
     t0 = time.perf_counter()
