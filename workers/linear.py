@@ -59,7 +59,7 @@ def onednn_packs(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """``y = x @ weight.T + bias`` for 2-D ``x``, through the packed weight where there is one.
+    """``y = x @ weight.T + bias`` for 2-D ``x``, through gemm.c or the packed weight where there is one.
 
     ``weight`` is the dense ``[out, in]`` row-major tensor, kept where native code reads it (``plain``:
     ``gemm.c``, the fused decode layer); ``packed`` is oneDNN's reordered copy (None where it does not pack,

@@ -27,9 +27,10 @@ from llmbus.workers.linear import Linear, onednn_packs
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_BLOCK = 32  # weights per block of the GGUF types kept quantized (Q8_0, Q4_0, Q4_1)
 # With ``keep_plain``, the share of the host's available memory that second (oneDNN-packed) copies of dense
-# projections may take (where oneDNN computes them: not float32 where gemm.c runs): they make large-batch GEMMs faster (1.0-2.3x per projection at 64 rows on a
-# 2-core AVX2 machine, 1.15-1.27x per SmolLM2 batch-64 decode step), and a small model's copies cost
-# little, but a model that fills the machine keeps one plain copy (MKL then packs it on every call).
+# projections may take, where oneDNN computes them (not float32 where gemm.c runs). Before gemm.c they made
+# a 2-core AVX2 machine's GEMMs faster (1.0-2.3x per projection at 64 rows, 1.15-1.27x per SmolLM2
+# batch-64 decode step); a small model's copies cost little, but a model that fills the machine keeps one
+# plain copy (MKL then packs it on every call).
 SECOND_COPY_SHARE = 0.25
 
 
