@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -69,8 +68,6 @@ def procfile(out_dir: str, **kw) -> None:
     settings = _resolve(kw)
     run_dir = kw["run_dir"] or f"/tmp/llmbus-{kw['port']}"
     launch = _launch_plan(kw, settings, run_dir)
-    # services started together: the frontend waits as long as the workers may take to load
-    launch.frontend = dataclasses.replace(launch.frontend, scheduler_timeout_s=900.0)
     procfile_text, env_text = render_procfile(build_plan(launch, python="python"), run_dir,
                                               json_output=kw["json_output"])
     out = Path(out_dir)

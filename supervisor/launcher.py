@@ -41,6 +41,11 @@ RESTART_WINDOW_S = 60.0
 # the loss within a second) before the exit counts as a failure.
 RESTART_REQUEST_WAIT_S = 10.0
 
+# How long a launch may take to be ready: weights of a large model can take minutes to load. Every service
+# starts at once (the frontend's handshake waits for the scheduler this long), so the frontend's imports and
+# tokenizer load overlap the workers' weight loading.
+STARTUP_TIMEOUT_S = 900.0
+
 
 @dataclass
 class ProcessSpec:
@@ -49,7 +54,6 @@ class ProcessSpec:
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    ready_after: str | None = None  # start only once this service said ready
     reports_ready: bool = True  # False: its readiness is implied by another's (the scheduler's for workers)
     restart: str = "never"  # "on_request": when a RestartService names it; "on_exit": whenever it dies
     max_restarts: int = 0  # "on_exit": at most this many in RESTART_WINDOW_S
@@ -105,7 +109,7 @@ class Child:
 
 class Launcher:
     def __init__(self, plan: list[ProcessSpec], run_dir: RunDir, *, graceful_timeout_s: float = 90.0,
-                 kill_grace_s: float = 5.0, ready_timeout_s: float = 900.0, json_output: bool = False,
+                 kill_grace_s: float = 5.0, ready_timeout_s: float = STARTUP_TIMEOUT_S, json_output: bool = False,
                  echo=None):
         self.plan = plan
         self.run_dir = run_dir
@@ -158,12 +162,9 @@ class Launcher:
 
     def _run(self) -> int:
         t0 = time.monotonic()
-        pending = list(self.plan)
+        self.children = [Child(spec, self._env(spec), json_output=self.json_output) for spec in self.plan]
         expected = {s.name for s in self.plan if s.reports_ready}
-        while pending or not expected <= set(self.ready):
-            for spec in [s for s in pending if s.ready_after is None or s.ready_after in self.ready]:
-                pending.remove(spec)
-                self.children.append(Child(spec, self._env(spec), json_output=self.json_output))
+        while not expected <= set(self.ready):
             if self.signals:
                 self.echo("llmbus: interrupted during startup")
                 return 0

@@ -11,7 +11,7 @@ from llmbus.bus.rundir import Endpoints
 from llmbus.bus.service import ENV_JSON_LOGS
 from llmbus.frontend.config import FrontendConfig
 from llmbus.scheduler.process import SchedulerProcessConfig
-from llmbus.supervisor.launcher import ProcessSpec
+from llmbus.supervisor.launcher import STARTUP_TIMEOUT_S, ProcessSpec
 from llmbus.workers.process import WorkerConfig
 
 
@@ -42,13 +42,15 @@ def frontend_spec(launch: LaunchPlan, index: int, python: str = sys.executable) 
     run_dir = launch.scheduler.run_dir
     name = "frontend" if launch.num_frontends == 1 else f"frontend{index}"
     frontend_id = f"f{index}"
+    # started with the workers: its handshake waits as long as their weights may take to load
     frontend = dataclasses.replace(
         launch.frontend, frontend_id=frontend_id, reuse_port=launch.num_frontends > 1,
+        scheduler_timeout_s=STARTUP_TIMEOUT_S,
         requests_endpoint=Endpoints.in_dir(run_dir).requests,
         events_endpoint=Endpoints.in_dir(run_dir).frontend_events(run_dir, frontend_id))
     # the key travels in the environment: a command line is readable by every user of the machine
     return ProcessSpec(name, [python, "-m", "llmbus.frontend", "--run-dir", run_dir, *frontend.to_argv(),
-                              "--service-name", name], ready_after="scheduler", env=frontend.secret_env(),
+                              "--service-name", name], env=frontend.secret_env(),
                        # one of several restarts while the others serve; a lone one ends the launch as before
                        restart="on_exit" if launch.num_frontends > 1 else "never",
                        max_restarts=launch.scheduler.max_restarts)
