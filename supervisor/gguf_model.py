@@ -19,6 +19,7 @@ with unscaled rotations.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -73,8 +74,9 @@ def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
 
     transformers.logging.set_verbosity_error()  # its GGUF loader narrates every tensor
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with _parsed_once(path, reader):
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, KeyError, OSError) as e:
         raise GGUFError(f"{path}: transformers cannot read its config or tokenizer: {e}") from None
     config_dict = config.to_dict()
@@ -97,6 +99,27 @@ def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
                 "architecture": summary["architecture"], "file_type": summary["file_type"],
                 "tensor_types": summary["tensor_types"]}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+@contextlib.contextmanager
+def _parsed_once(path: Path, reader):
+    """transformers parses the file afresh for the config and again for the tokenizer, each as long as our
+    own parse (about 7 s for SmolLM2's file here, 3 in all on a first start): while the folder is written,
+    opening ``path`` gives the reader already made. It is only read from (fields and tensor metadata)."""
+    import gguf
+
+    opens = gguf.GGUFReader
+
+    def reuse(file_path, *args, **kwargs):
+        if not args and not kwargs and Path(file_path).resolve() == path:
+            return reader
+        return opens(file_path, *args, **kwargs)
+
+    gguf.GGUFReader = reuse
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = opens
 
 
 def _rope_scaling(reader, path: Path, arch: str, config: dict) -> dict | None:
