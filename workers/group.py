@@ -65,10 +65,19 @@ def run_group(argv: list[str], world_size: int) -> int:
 # before any rank imports torch; an operator's own setting wins.
 GOMP_SPINCOUNT = "10000"
 
+# torch's CPU allocator puts blocks of 2 MB or more (weights, the KV pool, a prompt step's activations) on
+# 2 MB pages when this is set, where the kernel's transparent huge pages are "madvise" (the common default)
+# or "always": fewer TLB misses where decode attention reads the pool's scattered 4 KB blocks. SmolLM2
+# float32, one process, steps alternating between a copy with its tensors on 2 MB pages and one on 4 KB:
+# 1.023x at batch 1, 1.026x at batch 64 (random block tables); 30 layers of decode attention alone at
+# batch 64, context 192: 1.07x. Read once, at torch's first allocation: set before any rank imports torch.
+THP_MEM_ALLOC_ENABLE = "1"
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", THP_MEM_ALLOC_ENABLE)
     cfg, _ = WorkerConfig.parse(argv, prog="llmbus workers")
     ensure_run_dir_or_exit(cfg.run_dir, "llmbus workers")
     if cfg.rank is None:
