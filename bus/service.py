@@ -158,6 +158,15 @@ def install_stop_signals(on_stop: Callable[[int], None]) -> None:
         signal.signal(sig, lambda signum, _frame: on_stop(signum))
 
 
+def ignore_stop_signals() -> None:
+    """From here on SIGTERM/SIGINT do nothing: the process is already on its way out. A Terminate raised
+    while a socket is being garbage-collected interrupts its close, and zmq's context teardown then waits for
+    that socket forever (seen: a rank told to shut down by the scheduler got the launcher's SIGTERM as its
+    body's frame ended, and hung until SIGKILL). Whoever signalled follows up with SIGKILL if exit hangs."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int | None = None,
                 json_output: bool | None = None) -> int:
     """Run one llmbus process: the shared skeleton. Returns the exit code."""
@@ -176,9 +185,6 @@ def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int 
         ctx.fatal(error)
         code = 1
     finally:
-        # A second stop signal during cleanup would raise Terminate out of the socket teardown; the
-        # sender follows up with SIGKILL if cleanup hangs, so ignoring it here loses nothing.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals()
         zmq_ctx.destroy(linger=2000)
     return code

@@ -31,7 +31,7 @@ from llmbus.bus import messages as m
 from llmbus.bus import tracing
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir_or_exit
 from llmbus.bus.settings import ServiceSettings, setting
-from llmbus.bus.service import ServiceContext, Terminate, install_stop_signals, run_service
+from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
 from llmbus.bus.sockets import log_dropped, open_socket, poll, recv_from, send
 from llmbus.scheduler.batch_metrics import BatchMetrics
 from llmbus.scheduler.health import RankHealth, RestartBudget
@@ -487,6 +487,7 @@ def run_scheduler(cfg: SchedulerProcessConfig) -> int:
             service.shutdown_workers("scheduler stopped")
             raise
         finally:
+            ignore_stop_signals()  # before this frame ends and garbage-collects the service's sockets
             tracing.shutdown()
 
     return run_service("scheduler", body)

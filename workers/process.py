@@ -16,7 +16,7 @@ import zmq
 
 from llmbus.bus import messages as m
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
-from llmbus.bus.service import ServiceContext, Terminate, install_stop_signals, run_service
+from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.scheduler.policy import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP
@@ -275,5 +275,7 @@ def run_worker(cfg: WorkerConfig) -> int:
         except Exception as e:
             worker.report_fatal(f"{type(e).__name__}: {e}")
             raise
+        finally:
+            ignore_stop_signals()  # before this frame ends and garbage-collects the worker's sockets
 
     return run_service("worker", body, rank=cfg.rank)
