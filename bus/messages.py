@@ -157,7 +157,7 @@ class AddRequest(Message):
     """A validated, tokenized generation request."""
 
     KIND: ClassVar[Kind] = Kind.ADD_REQUEST
-    rid: str  # unique across frontends (the frontend id is its prefix)
+    rid: str  # unique across frontends: "<frontend_id>-<n>", and refused otherwise (problem)
     frontend_id: str  # where the events go
     input_ids: list[int]  # the prompt, already truncated; never empty
     sampling: SamplingParams
@@ -171,6 +171,10 @@ class AddRequest(Message):
     def problem(self, vocab_size: int) -> str | None:
         """What makes this request unsafe to hand to the ranks (which trust what they are given), or None.
         The frontend never sends such a request; any other local process might. ``vocab_size`` 0: unknown."""
+        if not self.rid.startswith(f"{self.frontend_id}-"):
+            # rids are unique across frontends only through their prefix: one outside it could take the id
+            # another frontend's next request will have, which would then fail as a duplicate
+            return f"request id {self.rid!r} is not one of frontend {self.frontend_id!r}'s ({self.frontend_id}-N)"
         if not self.input_ids:
             return "empty prompt"
         if min(self.input_ids) < 0 or (vocab_size and max(self.input_ids) >= vocab_size):

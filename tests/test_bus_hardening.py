@@ -137,6 +137,8 @@ def test_requests_the_ranks_cannot_take_fail_alone(server):
         "chaos-topk": dataclasses.replace(good, rid="chaos-topk", sampling=m.SamplingParams(top_k=-5)),
         "chaos-grammar": dataclasses.replace(good, rid="chaos-grammar", grammar=m.Grammar("yaml", "a: 1")),
         "chaos-len": dataclasses.replace(good, rid="chaos-len", stopping=m.StoppingParams(0)),
+        # an id of the real frontend's: taken, it would make that frontend's own request a duplicate
+        "f0-1": dataclasses.replace(good, rid="f0-1"),
     }
     peer.push("requests.sock", *bad.values(), good)
     failed, tokens = set(), 0
