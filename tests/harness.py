@@ -121,6 +121,16 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def rank_pids(server: Server) -> list[int]:
+    """A launch's live ranks by rank number (their command lines end with --rank N)."""
+    ranks = {}
+    for pid in descendants(server.proc.pid):
+        line = cmdline(pid).split()
+        if "--rank" in line:
+            ranks[int(line[line.index("--rank") + 1])] = pid
+    return [ranks[r] for r in sorted(ranks)]
+
+
 class SupervisorSocket:
     """Stands in for `llmbus up`'s supervisor: collects ServiceReady / ServiceFatal messages."""
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from harness import Server, cmdline, descendants
+from harness import Server, cmdline, descendants, rank_pids
 from httputil import get, metrics, wait_for_metrics
 
 SYSTEM = "You are a helpful assistant. Answer briefly, precisely and politely. "
@@ -88,16 +88,6 @@ def assert_undisturbed(started: list[Stream], expected: list[list[int]]) -> None
         got = stream.result()
         assert got == exp[:len(got)], (stream.body, got, exp)
         assert len(got) == MAX_NEW or stream.final["details"]["finish_reason"] == "eos_token"
-
-
-def rank_pids(server: Server) -> list[int]:
-    """Live ranks by rank number (their command lines end with --rank N)."""
-    ranks = {}
-    for pid in descendants(server.proc.pid):
-        line = cmdline(pid).split()
-        if "--rank" in line:
-            ranks[int(line[line.index("--rank") + 1])] = pid
-    return [ranks[r] for r in sorted(ranks)]
 
 
 def restarts(server: Server) -> float:

@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from harness import Server
+from harness import Server, rank_pids
 from httputil import get, metrics, post
-from test_failures import cmdline, descendants
 
 REQUESTS = 16  # each on a new connection: the kernel spreads them over both frontends
 
@@ -47,7 +46,7 @@ def test_every_frontend_counts_every_request(server):
 
 def test_health_needs_every_rank(server):
     assert get(f"{server.url}/health")[0] == 200
-    ranks = sorted(p for p in descendants(server.proc.pid) if "--rank" in cmdline(p))
+    ranks = rank_pids(server)
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGSTOP)  # alive, but answering nothing: what a hung collective looks like
     try:
