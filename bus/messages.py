@@ -169,8 +169,9 @@ class AddRequest(Message):
 
 
     def problem(self, vocab_size: int) -> str | None:
-        """What makes this request unsafe to hand to the ranks (which trust what they are given), or None.
-        The frontend never sends such a request; any other local process might. ``vocab_size`` 0: unknown."""
+        """What makes this request unsafe to take, or None: a rid outside its frontend's ids, or anything the
+        ranks (which trust what they are given) cannot run. The frontend never sends such a request; any
+        other local process might. ``vocab_size`` 0: unknown."""
         if not self.rid.startswith(f"{self.frontend_id}-"):
             # rids are unique across frontends only through their prefix: one outside it could take the id
             # another frontend's next request will have, which would then fail as a duplicate
