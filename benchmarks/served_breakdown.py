@@ -16,7 +16,6 @@ streamed over the OpenAI completions route, after 8 warm-up requests), then, for
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import LlmbusServer, exact_token_prompt, exit_on_sigterm, load_average, metrics  # noqa: E402
 from _smollm2 import dense_folder  # noqa: E402
+from harness import cmdline  # noqa: E402  (on the path through _server)
+from stack_overhead import cpu_seconds  # noqa: E402
 from vs_llama_server import KV_TOKENS, kv_bytes_for  # noqa: E402
 
 from llmbus.bench import BenchConfig, run_bench  # noqa: E402
@@ -32,28 +33,17 @@ from llmbus.bench import BenchConfig, run_bench  # noqa: E402
 SERVICES = ("frontend", "scheduler", "workers", "supervisor")
 
 
-def process_cpu_seconds(root: int) -> dict[str, float]:
-    """User + system seconds of ``root`` and its descendants, summed by llmbus service."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+def process_cpu_seconds(server: LlmbusServer) -> dict[str, float]:
+    """User + system seconds of every process of the launch, summed by llmbus service, and of this load
+    generator."""
     out: dict[str, float] = {}
-    todo, tick = [root], os.sysconf("SC_CLK_TCK")
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
+    for pid in server.pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            seconds, command = cpu_seconds(pid), cmdline(pid)
         except OSError:
             continue
         name = next((s for s in SERVICES if f"llmbus.{s}" in command), "other")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + seconds
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out["load generator"] = usage.ru_utime + usage.ru_stime
     return out
@@ -76,10 +66,10 @@ def main() -> None:
     with LlmbusServer(["--model-id", str(dense), "--dtype", "float32", "--kv-cache-memory", str(kv), *a.extra]) as srv:
         common = dict(url=srv.url, api="openai", max_new_tokens=(128, 128), timeout=600.0, max_duration=2400.0)
         run_bench(BenchConfig(concurrency=[len(warm)], requests=len(warm), warmup=0, prompts=warm, **common))
-        before, cpu_before, t0 = metrics(srv.url), process_cpu_seconds(srv.proc.pid), time.monotonic()
+        before, cpu_before, t0 = metrics(srv.url), process_cpu_seconds(srv), time.monotonic()
         level = run_bench(BenchConfig(concurrency=[len(many)], requests=len(many), warmup=0, prompts=many,
                                       **common)).levels[0]
-        wall, cpu_after, after = time.monotonic() - t0, process_cpu_seconds(srv.proc.pid), metrics(srv.url)
+        wall, cpu_after, after = time.monotonic() - t0, process_cpu_seconds(srv), metrics(srv.url)
     delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
     print(f"c={len(many)}: {level.stats['output_throughput']:.1f} tok/s, {wall:.1f} s wall "
           f"(load average after: {load_average()})")
