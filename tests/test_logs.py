@@ -11,7 +11,7 @@ from httputil import post
 
 def test_json_output_lines_all_parse_and_name_their_service(tiny_model_dir):
     server = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "128",
-                     "--json-output"], env={"LOG_LEVEL": "INFO"})
+                     "--json-output"], env={"LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"})
     try:
         status, _, _ = post(f"{server.url}/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 4}})
         assert status == 200
@@ -28,6 +28,8 @@ def test_json_output_lines_all_parse_and_name_their_service(tiny_model_dir):
     services = {r["service"] for r in records}
     assert {"launcher", "scheduler", "frontend"} <= services and any(s.startswith("worker") for s in services)
     assert all("rank" in r for r in records if r["service"] == "worker"), "worker lines carry their rank"
+    loaded = next(r for r in records if r.get("event") == "model loaded")
+    assert loaded["threads"] == 1, loaded  # OMP_NUM_THREADS, as any OpenMP program reads it
     request = next(r for r in records if r.get("event") == "request")
     for key in ("total_time", "validation_time", "queue_time", "inference_time", "time_per_token"):
         assert request[key] >= 0, key

@@ -254,3 +254,21 @@ def test_frontend_settings_round_trip(monkeypatch):
     monkeypatch.setenv("API_KEY", settings.secret_env()["API_KEY"])
     assert "k" not in settings.to_argv()
     assert frontend_from_args(settings.to_argv())[0] == settings
+
+
+@pytest.mark.parametrize("env,cores,world_size,threads", [
+    (None, 8, 1, 8), (None, 8, 2, 4), (None, 3, 2, 1), (None, 1, 4, 1),  # an equal share, at least one
+    ("3", 8, 2, 3),  # the operator's OMP_NUM_THREADS wins
+    ("0", 8, 2, 4), ("many", 8, 2, 4),  # values OpenMP itself would not take are ignored
+])
+def test_cpu_rank_threads(env, cores, world_size, threads, monkeypatch):
+    import os
+
+    from llmbus.workers.process import cpu_threads
+
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert cpu_threads(world_size) == threads

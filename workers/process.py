@@ -107,6 +107,19 @@ def resolve_device(device: str, rank: int) -> "torch.device":
     return torch.device(device)
 
 
+def cpu_threads(world_size: int) -> int:
+    """Threads for one CPU rank: OMP_NUM_THREADS where the operator set it (as for any OpenMP program),
+    else an equal share of the cores this process may run on (its affinity mask: taskset, a container's
+    cpuset), since ranks oversubscribing the cores make every rank slower."""
+    try:
+        wanted = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        wanted = 0
+    if wanted > 0:
+        return wanted
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
 def resolve_dtype(dtype: str, device) -> "torch.dtype":
     """float32/bfloat16/float16 by name; 'auto' picks bf16 where the hardware runs it fast."""
     import torch
@@ -151,8 +164,7 @@ class Worker:
                    ("cuda", torch.float16): "the GPU lacks bf16"}.get((device.type, dtype), "")
             self.log.info("dtype auto", dtype=str(dtype).removeprefix("torch."), device=str(device), reason=why)
         if device.type == "cpu":
-            # Ranks share the machine's cores; oversubscribing them makes every rank slower.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.cfg.world_size))
+            torch.set_num_threads(cpu_threads(self.cfg.world_size))
             if not keep_freed_memory():
                 self.log.info("freed memory is returned to the system (no glibc mallopt): steps page-fault")
         if self.cfg.world_size > 1:
@@ -192,6 +204,7 @@ class Worker:
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
                       device=str(device), load_s=round(load_s, 2),
                       warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks,
+                      **({"threads": torch.get_num_threads()} if device.type == "cpu" else {}),
                       **getattr(self.runner, "compute_paths", {}))
         send(self.control, m.WorkerReady(rank=self.cfg.rank, num_blocks=self.runner.num_blocks,
                                          block_size=self.runner.block_size,
