@@ -122,13 +122,16 @@ def cmdline(pid: int) -> str:
 
 
 def rank_pids(server: Server) -> list[int]:
-    """A launch's live ranks by rank number (their command lines end with --rank N)."""
-    ranks = {}
+    """A launch's live ranks by rank number: the group's children (their command lines end with --rank N),
+    or the group's own process where it has one rank, which it runs itself."""
+    ranks, groups = {}, []
     for pid in descendants(server.proc.pid):
         line = cmdline(pid).split()
         if "--rank" in line:
             ranks[int(line[line.index("--rank") + 1])] = pid
-    return [ranks[r] for r in sorted(ranks)]
+        elif "llmbus.workers" in line:
+            groups.append(pid)
+    return [ranks[r] for r in sorted(ranks)] or groups
 
 
 class SupervisorSocket:

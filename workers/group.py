@@ -3,12 +3,14 @@
 It spawns ranks 0..N-1 as child processes and treats them as one unit: when any rank exits, the others
 are stopped (SIGTERM, then SIGKILL after a grace period) and the group exits with the first failing
 rank's code. A dead rank therefore never leaves the others blocked in a collective, and under honcho a
-single Procfile entry (one process group) takes the whole TP group down with it.
+single Procfile entry (one process group) takes the whole TP group down with it. A group of one rank
+runs that rank in its own process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -85,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         if shortage is not None:
             print(f"llmbus workers: {shortage}", file=sys.stderr)
             return 2
+        if cfg.world_size == 1:
+            # The group's one rank is this process: a child would start another interpreter and import
+            # everything again, about 0.5 s of every launch's time to ready. It exits as the group would.
+            return run_worker(dataclasses.replace(cfg, rank=0))
         if cfg.dist_init is None:
             # torch.distributed's file store: one left by a group that was killed (and is now restarted)
             # holds that group's keys, which the new ranks must not read
