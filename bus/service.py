@@ -65,21 +65,33 @@ def setup_logging(service: str, *, rank: int | None = None, json_output: bool | 
     structlog.contextvars.bind_contextvars(**bound)
 
 
-def die_with_parent() -> None:
-    """Make the kernel SIGTERM us when the parent dies (Linux), with a polling thread as fallback."""
-    parent = os.getppid()
+# The signal this process gets when its parent dies: SIGTERM (a clean stop) until it starts exiting, then
+# SIGKILL, since from then on it ignores SIGTERM (ignore_stop_signals). None: die_with_parent not called.
+_parent_death_signal: signal.Signals | None = None
+_parent_pid: int | None = None
+
+
+def _ask_kernel_for(sig: signal.Signals) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig))
     except OSError:
         pass
+
+
+def die_with_parent() -> None:
+    """Make the kernel signal us when the parent dies (Linux), with a polling thread as fallback."""
+    global _parent_death_signal, _parent_pid
+    parent = _parent_pid = os.getppid()
+    _parent_death_signal = signal.SIGTERM
+    _ask_kernel_for(signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
 
     def watch() -> None:
         while True:
             if os.getppid() != parent:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), _parent_death_signal)
                 return
             threading.Event().wait(1.0)
 
@@ -162,9 +174,17 @@ def ignore_stop_signals() -> None:
     """From here on SIGTERM/SIGINT do nothing: the process is already on its way out. A Terminate raised
     while a socket is being garbage-collected interrupts its close, and zmq's context teardown then waits for
     that socket forever (seen: a rank told to shut down by the scheduler got the launcher's SIGTERM as its
-    body's frame ended, and hung until SIGKILL). Whoever signalled follows up with SIGKILL if exit hangs."""
+    body's frame ended, and hung until SIGKILL). Whoever signalled follows up with SIGKILL if exit hangs;
+    a parent that dies cannot, so from here on its death kills this process outright: an exit that hangs
+    would otherwise leave an orphan holding its memory (and a rank's cores) for good."""
+    global _parent_death_signal
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    if _parent_death_signal is not None:
+        _parent_death_signal = signal.SIGKILL
+        _ask_kernel_for(signal.SIGKILL)
+        if os.getppid() != _parent_pid:  # it died already, and its SIGTERM was ignored or is being handled
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int | None = None,

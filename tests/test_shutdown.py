@@ -45,3 +45,45 @@ def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(tiny_mo
         assert server.proc.wait(DRAIN_TIMEOUT_S) == 0, server.stderr.text[-3000:]
     finally:
         server.stop()
+
+
+# A process on its way out ignores SIGTERM (bus/service.ignore_stop_signals), so an exit that hangs must not
+# outlive the process that started it: nobody would be left to follow up with SIGKILL.
+_EXITING_CHILD = """
+import threading
+from llmbus.bus.service import die_with_parent, ignore_stop_signals
+die_with_parent()
+ignore_stop_signals()
+print("exiting", flush=True)
+threading.Event().wait()  # an exit that hangs
+"""
+_PARENT = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+assert child.stdout.readline() == b"exiting\\n"
+print(child.pid, flush=True)
+"""
+
+
+def test_a_hung_exit_dies_with_its_parent():
+    import os
+    import select
+    import subprocess
+    import sys
+
+    parent = subprocess.run([sys.executable, "-c", _PARENT, _EXITING_CHILD], capture_output=True, timeout=60)
+    assert parent.returncode == 0, parent.stderr.decode()[-2000:]
+    child = int(parent.stdout)
+    try:
+        pidfd = os.pidfd_open(child)
+    except ProcessLookupError:
+        return  # already gone and reaped
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        gone = poller.poll(10_000)  # readable once the process has exited
+    finally:
+        os.close(pidfd)
+    if not gone:
+        os.kill(child, signal.SIGKILL)
+    assert gone, "the child kept running after its parent died"
