@@ -64,6 +64,29 @@ def test_cpu_kernel_backend_equals_portable(dtype, block_size, tolerance):
                        torch.stack((caches[1].key, caches[1].value)))
 
 
+@pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is optional")
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prompt_rows_equal_portable(block_size, monkeypatch):
+    """``prompt_rows``: a float32 step with prompts is one kernel group, every token a row of its own that
+    attends its sequence up to itself (a sliding window too), and attends as the portable backend does;
+    a step past PROMPT_ROWS_MAX_SCORES keeps the portable groups."""
+    from llmbus.workers.attention import cpu
+
+    rows, portable = CPUKernelBackend([None, 3], KERNEL), TorchSDPABackend([None, 3])
+    rows.prompt_rows = True
+    caches = [_cache(torch.float32, block_size), _cache(torch.float32, block_size)]
+    schedule = ([{"a": 5, "b": 9, "c": 1}] + [{"a": 1, "b": 1, "c": 1}] * 3 + [{"a": 1, "b": 1, "c": 1, "d": 12}]
+                + [{"a": 1, "b": 1, "d": 3}] + [{"b": 1, "d": 1}] * 2)
+    lengths = {"a": 0, "b": 0, "c": 0, "d": 0}
+    metas = _run(schedule[:1], [portable, rows], caches, lengths, block_size, torch.float32, 1e-5)
+    assert [type(g).__name__ for g in metas[1].groups] == ["KernelDecodeGroup"]
+    assert metas[1].groups[0].context_lens.tolist() == [1, 2, 3, 4, 5, *range(1, 10), 1]
+    _run(schedule[1:], [portable, rows], caches, lengths, block_size, torch.float32, 1e-5)
+    monkeypatch.setattr(cpu, "PROMPT_ROWS_MAX_SCORES", 10)
+    metas = _run([{"a": 1, "e": 4}], [portable, rows], caches, {**lengths, "e": 0}, block_size, torch.float32, 1e-5)
+    assert len(metas[1].groups) == 2 and type(metas[1].groups[1]).__name__ == "AttentionGroup"
+
+
 def test_decode_groups_split_by_context_length(monkeypatch):
     """One long conversation beside short ones: its context is gathered alone, not every short one
     padded to it; outputs equal one padded group's."""

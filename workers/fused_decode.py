@@ -7,7 +7,9 @@ allocation and Python around very little arithmetic: ~900 a step, as much time a
 with GEMVs (a pass over each weight row is what bounds such a step), and larger batches of float32
 weights with gemm.c's GEMMs inside the same one call per layer, where that is built (AVX2 without
 AVX-512), as a batch-64 step's ~20 torch ops a layer around the GEMMs cost about a tenth of the step.
-Prompts and everything else keep the torch path, which stays the reference.
+Steps with prompts join where the layer takes any batch: the attention backend then gives every token a
+kernel row of its own (``CPUKernelBackend.prompt_rows``). Everything else keeps the torch path, which stays
+the reference.
 
 It applies to a native Llama-family model on CPU, float32 activations, one rank, the CPU attention backend,
 and projections it can read: plain float32 ones (the C layer reads weights as checkpoints store them, [out,
@@ -178,6 +180,11 @@ class FusedDecodeLayers:
         weights = []
         layers = cls._layer_args(model, weights) if library is not None else None
         return cls(model, library, layers, weights) if layers is not None else None
+
+    @property
+    def takes_large_batches(self) -> bool:
+        """Whether ``run`` takes steps of any number of rows (gemm.c's GEMMs inside the layer)."""
+        return self._large_batches
 
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
         buffer = self._scratch.get(name)

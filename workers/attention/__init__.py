@@ -2,7 +2,7 @@
 
 Backends, and where each is picked (``make_attention_backend``):
 - ``CPUKernelBackend`` (``cpu.py``): CPU with the C decode kernel built (a C compiler is there): decodes
-  read the pool in place; prompts take the portable path.
+  read the pool in place; prompts take the portable path, or the kernel too (``prompt_rows``).
 - ``TorchSDPABackend`` (``torch_sdpa.py``): everywhere else: gathers blocks, then SDPA or batched matmuls.
 A GPU backend over a paged kernel library (FlashInfer's paged prefill and decode wrappers, page size 16)
 fills the same two calls: it goes first in ``BACKENDS`` with an ``available`` that checks the device and

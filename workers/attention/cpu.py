@@ -4,8 +4,8 @@ A decode step's attention is memory-bound: each sequence's K/V rows are read onc
 reads them where they lie, through each sequence's block table, and writes the step's new K/V itself:
 one call per layer instead of a gather that copies every context, padded to the longest, plus two batched
 matmuls of tiny GEMVs and a softmax. Groups with longer queries (prompts, chunks) attend as the portable
-backend does; in a step with both, every new token is written first by the kernel's writer, then the
-kernel attends the decodes.
+backend does, unless ``prompt_rows`` makes their tokens kernel rows too; in a step with both, every new
+token is written first by the kernel's writer, then the kernel attends the decodes.
 
 For bfloat16 the pool's blocks are kept in the kernel's layout (``DecodeAttentionKernel.to_layout``: the
 operand order of AVX512-BF16's dot products), so the torch paths convert blocks back as they gather them;
@@ -19,15 +19,23 @@ from dataclasses import dataclass
 
 import torch
 
-from llmbus.workers.attention.base import AttentionMetadata, StepIndex, group_token_index
+from llmbus.workers.attention.base import AttentionMetadata, StepIndex, group_token_index, step_index
 from llmbus.workers.attention.torch_sdpa import TorchSDPABackend
 from llmbus.workers.cpu_kernels import DecodeAttentionKernel, decode_attention_kernel
 from llmbus.workers.kv_cache import PagedKVCache
 
 
+# Prompt rows (CPUKernelBackend.prompt_rows) only while a step's tokens times its longest context stay
+# under this: the kernel keeps every row's scores at once (rows x heads x context floats; SmolLM2's 9
+# heads: about 36 MB here). Longer prompts take the portable path, measured as fast for a 1024- or
+# 2000-token prompt.
+PROMPT_ROWS_MAX_SCORES = 1 << 20
+
+
 @dataclass(slots=True)
 class KernelDecodeGroup:
-    """Decoding sequences attended by the kernel."""
+    """Rows attended by the kernel, each one query token: decoding sequences, or every token of a step
+    (``CPUKernelBackend.prompt_rows``)."""
 
     token_index: torch.Tensor | None  # [B] rows of the step's flat token batch; None: all, in order
     block_index: torch.Tensor  # [B, n] each sequence's blocks, in order (rows may be strided)
@@ -48,6 +56,32 @@ class CPUKernelBackend(TorchSDPABackend):
         if kernel is None:
             raise RuntimeError("the CPU decode attention kernel could not be built")
         self.kernel = kernel
+        # Every token of a float32 step as a kernel row of its own, attending its sequence's keys up to
+        # itself (the kernel writes all rows' K/V before it attends), so that a step with prompts is one
+        # kernel group: what the fused layer (fused_decode.py) takes in one native call per layer. Set by
+        # the model where that layer takes steps of any size; the torch layers would gain nothing.
+        self.prompt_rows = False
+
+    def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
+                       kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
+        if self.prompt_rows and max(query_lens) > 1 and kv_cache.key.dtype == torch.float32 and self._takes(kv_cache):
+            max_context = max(c + n for c, n in zip(num_computed, query_lens))
+            if sum(query_lens) * max_context <= PROMPT_ROWS_MAX_SCORES:
+                index = step_index(query_lens, num_computed, block_tables, kv_cache, device)
+                rows = torch.repeat_interleave(torch.arange(len(query_lens), device=device), index.query_lens,
+                                               output_size=sum(query_lens))
+                context_lens = index.positions + 1
+                group = KernelDecodeGroup(
+                    token_index=None, block_index=index.tables[rows][:, :-(-max_context // kv_cache.block_size)],
+                    context_lens=context_lens, window_starts=self._window_starts(context_lens),
+                    max_context=max_context)
+                return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[group])
+        return super().build_metadata(query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
+                                      kv_cache=kv_cache, device=device)
+
+    def _window_starts(self, context_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros_like(context_lens) if window is None else (context_lens - window).clamp_(min=0)
+                     for window in self.windows)
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
@@ -76,10 +110,7 @@ class CPUKernelBackend(TorchSDPABackend):
         return KernelDecodeGroup(
             token_index=token_index,
             block_index=index.tables[members_t][:, :-(-max_context // kv_cache.block_size)],
-            context_lens=context_lens,
-            window_starts=tuple(torch.zeros_like(context_lens) if window is None
-                                else (context_lens - window).clamp_(min=0) for window in self.windows),
-            max_context=max_context)
+            context_lens=context_lens, window_starts=self._window_starts(context_lens), max_context=max_context)
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

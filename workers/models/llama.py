@@ -297,6 +297,10 @@ class LlamaForCausalLM:
         self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
         # Small decode-only steps in one native call per layer, where it applies (fused_decode.py).
         self.fused_decode = FusedDecodeLayers.for_model(self)
+        if self.fused_decode is not None and self.fused_decode.takes_large_batches:
+            # Prompt steps through the fused layer too: one native call per layer instead of ~30 torch ops.
+            # SmolLM2 float32, 2 threads: a 128-token prompt 297 -> 256 ms, 32 of them in one step 3-5% faster.
+            self.attention_backend.prompt_rows = True
 
     @property
     def num_layers(self) -> int:
