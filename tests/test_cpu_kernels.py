@@ -129,3 +129,28 @@ def test_failed_build_is_a_warning_not_an_error(monkeypatch, tmp_path):
         assert cpu_kernels.decode_attention_kernel() is None
     finally:
         cpu_kernels.decode_attention_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+def test_greedy_kernel_chooses_and_scores_as_torch(rows):
+    """greedy.c: each row's first argmax and its log-softmax, as torch's argmax and log_softmax give them,
+    with ties, a NaN row, an all -inf row and a strided view (a vocabulary cut from padded logits); a
+    single row splits its vocabulary across the threads."""
+    greedy = cpu_kernels.greedy_kernel()
+    if greedy is None:
+        pytest.skip("no C compiler: the kernel is optional")
+    gen = torch.Generator().manual_seed(rows)
+    padded = torch.randn(rows, 50_000, generator=gen) * 4
+    padded[0, 31_000] = padded[0, 7] = padded[0].max() + 1  # a tie: the first index wins
+    if rows > 2:
+        padded[1, 123] = float("nan")
+        padded[2] = float("-inf")
+    logits = padded[:, :49_152]
+    ids, logprobs = greedy(logits)
+    want = torch.log_softmax(logits, dim=-1)
+    assert ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert ids[0] == 7
+    expected = want.gather(1, ids[:, None]).squeeze(1)
+    assert torch.allclose(logprobs, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+    if rows > 2:
+        assert ids[1] == 123 and logprobs[1:3].isnan().all()

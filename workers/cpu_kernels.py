@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -207,3 +208,26 @@ def decode_attention_kernel() -> DecodeAttentionKernel | None:
     """The kernel, built if needed; None where it cannot be (logged once, with the reason)."""
     library = load_library(SOURCE, "decode attention runs on torch ops (slower)")
     return DecodeAttentionKernel(library) if library is not None else None
+
+
+GREEDY_SOURCE = Path(__file__).with_name("greedy.c")
+
+
+@functools.cache
+def greedy_kernel() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """``greedy.c`` loaded: ``(ids, logprobs)`` of float32 CPU logits ``[rows, vocab]`` (rows contiguous);
+    None where it cannot be built (logged once)."""
+    library = load_library(GREEDY_SOURCE, "greedy rows take torch's argmax and log_softmax (slower)")
+    if library is None:
+        return None
+    function = library.greedy_f32
+    function.argtypes, function.restype = [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER], ctypes.c_int
+
+    def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, vocab = logits.shape
+        ids = torch.empty(rows, dtype=torch.long)
+        logprobs = torch.empty(rows, dtype=torch.float32)
+        function(logits.data_ptr(), rows, vocab, logits.stride(0), ids.data_ptr(), logprobs.data_ptr())
+        return ids, logprobs
+
+    return greedy

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from llmbus.bus.messages import SamplingParams
+from llmbus.workers import cpu_kernels
 
 TOP_P_CANDIDATES = 256  # first guess at the nucleus size; a full sort when some row needs more
 
@@ -95,10 +96,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         logits = apply_watermark(logits, params, last_tokens)
     if any(has_penalties(p) for p in params):
         logits = apply_penalties(logits, params, histories, prompt_lens)
-    greedy_ids = logits.argmax(dim=-1)
     if not any(p.do_sample for p in params):
+        if not any(p.top_n_tokens for p in params):
+            return Sampled(*greedy(logits), [])
+        greedy_ids = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
         return Sampled(greedy_ids, logprobs.gather(1, greedy_ids[:, None]).squeeze(1), top_tokens(logprobs, params))
+    greedy_ids = logits.argmax(dim=-1)
 
     device = logits.device
     do_sample = torch.tensor([p.do_sample for p in params], device=device)
@@ -129,6 +133,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     # serves both kinds of rows.
     return Sampled(token_ids, warped_logprobs.gather(1, token_ids[:, None]).squeeze(1),
                    top_tokens(warped_logprobs, params))
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (the first, on ties) and its log-softmax, for float32 ``logits [S, vocab]``: one C
+    pass per row on CPU where the kernel builds (``greedy.c``), torch's ops elsewhere."""
+    kernel = cpu_kernels.greedy_kernel() if logits.device.type == "cpu" else None
+    if kernel is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return kernel(logits)
+    ids = logits.argmax(dim=-1)
+    return ids, torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
 
 
 def top_tokens(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list]:
