@@ -34,8 +34,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *qkv_bias, *o_bias, *post_norm, *gate_up_bias, *down_bias;
     Proj qkv, o_proj, gate_up, down;
-    float *pool_key, *pool_value;
-    const int64_t *starts; /* [B] first visible key, for this layer's window */
+    int64_t window; /* which of StepArgs.starts this layer attends with (its sliding window, or none) */
 } LayerArgs;
 
 typedef struct {
@@ -48,7 +47,22 @@ typedef struct {
     float *scores;                             /* [Hkv * B, group, scores_stride] */
     int64_t rows_share_sequences;              /* rows are positions of one sequence (speculation) */
     float *gate_up_out, *panels;               /* batches past MAX_ROWS: [B, 2 I], gemm_panel_floats */
+    float *pool_key, *pool_value;              /* every layer's pool, one after the other */
+    int64_t pool_layer_stride;                 /* floats from one layer's pool to the next */
+    const int64_t *const *starts;              /* per window: [B] first visible key */
 } StepArgs;
+
+/* What a layer's stages read of the pool: this layer's K and V and its window's first keys. */
+typedef struct {
+    float *pool_key, *pool_value;
+    const int64_t *starts;
+} LayerPool;
+
+static inline LayerPool layer_pool(const StepArgs *s, const LayerArgs *l, int64_t layer) {
+    LayerPool pool = {s->pool_key + layer * s->pool_layer_stride, s->pool_value + layer * s->pool_layer_stride,
+                      s->starts[l->window]};
+    return pool;
+}
 
 /* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats. */
 static inline void dot_rows(const float *w, const float *x, int64_t x_stride, int64_t rows, int64_t n,
@@ -266,7 +280,7 @@ static inline void rope(float *x, const float *cos, const float *sin, int64_t he
     memcpy(x, rotated, sizeof rotated);
 }
 
-static inline void attend_pair(const StepArgs *s, const LayerArgs *l, int64_t pair, int64_t head_elems,
+static inline void attend_pair(const StepArgs *s, const LayerPool *l, int64_t pair, int64_t head_elems,
                                int64_t qkv_width, int64_t group) {
     const int64_t B = s->batch, D = s->head_dim, Hq = s->num_heads;
     int64_t kv_head = pair / B, b = pair % B;
@@ -278,7 +292,7 @@ static inline void attend_pair(const StepArgs *s, const LayerArgs *l, int64_t pa
 
 /* RoPE on the step's queries and keys, the new K/V into the pool, and attention, for every (kv head, row)
  * pair; called inside the layer's parallel region. */
-static inline void rope_write_attend(const StepArgs *s, const LayerArgs *l) {
+static inline void rope_write_attend(const StepArgs *s, const LayerPool *l) {
     const int64_t B = s->batch, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads, group = Hq / Hkv;
     const int64_t qkv_width = (Hq + 2 * Hkv) * D, head_elems = s->pool_blocks * s->block_size * D;
 #pragma omp for schedule(static)
@@ -310,36 +324,27 @@ static inline float silu_times(float gate, float up) {
 
 #if GEMM_RUNS
 /* A batch past MAX_ROWS, float32 weights: the same stages, the projections as gemm.c's GEMMs (each weight
- * row used for every row of the batch from cache, not streamed per row as a GEMV would). */
-static int decode_layer_gemm(const StepArgs *s, const LayerArgs *l, float *hidden) {
+ * row used for every row of the batch from cache, not streamed per row as a GEMV would). Called by every
+ * thread of the step's parallel region; ends on a barrier. */
+static void layer_gemm(const StepArgs *s, const LayerArgs *l, const LayerPool *pool, float *hidden) {
     const int64_t B = s->batch, H = s->hidden, I = s->intermediate, D = s->head_dim, Hq = s->num_heads;
     const int64_t qkv_width = (Hq + 2 * s->num_kv_heads) * D;
-    if (l->qkv.dense == 0 || l->o_proj.dense == 0 || l->gate_up.dense == 0 || l->down.dense == 0) return -1;
-#pragma omp parallel
-    {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
-        gemm_team(s->normed, l->qkv.dense, l->qkv_bias, B, qkv_width, H, s->qkv_out, qkv_width, 0, s->panels);
-        rope_write_attend(s, l);
-        gemm_team(s->attended, l->o_proj.dense, l->o_bias, B, H, Hq * D, hidden, H, 1, s->panels);
+    for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
+    gemm_team(s->normed, l->qkv.dense, l->qkv_bias, B, qkv_width, H, s->qkv_out, qkv_width, 0, s->panels);
+    rope_write_attend(s, pool);
+    gemm_team(s->attended, l->o_proj.dense, l->o_bias, B, H, Hq * D, hidden, H, 1, s->panels);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
-        gemm_team(s->normed, l->gate_up.dense, l->gate_up_bias, B, 2 * I, H, s->gate_up_out, 2 * I, 0, s->panels);
+    for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
+    gemm_team(s->normed, l->gate_up.dense, l->gate_up_bias, B, 2 * I, H, s->gate_up_out, 2 * I, 0, s->panels);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            const float *gate = s->gate_up_out + b * 2 * I, *up = gate + I;
-            float *act = s->act + b * I;
+    for (int64_t b = 0; b < B; b++) {
+        const float *gate = s->gate_up_out + b * 2 * I, *up = gate + I;
+        float *act = s->act + b * I;
 #pragma omp simd
-            for (int64_t i = 0; i < I; i++) act[i] = silu_times(gate[i], up[i]);
-        }
-        gemm_team(s->act, l->down.dense, l->down_bias, B, H, I, hidden, H, 1, s->panels);
+        for (int64_t i = 0; i < I; i++) act[i] = silu_times(gate[i], up[i]);
     }
-    return 0;
-}
-#else
-static int decode_layer_gemm(const StepArgs *s, const LayerArgs *l, float *hidden) {
-    (void)s, (void)l, (void)hidden;
-    return -1;
+    gemm_team(s->act, l->down.dense, l->down_bias, B, H, I, hidden, H, 1, s->panels);
 }
 #endif
 
@@ -356,57 +361,93 @@ int64_t decode_layer_panel_floats(int64_t rows, int64_t widest) {
 #endif
 }
 
-/* hidden [B, H] float32, updated in place. Returns 0, or -1 for a shape it cannot take. */
-int decode_layer_f32(const StepArgs *s, const LayerArgs *l, float *hidden) {
+/* A batch of at most MAX_ROWS: the projections as GEMVs, each weight row streamed once for every row.
+ * Called by every thread of the step's parallel region; ends on a barrier. */
+static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *pool, float *hidden) {
     const int64_t B = s->batch, H = s->hidden, I = s->intermediate, D = s->head_dim;
     const int64_t Hq = s->num_heads, Hkv = s->num_kv_heads, qkv_width = (Hq + 2 * Hkv) * D;
-    if (Hq % Hkv != 0 || D % 2 != 0) return -1;
-    if (B > MAX_ROWS) return decode_layer_gemm(s, l, hidden);
-#pragma omp parallel
-    {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
-        gemv(&l->qkv, l->qkv_bias, s->normed, H, qkv_width, B, s->qkv_out, qkv_width, 0);
-        rope_write_attend(s, l);
-        gemv(&l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);
+    for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
+    gemv(&l->qkv, l->qkv_bias, s->normed, H, qkv_width, B, s->qkv_out, qkv_width, 0);
+    rope_write_attend(s, pool);
+    gemv(&l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
-        /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
-        const int gate_up_dot4 = takes_dot4(&l->gate_up, H, B);
-        if (gate_up_dot4) { /* batch 1, int8: gate rows i, i + 1 and up rows I + i, I + i + 1 in one pass */
+    for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
+    /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
+    const int gate_up_dot4 = takes_dot4(&l->gate_up, H, B);
+    if (gate_up_dot4) { /* batch 1, int8: gate rows i, i + 1 and up rows I + i, I + i + 1 in one pass */
 #pragma omp for schedule(static) nowait
-            for (int64_t i2 = 0; i2 < I / 2; i2++) {
-                const int64_t i = 2 * i2, o[4] = {i, i + 1, I + i, I + i + 1};
-                float dots[4];
-                dot4_proj(&l->gate_up, o, H, s->normed, dots);
-                for (int r = 0; r < 2; r++) {
-                    float g = dots[r] + (l->gate_up_bias != 0 ? l->gate_up_bias[i + r] : 0.0f);
-                    float u = dots[2 + r] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i + r] : 0.0f);
-                    s->act[i + r] = g / (1.0f + expf(-g)) * u;
-                }
+        for (int64_t i2 = 0; i2 < I / 2; i2++) {
+            const int64_t i = 2 * i2, o[4] = {i, i + 1, I + i, I + i + 1};
+            float dots[4];
+            dot4_proj(&l->gate_up, o, H, s->normed, dots);
+            for (int r = 0; r < 2; r++) {
+                float g = dots[r] + (l->gate_up_bias != 0 ? l->gate_up_bias[i + r] : 0.0f);
+                float u = dots[2 + r] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i + r] : 0.0f);
+                s->act[i + r] = g / (1.0f + expf(-g)) * u;
             }
         }
+    }
 #pragma omp for schedule(static)
-        for (int64_t i = gate_up_dot4 ? I / 2 * 2 : 0; i < I; i++) {
-            float gate[MAX_ROWS], up[MAX_ROWS];
-            dot_proj(&l->gate_up, i, H, s->normed, H, B, gate);
-            dot_proj(&l->gate_up, I + i, H, s->normed, H, B, up);
-            for (int64_t b = 0; b < B; b++) {
-                float g = gate[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[i] : 0.0f);
-                float u = up[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i] : 0.0f);
-                s->act[b * I + i] = g / (1.0f + expf(-g)) * u;
-            }
+    for (int64_t i = gate_up_dot4 ? I / 2 * 2 : 0; i < I; i++) {
+        float gate[MAX_ROWS], up[MAX_ROWS];
+        dot_proj(&l->gate_up, i, H, s->normed, H, B, gate);
+        dot_proj(&l->gate_up, I + i, H, s->normed, H, B, up);
+        for (int64_t b = 0; b < B; b++) {
+            float g = gate[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[i] : 0.0f);
+            float u = up[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i] : 0.0f);
+            s->act[b * I + i] = g / (1.0f + expf(-g)) * u;
         }
-        gemv(&l->down, l->down_bias, s->act, I, H, B, hidden, H, 1);
+    }
+    gemv(&l->down, l->down_bias, s->act, I, H, B, hidden, H, 1);
+}
+
+/* Every layer of ``layers`` over hidden [B, H] (float32, updated in place), in one parallel region: the
+ * threads go from one layer to the next at a barrier, not through a fork and join per layer, with no
+ * Python between layers. Returns 0, or -1 for a shape it cannot take (nothing done). */
+int decode_layers_f32(const StepArgs *s, const LayerArgs *layers, int64_t num_layers, float *hidden) {
+    const int64_t B = s->batch, Hq = s->num_heads, Hkv = s->num_kv_heads;
+    if (Hq % Hkv != 0 || s->head_dim % 2 != 0) return -1;
+    const int large = B > MAX_ROWS;
+    if (large) {
+        if (!GEMM_RUNS) return -1;
+        for (int64_t i = 0; i < num_layers; i++) {
+            const LayerArgs *l = &layers[i];
+            if (l->qkv.dense == 0 || l->o_proj.dense == 0 || l->gate_up.dense == 0 || l->down.dense == 0) return -1;
+        }
+    }
+#pragma omp parallel
+    for (int64_t i = 0; i < num_layers; i++) {
+        const LayerPool pool = layer_pool(s, &layers[i], i);
+#if GEMM_RUNS
+        if (large) {
+            layer_gemm(s, &layers[i], &pool, hidden);
+            continue;
+        }
+#endif
+        layer_gemv(s, &layers[i], &pool, hidden);
     }
     return 0;
 }
 
-/* y [rows, out] = x [rows, in] W^T for one projection (float32 or int8 rows): the LM head of a small decode
- * step (its largest matrix), streamed once for every row. */
-int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y) {
+/* logits [rows, out] = RMSNorm(x [rows, in]; norm, eps) W^T for one projection (float32 or int8 rows): the
+ * final norm and the LM head of a small decode step (its largest matrix, streamed once for every row), in
+ * one parallel region. ``normed``: scratch of rows * in floats. norm may be null (x is normed already). */
+int lm_head_f32(const Proj *weight, const float *norm, float eps, const float *x, int64_t in, int64_t out_features,
+                int64_t rows, float *normed, float *y) {
     if (rows > MAX_ROWS) return -1;
 #pragma omp parallel
-    gemv(weight, 0, x, in, out_features, rows, y, out_features, 0);
+    {
+        if (norm != 0) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < rows; b++) rms_norm(x + b * in, norm, in, eps, normed + b * in);
+        }
+        gemv(weight, 0, norm != 0 ? normed : x, in, out_features, rows, y, out_features, 0);
+    }
     return 0;
+}
+
+/* y [rows, out] = x [rows, in] W^T for one projection (float32 or int8 rows). */
+int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y) {
+    return lm_head_f32(weight, 0, 0.0f, x, in, out_features, rows, 0, y);
 }

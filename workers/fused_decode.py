@@ -1,11 +1,11 @@
-"""Decode steps of a small batch through ``decode_layer.c``: one native call per layer.
+"""Decode steps of a small batch through ``decode_layer.c``: one native call for all the layers of a step.
 
 A batch-1 decode step of SmolLM2 in eager torch is ~30 ops a layer (norms, projections, RoPE's slices and
 concatenations, attention's bookkeeping, SiLU, residual adds), each a few microseconds of dispatch,
 allocation and Python around very little arithmetic: ~900 a step, as much time as streaming the weights.
 ``FusedDecodeLayers`` replaces the layer loop for steps that only decode: up to ``MAX_BATCH`` sequences
 with GEMVs (a pass over each weight row is what bounds such a step), and larger batches of float32
-weights with gemm.c's GEMMs inside the same one call per layer, where that is built (AVX2 without
+weights with gemm.c's GEMMs inside the same call, where that is built (AVX2 without
 AVX-512), as a batch-64 step's ~20 torch ops a layer around the GEMMs cost about a tenth of the step.
 Steps with prompts join where the layer takes any batch: the attention backend then gives every token a
 kernel row of its own (``CPUKernelBackend.prompt_rows``). Everything else keeps the torch path, which stays
@@ -48,7 +48,7 @@ class _LayerArgs(ctypes.Structure):
     _fields_ = ([(name, _P) for name in ("input_norm", "qkv_bias", "o_bias", "post_norm", "gate_up_bias",
                                          "down_bias")]
                 + [(name, _Proj) for name in ("qkv", "o_proj", "gate_up", "down")]
-                + [(name, _P) for name in ("pool_key", "pool_value", "starts")])
+                + [("window", _I64)])
 
 
 def _int8_source(projection) -> Int8Weight | None:
@@ -88,7 +88,8 @@ class _StepArgs(ctypes.Structure):
                 + [(name, _P) for name in ("cos", "sin", "slots", "tables", "lens", "normed", "qkv_out",
                                            "attended", "act", "scores")]
                 + [("rows_share_sequences", _I64)]
-                + [(name, _P) for name in ("gate_up_out", "panels")])
+                + [(name, _P) for name in ("gate_up_out", "panels", "pool_key", "pool_value")]
+                + [("pool_layer_stride", _I64), ("starts", _P)])
 
 
 @functools.cache
@@ -97,8 +98,10 @@ def decode_layer_library() -> ctypes.CDLL | None:
     library = cpu_kernels.load_library(SOURCE, "small decode steps run layer by layer on torch ops (slower)")
     if library is None:
         return None
-    library.decode_layer_f32.argtypes = [ctypes.POINTER(_StepArgs), ctypes.POINTER(_LayerArgs), _P]
-    library.decode_layer_f32.restype = ctypes.c_int
+    library.decode_layers_f32.argtypes = [ctypes.POINTER(_StepArgs), ctypes.POINTER(_LayerArgs), _I64, _P]
+    library.decode_layers_f32.restype = ctypes.c_int
+    library.lm_head_f32.argtypes = [ctypes.POINTER(_Proj), _P, _F32, _P, _I64, _I64, _I64, _P, _P]
+    library.lm_head_f32.restype = ctypes.c_int
     library.gemv_proj.argtypes = [ctypes.POINTER(_Proj), _P, _I64, _I64, _I64, _P]
     library.gemv_proj.restype = ctypes.c_int
     library.decode_layer_takes_large_batches.restype = ctypes.c_int
@@ -123,15 +126,17 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 class FusedDecodeLayers:
-    """The layer loop of ``LlamaForCausalLM`` for small decode-only steps, one C call per layer."""
+    """The layer loop of ``LlamaForCausalLM`` (and its final norm and LM head) for the steps it takes, one C
+    call for all layers."""
 
     def __init__(self, model, library: ctypes.CDLL, layers: list[_LayerArgs], weights: list):
         """``layers``: each layer's C arguments (``_layer_args``), pointing into ``weights``."""
-        self._function = library.decode_layer_f32
+        self._function = library.decode_layers_f32
         self._panel_floats = library.decode_layer_panel_floats
-        self._gemv = library.gemv_proj
+        self._head_function = library.lm_head_f32
         self._model = model
-        self._layers, self._weights = layers, weights  # kept alive: the structures hold raw pointers to them
+        self._layers = (_LayerArgs * len(layers))(*layers)
+        self._weights = weights  # kept alive: the structures hold raw pointers to them
         # The LM head as a plain [vocab, hidden] float32 weight (a tied embedding) or int8 rows (a tied int8
         # embedding computing through a dense copy); None: the model's own head.
         if model.plain_head_weight is not None:
@@ -156,7 +161,7 @@ class FusedDecodeLayers:
         """Each layer's C arguments, pointing into tensors appended to ``weights``; None if a projection is
         one the C layer cannot read."""
         layers = []
-        for layer in model.layers:
+        for index, layer in enumerate(model.layers):
             attention, mlp = layer.attention, layer.mlp
             projections = dict(qkv=attention.qkv, o_proj=attention.o_proj, gate_up=mlp.gate_up, down=mlp.down)
             projections = {name: _proj_args(p, weights) for name, p in projections.items()}
@@ -167,7 +172,8 @@ class FusedDecodeLayers:
                            down_bias=mlp.down_bias)
             vectors = {k: None if t is None else t.float().contiguous() for k, t in vectors.items()}
             weights += [t for t in vectors.values() if t is not None]
-            layers.append(_LayerArgs(**{k: _ptr(t) for k, t in vectors.items()}, **projections))
+            layers.append(_LayerArgs(**{k: _ptr(t) for k, t in vectors.items()}, **projections,
+                                     window=model.attention_backend.window_index(index)))
         return layers
 
     @classmethod
@@ -192,15 +198,18 @@ class FusedDecodeLayers:
             buffer = self._scratch[name] = torch.empty(numel, dtype=torch.float32)
         return buffer
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, vocab]`` of the normed ``hidden [B, H]`` of a step ``run`` took."""
-        if self._head is None or hidden.shape[0] > MAX_BATCH:  # a large batch: the head's GEMM
-            return self._model.lm_head(hidden)
-        hidden = hidden.contiguous()
+    def logits(self, rows: torch.Tensor, norm) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of the final ``norm`` (the model's RMSNorm) of ``rows [B, H]`` of a step
+        ``run`` took: one C call for both where the head is one the C GEMV reads and the batch is small,
+        the model's own norm and head otherwise (a large batch's head is a GEMM)."""
+        if self._head is None or rows.shape[0] > MAX_BATCH or norm.weight.dtype != torch.float32:
+            return self._model.lm_head(norm(rows))
+        rows = rows.contiguous()
         vocab, width = self._head_shape
-        logits = hidden.new_empty(hidden.shape[0], vocab)
-        if self._gemv(ctypes.byref(self._head), hidden.data_ptr(), width, vocab, hidden.shape[0],
-                      logits.data_ptr()) != 0:
+        logits = rows.new_empty(rows.shape[0], vocab)
+        normed = self._buffer("head_normed", rows.numel())
+        if self._head_function(ctypes.byref(self._head), norm.weight.data_ptr(), norm.eps, rows.data_ptr(), width,
+                               vocab, rows.shape[0], normed.data_ptr(), logits.data_ptr()) != 0:
             raise ValueError("the fused LM head cannot take this shape")
         return logits
 
@@ -235,12 +244,9 @@ class FusedDecodeLayers:
                          rows_share_sequences=int(batch > 1 and bool(
                              torch.unique(group.block_index[:, 0]).numel() < batch)),
                          **{name: self._buffer(name, n).data_ptr() for name, n in buffers.items()})
-        backend = self._model.attention_backend
-        hidden_ptr = hidden.data_ptr()
-        for index, layer in enumerate(self._layers):
-            layer.pool_key = kv_cache.key[index].data_ptr()
-            layer.pool_value = kv_cache.value[index].data_ptr()
-            layer.starts = group.window_starts[backend.window_index(index)].data_ptr()
-            if self._function(ctypes.byref(step), ctypes.byref(layer), hidden_ptr) != 0:
-                raise ValueError("the fused decode layer cannot take this shape")
+        starts = (_P * len(group.window_starts))(*[t.data_ptr() for t in group.window_starts])
+        step.pool_key, step.pool_value = kv_cache.key.data_ptr(), kv_cache.value.data_ptr()
+        step.pool_layer_stride, step.starts = kv_cache.key.stride(0), ctypes.cast(starts, _P)
+        if self._function(ctypes.byref(step), self._layers, len(self._layers), hidden.data_ptr()) != 0:
+            raise ValueError("the fused decode layer cannot take this shape")
         return True
