@@ -23,10 +23,13 @@
 enum { MAX_ROWS = 8 }; /* batch rows one GEMV pass serves; larger batches go through gemm.c (float32) */
 
 /* A projection's weight [out, in]: float32 rows, or int8 rows with a float32 scale per row and group of
- * ``group`` inputs (w = value * scale; quant.py's Int8Weight: scale [out, ceil(in / group)]). */
+ * ``group`` inputs (w = value * scale; quant.py's Int8Weight: scale [out, ceil(in / group)]), or both (the
+ * int8 rows and their dequantized copy, which --quantize int8 keeps where float32 activations have no int8
+ * kernel: the GEMVs stream the int8 rows, a quarter of the bytes; the GEMMs of larger batches, bound by
+ * arithmetic, multiply the copy, as the torch path does). */
 typedef struct {
-    const float *dense;   /* or null: int8 */
-    const int8_t *values;
+    const float *dense;   /* or null: int8 only */
+    const int8_t *values; /* or null: float32 only */
     const float *scale;
     int64_t group;
 } Proj;
@@ -202,7 +205,7 @@ static inline void dot4_int8_one_row(const int8_t *const w[4], const float *cons
 
 /* Whether dot4_int8_one_row takes projection ``p`` with ``in`` inputs at ``rows`` batch rows. */
 static inline int takes_dot4(const Proj *p, int64_t in, int64_t rows) {
-    return rows == 1 && p->dense == 0 && p->group % 16 == 0 && in % p->group == 0;
+    return rows == 1 && p->values != 0 && p->group % 16 == 0 && in % p->group == 0;
 }
 
 /* Rows o..o+3 of int8 projection ``p`` (one that takes_dot4) against one input row. */
@@ -223,7 +226,7 @@ static inline void dot4_proj(const Proj *p, const int64_t o[4], int64_t in, cons
 /* Row ``o`` of projection ``p`` (``in`` inputs) against the batch. */
 static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x, int64_t x_stride, int64_t rows,
                             float *y) {
-    if (p->dense != 0) {
+    if (p->values == 0) {
         dot_rows(p->dense + o * in, x, x_stride, rows, in, y);
     } else {
         const int64_t groups = (in + p->group - 1) / p->group;

@@ -16,7 +16,8 @@ and projections it can read: plain float32 ones (the C layer reads weights as ch
 in] row-major, so such a model's projections are kept plain, ``Linear.plain``, and also reordered for
 oneDNN's GEMMs where host memory allows a second copy: ``weight_builder.SECOND_COPY_SHARE``),
 or int8 ones that otherwise compute through a dense float32 copy (``--quantize int8`` where quant_kernels.c
-does not run): the layer then streams the int8 rows, a quarter of the bytes.
+does not run): the layer's GEMVs then stream the int8 rows, a quarter of the bytes, and its GEMMs (prompts,
+large batches) multiply that same float32 copy.
 """
 
 from __future__ import annotations
@@ -77,7 +78,13 @@ def _proj_args(projection, keep: list) -> _Proj | None:
     if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
         return _dense_proj(projection.weight, keep)
     source = _int8_source(projection)
-    return _int8_proj(source, keep) if source is not None else None
+    if source is None:
+        return None
+    proj = _int8_proj(source, keep)
+    copy = projection._pack.linear  # the dequantized copy the torch path multiplies
+    if copy.plain and copy.weight.dtype == torch.float32:
+        proj.dense = _dense_proj(copy.weight, keep).dense  # for the GEMMs of large batches
+    return proj
 
 
 class _StepArgs(ctypes.Structure):
