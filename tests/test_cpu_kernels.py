@@ -133,12 +133,13 @@ def test_failed_build_is_a_warning_not_an_error(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 64])
 def test_greedy_kernel_chooses_and_scores_as_torch(rows):
-    """greedy.c: each row's first argmax and its log-softmax, as torch's argmax and log_softmax give them,
+    """sampling.c's greedy rows: each row's first argmax and its log-softmax, as torch's argmax and log_softmax give them,
     with ties, a NaN row, an all -inf row and a strided view (a vocabulary cut from padded logits); a
     single row splits its vocabulary across the threads."""
-    greedy = cpu_kernels.greedy_kernel()
-    if greedy is None:
+    kernels = cpu_kernels.sampling_kernels()
+    if kernels is None:
         pytest.skip("no C compiler: the kernel is optional")
+    greedy = kernels.greedy
     gen = torch.Generator().manual_seed(rows)
     padded = torch.randn(rows, 50_000, generator=gen) * 4
     padded[0, 31_000] = padded[0, 7] = padded[0].max() + 1  # a tie: the first index wins
@@ -154,3 +155,41 @@ def test_greedy_kernel_chooses_and_scores_as_torch(rows):
     assert torch.allclose(logprobs, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
     if rows > 2:
         assert ids[1] == 123 and logprobs[1:3].isnan().all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_sampling_kernel_draws_as_the_torch_path(rows, monkeypatch):
+    """sampling.c's drawn rows through sample(): the same tokens and log-probabilities as the torch path,
+    for greedy and drawn rows side by side, temperatures from tiny (the scaled logits overflow: the limit
+    distribution, the argmax) to large, with and without a warper's masks in the batch."""
+    from llmbus.bus.messages import SamplingParams
+    from llmbus.workers import sampling
+
+    if cpu_kernels.sampling_kernels() is None:
+        pytest.skip("no C compiler: the kernel is optional")
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 5000, generator=gen) * 5
+    temperatures = [1.0, 0.7, 1e-38, 2.5, 0.05]
+    for top_k in (0, 40):
+        params = [SamplingParams(do_sample=i % 5 != 1, temperature=temperatures[i % 5], top_k=top_k, seed=100 + i)
+                  for i in range(rows)]
+        positions = list(range(7, 7 + rows))
+        kernel_way = sampling.sample(logits, params, positions)
+        with monkeypatch.context() as patch:
+            patch.setattr(sampling, "_kernels_for", lambda _: None)
+            torch_way = sampling.sample(logits, params, positions)
+        assert kernel_way.token_ids.tolist() == torch_way.token_ids.tolist()
+        torch.testing.assert_close(kernel_way.logprobs, torch_way.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_kernel_never_draws_a_masked_token():
+    """A masked token (-inf, a warper's) has probability 0: not drawn even at u = 0 where it comes first,
+    nor at the top of the distribution (u just below 1) where it comes last."""
+    kernels = cpu_kernels.sampling_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler: the kernel is optional")
+    logits = torch.tensor([[float("-inf"), float("-inf"), 1.0, 2.0, 0.5, float("-inf")]] * 2)
+    ids, logprobs = kernels.sample(logits, torch.tensor([True, True]), torch.ones(2),
+                                   torch.tensor([0.0, 1.0 - 2.0 ** -24]))
+    assert ids.tolist() == [2, 4]
+    assert torch.allclose(logprobs, torch.log_softmax(logits, dim=-1)[[0, 1], ids])

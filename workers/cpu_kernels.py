@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -210,24 +209,51 @@ def decode_attention_kernel() -> DecodeAttentionKernel | None:
     return DecodeAttentionKernel(library) if library is not None else None
 
 
-GREEDY_SOURCE = Path(__file__).with_name("greedy.c")
+SAMPLING_SOURCE = Path(__file__).with_name("sampling.c")
+
+
+class SamplingKernels:
+    """``sampling.c`` loaded: the greedy choice, and the inverse-CDF draw, of float32 CPU logits ``[rows,
+    vocab]`` (rows contiguous), with each chosen token's log-probability."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._greedy, self._sample = library.greedy_f32, library.sample_f32
+        self._greedy.argtypes, self._greedy.restype = [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER], ctypes.c_int
+        self._sample.argtypes = [_POINTER, _POINTER, _I64, _I64, _I64] + [_POINTER] * 4 + [_I64] + [_POINTER] * 2
+        self._sample.restype = ctypes.c_int
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's first argmax and its log-softmax."""
+        rows, vocab = logits.shape
+        ids, logprobs = torch.empty(rows, dtype=torch.long), torch.empty(rows, dtype=torch.float32)
+        self._greedy(logits.data_ptr(), rows, vocab, logits.stride(0), ids.data_ptr(), logprobs.data_ptr())
+        return ids, logprobs
+
+    def sample(self, logits: torch.Tensor, sampled: torch.Tensor, temperatures: torch.Tensor,
+               uniforms: torch.Tensor, raw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the first argmax where ``sampled`` (bool) is False, else the inverse-CDF draw at
+        ``uniforms`` from the softmax of the row divided by ``temperatures``; and each token's
+        log-probability under that distribution. ``raw``: the logits before warpers masked ``logits``
+        (same shape and strides), whose argmax a row takes when its scaled logits overflow."""
+        raw = logits if raw is None else raw
+        if raw.shape != logits.shape or raw.stride() != logits.stride():
+            raise ValueError("raw logits must have the warped logits' shape and strides")
+        rows, vocab = logits.shape
+        threads = torch.get_num_threads()
+        if self._scratch.numel() < threads * vocab:
+            self._scratch = torch.empty(threads * vocab, dtype=torch.float32)
+        sampled = sampled.to(torch.uint8).contiguous()
+        temperatures, uniforms = temperatures.float().contiguous(), uniforms.float().contiguous()
+        ids, logprobs = torch.empty(rows, dtype=torch.long), torch.empty(rows, dtype=torch.float32)
+        self._sample(logits.data_ptr(), raw.data_ptr(), rows, vocab, logits.stride(0), sampled.data_ptr(),
+                     temperatures.data_ptr(), uniforms.data_ptr(), self._scratch.data_ptr(),
+                     self._scratch.numel() // vocab, ids.data_ptr(), logprobs.data_ptr())
+        return ids, logprobs
 
 
 @functools.cache
-def greedy_kernel() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
-    """``greedy.c`` loaded: ``(ids, logprobs)`` of float32 CPU logits ``[rows, vocab]`` (rows contiguous);
-    None where it cannot be built (logged once)."""
-    library = load_library(GREEDY_SOURCE, "greedy rows take torch's argmax and log_softmax (slower)")
-    if library is None:
-        return None
-    function = library.greedy_f32
-    function.argtypes, function.restype = [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER], ctypes.c_int
-
-    def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, vocab = logits.shape
-        ids = torch.empty(rows, dtype=torch.long)
-        logprobs = torch.empty(rows, dtype=torch.float32)
-        function(logits.data_ptr(), rows, vocab, logits.stride(0), ids.data_ptr(), logprobs.data_ptr())
-        return ids, logprobs
-
-    return greedy
+def sampling_kernels() -> SamplingKernels | None:
+    """``sampling.c`` built and loaded; None where it cannot be (logged once)."""
+    library = load_library(SAMPLING_SOURCE, "tokens are chosen with torch's ops (slower)")
+    return SamplingKernels(library) if library is not None else None

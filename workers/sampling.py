@@ -11,7 +11,9 @@ The logits go through TGI's ``NextTokenChooser`` order, each step only on the ro
    generated tokens so far), which the caller (rank 0's ModelRunner) keeps.
 3. greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and typical-p (in that
    order, as TGI does) expressed as masks over the whole ``[S, vocab]`` batch, then draw one token each
-   by inverse-CDF sampling with a single uniform number.
+   by inverse-CDF sampling with a single uniform number. On CPU the argmax, the log-softmax and the draw
+   run in C, each row on its own (``sampling.c``: torch's whole-batch passes cost 38-48 ms of a batch-64
+   step), except in a step where some row asks for ``top_n_tokens``; the warpers stay torch ops.
 
 The uniform is stateless: a function of the request's ``SamplingParams.seed`` and of the position of
 the token being sampled only (``seeded_uniform``), never of how many tokens were drawn before. The
@@ -102,12 +104,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         greedy_ids = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
         return Sampled(greedy_ids, logprobs.gather(1, greedy_ids[:, None]).squeeze(1), top_tokens(logprobs, params))
-    greedy_ids = logits.argmax(dim=-1)
-
     device = logits.device
     do_sample = torch.tensor([p.do_sample for p in params], device=device)
     temperature = torch.tensor([p.temperature if p.do_sample else 1.0 for p in params],
                                dtype=torch.float32, device=device)
+    # Made on the CPU and sent over with one copy; greedy rows get a dummy 0.
+    uniforms = torch.tensor([seeded_uniform(p.seed, position) if p.do_sample else 0.0
+                             for p, position in zip(params, positions)], dtype=torch.float32).to(device)
+    kernels = _kernels_for(logits)
+    if kernels is not None and not any(p.top_n_tokens for p in params):
+        # The same draw as below, each row on its own: the warpers' masks (where a row asked for them) on
+        # the scaled logits, else the kernel divides by the temperature itself.
+        if any(_warps(p) for p in params):
+            warped = apply_warpers(logits / temperature[:, None], params).contiguous()
+            return Sampled(*kernels.sample(warped, do_sample, torch.ones_like(temperature), uniforms,
+                                           raw=logits.contiguous()), [])
+        return Sampled(*kernels.sample(logits, do_sample, temperature, uniforms), [])
+
+    greedy_ids = logits.argmax(dim=-1)
     warped = apply_warpers(logits / temperature[:, None], params)
     warped_logprobs = torch.log_softmax(warped, dim=-1)
     overflowed = torch.isnan(warped_logprobs).any(dim=-1)
@@ -117,9 +131,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         limit = torch.full_like(warped_logprobs, float("-inf")).scatter_(1, greedy_ids[:, None], 0.0)
         warped_logprobs = torch.where(overflowed[:, None], limit, warped_logprobs)
 
-    # Made on the CPU and sent over with one copy; greedy rows get a dummy 0.
-    uniforms = torch.tensor([seeded_uniform(p.seed, position) if p.do_sample else 0.0
-                             for p, position in zip(params, positions)], dtype=torch.float32).to(device)
     cdf = warped_logprobs.exp().cumsum(dim=-1)
     total = cdf[:, -1:]
     # Kept strictly below the total, the target falls where the CDF jumps, which is never at a masked
@@ -137,12 +148,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax (the first, on ties) and its log-softmax, for float32 ``logits [S, vocab]``: one C
-    pass per row on CPU where the kernel builds (``greedy.c``), torch's ops elsewhere."""
-    kernel = cpu_kernels.greedy_kernel() if logits.device.type == "cpu" else None
-    if kernel is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-        return kernel(logits)
+    pass per row on CPU where the kernels build (``sampling.c``), torch's ops elsewhere."""
+    kernels = _kernels_for(logits)
+    if kernels is not None:
+        return kernels.greedy(logits)
     ids = logits.argmax(dim=-1)
     return ids, torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
+
+
+def _kernels_for(logits: torch.Tensor) -> cpu_kernels.SamplingKernels | None:
+    """``sampling.c`` where it takes ``logits`` (float32 on CPU, rows contiguous), else None."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        return None
+    return cpu_kernels.sampling_kernels()
+
+
+def _warps(p: SamplingParams) -> bool:
+    """Whether ``apply_warpers`` masks a row with these parameters."""
+    return p.do_sample and (p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0)
 
 
 def top_tokens(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list]:
