@@ -97,17 +97,19 @@ static float logprob_of(SpanMax m, float sum) {
     return (m.has_nan || !isfinite(m.maximum)) ? NAN : -logf(sum);
 }
 
+/* One greedy row, read by one thread: its first argmax and that token's log-softmax. */
+static void greedy_row(const float *x, int64_t vocab, int64_t *id, float *logprob) {
+    SpanMax m = span_max(x, 0, vocab);
+    *id = m.index;
+    *logprob = logprob_of(m, m.has_nan ? NAN : span_exp_sum(x, 0, vocab, m.maximum));
+}
+
 /* logits [rows, vocab] with row stride ``stride``; ids [rows] and logprobs [rows] out. Returns 0. */
 int greedy_f32(const float *logits, int64_t rows, int64_t vocab, int64_t stride, int64_t *ids, float *logprobs) {
     const int threads = omp_get_max_threads() < MAX_THREADS ? omp_get_max_threads() : MAX_THREADS;
     if (rows >= threads || threads == 1) {
 #pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const float *x = logits + r * stride;
-            SpanMax m = span_max(x, 0, vocab);
-            ids[r] = m.index;
-            logprobs[r] = logprob_of(m, m.has_nan ? NAN : span_exp_sum(x, 0, vocab, m.maximum));
-        }
+        for (int64_t r = 0; r < rows; r++) greedy_row(logits + r * stride, vocab, &ids[r], &logprobs[r]);
         return 0;
     }
     /* fewer rows than threads (batch 1): each row's vocabulary in one span per thread */
@@ -204,9 +206,7 @@ int sample_f32(const float *logits, const float *raw, int64_t rows, int64_t voca
             sample_row(x, raw + r * stride, vocab, temperatures[r], uniforms[r],
                        scratch + (int64_t)omp_get_thread_num() * vocab, &ids[r], &logprobs[r]);
         } else {
-            SpanMax m = span_max(x, 0, vocab);
-            ids[r] = m.index;
-            logprobs[r] = logprob_of(m, m.has_nan ? NAN : span_exp_sum(x, 0, vocab, m.maximum));
+            greedy_row(x, vocab, &ids[r], &logprobs[r]);
         }
     }
     return 0;

@@ -163,11 +163,6 @@ def _kernels_for(logits: torch.Tensor) -> cpu_kernels.SamplingKernels | None:
     return cpu_kernels.sampling_kernels()
 
 
-def _warps(p: SamplingParams) -> bool:
-    """Whether ``apply_warpers`` masks a row with these parameters."""
-    return p.do_sample and (p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0)
-
-
 def top_tokens(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list]:
     """``[[ids], [logprobs]]`` of the ``top_n_tokens`` most likely tokens of each row of the processed
     ``logprobs [S, vocab]``, best first; ``[]`` for rows that asked for none, and ``[]`` altogether when no
@@ -290,12 +285,20 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     return logits.index_copy(0, row_index, scores[:, :vocab])
 
 
+def _warps(p: SamplingParams) -> bool:
+    """Whether ``apply_warpers`` masks a row with these parameters: it skips rows for which this is False,
+    so a warper it does not name here would be left out everywhere, not only on the kernels' path."""
+    return p.do_sample and (p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0)
+
+
 def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """top-k, top-p and typical-p as ``-inf`` masks on temperature-scaled ``scores [S, vocab]``.
 
     Each warper only touches the rows that asked for it: a disabled top-p (1.0) must not trim a tail
     whose cumulative probability rounds to 1.
     """
+    if not any(_warps(p) for p in params):
+        return scores
     device = scores.device
     vocab = scores.shape[1]
     top_k = [min(p.top_k, vocab) if p.do_sample and p.top_k > 0 else 0 for p in params]
