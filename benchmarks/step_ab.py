@@ -1,0 +1,92 @@
+"""Decode-step time of this checkout against another git revision, process by process, in turn.
+
+    python benchmarks/step_ab.py --against HEAD~1 [--model-id DIR] [--dtype float32] [--quantize int8]
+                                 [--batch 1] [--context 192] [--pairs 6]
+
+A change to the model path (a kernel, the fused layer) is judged by whole decode steps, not by a
+microbenchmark: the revision given is checked out into a temporary git worktree and imported in place of
+this one (``PYTHONPATH``), and each pair runs one process of each, alternating which goes first, so the
+machine's drift (the same step takes 10-15 ms within minutes on a 2-core VM) hits both alike. Each process
+loads the model, then times ``--rounds`` rounds of ``--steps`` decode steps after a fresh prefill of
+``--context`` tokens (benchmarks/decode_step.py's LlmbusDecode: the whole ModelRunner.step) and reports
+its fastest round's median. Printed: both figures of every pair, their ratio (other / this: above 1 means
+this checkout is faster), and the median ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT = "STEP_MS"
+
+
+def time_steps(a: argparse.Namespace) -> None:
+    """In the child process: one model, ``rounds`` timed rounds; prints the best round's median step."""
+    import torch
+
+    from decode_step import LlmbusDecode  # noqa: E402 - this folder, run as a script
+
+    model = a.model_id or os.path.expanduser("~/.cache/llmbus/bench/smollm2-float32")
+    decode = LlmbusDecode(model, getattr(torch, a.dtype), a.batch, a.context, a.steps, quantize=a.quantize)
+    best = min(decode.time_steps(a.batch, a.steps) for _ in range(a.rounds))
+    print(f"{RESULT} {best * 1e3:.3f}")
+
+
+def run_child(argv: list[str], package_dir: Path | None) -> float:
+    env = dict(os.environ)
+    if package_dir is not None:
+        env["PYTHONPATH"] = str(package_dir)  # ahead of the editable install of this checkout
+    else:
+        env.pop("PYTHONPATH", None)
+    out = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return float(next(line for line in out.splitlines() if line.startswith(RESULT)).split()[1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--against", default="HEAD", help="the git revision to compare this checkout with")
+    p.add_argument("--model-id", default=None, help="default: SmolLM2 float32 (benchmarks/_smollm2.py)")
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=192)
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        time_steps(a)
+        return
+    argv = [arg for arg in sys.argv[1:] if not arg.startswith("--against") and arg != a.against]
+    with tempfile.TemporaryDirectory(prefix="llmbus-ab-") as tmp:
+        tree, package = Path(tmp) / "tree", Path(tmp) / "package"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), a.against],
+                       check=True)
+        try:
+            package.mkdir()
+            (package / "llmbus").symlink_to(tree)  # the repository root is the package
+            ratios = []
+            for pair in range(a.pairs):
+                order = [None, package] if pair % 2 else [package, None]
+                ms = {str(d): run_child(argv, d) for d in order}
+                this, other = ms[str(None)], ms[str(package)]
+                ratios.append(other / this)
+                print(f"pair {pair + 1}: {a.against} {other:.2f} ms, this checkout {this:.2f} ms, "
+                      f"ratio {other / this:.3f}", flush=True)
+            print(f"median ratio ({a.against} / this checkout): {statistics.median(ratios):.3f} "
+                  f"(range {min(ratios):.3f}-{max(ratios):.3f})")
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+if __name__ == "__main__":
+    main()
