@@ -66,7 +66,9 @@ def main() -> None:
     if a.child:
         time_steps(a)
         return
-    argv = [arg for arg in sys.argv[1:] if not arg.startswith("--against") and arg != a.against]
+    argv = [f"--dtype={a.dtype}", f"--batch={a.batch}", f"--context={a.context}", f"--steps={a.steps}",
+            f"--rounds={a.rounds}", *([f"--model-id={a.model_id}"] if a.model_id else []),
+            *([f"--quantize={a.quantize}"] if a.quantize else [])]
     with tempfile.TemporaryDirectory(prefix="llmbus-ab-") as tmp:
         tree, package = Path(tmp) / "tree", Path(tmp) / "package"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), a.against],
