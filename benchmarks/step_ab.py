@@ -45,9 +45,12 @@ def run_child(argv: list[str], package_dir: Path | None) -> float:
         env["PYTHONPATH"] = str(package_dir)  # ahead of the editable install of this checkout
     else:
         env.pop("PYTHONPATH", None)
-    out = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True,
-                         check=True).stdout
-    return float(next(line for line in out.splitlines() if line.startswith(RESULT)).split()[1])
+    done = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True)
+    result = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode or not result:
+        sys.exit(f"step_ab.py: the {'other revision' if package_dir else 'this checkout'}'s process failed "
+                 f"(exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return float(result[0].split()[1])
 
 
 def main() -> None:
@@ -71,8 +74,9 @@ def main() -> None:
             *([f"--quantize={a.quantize}"] if a.quantize else [])]
     with tempfile.TemporaryDirectory(prefix="llmbus-ab-") as tmp:
         tree, package = Path(tmp) / "tree", Path(tmp) / "package"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), a.against],
-                       check=True)
+        checkout = ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), a.against]
+        if subprocess.run(checkout).returncode:
+            sys.exit(f"step_ab.py: cannot check out {a.against!r} (see git's message above)")
         try:
             package.mkdir()
             (package / "llmbus").symlink_to(tree)  # the repository root is the package
