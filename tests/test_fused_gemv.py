@@ -1,8 +1,7 @@
 """The fused decode layer's GEMV (workers/decode_layer.c, ``gemv_proj``) against torch: float32 rows and
 int8 rows with group scales, for every batch size it takes (1..8), output counts that are and are not
-multiples of four (the batch-1 int8 loop takes four rows at a time and the rest one by one), and group
-shapes that its four-row loop takes (32, 64) or leaves to the one-row loop (per row, 24, a ragged last
-group)."""
+multiples of four, and group shapes that the batch-1 int8 loop (dot_int8_row) takes (32, 64) or leaves to
+the general one (per row, 24, a ragged last group)."""
 
 import ctypes
 

@@ -141,7 +141,7 @@ static inline void dot_rows_int8(const int8_t *w, const float *scale, int64_t gr
         int64_t k = g0;
 #if defined(__AVX2__) && defined(__FMA__)
         const __m256 group_scale = _mm256_set1_ps(scale[gi]);
-        if (rows == 1) { /* two chains, no arrays: the batch-1 step is this loop */
+        if (rows == 1) { /* two chains, no arrays: batch 1 where dot_int8_row does not take the groups */
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
             for (; k + 16 <= end; k += 16) {
                 a0 = _mm256_fmadd_ps(INT8X8(w + k), _mm256_loadu_ps(x + k), a0);
@@ -202,40 +202,22 @@ static inline float dot_int8_row(const int8_t *w, const float *scale, int64_t gr
     }
     return hsum256(_mm256_add_ps(even, odd));
 }
-
-/* y[r] = w_r . x for four int8 rows against one input row: the batch-1 step's loop, a row at a time. */
-static inline void dot4_int8_one_row(const int8_t *const w[4], const float *const scale[4], int64_t group,
-                                     const float *x, int64_t n, float y[4]) {
-    for (int r = 0; r < 4; r++) y[r] = dot_int8_row(w[r], scale[r], group, x, n);
-}
-
-/* Whether dot4_int8_one_row takes projection ``p`` with ``in`` inputs at ``rows`` batch rows. */
-static inline int takes_dot4(const Proj *p, int64_t in, int64_t rows) {
-    return rows == 1 && p->values != 0 && p->group % 16 == 0 && in % p->group == 0;
-}
-
-/* Rows o..o+3 of int8 projection ``p`` (one that takes_dot4) against one input row. */
-static inline void dot4_proj(const Proj *p, const int64_t o[4], int64_t in, const float *x, float y[4]) {
-    const int64_t groups = in / p->group;
-    const int8_t *w[4];
-    const float *scale[4];
-    for (int r = 0; r < 4; r++) w[r] = p->values + o[r] * in, scale[r] = p->scale + o[r] * groups;
-    dot4_int8_one_row(w, scale, p->group, x, in, y);
-}
-#else
-static inline int takes_dot4(const Proj *p, int64_t in, int64_t rows) { (void)p, (void)in, (void)rows; return 0; }
-static inline void dot4_proj(const Proj *p, const int64_t o[4], int64_t in, const float *x, float y[4]) {
-    (void)p, (void)o, (void)in, (void)x, (void)y;
-}
 #endif
 
-/* Row ``o`` of projection ``p`` (``in`` inputs) against the batch. */
+/* Row ``o`` of projection ``p`` (``in`` inputs) against the batch: a batch-1 int8 row, whose groups split
+ * into whole runs of 16, in dot_int8_row. */
 static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x, int64_t x_stride, int64_t rows,
                             float *y) {
     if (p->values == 0) {
         dot_rows(p->dense + o * in, x, x_stride, rows, in, y);
     } else {
         const int64_t groups = (in + p->group - 1) / p->group;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (rows == 1 && p->group % 16 == 0 && in % p->group == 0) { /* the batch-1 step's loop */
+            y[0] = dot_int8_row(p->values + o * in, p->scale + o * groups, p->group, x, in);
+            return;
+        }
+#endif
         dot_rows_int8(p->values + o * in, p->scale + o * groups, p->group, x, x_stride, rows, in, y);
     }
 }
@@ -243,22 +225,8 @@ static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x
 /* out[b] (+)= W x[b] (+ bias) for rows this thread takes; called inside a parallel region. */
 static inline void gemv(const Proj *weight, const float *bias, const float *x, int64_t in, int64_t out_features,
                         int64_t rows, float *y, int64_t y_stride, int accumulate) {
-    const int dot4 = takes_dot4(weight, in, rows);
-    if (dot4) {
-#pragma omp for schedule(static) nowait
-        for (int64_t o4 = 0; o4 < out_features / 4; o4++) {
-            const int64_t o[4] = {4 * o4, 4 * o4 + 1, 4 * o4 + 2, 4 * o4 + 3};
-            float dots[4];
-            dot4_proj(weight, o, in, x, dots);
-            for (int r = 0; r < 4; r++) {
-                float value = dots[r] + (bias != 0 ? bias[o[r]] : 0.0f);
-                y[o[r]] = accumulate ? y[o[r]] + value : value;
-            }
-        }
-    }
-    const int64_t first = dot4 ? out_features / 4 * 4 : 0;
 #pragma omp for schedule(static)
-    for (int64_t o = first; o < out_features; o++) {
+    for (int64_t o = 0; o < out_features; o++) {
         float dots[MAX_ROWS];
         dot_proj(weight, o, in, x, in, rows, dots);
         float add = bias != 0 ? bias[o] : 0.0f;
@@ -383,22 +351,8 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
     /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
-    const int gate_up_dot4 = takes_dot4(&l->gate_up, H, B);
-    if (gate_up_dot4) { /* batch 1, int8: gate rows i, i + 1 and up rows I + i, I + i + 1 in one pass */
-#pragma omp for schedule(static) nowait
-        for (int64_t i2 = 0; i2 < I / 2; i2++) {
-            const int64_t i = 2 * i2, o[4] = {i, i + 1, I + i, I + i + 1};
-            float dots[4];
-            dot4_proj(&l->gate_up, o, H, s->normed, dots);
-            for (int r = 0; r < 2; r++) {
-                float g = dots[r] + (l->gate_up_bias != 0 ? l->gate_up_bias[i + r] : 0.0f);
-                float u = dots[2 + r] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i + r] : 0.0f);
-                s->act[i + r] = g / (1.0f + expf(-g)) * u;
-            }
-        }
-    }
 #pragma omp for schedule(static)
-    for (int64_t i = gate_up_dot4 ? I / 2 * 2 : 0; i < I; i++) {
+    for (int64_t i = 0; i < I; i++) {
         float gate[MAX_ROWS], up[MAX_ROWS];
         dot_proj(&l->gate_up, i, H, s->normed, H, B, gate);
         dot_proj(&l->gate_up, I + i, H, s->normed, H, B, up);
