@@ -9,9 +9,10 @@ requests one at a time, c=64 is 64 at once; tokens/s = completion tokens / wall 
 ../shared/peers/README.md measures. The servers of one model run side by side and are measured in turn,
 round after round (llama-server, then llmbus, then llama-server again, ...), so that each ratio pairs
 figures taken minutes apart on this noisy machine: a row prints the median of its rounds' ratios, with
-the lowest and highest. Every round sends prompts of its own (both engines cache prompts they have seen). llama-server runs as that README does (64 slots of 512 tokens: KV room
-for 32768 tokens); llmbus gets ``--kv-cache-memory`` for the same 32768 tokens in its dtype, since its CPU
-default (512 MiB) holds fewer than 64 x 256 float32 tokens of SmolLM2 and would queue requests.
+the lowest and highest. Every round sends prompts of its own (both engines cache prompts they have
+seen). llama-server runs as that README does (64 slots of 512 tokens: KV room for 32768 tokens); llmbus
+gets ``--kv-cache-memory`` for the same 32768 tokens in its dtype, since its CPU default (512 MiB) holds
+fewer than 64 x 256 float32 tokens of SmolLM2 and would queue requests.
 
 Dense forms are bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), float32 elsewhere
 (``--dtype`` overrides): bf16 without hardware support is emulated by every engine and measures the
