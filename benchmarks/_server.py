@@ -48,7 +48,9 @@ class LlmbusServer:
     block ended normally, raised, or was interrupted, startup included. ``leftover`` lists the pids of
     the launcher's process tree still alive after the stop (it should be empty)."""
 
-    def __init__(self, args: list[str], *, ready_timeout: float = 600.0, stop_timeout: float = 60.0):
+    def __init__(self, args: list[str], *, ready_timeout: float = 600.0, stop_timeout: float = 60.0,
+                 env: dict[str, str] | None = None):
+        self.env = env or {}  # more environment for the launcher (PYTHONPATH: another llmbus revision)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "llmbus.supervisor", "up", "--hostname", "127.0.0.1",
@@ -69,7 +71,7 @@ class LlmbusServer:
         t0 = time.perf_counter()
         try:
             self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                         env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
             self.stderr = LineReader(self.proc.stderr)
             self.stderr.wait_for("llmbus: ready", self.ready_timeout)
         except BaseException:

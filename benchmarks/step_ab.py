@@ -20,10 +20,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _revision import revision_package  # noqa: E402
+
 RESULT = "STEP_MS"
 
 
@@ -73,27 +74,17 @@ def main() -> None:
     argv = [f"--dtype={a.dtype}", f"--batch={a.batch}", f"--context={a.context}", f"--steps={a.steps}",
             f"--rounds={a.rounds}", *([f"--model-id={a.model_id}"] if a.model_id else []),
             *([f"--quantize={a.quantize}"] if a.quantize else [])]
-    with tempfile.TemporaryDirectory(prefix="llmbus-ab-") as tmp:
-        tree, package = Path(tmp) / "tree", Path(tmp) / "package"
-        checkout = ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), a.against]
-        if subprocess.run(checkout).returncode:
-            sys.exit(f"step_ab.py: cannot check out {a.against!r} (see git's message above)")
-        try:
-            package.mkdir()
-            (package / "llmbus").symlink_to(tree)  # the repository root is the package
-            ratios = []
-            for pair in range(a.pairs):
-                order = [None, package] if pair % 2 else [package, None]
-                ms = {str(d): run_child(argv, d) for d in order}
-                this, other = ms[str(None)], ms[str(package)]
-                ratios.append(other / this)
-                print(f"pair {pair + 1}: {a.against} {other:.2f} ms, this checkout {this:.2f} ms, "
-                      f"ratio {other / this:.3f}", flush=True)
-            print(f"median ratio ({a.against} / this checkout): {statistics.median(ratios):.3f} "
-                  f"(range {min(ratios):.3f}-{max(ratios):.3f})")
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-
+    with revision_package(a.against, "step_ab.py") as package:
+        ratios = []
+        for pair in range(a.pairs):
+            order = [None, package] if pair % 2 else [package, None]
+            ms = {str(d): run_child(argv, d) for d in order}
+            this, other = ms[str(None)], ms[str(package)]
+            ratios.append(other / this)
+            print(f"pair {pair + 1}: {a.against} {other:.2f} ms, this checkout {this:.2f} ms, "
+                  f"ratio {other / this:.3f}", flush=True)
+        print(f"median ratio ({a.against} / this checkout): {statistics.median(ratios):.3f} "
+              f"(range {min(ratios):.3f}-{max(ratios):.3f})")
 
 if __name__ == "__main__":
     main()
