@@ -68,7 +68,7 @@ def recv(sock: zmq.Socket, flags: int = 0) -> Message | None:
 def recv_from(sock: zmq.Socket, flags: int = 0) -> tuple[Message | None, int | None]:
     """``recv``, and the sender's pid (None where the transport cannot tell: tcp)."""
     frames = sock.recv_multipart(flags=flags, copy=False)
-    return _decode_frames(frames)
+    return decode_frames(frames)
 
 
 async def asend(sock: zmq.asyncio.Socket, msg: Message) -> None:
@@ -81,7 +81,7 @@ async def arecv(sock: zmq.asyncio.Socket) -> Message | None:
 
 async def arecv_from(sock: zmq.asyncio.Socket) -> tuple[Message | None, int | None]:
     frames = await sock.recv_multipart(copy=False)
-    return _decode_frames(frames)
+    return decode_frames(frames)
 
 
 def peer_pid(frame: zmq.Frame) -> int | None:
@@ -93,7 +93,9 @@ def peer_pid(frame: zmq.Frame) -> int | None:
     return int(parts[3]) if len(parts) == 4 and parts[3].isdigit() else None
 
 
-def _decode_frames(frames: list[zmq.Frame]) -> tuple[Message | None, int | None]:
+def decode_frames(frames: list[zmq.Frame]) -> tuple[Message | None, int | None]:
+    """The message of frames received with ``copy=False`` (None if malformed, logged) and its sender's
+    pid, for a receiver that reads its socket itself."""
     peer = peer_pid(frames[0]) if frames else None
     data = [f.bytes for f in frames]
     try:

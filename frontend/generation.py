@@ -19,7 +19,7 @@ from llmbus.bus import messages as m
 from llmbus.bus import tracing
 from llmbus.bus.messages import FinishReason
 from llmbus.frontend.config import Limits
-from llmbus.frontend.engine_client import EngineClient, EngineFailure, EngineTokens
+from llmbus.frontend.engine_client import TIMED_OUT, EngineClient, EngineFailure, EngineTokens, Mailbox
 from llmbus.frontend.errors import ApiError, ErrorKind, generation_error, validation_error
 from llmbus.frontend.tokenizer import ModelTokenizer
 from llmbus.frontend.validation import GenerateParameters, ValidParameters, validate_lengths, validate_parameters
@@ -214,8 +214,7 @@ class Generation:
     prompt_logprobs: list | None = None
     speculation: tuple[int, int] | None = None  # (guessed tokens, kept), for the request log
     timings: Timings = field(default_factory=Timings)
-    _queue: asyncio.Queue | None = None
-    _pending: asyncio.Future | None = None
+    _mailbox: Mailbox | None = None
     _closed: bool = False
     _stop_tail: str = ""
 
@@ -252,15 +251,13 @@ class Generation:
             prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time,
             traceparent=tracing.current_traceparent(), grammar=p.params.grammar)
         self.timings.queued = time.monotonic()
-        self._queue = await engine.submit(request)
+        self._mailbox = await engine.submit(request)
 
     def close(self) -> None:
         """Release the permit; abort in the scheduler if the request did not finish there."""
         if self._closed:
             return
         self._closed = True
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()
         if self.rid:
             self.generator.engine.release(self.rid, abort=not self.done)
         self.generator.release()
@@ -268,23 +265,14 @@ class Generation:
     async def next_tokens(self, timeout: float | None = None) -> list[TokenOut] | None:
         """The tokens of the next engine event ([] once done); None if ``timeout`` passed first.
 
-        Raises ApiError when the engine fails the request. Safe to call again after a timeout: the
-        pending read is kept, never cancelled, so no event is lost.
+        Raises ApiError when the engine fails the request. Safe to call again after a timeout or a
+        cancellation: no event is lost.
         """
         if self.done:
             return []
-        if self._pending is None and not self._queue.empty():
-            item = self._queue.get_nowait()
-        elif self._pending is None and timeout is None:
-            item = await self._queue.get()  # Queue.get loses nothing when cancelled
-        else:
-            if self._pending is None:
-                self._pending = asyncio.ensure_future(self._queue.get())
-            done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-            if not done:
-                return None
-            item = self._pending.result()
-            self._pending = None
+        item = await self._mailbox.get(timeout)
+        if item is TIMED_OUT:
+            return None
         if isinstance(item, EngineFailure):
             self.finish_reason = "error"  # finished in the engine: nothing to abort
             if item.error.kind in (ErrorKind.GENERATION, ErrorKind.INCOMPLETE):

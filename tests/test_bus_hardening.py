@@ -24,7 +24,7 @@ def test_dropped_messages_are_logged_at_most_once_per_interval_per_kind(monkeypa
     monkeypatch.setattr(sockets, "log_dropped", sockets.DropLog())
 
     def decode(frames):
-        return sockets._decode_frames([zmq.Frame(f) for f in frames])[0]
+        return sockets.decode_frames([zmq.Frame(f) for f in frames])[0]
 
     with structlog.testing.capture_logs() as logs:
         for _ in range(20_000):

@@ -35,7 +35,7 @@ from llmbus.bus import messages as m
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.frontend.app import serve
 from llmbus.frontend.config import FrontendConfig
-from llmbus.frontend.engine_client import EngineClient
+from llmbus.frontend.engine_client import DRAIN_BATCH, TIMED_OUT, EngineClient, Mailbox
 from llmbus.frontend.tokenizer import load_tokenizer
 
 WAIT = 10.0  # seconds any condition may take before a test fails
@@ -930,6 +930,70 @@ def test_handshake_timeout_names_the_endpoint(tmp_path):
         with pytest.raises(RuntimeError, match="no SchedulerHello within 0.2 s.*nobody.sock"):
             asyncio.run(client.start(0.2))
     finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_mailbox_loses_nothing_to_a_timeout_or_a_cancel():
+    async def run():
+        box = Mailbox()
+        assert await box.get(0.01) is TIMED_OUT
+        waiting = asyncio.ensure_future(box.get())
+        await asyncio.sleep(0)  # the reader is now waiting on the mailbox
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        box.put_nowait("a")
+        box.put_nowait("b")
+        assert await box.get(0.01) == "a" and await box.get() == "b" and box.empty()
+        late = asyncio.ensure_future(box.get(WAIT))
+        await asyncio.sleep(0)
+        box.put_nowait("c")
+        assert await late == "c"
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("steal_the_signal", [False, True])
+def test_engine_reader_takes_every_event_of_a_burst(steal_the_signal):
+    """More TokenBatches at once than one reader callback takes (DRAIN_BATCH), all in order; and with the
+    descriptor's signal taken by someone else reading EVENTS (the watchdog does), they still arrive."""
+    d = tempfile.mkdtemp(prefix="llmbus-fe-", dir="/tmp")
+    ctx = zmq.Context()
+    requests = open_socket(ctx, zmq.PULL, f"ipc://{d}/requests.sock")
+    events = open_socket(ctx, zmq.PUSH, f"ipc://{d}/ev.sock")
+    client = EngineClient(f"ipc://{d}/requests.sock", f"ipc://{d}/ev.sock", "fe1")
+
+    async def run():
+        starting = asyncio.ensure_future(client.start(WAIT))
+        assert isinstance(await asyncio.to_thread(recv, requests), m.FrontendHello)
+        send(events, m.SchedulerHello(max_batch_total_tokens=1, block_size=1))
+        await starting
+        box = Mailbox()
+        client._channels["fe1-1"] = box
+        n = 3 * DRAIN_BATCH + 7
+        for i in range(n):
+            send(events, m.TokenBatch(rids=["fe1-1"], token_ids=[i], logprobs=[0.0], finish_reasons=[0]))
+        if steal_the_signal:  # a blocking poll, so the loop's reader gets no turn before it
+            assert client._pull.poll(int(WAIT * 1000)) == zmq.POLLIN
+        got = []
+        while len(got) < n:
+            item = await box.get(WAIT)
+            assert item is not TIMED_OUT, f"{len(got)} of {n} events arrived"
+            got.extend(t.token_id for t in item.tokens)
+        assert got == list(range(n))
+
+    async def run_and_close():
+        try:
+            await run()
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(run_and_close())
+    finally:
+        events.close()
+        requests.close()
+        ctx.term()
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from llmbus.bus import messages as m
 from llmbus.frontend.config import FrontendConfig, Limits, resolve_limits
-from llmbus.frontend.engine_client import EngineClient, EngineFailure, EngineTokens, _Channel
+from llmbus.frontend.engine_client import EngineClient, EngineFailure, EngineTokens, Mailbox
 from llmbus.frontend.errors import ApiError, ErrorKind, engine_error
 from llmbus.frontend.responses import dumps, f32
 from llmbus.frontend.validation import (GenerateParameters, parse_request, validate_best_of, validate_lengths,
@@ -140,25 +140,25 @@ def test_f32_json_numbers():
 def test_token_batch_demux():
     async def run():
         client = EngineClient("ipc://unused-r", "ipc://unused-e", "fe1")
-        a, b = _Channel(), _Channel()
+        a, b = Mailbox(), Mailbox()
         client._channels.update({"fe1-1": a, "fe1-2": b})
         client._dispatch(m.TokenBatch(
             rids=["fe1-1", "fe1-2", "fe1-9", "fe1-1"], token_ids=[10, 20, 90, 11], logprobs=[-1.0, -2.0, -9.0, -1.5],
             finish_reasons=[0, 2, 0, 1], prompt_logprobs=[["fe1-2", [-0.5]]], queue_times=[0.1, 0.2, 0.0, 0.0]))
-        item_a, item_b = a.queue.get_nowait(), b.queue.get_nowait()
+        item_a, item_b = a.get_nowait(), b.get_nowait()
         assert isinstance(item_a, EngineTokens) and [t.token_id for t in item_a.tokens] == [10, 11]
         assert [t.finish_reason for t in item_a.tokens] == [0, 1] and item_a.tokens[0].queue_time == 0.1
         assert item_b.prompt_logprobs == [-0.5] and item_a.prompt_logprobs is None
-        assert a.queue.empty() and b.queue.empty()
+        assert a.empty() and b.empty()
         client._dispatch(m.RequestFailed(rid="fe1-2", error_type="generation", message="boom"))
-        failure = b.queue.get_nowait()
+        failure = b.get_nowait()
         assert isinstance(failure, EngineFailure) and failure.error.status == 424
         assert "fe1-2" not in client._channels
         client.hello = m.SchedulerHello(max_batch_total_tokens=1, block_size=1)
         assert client.healthy
         client._dispatch(m.EngineDead(reason="gone"))
         assert not client.healthy and client._channels == {}
-        assert a.queue.get_nowait().error.message == "Request failed during generation: gone"
+        assert a.get_nowait().error.message == "Request failed during generation: gone"
         client._ctx.term()
 
     asyncio.run(run())
