@@ -69,6 +69,8 @@ def show(label: str, r: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", default="HEAD", help="the git revision to compare this checkout with")
+    p.add_argument("--model-id", default=None,
+                   help="default: SmolLM2's bfloat16 folder, served in --dtype as vs_llama_server.py serves it")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--quantize", default=None, choices=["int8", "int4"])
     p.add_argument("--concurrency", type=int, default=1)
@@ -81,7 +83,7 @@ def main() -> None:
     exit_on_sigterm()
     from tokenizers import Tokenizer
 
-    dense = dense_folder("float32")
+    dense = Path(a.model_id) if a.model_id else dense_folder("bfloat16")
     tokenizer = Tokenizer.from_file(str(dense / "tokenizer.json"))
     args = ["--model-id", str(dense), "--dtype", a.dtype,
             "--kv-cache-memory", str(kv_bytes_for(dense, KV_TOKENS, a.dtype)),

@@ -35,7 +35,7 @@ def time_steps(a: argparse.Namespace) -> None:
     from _smollm2 import dense_folder  # noqa: E402 - this folder, run as a script
     from decode_step import LlmbusDecode  # noqa: E402 - this folder, run as a script
 
-    model = a.model_id or str(dense_folder("float32"))
+    model = a.model_id or str(dense_folder("bfloat16"))  # served in --dtype, as vs_llama_server.py does
     decode = LlmbusDecode(model, getattr(torch, a.dtype), a.batch, a.context, a.steps, quantize=a.quantize)
     best = min(decode.time_steps(a.batch, a.steps) for _ in range(a.rounds))
     print(f"{RESULT} {best * 1e3:.3f}")
@@ -58,7 +58,8 @@ def run_child(argv: list[str], package_dir: Path | None) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", default="HEAD", help="the git revision to compare this checkout with")
-    p.add_argument("--model-id", default=None, help="default: SmolLM2 float32 (_smollm2.dense_folder)")
+    p.add_argument("--model-id", default=None,
+                   help="default: SmolLM2's bfloat16 folder (_smollm2.dense_folder), as vs_llama_server.py serves it")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--quantize", default=None, choices=["int8", "int4"])
     p.add_argument("--batch", type=int, default=1)

@@ -51,3 +51,30 @@ def test_more_rows_than_one_pass_serves_are_refused():
     proj = fused_decode._dense_proj(torch.randn(4, 8), keep)
     x, y = torch.randn(fused_decode.MAX_BATCH + 1, 8), torch.empty(fused_decode.MAX_BATCH + 1, 4)
     assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), 8, 4, x.shape[0], y.data_ptr()) == -1
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (67, 100), (5, 7), (3, 576)])
+def test_bfloat16_copy_gives_the_same_bits_as_its_float32_rows(rows, out_features, in_features):
+    """A float32 weight of bfloat16 numbers read through its bfloat16 copy: the same sums, bit for bit."""
+    torch.manual_seed(rows * 7 + out_features)
+    weight = torch.randn(out_features, in_features).bfloat16().float()
+    x = torch.randn(rows, in_features)
+    keep = []
+    dense = fused_decode._dense_proj(weight, keep)
+    compact = fused_decode._dense_proj(weight, keep)
+    copies = fused_decode.Bfloat16Copies(budget=1 << 30)
+    copies.add(compact, weight, keep)
+    assert compact.bf16 and copies.made == 1 and copies.bytes == weight.numel() * 2
+    assert torch.equal(gemv(compact, x, out_features), gemv(dense, x, out_features))
+
+
+def test_no_bfloat16_copy_of_float32_values_or_past_the_budget():
+    keep = []
+    exact = torch.randn(9000, 8).bfloat16().float()
+    inexact = exact.clone()
+    inexact[-1, -1] += 2.0 ** -20  # in the last chunk the check converts
+    copies = fused_decode.Bfloat16Copies(budget=exact.numel() * 2)
+    for weight in (inexact, exact, exact):
+        copies.add(fused_decode._dense_proj(weight, keep), weight, keep)
+    assert copies.made == 1 and copies.bytes == exact.numel() * 2  # the inexact one, then no room left

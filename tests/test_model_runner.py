@@ -114,6 +114,40 @@ def test_fused_decode_layer_and_torch_layers_both_match_transformers(checkpoint,
     assert sum(ran) >= 5 and all(ran) == fused.takes_large_batches
 
 
+def test_bfloat16_checkpoint_in_float32_decodes_through_bfloat16_copies(tmp_path):
+    """A bfloat16 checkpoint served in float32: the fused layer's GEMVs stream bfloat16 copies of its
+    weights (half the bytes), and every token and logprob equals those of the same run on the float32
+    weights alone and transformers' float32 greedy output."""
+    import transformers
+
+    from llmbus.workers.fused_decode import FusedDecodeLayers
+
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config)
+    widen_weights(model)
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path))
+    prompts = make_prompts(512)
+    ref = reference(str(tmp_path), prompts)
+    runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=512)
+    copied = runner.model.fused_decode
+    if copied is None or not copied._head.bf16:
+        pytest.skip("no C compiler, or no SIMD bfloat16 reads: the fused layer streams float32 weights")
+    assert all(getattr(layer, name).bf16 for layer in copied._layers for name in ("qkv", "o_proj", "gate_up", "down"))
+    plain = FusedDecodeLayers.for_model(runner.model, bf16_budget=0)
+    assert not plain._head.bf16 and not plain._layers[0].qkv.bf16
+    results = {}
+    for name, layers in (("copies", copied), ("float32", plain)):
+        runner.model.fused_decode = layers
+        results[name] = drive(runner, mixed_requests(prompts))
+    for i in range(len(prompts)):
+        assert results["copies"][f"r{i}"].tokens == ref.tokens[i], f"prompt {i}"
+        assert results["copies"][f"r{i}"].logprobs == results["float32"][f"r{i}"].logprobs, f"prompt {i}"
+
+
 def test_fused_decode_layer_takes_large_batches_through_gemm_and_matches_transformers(checkpoint, runner,
                                                                                      monkeypatch):
     """Past MAX_BATCH decode rows (float32, where gemm.c runs) the fused layer computes its projections as

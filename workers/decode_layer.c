@@ -26,12 +26,15 @@ enum { MAX_ROWS = 8 }; /* batch rows one GEMV pass serves; larger batches go thr
  * ``group`` inputs (w = value * scale; quant.py's Int8Weight: scale [out, ceil(in / group)]), or both (the
  * int8 rows and their dequantized copy, which --quantize int8 keeps where float32 activations have no int8
  * kernel: the GEMVs stream the int8 rows, a quarter of the bytes; the GEMMs of larger batches, bound by
- * arithmetic, multiply the copy, as the torch path does). */
+ * arithmetic, multiply the copy, as the torch path does). ``bf16``: the float32 rows again as bfloat16,
+ * where every value of them is one (a bfloat16 checkpoint served in float32): the GEMVs stream those, half
+ * the bytes, for the very same float32 numbers and sums. */
 typedef struct {
     const float *dense;   /* or null: int8 only */
     const int8_t *values; /* or null: float32 only */
     const float *scale;
     int64_t group;
+    const uint16_t *bf16; /* or null */
 } Proj;
 
 typedef struct {
@@ -67,63 +70,90 @@ static inline LayerPool layer_pool(const StepArgs *s, const LayerArgs *l, int64_
     return pool;
 }
 
-/* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats. */
-static inline void dot_rows(const float *w, const float *x, int64_t x_stride, int64_t rows, int64_t n,
-                            float *y) {
+static inline float bf16_value(uint16_t bits) {
+    uint32_t widened = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &widened, sizeof value);
+    return value;
+}
+
+/* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats: float32 ones (w), or bfloat16
+ * ones (wb, when w is null; called with a constant null or not, so each form compiles to its own loop).
+ * Both read the same numbers and sum them in the same order: the results are the same bits. */
+static inline __attribute__((always_inline)) void dot_rows_of(const float *w, const uint16_t *wb, const float *x,
+                                                              int64_t x_stride, int64_t rows, int64_t n, float *y) {
 #if defined(__AVX512F__)
+#define LOADW(k) (w != 0 ? _mm512_loadu_ps(w + (k)) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + (k)))), 16)))
     __m512 acc[MAX_ROWS], acc2 = _mm512_setzero_ps();
     for (int64_t b = 0; b < rows; b++) acc[b] = _mm512_setzero_ps();
     int64_t k = 0;
     if (rows == 1) { /* two chains: one would wait on the FMA latency */
         for (; k + 32 <= n; k += 32) {
-            acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc[0]);
-            acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), acc2);
+            acc[0] = _mm512_fmadd_ps(LOADW(k), _mm512_loadu_ps(x + k), acc[0]);
+            acc2 = _mm512_fmadd_ps(LOADW(k + 16), _mm512_loadu_ps(x + k + 16), acc2);
         }
     }
     for (; k + 16 <= n; k += 16) {
-        __m512 wv = _mm512_loadu_ps(w + k);
+        __m512 wv = LOADW(k);
         for (int64_t b = 0; b < rows; b++)
             acc[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * x_stride + k), acc[b]);
     }
     if (k < n) {
         __mmask16 tail = (__mmask16)((1u << (n - k)) - 1u);
-        __m512 wv = _mm512_maskz_loadu_ps(tail, w + k);
+        uint16_t tail_bits[16] = {0};
+        if (w == 0) memcpy(tail_bits, wb + k, (size_t)(n - k) * sizeof *wb);
+        __m512 wv = w != 0 ? _mm512_maskz_loadu_ps(tail, w + k)
+                           : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm256_loadu_si256((const __m256i *)tail_bits)), 16));
         for (int64_t b = 0; b < rows; b++)
             acc[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + b * x_stride + k), acc[b]);
     }
     acc[0] = _mm512_add_ps(acc[0], acc2);
     for (int64_t b = 0; b < rows; b++) y[b] = _mm512_reduce_add_ps(acc[b]);
+#undef LOADW
 #elif defined(__AVX2__) && defined(__FMA__)
+#define LOADW(k) (w != 0 ? _mm256_loadu_ps(w + (k)) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb + (k)))), 16)))
     __m256 acc[MAX_ROWS], extra[3] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < rows; b++) acc[b] = _mm256_setzero_ps();
     int64_t k = 0;
     if (rows == 1) { /* four chains: one would wait on the FMA latency */
         for (; k + 32 <= n; k += 32) {
-            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc[0]);
-            extra[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), extra[0]);
-            extra[1] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), extra[1]);
-            extra[2] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), extra[2]);
+            acc[0] = _mm256_fmadd_ps(LOADW(k), _mm256_loadu_ps(x + k), acc[0]);
+            extra[0] = _mm256_fmadd_ps(LOADW(k + 8), _mm256_loadu_ps(x + k + 8), extra[0]);
+            extra[1] = _mm256_fmadd_ps(LOADW(k + 16), _mm256_loadu_ps(x + k + 16), extra[1]);
+            extra[2] = _mm256_fmadd_ps(LOADW(k + 24), _mm256_loadu_ps(x + k + 24), extra[2]);
         }
         acc[0] = _mm256_add_ps(_mm256_add_ps(acc[0], extra[0]), _mm256_add_ps(extra[1], extra[2]));
     }
     for (; k + 8 <= n; k += 8) {
-        __m256 wv = _mm256_loadu_ps(w + k);
+        __m256 wv = LOADW(k);
         for (int64_t b = 0; b < rows; b++)
             acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * x_stride + k), acc[b]);
     }
     for (int64_t b = 0; b < rows; b++) {
         float sum = hsum256(acc[b]);
-        for (int64_t t = k; t < n; t++) sum += w[t] * x[b * x_stride + t];
+        /* fmaf: both forms contract alike (the compiler fused one form's multiply-add and not the other's) */
+        for (int64_t t = k; t < n; t++) sum = fmaf(w != 0 ? w[t] : bf16_value(wb[t]), x[b * x_stride + t], sum);
         y[b] = sum;
     }
+#undef LOADW
 #else
     for (int64_t b = 0; b < rows; b++) {
         float sum = 0.0f;
 #pragma omp simd reduction(+:sum)
-        for (int64_t k = 0; k < n; k++) sum += w[k] * x[b * x_stride + k];
+        for (int64_t k = 0; k < n; k++) sum += (w != 0 ? w[k] : bf16_value(wb[k])) * x[b * x_stride + k];
         y[b] = sum;
     }
 #endif
+}
+
+static inline void dot_rows(const float *w, const float *x, int64_t x_stride, int64_t rows, int64_t n, float *y) {
+    dot_rows_of(w, 0, x, x_stride, rows, n, y);
+}
+
+static inline void dot_rows_bf16(const uint16_t *w, const float *x, int64_t x_stride, int64_t rows, int64_t n,
+                                 float *y) {
+    dot_rows_of(0, w, x, x_stride, rows, n, y);
 }
 
 /* y[b] = w . x[b] for int8 row ``w`` with one scale per group of ``group`` inputs: the group's dot product
@@ -208,7 +238,9 @@ static inline float dot_int8_row(const int8_t *w, const float *scale, int64_t gr
  * into whole runs of 16, in dot_int8_row. */
 static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x, int64_t x_stride, int64_t rows,
                             float *y) {
-    if (p->values == 0) {
+    if (p->bf16 != 0) {
+        dot_rows_bf16(p->bf16 + o * in, x, x_stride, rows, in, y);
+    } else if (p->values == 0) {
         dot_rows(p->dense + o * in, x, x_stride, rows, in, y);
     } else {
         const int64_t groups = (in + p->group - 1) / p->group;
@@ -324,6 +356,15 @@ static void layer_gemm(const StepArgs *s, const LayerArgs *l, const LayerPool *p
     gemm_team(s->act, l->down.dense, l->down_bias, B, H, I, hidden, H, 1, s->panels);
 }
 #endif
+
+/* Whether this build's GEMVs read bfloat16 copies (Proj.bf16) with SIMD: worth making them. */
+int decode_layer_reads_bf16(void) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Whether decode_layer_f32 takes batches past MAX_ROWS (with float32 weights) in this build. */
 int decode_layer_takes_large_batches(void) { return GEMM_RUNS; }

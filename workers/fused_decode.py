@@ -17,7 +17,9 @@ in] row-major, so such a model's projections are kept plain, ``Linear.plain``, a
 oneDNN's GEMMs where host memory allows a second copy: ``weight_builder.SECOND_COPY_SHARE``),
 or int8 ones that otherwise compute through a dense float32 copy (``--quantize int8`` where quant_kernels.c
 does not run): the layer's GEMVs then stream the int8 rows, a quarter of the bytes, and its GEMMs (prompts,
-large batches) multiply that same float32 copy.
+large batches) multiply that same float32 copy. Float32 weights that are all bfloat16 numbers (a bfloat16
+checkpoint served in float32) also get a bfloat16 copy for the GEMVs, half the bytes for the same bits
+(``Bfloat16Copies``).
 """
 
 from __future__ import annotations
@@ -26,14 +28,19 @@ import ctypes
 import functools
 from pathlib import Path
 
+import structlog
 import torch
 
 from llmbus.workers import cpu_kernels
 from llmbus.workers.attention import AttentionMetadata, CPUKernelBackend
 from llmbus.workers.attention.cpu import KernelDecodeGroup
+from llmbus.workers.host_memory import available_host_memory
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.linear import Linear
 from llmbus.workers.quant import Int8Weight, _DensePack
+from llmbus.workers.weight_builder import SECOND_COPY_SHARE
+
+log = structlog.get_logger("llmbus.workers")
 
 SOURCE = Path(__file__).with_name("decode_layer.c")
 MAX_BATCH = 8  # decode_layer.c's MAX_ROWS
@@ -42,7 +49,7 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64)]
+    _fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64), ("bf16", _P)]
 
 
 class _LayerArgs(ctypes.Structure):
@@ -72,11 +79,49 @@ def _int8_proj(source: Int8Weight, keep: list) -> _Proj:
     return _Proj(values=values.data_ptr(), scale=scale.data_ptr(), group=source.group or values.shape[1])
 
 
-def _proj_args(projection, keep: list) -> _Proj | None:
-    """The C view of a projection the fused layer can read (plain float32, or int8 with group scales); the
-    tensors it points into are appended to ``keep``."""
+class Bfloat16Copies:
+    """bfloat16 copies of float32 weights every value of which is a bfloat16 number (a bfloat16 checkpoint
+    served in float32), for the GEMVs of small batches to stream: half the bytes, the same numbers, the same
+    sums (decode_layer.c's dot_rows_of). The float32 weight stays for the GEMMs of prompts and large
+    batches, which arithmetic bounds, and for the torch path. Copies are made while they fit in
+    ``budget`` bytes: the second-copy share of host memory, as for oneDNN's reordered weights."""
+
+    CHUNK_ROWS = 4096  # the check converts this many rows at a time, not a second whole float32 weight
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.made = self.bytes = 0
+
+    def add(self, proj: _Proj, weight: torch.Tensor, keep: list) -> None:
+        size = weight.numel() * 2
+        if size > self.budget - self.bytes:
+            return
+        copy = torch.empty(weight.shape, dtype=torch.bfloat16)
+        for start in range(0, weight.shape[0], self.CHUNK_ROWS):
+            rows = weight[start:start + self.CHUNK_ROWS]
+            copy[start:start + self.CHUNK_ROWS] = rows
+            if not torch.equal(copy[start:start + self.CHUNK_ROWS].float(), rows):
+                return  # a value bfloat16 cannot hold: a float32 checkpoint
+        keep.append(copy)
+        proj.bf16 = copy.data_ptr()
+        self.made, self.bytes = self.made + 1, self.bytes + size
+
+
+def _default_bf16_budget(library: ctypes.CDLL) -> int:
+    if not library.decode_layer_reads_bf16():
+        return 0
+    available = available_host_memory()
+    return 0 if available is None else int(available * SECOND_COPY_SHARE)
+
+
+def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> _Proj | None:
+    """The C view of a projection the fused layer can read (plain float32, or int8 with group scales), with
+    a bfloat16 copy where ``bf16`` makes one; the tensors it points into are appended to ``keep``."""
     if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
-        return _dense_proj(projection.weight, keep)
+        proj = _dense_proj(projection.weight, keep)
+        if bf16 is not None:
+            bf16.add(proj, projection.weight, keep)
+        return proj
     source = _int8_source(projection)
     if source is None:
         return None
@@ -112,6 +157,7 @@ def decode_layer_library() -> ctypes.CDLL | None:
     library.gemv_proj.argtypes = [ctypes.POINTER(_Proj), _P, _I64, _I64, _I64, _P]
     library.gemv_proj.restype = ctypes.c_int
     library.decode_layer_takes_large_batches.restype = ctypes.c_int
+    library.decode_layer_reads_bf16.restype = ctypes.c_int
     library.decode_layer_panel_floats.argtypes = [_I64, _I64]
     library.decode_layer_panel_floats.restype = _I64
     return library
@@ -136,8 +182,10 @@ class FusedDecodeLayers:
     """The layer loop of ``LlamaForCausalLM`` (and its final norm and LM head) for the steps it takes, one C
     call for all layers."""
 
-    def __init__(self, model, library: ctypes.CDLL, layers: list[_LayerArgs], weights: list):
-        """``layers``: each layer's C arguments (``_layer_args``), pointing into ``weights``."""
+    def __init__(self, model, library: ctypes.CDLL, layers: list[_LayerArgs], weights: list,
+                 bf16: Bfloat16Copies | None = None):
+        """``layers``: each layer's C arguments (``_layer_args``), pointing into ``weights``; ``bf16``: where
+        the head gets a bfloat16 copy too."""
         self._function = library.decode_layers_f32
         self._panel_floats = library.decode_layer_panel_floats
         self._head_function = library.lm_head_f32
@@ -149,6 +197,8 @@ class FusedDecodeLayers:
         if model.plain_head_weight is not None:
             self._head = _dense_proj(model.plain_head_weight, weights)
             self._head_shape = tuple(model.plain_head_weight.shape)
+            if bf16 is not None:
+                bf16.add(self._head, model.plain_head_weight, weights)
         elif (head_int8 := _int8_source(model.lm_head)) is not None:
             self._head, self._head_shape = _int8_proj(head_int8, weights), head_int8.shape
         else:
@@ -164,14 +214,14 @@ class FusedDecodeLayers:
             projection.dense for layer in layers for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
 
     @staticmethod
-    def _layer_args(model, weights: list) -> list[_LayerArgs] | None:
+    def _layer_args(model, weights: list, bf16: Bfloat16Copies | None = None) -> list[_LayerArgs] | None:
         """Each layer's C arguments, pointing into tensors appended to ``weights``; None if a projection is
         one the C layer cannot read."""
         layers = []
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.attention, layer.mlp
             projections = dict(qkv=attention.qkv, o_proj=attention.o_proj, gate_up=mlp.gate_up, down=mlp.down)
-            projections = {name: _proj_args(p, weights) for name, p in projections.items()}
+            projections = {name: _proj_args(p, weights, bf16) for name, p in projections.items()}
             if any(p is None for p in projections.values()):
                 return None
             vectors = dict(input_norm=layer.input_norm.weight, qkv_bias=attention.qkv.bias, o_bias=attention.o_bias,
@@ -184,15 +234,25 @@ class FusedDecodeLayers:
         return layers
 
     @classmethod
-    def for_model(cls, model) -> "FusedDecodeLayers | None":
-        """The fused path for ``model`` if it applies (see the module's docstring), else None."""
+    def for_model(cls, model, bf16_budget: int | None = None) -> "FusedDecodeLayers | None":
+        """The fused path for ``model`` if it applies (see the module's docstring), else None.
+        ``bf16_budget``: bytes for bfloat16 copies of weights (``Bfloat16Copies``); None: the default."""
         if (not _runs_on(model.device, model.tp.world_size, model.dtype)
                 or not isinstance(model.attention_backend, CPUKernelBackend)):
             return None
         library = decode_layer_library()
+        if library is None:
+            return None
+        bf16 = Bfloat16Copies(_default_bf16_budget(library) if bf16_budget is None else bf16_budget)
         weights = []
-        layers = cls._layer_args(model, weights) if library is not None else None
-        return cls(model, library, layers, weights) if layers is not None else None
+        layers = cls._layer_args(model, weights, bf16)
+        if layers is None:
+            return None
+        fused = cls(model, library, layers, weights, bf16)
+        if bf16.made:
+            log.info("small decode steps stream bfloat16 copies of float32 weights that are bfloat16 numbers",
+                     projections=bf16.made, copies_mb=round(bf16.bytes / 2**20))
+        return fused
 
     @property
     def takes_large_batches(self) -> bool:
