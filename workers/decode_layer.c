@@ -151,8 +151,14 @@ static inline void dot_rows(const float *w, const float *x, int64_t x_stride, in
     dot_rows_of(w, 0, x, x_stride, rows, n, y);
 }
 
+enum { BF16_PREFETCH_BYTES = 2304 };
+
 static inline void dot_rows_bf16(const uint16_t *w, const float *x, int64_t x_stride, int64_t rows, int64_t n,
                                  float *y) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    if (rows == 1)
+        for (int64_t b = 0; b < 2 * n; b += 64) _mm_prefetch((const char *)w + BF16_PREFETCH_BYTES + b, _MM_HINT_T0);
+#endif
     dot_rows_of(0, w, x, x_stride, rows, n, y);
 }
 
