@@ -117,6 +117,7 @@ class SchedulerService(RankChannel):
         self.kv_info: tuple[int, int] | None = None  # (num_blocks, block_size)
         self._stats_dirty = True
         self._stats_sent_at = 0.0
+        self._unpublished: tuple[list, dict | None] | None = None  # the last step's events: flush_events
         self.metrics = BatchMetrics()
         self.health = RankHealth(cfg.world_size)
         self.frontend_stats: dict[str, m.FrontendStats] = {}  # the latest of each, relayed to the others
@@ -330,6 +331,7 @@ class SchedulerService(RankChannel):
         )
         started = time.monotonic()
         send(self.steps, cmd)
+        self.flush_events()  # the last step's tokens go out while this one computes
         result = self._await_result(self._step_timeout(len(cmd.token_ids)))
         self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
                                  time.monotonic() - started)
@@ -343,7 +345,16 @@ class SchedulerService(RankChannel):
         events = self.policy.update(batch, sampled, prompt_logprobs)
         # Per sampled rid, [[ids], [logprobs]] or [] (it asked for none); None when no request asked.
         top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None
-        self._publish(events, top_tokens)
+        self._unpublished = (events, top_tokens)
+
+    def flush_events(self) -> None:
+        """Send the frontends the tokens of the last step, held back until the next step was sent (or the
+        scheduler has nothing to send): the ranks start it before the frontends' work starts competing
+        for the cores."""
+        if self._unpublished is not None:
+            events, top_tokens = self._unpublished
+            self._unpublished = None
+            self._publish(events, top_tokens)
 
     def _publish(self, events, top_tokens: dict[str, list] | None = None) -> None:
         per_frontend: dict[str, m.TokenBatch] = {}
@@ -411,11 +422,15 @@ class SchedulerService(RankChannel):
     # ------------------------------------------------------------------ main loop
 
     def loop(self) -> None:
-        while not self.stopping or self.policy.has_work:
-            try:
-                self._loop_once()
-            except WorkersLost as e:
-                self.recover(str(e))
+        try:
+            while not self.stopping or self.policy.has_work:
+                try:
+                    self._loop_once()
+                except WorkersLost as e:
+                    self.flush_events()
+                    self.recover(str(e))
+        finally:
+            self.flush_events()
 
     def _loop_once(self) -> None:
         self.drain_intake()
@@ -426,6 +441,7 @@ class SchedulerService(RankChannel):
             self._stats_dirty = True
             self.publish_stats(force=bool(batch.new_requests) or len(self.policy.running) != running_before)
             return
+        self.flush_events()
         self.publish_stats(force=True)
         # Idle: block until a request (or a rank's death notice) arrives, or a heartbeat is due.
         self.check_workers(poll([self.requests, self.control, self.control_monitor],
