@@ -16,11 +16,14 @@ fewer than 64 x 256 float32 tokens of SmolLM2 and would queue requests.
 
 Dense forms are bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), float32 elsewhere
 (``--dtype`` overrides): bf16 without hardware support is emulated by every engine and measures the
-emulation, not the engine. The int8 row is llmbus ``--quantize int8`` against llama-server's q8_0.
+emulation, not the engine. llmbus serves the bf16 folder either way; in float32 its small steps stream the
+weights' bf16 values (fused_decode.Bfloat16Copies), as llama-server's bf16 file does on such a CPU, so a
+float32 run also measures llama-server bf16 and prints the c=1 row against both of its dense files. The
+int8 row is llmbus ``--quantize int8`` against llama-server's q8_0.
 
 | target                                              | ratio                                   |
 |-----------------------------------------------------|-----------------------------------------|
-| c=1 dense, llmbus / llama-server                    | >= 1.0                                  |
+| c=1 dense, llmbus / llama-server (f32 and bf16)     | >= 1.0                                  |
 | c=1 int8 / llama-server q8_0                        | >= 1.3                                  |
 | c=64 dense / llama-server's best form at c=64       | >= 1.5                                  |
 | demo small, c=64, llmbus / llama-server (dense)     | >= 1.5                                  |
@@ -110,6 +113,7 @@ def main() -> None:
                         ("llmbus " + dtype,
                          lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv])),
                         ("llama-server q8_0", lambda: LlamaServer(peer_gguf("q8_0"))),
+                        *([("llama-server bf16", lambda: LlamaServer(peer_gguf("bf16")))] if gguf_kind == "f32" else []),
                         ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv,
                                                               "--quantize", "int8"]))]),
         (demo_prompts, [("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind))),
@@ -141,9 +145,11 @@ def main() -> None:
     rows = [
         (f"c=1 {dtype} / llama-server {gguf_kind}", per_round("llmbus " + dtype, "c1", "llama-server " + gguf_kind),
          1.0, True),
+        *([(f"c=1 {dtype} / llama-server bf16", per_round("llmbus " + dtype, "c1", "llama-server bf16"), 1.0, True)]
+          if gguf_kind == "f32" else []),
         ("c=1 int8 / llama-server q8_0", per_round("llmbus int8", "c1", "llama-server q8_0"), 1.3, True),
         (f"c=64 {dtype} / llama-server best c=64",
-         per_round("llmbus " + dtype, "c64", "llama-server " + gguf_kind, "llama-server q8_0"), 1.5, True),
+         per_round("llmbus " + dtype, "c64", *(name for name in rounds if name.startswith("llama-server"))), 1.5, True),
         (f"demo small c=64 / llama-server {gguf_kind}",
          per_round("demo llmbus " + dtype, "c64", "demo llama-server " + gguf_kind), 1.5, True),
         ("startup to ready, second start (s)", [second_start], 20.0, False)]
