@@ -16,7 +16,7 @@ from llmbus.scheduler.process import SchedulerProcessConfig
 from llmbus.supervisor.plan import LaunchPlan, build_plan
 from llmbus.supervisor.settings import service_settings, up_options
 from llmbus.supervisor.weights import served_model_id
-from llmbus.workers.process import WorkerConfig, gpu_shortage
+from llmbus.workers.process import WorkerConfig, default_block_size, gpu_shortage
 
 
 class InvalidArgument(click.ClickException):
@@ -125,7 +125,7 @@ def _launch_plan(kw: dict, r: dict, run_dir: str) -> LaunchPlan:
     """Each service's settings: the flags it declares, as resolved, and what the launch decides."""
     num_blocks = kw["num_blocks"]
     if num_blocks is None and kw["max_batch_total_tokens"] is not None:
-        num_blocks = -(-kw["max_batch_total_tokens"] // kw["block_size"])
+        num_blocks = -(-kw["max_batch_total_tokens"] // (kw["block_size"] or default_block_size(kw["device"])))
     worker_env = {"TRUST_REMOTE_CODE": "1"} if kw["trust_remote_code"] else {}
     for name in ("watermark_gamma", "watermark_delta"):
         if kw[name] is not None:
@@ -204,7 +204,7 @@ def _check_static(kw: dict) -> None:
     if kw["max_batch_size"] is not None and kw["max_batch_size"] < 1:
         raise InvalidArgument("`max_batch_size` must be > 0")
     for name in ("max_concurrent_requests", "block_size", "max_best_of", "max_client_batch_size", "payload_limit"):
-        if kw[name] < 1:
+        if kw[name] is not None and kw[name] < 1:
             raise InvalidArgument(f"`{name}` must be > 0")
     if not 0 < kw["cuda_memory_fraction"] <= 1:
         raise InvalidArgument(f"`cuda_memory_fraction` must be in (0, 1]. Given: {kw['cuda_memory_fraction']}")

@@ -19,7 +19,7 @@ from llmbus.scheduler.process import SchedulerProcessConfig
 from llmbus.supervisor import cli, weights
 from llmbus.supervisor.plan import build_plan
 from llmbus.supervisor.settings import SERVICES
-from llmbus.workers.process import WorkerConfig
+from llmbus.workers.process import WorkerConfig, default_block_size
 
 RUN_DIR = "/tmp/llmbus-settings-test"
 # Values that pass every cross-flag rule (the model's 256 positions, input < total, ...).
@@ -110,7 +110,8 @@ LAUNCH_FLAGS = {
     "trust_remote_code": (["--trust-remote-code"], {}, {"workers.env.TRUST_REMOTE_CODE": "1"}),
     "max_input_length": (["--max-input-length", "100"], {}, {"frontend.max_input_tokens": 100}),
     "max_batch_total_tokens": (["--max-batch-total-tokens", "160"], {},
-                               {"workers.num_blocks": 10, "scheduler.max_total_tokens": 160,
+                               {"workers.num_blocks": -(-160 // default_block_size("auto")),  # 64 on CPU
+                                "scheduler.max_total_tokens": 160,
                                 "frontend.max_total_tokens": 160, "frontend.max_input_tokens": 159}),
     "watermark_gamma": (["--watermark-gamma", "0.25"], {}, {"workers.env.WATERMARK_GAMMA": "0.25"}),
     "watermark_delta": (["--watermark-delta", "1.5"], {}, {"workers.env.WATERMARK_DELTA": "1.5"}),
