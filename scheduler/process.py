@@ -424,15 +424,13 @@ class SchedulerService(RankChannel):
     # ------------------------------------------------------------------ main loop
 
     def loop(self) -> None:
-        try:
-            while not self.stopping or self.policy.has_work:
-                try:
-                    self._loop_once()
-                except WorkersLost as e:
-                    self.flush_events()
-                    self.recover(str(e))
-        finally:
-            self.flush_events()
+        while not self.stopping or self.policy.has_work:
+            try:
+                self._loop_once()
+            except WorkersLost as e:
+                self.flush_events()
+                self.recover(str(e))
+        self.flush_events()  # (a fatal error fails every request instead: EngineDead)
 
     def _loop_once(self) -> None:
         self.drain_intake()
