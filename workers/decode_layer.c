@@ -77,13 +77,24 @@ static inline float bf16_value(uint16_t bits) {
     return value;
 }
 
+/* bfloat16 values as the float32 numbers they are: the 16 bits above 16 zero bits. */
+#if defined(__AVX512F__)
+static inline __m512 widen_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 widen_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
 /* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats: float32 ones (w), or bfloat16
  * ones (wb, when w is null; called with a constant null or not, so each form compiles to its own loop).
  * Both read the same numbers and sum them in the same order: the results are the same bits. */
 static inline __attribute__((always_inline)) void dot_rows_of(const float *w, const uint16_t *wb, const float *x,
                                                               int64_t x_stride, int64_t rows, int64_t n, float *y) {
 #if defined(__AVX512F__)
-#define LOADW(k) (w != 0 ? _mm512_loadu_ps(w + (k)) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wb + (k)))), 16)))
+#define LOADW(k) (w != 0 ? _mm512_loadu_ps(w + (k)) : widen_bf16x16(wb + (k)))
     __m512 acc[MAX_ROWS], acc2 = _mm512_setzero_ps();
     for (int64_t b = 0; b < rows; b++) acc[b] = _mm512_setzero_ps();
     int64_t k = 0;
@@ -102,9 +113,7 @@ static inline __attribute__((always_inline)) void dot_rows_of(const float *w, co
         __mmask16 tail = (__mmask16)((1u << (n - k)) - 1u);
         uint16_t tail_bits[16] = {0};
         if (w == 0) memcpy(tail_bits, wb + k, (size_t)(n - k) * sizeof *wb);
-        __m512 wv = w != 0 ? _mm512_maskz_loadu_ps(tail, w + k)
-                           : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                 _mm256_loadu_si256((const __m256i *)tail_bits)), 16));
+        __m512 wv = w != 0 ? _mm512_maskz_loadu_ps(tail, w + k) : widen_bf16x16(tail_bits);
         for (int64_t b = 0; b < rows; b++)
             acc[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + b * x_stride + k), acc[b]);
     }
@@ -112,7 +121,7 @@ static inline __attribute__((always_inline)) void dot_rows_of(const float *w, co
     for (int64_t b = 0; b < rows; b++) y[b] = _mm512_reduce_add_ps(acc[b]);
 #undef LOADW
 #elif defined(__AVX2__) && defined(__FMA__)
-#define LOADW(k) (w != 0 ? _mm256_loadu_ps(w + (k)) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb + (k)))), 16)))
+#define LOADW(k) (w != 0 ? _mm256_loadu_ps(w + (k)) : widen_bf16x8(wb + (k)))
     __m256 acc[MAX_ROWS], extra[3] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < rows; b++) acc[b] = _mm256_setzero_ps();
     int64_t k = 0;
