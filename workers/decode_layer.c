@@ -160,14 +160,26 @@ static inline void dot_rows(const float *w, const float *x, int64_t x_stride, in
     dot_rows_of(w, 0, x, x_stride, rows, n, y);
 }
 
-enum { BF16_PREFETCH_BYTES = 2304 };
+/* Bytes ahead of the row being read that a batch-1 int8 or bfloat16 row's dot product asks the cache for.
+ * The hardware's prefetcher alone leaves these loops waiting on memory: the conversions make them too slow
+ * per byte for it to run far enough ahead. SmolLM2's int8 GEMVs in a C harness: four rows at a time with
+ * the next four prefetched 10.0-12.3 ms, a row at a time with this 9.0-9.4 ms, a plain read of the bytes
+ * 7.0-8.0 ms; whole decode steps 1.30x (benchmarks/step_ab.py --quantize int8); bfloat16 rows 1.105x
+ * (twice this distance: 0.98x). */
+enum { ROW_PREFETCH_BYTES = 2304 };
+
+/* Ask the cache for the ``bytes`` of a row ROW_PREFETCH_BYTES past ``row``. */
+static inline void prefetch_row_ahead(const void *row, int64_t bytes) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)row + ROW_PREFETCH_BYTES + b, _MM_HINT_T0);
+#else
+    (void)row, (void)bytes;
+#endif
+}
 
 static inline void dot_rows_bf16(const uint16_t *w, const float *x, int64_t x_stride, int64_t rows, int64_t n,
                                  float *y) {
-#if defined(__AVX2__) || defined(__AVX512F__)
-    if (rows == 1)
-        for (int64_t b = 0; b < 2 * n; b += 64) _mm_prefetch((const char *)w + BF16_PREFETCH_BYTES + b, _MM_HINT_T0);
-#endif
+    if (rows == 1) prefetch_row_ahead(w, n * (int64_t)sizeof *w);
     dot_rows_of(0, w, x, x_stride, rows, n, y);
 }
 
@@ -222,19 +234,12 @@ static inline void dot_rows_int8(const int8_t *w, const float *scale, int64_t gr
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* Bytes ahead of the row being read that an int8 row's dot product asks the cache for. The hardware's
- * prefetcher alone leaves these loops waiting on memory: the conversions make them too slow per byte for
- * it to run far enough ahead. SmolLM2's int8 GEMVs in a C harness: four rows at a time with the next four
- * prefetched 10.0-12.3 ms, a row at a time with this 9.0-9.4 ms, a plain read of the bytes 7.0-8.0 ms;
- * whole decode steps 1.30x (benchmarks/step_ab.py --quantize int8). */
-enum { INT8_PREFETCH_BYTES = 2304 };
-
 /* w . x for one int8 row (scales ``scale``, one per group of ``group`` inputs, a multiple of 16 that
  * divides n). Each group's two partial sums start afresh, so consecutive groups overlap in the core; only
  * the two scaled sums (even and odd groups) carry from one group to the next. */
 static inline float dot_int8_row(const int8_t *w, const float *scale, int64_t group, const float *x, int64_t n) {
-    for (int64_t b = 0; b < n; b += 64) _mm_prefetch((const char *)(w + INT8_PREFETCH_BYTES + b), _MM_HINT_T0);
-    _mm_prefetch((const char *)(scale + INT8_PREFETCH_BYTES / group), _MM_HINT_T0);
+    prefetch_row_ahead(w, n);
+    _mm_prefetch((const char *)(scale + ROW_PREFETCH_BYTES / group), _MM_HINT_T0);
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     for (int64_t g0 = 0, gi = 0; g0 < n; g0 += group, gi++) {
         __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
