@@ -107,11 +107,7 @@ DEFAULT_BLOCK_SIZE = {"cpu": 64, "cuda": 16}
 
 def default_block_size(device: str) -> int:
     """The KV block size of ``device`` ("auto", "cpu" or "cuda") when --block-size is not given."""
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return DEFAULT_BLOCK_SIZE.get(device, DEFAULT_BLOCK_SIZE["cpu"])
+    return DEFAULT_BLOCK_SIZE.get(resolve_device(device, 0).type, DEFAULT_BLOCK_SIZE["cpu"])
 
 
 def resolve_device(device: str, rank: int) -> "torch.device":
