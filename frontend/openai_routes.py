@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from llmbus.frontend.engine_client import TIMED_OUT, Mailbox
 from llmbus.frontend.errors import ApiError
 from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, run_all
 from llmbus.frontend.middleware import mark_failed
@@ -181,7 +182,7 @@ async def _stream(request: web.Request, state: FrontendState, choices: list[Choi
         running = len(choices)
         while running:
             c, item = await next_event()
-            if item is _QUIET:
+            if item is TIMED_OUT:
                 await resp.write(KEEPALIVE)
                 continue
             if item is None:
@@ -205,13 +206,10 @@ async def _stream(request: web.Request, state: FrontendState, choices: list[Choi
     return resp
 
 
-_QUIET = object()  # a keep-alive interval passed without an event
-
-
 def _one_choice(c: Choice, keepalive_s: float):
-    """``next_event`` for a request of one choice, read directly: (choice, tokens), (choice, _QUIET),
-    (choice, ApiError) or, once done, (choice, None). No task or queue between engine and response:
-    at one stream their hops were a fifth of the frontend's CPU a token."""
+    """``next_event`` for a request of one choice, read directly: (choice, tokens), (choice, TIMED_OUT) when
+    a keep-alive interval passed, (choice, ApiError) or, once done, (choice, None). No task or queue between
+    engine and response: at one stream their hops were a fifth of the frontend's CPU a token."""
     started = False
 
     async def next_event():
@@ -225,15 +223,15 @@ def _one_choice(c: Choice, keepalive_s: float):
             tokens = await c.gen.next_tokens(timeout=keepalive_s)
         except ApiError as e:
             return c, e
-        return c, _QUIET if tokens is None else tokens
+        return c, TIMED_OUT if tokens is None else tokens
 
     return next_event
 
 
 def _many_choices(choices: list[Choice], keepalive_s: float):
     """``next_event`` (as ``_one_choice``'s) for several choices, each driven by a task of its own into
-    one queue, and the tasks."""
-    events: asyncio.Queue = asyncio.Queue()
+    one mailbox, and the tasks."""
+    events = Mailbox()
 
     async def pump(c: Choice) -> None:
         try:
@@ -246,10 +244,8 @@ def _many_choices(choices: list[Choice], keepalive_s: float):
             events.put_nowait((c, None))
 
     async def next_event():
-        try:
-            return await asyncio.wait_for(events.get(), keepalive_s)
-        except asyncio.TimeoutError:
-            return None, _QUIET
+        item = await events.get(keepalive_s)
+        return (None, item) if item is TIMED_OUT else item
 
     return next_event, [asyncio.ensure_future(pump(c)) for c in choices]
 
