@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import subprocess
 import sys
@@ -10,6 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def add_comparison_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every this-checkout-against-a-revision benchmark takes: the revision, and the model as
+    both sides serve it."""
+    p.add_argument("--against", default="HEAD", help="the git revision to compare this checkout with")
+    p.add_argument("--model-id", default=None,
+                   help="default: SmolLM2's bfloat16 folder (_smollm2.dense_folder), served in --dtype as "
+                        "vs_llama_server.py serves it")
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"])
 
 
 @contextlib.contextmanager

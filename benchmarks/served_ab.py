@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _revision import revision_package  # noqa: E402
+from _revision import add_comparison_arguments, revision_package  # noqa: E402
 from _server import LlmbusServer, exact_token_prompt, exit_on_sigterm, load_average, metrics  # noqa: E402
 from _smollm2 import dense_folder  # noqa: E402
 from served_breakdown import process_cpu_seconds  # noqa: E402
@@ -68,11 +68,7 @@ def show(label: str, r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--against", default="HEAD", help="the git revision to compare this checkout with")
-    p.add_argument("--model-id", default=None,
-                   help="default: SmolLM2's bfloat16 folder, served in --dtype as vs_llama_server.py serves it")
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"])
+    add_comparison_arguments(p)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--requests", type=int, default=4, help="measured requests per server and round")
     p.add_argument("--prompt-tokens", type=int, default=128)

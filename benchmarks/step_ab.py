@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _revision import revision_package  # noqa: E402
+from _revision import add_comparison_arguments, revision_package  # noqa: E402
 
 RESULT = "STEP_MS"
 
@@ -57,11 +57,7 @@ def run_child(argv: list[str], package_dir: Path | None) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--against", default="HEAD", help="the git revision to compare this checkout with")
-    p.add_argument("--model-id", default=None,
-                   help="default: SmolLM2's bfloat16 folder (_smollm2.dense_folder), as vs_llama_server.py serves it")
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"])
+    add_comparison_arguments(p)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=192)
     p.add_argument("--steps", type=int, default=48)
@@ -86,6 +82,7 @@ def main() -> None:
                   f"ratio {other / this:.3f}", flush=True)
         print(f"median ratio ({a.against} / this checkout): {statistics.median(ratios):.3f} "
               f"(range {min(ratios):.3f}-{max(ratios):.3f})")
+
 
 if __name__ == "__main__":
     main()

@@ -113,7 +113,8 @@ def main() -> None:
                         ("llmbus " + dtype,
                          lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv])),
                         ("llama-server q8_0", lambda: LlamaServer(peer_gguf("q8_0"))),
-                        *([("llama-server bf16", lambda: LlamaServer(peer_gguf("bf16")))] if gguf_kind == "f32" else []),
+                        *([("llama-server bf16", lambda: LlamaServer(peer_gguf("bf16")))]
+                          if gguf_kind == "f32" else []),
                         ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv,
                                                               "--quantize", "int8"]))]),
         (demo_prompts, [("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind))),
