@@ -254,6 +254,13 @@ static inline float dot_int8_row(const int8_t *w, const float *scale, int64_t gr
 }
 #endif
 
+/* The int8 group of Q8_0 and of --quantize int8 (quant.py's INT8_GROUP). The int8 loops are inlined with it
+ * as a constant, so the loop over a group's inputs unrolls and the prefetch offset of the scales is no
+ * division: SmolLM2's batch-1 int8 GEMVs in a C harness 6.0-7.9 ms against 8.2-11.8 with the group read
+ * at run time; whole batch-1 steps (benchmarks/step_ab.py --quantize int8, 6 pairs) median 1.04x, the
+ * machine drifting between 8 and 14 ms a step. Other groups take the same loops with the group a variable. */
+enum { COMMON_GROUP = 32 };
+
 /* Row ``o`` of projection ``p`` (``in`` inputs) against the batch: a batch-1 int8 row, whose groups split
  * into whole runs of 16, in dot_int8_row. */
 static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x, int64_t x_stride, int64_t rows,
@@ -266,11 +273,15 @@ static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x
         const int64_t groups = (in + p->group - 1) / p->group;
 #if defined(__AVX2__) && defined(__FMA__)
         if (rows == 1 && p->group % 16 == 0 && in % p->group == 0) { /* the batch-1 step's loop */
-            y[0] = dot_int8_row(p->values + o * in, p->scale + o * groups, p->group, x, in);
+            y[0] = p->group == COMMON_GROUP ? dot_int8_row(p->values + o * in, p->scale + o * groups, COMMON_GROUP, x, in)
+                                            : dot_int8_row(p->values + o * in, p->scale + o * groups, p->group, x, in);
             return;
         }
 #endif
-        dot_rows_int8(p->values + o * in, p->scale + o * groups, p->group, x, x_stride, rows, in, y);
+        if (p->group == COMMON_GROUP)
+            dot_rows_int8(p->values + o * in, p->scale + o * groups, COMMON_GROUP, x, x_stride, rows, in, y);
+        else
+            dot_rows_int8(p->values + o * in, p->scale + o * groups, p->group, x, x_stride, rows, in, y);
     }
 }
 
