@@ -271,17 +271,17 @@ static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x
         dot_rows(p->dense + o * in, x, x_stride, rows, in, y);
     } else {
         const int64_t groups = (in + p->group - 1) / p->group;
+        const int8_t *values = p->values + o * in;
+        const float *scale = p->scale + o * groups;
 #if defined(__AVX2__) && defined(__FMA__)
         if (rows == 1 && p->group % 16 == 0 && in % p->group == 0) { /* the batch-1 step's loop */
-            y[0] = p->group == COMMON_GROUP ? dot_int8_row(p->values + o * in, p->scale + o * groups, COMMON_GROUP, x, in)
-                                            : dot_int8_row(p->values + o * in, p->scale + o * groups, p->group, x, in);
+            y[0] = p->group == COMMON_GROUP ? dot_int8_row(values, scale, COMMON_GROUP, x, in)
+                                            : dot_int8_row(values, scale, p->group, x, in);
             return;
         }
 #endif
-        if (p->group == COMMON_GROUP)
-            dot_rows_int8(p->values + o * in, p->scale + o * groups, COMMON_GROUP, x, x_stride, rows, in, y);
-        else
-            dot_rows_int8(p->values + o * in, p->scale + o * groups, p->group, x, x_stride, rows, in, y);
+        if (p->group == COMMON_GROUP) dot_rows_int8(values, scale, COMMON_GROUP, x, x_stride, rows, in, y);
+        else dot_rows_int8(values, scale, p->group, x, x_stride, rows, in, y);
     }
 }
 
