@@ -10,6 +10,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from _smollm2 import dense_folder  # this folder: the scripts importing this module put it on the path
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,6 +24,11 @@ def add_comparison_arguments(p: argparse.ArgumentParser) -> None:
                         "vs_llama_server.py serves it")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--quantize", default=None, choices=["int8", "int4"])
+
+
+def comparison_model(model_id: str | None) -> Path:
+    """The folder ``--model-id`` names, or its default."""
+    return Path(model_id) if model_id else dense_folder("bfloat16")
 
 
 @contextlib.contextmanager

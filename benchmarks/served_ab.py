@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _revision import add_comparison_arguments, revision_package  # noqa: E402
+from _revision import add_comparison_arguments, comparison_model, revision_package  # noqa: E402
 from _server import LlmbusServer, exact_token_prompt, exit_on_sigterm, load_average, metrics  # noqa: E402
-from _smollm2 import dense_folder  # noqa: E402
 from served_breakdown import process_cpu_seconds  # noqa: E402
 from vs_llama_server import KV_TOKENS, kv_bytes_for  # noqa: E402
 
@@ -79,7 +78,7 @@ def main() -> None:
     exit_on_sigterm()
     from tokenizers import Tokenizer
 
-    dense = Path(a.model_id) if a.model_id else dense_folder("bfloat16")
+    dense = comparison_model(a.model_id)
     tokenizer = Tokenizer.from_file(str(dense / "tokenizer.json"))
     args = ["--model-id", str(dense), "--dtype", a.dtype,
             "--kv-cache-memory", str(kv_bytes_for(dense, KV_TOKENS, a.dtype)),

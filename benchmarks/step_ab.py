@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _revision import add_comparison_arguments, revision_package  # noqa: E402
+from _revision import add_comparison_arguments, comparison_model, revision_package  # noqa: E402
 
 RESULT = "STEP_MS"
 
@@ -32,11 +32,10 @@ def time_steps(a: argparse.Namespace) -> None:
     """In the child process: one model, ``rounds`` timed rounds; prints the best round's median step."""
     import torch
 
-    from _smollm2 import dense_folder  # noqa: E402 - this folder, run as a script
     from decode_step import LlmbusDecode  # noqa: E402 - this folder, run as a script
 
-    model = a.model_id or str(dense_folder("bfloat16"))  # served in --dtype, as vs_llama_server.py does
-    decode = LlmbusDecode(model, getattr(torch, a.dtype), a.batch, a.context, a.steps, quantize=a.quantize)
+    decode = LlmbusDecode(str(comparison_model(a.model_id)), getattr(torch, a.dtype), a.batch, a.context, a.steps,
+                          quantize=a.quantize)
     best = min(decode.time_steps(a.batch, a.steps) for _ in range(a.rounds))
     print(f"{RESULT} {best * 1e3:.3f}")
 
