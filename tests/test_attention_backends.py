@@ -1,5 +1,6 @@
 """The attention backends agree with each other over the same steps: the CPU backend (the C decode
-kernel reading the paged pool in place, the bf16 pool in its own layout) against the portable torch
+kernel reading the paged pool in place, the bf16 pool in its own layout, a float16 pool under float32
+attention) against the portable torch
 backend, over decodes alone, decodes beside a prompt chunk, sequences joining and leaving, a reordered
 batch, GQA and a sliding window; and the portable backend's decode groups, split by context length, attend
 as one padded group does while gathering at most PADDING_LIMIT times each sequence's own context."""
@@ -16,11 +17,13 @@ KERNEL = decode_attention_kernel()
 
 
 def _cache(dtype, block_size) -> PagedKVCache:
+    """A pool of ``dtype``; a float16 one is a float32 model's narrower cache (--kv-cache-dtype float16)."""
     return PagedKVCache(num_layers=2, num_blocks=200, block_size=block_size, num_kv_heads=NUM_KV_HEADS,
-                        head_dim=HEAD_DIM, dtype=dtype, device="cpu")
+                        head_dim=HEAD_DIM, dtype=dtype, device="cpu",
+                        compute_dtype=torch.float32 if dtype == torch.float16 else dtype)
 
 
-def _run(schedule, backends, caches, lengths, block_size, dtype, tolerance):
+def _run(schedule, backends, caches, lengths, block_size, tolerance):
     """Steps of ``schedule`` (each: sequences in order with their query lengths) through every backend;
     outputs compared with the first's."""
     tables = {rid: list(range(i * 40, i * 40 + 40)) for i, rid in enumerate(lengths)}
@@ -32,9 +35,10 @@ def _run(schedule, backends, caches, lengths, block_size, dtype, tolerance):
                     device=torch.device("cpu"))
         metas = [b.build_metadata(kv_cache=c, **args) for b, c in zip(backends, caches)]
         total = sum(step.values())
+        activations = caches[0].compute_dtype
         for layer in range(2):
-            q = torch.randn(total, NUM_HEADS, HEAD_DIM).to(dtype)
-            k, v = (torch.randn(total, NUM_KV_HEADS, HEAD_DIM).to(dtype) for _ in range(2))
+            q = torch.randn(total, NUM_HEADS, HEAD_DIM).to(activations)
+            k, v = (torch.randn(total, NUM_KV_HEADS, HEAD_DIM).to(activations) for _ in range(2))
             outs = [b.forward(layer, q, k, v, c, m, scale=HEAD_DIM ** -0.5)
                     for b, c, m in zip(backends, caches, metas)]
             for out in outs[1:]:
@@ -46,7 +50,7 @@ def _run(schedule, backends, caches, lengths, block_size, dtype, tolerance):
 
 @pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is optional")
 @pytest.mark.parametrize("dtype,block_size,tolerance", [(torch.float32, 4, 1e-5), (torch.float32, 16, 1e-5),
-                                                        (torch.bfloat16, 16, 2e-2)])
+                                                        (torch.bfloat16, 16, 2e-2), (torch.float16, 16, 1e-5)])
 def test_cpu_kernel_backend_equals_portable(dtype, block_size, tolerance):
     cpu, portable = CPUKernelBackend([None, 3], KERNEL), TorchSDPABackend([None, 3])
     caches = [_cache(dtype, block_size), _cache(dtype, block_size)]
@@ -55,7 +59,7 @@ def test_cpu_kernel_backend_equals_portable(dtype, block_size, tolerance):
                 + [{"a": 1, "b": 1, "c": 1, "d": 3}] * 2 + [{"a": 1, "b": 1, "c": 1, "d": 1}] * 3
                 + [{"b": 1, "c": 1, "d": 1}] * 3 + [{"d": 1, "b": 1, "c": 1}] * 20)
     lengths = {"a": 0, "b": 0, "c": 0, "d": 0}
-    metas = _run(schedule, [portable, cpu], caches, lengths, block_size, dtype, tolerance)
+    metas = _run(schedule, [portable, cpu], caches, lengths, block_size, tolerance)
     assert type(metas[1].groups[0]).__name__ == "KernelDecodeGroup"
     # The pools hold the same K/V, the CPU backend's bf16 blocks in the kernel's layout.
     for name in ("key", "value"):
@@ -65,25 +69,25 @@ def test_cpu_kernel_backend_equals_portable(dtype, block_size, tolerance):
 
 
 @pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is optional")
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_prompt_rows_equal_portable(block_size, monkeypatch):
-    """``prompt_rows``: a float32 step with prompts is one kernel group, every token a row of its own that
+@pytest.mark.parametrize("block_size,dtype", [(4, torch.float32), (16, torch.float32), (16, torch.float16)])
+def test_prompt_rows_equal_portable(block_size, dtype, monkeypatch):
+    """``prompt_rows``: a float32 step with prompts (over a float32 or float16 pool) is one kernel group, every token a row of its own that
     attends its sequence up to itself (a sliding window too), and attends as the portable backend does;
     a step past PROMPT_ROWS_MAX_SCORES keeps the portable groups."""
     from llmbus.workers.attention import cpu
 
     rows, portable = CPUKernelBackend([None, 3], KERNEL), TorchSDPABackend([None, 3])
     rows.prompt_rows = True
-    caches = [_cache(torch.float32, block_size), _cache(torch.float32, block_size)]
+    caches = [_cache(dtype, block_size), _cache(dtype, block_size)]
     schedule = ([{"a": 5, "b": 9, "c": 1}] + [{"a": 1, "b": 1, "c": 1}] * 3 + [{"a": 1, "b": 1, "c": 1, "d": 12}]
                 + [{"a": 1, "b": 1, "d": 3}] + [{"b": 1, "d": 1}] * 2)
     lengths = {"a": 0, "b": 0, "c": 0, "d": 0}
-    metas = _run(schedule[:1], [portable, rows], caches, lengths, block_size, torch.float32, 1e-5)
+    metas = _run(schedule[:1], [portable, rows], caches, lengths, block_size, 1e-5)
     assert [type(g).__name__ for g in metas[1].groups] == ["KernelDecodeGroup"]
     assert metas[1].groups[0].context_lens.tolist() == [1, 2, 3, 4, 5, *range(1, 10), 1]
-    _run(schedule[1:], [portable, rows], caches, lengths, block_size, torch.float32, 1e-5)
+    _run(schedule[1:], [portable, rows], caches, lengths, block_size, 1e-5)
     monkeypatch.setattr(cpu, "PROMPT_ROWS_MAX_SCORES", 10)
-    metas = _run([{"a": 1, "e": 4}], [portable, rows], caches, {**lengths, "e": 0}, block_size, torch.float32, 1e-5)
+    metas = _run([{"a": 1, "e": 4}], [portable, rows], caches, {**lengths, "e": 0}, block_size, 1e-5)
     assert len(metas[1].groups) == 2 and type(metas[1].groups[1]).__name__ == "AttentionGroup"
 
 
@@ -95,12 +99,12 @@ def test_decode_groups_split_by_context_length(monkeypatch):
     split, padded = TorchSDPABackend([None]), TorchSDPABackend([None])
     lengths = {"long": 0, "s1": 0, "s2": 0, "s3": 0}
     prompt = {"long": 150, "s1": 3, "s2": 5, "s3": 2}
-    _run([prompt], [split, padded], caches, lengths, block_size, torch.float32, 1e-5)
+    _run([prompt], [split, padded], caches, lengths, block_size, 1e-5)
     step = {"s1": 1, "long": 1, "s2": 1, "s3": 1}
     monkeypatch.setattr(torch_sdpa, "PADDING_LIMIT", float("inf"))
-    one_group = _run([step], [padded], caches[1:], dict(lengths), block_size, torch.float32, 1e-5)[0]
+    one_group = _run([step], [padded], caches[1:], dict(lengths), block_size, 1e-5)[0]
     monkeypatch.undo()
-    metas = _run([step] * 3, [split, padded], caches, lengths, block_size, torch.float32, 1e-5)
+    metas = _run([step] * 3, [split, padded], caches, lengths, block_size, 1e-5)
     assert len(one_group.groups) == 1 and one_group.groups[0].block_index.numel() == 4 * 38
     gathered = sum(g.block_index.numel() for g in metas[0].groups)
     own = sum(-(-n // block_size) for n in lengths.values())

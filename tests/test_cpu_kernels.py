@@ -1,7 +1,7 @@
 """The C decode-attention kernel (workers/decode_attention.c) against a float32 reference written with
 torch ops: the attended output over a paged pool read through block tables, the new K/V it writes into
 the pool (in the kernel's layout for bf16), the writer used beside prompts, GQA groups, sliding windows (a
-first visible key per sequence), both dtypes, and head dims that take the AVX-512 path (64, 128) or the
+first visible key per sequence), both dtypes and a float16 pool under float32 queries, and head dims that take the AVX-512 path (64, 128) or the
 portable one (8). Also: where the kernel cannot be built, attention falls back to torch."""
 
 import pytest
@@ -96,6 +96,33 @@ def test_writer_and_layout_round_trip(dtype):
     assert torch.equal(torch_key.view(num_kv_heads, -1, head_dim)[:, slots], key.transpose(0, 1))
     assert torch.equal(torch_value.view(num_kv_heads, -1, head_dim)[:, slots], value.transpose(0, 1))
     assert torch.equal(torch.stack(KERNEL.to_layout(torch_key, torch_value)), torch.stack(pool))
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 4), (8, 6, 2)])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_float16_pool_under_float32_queries(head_dim, num_heads, num_kv_heads, block_size):
+    """--kv-cache-dtype float16 on a float32 model: the new K/V are stored as torch's ``.to(float16)``
+    rounds them, and attention is float32 arithmetic over the stored values (AVX2 + F16C for head dims of 64
+    and 128, the portable loops for 8)."""
+    lens, starts, tables, pool_key, pool_value, query, new_key, new_value, slots = paged_problem(
+        torch.float32, head_dim, num_heads, num_kv_heads, block_size)
+    half_key, half_value = pool_key.half(), pool_value.half()
+    assert KERNEL.supports(torch.float16, head_dim, block_size, torch.float32)
+    assert not KERNEL.supports(torch.float16, head_dim, block_size)  # float16 queries: no entry
+    out = KERNEL(query, half_key, half_value, tables, lens, starts, int(lens.max()), head_dim ** -0.5,
+                 new=(new_key, new_value, slots))
+
+    for pool, new in ((pool_key, new_key), (pool_value, new_value)):
+        pool.view(pool.shape[0], -1, head_dim)[:, slots] = new.transpose(0, 1)
+    assert torch.equal(half_key, pool_key.half()) and torch.equal(half_value, pool_value.half())
+    assert out.dtype == torch.float32 and out.shape == query.shape
+    expected = reference(query, contexts(half_key.float(), tables, lens), contexts(half_value.float(), tables, lens),
+                         lens, starts, head_dim ** -0.5, round_probs=False)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    written = [torch.zeros_like(half_key) for _ in range(2)]
+    KERNEL.write(new_key, new_value, *written, slots)
+    for pool, new in zip(written, (new_key, new_value)):
+        assert torch.equal(pool.view(pool.shape[0], -1, head_dim)[:, slots], new.transpose(0, 1).half())
 
 
 def test_kernel_refuses_shapes_it_cannot_take():

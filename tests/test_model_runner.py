@@ -194,6 +194,29 @@ def test_fused_decode_layer_reads_int8_weights_as_the_torch_path_computes_them(c
     assert all(len(v.tokens) > 1 for v in results["fused"].values()) and sum(ran) >= 5
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_narrower_kv_cache_agrees_across_paths(checkpoint, kv_dtype):
+    """--kv-cache-dtype float16 (or bfloat16) on a float32 model: the pool stores the narrower type and every
+    path (the fused C layer, torch layers with the C decode kernel, the portable backend; bfloat16 takes the
+    portable one throughout) writes and reads it alike, so their tokens agree; they also follow
+    transformers' float32 greedy tokens where the margins are decisive, as these tiny models' are."""
+    from llmbus.workers.attention import TorchSDPABackend
+
+    runner = ModelRunner(checkpoint.path, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=512,
+                         kv_cache_dtype=kv_dtype)
+    runner.warmup()
+    assert runner.kv_cache.key.dtype == kv_dtype and runner.kv_cache.compute_dtype == torch.float32
+    fused, kernel_backend = runner.model.fused_decode, runner.model.attention_backend
+    paths = {"fused": (fused, kernel_backend), "kernel": (None, kernel_backend),
+             "portable": (None, TorchSDPABackend(kernel_backend.windows))}
+    results = {}
+    for name, (layers, backend) in paths.items():
+        runner.model.fused_decode, runner.model.attention_backend = layers, backend
+        results[name] = {r: v.tokens for r, v in drive(runner, mixed_requests(checkpoint.prompts)).items()}
+    assert results["fused"] == results["kernel"] == results["portable"]
+    assert [results["portable"][f"r{i}"] for i in range(len(checkpoint.prompts))] == checkpoint.reference.tokens
+
+
 # -- tensor parallelism --------------------------------------------------------------------------
 
 

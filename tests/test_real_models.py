@@ -205,3 +205,32 @@ def test_smollm2_float32_equals_transformers_on_the_same_weights(smollm2_server,
     finally:
         if own:
             assert server.stop() == 0, server.stderr.text[-3000:]
+
+
+@smollm2
+def test_smollm2_float16_kv_cache_served(smollm2_transformers):
+    """`--kv-cache-dtype float16` on SmolLM2 in float32 (head dim 64: the AVX2 + F16C kernels, and the fused
+    layer): the served tokens follow transformers' float32 ones wherever the reference's top-1 margin is wide
+    enough that float16's rounding of K and V cannot flip it, and /generate works as usual."""
+    path = smollm2_gguf()
+    model, tokenizer = smollm2_transformers
+    server = Server(["--model-id", str(path), "--dtype", "float32", "--kv-cache-dtype", "float16",
+                     "--max-total-tokens", "512"])
+    try:
+        compared = 0
+        for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                                 output_scores=True, return_dict_in_generate=True, eos_token_id=None,
+                                 pad_token_id=tokenizer.eos_token_id)
+            served = served_greedy(server, prompt, 16)
+            for position, scores in enumerate(out.scores):
+                top2 = torch.topk(scores[0].float(), 2).values
+                if top2[0] - top2[1] < 0.1:  # within reach of the cache's rounding: later tokens may differ
+                    break
+                assert served[position] == out.sequences[0, ids.shape[1] + position].item(), (prompt, position)
+                compared += 1
+        assert compared >= 16, compared
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
+    assert any("kv_cache_dtype" in line and "float16" in line for line in server.stderr.lines)

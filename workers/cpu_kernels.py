@@ -92,7 +92,10 @@ _ATTENTION_ARGTYPES = [_POINTER, _I64, _POINTER, _I64, _POINTER, _I64,  # query,
 _WRITE_ARGTYPES = [_POINTER, _I64, _POINTER, _I64,  # new key, new value (+ row strides)
                    _POINTER, _POINTER, _I64, _I64,  # pool K/V, pool blocks, block size
                    _POINTER, _I64, _I64, _I64]  # slots, tokens, kv heads, head dim
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# Per pool dtype: the C entries' suffix, and the dtype of the queries, new K/V and output they take. A
+# float16 pool is a float32 model's narrower cache (--kv-cache-dtype float16).
+_ENTRIES = {torch.bfloat16: ("bf16", torch.bfloat16), torch.float32: ("f32", torch.float32),
+            torch.float16: ("f16kv", torch.float32)}
 
 
 def _packed_rows(tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -106,16 +109,18 @@ class DecodeAttentionKernel:
 
     def __init__(self, library: ctypes.CDLL):
         self._attend, self._write = {}, {}
-        for dtype, suffix in _SUFFIX.items():
+        for pool_dtype, (suffix, _) in _ENTRIES.items():
             attend, write = getattr(library, f"decode_attention_{suffix}"), getattr(library, f"write_kv_{suffix}")
             attend.argtypes, attend.restype = _ATTENTION_ARGTYPES, ctypes.c_int
             write.argtypes, write.restype = _WRITE_ARGTYPES, None
-            self._attend[dtype], self._write[dtype] = attend, write
+            self._attend[pool_dtype], self._write[pool_dtype] = attend, write
         self._scratch = torch.empty(0, dtype=torch.float32)
 
-    def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
-        """Whether a pool of ``dtype`` blocks of ``block_size`` positions of ``head_dim`` can be attended."""
-        return (dtype in self._attend and head_dim % 2 == 0
+    def supports(self, dtype: torch.dtype, head_dim: int, block_size: int,
+                 compute_dtype: torch.dtype | None = None) -> bool:
+        """Whether a pool of ``dtype`` blocks of ``block_size`` positions of ``head_dim`` can be attended
+        by queries of ``compute_dtype`` (default: ``dtype``)."""
+        return (dtype in self._attend and _ENTRIES[dtype][1] == (compute_dtype or dtype) and head_dim % 2 == 0
                 and (dtype != torch.bfloat16 or block_size % 16 == 0))
 
     @staticmethod
@@ -151,7 +156,7 @@ class DecodeAttentionKernel:
         [T]`` (int64, block * block_size + position)."""
         tokens, num_kv_heads, head_dim = key.shape
         key, value = _packed_rows(key, head_dim), _packed_rows(value, head_dim)
-        self._write[key.dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+        self._write[pool_key.dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                pool_key.data_ptr(), pool_value.data_ptr(), pool_key.shape[1], pool_key.shape[2],
                                slots.data_ptr(), tokens, num_kv_heads, head_dim)
 
@@ -174,7 +179,7 @@ class DecodeAttentionKernel:
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.float32)
         out = query.new_empty(batch, num_heads, head_dim)
-        status = self._attend[query.dtype](
+        status = self._attend[pool_key.dtype](
             query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
             pool_key.data_ptr(), pool_value.data_ptr(), pool_blocks, block_size,
             slots.data_ptr() if slots is not None else None, tables.data_ptr(), tables.stride(0),

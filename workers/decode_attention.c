@@ -10,6 +10,10 @@
  *
  * Layouts of one block of ``block_size`` positions (``D`` the head dim):
  *   float32:  K and V [block_size][D], as torch keeps them.
+ *   float16:  the same, in half the bytes (``--kv-cache-dtype float16`` for a float32 model): queries, new
+ *             K/V and the output stay float32; K/V are rounded to float16 as they are written (to nearest
+ *             even, as torch's ``.to(torch.float16)``) and widened as they are read, so the arithmetic is
+ *             float32's over the rounded values.
  *   bfloat16: K as [block_size/16][D/2][16][2] (chunks of 16 keys, two dims of a key side by side) and
  *             V as [block_size/2][D][2] (two keys of a dim side by side): the operand layouts of
  *             AVX512-BF16's VDPBF16PS, which multiplies bf16 pairs into float32 lanes, so q.k for 16
@@ -46,6 +50,20 @@ static inline uint16_t f32_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
+/* float16 storage: the compiler's _Float16 conversions (one instruction each with F16C). */
+static inline float f16_to_f32(uint16_t value) {
+    _Float16 half;
+    memcpy(&half, &value, sizeof half);
+    return (float)half;
+}
+
+static inline uint16_t f32_to_f16(float value) {
+    _Float16 half = (_Float16)value;
+    uint16_t bits;
+    memcpy(&bits, &half, sizeof bits);
+    return bits;
+}
+
 /* scores[start..len) <- softmax; returns nothing, the probabilities replace the scores. */
 static inline void softmax_in_place(float *scores, int64_t start, int64_t len) {
     float maximum = -INFINITY, sum = 0.0f;
@@ -71,50 +89,54 @@ static inline void softmax_in_place(float *scores, int64_t start, int64_t len) {
 static inline float f32_identity(float value) { return value; }
 static inline float f32_load(const float *p) { return *p; }
 static inline float bf16_load(const uint16_t *p) { return bf16_to_f32(*p); }
+static inline float f16_load(const uint16_t *p) { return f16_to_f32(*p); }
 static inline float bf16_prob(float value) { return bf16_to_f32(f32_to_bf16(value)); }
 
-/* One token's K/V (one kv head) into the pool at ``slot`` (block * block_size + position in it). */
-#define DEFINE_WRITE(NAME, T, KEY_AT, VALUE_AT)                                                             \
-static inline void NAME(const T *key_in, const T *value_in, T *keys, T *values, int64_t slot,              \
+/* One token's K/V (one kv head, activations of type A) into the pool of type P at ``slot`` (block *
+ * block_size + position in it). */
+#define DEFINE_WRITE(NAME, A, P, KEY_AT, VALUE_AT, STORE)                                                   \
+static inline void NAME(const A *key_in, const A *value_in, P *keys, P *values, int64_t slot,              \
                         int64_t block_size, int64_t head_dim) {                                             \
     int64_t base = (slot / block_size) * block_size * head_dim, w = slot % block_size;                      \
     for (int64_t d = 0; d < head_dim; d++) {                                                                \
-        keys[base + KEY_AT(w, d, head_dim)] = key_in[d];                                                    \
-        values[base + VALUE_AT(w, d, head_dim)] = value_in[d];                                              \
+        keys[base + KEY_AT(w, d, head_dim)] = STORE(key_in[d]);                                             \
+        values[base + VALUE_AT(w, d, head_dim)] = STORE(value_in[d]);                                       \
     }                                                                                                       \
 }
-DEFINE_WRITE(write_f32, float, F32_KEY, F32_VALUE)
-DEFINE_WRITE(write_bf16, uint16_t, BF16_KEY, BF16_VALUE)
+static inline uint16_t u16_identity(uint16_t value) { return value; }
+DEFINE_WRITE(write_f32, float, float, F32_KEY, F32_VALUE, f32_identity)
+DEFINE_WRITE(write_bf16, uint16_t, uint16_t, BF16_KEY, BF16_VALUE, u16_identity)
+DEFINE_WRITE(write_f16kv, float, uint16_t, F32_KEY, F32_VALUE, f32_to_f16)
 
 /* One (kv head, sequence) pair, portable: every query head of the group in turn, reading the
  * sequence's positions block by block (table[i] holds positions i * block_size ...) of this kv head's
- * blocks. */
-#define DEFINE_PORTABLE_PAIR(NAME, T, LOAD, KEY_AT, VALUE_AT, PROB, ROUND)                                  \
-static void NAME(const T *query, const T *keys, const T *values, const int64_t *table, int64_t block_size, \
+ * blocks. Queries and output of type A, the pool of type P. */
+#define DEFINE_PORTABLE_PAIR(NAME, A, P, LOAD_A, LOAD, KEY_AT, VALUE_AT, PROB, ROUND)                       \
+static void NAME(const A *query, const P *keys, const P *values, const int64_t *table, int64_t block_size, \
                  int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,  \
-                 int64_t scores_stride, T *out) {                                                          \
+                 int64_t scores_stride, A *out) {                                                          \
     float acc[head_dim];                                                                                    \
     const int64_t block_elems = block_size * head_dim;                                                      \
     const int64_t first_block = start / block_size, last_block = (len - 1) / block_size;                   \
     for (int64_t g = 0; g < group; g++) {                                                                   \
-        const T *q = query + g * head_dim;                                                                  \
+        const A *q = query + g * head_dim;                                                                  \
         float *row = scores + g * scores_stride;                                                            \
         for (int64_t i = first_block; i <= last_block; i++) {                                               \
-            const T *block = keys + table[i] * block_elems;                                                 \
+            const P *block = keys + table[i] * block_elems;                                                 \
             int64_t base = i * block_size;                                                                  \
             int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size; \
             for (int64_t w = lo; w < hi; w++) {                                                             \
                 float dot = 0.0f;                                                                           \
                 _Pragma("omp simd reduction(+:dot)")                                                        \
                 for (int64_t d = 0; d < head_dim; d++)                                                      \
-                    dot += LOAD(q + d) * LOAD(block + KEY_AT(w, d, head_dim));                              \
+                    dot += LOAD_A(q + d) * LOAD(block + KEY_AT(w, d, head_dim));                            \
                 row[base + w] = dot * scale;                                                                \
             }                                                                                               \
         }                                                                                                   \
         softmax_in_place(row, start, len);                                                                  \
         for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;                                               \
         for (int64_t i = first_block; i <= last_block; i++) {                                               \
-            const T *block = values + table[i] * block_elems;                                               \
+            const P *block = values + table[i] * block_elems;                                               \
             int64_t base = i * block_size;                                                                  \
             int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size; \
             for (int64_t w = lo; w < hi; w++) {                                                             \
@@ -126,7 +148,9 @@ static void NAME(const T *query, const T *keys, const T *values, const int64_t *
         for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = ROUND(acc[d]);                       \
     }                                                                                                       \
 }
-DEFINE_PORTABLE_PAIR(portable_f32, float, f32_load, F32_KEY, F32_VALUE, f32_identity, f32_identity)
+DEFINE_PORTABLE_PAIR(portable_f32, float, float, f32_load, f32_load, F32_KEY, F32_VALUE, f32_identity, f32_identity)
+DEFINE_PORTABLE_PAIR(portable_f16kv, float, uint16_t, f32_load, f16_load, F32_KEY, F32_VALUE, f32_identity,
+                     f32_identity)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -151,22 +175,36 @@ static inline void prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char *)p + offset, _MM_HINT_T0);
 }
 
-/* float32, head_dim a multiple of 64, AVX2: the portable pair's arithmetic with q.k for 8 keys at a time
+/* Element ``i`` of a pool of float32 or (``half``) float16 values: its address; 8 from there as float32. */
+static inline const void *element_at(const void *pool, int64_t i, const int half) {
+    return half ? (const void *)((const uint16_t *)pool + i) : (const void *)((const float *)pool + i);
+}
+
+static inline __m256 load8(const void *pool, int64_t i, const int half) {
+#if defined(__F16C__)
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)pool + i)));
+#endif
+    return _mm256_loadu_ps((const float *)pool + i);
+}
+
+/* float32 queries over a float32 pool, or (``half``) a float16 one widened as it is read (F16C), head_dim a
+ * multiple of 64, AVX2: the portable pair's arithmetic with q.k for 8 keys at a time
  * (one horizontal reduction per 8 keys, not per key) and p.V into 64 dims of accumulators held in
  * registers (the portable loop loads and stores its accumulator array for every key). */
-static void avx2_f32(const float *query, const float *keys, const float *values, const int64_t *table,
-                     int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
-                     float scale, float *scores, int64_t scores_stride, float *out) {
+static inline __attribute__((always_inline)) void avx2_pair(
+        const float *query, const void *keys, const void *values, const int64_t *table, int64_t block_size,
+        int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,
+        int64_t scores_stride, float *out, const int half) {
     const int64_t block_elems = block_size * head_dim;
     const int64_t first_block = start / block_size, last_block = (len - 1) / block_size;
     /* q.k: every head of the group over each chunk of 8 keys while the chunk is in L1 */
-    const int64_t block_bytes = block_elems * (int64_t)sizeof(float);
+    const int64_t block_bytes = block_elems * (half ? 2 : 4);
     for (int64_t i = first_block; i <= last_block; i++) {
-        const float *block = keys + table[i] * block_elems;
+        const int64_t block = table[i] * block_elems;
         const int64_t base = i * block_size;
         const int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size;
-        prefetch_bytes(i < last_block ? keys + table[i + 1] * block_elems : values + table[first_block] * block_elems,
-                       block_bytes);
+        prefetch_bytes(i < last_block ? element_at(keys, table[i + 1] * block_elems, half)
+                                      : element_at(values, table[first_block] * block_elems, half), block_bytes);
         int64_t w = lo;
         for (; w + 8 <= hi; w += 8) {
             for (int64_t g = 0; g < group; g++) {
@@ -176,7 +214,7 @@ static void avx2_f32(const float *query, const float *keys, const float *values,
                 for (int64_t d = 0; d < head_dim; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(q + d);
                     for (int j = 0; j < 8; j++)
-                        sums[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(block + (w + j) * head_dim + d), sums[j]);
+                        sums[j] = _mm256_fmadd_ps(qv, load8(keys, block + (w + j) * head_dim + d, half), sums[j]);
                 }
                 _mm256_storeu_ps(scores + g * scores_stride + base + w,
                                  _mm256_mul_ps(lane_sums8(sums), _mm256_set1_ps(scale)));
@@ -187,7 +225,7 @@ static void avx2_f32(const float *query, const float *keys, const float *values,
                 const float *q = query + g * head_dim;
                 __m256 sum = _mm256_setzero_ps();
                 for (int64_t d = 0; d < head_dim; d += 8)
-                    sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(block + w * head_dim + d), sum);
+                    sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(keys, block + w * head_dim + d, half), sum);
                 scores[g * scores_stride + base + w] = hsum256(sum) * scale;
             }
         }
@@ -199,20 +237,39 @@ static void avx2_f32(const float *query, const float *keys, const float *values,
             __m256 acc[8];
             for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
             for (int64_t i = first_block; i <= last_block; i++) {
-                const float *block = values + table[i] * block_elems + d0;
+                const int64_t block = table[i] * block_elems + d0;
                 const int64_t base = i * block_size;
                 const int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size;
-                if (g == 0 && d0 == 0 && i < last_block) prefetch_bytes(values + table[i + 1] * block_elems, block_bytes);
+                if (g == 0 && d0 == 0 && i < last_block)
+                    prefetch_bytes(element_at(values, table[i + 1] * block_elems, half), block_bytes);
                 for (int64_t w = lo; w < hi; w++) {
                     const __m256 p = _mm256_set1_ps(row[base + w]);
                     for (int c = 0; c < 8; c++)
-                        acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(block + w * head_dim + 8 * c), acc[c]);
+                        acc[c] = _mm256_fmadd_ps(p, load8(values, block + w * head_dim + 8 * c, half), acc[c]);
                 }
             }
             for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + g * head_dim + d0 + 8 * c, acc[c]);
         }
     }
 }
+
+static void avx2_f32(const float *query, const float *keys, const float *values, const int64_t *table,
+                     int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
+                     float scale, float *scores, int64_t scores_stride, float *out) {
+    avx2_pair(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
+              out, 0);
+}
+
+#if defined(__F16C__)
+/* Each head of the group widens the K/V it reads itself: widening a chunk once into float32 rows in L1 for
+ * all of them measured slower (a batch-64 layer at 448 tokens: 68-83 ms against 62-70 over 30 layers). */
+static void avx2_f16kv(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
+                       int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
+                       float scale, float *scores, int64_t scores_stride, float *out) {
+    avx2_pair(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
+              out, 1);
+}
+#endif
 #endif
 
 /* One (kv head, sequence) pair in float32. */
@@ -229,7 +286,23 @@ static inline void pair_f32(const float *query, const float *keys, const float *
     portable_f32(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
                  out);
 }
-DEFINE_PORTABLE_PAIR(portable_bf16, uint16_t, bf16_load, BF16_KEY, BF16_VALUE, bf16_prob, f32_to_bf16)
+
+/* One (kv head, sequence) pair of float32 queries over a float16 pool. */
+static inline void pair_f16kv(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
+                              int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
+                              float scale, float *scores, int64_t scores_stride, float *out) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (head_dim % 64 == 0) {
+        avx2_f16kv(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
+                   out);
+        return;
+    }
+#endif
+    portable_f16kv(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores,
+                   scores_stride, out);
+}
+DEFINE_PORTABLE_PAIR(portable_bf16, uint16_t, uint16_t, bf16_load, bf16_load, BF16_KEY, BF16_VALUE, bf16_prob,
+                     f32_to_bf16)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -366,10 +439,10 @@ static void pair_bf16(const uint16_t *query, const uint16_t *keys, const uint16_
  *   starts [B] its first visible key (a sliding window); out [B, Hq, D];
  *   scratch float32 [Hkv * B, group, scores_stride], scores_stride >= max(lens) rounded up to 16.
  * Returns 0, or -1 for a shape it cannot take. */
-#define DEFINE_ENTRY(NAME, T, WRITE, PAIR, BLOCK_MULTIPLE)                                                  \
-int NAME(const T *query, int64_t query_stride, const T *new_key, int64_t key_stride, const T *new_value,   \
-         int64_t value_stride, T *pool_key, T *pool_value, int64_t pool_blocks, int64_t block_size,         \
-         const int64_t *slots, const int64_t *tables, int64_t table_stride, T *out, const int64_t *lens,    \
+#define DEFINE_ENTRY(NAME, A, P, WRITE, PAIR, BLOCK_MULTIPLE)                                               \
+int NAME(const A *query, int64_t query_stride, const A *new_key, int64_t key_stride, const A *new_value,   \
+         int64_t value_stride, P *pool_key, P *pool_value, int64_t pool_blocks, int64_t block_size,         \
+         const int64_t *slots, const int64_t *tables, int64_t table_stride, A *out, const int64_t *lens,    \
          const int64_t *starts, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,   \
          float scale, float *scratch, int64_t scores_stride) {                                              \
     if (num_heads % num_kv_heads != 0 || block_size % BLOCK_MULTIPLE != 0 || head_dim % 2 != 0) return -1; \
@@ -398,14 +471,15 @@ int NAME(const T *query, int64_t query_stride, const T *new_key, int64_t key_str
     }                                                                                                       \
     return 0;                                                                                               \
 }
-DEFINE_ENTRY(decode_attention_bf16, uint16_t, write_bf16, pair_bf16, 16)
-DEFINE_ENTRY(decode_attention_f32, float, write_f32, pair_f32, 1)
+DEFINE_ENTRY(decode_attention_bf16, uint16_t, uint16_t, write_bf16, pair_bf16, 16)
+DEFINE_ENTRY(decode_attention_f32, float, float, write_f32, pair_f32, 1)
+DEFINE_ENTRY(decode_attention_f16kv, float, uint16_t, write_f16kv, pair_f16kv, 1)
 
 /* Tokens' K/V [T, Hkv, D] (row strides as above) into one layer's pool at slots [T]: how every token of
  * a step that is not only decodes reaches the pool in the kernel's layout. */
-#define DEFINE_WRITE_ENTRY(NAME, T, WRITE)                                                                  \
-void NAME(const T *new_key, int64_t key_stride, const T *new_value, int64_t value_stride, T *pool_key,     \
-          T *pool_value, int64_t pool_blocks, int64_t block_size, const int64_t *slots, int64_t tokens,     \
+#define DEFINE_WRITE_ENTRY(NAME, A, P, WRITE)                                                               \
+void NAME(const A *new_key, int64_t key_stride, const A *new_value, int64_t value_stride, P *pool_key,     \
+          P *pool_value, int64_t pool_blocks, int64_t block_size, const int64_t *slots, int64_t tokens,     \
           int64_t num_kv_heads, int64_t head_dim) {                                                         \
     int64_t head_elems = pool_blocks * block_size * head_dim;                                               \
     for (int64_t t = 0; t < tokens; t++)                                                                    \
@@ -413,5 +487,6 @@ void NAME(const T *new_key, int64_t key_stride, const T *new_value, int64_t valu
             WRITE(new_key + t * key_stride + h * head_dim, new_value + t * value_stride + h * head_dim,     \
                   pool_key + h * head_elems, pool_value + h * head_elems, slots[t], block_size, head_dim);   \
 }
-DEFINE_WRITE_ENTRY(write_kv_bf16, uint16_t, write_bf16)
-DEFINE_WRITE_ENTRY(write_kv_f32, float, write_f32)
+DEFINE_WRITE_ENTRY(write_kv_bf16, uint16_t, uint16_t, write_bf16)
+DEFINE_WRITE_ENTRY(write_kv_f32, float, float, write_f32)
+DEFINE_WRITE_ENTRY(write_kv_f16kv, float, uint16_t, write_f16kv)

@@ -53,20 +53,21 @@ typedef struct {
     float *scores;                             /* [Hkv * B, group, scores_stride] */
     int64_t rows_share_sequences;              /* rows are positions of one sequence (speculation) */
     float *gate_up_out, *panels;               /* batches past MAX_ROWS: [B, 2 I], gemm_panel_floats */
-    float *pool_key, *pool_value;              /* every layer's pool, one after the other */
-    int64_t pool_layer_stride;                 /* floats from one layer's pool to the next */
+    void *pool_key, *pool_value;               /* every layer's pool, one after the other */
+    int64_t pool_layer_stride;                 /* elements from one layer's pool to the next */
     const int64_t *const *starts;              /* per window: [B] first visible key */
+    int64_t pool_f16;                          /* the pool holds float16 K/V (--kv-cache-dtype), else float32 */
 } StepArgs;
 
 /* What a layer's stages read of the pool: this layer's K and V and its window's first keys. */
 typedef struct {
-    float *pool_key, *pool_value;
+    void *pool_key, *pool_value;
     const int64_t *starts;
 } LayerPool;
 
 static inline LayerPool layer_pool(const StepArgs *s, const LayerArgs *l, int64_t layer) {
-    LayerPool pool = {s->pool_key + layer * s->pool_layer_stride, s->pool_value + layer * s->pool_layer_stride,
-                      s->starts[l->window]};
+    int64_t offset = layer * s->pool_layer_stride * (s->pool_f16 ? 2 : 4);
+    LayerPool pool = {(char *)s->pool_key + offset, (char *)s->pool_value + offset, s->starts[l->window]};
     return pool;
 }
 
@@ -325,9 +326,16 @@ static inline void attend_pair(const StepArgs *s, const LayerPool *l, int64_t pa
     const int64_t B = s->batch, D = s->head_dim, Hq = s->num_heads;
     int64_t kv_head = pair / B, b = pair % B;
     const float *query = s->qkv_out + b * qkv_width + kv_head * group * D;
-    pair_f32(query, l->pool_key + kv_head * head_elems, l->pool_value + kv_head * head_elems,
-             s->tables + b * s->table_stride, s->block_size, l->starts[b], s->lens[b], D, group, s->scale,
-             s->scores + pair * group * s->scores_stride, s->scores_stride, s->attended + (b * Hq + kv_head * group) * D);
+    const int64_t *table = s->tables + b * s->table_stride;
+    float *scores = s->scores + pair * group * s->scores_stride, *out = s->attended + (b * Hq + kv_head * group) * D;
+    if (s->pool_f16)
+        pair_f16kv(query, (const uint16_t *)l->pool_key + kv_head * head_elems,
+                   (const uint16_t *)l->pool_value + kv_head * head_elems, table, s->block_size, l->starts[b],
+                   s->lens[b], D, group, s->scale, scores, s->scores_stride, out);
+    else
+        pair_f32(query, (const float *)l->pool_key + kv_head * head_elems,
+                 (const float *)l->pool_value + kv_head * head_elems, table, s->block_size, l->starts[b], s->lens[b],
+                 D, group, s->scale, scores, s->scores_stride, out);
 }
 
 /* RoPE on the step's queries and keys, the new K/V into the pool, and attention, for every (kv head, row)
@@ -343,8 +351,13 @@ static inline void rope_write_attend(const StepArgs *s, const LayerPool *l) {
         float *query = row + kv_head * group * D, *key = row + (Hq + kv_head) * D;
         for (int64_t g = 0; g < group; g++) rope(query + g * D, cos, sin, D);
         rope(key, cos, sin, D);
-        write_f32(key, row + (Hq + Hkv + kv_head) * D, l->pool_key + kv_head * head_elems,
-                  l->pool_value + kv_head * head_elems, s->slots[b], s->block_size, D);
+        const float *value = row + (Hq + Hkv + kv_head) * D;
+        if (s->pool_f16)
+            write_f16kv(key, value, (uint16_t *)l->pool_key + kv_head * head_elems,
+                        (uint16_t *)l->pool_value + kv_head * head_elems, s->slots[b], s->block_size, D);
+        else
+            write_f32(key, value, (float *)l->pool_key + kv_head * head_elems,
+                      (float *)l->pool_value + kv_head * head_elems, s->slots[b], s->block_size, D);
         if (!s->rows_share_sequences) attend_pair(s, l, pair, head_elems, qkv_width, group);
     }
     /* rows that are positions of one sequence (speculation) each attend to the ones before it: every

@@ -19,7 +19,8 @@ or int8 ones that otherwise compute through a dense float32 copy (``--quantize i
 does not run): the layer's GEMVs then stream the int8 rows, a quarter of the bytes, and its GEMMs (prompts,
 large batches) multiply that same float32 copy. Float32 weights that are all bfloat16 numbers (a bfloat16
 checkpoint served in float32) also get a bfloat16 copy for the GEMVs, half the bytes for the same bits
-(``Bfloat16Copies``).
+(``Bfloat16Copies``). The KV pool is float32, or float16 under ``--kv-cache-dtype float16`` (the layer rounds
+K/V as it writes them and widens them as attention reads them, decode_attention.c).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class _StepArgs(ctypes.Structure):
                                            "attended", "act", "scores")]
                 + [("rows_share_sequences", _I64)]
                 + [(name, _P) for name in ("gate_up_out", "panels", "pool_key", "pool_value")]
-                + [("pool_layer_stride", _I64), ("starts", _P)])
+                + [("pool_layer_stride", _I64), ("starts", _P), ("pool_f16", _I64)])
 
 
 @functools.cache
@@ -286,7 +287,8 @@ class FusedDecodeLayers:
         path takes; False (nothing done) otherwise."""
         groups = meta.groups
         if (len(groups) != 1 or not isinstance(groups[0], KernelDecodeGroup) or groups[0].token_index is not None
-                or (hidden.shape[0] > MAX_BATCH and not self._large_batches)):
+                or (hidden.shape[0] > MAX_BATCH and not self._large_batches)
+                or kv_cache.key.dtype not in (torch.float32, torch.float16)):
             return False
         group = groups[0]
         batch = hidden.shape[0]
@@ -314,6 +316,7 @@ class FusedDecodeLayers:
         starts = (_P * len(group.window_starts))(*[t.data_ptr() for t in group.window_starts])
         step.pool_key, step.pool_value = kv_cache.key.data_ptr(), kv_cache.value.data_ptr()
         step.pool_layer_stride, step.starts = kv_cache.key.stride(0), ctypes.cast(starts, _P)
+        step.pool_f16 = int(kv_cache.key.dtype == torch.float16)
         if self._function(ctypes.byref(step), self._layers, len(self._layers), hidden.data_ptr()) != 0:
             raise ValueError("the fused decode layer cannot take this shape")
         return True

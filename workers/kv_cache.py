@@ -38,7 +38,11 @@ class PagedKVCache:
     """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 compute_dtype: torch.dtype | None = None):
+        """``dtype``: what the pool stores; ``compute_dtype``: what attention computes in, the model's
+        activations (default ``dtype``). A narrower pool (``--kv-cache-dtype``) rounds K/V as they are written
+        and widens them as they are read."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
         self.num_layers = num_layers
@@ -46,6 +50,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.compute_dtype = compute_dtype or dtype
         shape = (num_layers, num_kv_heads, num_blocks + 1, block_size, head_dim)
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)

@@ -218,11 +218,12 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
                  max_batch_prefill_tokens: int = 4096, cuda_memory_fraction: float = 1.0,
-                 quantize: str | None = None):
+                 quantize: str | None = None, kv_cache_dtype: torch.dtype | None = None):
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # what the KV pool stores (attention computes in dtype)
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
@@ -262,7 +263,7 @@ class ModelRunner:
         """The pool's shape arguments, as kv_cache's sizing functions and PagedKVCache take them."""
         return dict(num_layers=self.model.num_layers, block_size=self.block_size,
                     num_kv_heads=self.model.num_local_kv_heads, head_dim=self.model.config.head_dim,
-                    dtype=self.dtype)
+                    dtype=self.kv_cache_dtype)
 
     def _blocks_for_bytes(self, budget_bytes: int) -> int:
         return num_blocks_for_bytes(budget_bytes, **self._kv_layout)
@@ -282,7 +283,7 @@ class ModelRunner:
                 f"Decrease `--kv-cache-memory` (or `--num-blocks`)")
 
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
-        return PagedKVCache(num_blocks=num_blocks, device=self.device, **self._kv_layout)
+        return PagedKVCache(num_blocks=num_blocks, device=self.device, compute_dtype=self.dtype, **self._kv_layout)
 
     @property
     def compute_paths(self) -> dict:

@@ -42,6 +42,11 @@ class WorkerConfig(ServiceSettings):
                                    help="Weight-only quantization of the linear layers (int8 or int4, in groups "
                                         "of 32 inputs). GGUF files keep their Q8_0/Q4_0/Q4_1 tensors quantized "
                                         "either way.")
+    kv_cache_dtype: str = setting("auto", env="KV_CACHE_DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
+                                  help="What the KV cache stores. auto: the model's dtype, exact. float16 on a "
+                                       "float32 model halves the cache's bytes (llama.cpp's default cache type) "
+                                       "and what decode attention reads, at float16's rounding of K and V; the "
+                                       "CPU kernels take it. TGI's fp8 kinds are not implemented.")
     block_size: int | None = setting(None, env="BLOCK_SIZE",
                                      help="Tokens per KV cache block (default: 64 on CPU, 16 on CUDA).")
     kv_cache_bytes: int | None = setting(None, flag="--kv-cache-memory", env="KV_CACHE_MEMORY",
@@ -170,6 +175,7 @@ class Worker:
         send(self.control, m.WorkerHello(rank=self.cfg.rank, world_size=self.cfg.world_size, pid=os.getpid()))
         device = resolve_device(self.cfg.device, self.cfg.rank)
         dtype = resolve_dtype(self.cfg.dtype, device)
+        kv_dtype = None if self.cfg.kv_cache_dtype == "auto" else resolve_dtype(self.cfg.kv_cache_dtype, device)
         if self.cfg.dtype == "auto" and self.cfg.rank == 0:
             why = {("cpu", torch.bfloat16): "this CPU runs bf16 matmuls natively (oneDNN: avx512_bf16/AMX)",
                    ("cpu", torch.float32): "this CPU has no native bf16 matmuls; bf16 would be emulated",
@@ -201,7 +207,8 @@ class Worker:
                                   kv_cache_bytes=self.cfg.kv_cache_bytes, num_blocks=self.cfg.num_blocks,
                                   max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
                                                             or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
-                                  cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize)
+                                  cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize,
+                                  kv_cache_dtype=kv_dtype)
         load_s = time.monotonic() - t0
         warmup_started = time.monotonic()
         warmup_tokens = self.runner.warmup()
@@ -218,6 +225,7 @@ class Worker:
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
                       device=str(device), load_s=round(load_s, 2),
                       warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks,
+                      kv_cache_dtype=str(getattr(self.runner, "kv_cache_dtype", dtype)).removeprefix("torch."),
                       **({"threads": torch.get_num_threads()} if device.type == "cpu" else {}),
                       **getattr(self.runner, "compute_paths", {}))
         send(self.control, m.WorkerReady(rank=self.cfg.rank, num_blocks=self.runner.num_blocks,

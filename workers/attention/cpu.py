@@ -9,8 +9,10 @@ token is written first by the kernel's writer, then the kernel attends the decod
 
 For bfloat16 the pool's blocks are kept in the kernel's layout (``DecodeAttentionKernel.to_layout``: the
 operand order of AVX512-BF16's dot products), so the torch paths convert blocks back as they gather them;
-float32 blocks are stored as torch reads them. A pool the kernel cannot take (another dtype, or bf16
-blocks of a size not a multiple of 16) is handled entirely by the portable path.
+float32 blocks are stored as torch reads them, and so are float16 ones (a float32 model's narrower cache,
+``--kv-cache-dtype float16``: the kernel rounds K/V as it writes them and widens them as it reads). A pool
+the kernel cannot take (another dtype, or bf16 blocks of a size not a multiple of 16) is handled entirely by
+the portable path.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class CPUKernelBackend(TorchSDPABackend):
                        kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
         if max(query_lens) == 1 and self._takes(kv_cache):
             return self._decodes_metadata(num_computed, block_tables, kv_cache, device)
-        if self.prompt_rows and max(query_lens) > 1 and kv_cache.key.dtype == torch.float32 and self._takes(kv_cache):
+        if (self.prompt_rows and max(query_lens) > 1 and kv_cache.compute_dtype == torch.float32
+                and self._takes(kv_cache)):
             max_context = max(c + n for c, n in zip(num_computed, query_lens))
             if sum(query_lens) * max_context <= PROMPT_ROWS_MAX_SCORES:
                 index = step_index(query_lens, num_computed, block_tables, kv_cache, device)
@@ -109,7 +112,7 @@ class CPUKernelBackend(TorchSDPABackend):
 
     def _takes(self, kv_cache: PagedKVCache) -> bool:
         """Whether the kernel attends (and lays out) this pool."""
-        return self.kernel.supports(kv_cache.key.dtype, kv_cache.head_dim, kv_cache.block_size)
+        return self.kernel.supports(kv_cache.key.dtype, kv_cache.head_dim, kv_cache.block_size, kv_cache.compute_dtype)
 
     def _own_layout(self, kv_cache: PagedKVCache) -> bool:
         return self._takes(kv_cache) and self.kernel.uses_own_layout(kv_cache.key.dtype)

@@ -48,7 +48,7 @@ class AttentionGroup:
     # [batch, 1, max_query_len, max_ctx] True where the query may attend the key: one mask per window of
     # the backend (``AttentionBackend.windows``), in that order.
     masks: tuple[torch.Tensor, ...]
-    # Small-query groups only (see SMALL_QUERY_MAX): the masks as additive biases (0 or -inf, cache dtype)
+    # Small-query groups only (see SMALL_QUERY_MAX): the masks as additive biases (0 or -inf, compute dtype)
     # in the head-major order of the batched matmuls, [Hkv * batch, 1, max_ctx] for decodes and
     # [Hkv * batch, max_query_len, 1, max_ctx] for chunks; () for other groups.
     matmul_biases: tuple[torch.Tensor, ...] = ()
@@ -127,7 +127,7 @@ class TorchSDPABackend(AttentionBackend):
         if max_query_len <= SMALL_QUERY_MAX:
             shape = (batch, 1, max_ctx) if max_query_len == 1 else (batch, max_query_len, 1, max_ctx)
             matmul_biases = tuple(
-                torch.zeros(m.shape, dtype=kv_cache.key.dtype, device=device).masked_fill_(~m, float("-inf"))
+                torch.zeros(m.shape, dtype=kv_cache.compute_dtype, device=device).masked_fill_(~m, float("-inf"))
                 .view(shape).repeat(kv_cache.num_kv_heads, *[1] * (len(shape) - 1))
                 for m in masks)
         return AttentionGroup(batch=batch, max_query_len=max_query_len, token_index=token_index,
@@ -152,20 +152,20 @@ class TorchSDPABackend(AttentionBackend):
                value: torch.Tensor) -> None:
         """The step's new ``key``/``value [T, Hkv, D]`` into the pool at ``slots [T]``."""
         key_slots, value_slots = kv_cache.layer_slots(layer)  # [Hkv, slots, D]
-        key_slots.index_copy_(1, slots, key.transpose(0, 1))
-        value_slots.index_copy_(1, slots, value.transpose(0, 1))
+        key_slots.index_copy_(1, slots, key.transpose(0, 1).to(key_slots.dtype))
+        value_slots.index_copy_(1, slots, value.transpose(0, 1).to(value_slots.dtype))
 
     def _context(self, layer: int, kv_cache: PagedKVCache,
                  block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks ``block_index [B, n]`` of one layer as ``[Hkv, B, n * block_size, D]`` K and V. Whole
-        blocks are contiguous runs: index_select copies them several times faster than gathering slot
-        by slot with advanced indexing."""
+        """The blocks ``block_index [B, n]`` of one layer as ``[Hkv, B, n * block_size, D]`` K and V, in the
+        pool's dtype. Whole blocks are contiguous runs: index_select copies them several times faster than
+        gathering slot by slot with advanced indexing."""
         return tuple(_gather(blocks, block_index) for blocks in kv_cache.layer_blocks(layer))
 
     def _attend(self, layer: int, group, queries: torch.Tensor, kv_cache: PagedKVCache, window: int,
                 scale: float) -> torch.Tensor:
         """One group's ``queries [Tg, Hq, D]`` over its context -> ``[Tg, Hq, D]``."""
-        keys, values = self._context(layer, kv_cache, group.block_index)
+        keys, values = (t.to(kv_cache.compute_dtype) for t in self._context(layer, kv_cache, group.block_index))
         if group.matmul_biases:
             return _matmul(queries, keys.flatten(0, 1), values.flatten(0, 1), group, window, scale)
         return _sdpa(queries, keys.transpose(0, 1), values.transpose(0, 1), group, window, scale)
