@@ -7,8 +7,8 @@ same weights), and the demo `small` model (random weights, its GGUF written by l
 the OpenAI completions route, streamed: 128-token distinct prompts, 128 new tokens with EOS ignored; c=1 is
 requests one at a time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included), as
 ../shared/peers/README.md measures. The servers of one model run side by side and are measured in turn,
-round after round (llama-server, then llmbus, then llama-server again, ...), so that each ratio pairs
-figures taken minutes apart on this noisy machine: a row prints the median of its rounds' ratios, with
+round after round (llama-server, then llmbus, then llama-server again, ...; every other round in reverse
+order), so that each ratio pairs figures taken minutes apart on this noisy machine: a row prints the median of its rounds' ratios, with
 the lowest and highest. Every round sends prompts of its own (both engines cache prompts they have
 seen). llama-server runs as that README does (64 slots of 512 tokens: KV room for 32768 tokens); llmbus
 gets ``--kv-cache-memory`` for the same 32768 tokens in its dtype, since its CPU default (512 MiB) holds
@@ -146,7 +146,8 @@ def main() -> None:
             running = {name: stack.enter_context(start()) for name, start in servers}
             startup |= {name: srv.startup_s for name, srv in running.items() if isinstance(srv, LlmbusServer)}
             for k, (single, many, warm) in enumerate(round_prompts):
-                for name, srv in running.items():
+                # every other round in reverse, so that no server is always measured right after another
+                for name, srv in (running.items() if k % 2 == 0 else reversed(running.items())):
                     rounds.setdefault(name, []).append(measure(srv.url, single, many, warm, a.new_tokens))
                     print(f"round {k + 1}, {name}: {json.dumps(rounds[name][-1])}", flush=True)
     # A second start of the same server: compiled kernels and caches in place, as a restart finds them.

@@ -125,13 +125,15 @@ def test_float16_pool_under_float32_queries(head_dim, num_heads, num_kv_heads, b
         assert torch.equal(pool.view(pool.shape[0], -1, head_dim)[:, slots], new.transpose(0, 1).half())
 
 
-def test_kernel_refuses_shapes_it_cannot_take():
+def test_kernel_refuses_shapes_and_dtypes_it_cannot_take():
     query = torch.randn(2, 5, 8)
     pool = torch.zeros(2, 3, 16, 8)
     tables, ones = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
     with pytest.raises(ValueError, match="5 heads over 2 KV heads"):
         KERNEL(query, pool, pool.clone(), tables, ones, ones - 1, 1, 1.0)
     assert not KERNEL.supports(torch.bfloat16, 64, 8) and KERNEL.supports(torch.float32, 64, 8)
+    with pytest.raises(ValueError, match="float16 pool takes torch.float32 activations"):
+        KERNEL(query.half()[:, :2], pool.half(), pool.half(), tables, ones, ones - 1, 1, 1.0)
 
 
 def test_disabled_kernel_leaves_attention_to_torch(monkeypatch):

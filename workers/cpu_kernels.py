@@ -98,6 +98,12 @@ _ENTRIES = {torch.bfloat16: ("bf16", torch.bfloat16), torch.float32: ("f32", tor
             torch.float16: ("f16kv", torch.float32)}
 
 
+def _check_activations(tensor: torch.Tensor, pool: torch.Tensor) -> None:
+    """The C entry of a pool reads queries and new K/V of one dtype only (``_ENTRIES``)."""
+    if _ENTRIES[pool.dtype][1] != tensor.dtype:
+        raise ValueError(f"a {pool.dtype} pool takes {_ENTRIES[pool.dtype][1]} activations, not {tensor.dtype}")
+
+
 def _packed_rows(tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Rows may be strided (views into the fused QKV output); within a row the heads must be packed."""
     return tensor if tensor.stride(2) == 1 and tensor.stride(1) == head_dim else tensor.contiguous()
@@ -155,10 +161,11 @@ class DecodeAttentionKernel:
         """``key``/``value [T, Hkv, D]`` into one layer's pool ``[Hkv, blocks, block_size, D]`` at ``slots
         [T]`` (int64, block * block_size + position)."""
         tokens, num_kv_heads, head_dim = key.shape
+        _check_activations(key, pool_key)
         key, value = _packed_rows(key, head_dim), _packed_rows(value, head_dim)
         self._write[pool_key.dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                               pool_key.data_ptr(), pool_value.data_ptr(), pool_key.shape[1], pool_key.shape[2],
-                               slots.data_ptr(), tokens, num_kv_heads, head_dim)
+                                    pool_key.data_ptr(), pool_value.data_ptr(), pool_key.shape[1],
+                                    pool_key.shape[2], slots.data_ptr(), tokens, num_kv_heads, head_dim)
 
     def __call__(self, query: torch.Tensor, pool_key: torch.Tensor, pool_value: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, starts: torch.Tensor, max_len: int, scale: float,
@@ -171,6 +178,7 @@ class DecodeAttentionKernel:
         first; without it the pool already holds them. Returns the attended ``[B, Hq, D]``."""
         batch, num_heads, head_dim = query.shape
         num_kv_heads, pool_blocks, block_size = pool_key.shape[0], pool_key.shape[1], pool_key.shape[2]
+        _check_activations(query, pool_key)
         query = _packed_rows(query, head_dim)
         key, value, slots = ((_packed_rows(new[0], head_dim), _packed_rows(new[1], head_dim), new[2])
                              if new is not None else (query, query, None))
