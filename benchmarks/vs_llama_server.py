@@ -8,11 +8,11 @@ the OpenAI completions route, streamed: 128-token distinct prompts, 128 new toke
 requests one at a time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included), as
 ../shared/peers/README.md measures. The servers of one model run side by side and are measured in turn,
 round after round (llama-server, then llmbus, then llama-server again, ...; every other round in reverse
-order), so that each ratio pairs figures taken minutes apart on this noisy machine: a row prints the median of its rounds' ratios, with
-the lowest and highest. Every round sends prompts of its own (both engines cache prompts they have
-seen). llama-server runs as that README does (64 slots of 512 tokens: KV room for 32768 tokens); llmbus
-gets ``--kv-cache-memory`` for the same 32768 tokens in its dtype, since its CPU default (512 MiB) holds
-fewer than 64 x 256 float32 tokens of SmolLM2 and would queue requests.
+order), so that each ratio pairs figures taken minutes apart on this noisy machine: a row prints the median
+of its rounds' ratios, with the lowest and highest. Every round sends prompts of its own (both engines
+cache prompts they have seen). llama-server runs as that README does (64 slots of 512 tokens: KV room for
+32768 tokens); llmbus gets ``--kv-cache-memory`` for the same 32768 tokens in its dtype, since its CPU
+default (512 MiB) holds fewer than 64 x 256 float32 tokens of SmolLM2 and would queue requests.
 
 Dense forms are bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), float32 elsewhere
 (``--dtype`` overrides): bf16 without hardware support is emulated by every engine and measures the
@@ -112,32 +112,28 @@ def main() -> None:
 
     print(f"dense dtype: {dtype}; load average before: {load_average()}", flush=True)
     smol_prompts, demo_prompts = prompts(smollm2), prompts(default_model_dir())
-    smol_kv = ["--kv-cache-memory", str(kv_bytes_for(smollm2, KV_TOKENS, dtype))]
-    demo_kv = ["--kv-cache-memory", str(kv_bytes_for(default_model_dir(), KV_TOKENS, dtype))]
     # llama-server's cache type: in a float32 run, llmbus also runs with it (see the docstring)
     kv16 = dtype == "float32"
-    smol_kv16 = ["--kv-cache-memory", str(kv_bytes_for(smollm2, KV_TOKENS, "float16")), "--kv-cache-dtype", "float16"]
-    demo_kv16 = ["--kv-cache-memory", str(kv_bytes_for(default_model_dir(), KV_TOKENS, "float16")),
-                 "--kv-cache-dtype", "float16"]
+
+    def llmbus(folder, kv_dtype: str = dtype, *extra: str):
+        """What starts `llmbus up` on ``folder`` in ``dtype``, with KV room for KV_TOKENS tokens of
+        ``kv_dtype`` (and ``--kv-cache-dtype`` where that is not the model's)."""
+        kv = ["--kv-cache-memory", str(kv_bytes_for(folder, KV_TOKENS, kv_dtype)),
+              *(["--kv-cache-dtype", kv_dtype] if kv_dtype != dtype else [])]
+        return lambda: LlmbusServer(["--model-id", str(folder), "--dtype", dtype, *kv, *extra])
+
     # Each group's servers run together (idle ones take no CPU) and are measured in turn, round by round.
     groups = [
         (smol_prompts, [("llama-server " + gguf_kind, lambda: LlamaServer(peer_gguf(gguf_kind))),
-                        ("llmbus " + dtype,
-                         lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv])),
+                        ("llmbus " + dtype, llmbus(smollm2)),
                         ("llama-server q8_0", lambda: LlamaServer(peer_gguf("q8_0"))),
                         *([("llama-server bf16", lambda: LlamaServer(peer_gguf("bf16")))]
                           if gguf_kind == "f32" else []),
-                        ("llmbus int8", lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype,
-                                                              *(smol_kv16 if kv16 else smol_kv),
-                                                              "--quantize", "int8"])),
-                        *([(f"llmbus {dtype} kv f16",
-                            lambda: LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv16]))]
-                          if kv16 else [])]),
+                        ("llmbus int8", llmbus(smollm2, "float16" if kv16 else dtype, "--quantize", "int8")),
+                        *([(f"llmbus {dtype} kv f16", llmbus(smollm2, "float16"))] if kv16 else [])]),
         (demo_prompts, [("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind))),
-                        ("demo llmbus " + dtype,
-                         lambda: LlmbusServer(["--model-id", default_model_dir(), "--dtype", dtype, *demo_kv])),
-                        *([(f"demo llmbus {dtype} kv f16",
-                            lambda: LlmbusServer(["--model-id", default_model_dir(), "--dtype", dtype, *demo_kv16]))]
+                        ("demo llmbus " + dtype, llmbus(default_model_dir())),
+                        *([(f"demo llmbus {dtype} kv f16", llmbus(default_model_dir(), "float16"))]
                           if kv16 else [])])]
     rounds: dict[str, list[dict]] = {}
     startup: dict[str, float] = {}
@@ -151,7 +147,7 @@ def main() -> None:
                     rounds.setdefault(name, []).append(measure(srv.url, single, many, warm, a.new_tokens))
                     print(f"round {k + 1}, {name}: {json.dumps(rounds[name][-1])}", flush=True)
     # A second start of the same server: compiled kernels and caches in place, as a restart finds them.
-    with LlmbusServer(["--model-id", str(smollm2), "--dtype", dtype, *smol_kv]) as srv:
+    with llmbus(smollm2)() as srv:
         second_start = srv.startup_s
     print(f"\nload average after: {load_average()}")
     print(f"{'system':28} {'c=1 tok/s':>22} {'c=64 tok/s':>22}   (median, then each round)")
@@ -163,17 +159,16 @@ def main() -> None:
     def per_round(ours: str, level: str, *peers: str) -> list[float]:
         return [r[level] / max(rounds[peer][k][level] for peer in peers) for k, r in enumerate(rounds[ours])]
 
+    llama_servers = [name for name in rounds if name.startswith("llama-server")]
     rows = [
         (f"c=1 {dtype} / llama-server {gguf_kind}", per_round("llmbus " + dtype, "c1", "llama-server " + gguf_kind),
          1.0, True),
         *([(f"c=1 {dtype} / llama-server bf16", per_round("llmbus " + dtype, "c1", "llama-server bf16"), 1.0, True)]
           if gguf_kind == "f32" else []),
         ("c=1 int8 / llama-server q8_0", per_round("llmbus int8", "c1", "llama-server q8_0"), 1.3, True),
-        (f"c=64 {dtype} / llama-server best c=64",
-         per_round("llmbus " + dtype, "c64", *(name for name in rounds if name.startswith("llama-server"))), 1.5, True),
+        (f"c=64 {dtype} / llama-server best c=64", per_round("llmbus " + dtype, "c64", *llama_servers), 1.5, True),
         *([(f"c=64 {dtype} kv f16 / llama-server best c=64",
-            per_round(f"llmbus {dtype} kv f16", "c64", *(name for name in rounds if name.startswith("llama-server"))),
-            1.5, True)] if kv16 else []),
+            per_round(f"llmbus {dtype} kv f16", "c64", *llama_servers), 1.5, True)] if kv16 else []),
         (f"demo small c=64 / llama-server {gguf_kind}",
          per_round("demo llmbus " + dtype, "c64", "demo llama-server " + gguf_kind), 1.5, True),
         *([(f"demo small c=64 kv f16 / llama-server {gguf_kind}",

@@ -26,15 +26,20 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "Numbers: 1 2
 MAX_NEW = 10
 
 
-def greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+def greedy_with_margins(model, tokenizer, prompt: str, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens, and each one's top-1/top-2 logit margin."""
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                          output_scores=True, return_dict_in_generate=True, eos_token_id=None,
                          pad_token_id=tokenizer.eos_token_id)
-    for scores in out.scores:
-        top2 = torch.topk(scores[0].float(), 2).values
-        assert top2[0] - top2[1] > MIN_MARGIN, "reference margin not decisive"
-    return out.sequences[0, ids.shape[1]:].tolist()
+    top2 = [torch.topk(scores[0].float(), 2).values for scores in out.scores]
+    return out.sequences[0, ids.shape[1]:].tolist(), [float(t[0] - t[1]) for t in top2]
+
+
+def greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    tokens, margins = greedy_with_margins(model, tokenizer, prompt, max_new_tokens)
+    assert all(margin > MIN_MARGIN for margin in margins), "reference margin not decisive"
+    return tokens
 
 
 def served_greedy(server, prompt: str, max_new_tokens: int) -> list[int]:
@@ -219,16 +224,12 @@ def test_smollm2_float16_kv_cache_served(smollm2_transformers):
     try:
         compared = 0
         for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
-                                 output_scores=True, return_dict_in_generate=True, eos_token_id=None,
-                                 pad_token_id=tokenizer.eos_token_id)
+            expected, margins = greedy_with_margins(model, tokenizer, prompt, 16)
             served = served_greedy(server, prompt, 16)
-            for position, scores in enumerate(out.scores):
-                top2 = torch.topk(scores[0].float(), 2).values
-                if top2[0] - top2[1] < 0.1:  # within reach of the cache's rounding: later tokens may differ
+            for position, margin in enumerate(margins):
+                if margin < 0.1:  # within reach of the cache's rounding: later tokens may differ
                     break
-                assert served[position] == out.sequences[0, ids.shape[1] + position].item(), (prompt, position)
+                assert served[position] == expected[position], (prompt, position)
                 compared += 1
         assert compared >= 16, compared
     finally:
