@@ -23,10 +23,10 @@ from prometheus_client.registry import Collector
 
 from llmbus.bus import messages as m
 from llmbus.bus import tracing
+# the same counts-per-bucket histograms (and TGI's duration buckets) as the scheduler's step metrics
+from llmbus.bus.histograms import DURATION_BUCKETS, HistogramCounts
 from llmbus.frontend.errors import ErrorKind
 from llmbus.frontend.metrics import counter, histogram
-# the same counts-per-bucket histograms (and TGI's duration buckets) as the scheduler's step metrics
-from llmbus.scheduler.batch_metrics import DURATION_BUCKETS, HistogramCounts
 
 if TYPE_CHECKING:
     from llmbus.frontend.generation import Generation

@@ -9,6 +9,7 @@ from importlib import metadata
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from llmbus.bus.model_files import gguf_source, is_gguf_folder
 from llmbus.frontend.chat import ChatTemplate
 from llmbus.frontend.config import FrontendConfig, Limits
 from llmbus.frontend.engine_client import EngineClient
@@ -50,8 +51,6 @@ class FrontendState:
     def quantization(self) -> str | None:
         """/info's ``quantize``: ``--quantize``'s method, and for a GGUF file "gguf:" and its main
         quantized tensor type (what a GGUF's file name usually says: Q4_1, Q8_0, Q4_K, ...)."""
-        from llmbus.workers.gguf_checkpoint import gguf_source, is_gguf_folder
-
         if not is_gguf_folder(self.config.model_dir):
             return self.config.quantize
         types = gguf_source(self.config.model_dir)["tensor_types"]

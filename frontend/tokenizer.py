@@ -7,53 +7,16 @@ union of ``generation_config.json`` ``eos_token_id`` (an int or a list) and ``to
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from llmbus.bus.model_files import config_max_positions, eos_token_ids, read_config, token_content
 from llmbus.frontend.detokenizer import IncrementalDetokenizer
 
 # transformers' "no limit" sentinel for model_max_length is 1e30; anything this large means "unknown".
 _UNBOUNDED = 10**9
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
-                "n_ctx")
-
-
-def config_max_positions(model_config: dict) -> int | None:
-    """The positions a model's ``config.json`` says it can embed, whatever its family calls them."""
-    return next((model_config[k] for k in _LENGTH_KEYS if isinstance(model_config.get(k), int)
-                 and not isinstance(model_config[k], bool) and model_config[k] > 0), None)
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    return data if isinstance(data, dict) else {}
-
-
-def _token_content(value) -> str | None:
-    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def _as_id_list(value) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
 
 
 @dataclass
@@ -95,25 +58,13 @@ def load_tokenizer(model_dir: str | Path) -> ModelTokenizer:
     tokenizer.no_truncation()
     tokenizer.no_padding()
 
-    tok_config = _read_json(model_dir / "tokenizer_config.json")
-    gen_config = _read_json(model_dir / "generation_config.json")
-    model_config = _read_json(model_dir / "config.json")
-
-    eos: list[int] = []
-    for token_id in _as_id_list(gen_config.get("eos_token_id")):
-        if token_id not in eos:
-            eos.append(token_id)
-    eos_text = _token_content(tok_config.get("eos_token"))
-    if eos_text is not None:
-        token_id = tokenizer.token_to_id(eos_text)
-        if token_id is not None and token_id not in eos:
-            eos.append(token_id)
-    if not eos:
-        eos = _as_id_list(model_config.get("eos_token_id"))
+    tok_config = read_config(model_dir / "tokenizer_config.json")
+    model_config = read_config(model_dir / "config.json")
+    eos = eos_token_ids(model_dir, tokenizer)
 
     special = {i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
     for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        text = _token_content(tok_config.get(key))
+        text = token_content(tok_config.get(key))
         token_id = tokenizer.token_to_id(text) if text is not None else None
         if token_id is not None:
             special.add(token_id)

@@ -1,34 +1,10 @@
-"""Step metrics the scheduler accumulates and ships in ``SchedulerStats`` (pure: no clocks, no I/O).
-
-Histograms are kept as counts per bucket since start, the way Prometheus histograms are, so a frontend
-can expose them as they arrive and any number of frontends agree. Buckets are TGI's (router/src/server.rs):
-35 geometric duration buckets from 0.15 ms, powers of two up to 1024 for batch sizes.
-"""
+"""Step metrics the scheduler accumulates and ships in ``SchedulerStats`` (pure: no clocks, no I/O), as
+counts per bucket since start (bus/histograms.py)."""
 
 from __future__ import annotations
 
-import bisect
-
 from llmbus.bus import messages as m
-
-DURATION_BUCKETS = [0.0001 * 1.5 ** k for k in range(1, 36)]
-BATCH_SIZE_BUCKETS = [float(2 ** k) for k in range(11)]
-
-
-class HistogramCounts:
-    __slots__ = ("buckets", "counts", "sum")
-
-    def __init__(self, buckets: list[float]):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    def snapshot(self) -> m.Histogram:
-        return m.Histogram(self.buckets, list(self.counts), self.sum)
+from llmbus.bus.histograms import BATCH_SIZE_BUCKETS, DURATION_BUCKETS, HistogramCounts
 
 
 class BatchMetrics:

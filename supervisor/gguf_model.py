@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from llmbus.workers.gguf_checkpoint import (MANIFEST, SUPPORTED_ARCHITECTURES, GGUFError, check_servable,
-                                            field_value, gguf_source, is_gguf_folder, open_gguf)
+from llmbus.bus.model_files import GGUF_MANIFEST, gguf_source, is_gguf_folder
+from llmbus.workers.gguf_checkpoint import (SUPPORTED_ARCHITECTURES, GGUFError, check_servable, field_value,
+                                            open_gguf)
 
 CACHE_ROOT = Path(os.environ.get("LLMBUS_CACHE", Path.home() / ".cache" / "llmbus")) / "gguf"
 FORMAT_VERSION = 2  # bump when the folder's contents change, so older caches are rebuilt
@@ -48,7 +49,7 @@ def materialize(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
     key = hashlib.sha256(f"{FORMAT_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = cache_root or CACHE_ROOT
     folder = root / f"{path.stem}-{key}"
-    if (folder / MANIFEST).is_file():
+    if (folder / GGUF_MANIFEST).is_file():
         return folder
     reader = open_gguf(path)
     summary = check_servable(reader, path)
@@ -61,7 +62,7 @@ def materialize(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
         try:
             tmp.rename(folder)
         except OSError:  # another process finished the same folder first
-            if not (folder / MANIFEST).is_file():
+            if not (folder / GGUF_MANIFEST).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,7 +99,7 @@ def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
     manifest = {"format": FORMAT_VERSION, "path": str(path), "size": path.stat().st_size,
                 "architecture": summary["architecture"], "file_type": summary["file_type"],
                 "tensor_types": summary["tensor_types"]}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    (out / GGUF_MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ the same row permutation serves float rows and raw quantized rows alike.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,18 +42,6 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 # Tensors the native model computes itself: llama3's per-frequency RoPE factors become config.json's
 # rope_parameters when the folder is made (supervisor/gguf_model.py).
 _IGNORED = ("rope_freqs.weight",)
-
-
-MANIFEST = "gguf.json"  # in a model folder made from a GGUF (supervisor/gguf_model.py): which file it is
-
-
-def is_gguf_folder(model_dir: str | Path) -> bool:
-    return (Path(model_dir) / MANIFEST).is_file()
-
-
-def gguf_source(model_dir: str | Path) -> dict:
-    """The manifest of a folder made from a GGUF: ``path`` of the file, its ``file_type``, tensor types."""
-    return json.loads((Path(model_dir) / MANIFEST).read_text())
 
 
 class GGUFError(ValueError):

@@ -30,6 +30,7 @@ import torch
 
 from llmbus.bus.grammar import llguidance_grammar
 from llmbus.bus.messages import Grammar
+from llmbus.bus.model_files import eos_token_ids
 
 COMPILED_CACHE_SIZE = 256  # distinct grammars kept compiled (a tool set or a schema is usually reused)
 
@@ -38,12 +39,11 @@ def load_llg_tokenizer(model_dir: str | Path, vocab_size: int):
     """llguidance's view of the model's vocabulary: tokenizer.json, the logits' width, and every id the
     frontend stops on as end-of-sequence (so a finished grammar allows each of them)."""
     import llguidance
-
-    from llmbus.frontend.tokenizer import load_tokenizer  # pure: tokenizers and JSON files only
+    from tokenizers import Tokenizer
 
     model_dir = Path(model_dir)
-    eos = load_tokenizer(model_dir).eos_token_ids
     text = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+    eos = eos_token_ids(model_dir, Tokenizer.from_str(text))
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos or None)
 
 

@@ -89,7 +89,7 @@ class CheckpointReader:
 
 
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", quantize: str | None = None):
+               device: torch.device | str = "cpu", quantize: str | None = None, trust_remote_code: bool = False):
     """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards; any other
     ``model_type`` gets the transformers fallback (``models/hf_fallback.py``, single rank only)."""
     from llmbus.workers.models import llama
@@ -108,7 +108,8 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
         log.info("model path", model_type=model_type, path="transformers fallback",
                  native=", ".join(sorted(builders)))
         return HFFallbackForCausalLM.from_pretrained(model_dir, model_type=model_type, rank=rank,
-                                                     world_size=world_size, dtype=dtype, device=device, log=log)
+                                                     world_size=world_size, dtype=dtype, device=device, log=log,
+                                                     trust_remote_code=trust_remote_code)
     log.info("model path", model_type=model_type, path="native")
     with _open_checkpoint(model_dir) as reader:
         model = builders[model_type].from_checkpoint(config, reader, rank=rank, world_size=world_size,
@@ -139,7 +140,8 @@ def release_freed_memory() -> None:
 
 def _open_checkpoint(model_dir: str):
     """The weights of ``model_dir``: its safetensors, or the GGUF file a folder made from one names."""
-    from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader, gguf_source, is_gguf_folder
+    from llmbus.bus.model_files import gguf_source, is_gguf_folder
+    from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader
 
     if is_gguf_folder(model_dir):
         return GGUFCheckpointReader(gguf_source(model_dir)["path"])

@@ -29,13 +29,12 @@ GPT-Neo, BLOOM, Falcon, MPT, CodeGen in transformers 5.23), hybrid recurrent lay
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.frontend.tokenizer import config_max_positions
+from llmbus.bus.model_files import config_max_positions
 from llmbus.workers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
 
@@ -155,7 +154,7 @@ class HFFallbackForCausalLM:
     @classmethod
     def from_pretrained(cls, model_dir: str, *, model_type: str, rank: int = 0, world_size: int = 1,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                        log=None) -> "HFFallbackForCausalLM":
+                        log=None, trust_remote_code: bool = False) -> "HFFallbackForCausalLM":
         if world_size > 1:
             raise ValueError(f"model_type {model_type!r} runs through the transformers fallback, which does not "
                              f"support tensor parallelism; use --gpus 1")
@@ -163,10 +162,9 @@ class HFFallbackForCausalLM:
 
         _register_attention()
         try:
-            # --trust-remote-code reaches the workers as TRUST_REMOTE_CODE=1 (TGI's variable)
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION,
-                trust_remote_code=os.environ.get("TRUST_REMOTE_CODE", "").lower() in ("1", "true"))
+                trust_remote_code=trust_remote_code)
         except (KeyError, NotImplementedError, ValueError) as e:
             # e.g. a model_type transformers does not know, or modeling code with a fixed set of
             # attention classes (GPT-Neo) that cannot take a registered attention function.

@@ -1,0 +1,81 @@
+"""What more than one service reads from a model folder: its JSON configs, the positions it can embed, the
+ids it ends a sequence with, and whether it was made from a GGUF file (and from which).
+
+Pure file reading (json, and ``tokenizers`` to name a token's id): the frontend and the workers both call
+it, and neither may import the other (pyproject's import-linter contracts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+# In a model folder made from a GGUF (supervisor/gguf_model.py): which file it is, its tensor types.
+GGUF_MANIFEST = "gguf.json"
+
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "n_ctx")
+
+
+def read_config(path: Path) -> dict:
+    """A JSON object from a model folder; {} where the file is absent, ValueError where it is unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def config_max_positions(model_config: dict) -> int | None:
+    """The positions a model's ``config.json`` says it can embed, whatever its family calls them."""
+    return next((model_config[k] for k in _LENGTH_KEYS if isinstance(model_config.get(k), int)
+                 and not isinstance(model_config[k], bool) and model_config[k] > 0), None)
+
+
+def token_content(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_id_list(value) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def eos_token_ids(model_dir: str | Path, tokenizer: Tokenizer) -> list[int]:
+    """Every id that ends a sequence: ``generation_config.json``'s ``eos_token_id`` (an int or a list) and
+    ``tokenizer_config.json``'s ``eos_token``, else ``config.json``'s ``eos_token_id``. The scheduler stops
+    on any of them, and a finished grammar allows each."""
+    model_dir = Path(model_dir)
+    eos: list[int] = []
+    for token_id in _as_id_list(read_config(model_dir / "generation_config.json").get("eos_token_id")):
+        if token_id not in eos:
+            eos.append(token_id)
+    eos_text = token_content(read_config(model_dir / "tokenizer_config.json").get("eos_token"))
+    if eos_text is not None:
+        token_id = tokenizer.token_to_id(eos_text)
+        if token_id is not None and token_id not in eos:
+            eos.append(token_id)
+    return eos or _as_id_list(read_config(model_dir / "config.json").get("eos_token_id"))
+
+
+def is_gguf_folder(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / GGUF_MANIFEST).is_file()
+
+
+def gguf_source(model_dir: str | Path) -> dict:
+    """The manifest of a folder made from a GGUF: ``path`` of the file, its ``file_type``, tensor types."""
+    return json.loads((Path(model_dir) / GGUF_MANIFEST).read_text())
