@@ -1,5 +1,6 @@
-"""What the serving benchmarks share: `llmbus up` as a child process that is stopped whatever happens,
-token streams read with each token's arrival time, /metrics samples, and prompts of an exact token count.
+"""What the serving benchmarks share beside ``llmbus.testing.Server`` (the one `llmbus up` launcher of tests
+and benchmarks): token streams read with each token's arrival time, /metrics samples, and prompts of an
+exact token count.
 
 Not a benchmark itself (the leading underscore); import it from a script in this folder.
 """
@@ -7,18 +8,16 @@ Not a benchmark itself (the leading underscore); import it from a script in this
 from __future__ import annotations
 
 import json
-import os
 import random
-import shlex
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from harness import LineReader, descendants, free_port  # noqa: E402  (descendants: the launcher's process tree)
+# How long a benchmark's `llmbus.testing.Server` may take to start: its model may be converted or
+# dequantized on the first start (tests keep Server's shorter default).
+READY_TIMEOUT_S = 600.0
 
 
 def exit_on_sigterm() -> None:
@@ -32,83 +31,6 @@ def default_model_dir() -> str:
     from llmbus.supervisor.demo_model import demo_model_dir
 
     return str(demo_model_dir("small"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-class LlmbusServer:
-    """``llmbus up ARGS`` on a free local port, as a context manager: entered once the launcher prints
-    its ready line, stopped on exit (SIGTERM, then wait; SIGKILL after ``stop_timeout``) whether the
-    block ended normally, raised, or was interrupted, startup included. ``leftover`` lists the pids of
-    the launcher's process tree still alive after the stop (it should be empty)."""
-
-    def __init__(self, args: list[str], *, ready_timeout: float = 600.0, stop_timeout: float = 60.0,
-                 env: dict[str, str] | None = None):
-        self.env = env or {}  # more environment for the launcher (PYTHONPATH: another llmbus revision)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "llmbus.supervisor", "up", "--hostname", "127.0.0.1",
-                    "--port", str(self.port), *args]
-        self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
-        self.proc: subprocess.Popen | None = None
-        self.stderr: LineReader | None = None
-        self.pids: list[int] = []
-        self.leftover: list[int] = []
-        self.startup_s: float | None = None
-
-    @property
-    def command_line(self) -> str:
-        return shlex.join(["llmbus", *self.cmd[3:]])
-
-    def __enter__(self) -> LlmbusServer:
-        print(f"server: {self.command_line}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
-            self.stderr = LineReader(self.proc.stderr)
-            self.stderr.wait_for("llmbus: ready", self.ready_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_s = time.perf_counter() - t0
-        self.pids = [self.proc.pid, *descendants(self.proc.pid)]
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.stop()
-        if exc_type is not None and self.stderr is not None:  # the server's side of the story
-            print("last server log lines:\n" + "\n".join(self.stderr.lines[-25:]), file=sys.stderr)
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        self.pids = list(dict.fromkeys([*self.pids, self.proc.pid, *descendants(self.proc.pid)]))
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.stderr is not None:
-            self.stderr.join()
-        deadline = time.monotonic() + 5.0  # the launcher reaps its children before it exits; margin
-        while [p for p in self.pids if _alive(p)] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.leftover = [p for p in self.pids if _alive(p)]
-        return self.proc.returncode
-
-    def log_lines(self, *needles: str) -> list[str]:
-        """Server stderr lines containing any of ``needles`` (case-insensitive)."""
-        lines = self.stderr.lines if self.stderr is not None else []
-        return [line for line in lines if any(n.lower() in line.lower() for n in needles)]
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -137,14 +59,6 @@ def wait_metrics(url: str, condition, timeout: float = 30.0) -> dict[str, float]
         if condition(samples) or time.monotonic() > deadline:
             return samples
         time.sleep(0.02)
-
-
-def load_average() -> str:
-    """The 1/5/15-minute load averages: how busy the machine was, to judge the numbers by."""
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 @dataclass

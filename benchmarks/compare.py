@@ -42,13 +42,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import LlmbusServer, default_model_dir, exact_token_prompt, exit_on_sigterm, load_average, \
-    load_tokenizer  # noqa: E402
-from roofline import DTYPES, describe, measure  # noqa: E402
+from _server import READY_TIMEOUT_S, default_model_dir, exact_token_prompt, exit_on_sigterm, load_tokenizer
+from roofline import DTYPES, describe, measure
 
-from llmbus.bench import BenchConfig, run_bench  # noqa: E402
-from llmbus.bench.stats import decode_rate  # noqa: E402
+from llmbus.bench import BenchConfig, run_bench
+from llmbus.bench.stats import decode_rate
+from llmbus.bus.procfs import load_average
+from llmbus.testing import Server
 
 TARGETS = {"vs_static": 2.5, "compute_fraction": 0.35, "single_vs_batch1": 1.5, "bandwidth_fraction": 0.60}
 
@@ -59,7 +59,7 @@ TARGETS = {"vs_static": 2.5, "compute_fraction": 0.35, "single_vs_batch1": 1.5, 
 def bench_llmbus(a, prompts: list[str], warm: list[str], single: list[str]) -> dict:
     """Single-stream decode, then the set at --concurrency, against one `llmbus up`."""
     common = dict(max_new_tokens=(a.new_tokens, a.new_tokens), timeout=a.timeout, max_duration=a.timeout * 4)
-    with LlmbusServer(["--model-id", a.model_id, "--dtype", a.dtype, *a.server_arg]) as srv:
+    with Server(["--model-id", a.model_id, "--dtype", a.dtype, *a.server_arg], ready_timeout=READY_TIMEOUT_S) as srv:
         one = run_bench(BenchConfig(url=srv.url, concurrency=[1], requests=len(single) - 1, warmup=1,
                                     prompts=single, **common), progress=True)
         many = run_bench(BenchConfig(url=srv.url, concurrency=[a.concurrency], requests=len(prompts),

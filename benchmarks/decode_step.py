@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from _server import default_model_dir  # noqa: E402 - this folder, run as a script
-from roofline import read_bandwidth, weight_bytes  # noqa: E402 - this folder, run as a script
+from _server import default_model_dir
+from roofline import read_bandwidth, weight_bytes
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.workers.host_memory import keep_freed_memory

@@ -25,11 +25,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import LlmbusServer, exact_token_prompt, exit_on_sigterm, free_port, load_average  # noqa: E402
-from _smollm2 import dense_folder, llama_cpp_dir, package_gguf, peer_gguf  # noqa: E402
+from _server import READY_TIMEOUT_S, exact_token_prompt, exit_on_sigterm
+from _smollm2 import dense_folder, llama_cpp_dir, package_gguf, peer_gguf
 
-from llmbus.bench import BenchConfig, run_bench  # noqa: E402
+from llmbus.bench import BenchConfig, run_bench
+from llmbus.bus.procfs import command_words, load_average, rss_bytes
+from llmbus.testing import Server, free_port
 
 LLMBUS_FORMS = {"llmbus-bf16": [], "llmbus-int8": ["--quantize", "int8"], "llmbus-int4": ["--quantize", "int4"],
                 "llmbus-q4_1": None}
@@ -68,17 +69,12 @@ class LlamaServer:
             self.proc.wait()
 
 
-def worker_rss_mib(server: LlmbusServer) -> float | None:
+def worker_rss_mib(server: Server) -> float | None:
     """Resident memory of the (single) worker rank: the launcher descendant started with --rank."""
     for pid in server.pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"--rank" in cmdline:
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            continue
+        if "--rank" in command_words(pid):
+            rss = rss_bytes(pid)
+            return None if rss is None else rss / 2**20
     return None
 
 
@@ -120,7 +116,7 @@ def main() -> None:
         else:
             extra = LLMBUS_FORMS[name]
             model = ["--model-id", str(package_gguf())] if extra is None else ["--model-id", str(dense), *extra]
-            with LlmbusServer([*model, "--dtype", a.dtype]) as srv:
+            with Server([*model, "--dtype", a.dtype], ready_timeout=READY_TIMEOUT_S) as srv:
                 results[name] = measure(srv.url, single, many, warm, a.new_tokens)
                 results[name]["worker_rss_mib"] = worker_rss_mib(srv)
         print(f"{name}: {json.dumps(results[name])}", flush=True)

@@ -24,8 +24,11 @@ import time
 
 import torch
 
-from _server import (LlmbusServer, client_session, default_model_dir, exact_token_prompt, exit_on_sigterm,
-                     load_average, load_tokenizer, stream_tokens)
+from _server import (READY_TIMEOUT_S, client_session, default_model_dir, exact_token_prompt, exit_on_sigterm,
+                     load_tokenizer, stream_tokens)
+
+from llmbus.bus.procfs import load_average
+from llmbus.testing import Server
 
 
 async def _all_streams(url: str, prompts: list[str], new_tokens: int) -> tuple[list, float]:
@@ -38,7 +41,7 @@ async def _all_streams(url: str, prompts: list[str], new_tokens: int) -> tuple[l
 
 def llmbus_throughput(model_dir: str, dtype: str, prompts: list[str], warm: list[str], new_tokens: int,
                       server_args: list[str]) -> dict:
-    with LlmbusServer(["--model-id", model_dir, "--dtype", dtype, *server_args]) as srv:
+    with Server(["--model-id", model_dir, "--dtype", dtype, *server_args], ready_timeout=READY_TIMEOUT_S) as srv:
         asyncio.run(_all_streams(srv.url, warm, 8))  # warm-up: every path once
         streams, t0 = asyncio.run(_all_streams(srv.url, prompts, new_tokens))
     errors = [s.error for s in streams if s.error]

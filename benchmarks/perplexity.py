@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import LlmbusServer, exit_on_sigterm, load_average  # noqa: E402
-from _smollm2 import dense_folder, package_gguf  # noqa: E402
+from _server import READY_TIMEOUT_S, exit_on_sigterm
+from _smollm2 import dense_folder, package_gguf
+
+from llmbus.bus.procfs import load_average
+from llmbus.testing import Server
 
 TEXT = Path(__file__).resolve().parent / "data" / "declaration.txt"
 TARGETS = {"int8": 1.02, "int4": 1.10, "q4_1": 1.01}
@@ -59,7 +60,8 @@ def main() -> None:
     text = TEXT.read_text()
     results = {}
     for form in a.forms.split(","):
-        with LlmbusServer([*form_args(form), "--dtype", a.dtype, "--enable-prefill-logprobs"]) as srv:
+        server_args = [*form_args(form), "--dtype", a.dtype, "--enable-prefill-logprobs"]
+        with Server(server_args, ready_timeout=READY_TIMEOUT_S) as srv:
             logprobs = prompt_logprobs(srv.url, text)
         results[form] = math.exp(-sum(logprobs) / len(logprobs))
         print(f"{form}: perplexity {results[form]:.4f} over {len(logprobs)} tokens", flush=True)

@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import (LlmbusServer, client_session, default_model_dir, exact_token_prompt,  # noqa: E402
-                     exit_on_sigterm, load_average, load_tokenizer, metrics, stream_tokens, wait_metrics)
+from _server import (READY_TIMEOUT_S, client_session, default_model_dir, exact_token_prompt, exit_on_sigterm,
+                     load_tokenizer, metrics, stream_tokens, wait_metrics)
+
+from llmbus.bus.procfs import load_average
+from llmbus.testing import Server
 
 TARGET = 10.0
 HIT = "llmbus_prefix_cache_hit_tokens_total"
@@ -73,7 +73,7 @@ async def run_trials(url: str, prompts: list[str], warmup: str, a) -> tuple[list
 
 def measure(label: str, server_args: list[str], prompts: list[str], warmup: str, a) -> dict:
     print(f"\n== {label}")
-    with LlmbusServer(server_args) as srv:
+    with Server(server_args, ready_timeout=READY_TIMEOUT_S) as srv:
         print(f"ready in {srv.startup_s:.1f} s; load average {load_average()}")
         uncached, cached, (hit_before, hit_after) = asyncio.run(run_trials(srv.url, prompts, warmup, a))
         errors = srv.log_lines("[error", "[warning", "Traceback")

@@ -11,15 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _server import default_model_dir  # noqa: E402
-from harness import Server  # noqa: E402
+from _server import READY_TIMEOUT_S, default_model_dir
+
+from llmbus.testing import Server
 
 PROMPT = "The history of the city begins with a small settlement on the river, where " * 8
 
@@ -73,7 +71,7 @@ def main() -> None:
 
     server_env = dict(kv.split("=", 1) for kv in a.server_env)  # transformers' side keeps the defaults
     t0 = time.perf_counter()
-    srv = Server(["--model-id", a.model_id, "--dtype", a.dtype], env=server_env, ready_timeout=600)
+    srv = Server(["--model-id", a.model_id, "--dtype", a.dtype], env=server_env, ready_timeout=READY_TIMEOUT_S)
     startup = time.perf_counter() - t0
     try:
         stream_timed(srv.url, PROMPT, 8)  # warm-up

@@ -25,20 +25,20 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _revision import add_comparison_arguments, comparison_model, revision_package  # noqa: E402
-from _server import LlmbusServer, exact_token_prompt, exit_on_sigterm, load_average, metrics  # noqa: E402
-from served_breakdown import process_cpu_seconds  # noqa: E402
-from vs_llama_server import KV_TOKENS, kv_bytes_for  # noqa: E402
+from _revision import add_comparison_arguments, comparison_model, revision_package
+from _server import READY_TIMEOUT_S, exact_token_prompt, exit_on_sigterm, metrics
+from served_breakdown import process_cpu_seconds
+from vs_llama_server import KV_TOKENS, kv_bytes_for
 
-from llmbus.bench import BenchConfig, run_bench  # noqa: E402
+from llmbus.bench import BenchConfig, run_bench
+from llmbus.bus.procfs import load_average
+from llmbus.testing import Server
 
 DECODE = 'method="decode"'
 
 
-def measure(server: LlmbusServer, prompts: list[str], a: argparse.Namespace) -> dict:
+def measure(server: Server, prompts: list[str], a: argparse.Namespace) -> dict:
     common = dict(url=server.url, api="openai", max_new_tokens=(a.new_tokens, a.new_tokens), timeout=600.0,
                   max_duration=2400.0)
     run_bench(BenchConfig(concurrency=[a.concurrency], requests=a.concurrency, warmup=0,
@@ -86,7 +86,8 @@ def main() -> None:
     print(f"load average before: {load_average()}", flush=True)
     ratios = []
     with revision_package(a.against, "served_ab.py") as package, \
-            LlmbusServer(args) as this, LlmbusServer(args, env={"PYTHONPATH": str(package)}) as other:
+            Server(args, ready_timeout=READY_TIMEOUT_S) as this, \
+                Server(args, env={"PYTHONPATH": str(package)}, ready_timeout=READY_TIMEOUT_S) as other:
         for k in range(a.rounds):
             prompts = [exact_token_prompt(tokenizer, a.prompt_tokens, f"round {k} {i} {time.time_ns()}")
                        for i in range(a.concurrency + a.requests)]

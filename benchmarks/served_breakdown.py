@@ -17,30 +17,26 @@ from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import LlmbusServer, exact_token_prompt, exit_on_sigterm, load_average, metrics  # noqa: E402
-from _smollm2 import dense_folder  # noqa: E402
-from harness import cmdline  # noqa: E402  (on the path through _server)
-from stack_overhead import cpu_seconds  # noqa: E402
-from vs_llama_server import KV_TOKENS, kv_bytes_for  # noqa: E402
+from _server import READY_TIMEOUT_S, exact_token_prompt, exit_on_sigterm, metrics
+from _smollm2 import dense_folder
+from vs_llama_server import KV_TOKENS, kv_bytes_for
 
-from llmbus.bench import BenchConfig, run_bench  # noqa: E402
+from llmbus.bench import BenchConfig, run_bench
+from llmbus.bus.procfs import command_line, cpu_seconds, load_average
+from llmbus.testing import Server
 
 SERVICES = ("frontend", "scheduler", "workers", "supervisor")
 
 
-def process_cpu_seconds(server: LlmbusServer) -> dict[str, float]:
+def process_cpu_seconds(server: Server) -> dict[str, float]:
     """User + system seconds of every process of the launch, summed by llmbus service, and of this load
     generator."""
     out: dict[str, float] = {}
     for pid in server.pids:
-        try:
-            seconds, command = cpu_seconds(pid), cmdline(pid)
-        except OSError:
+        seconds, command = cpu_seconds(pid), command_line(pid)
+        if seconds is None:  # exited since the launch was listed
             continue
         name = next((s for s in SERVICES if f"llmbus.{s}" in command), "other")
         out[name] = out.get(name, 0.0) + seconds
@@ -63,7 +59,8 @@ def main() -> None:
     warm = [exact_token_prompt(tokenizer, 128, f"warm-up {i}") for i in range(8)]
     print(f"load average before: {load_average()}", flush=True)
     kv = kv_bytes_for(dense, KV_TOKENS, "float32")
-    with LlmbusServer(["--model-id", str(dense), "--dtype", "float32", "--kv-cache-memory", str(kv), *a.extra]) as srv:
+    server_args = ["--model-id", str(dense), "--dtype", "float32", "--kv-cache-memory", str(kv), *a.extra]
+    with Server(server_args, ready_timeout=READY_TIMEOUT_S) as srv:
         common = dict(url=srv.url, api="openai", max_new_tokens=(128, 128), timeout=600.0, max_duration=2400.0)
         run_bench(BenchConfig(concurrency=[len(warm)], requests=len(warm), warmup=0, prompts=warm, **common))
         before, cpu_before, t0 = metrics(srv.url), process_cpu_seconds(srv), time.monotonic()

@@ -16,11 +16,11 @@ import asyncio
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import (LlmbusServer, client_session, default_model_dir, descendants, exit_on_sigterm,  # noqa: E402
-                     metrics, stream_tokens)
+from _server import READY_TIMEOUT_S, client_session, default_model_dir, exit_on_sigterm, metrics, stream_tokens
+
+from llmbus.bus.procfs import command_words, descendants, rss_bytes
+from llmbus.testing import Server
 
 PROMPTS = ["Tell me about the history of the city by the river.", "Write a short poem about winter.",
            "List the parts of a bridge.", "Why do ships float?", "Describe a market square in summer."]
@@ -30,19 +30,15 @@ def rss_by_process(root: int) -> dict[str, int]:
     """Resident bytes of each process of the launch, by a readable name."""
     out = {}
     for pid in [root, *descendants(root)]:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
+        words, rss = command_words(pid), rss_bytes(pid)
+        if not words or rss is None:  # exited since the launch was listed
             continue
-        rss_kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-        words = [w.decode() for w in cmd if w]
         name = next((w.removeprefix("llmbus.") for w in words if w.startswith("llmbus.")), "launcher")
         if "--rank" in words:
             name += f" rank {words[words.index('--rank') + 1]}"
         if "--service-name" in words:
             name = words[words.index("--service-name") + 1]
-        out[f"{name} ({pid})"] = rss_kb * 1024
+        out[f"{name} ({pid})"] = rss
     return out
 
 
@@ -72,7 +68,8 @@ def main() -> int:
     ap.add_argument("--model-id", default=None, help="default: the demo `small` model")
     args = ap.parse_args()
     model = args.model_id or default_model_dir()
-    with LlmbusServer(["--model-id", model, "--max-total-tokens", "256", "--max-concurrent-requests", "64"]) as srv:
+    server_args = ["--model-id", model, "--max-total-tokens", "256", "--max-concurrent-requests", "64"]
+    with Server(server_args, ready_timeout=READY_TIMEOUT_S) as srv:
         counts = {"requests": 0, "tokens": 0, "errors": 0}
         asyncio.run(load(srv.url, args.clients, args.warmup, counts))
         start = rss_by_process(srv.proc.pid)

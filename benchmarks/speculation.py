@@ -19,11 +19,11 @@ import asyncio
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import LlmbusServer, client_session, exit_on_sigterm, metrics, stream_tokens  # noqa: E402
-from _smollm2 import dense_folder  # noqa: E402
+from _server import READY_TIMEOUT_S, client_session, exit_on_sigterm, metrics, stream_tokens
+from _smollm2 import dense_folder
+
+from llmbus.testing import Server
 
 CODE = '''def moving_average(values, window):
     """The mean of each run of `window` consecutive values."""
@@ -86,7 +86,8 @@ def sweep(concurrencies: list[int], args) -> int:
     common = ["--model-id", model, "--dtype", "float32", "--max-total-tokens", "1024",
               "--kv-cache-memory", str(2 * 2**30), "--max-concurrent-requests", "256"]
     always = ["--speculate", str(args.speculate), "--speculate-max-batch", "1000"]
-    with LlmbusServer(common) as plain, LlmbusServer([*common, *always]) as spec:
+    with Server(common, ready_timeout=READY_TIMEOUT_S) as plain, \
+            Server([*common, *always], ready_timeout=READY_TIMEOUT_S) as spec:
         print(f"\n{'concurrency':>11} {'plain tok/s':>12} {'speculate tok/s':>16} {'ratio':>7}")
         for c in concurrencies:
             rates = {"plain": [], "spec": []}
@@ -116,7 +117,8 @@ def main() -> int:
               "--kv-cache-memory", str(2 * 2**30), "--max-concurrent-requests", "256"]
     # Both servers up at once and measured in turn (A, B, A, B, ...), so a slower minute of this shared
     # machine falls on both.
-    with LlmbusServer(common) as plain, LlmbusServer([*common, "--speculate", str(args.speculate)]) as spec:
+    with Server(common, ready_timeout=READY_TIMEOUT_S) as plain, \
+            Server([*common, "--speculate", str(args.speculate)], ready_timeout=READY_TIMEOUT_S) as spec:
         servers = {"plain": plain, "speculate": spec}
         single = {label: {task: [] for task in TASKS} for label in servers}
         texts = {label: {} for label in servers}

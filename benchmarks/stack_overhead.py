@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -26,25 +25,20 @@ import sys
 import time
 from pathlib import Path
 
-from _server import LlmbusServer, default_model_dir, exit_on_sigterm
-from test_failures import cmdline  # noqa: E402  (on the path through _server)
+from _server import READY_TIMEOUT_S, default_model_dir, exit_on_sigterm
 
 from llmbus.bench import BenchConfig, run_bench
+from llmbus.bus.procfs import command_line, cpu_seconds
+from llmbus.testing import Server
 
 TARGET_TOKENS_PER_S = 20_000
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def roles(server: LlmbusServer) -> dict[str, int]:
+def roles(server: Server) -> dict[str, int]:
     """pid of each service by role: frontend(s), scheduler, worker rank(s), launcher."""
     out = {"launcher": server.proc.pid}
     for pid in server.pids[1:]:
-        cmd = cmdline(pid)
+        cmd = command_line(pid)
         for role in ("llmbus.frontend", "llmbus.scheduler", "--rank", "llmbus.workers"):
             if role in cmd:
                 name = {"llmbus.frontend": "frontend", "llmbus.scheduler": "scheduler", "--rank": "rank",
@@ -109,7 +103,7 @@ def main() -> int:
     args = ["--model-id", model, "--runner", "fake", "--max-concurrent-requests",
             str(max(128, 2 * a.concurrency)), "--max-total-tokens", str(a.prompt_tokens + a.new_tokens + 8),
             "--num-frontends", str(a.num_frontends)]
-    with LlmbusServer(args) as server:
+    with Server(args, ready_timeout=READY_TIMEOUT_S) as server:
         pids = roles(server)
         warm = BenchConfig(url=server.url, concurrency=[a.concurrency], requests=a.concurrency, warmup=0,
                            prompt_tokens=(a.prompt_tokens, a.prompt_tokens), max_new_tokens=(16, 16))

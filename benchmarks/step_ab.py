@@ -22,8 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _revision import add_comparison_arguments, comparison_model, revision_package  # noqa: E402
+from _revision import add_comparison_arguments, comparison_model, revision_package
 
 RESULT = "STEP_MS"
 

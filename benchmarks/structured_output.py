@@ -23,14 +23,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _server import (LlmbusServer, client_session, exact_token_prompt, exit_on_sigterm,  # noqa: E402
-                     load_average, load_tokenizer, stream_tokens)
+from _server import (READY_TIMEOUT_S, client_session, exact_token_prompt, exit_on_sigterm, load_tokenizer,
+                     stream_tokens)
+
+from llmbus.bus.procfs import load_average
+from llmbus.testing import Server
 
 LONG_SCHEMA = {"type": "object", "properties": {"notes": {
     "type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 60}},
@@ -122,7 +121,8 @@ def main() -> None:
     base = {"max_new_tokens": args.new_tokens, "ignore_eos_token": True}
     constrained = {**base, "grammar": {"type": "json", "value": LONG_SCHEMA}}
     results: dict[int, dict[str, list[float]]] = {}
-    with LlmbusServer(["--max-concurrent-requests", "256", "--max-batch-prefill-tokens", "2048"]) as server:
+    server_args = ["--max-concurrent-requests", "256", "--max-batch-prefill-tokens", "2048"]
+    with Server(server_args, ready_timeout=READY_TIMEOUT_S) as server:
         tokenizer = load_tokenizer(_served_model_dir())
         prompts = [exact_token_prompt(tokenizer, args.prompt_tokens, f"p{i}") for i in range(max(levels))]
         asyncio.run(_run(server.url, prompts[:4], {**constrained, "max_new_tokens": 8}))  # warm-up both paths

@@ -45,21 +45,21 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import LlmbusServer, default_model_dir, exact_token_prompt, exit_on_sigterm, load_average  # noqa: E402
-from _smollm2 import CACHE, PEERS, dense_folder, llama_cpp_dir, peer_gguf  # noqa: E402
-from gguf_peers import LlamaServer, measure  # noqa: E402
+from _server import READY_TIMEOUT_S, default_model_dir, exact_token_prompt, exit_on_sigterm
+from _smollm2 import CACHE, PEERS, dense_folder, llama_cpp_dir, peer_gguf
+from gguf_peers import LlamaServer, measure
+
+from llmbus.bus.procfs import cpu_flags, load_average
+from llmbus.testing import Server
 
 
 KV_TOKENS = 64 * 512  # llama-server's -np 64 -c 32768
 
 
 def native_bf16() -> bool:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def demo_gguf(kind: str) -> Path:
@@ -120,7 +120,7 @@ def main() -> None:
         ``kv_dtype`` (and ``--kv-cache-dtype`` where that is not the model's)."""
         kv = ["--kv-cache-memory", str(kv_bytes_for(folder, KV_TOKENS, kv_dtype)),
               *(["--kv-cache-dtype", kv_dtype] if kv_dtype != dtype else [])]
-        return lambda: LlmbusServer(["--model-id", str(folder), "--dtype", dtype, *kv, *extra])
+        return lambda: Server(["--model-id", str(folder), "--dtype", dtype, *kv, *extra], ready_timeout=READY_TIMEOUT_S)
 
     # Each group's servers run together (idle ones take no CPU) and are measured in turn, round by round.
     groups = [
@@ -140,7 +140,7 @@ def main() -> None:
     for round_prompts, servers in groups:
         with contextlib.ExitStack() as stack:
             running = {name: stack.enter_context(start()) for name, start in servers}
-            startup |= {name: srv.startup_s for name, srv in running.items() if isinstance(srv, LlmbusServer)}
+            startup |= {name: srv.startup_s for name, srv in running.items() if isinstance(srv, Server)}
             for k, (single, many, warm) in enumerate(round_prompts):
                 # every other round in reverse, so that no server is always measured right after another
                 for name, srv in (running.items() if k % 2 == 0 else reversed(running.items())):

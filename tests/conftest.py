@@ -1,10 +1,7 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 # pytest-xdist (pyproject's addopts run two workers) runs tests side by side: each worker's own torch and
 # the servers its tests start get a share of the cores rather than all of them each. OpenMP threads
@@ -70,7 +67,7 @@ def smollm2_transformers():
 def smollm2_server():
     """`llmbus up` on the default model, SmolLM2-135M-Instruct, shared by the structured-output and
     tool-calling tests (one start instead of one per module)."""
-    from harness import Server
+    from llmbus.testing import Server
     from llmbus.supervisor.weights import smollm2_gguf
 
     if smollm2_gguf() is None:

@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_FOLDERS = ("bus", "scheduler", "workers", "frontend", "supervisor", "bench")
+PACKAGE_FOLDERS = ("bus", "scheduler", "workers", "frontend", "supervisor", "bench", "testing")
 
 
 def test_the_wheel_holds_every_package_and_its_data(tmp_path):

@@ -1,0 +1,15 @@
+"""What llmbus's tests and benchmarks share: the one launcher of a real `llmbus up` (``Server``), its
+ranks' pids (what else /proc says is ``llmbus.bus.procfs``'s), a stand-in for the supervisor's channel, and
+stdlib HTTP helpers.
+
+Installed with the package (as ``llmbus.testing``), so tests and benchmarks import it by name instead of
+putting each other's folders on ``sys.path``. Nothing here is used when serving.
+"""
+
+from llmbus.testing.http import (all_blocks_free, get, metrics, parse_exposition, post, sse_events, stream,
+                                 wait_for_metrics)
+from llmbus.testing.server import LineReader, Server, free_port, rank_pids
+from llmbus.testing.supervisor_socket import SupervisorSocket
+
+__all__ = ["LineReader", "Server", "SupervisorSocket", "all_blocks_free", "free_port", "get", "metrics",
+           "parse_exposition", "post", "rank_pids", "sse_events", "stream", "wait_for_metrics"]
