@@ -27,26 +27,12 @@ Headline: p99 ITL in the window / median steady-state ITL. Target with chunking:
 The table also shows the server's own mean forward and step times (its duration histograms) of steps
 with prompt tokens and of decode-only steps, which separates model time from client and bus overhead.
 
-Why the default budget is 24 (a chunk of 8 prompt tokens beside 16 decodes). A step costs about one
-decode step (the weights are read once, for 16 rows or 40) plus the chunk's compute, plus attention
-over the context the chunk extends, which grows as the prompt goes: the last chunks make the p99.
-Measured in-process on this machine (2 cores, bfloat16 on avx512_bf16; ``ModelRunner.step``), 16
-decodes take 19 ms, and 16 decodes plus a chunk of c tokens at context 1,900 take 27.5 (c=2), 29.2
-(4), 31.7 (8), 40.7 (16), 50.0 (24), 53.4 (32) and 72.8 ms (48). Any chunk pays ~8 ms at that context
-(the long prompt is a second attention group: its whole KV context is gathered from the pool and
-attended with a masked SDPA in every layer, every step), so only chunks up to about 8-12 tokens keep
-the last steps under 2x a decode step: B = 24 is the largest budget with margin (1.65x in-process;
-about 1.55x once the server's ~4 ms per-step overhead adds to both). Smaller budgets do not help: the
-fixed part stays while the window grows (about 9 s at B = 24, 18 s at 20, 37 s at 18, against 1.8 s
-unchunked), catching more stalls from whatever else runs on the machine. Through the server, on this
-machine shared with another user's test runs, no budget met the target: the window p99 was 2.3x, 2.75x
-and 3.0x the steady median at B = 24 (2.4x at 22, 2.8x and 3.2x at 20, 6.8x at 18, 3.1x and 3.3x at 32,
-2.9x at 40, 4.4x at 48, 3.6x at 64; 84x without chunking). Noise moves these numbers run to run: the
-script prints the load average, and the ratios of one run are what to compare.
-
-Since then short chunks (<= 8 query tokens) attend with batched matmuls instead of SDPA
-(workers/attention.py): on a quiet machine B = 24 measured 2.47x (window median 35.5 ms, p99 52.1 ms
-against a 21.1 ms steady median), down from 2.85x; B = 20 and 22 measured 2.83x and 2.99x.
+Why the default budget is 24 (a chunk of 8 prompt tokens beside 16 decodes): a step costs about one
+decode step plus the chunk's compute plus attention over the context the chunk extends, so only short
+chunks keep the last steps of a long prompt near a decode step's time, and smaller budgets only lengthen
+the window that catches the machine's stalls. The measurements behind it are in docs/design-notes.md
+("Chunked prefill and budgets"). Noise moves the ratios run to run: the script prints the load average,
+and the ratios of one run are what to compare.
 """
 
 from __future__ import annotations
@@ -54,16 +40,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _server import (LlmbusServer, Stream, client_session, default_model_dir,  # noqa: E402
-                     exact_token_prompt, exit_on_sigterm, load_average, load_tokenizer,
-                     stream_tokens, wait_metrics)
+from _server import (READY_TIMEOUT_S, Stream, client_session, default_model_dir, exact_token_prompt,
+                     exit_on_sigterm, load_tokenizer, stream_tokens, wait_metrics)
 
-from llmbus.bench.stats import percentile  # noqa: E402
+from llmbus.bus.procfs import load_average
+from llmbus.testing import Server
+
+from llmbus.bench.stats import percentile
 
 TARGET = 2.0
 PREFILL_STEPS = 'tgi_batch_inference_count{method="prefill"}'
@@ -180,7 +165,7 @@ def mean_ms(before: dict, after: dict, family: str, method: str) -> float:
 def measure(label: str, server_args: list[str], prompts: list[list[str]], long_prompt: str,
             warm_long: str | None, a) -> dict:
     print(f"\n== {label}")
-    with LlmbusServer(server_args) as srv:
+    with Server(server_args, ready_timeout=READY_TIMEOUT_S) as srv:
         print(f"ready in {srv.startup_s:.1f} s; load average {load_average()}", flush=True)
         slots, long, before, after = asyncio.run(run_streams(srv.url, prompts, long_prompt, warm_long, a))
         errors = srv.log_lines("[error", "[warning", "Traceback")

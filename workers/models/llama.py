@@ -299,7 +299,7 @@ class LlamaForCausalLM:
         self.fused_decode = FusedDecodeLayers.for_model(self)
         if self.fused_decode is not None and self.fused_decode.takes_large_batches:
             # Prompt steps through the fused layer too: one native call instead of ~30 torch ops a layer
-            # (benchmarks/prompt_rows_ab.py, SmolLM2 float32: a 128-token prompt 1.16x, 32 of them 1.02x).
+            # (design notes, "Small decode steps": a 128-token prompt 1.16x, 32 of them 1.02x).
             self.attention_backend.prompt_rows = True
 
     @property
