@@ -1,8 +1,8 @@
 """The only place that opens ZeroMQ sockets and moves messages through them.
 
-Rules (see ARCHITECTURE.md): receivers and publishers bind, senders and subscribers connect; high-water
-marks are finite; LINGER is 0 except where a last message must get out (``linger_ms``). A malformed frame
-is logged and dropped: ``recv`` returns None, it never raises into the caller's loop.
+Rules (docs/architecture.md, "Sockets"): receivers and publishers bind, senders and subscribers connect;
+high-water marks are finite; LINGER is 0 except where a last message must get out (``linger_ms``). A malformed
+frame is logged and dropped: ``recv`` returns None, it never raises into the caller's loop.
 
 Over ipc the kernel tells who sent a message (ZeroMQ's Peer-Address metadata carries the sender's pid):
 ``recv_from`` returns it, so a receiver can take a message only from the process that must have sent it,
