@@ -1,10 +1,13 @@
 """One declaration per setting: a service's settings dataclass reads and writes its own command line.
 
 Each field of a service's settings dataclass is declared once with ``setting(...)``: default, help, flag
-(and aliases), the TGI environment variable, choices. From that one declaration come the service's
-argparse parser (``parse``), the argv that starts the service with these settings (``to_argv``), and the
-click options of ``llmbus up`` (``click_options``), which composes every service's user-facing settings
-and hands each service its own (``supervisor/plan.py``). Adding a setting is adding one field.
+(and aliases), the TGI environment variable, choices, bounds (``ge``/``gt``/``le``/``lt``) and any other
+rule on the value alone (``check``). From that one declaration come the service's argparse parser
+(``parse``), the argv that starts the service with these settings (``to_argv``), the check of every value
+(``problem``, worded as TGI's launcher words it), and the click options of ``llmbus up``
+(``click_options``), which composes every service's user-facing settings and hands each service its own
+(``supervisor/plan.py``). Adding a setting is adding one field. Rules across fields are the class's own
+``validate()``; a settings object that breaks either kind of rule is never built (``SettingsError``).
 
 Booleans come in two shapes, as TGI's launcher has them: off by default, a bare switch
 (``--enable-prefill-logprobs``); on by default, a value (``--prefix-caching false``).
@@ -17,6 +20,7 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 
 _KEY = "llmbus.setting"
@@ -42,15 +46,38 @@ class Spec:
     user: bool  # a flag of `llmbus up` (False: set by the launcher itself, e.g. the run dir)
     secret: bool  # travels in the environment, never on a command line (every user can read those)
     hidden: bool
+    ge: float | None = None  # bounds of the value (None, an unset optional setting, is not checked)
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    check: Callable[[object], str | None] | None = None  # what is wrong with a value ("must be ..."), or None
 
 
 def setting(default=MISSING, *, help: str, flag: str | None = None, aliases: tuple[str, ...] = (),
             env: str | None = None, choices: tuple | None = None, user: bool = True, secret: bool = False,
-            hidden: bool = False, default_factory=MISSING):
-    spec = Spec(help, flag, tuple(aliases), env, choices, user, secret, hidden)
+            hidden: bool = False, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None, check: Callable[[object], str | None] | None = None,
+            default_factory=MISSING):
+    spec = Spec(help, flag, tuple(aliases), env, choices, user, secret, hidden, ge, gt, le, lt, check)
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={_KEY: spec})
     return dataclasses.field(default=default, metadata={_KEY: spec})
+
+
+def offered(service, name: str):
+    """``service``'s own setting ``name`` (declared there with ``user=False``, set by the launch), as a flag
+    of the launch itself: the same declaration (help, variable, bounds), listed where this field is."""
+    d = next(d for d in declared(service) if d.name == name)
+    spec = dataclasses.replace(d.spec, user=True, hidden=False)
+    return dataclasses.field(default=d.default, metadata={_KEY: spec})
+
+
+class SettingsError(ValueError):
+    """Settings that break a declared bound or a class's ``validate()`` rule: TGI's one line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("Invalid argument: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -71,8 +98,38 @@ class Declared:
     def switch(self) -> bool:
         return self.kind is bool and self.default is False
 
+    @property
+    def arg_name(self) -> str:
+        """The name messages give it: its flag's, as TGI's launcher names an argument."""
+        return self.flag.lstrip("-").replace("-", "_")
+
     def convert(self, raw: str):
         return parse_bool(raw) if self.kind is bool else self.kind(raw)
+
+    def problem(self, value) -> str | None:
+        """What is wrong with ``value`` by this setting's bounds and check, in TGI's words; None if nothing."""
+        if value is None:
+            return None
+        s, name = self.spec, f"`{self.arg_name}`"
+        if s.check is not None:
+            complaint = s.check(value)
+            if complaint is not None:
+                return f"{name} {complaint}"
+        low_ok = (s.ge is None or value >= s.ge) and (s.gt is None or value > s.gt)
+        high_ok = (s.le is None or value <= s.le) and (s.lt is None or value < s.lt)
+        if low_ok and high_ok:
+            return None
+        if s.ge == 1 and self.kind is int and s.le is None and s.lt is None:
+            return f"{name} must be > 0"  # a count: TGI says so without the value
+        if s.ge is not None and s.le is not None:
+            return f"{name} must be between {s.ge} and {s.le}. Given: {value}"
+        if s.gt is not None and s.le is not None:
+            return f"{name} must be in ({s.gt}, {s.le}]. Given: {value}"
+        if s.gt is not None and s.lt is not None:
+            return f"{name} must be > {s.gt} and < {s.lt}. Given: {value}"
+        low = f">= {s.ge}" if s.ge is not None else f"> {s.gt}" if s.gt is not None else None
+        high = f"<= {s.le}" if s.le is not None else f"< {s.lt}" if s.lt is not None else None
+        return f"{name} must be {' and '.join(b for b in (low, high) if b)}. Given: {value}"
 
 
 def declared(cls) -> list[Declared]:
@@ -99,23 +156,48 @@ def _unwrap(hint) -> tuple[type, bool]:
     return hint, False
 
 
+def problems(settings: list[Declared], values: dict) -> list[str]:
+    """Every declared bound or check that ``values`` (by name) break, in the order of ``settings``."""
+    found = (d.problem(values.get(d.name)) for d in settings)
+    return [p for p in found if p is not None]
+
+
 class ServiceSettings:
-    """Mixin for a settings dataclass whose fields are declared with ``setting``."""
+    """Mixin for a settings dataclass whose fields are declared with ``setting``: built only from values
+    that keep every declared bound and the class's ``validate()``."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``SettingsError`` with what breaks a declared bound, then what breaks ``validate()``."""
+        fields = declared(type(self))
+        found = problems(fields, {d.name: getattr(self, d.name) for d in fields}) or self.validate()
+        if found:
+            raise SettingsError(found)
+
+    def validate(self) -> list[str]:
+        """Rules across fields, each broken one in TGI's words (a class with such rules overrides this)."""
+        return []
 
     @classmethod
     def parser(cls, prog: str, description: str | None = None) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(prog=prog, description=description)
         for d in declared(cls):
-            env_value = os.environ.get(d.spec.env) if d.spec.env else None
+            env_value = (os.environ.get(d.spec.env) or None) if d.spec.env else None
             names = [d.flag, *d.spec.aliases]
             common = dict(dest=d.name, help=d.spec.help if not d.spec.hidden else argparse.SUPPRESS)
+            if env_value:
+                try:
+                    env_value = d.convert(env_value) if d.kind is not list else env_value
+                except ValueError:  # the variable is the service's command line too: argparse's one line
+                    p.error(f"{d.spec.env}={env_value!r} is not a valid value for {d.flag}")
             if d.switch:
-                p.add_argument(*names, action="store_true",
-                               default=parse_bool(env_value) if env_value else False, **common)
+                p.add_argument(*names, action="store_true", default=env_value or False, **common)
             elif d.kind is list:
                 p.add_argument(*names, action="append", default=None, **common)
             else:
-                default = d.convert(env_value) if env_value else (None if d.default is MISSING else d.default)
+                default = env_value if env_value is not None else (None if d.default is MISSING else d.default)
                 p.add_argument(*names, type=d.convert, default=default, choices=d.spec.choices,
                                required=d.default is MISSING and env_value is None,
                                metavar="true|false" if d.kind is bool else d.flag.lstrip("-").upper().replace("-", "_"),
@@ -132,7 +214,7 @@ class ServiceSettings:
                 values[d.name] = list(d.default) if d.default is not MISSING else []
         try:
             return cls(**values), p
-        except ValueError as e:
+        except ValueError as e:  # SettingsError: TGI's line, as argparse's own errors (exit 2)
             p.error(str(e))
 
     def to_argv(self) -> list[str]:

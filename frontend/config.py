@@ -1,4 +1,5 @@
-"""The frontend's settings: one dataclass, validated on construction.
+"""The frontend's settings: one dataclass; each setting's bounds are on its declaration, the rules across
+settings in ``validate``, and both hold from construction on.
 
 Token limits may be left unset: they are resolved after the scheduler handshake (see ``resolve_limits``)
 from the model's maximum length and the KV capacity the scheduler reports, as TGI does after warmup.
@@ -21,6 +22,18 @@ def _default_compute_type() -> str:
     return os.environ.get("COMPUTE_TYPE", "gpu+optimized")
 
 
+def _frontend_id_problem(value: str) -> str | None:
+    # rids are f"{frontend_id}-{n}": a dash in the id would make the prefix ambiguous
+    return None if value and "-" not in value else f"must be non-empty and contain no '-'. Given: {value!r}"
+
+
+def input_total_problem(max_input_tokens: int, max_total_tokens: int) -> str | None:
+    """TGI's launcher rule on the two token limits (the frontend's, and `llmbus up`'s once resolved)."""
+    if max_input_tokens >= max_total_tokens:
+        return f"`max_input_tokens`({max_input_tokens}) must be < `max_total_tokens`({max_total_tokens})"
+    return None
+
+
 @dataclass
 class FrontendConfig(ServiceSettings):
     # local Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json
@@ -31,30 +44,31 @@ class FrontendConfig(ServiceSettings):
     events_endpoint: str | None = setting(None, help="where this frontend binds its events PULL", user=False)
     model_id: str | None = setting(None, help="name shown in /info (default: the model dir)", user=False)
     hostname: str = setting("0.0.0.0", env="HOSTNAME", help="Address to listen on.")
-    port: int = setting(3000, env="PORT", aliases=("-p",), help="Port to listen on.")
+    # 0: any free port (the ready message says which); `llmbus up` wants one its frontends can share
+    port: int = setting(3000, env="PORT", aliases=("-p",), ge=0, le=65535, help="Port to listen on.")
     # rid prefix; unique per frontend
     frontend_id: str = setting(help="unique id of this frontend (no '-')", user=False,
-                               default_factory=_default_frontend_id)
-    max_input_tokens: int | None = setting(None, env="MAX_INPUT_TOKENS", help="Default: max_total_tokens - 1.")
+                               check=_frontend_id_problem, default_factory=_default_frontend_id)
+    max_input_tokens: int | None = setting(None, env="MAX_INPUT_TOKENS", ge=1, help="Default: max_total_tokens - 1.")
     max_total_tokens: int | None = setting(  # None: min(model max length, scheduler's max_batch_total_tokens)
-        None, env="MAX_TOTAL_TOKENS",
+        None, env="MAX_TOTAL_TOKENS", ge=1,
         help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
-    max_concurrent_requests: int = setting(128, env="MAX_CONCURRENT_REQUESTS",
+    max_concurrent_requests: int = setting(128, env="MAX_CONCURRENT_REQUESTS", ge=1,
                                            help="Requests in flight before new ones get 429.")
-    max_best_of: int = setting(2, env="MAX_BEST_OF", help="Largest best_of (and n) a request may ask for.")
-    max_stop_sequences: int = setting(4, env="MAX_STOP_SEQUENCES", help="Most stop sequences per request.")
-    max_top_n_tokens: int = setting(5, env="MAX_TOP_N_TOKENS", help="Largest top_n_tokens per request.")
-    max_client_batch_size: int = setting(4, env="MAX_CLIENT_BATCH_SIZE",
+    max_best_of: int = setting(2, env="MAX_BEST_OF", ge=1, help="Largest best_of (and n) a request may ask for.")
+    max_stop_sequences: int = setting(4, env="MAX_STOP_SEQUENCES", ge=0, help="Most stop sequences per request.")
+    max_top_n_tokens: int = setting(5, env="MAX_TOP_N_TOKENS", ge=0, help="Largest top_n_tokens per request.")
+    max_client_batch_size: int = setting(4, env="MAX_CLIENT_BATCH_SIZE", ge=1,
                                          help="Prompts per /v1/completions request, and n.")
     # decoder_input_details returns prompt logprobs (TGI >= 3: opt-in)
     enable_prefill_logprobs: bool = setting(False, env="REQUEST_LOGPROBS",
                                             help="Return prompt-token logprobs for decoder_input_details (off by "
                                                  "default, as in TGI 3).")
-    scheduler_timeout_s: float = setting(60.0, flag="--scheduler-timeout", user=False,
+    scheduler_timeout_s: float = setting(60.0, flag="--scheduler-timeout", user=False, gt=0,
                                          help="seconds to wait for the scheduler's handshake")
-    payload_limit: int = setting(2_000_000, env="PAYLOAD_LIMIT",
+    payload_limit: int = setting(2_000_000, env="PAYLOAD_LIMIT", ge=1,
                                  help="Largest request body in bytes; larger ones get 413.")
-    validation_workers: int = setting(2, env="VALIDATION_WORKERS", help="Threads that tokenize long prompts.")
+    validation_workers: int = setting(2, env="VALIDATION_WORKERS", ge=1, help="Threads that tokenize long prompts.")
     api_key: str | None = setting(None, env="API_KEY", secret=True,
                                   help="Require `Authorization: Bearer <key>` on the generation routes.")
     cors_allow_origin: list[str] = setting(env="CORS_ALLOW_ORIGIN", default_factory=list,
@@ -67,7 +81,7 @@ class FrontendConfig(ServiceSettings):
                                         env="GRACEFUL_TERMINATION_TIMEOUT",
                                         help="Seconds in-flight requests get to finish on SIGTERM.")
     # /health waits this long for every rank to answer a probe (a rank answers after the step it computes)
-    health_check_timeout_s: float = setting(10.0, flag="--health-check-timeout", env="HEALTH_CHECK_TIMEOUT",
+    health_check_timeout_s: float = setting(10.0, flag="--health-check-timeout", env="HEALTH_CHECK_TIMEOUT", gt=0,
                                             help="Seconds /health waits for every worker rank to answer a probe "
                                                  "before answering 503.")
     # several frontends share one port (SO_REUSEPORT; the kernel spreads connections)
@@ -88,34 +102,17 @@ class FrontendConfig(ServiceSettings):
     def __post_init__(self) -> None:
         if self.model_id is None:
             self.model_id = self.model_dir
+        super().__post_init__()
+
+    def validate(self) -> list[str]:
         problems = []
         if not self.requests_endpoint or not self.events_endpoint:
             problems.append("give --requests-endpoint and --events-endpoint, or --run-dir")
-        if not (0 <= self.port <= 65535):
-            problems.append(f"`port` must be in 0..65535. Given: {self.port}")
-        for name in ("max_concurrent_requests", "max_best_of", "max_client_batch_size", "validation_workers"):
-            if getattr(self, name) < 1:
-                problems.append(f"`{name}` must be > 0")
-        if not self.health_check_timeout_s > 0:
-            problems.append(f"`health_check_timeout_s` must be > 0. Given: {self.health_check_timeout_s}")
-        for name in ("max_stop_sequences", "max_top_n_tokens"):
-            if getattr(self, name) < 0:
-                problems.append(f"`{name}` must be >= 0")
-        for name in ("max_input_tokens", "max_total_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                problems.append(f"`{name}` must be > 0")
-        if (self.max_input_tokens is not None and self.max_total_tokens is not None
-                and self.max_input_tokens >= self.max_total_tokens):
-            problems.append(f"`max_input_tokens`({self.max_input_tokens}) must be < "
-                            f"`max_total_tokens`({self.max_total_tokens})")
-        if self.scheduler_timeout_s <= 0 or self.keepalive_s <= 0:
-            problems.append("`scheduler_timeout_s` and `keepalive_s` must be > 0")
-        if not self.frontend_id or "-" in self.frontend_id:
-            # rids are f"{frontend_id}-{n}": a dash in the id would make the prefix ambiguous
-            problems.append(f"`frontend_id` must be non-empty and contain no '-'. Given: {self.frontend_id!r}")
-        if problems:
-            raise ValueError("Invalid argument: " + "; ".join(problems))
+        if self.max_input_tokens is not None and self.max_total_tokens is not None:
+            problems.append(input_total_problem(self.max_input_tokens, self.max_total_tokens))
+        if not self.keepalive_s > 0:
+            problems.append(f"`keepalive_s` must be > 0. Given: {self.keepalive_s}")
+        return [p for p in problems if p is not None]
 
     @property
     def url(self) -> str:

@@ -116,16 +116,8 @@ class SchedulerConfig:
     speculate: int = 0  # guessed tokens per decode (n-gram prompt lookup); 0 = off
     speculate_max_batch: int = 16  # speculate only in steps with at most this many decodes
     speculate_method: str = "ngram"  # "draft": guesses left to the ranks' draft model (DRAFT_GUESS)
-
-    def __post_init__(self) -> None:
-        if self.max_batch_prefill_tokens < 1:
-            raise ValueError("`max_batch_prefill_tokens` must be > 0")
-        if self.max_batch_size is not None and self.max_batch_size < 1:
-            raise ValueError("`max_batch_size` must be > 0")
-        if self.waiting_served_ratio < 0 or self.max_waiting_tokens < 0:
-            raise ValueError("`waiting_served_ratio` and `max_waiting_tokens` must be >= 0")
-        if self.speculate < 0 or self.speculate_max_batch < 0:
-            raise ValueError("`speculate` and `speculate_max_batch` must be >= 0")
+    # The bounds of these values are checked where they are set: the scheduler's declared settings
+    # (scheduler/process.py, SchedulerProcessConfig).
 
 
 @dataclass(slots=True)

@@ -50,23 +50,24 @@ _POLICY = SchedulerConfig()  # the policy owns its defaults; the command line of
 class SchedulerProcessConfig(ServiceSettings):
     run_dir: str = setting(help="the launch's run dir (its ipc sockets)", env=ENV_RUN_DIR, user=False)
     world_size: int = setting(1, help="worker ranks to wait for", user=False)
-    max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", help=PREFILL_TOKENS_HELP)
+    max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", ge=1,
+                                                    help=PREFILL_TOKENS_HELP)
     fit_prefill_tokens_to_kv: bool = setting(
         False, user=False, help="lower --max-batch-prefill-tokens to the KV capacity instead of failing")
-    max_batch_size: int | None = setting(None, env="MAX_BATCH_SIZE", help="Most requests in one batch.")
+    max_batch_size: int | None = setting(None, env="MAX_BATCH_SIZE", ge=1, help="Most requests in one batch.")
     # checked against the KV capacity the ranks report
     max_total_tokens: int | None = setting(
-        None, env="MAX_TOTAL_TOKENS",
+        None, env="MAX_TOTAL_TOKENS", ge=1,
         help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
     prefill_chunking: bool = setting(_POLICY.prefill_chunking, env="PREFILL_CHUNKING",
                                      help="Split long prompts over steps that also carry the running requests' "
                                           "decodes.")
     prefix_caching: bool = setting(True, env="PREFIX_CACHING", help="Reuse the KV blocks of prompt prefixes "
                                                                      "computed before.")
-    waiting_served_ratio: float = setting(_POLICY.waiting_served_ratio, env="WAITING_SERVED_RATIO",
+    waiting_served_ratio: float = setting(_POLICY.waiting_served_ratio, env="WAITING_SERVED_RATIO", ge=0,
                                           help="Without chunking: admit while a batch runs only when this many x "
                                                "its size wait.")
-    max_waiting_tokens: int = setting(_POLICY.max_waiting_tokens, env="MAX_WAITING_TOKENS",
+    max_waiting_tokens: int = setting(_POLICY.max_waiting_tokens, env="MAX_WAITING_TOKENS", ge=0,
                                       help="Without chunking: ... or once this many steps passed without admitting "
                                            "anyone.")
     worker_start_timeout_s: float = setting(600.0, flag="--worker-start-timeout", user=False,
@@ -78,12 +79,12 @@ class SchedulerProcessConfig(ServiceSettings):
     otlp_service_name: str = setting("llmbus", env="OTLP_SERVICE_NAME",
                                      help="Spans come from <name>.frontend and <name>.scheduler.")
     speculate: int = setting(
-        0, env="SPECULATE",
+        0, env="SPECULATE", ge=0,
         help="Guess this many tokens per decode step from the request's own prompt and output (n-gram prompt "
              "lookup) and verify them in the same forward pass: several tokens per step where the output "
              "repeats its input, the same output. 0: off.")
     speculate_max_batch: int = setting(
-        _POLICY.speculate_max_batch, env="SPECULATE_MAX_BATCH",
+        _POLICY.speculate_max_batch, env="SPECULATE_MAX_BATCH", ge=0,
         help="Speculate only in steps with at most this many decoding requests (beyond that a step is "
              "compute-bound and guesses cost more than they save).")
     speculate_method: str = setting("ngram", choices=("ngram", "draft"), user=False,

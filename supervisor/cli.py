@@ -10,11 +10,12 @@ import click
 
 from llmbus.bench.cli import bench as bench_command
 from llmbus.bus.rundir import Endpoints
-from llmbus.frontend.config import FrontendConfig
+from llmbus.bus.settings import Declared, declared, problems
+from llmbus.frontend.config import FrontendConfig, input_total_problem
 from llmbus.scheduler.policy import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.process import SchedulerProcessConfig
-from llmbus.supervisor.plan import LaunchPlan, build_plan
-from llmbus.supervisor.settings import service_settings, up_options
+from llmbus.supervisor.plan import LaunchPlan, ResolvedLaunch, build_plan
+from llmbus.supervisor.settings import service_settings, up_options, up_settings
 from llmbus.supervisor.weights import served_model_id
 from llmbus.workers.process import WorkerConfig, default_block_size, gpu_shortage
 
@@ -83,12 +84,12 @@ procfile.params.extend(p for p in up.params if p.name != "print_env")
 DEFAULT_DRAFT_GUESSES = 4  # --draft-model-id without --speculate
 
 
-def _resolve(kw: dict) -> dict:
+def _resolve(kw: dict) -> ResolvedLaunch:
     """Validate the flags and resolve the model and the token limits (what both up and procfile need)."""
     from llmbus.frontend.tokenizer import config_max_positions
     from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_model
 
-    _check_static(kw)
+    num_shard, max_input_tokens = _check_static(kw)
     try:
         model_dir = resolve_model(kw["model_id"], revision=kw["revision"], cache_dir=kw["huggingface_hub_cache"],
                                   gguf_file=kw["gguf_file"])
@@ -99,7 +100,7 @@ def _resolve(kw: dict) -> dict:
     max_total = kw["max_total_tokens"] or max_positions
     if kw["max_batch_total_tokens"] is not None and kw["max_total_tokens"] is None:
         max_total = min(max_total, kw["max_batch_total_tokens"])
-    max_input = kw["max_input_tokens"] if kw["max_input_tokens"] is not None else max_total - 1
+    max_input = max_input_tokens if max_input_tokens is not None else max_total - 1
     explicit_prefill = kw["max_batch_prefill_tokens"]
     max_prefill = explicit_prefill if explicit_prefill is not None else (
         DEFAULT_MAX_BATCH_PREFILL_TOKENS if kw["prefill_chunking"] else max(DEFAULT_MAX_BATCH_PREFILL_TOKENS, max_input))
@@ -117,35 +118,33 @@ def _resolve(kw: dict) -> dict:
         if vocab != draft_vocab:
             raise InvalidArgument(f"the draft model's vocabulary ({draft_vocab} tokens) is not the model's "
                                   f"({vocab}): a draft must share the model's tokenizer")
-    return {"model_dir": model_dir, "max_total": max_total, "max_input": max_input, "max_prefill": max_prefill,
-            "prefill_explicit": explicit_prefill is not None, "draft_dir": draft_dir}
+    return ResolvedLaunch(model_dir=str(model_dir), num_shard=num_shard, max_total_tokens=max_total,
+                          max_input_tokens=max_input, max_batch_prefill_tokens=max_prefill,
+                          prefill_explicit=explicit_prefill is not None,
+                          draft_dir=None if draft_dir is None else str(draft_dir))
 
 
-def _launch_plan(kw: dict, r: dict, run_dir: str) -> LaunchPlan:
+def _launch_plan(kw: dict, r: ResolvedLaunch, run_dir: str) -> LaunchPlan:
     """Each service's settings: the flags it declares, as resolved, and what the launch decides."""
     num_blocks = kw["num_blocks"]
     if num_blocks is None and kw["max_batch_total_tokens"] is not None:
         num_blocks = -(-kw["max_batch_total_tokens"] // (kw["block_size"] or default_block_size(kw["device"])))
-    worker_env = {"TRUST_REMOTE_CODE": "1"} if kw["trust_remote_code"] else {}
-    for name in ("watermark_gamma", "watermark_delta"):
-        if kw[name] is not None:
-            worker_env[name.upper()] = repr(kw[name])
-    values = {**kw, "max_total_tokens": r["max_total"], "max_input_tokens": r["max_input"],
-              "max_batch_prefill_tokens": r["max_prefill"], "api_key": kw["api_key"] or None}
-    if r["draft_dir"] is not None:
+    values = {**kw, "max_total_tokens": r.max_total_tokens, "max_input_tokens": r.max_input_tokens,
+              "max_batch_prefill_tokens": r.max_batch_prefill_tokens, "api_key": kw["api_key"] or None}
+    if r.draft_dir is not None:
         values.update(speculate=kw["speculate"] or DEFAULT_DRAFT_GUESSES, speculate_method="draft",
-                      draft_model_dir=str(r["draft_dir"]))
+                      draft_model_dir=r.draft_dir)
     endpoints = Endpoints.in_dir(run_dir)
     return LaunchPlan(
-        scheduler=service_settings(SchedulerProcessConfig, values, run_dir=run_dir, world_size=kw["num_shard"],
-                                   fit_prefill_tokens_to_kv=not r["prefill_explicit"]),
-        workers=service_settings(WorkerConfig, values, run_dir=run_dir, model_dir=str(r["model_dir"]),
-                                 world_size=kw["num_shard"], num_blocks=num_blocks),
-        frontend=service_settings(FrontendConfig, values, model_dir=str(r["model_dir"]),
-                                  model_id=served_model_id(kw["model_id"], r["model_dir"]),
+        scheduler=service_settings(SchedulerProcessConfig, values, run_dir=run_dir, world_size=r.num_shard,
+                                   fit_prefill_tokens_to_kv=not r.prefill_explicit),
+        workers=service_settings(WorkerConfig, values, run_dir=run_dir, model_dir=r.model_dir,
+                                 world_size=r.num_shard, num_blocks=num_blocks),
+        frontend=service_settings(FrontendConfig, values, model_dir=r.model_dir,
+                                  model_id=served_model_id(kw["model_id"], r.model_dir),
                                   requests_endpoint=endpoints.requests,
                                   events_endpoint=endpoints.frontend_events(run_dir, "f0")),
-        num_frontends=kw["num_frontends"], worker_env=worker_env)
+        num_frontends=kw["num_frontends"])
 
 
 def visible_gpus() -> int | None:
@@ -172,14 +171,16 @@ def runtime_env() -> str:
     return "\n".join(lines)
 
 
-def _check_static(kw: dict) -> None:
-    """TGI's launcher rules on the flags alone; fills num_shard and max_input_tokens as TGI resolves them."""
+def _check_static(kw: dict) -> tuple[int, int | None]:
+    """TGI's launcher rules on the flags alone, then every setting's declared bounds; (num_shard,
+    max_input_tokens) as TGI resolves them."""
+    max_input_tokens = kw["max_input_tokens"]
     if kw["max_input_length"] is not None:
-        if kw["max_input_tokens"] is not None:
-            raise InvalidArgument(f"Both `max_input_tokens` ({kw['max_input_tokens']}) and `max_input_length` "
+        if max_input_tokens is not None:
+            raise InvalidArgument(f"Both `max_input_tokens` ({max_input_tokens}) and `max_input_length` "
                                   f"({kw['max_input_length']}) are set. Please define only `max_input_tokens` as "
                                   f"`max_input_length is deprecated for naming consistency.")
-        kw["max_input_tokens"] = kw["max_input_length"]
+        max_input_tokens = kw["max_input_length"]
     sharded, num_shard = kw["sharded"], kw["num_shard"]
     if sharded and num_shard is None:
         found = visible_gpus() or 0
@@ -190,56 +191,41 @@ def _check_static(kw: dict) -> None:
         raise InvalidArgument("`sharded` is true but `num_shard` <= 1")
     elif num_shard is None:
         num_shard = 1 if sharded is False else (visible_gpus() or 1)
-    kw["num_shard"] = num_shard
     if num_shard < 1:
         raise InvalidArgument("`num_shard` cannot be < 1")
     shortage = gpu_shortage(kw["device"], num_shard)
     if shortage is not None:
         raise InvalidArgument(shortage)
-    if kw["validation_workers"] < 1:
-        raise InvalidArgument("`validation_workers` must be > 0")
-    for name in ("watermark_gamma",):
-        if kw[name] is not None and not 0 < kw[name] < 1:
-            raise InvalidArgument(f"`{name}` must be > 0 and < 1. Given: {kw[name]}")
-    if kw["max_batch_size"] is not None and kw["max_batch_size"] < 1:
-        raise InvalidArgument("`max_batch_size` must be > 0")
-    for name in ("max_concurrent_requests", "block_size", "max_best_of", "max_client_batch_size", "payload_limit"):
-        if kw[name] is not None and kw[name] < 1:
-            raise InvalidArgument(f"`{name}` must be > 0")
-    if not 0 < kw["cuda_memory_fraction"] <= 1:
-        raise InvalidArgument(f"`cuda_memory_fraction` must be in (0, 1]. Given: {kw['cuda_memory_fraction']}")
-    if kw["waiting_served_ratio"] < 0:
-        raise InvalidArgument(f"`waiting_served_ratio` must be >= 0. Given: {kw['waiting_served_ratio']}")
-    if kw["max_waiting_tokens"] < 0:
-        raise InvalidArgument(f"`max_waiting_tokens` must be >= 0. Given: {kw['max_waiting_tokens']}")
-    if kw["kv_cache_bytes"] is not None and kw["kv_cache_bytes"] < 1:
-        raise InvalidArgument("`kv_cache_memory` must be > 0")
+    # A frontend alone may take port 0 (any free one); a launch's frontends share one port, named here.
+    if not 0 < kw["port"] < 65536:
+        raise InvalidArgument(f"`port` must be between 1 and 65535. Given: {kw['port']}")
+    broken = problems(up_settings(), kw)
+    if broken:
+        raise InvalidArgument(broken[0])
     if kw["otlp_endpoint"]:
         from llmbus.bus import tracing
 
         if not tracing.available():
             raise InvalidArgument(f"`otlp_endpoint` is set but {tracing.EXTRA_HINT}")
-    if kw["num_frontends"] < 1:
-        raise InvalidArgument("`num_frontends` must be > 0")
-    if not kw["health_check_timeout_s"] > 0:
-        raise InvalidArgument(f"`health_check_timeout` must be > 0. Given: {kw['health_check_timeout_s']}")
-    if not 0 < kw["port"] < 65536:
-        raise InvalidArgument(f"`port` must be between 1 and 65535. Given: {kw['port']}")
+    return num_shard, max_input_tokens
 
 
 def _check_limits(max_input: int, max_total: int, max_prefill: int, max_positions: int, chunking: bool) -> None:
-    if max_input < 1:
-        raise InvalidArgument("`max_input_tokens` must be > 0")
-    if max_input >= max_total:
-        raise InvalidArgument(f"`max_input_tokens`({max_input}) must be < `max_total_tokens`({max_total})")
-    if max_prefill < 1:
-        raise InvalidArgument("`max_batch_prefill_tokens` must be > 0")
+    """TGI's launcher rules on the resolved token limits."""
+    broken = (_declared(FrontendConfig, "max_input_tokens").problem(max_input)
+              or input_total_problem(max_input, max_total))
+    if broken:
+        raise InvalidArgument(broken)
     if not chunking and max_prefill < max_input:
         raise InvalidArgument(f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
                               f"Given: {max_prefill} and {max_input}")
     if max_total > max_positions:
         raise InvalidArgument(f"`max_total_tokens`({max_total}) must be <= the model's "
                               f"`max_position_embeddings`({max_positions})")
+
+
+def _declared(service, name: str) -> Declared:
+    return next(d for d in declared(service) if d.name == name)
 
 
 @main.command("demo-model")

@@ -47,13 +47,13 @@ RESTART_REQUEST_WAIT_S = 10.0
 STARTUP_TIMEOUT_S = 900.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProcessSpec:
-    """One service of a launch: the same specs render the Procfile."""
+    """One service of a launch: the same specs render the Procfile (a restart starts the same again)."""
 
     name: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
     reports_ready: bool = True  # False: its readiness is implied by another's (the scheduler's for workers)
     restart: str = "never"  # "on_request": when a RestartService names it; "on_exit": whenever it dies
     max_restarts: int = 0  # "on_exit": at most this many in RESTART_WINDOW_S

@@ -1,11 +1,16 @@
-"""The process plan: one description of a launch that both `llmbus up` and the Procfile render."""
+"""The process plan: one description of a launch that both `llmbus up` and the Procfile render.
+
+`llmbus up`'s flags are resolved once (``ResolvedLaunch``: the model's folder, the ranks, the token limits),
+then composed into each service's settings (``LaunchPlan``), then into the processes to start
+(``build_plan``). Each step is a frozen value: nothing downstream edits what an earlier step decided.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmbus.bus.rundir import Endpoints
 from llmbus.bus.service import ENV_JSON_LOGS
@@ -15,7 +20,20 @@ from llmbus.supervisor.launcher import STARTUP_TIMEOUT_S, ProcessSpec
 from llmbus.workers.process import WorkerConfig
 
 
-@dataclass
+@dataclass(frozen=True)
+class ResolvedLaunch:
+    """What `llmbus up`'s flags come to once the model is found: TGI's launcher's resolution."""
+
+    model_dir: str
+    num_shard: int  # tensor-parallel ranks
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    prefill_explicit: bool  # given by the user: checked against the KV capacity, never lowered to it
+    draft_dir: str | None = None
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     """Every service's settings for one launch, already validated and with defaults resolved."""
 
@@ -23,15 +41,14 @@ class LaunchPlan:
     workers: WorkerConfig
     frontend: FrontendConfig  # frontend i gets frontend_id f<i> and, with several, --reuse-port
     num_frontends: int = 1
-    worker_env: dict[str, str] = field(default_factory=dict)  # TRUST_REMOTE_CODE, WATERMARK_GAMMA/DELTA
 
 
 def build_plan(launch: LaunchPlan, python: str = sys.executable) -> list[ProcessSpec]:
     plan = [
-        ProcessSpec("scheduler", [python, "-m", "llmbus.scheduler", *launch.scheduler.to_argv()]),
+        ProcessSpec("scheduler", (python, "-m", "llmbus.scheduler", *launch.scheduler.to_argv())),
         # The scheduler is ready only once every rank is: the group itself has nothing more to say.
-        ProcessSpec("workers", [python, "-m", "llmbus.workers", *launch.workers.to_argv()], reports_ready=False,
-                    env=dict(launch.worker_env), restart="on_request"),
+        ProcessSpec("workers", (python, "-m", "llmbus.workers", *launch.workers.to_argv()), reports_ready=False,
+                    restart="on_request"),
     ]
     for i in range(launch.num_frontends):
         plan.append(frontend_spec(launch, i, python))
@@ -49,8 +66,8 @@ def frontend_spec(launch: LaunchPlan, index: int, python: str = sys.executable) 
         requests_endpoint=Endpoints.in_dir(run_dir).requests,
         events_endpoint=Endpoints.in_dir(run_dir).frontend_events(run_dir, frontend_id))
     # the key travels in the environment: a command line is readable by every user of the machine
-    return ProcessSpec(name, [python, "-m", "llmbus.frontend", "--run-dir", run_dir, *frontend.to_argv(),
-                              "--service-name", name], env=frontend.secret_env(),
+    return ProcessSpec(name, (python, "-m", "llmbus.frontend", "--run-dir", run_dir, *frontend.to_argv(),
+                              "--service-name", name), env=frontend.secret_env(),
                        # one of several restarts while the others serve; a lone one ends the launch as before
                        restart="on_exit" if launch.num_frontends > 1 else "never",
                        max_restarts=launch.scheduler.max_restarts)

@@ -1,7 +1,9 @@
 """The settings only `llmbus up` has: where the model comes from, how many ranks, how the launch runs.
 
 Every other flag of `llmbus up` is a service's own setting, declared once in that service's settings
-dataclass (scheduler/process.py, workers/process.py, frontend/config.py) and composed here.
+dataclass (scheduler/process.py, workers/process.py, frontend/config.py) and composed here. A service's
+setting that only the launch sets (``user=False``) but that `up` offers among its own flags is ``offered``
+here: its declaration stays the service's.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmbus.bus.rundir import ENV_RUN_DIR
-from llmbus.bus.settings import click_options, declared, setting
+from llmbus.bus.settings import Declared, click_options, declared, offered, setting
 from llmbus.frontend.config import FrontendConfig
 from llmbus.scheduler.process import SchedulerProcessConfig
 from llmbus.workers.process import WorkerConfig
@@ -34,29 +36,35 @@ class LaunchSettings:
                                     help="Tensor-parallel ranks (one per GPU; on CPU, processes). Default: the "
                                          "GPUs CUDA_VISIBLE_DEVICES lists, else 1.")
     sharded: bool | None = setting(None, env="SHARDED", help="Shard the model (true needs more than one rank).")
-    trust_remote_code: bool = setting(False, env="TRUST_REMOTE_CODE",
-                                      help="Let transformers run the model repository's own code (fallback models).")
+    trust_remote_code: bool = offered(WorkerConfig, "trust_remote_code")
     max_input_length: int | None = setting(None, env="MAX_INPUT_LENGTH", help="Deprecated name of --max-input-tokens.")
     max_batch_total_tokens: int | None = setting(None, env="MAX_BATCH_TOTAL_TOKENS",
                                                  help="KV cache capacity in tokens (default: what memory allows).")
-    watermark_gamma: float | None = setting(None, env="WATERMARK_GAMMA",
-                                            help="Share of the vocabulary in the watermark's green list (default 0.5).")
-    watermark_delta: float | None = setting(None, env="WATERMARK_DELTA",
-                                            help="Bias added to green-list logits (default 2.0).")
+    watermark_gamma: float | None = offered(WorkerConfig, "watermark_gamma")
+    watermark_delta: float | None = offered(WorkerConfig, "watermark_delta")
     print_env: bool = setting(False, flag="--env", aliases=("-e",), env="ENV",
                               help="Print the runtime environment (versions, devices) before starting.")
     run_dir: str | None = setting(None, env=ENV_RUN_DIR, help="Private directory for ipc sockets.")
     json_output: bool = setting(False, env="JSON_OUTPUT", help="Log JSON lines.")
-    num_frontends: int = setting(1, env="NUM_FRONTENDS",
+    num_frontends: int = setting(1, env="NUM_FRONTENDS", ge=1,
                                  help="HTTP frontend processes sharing --port (the kernel spreads connections over "
                                       "them; /metrics on any of them counts the requests of all).")
 
 
+def up_settings() -> list[Declared]:
+    """Every `llmbus up` setting: the launch's own, then each service's user-facing settings (a setting
+    two services share, such as --max-total-tokens, once: its first declaration)."""
+    settings, seen = [], set()
+    for d in declared(LaunchSettings) + [d for service in SERVICES for d in service.user_settings()]:
+        if d.name not in seen:
+            seen.add(d.name)
+            settings.append(d)
+    return settings
+
+
 def up_options():
-    """Every `llmbus up` option: the launch's own, then each service's user-facing settings (a setting
-    two services share, such as --max-total-tokens, appears once)."""
-    settings = declared(LaunchSettings) + [d for service in SERVICES for d in service.user_settings()]
-    return click_options(settings)
+    """Every `llmbus up` option, from ``up_settings``."""
+    return click_options(up_settings())
 
 
 def service_settings(service, values: dict, **fixed):

@@ -110,7 +110,8 @@ def test_procfile_renders_the_launch_plan(tiny_model_dir, tmp_path):
     assert "--port 3999" in entries["frontend"] and "--max-total-tokens 128" in entries["frontend"]
     assert "k3y" not in procfile, "the key stays out of the command lines"
     env = (tmp_path / ".env").read_text().splitlines()
-    assert "API_KEY=k3y" in env and "TRUST_REMOTE_CODE=1" in env
+    assert "API_KEY=k3y" in env
+    assert "--trust-remote-code" in entries["workers"], "a setting of the workers, on their command line"
     two = CliRunner().invoke(main, ["procfile", "--model-id", str(tiny_model_dir), "-o", str(tmp_path / "two"),
                                     "--num-frontends", "2", "--otlp-endpoint", "http://collector:4317"])
     entries = dict(line.split(": ", 1) for line in (tmp_path / "two" / "Procfile").read_text().splitlines()

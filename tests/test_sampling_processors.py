@@ -11,9 +11,6 @@ the same way).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -196,11 +193,16 @@ def test_watermark_matches_transformers_processor(gamma, delta):
         apply_watermark(logits, params, None)
 
 
-def test_watermark_settings_come_from_the_environment():
-    code = "from llmbus.workers import sampling as s; print(s.WATERMARK_GAMMA, s.WATERMARK_DELTA)"
-    env = dict(os.environ, WATERMARK_GAMMA="0.3", WATERMARK_DELTA="4.5")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["0.3", "4.5"]
+def test_sample_takes_the_watermark_settings_it_is_given():
+    """The workers' --watermark-gamma/--watermark-delta reach sampling as arguments (no module reads
+    WATERMARK_GAMMA/DELTA at import); unset, TGI's defaults."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(watermark=True, top_n_tokens=3)] * 2
+    out = sample(logits, params, [1, 1], last_tokens=[5, 9], watermark_gamma=0.25, watermark_delta=50.0)
+    biased = apply_watermark(logits, params, [5, 9], 0.25, 50.0)
+    assert out.token_ids.tolist() == biased.argmax(dim=-1).tolist()
+    default = sample(logits, params, [1, 1], last_tokens=[5, 9])
+    assert default.token_ids.tolist() == apply_watermark(logits, params, [5, 9], 0.5, 2.0).argmax(dim=-1).tolist()
 
 
 def test_greedy_watermark_moves_the_argmax_only_through_the_bias():

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmbus.bus.service import ENV_JSON_LOGS
-from llmbus.bus.settings import declared
+from llmbus.bus.settings import SettingsError, declared
 from llmbus.frontend.__main__ import from_args as frontend_from_args
 from llmbus.frontend.config import FrontendConfig
 from llmbus.scheduler.process import SchedulerProcessConfig
@@ -107,14 +107,14 @@ LAUNCH_FLAGS = {
     "num_shard": (["--num-shard", "2"], {}, {"scheduler.world_size": 2, "workers.world_size": 2}),
     "sharded": (["--sharded", "false"], {"CUDA_VISIBLE_DEVICES": "0,1"},
                 {"scheduler.world_size": 1, "workers.world_size": 1}),
-    "trust_remote_code": (["--trust-remote-code"], {}, {"workers.env.TRUST_REMOTE_CODE": "1"}),
+    "trust_remote_code": (["--trust-remote-code"], {}, {"workers.trust_remote_code": True}),
     "max_input_length": (["--max-input-length", "100"], {}, {"frontend.max_input_tokens": 100}),
     "max_batch_total_tokens": (["--max-batch-total-tokens", "160"], {},
                                {"workers.num_blocks": -(-160 // default_block_size("auto")),  # 64 on CPU
                                 "scheduler.max_total_tokens": 160,
                                 "frontend.max_total_tokens": 160, "frontend.max_input_tokens": 159}),
-    "watermark_gamma": (["--watermark-gamma", "0.25"], {}, {"workers.env.WATERMARK_GAMMA": "0.25"}),
-    "watermark_delta": (["--watermark-delta", "1.5"], {}, {"workers.env.WATERMARK_DELTA": "1.5"}),
+    "watermark_gamma": (["--watermark-gamma", "0.25"], {}, {"workers.watermark_gamma": 0.25}),
+    "watermark_delta": (["--watermark-delta", "1.5"], {}, {"workers.watermark_delta": 1.5}),
     "print_env": (["--env"], {}, {}),  # printed by `up` itself before anything starts
     "json_output": (["--json-output"], {}, {}),  # the launcher's environment for all (test_logs), or .env
     "run_dir": (["--run-dir", RUN_DIR + "-other"], {},
@@ -189,7 +189,8 @@ def test_a_setting_several_services_read_is_declared_alike():
     """`llmbus up` has one option for such a setting (built from its first declaration): every service
     must read the same flag, variable, type and default from it."""
     def as_read(d):
-        return d.flag, d.spec.aliases, d.spec.env, d.kind, d.default, d.spec.choices, d.spec.secret
+        s = d.spec
+        return d.flag, s.aliases, s.env, d.kind, d.default, s.choices, s.secret, s.ge, s.gt, s.le, s.lt, s.check
 
     first = {}
     for service in SERVICES:
@@ -273,3 +274,163 @@ def test_cpu_rank_threads(env, cores, world_size, threads, monkeypatch):
         monkeypatch.setenv("OMP_NUM_THREADS", env)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert cpu_threads(world_size) == threads
+
+
+# ------------------------------------------------------------------ settings that check themselves
+
+SERVICE_ENTRIES = {  # each service's own command line: (module, the flags it needs to start)
+    "scheduler": ("llmbus.scheduler", ["--run-dir", RUN_DIR]),
+    "workers": ("llmbus.workers", ["--run-dir", RUN_DIR, "--model-dir", "/m"]),
+    "frontend": ("llmbus.frontend", ["--run-dir", RUN_DIR, "--model-dir", "/m"]),
+}
+SERVICE_NEEDS = {SchedulerProcessConfig: dict(run_dir=RUN_DIR), WorkerConfig: dict(run_dir=RUN_DIR, model_dir="/m"),
+                 FrontendConfig: dict(model_dir="/m", requests_endpoint="ipc:///r", events_endpoint="ipc:///e")}
+
+
+def refusal(service: str, flags: list[str], capsys) -> str:
+    """The last line a service's own command line answers ``flags`` with; it must refuse them (exit 2)."""
+    _, needed = SERVICE_ENTRIES[service]
+    with pytest.raises(SystemExit) as exited:
+        if service == "frontend":
+            frontend_from_args([*needed, *flags])
+        else:
+            SERVICE_CLASSES[service].parse([*needed, *flags], prog=f"llmbus {service}")
+    assert exited.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("service, flags, message", [
+    ("scheduler", ["--max-batch-prefill-tokens", "0"], "Invalid argument: `max_batch_prefill_tokens` must be > 0"),
+    ("scheduler", ["--max-batch-size", "0"], "Invalid argument: `max_batch_size` must be > 0"),
+    ("scheduler", ["--waiting-served-ratio", "-1"],
+     "Invalid argument: `waiting_served_ratio` must be >= 0. Given: -1.0"),
+    ("scheduler", ["--max-waiting-tokens", "-2"], "Invalid argument: `max_waiting_tokens` must be >= 0. Given: -2"),
+    ("scheduler", ["--speculate", "-1"], "Invalid argument: `speculate` must be >= 0. Given: -1"),
+    ("workers", ["--cuda-memory-fraction", "0"],
+     "Invalid argument: `cuda_memory_fraction` must be in (0, 1]. Given: 0.0"),
+    ("workers", ["--kv-cache-memory", "0"], "Invalid argument: `kv_cache_memory` must be > 0"),
+    ("workers", ["--block-size", "0"], "Invalid argument: `block_size` must be > 0"),
+    ("workers", ["--watermark-gamma", "1.5"], "Invalid argument: `watermark_gamma` must be > 0 and < 1. Given: 1.5"),
+    ("frontend", ["--port", "70000"], "Invalid argument: `port` must be between 0 and 65535. Given: 70000"),
+    ("frontend", ["--max-best-of", "0"], "Invalid argument: `max_best_of` must be > 0"),
+    ("frontend", ["--health-check-timeout", "0"], "Invalid argument: `health_check_timeout` must be > 0. Given: 0.0"),
+    ("frontend", ["--max-stop-sequences", "-1"], "Invalid argument: `max_stop_sequences` must be >= 0. Given: -1"),
+    ("frontend", ["--max-input-tokens", "9000", "--max-total-tokens", "8192"],
+     "Invalid argument: `max_input_tokens`(9000) must be < `max_total_tokens`(8192)"),  # validate()
+    ("frontend", ["--frontend-id", "a-b"], "Invalid argument: `frontend_id` must be non-empty and contain no '-'. "
+                                           "Given: 'a-b'"),
+])
+def test_a_service_refuses_a_value_out_of_its_declared_bounds(service, flags, message, capsys):
+    prog = "python -m llmbus.frontend" if service == "frontend" else f"llmbus {service}"
+    assert refusal(service, flags, capsys) == f"{prog}: error: {message}"
+
+
+def test_a_service_refuses_a_bad_value_from_its_environment(capsys, monkeypatch):
+    monkeypatch.setenv("WATERMARK_GAMMA", "2")
+    assert refusal("workers", [], capsys).endswith(
+        "Invalid argument: `watermark_gamma` must be > 0 and < 1. Given: 2.0")
+    monkeypatch.delenv("WATERMARK_GAMMA")
+    monkeypatch.setenv("TRUST_REMOTE_CODE", "maybe")
+    assert refusal("workers", [], capsys).endswith(
+        "TRUST_REMOTE_CODE='maybe' is not a valid value for --trust-remote-code")
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_ENTRIES))
+def test_each_service_command_line_refuses_with_one_line_and_no_traceback(service):
+    import subprocess
+    import sys
+
+    bad = {"scheduler": ["--max-batch-size", "0"], "workers": ["--cuda-memory-fraction", "1.5"],
+           "frontend": ["--max-concurrent-requests", "0"]}[service]
+    module, needed = SERVICE_ENTRIES[service]
+    done = subprocess.run([sys.executable, "-m", module, *needed, *bad], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "Invalid argument: `" in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_up_and_each_service_word_a_broken_bound_alike(tiny_model_dir):
+    """One declaration, one message: `llmbus up` refuses a value out of a setting's bounds with the very
+    line the services that declare it refuse it with."""
+    from llmbus.supervisor.settings import up_settings
+
+    checked = 0
+    for d in up_settings():
+        if d.name == "port":
+            continue  # `up` wants 1..65535 (its frontends share the port); a frontend alone may take 0
+        low = d.spec.ge if d.spec.ge is not None else d.spec.gt
+        if low is None:
+            continue
+        value = (low - 1) if d.spec.ge is not None else low
+        result = CliRunner().invoke(cli.main, ["up", "--model-id", str(tiny_model_dir), d.flag, str(value)])
+        assert result.exit_code == 2, (d.name, result.output)
+        line = result.output.strip().splitlines()[-1]
+        assert line.startswith("Error: Invalid argument: `"), line
+        expected = d.problem(d.convert(str(value)))
+        assert line == f"Error: Invalid argument: {expected}"
+        for service in SERVICES:
+            if d.name in {x.name for x in declared(service)}:
+                with pytest.raises(SettingsError) as refused:
+                    service(**SERVICE_NEEDS[service], **{d.name: d.convert(str(value))})
+                assert str(refused.value) == f"Invalid argument: {expected}", service.__name__
+        checked += 1
+    assert checked >= 15
+
+
+def test_declared_bounds_are_worded_as_tgi_words_them():
+    from llmbus.bus.settings import Declared, Spec
+
+    def problem(kind, value, **bounds):
+        spec = Spec("h", None, (), None, None, True, False, False, **bounds)
+        return Declared("some_thing", kind, False, 0, spec).problem(value)
+
+    assert problem(int, 0, ge=1) == "`some_thing` must be > 0"  # a count
+    assert problem(int, 1, ge=1) is None and problem(int, None, ge=1) is None  # unset: nothing to check
+    assert problem(int, -2, ge=0) == "`some_thing` must be >= 0. Given: -2"
+    assert problem(float, 0.0, gt=0) == "`some_thing` must be > 0. Given: 0.0"
+    assert problem(int, 0, ge=1, le=65535) == "`some_thing` must be between 1 and 65535. Given: 0"
+    assert problem(float, 1.5, gt=0, le=1) == "`some_thing` must be in (0, 1]. Given: 1.5"
+    assert problem(float, 1.0, gt=0, lt=1) == "`some_thing` must be > 0 and < 1. Given: 1.0"
+    assert problem(float, 3.0, le=2) == "`some_thing` must be <= 2. Given: 3.0"
+    assert problem(str, "x", check=lambda v: "must not be x" if v == "x" else None) == "`some_thing` must not be x"
+
+
+def test_validate_holds_the_rules_across_fields():
+    with pytest.raises(SettingsError) as refused:
+        FrontendConfig(model_dir="/m", requests_endpoint="ipc:///r", events_endpoint="ipc:///e",
+                       max_input_tokens=10, max_total_tokens=10)
+    assert str(refused.value) == "Invalid argument: `max_input_tokens`(10) must be < `max_total_tokens`(10)"
+    with pytest.raises(SettingsError, match="give --requests-endpoint and --events-endpoint, or --run-dir"):
+        FrontendConfig(model_dir="/m")
+    # a bound is checked before the rules across fields, and every broken bound is named
+    with pytest.raises(SettingsError) as refused:
+        FrontendConfig(model_dir="/m", max_best_of=0, max_client_batch_size=0)
+    assert refused.value.problems == ["`max_best_of` must be > 0", "`max_client_batch_size` must be > 0"]
+    ok = FrontendConfig(model_dir="/m", requests_endpoint="ipc:///r", events_endpoint="ipc:///e", port=0)
+    assert ok.port == 0, "a frontend alone may listen on any free port"
+    with pytest.raises(SettingsError, match="`max_batch_prefill_tokens` must be > 0"):
+        dataclasses.replace(SchedulerProcessConfig(run_dir=RUN_DIR), max_batch_prefill_tokens=0)
+
+
+def test_watermark_and_remote_code_are_the_workers_settings(monkeypatch):
+    """Read from TGI's variables by the workers' own command line (no module reads them at import), and
+    given to the ranks as flags by a launch."""
+    monkeypatch.setenv("WATERMARK_GAMMA", "0.3")
+    monkeypatch.setenv("WATERMARK_DELTA", "4.5")
+    monkeypatch.setenv("TRUST_REMOTE_CODE", "1")
+    cfg = WorkerConfig.parse(["--run-dir", RUN_DIR, "--model-dir", "/m"], prog="workers")[0]
+    assert (cfg.watermark_gamma, cfg.watermark_delta, cfg.trust_remote_code) == (0.3, 4.5, True)
+    monkeypatch.delenv("WATERMARK_GAMMA")
+    monkeypatch.delenv("WATERMARK_DELTA")
+    monkeypatch.delenv("TRUST_REMOTE_CODE")
+    argv = dataclasses.replace(cfg, watermark_gamma=0.25).to_argv()
+    assert "--trust-remote-code" in argv and argv[argv.index("--watermark-gamma") + 1] == "0.25"
+    assert WorkerConfig.parse(argv, prog="workers")[0] == dataclasses.replace(cfg, watermark_gamma=0.25)
+
+
+def test_the_launch_plan_is_frozen(tiny_model_dir):
+    launch = plan_for(["--model-id", str(tiny_model_dir)])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.num_frontends = 2
+    spec = build_plan(launch)[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.argv = ()

@@ -218,7 +218,9 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
                  max_batch_prefill_tokens: int = 4096, cuda_memory_fraction: float = 1.0,
-                 quantize: str | None = None, kv_cache_dtype: torch.dtype | None = None):
+                 quantize: str | None = None, kv_cache_dtype: torch.dtype | None = None,
+                 trust_remote_code: bool = False, watermark_gamma: float | None = None,
+                 watermark_delta: float | None = None):
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
@@ -229,7 +231,8 @@ class ModelRunner:
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
-                                quantize=quantize)
+                                quantize=quantize, trust_remote_code=trust_remote_code)
+        self.watermark_gamma, self.watermark_delta = watermark_gamma, watermark_delta  # None: sampling's defaults
         self.model_dir = model_dir
         # Rank 0, constrained decoding: built on the first request with a grammar (its vocabulary index
         # takes ~0.3 s and some memory that a server without such requests need not spend).
@@ -361,7 +364,8 @@ class ModelRunner:
             # The watermark seeds on the token before the sampled one: the last one fed this step.
             out = sample(logits, [s.sampling for s in sampled],
                          [s.num_computed + len(s.token_ids) for s in sampled], histories,
-                         [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled])
+                         [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled],
+                         watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
             token_list, logprob_list = out.token_ids.tolist(), out.logprobs.tolist()
             top_tokens, num_tokens = out.top_tokens, []
             if speculating:
@@ -496,7 +500,8 @@ class ModelRunner:
                 logits = self._forward(seqs, cache)
                 if self.rank == 0:
                     sample(logits, [s.sampling for s in seqs], [len(s.token_ids) for s in seqs],
-                           last_tokens=[s.token_ids[-1] for s in seqs])
+                           last_tokens=[s.token_ids[-1] for s in seqs],
+                           watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
         except torch.OutOfMemoryError as e:
             raise WarmupOutOfMemory(
                 f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "

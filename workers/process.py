@@ -47,19 +47,28 @@ class WorkerConfig(ServiceSettings):
                                        "float32 model halves the cache's bytes (llama.cpp's default cache type) "
                                        "and what decode attention reads, at float16's rounding of K and V; the "
                                        "CPU kernels take it. TGI's fp8 kinds are not implemented.")
-    block_size: int | None = setting(None, env="BLOCK_SIZE",
+    block_size: int | None = setting(None, env="BLOCK_SIZE", ge=1,
                                      help="Tokens per KV cache block (default: 64 on CPU, 16 on CUDA).")
-    kv_cache_bytes: int | None = setting(None, flag="--kv-cache-memory", env="KV_CACHE_MEMORY",
+    kv_cache_bytes: int | None = setting(None, flag="--kv-cache-memory", env="KV_CACHE_MEMORY", ge=1,
                                          help="Bytes of KV cache per rank on CPU (default 512 MiB).")
     num_blocks: int | None = setting(None, env="NUM_BLOCKS", help="Fix the KV block count.")
-    cuda_memory_fraction: float = setting(1.0, env="CUDA_MEMORY_FRACTION",
+    cuda_memory_fraction: float = setting(1.0, env="CUDA_MEMORY_FRACTION", gt=0, le=1,
                                           help="Share of each GPU's memory llmbus may use (weights, activations, "
                                                "KV cache).")
-    max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", help=PREFILL_TOKENS_HELP)
+    max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", ge=1,
+                                                    help=PREFILL_TOKENS_HELP)
     runner: str = setting("model", env="LLMBUS_RUNNER", choices=("model", "fake"), hidden=True,
                           help="fake: workers return tokens without computing (to measure the stack alone).")
     draft_model_dir: str | None = setting(None, user=False,
                                           help="a draft model's folder (--draft-model-id): rank 0 guesses with it")
+    # `llmbus up` offers these among its own flags (supervisor/settings.py) and hands them over; hidden here,
+    # as the ranks' plumbing, like --rank. TGI's variables still reach a group started by hand.
+    trust_remote_code: bool = setting(False, env="TRUST_REMOTE_CODE", user=False, hidden=True,
+                                      help="Let transformers run the model repository's own code (fallback models).")
+    watermark_gamma: float | None = setting(None, env="WATERMARK_GAMMA", gt=0, lt=1, user=False, hidden=True,
+                                            help="Share of the vocabulary in the watermark's green list (default 0.5).")
+    watermark_delta: float | None = setting(None, env="WATERMARK_DELTA", user=False, hidden=True,
+                                            help="Bias added to green-list logits (default 2.0).")
     dist_init: str | None = None  # torch.distributed init_method; default: a file in the run dir
 
 
@@ -208,7 +217,8 @@ class Worker:
                                   max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
                                                             or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
                                   cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize,
-                                  kv_cache_dtype=kv_dtype)
+                                  kv_cache_dtype=kv_dtype, trust_remote_code=self.cfg.trust_remote_code,
+                                  watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta)
         load_s = time.monotonic() - t0
         warmup_started = time.monotonic()
         warmup_tokens = self.runner.warmup()
@@ -218,7 +228,9 @@ class Worker:
             draft = ModelRunner(self.cfg.draft_model_dir, rank=0, world_size=1, dtype=dtype, device=device,
                                 block_size=self.runner.block_size, num_blocks=self.runner.num_blocks,
                                 max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
-                                                          or DEFAULT_MAX_BATCH_PREFILL_TOKENS))
+                                                          or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
+                                trust_remote_code=self.cfg.trust_remote_code,
+                                watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta)
             draft.warmup()
             self.runner.attach_draft(draft)
             self.log.info("draft model loaded", model=self.cfg.draft_model_dir)

@@ -31,7 +31,6 @@ masked out (probability 0) are left out, as TGI does, so a row may get fewer tha
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -41,10 +40,11 @@ from llmbus.workers import cpu_kernels
 
 TOP_P_CANDIDATES = 256  # first guess at the nucleus size; a full sort when some row needs more
 
-# The watermark's settings, read once as TGI reads them: the green list's share of the vocabulary and the
-# bias added to its logits. The hash key is the one TGI and transformers use, so their detectors apply.
-WATERMARK_GAMMA = float(os.getenv("WATERMARK_GAMMA", "0.5"))
-WATERMARK_DELTA = float(os.getenv("WATERMARK_DELTA", "2.0"))
+# The watermark's defaults (TGI's): the green list's share of the vocabulary and the bias added to its
+# logits; the workers' --watermark-gamma/--watermark-delta (TGI's WATERMARK_GAMMA/DELTA) override them.
+# The hash key is the one TGI and transformers use, so their detectors apply.
+WATERMARK_GAMMA = 0.5
+WATERMARK_DELTA = 2.0
 WATERMARK_HASH_KEY = 15485863
 
 _UINT64_MASK = (1 << 64) - 1
@@ -82,7 +82,8 @@ class Sampled(NamedTuple):
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
            histories: list[torch.Tensor | None] | None = None,
-           last_tokens: list[int] | None = None, prompt_lens: list[int] | None = None) -> Sampled:
+           last_tokens: list[int] | None = None, prompt_lens: list[int] | None = None,
+           watermark_gamma: float | None = None, watermark_delta: float | None = None) -> Sampled:
     """Token ids, their logprobs and the requested top tokens for ``logits [S, vocab]``.
 
     ``positions[i]`` is the position row i's token will take in its sequence (the tokens before it:
@@ -91,11 +92,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     device), needed only where ``has_penalties(params[i])``; ``last_tokens[i]`` the token before the one
     being sampled (the last one fed for row i), needed only where ``params[i].watermark``;
     ``prompt_lens[i]`` where the generated part of the history starts, needed only for a presence
-    penalty. Other entries (or the whole lists) may be None.
+    penalty. Other entries (or the whole lists) may be None. ``watermark_gamma``/``watermark_delta``:
+    see ``apply_watermark``.
     """
     logits = logits.float()
     if any(p.watermark for p in params):
-        logits = apply_watermark(logits, params, last_tokens)
+        logits = apply_watermark(logits, params, last_tokens, watermark_gamma, watermark_delta)
     if any(has_penalties(p) for p in params):
         logits = apply_penalties(logits, params, histories, prompt_lens)
     if not any(p.do_sample for p in params):
