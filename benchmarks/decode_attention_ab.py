@@ -1,11 +1,12 @@
 """The C decode-attention kernel of two source versions, timed alternately in one process: a batch of
 sequences over a float32 (or bf16) paged pool with SmolLM2's heads.
 
-    python benchmarks/decode_attention_ab.py OLD.c [NEW.c] [--batch 64] [--context 256] [--rounds 20]
+    python benchmarks/decode_attention_ab.py OLD_CSRC [NEW_CSRC] [--batch 64] [--context 256] [--rounds 20]
                                              [--layers 30] [--tables random|ordered]
 
-NEW defaults to this checkout's workers/decode_attention.c; OLD is any other version of it (say
-``git show HEAD~1:workers/decode_attention.c > /tmp/old.c``). Each round times one call of each, in turn,
+NEW_CSRC defaults to this checkout's workers/kernels/csrc, the kernel library's sources; OLD_CSRC is any
+other version of that folder (say ``mkdir /tmp/old && git archive HEAD~1 workers/kernels/csrc | tar -x -C
+/tmp/old``, then /tmp/old/workers/kernels/csrc). Each round times one call of each, in turn,
 so both see the same machine; prints the median per call and OLD/NEW. ``--layers``: a pool of that many
 layers, called one after the other like a step's layers (30, SmolLM2's, reads K/V from memory as a served
 step does; 1 keeps one layer's pool in cache). ``--tables``: each sequence's blocks drawn at random from the
@@ -15,19 +16,21 @@ pool, or consecutive.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from llmbus.workers import cpu_kernels
+from llmbus.workers.attention.decode_kernel import DecodeAttentionKernel
+from llmbus.workers.kernels import bindings, build
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("old")
-    p.add_argument("new", nargs="?", default=str(cpu_kernels.SOURCE))
+    p.add_argument("new", nargs="?", default=str(build.SOURCE_DIR))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--rounds", type=int, default=20)
@@ -38,10 +41,8 @@ def main() -> None:
     a = p.parse_args()
     kernels = {}
     for name, source in (("old", a.old), ("new", a.new)):
-        library = cpu_kernels.load_library(Path(source).resolve(), "")
-        if library is None:
-            raise SystemExit(f"{source} did not build")
-        kernels[name] = cpu_kernels.DecodeAttentionKernel(library)
+        library = bindings.bind(ctypes.CDLL(str(build.build(build.find_compiler(), Path(source).resolve()))))
+        kernels[name] = DecodeAttentionKernel(library)
     num_heads, num_kv_heads, head_dim = (int(v) for v in a.heads.split(","))
     dtype, block_size = getattr(torch, a.dtype), 16
     blocks_per_seq = -(-a.context // block_size)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmbus.workers.attention import CPUKernelBackend, TorchSDPABackend, make_attention_backend, torch_sdpa
-from llmbus.workers.cpu_kernels import decode_attention_kernel
+from llmbus.workers.attention.decode_kernel import decode_attention_kernel
 from llmbus.workers.kv_cache import PagedKVCache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 64
@@ -60,7 +60,7 @@ def test_cpu_kernel_backend_equals_portable(dtype, block_size, tolerance):
                 + [{"b": 1, "c": 1, "d": 1}] * 3 + [{"d": 1, "b": 1, "c": 1}] * 20)
     lengths = {"a": 0, "b": 0, "c": 0, "d": 0}
     metas = _run(schedule, [portable, cpu], caches, lengths, block_size, tolerance)
-    assert type(metas[1].groups[0]).__name__ == "KernelDecodeGroup"
+    assert type(metas[1].groups[0]).__name__ == "KernelRows"
     # The pools hold the same K/V, the CPU backend's bf16 blocks in the kernel's layout.
     for name in ("key", "value"):
         assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)) or dtype == torch.bfloat16
@@ -76,14 +76,13 @@ def test_prompt_rows_equal_portable(block_size, dtype, monkeypatch):
     a step past PROMPT_ROWS_MAX_SCORES keeps the portable groups."""
     from llmbus.workers.attention import cpu
 
-    rows, portable = CPUKernelBackend([None, 3], KERNEL), TorchSDPABackend([None, 3])
-    rows.prompt_rows = True
+    rows, portable = CPUKernelBackend([None, 3], KERNEL, prompt_rows=True), TorchSDPABackend([None, 3])
     caches = [_cache(dtype, block_size), _cache(dtype, block_size)]
     schedule = ([{"a": 5, "b": 9, "c": 1}] + [{"a": 1, "b": 1, "c": 1}] * 3 + [{"a": 1, "b": 1, "c": 1, "d": 12}]
                 + [{"a": 1, "b": 1, "d": 3}] + [{"b": 1, "d": 1}] * 2)
     lengths = {"a": 0, "b": 0, "c": 0, "d": 0}
     metas = _run(schedule[:1], [portable, rows], caches, lengths, block_size, 1e-5)
-    assert [type(g).__name__ for g in metas[1].groups] == ["KernelDecodeGroup"]
+    assert [type(g).__name__ for g in metas[1].groups] == ["KernelRows"] and metas[1].kernel_rows is metas[1].groups[0]
     assert metas[1].groups[0].context_lens.tolist() == [1, 2, 3, 4, 5, *range(1, 10), 1]
     _run(schedule[1:], [portable, rows], caches, lengths, block_size, 1e-5)
     monkeypatch.setattr(cpu, "PROMPT_ROWS_MAX_SCORES", 10)

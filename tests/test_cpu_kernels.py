@@ -1,15 +1,20 @@
-"""The C decode-attention kernel (workers/decode_attention.c) against a float32 reference written with
+"""The C decode-attention kernel (workers/kernels/csrc/decode_attention.c) against a float32 reference written with
 torch ops: the attended output over a paged pool read through block tables, the new K/V it writes into
 the pool (in the kernel's layout for bf16), the writer used beside prompts, GQA groups, sliding windows (a
 first visible key per sequence), both dtypes and a float16 pool under float32 queries, and head dims that take the AVX-512 path (64, 128) or the
-portable one (8). Also: where the kernel cannot be built, attention falls back to torch."""
+portable one (8). Also: where the kernel library cannot be built, attention falls back to torch; a library
+whose structures or constants differ from the bindings' is refused at load; and sampling.c's token choice."""
+
+import ctypes
 
 import pytest
 import torch
 
-from llmbus.workers import cpu_kernels
+from llmbus.workers.attention.decode_kernel import decode_attention_kernel
+from llmbus.workers.kernels import bindings, build
+from llmbus.workers.sampling import sampling_kernels
 
-KERNEL = cpu_kernels.decode_attention_kernel()
+KERNEL = decode_attention_kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is optional")
 
 
@@ -139,25 +144,44 @@ def test_kernel_refuses_shapes_and_dtypes_it_cannot_take():
 def test_disabled_kernel_leaves_attention_to_torch(monkeypatch):
     from llmbus.workers.attention import make_attention_backend
 
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
-    cpu_kernels.decode_attention_kernel.cache_clear()
+    monkeypatch.setenv(build.DISABLE_ENV, "0")
+    bindings.library.cache_clear(), decode_attention_kernel.cache_clear()
     try:
-        assert cpu_kernels.decode_attention_kernel() is None
+        assert decode_attention_kernel() is None
         assert make_attention_backend(torch.device("cpu")).name == "torch_sdpa"
     finally:
-        monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
-        cpu_kernels.decode_attention_kernel.cache_clear()
+        monkeypatch.delenv(build.DISABLE_ENV)
+        bindings.library.cache_clear(), decode_attention_kernel.cache_clear()
     assert make_attention_backend(torch.device("cpu")).name == "cpu_kernel"
 
 
 def test_failed_build_is_a_warning_not_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path / "cache"))
-    cpu_kernels.decode_attention_kernel.cache_clear()
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    bindings.library.cache_clear(), decode_attention_kernel.cache_clear()
     try:
-        assert cpu_kernels.decode_attention_kernel() is None
+        assert decode_attention_kernel() is None
     finally:
-        cpu_kernels.decode_attention_kernel.cache_clear()
+        bindings.library.cache_clear(), decode_attention_kernel.cache_clear()
+
+
+def test_library_whose_structures_differ_from_the_bindings_is_refused():
+    """llmbus_kernels_abi answers the header's sizes and constants, which the bindings share; a field added
+    on one side only (here a StepArgs with one more, as the bindings would then see it) or another
+    constant is refused at load, naming each difference."""
+    library = bindings.library()
+    bindings.check_abi(library)  # the real pair agrees
+    assert library.llmbus_kernels_abi(b"no such name") == -1
+
+    class LongerStepArgs(ctypes.Structure):
+        _fields_ = [*bindings.StepArgs._fields_, ("added", ctypes.c_int64)]
+
+    size = ctypes.sizeof(bindings.StepArgs)
+    doctored = {**bindings.abi_expectations(), "sizeof(StepArgs)": ctypes.sizeof(LongerStepArgs), "MAX_ROWS": 16}
+    with pytest.raises(bindings.KernelABIError) as refused:
+        bindings.check_abi(library, doctored)
+    assert (f"sizeof(StepArgs) is {size} in the library, {size + 8} in bindings.py; MAX_ROWS is 8 in the library, "
+            "16 in bindings.py" in str(refused.value))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 64])
@@ -165,7 +189,7 @@ def test_greedy_kernel_chooses_and_scores_as_torch(rows):
     """sampling.c's greedy rows: each row's first argmax and its log-softmax, as torch's argmax and log_softmax give them,
     with ties, a NaN row, an all -inf row and a strided view (a vocabulary cut from padded logits); a
     single row splits its vocabulary across the threads."""
-    kernels = cpu_kernels.sampling_kernels()
+    kernels = sampling_kernels()
     if kernels is None:
         pytest.skip("no C compiler: the kernel is optional")
     greedy = kernels.greedy
@@ -194,7 +218,7 @@ def test_sampling_kernel_draws_as_the_torch_path(rows, monkeypatch):
     from llmbus.bus.messages import SamplingParams
     from llmbus.workers import sampling
 
-    if cpu_kernels.sampling_kernels() is None:
+    if sampling_kernels() is None:
         pytest.skip("no C compiler: the kernel is optional")
     gen = torch.Generator().manual_seed(rows)
     logits = torch.randn(rows, 5000, generator=gen) * 5
@@ -214,7 +238,7 @@ def test_sampling_kernel_draws_as_the_torch_path(rows, monkeypatch):
 def test_sampling_kernel_never_draws_a_masked_token():
     """A masked token (-inf, a warper's) has probability 0: not drawn even at u = 0 where it comes first,
     nor at the top of the distribution (u just below 1) where it comes last."""
-    kernels = cpu_kernels.sampling_kernels()
+    kernels = sampling_kernels()
     if kernels is None:
         pytest.skip("no C compiler: the kernel is optional")
     logits = torch.tensor([[float("-inf"), float("-inf"), 1.0, 2.0, 0.5, float("-inf")]] * 2)

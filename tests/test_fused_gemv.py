@@ -1,4 +1,4 @@
-"""The fused decode layer's GEMV (workers/decode_layer.c, ``gemv_proj``) against torch: float32 rows and
+"""The fused decode layer's GEMV (workers/kernels/csrc/decode_layer.c, ``gemv_proj``) against torch: float32 rows and
 int8 rows with group scales, for every batch size it takes (1..8), output counts that are and are not
 multiples of four, and group shapes that the batch-1 int8 loop (dot_int8_row) takes (32, 64) or leaves to
 the general one (per row, 24, a ragged last group)."""
@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from llmbus.workers import fused_decode
+from llmbus.workers.kernels import bindings
 from llmbus.workers.quant import quantize_int8
 
-LIBRARY = fused_decode.decode_layer_library()
+LIBRARY = bindings.library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler: the fused decode layer is optional")
 
 
-def gemv(proj: fused_decode._Proj, x: torch.Tensor, out_features: int) -> torch.Tensor:
+def gemv(proj: bindings.Proj, x: torch.Tensor, out_features: int) -> torch.Tensor:
     y = torch.full((x.shape[0], out_features), float("nan"))
     assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), x.shape[1], out_features, x.shape[0],
                              y.data_ptr()) == 0
@@ -49,7 +50,7 @@ def test_float32_rows_give_the_product(rows, out_features, in_features):
 def test_more_rows_than_one_pass_serves_are_refused():
     keep = []
     proj = fused_decode._dense_proj(torch.randn(4, 8), keep)
-    x, y = torch.randn(fused_decode.MAX_BATCH + 1, 8), torch.empty(fused_decode.MAX_BATCH + 1, 4)
+    x, y = torch.randn(bindings.MAX_ROWS + 1, 8), torch.empty(bindings.MAX_ROWS + 1, 4)
     assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), 8, 4, x.shape[0], y.data_ptr()) == -1
 
 

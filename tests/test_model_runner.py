@@ -150,9 +150,9 @@ def test_bfloat16_checkpoint_in_float32_decodes_through_bfloat16_copies(tmp_path
 
 def test_fused_decode_layer_takes_large_batches_through_gemm_and_matches_transformers(checkpoint, runner,
                                                                                      monkeypatch):
-    """Past MAX_BATCH decode rows (float32, where gemm.c runs) the fused layer computes its projections as
+    """Past MAX_ROWS decode rows (float32, where gemm.c runs) the fused layer computes its projections as
     GEMMs: four copies of every prompt decode together, 20 rows a step, each equal to transformers'."""
-    from llmbus.workers.fused_decode import MAX_BATCH
+    from llmbus.workers.kernels.bindings import MAX_ROWS
 
     fused = runner.model.fused_decode
     if fused is None or not fused._large_batches:
@@ -172,7 +172,7 @@ def test_fused_decode_layer_takes_large_batches_through_gemm_and_matches_transfo
         for i in range(len(prompts)):
             assert results[f"c{copy}-{i}"].tokens == ref.tokens[i], f"copy {copy}, prompt {i}"
     # decode-only steps of every request (prompt steps, as rows, took it too: the larger ones)
-    assert len(requests) > MAX_BATCH and len(requests) in fused_rows and max(fused_rows) > len(requests)
+    assert len(requests) > MAX_ROWS and len(requests) in fused_rows and max(fused_rows) > len(requests)
 
 
 def test_fused_decode_layer_reads_int8_weights_as_the_torch_path_computes_them(checkpoint):

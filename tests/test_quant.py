@@ -8,7 +8,8 @@ import gguf
 import pytest
 import torch
 
-from llmbus.workers import cpu_kernels, quant
+from llmbus.workers import quant
+from llmbus.workers.kernels import bindings, build
 from llmbus.workers.gguf_checkpoint import GGUFRaw
 from llmbus.workers.linear import Linear
 
@@ -31,10 +32,10 @@ def backend(request, monkeypatch):
     if request.param == "ours" and not HAS_KERNEL:
         pytest.skip("no AVX512-BF16 or no compiler: quant_kernels.c does not run here")
     if request.param == "torch":
-        monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
-    quant._library.cache_clear()
+        monkeypatch.setenv(build.DISABLE_ENV, "0")
+    bindings.library.cache_clear(), quant._library.cache_clear()
     yield request.param
-    quant._library.cache_clear()
+    bindings.library.cache_clear(), quant._library.cache_clear()
 
 
 FORMS = {"int8 row": lambda w: quant.quantize_int8(w, None), "int8 g32": lambda w: quant.quantize_int8(w, 32),

@@ -3,19 +3,20 @@
 A batch-1 decode step of SmolLM2 in eager torch is ~30 ops a layer (norms, projections, RoPE's slices and
 concatenations, attention's bookkeeping, SiLU, residual adds), each a few microseconds of dispatch,
 allocation and Python around very little arithmetic: ~900 a step, as much time as streaming the weights.
-``FusedDecodeLayers`` replaces the layer loop for steps that only decode: up to ``MAX_BATCH`` sequences
+``FusedDecodeLayers`` replaces the layer loop for steps that only decode: up to ``MAX_ROWS`` sequences
 with GEMVs (a pass over each weight row is what bounds such a step), and larger batches of float32
 weights with gemm.c's GEMMs inside the same call, where that is built (AVX2 without
 AVX-512), as a batch-64 step's ~20 torch ops a layer around the GEMMs cost about a tenth of the step.
 Steps with prompts join where the layer takes any batch: the attention backend then gives every token a
-kernel row of its own (``CPUKernelBackend.prompt_rows``). Everything else keeps the torch path, which stays
-the reference.
+kernel row of its own (``AttentionBackend.prompt_rows``). The layer takes a step where the backend's
+metadata gives it as kernel rows (``AttentionMetadata.kernel_rows``); everything else keeps the torch path,
+which stays the reference.
 
-It applies to a native Llama-family model on CPU, float32 activations, one rank, the CPU attention backend,
-and projections it can read: plain float32 ones (the C layer reads weights as checkpoints store them, [out,
-in] row-major, so such a model's projections are kept plain, ``Linear.plain``, and also reordered for
-oneDNN's GEMMs where host memory allows a second copy: ``weight_builder.SECOND_COPY_SHARE``),
-or int8 ones that otherwise compute through a dense float32 copy (``--quantize int8`` where quant_kernels.c
+It applies to a native Llama-family model on CPU, float32 activations, one rank, an attention backend that
+gives kernel rows (the CPU one), and projections it can read: plain float32 ones (the C layer reads weights
+as checkpoints store them, [out, in] row-major, so such a model's projections are kept plain,
+``Linear.plain``, and also reordered for oneDNN's GEMMs where host memory allows a second copy:
+``weight_builder.SECOND_COPY_SHARE``), or int8 ones that otherwise compute through a dense float32 copy (``--quantize int8`` where quant_kernels.c
 does not run): the layer's GEMVs then stream the int8 rows, a quarter of the bytes, and its GEMMs (prompts,
 large batches) multiply that same float32 copy. Float32 weights that are all bfloat16 numbers (a bfloat16
 checkpoint served in float32) also get a bfloat16 copy for the GEMVs, half the bytes for the same bits
@@ -26,39 +27,20 @@ K/V as it writes them and widens them as attention reads them, decode_attention.
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 
 import structlog
 import torch
 
-from llmbus.workers import cpu_kernels
-from llmbus.workers.attention import AttentionMetadata, CPUKernelBackend
-from llmbus.workers.attention.cpu import KernelDecodeGroup
+from llmbus.workers.attention import BACKENDS, AttentionMetadata
 from llmbus.workers.host_memory import available_host_memory
+from llmbus.workers.kernels import bindings
+from llmbus.workers.kernels.bindings import MAX_ROWS, LayerArgs, Proj, StepArgs
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.linear import Linear
 from llmbus.workers.quant import Int8Weight, _DensePack
 from llmbus.workers.weight_builder import SECOND_COPY_SHARE
 
 log = structlog.get_logger("llmbus.workers")
-
-SOURCE = Path(__file__).with_name("decode_layer.c")
-MAX_BATCH = 8  # decode_layer.c's MAX_ROWS
-
-_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class _Proj(ctypes.Structure):
-    _fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64), ("bf16", _P)]
-
-
-class _LayerArgs(ctypes.Structure):
-    _fields_ = ([(name, _P) for name in ("input_norm", "qkv_bias", "o_bias", "post_norm", "gate_up_bias",
-                                         "down_bias")]
-                + [(name, _Proj) for name in ("qkv", "o_proj", "gate_up", "down")]
-                + [("window", _I64)])
-
 
 def _int8_source(projection) -> Int8Weight | None:
     """The int8 weight behind a ``QuantizedLinear`` that computes through a dense float32 copy (float32
@@ -68,16 +50,16 @@ def _int8_source(projection) -> Int8Weight | None:
     return source if isinstance(pack, _DensePack) and isinstance(source, Int8Weight) else None
 
 
-def _dense_proj(weight: torch.Tensor, keep: list) -> _Proj:
+def _dense_proj(weight: torch.Tensor, keep: list) -> Proj:
     weight = weight.contiguous()
     keep.append(weight)
-    return _Proj(dense=weight.data_ptr())
+    return Proj(dense=weight.data_ptr())
 
 
-def _int8_proj(source: Int8Weight, keep: list) -> _Proj:
+def _int8_proj(source: Int8Weight, keep: list) -> Proj:
     values, scale = source.values.contiguous(), source.scale.contiguous()
     keep += [values, scale]
-    return _Proj(values=values.data_ptr(), scale=scale.data_ptr(), group=source.group or values.shape[1])
+    return Proj(values=values.data_ptr(), scale=scale.data_ptr(), group=source.group or values.shape[1])
 
 
 class Bfloat16Copies:
@@ -93,7 +75,7 @@ class Bfloat16Copies:
         self.budget = budget
         self.made = self.bytes = 0
 
-    def add(self, proj: _Proj, weight: torch.Tensor, keep: list) -> None:
+    def add(self, proj: Proj, weight: torch.Tensor, keep: list) -> None:
         size = weight.numel() * 2
         if size > self.budget - self.bytes:
             return
@@ -115,7 +97,7 @@ def _default_bf16_budget(library: ctypes.CDLL) -> int:
     return 0 if available is None else int(available * SECOND_COPY_SHARE)
 
 
-def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> _Proj | None:
+def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> Proj | None:
     """The C view of a projection the fused layer can read (plain float32, or int8 with group scales), with
     a bfloat16 copy where ``bf16`` makes one; the tensors it points into are appended to ``keep``."""
     if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
@@ -133,37 +115,6 @@ def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> _P
     return proj
 
 
-class _StepArgs(ctypes.Structure):
-    _fields_ = ([(name, _I64) for name in ("batch", "hidden", "intermediate", "num_heads", "num_kv_heads",
-                                           "head_dim", "pool_blocks", "block_size", "table_stride",
-                                           "scores_stride")]
-                + [("eps", _F32), ("scale", _F32)]
-                + [(name, _P) for name in ("cos", "sin", "slots", "tables", "lens", "normed", "qkv_out",
-                                           "attended", "act", "scores")]
-                + [("rows_share_sequences", _I64)]
-                + [(name, _P) for name in ("gate_up_out", "panels", "pool_key", "pool_value")]
-                + [("pool_layer_stride", _I64), ("starts", _P), ("pool_f16", _I64)])
-
-
-@functools.cache
-def decode_layer_library() -> ctypes.CDLL | None:
-    """``decode_layer.c`` built and loaded; None where it cannot be (logged once, with the reason)."""
-    library = cpu_kernels.load_library(SOURCE, "small decode steps run layer by layer on torch ops (slower)")
-    if library is None:
-        return None
-    library.decode_layers_f32.argtypes = [ctypes.POINTER(_StepArgs), ctypes.POINTER(_LayerArgs), _I64, _P]
-    library.decode_layers_f32.restype = ctypes.c_int
-    library.lm_head_f32.argtypes = [ctypes.POINTER(_Proj), _P, _F32, _P, _I64, _I64, _I64, _P, _P]
-    library.lm_head_f32.restype = ctypes.c_int
-    library.gemv_proj.argtypes = [ctypes.POINTER(_Proj), _P, _I64, _I64, _I64, _P]
-    library.gemv_proj.restype = ctypes.c_int
-    library.decode_layer_takes_large_batches.restype = ctypes.c_int
-    library.decode_layer_reads_bf16.restype = ctypes.c_int
-    library.decode_layer_panel_floats.argtypes = [_I64, _I64]
-    library.decode_layer_panel_floats.restype = _I64
-    return library
-
-
 def _runs_on(device: torch.device, world_size: int, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and world_size == 1 and dtype == torch.float32
 
@@ -171,8 +122,9 @@ def _runs_on(device: torch.device, world_size: int, dtype: torch.dtype) -> bool:
 def fused_decode_applies(device: torch.device, world_size: int, dtype: torch.dtype, quantize: str | None) -> bool:
     """Whether a native model loaded so will decode through the fused layer (then its projections keep a
     plain copy): decided before the weights are read."""
-    return (_runs_on(device, world_size, dtype) and quantize in (None, "int8")
-            and CPUKernelBackend.available(device) and decode_layer_library() is not None)
+    backend = next(cls for cls in BACKENDS if cls.available(device))  # make_attention_backend's choice
+    return (_runs_on(device, world_size, dtype) and quantize in (None, "int8") and backend.gives_kernel_rows
+            and bindings.library() is not None)
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -183,7 +135,7 @@ class FusedDecodeLayers:
     """The layer loop of ``LlamaForCausalLM`` (and its final norm and LM head) for the steps it takes, one C
     call for all layers."""
 
-    def __init__(self, model, library: ctypes.CDLL, layers: list[_LayerArgs], weights: list,
+    def __init__(self, model, library: ctypes.CDLL, layers: list[LayerArgs], weights: list,
                  bf16: Bfloat16Copies | None = None):
         """``layers``: each layer's C arguments (``_layer_args``), pointing into ``weights``; ``bf16``: where
         the head gets a bfloat16 copy too."""
@@ -191,7 +143,7 @@ class FusedDecodeLayers:
         self._panel_floats = library.decode_layer_panel_floats
         self._head_function = library.lm_head_f32
         self._model = model
-        self._layers = (_LayerArgs * len(layers))(*layers)
+        self._layers = (LayerArgs * len(layers))(*layers)
         self._weights = weights  # kept alive: the structures hold raw pointers to them
         # The LM head as a plain [vocab, hidden] float32 weight (a tied embedding) or int8 rows (a tied int8
         # embedding computing through a dense copy); None: the model's own head.
@@ -210,12 +162,12 @@ class FusedDecodeLayers:
         self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self._eps, self._scale = config.rms_norm_eps, first.scale
         self._scratch: dict[str, torch.Tensor] = {}
-        # Batches past MAX_BATCH: gemm.c's GEMMs, which read float32 weights only.
+        # Batches past MAX_ROWS: gemm.c's GEMMs, which read float32 weights only.
         self._large_batches = bool(library.decode_layer_takes_large_batches()) and all(
             projection.dense for layer in layers for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
 
     @staticmethod
-    def _layer_args(model, weights: list, bf16: Bfloat16Copies | None = None) -> list[_LayerArgs] | None:
+    def _layer_args(model, weights: list, bf16: Bfloat16Copies | None = None) -> list[LayerArgs] | None:
         """Each layer's C arguments, pointing into tensors appended to ``weights``; None if a projection is
         one the C layer cannot read."""
         layers = []
@@ -230,7 +182,7 @@ class FusedDecodeLayers:
                            down_bias=mlp.down_bias)
             vectors = {k: None if t is None else t.float().contiguous() for k, t in vectors.items()}
             weights += [t for t in vectors.values() if t is not None]
-            layers.append(_LayerArgs(**{k: _ptr(t) for k, t in vectors.items()}, **projections,
+            layers.append(LayerArgs(**{k: _ptr(t) for k, t in vectors.items()}, **projections,
                                      window=model.attention_backend.window_index(index)))
         return layers
 
@@ -239,9 +191,9 @@ class FusedDecodeLayers:
         """The fused path for ``model`` if it applies (see the module's docstring), else None.
         ``bf16_budget``: bytes for bfloat16 copies of weights (``Bfloat16Copies``); None: the default."""
         if (not _runs_on(model.device, model.tp.world_size, model.dtype)
-                or not isinstance(model.attention_backend, CPUKernelBackend)):
+                or not model.attention_backend.gives_kernel_rows):
             return None
-        library = decode_layer_library()
+        library = bindings.library()
         if library is None:
             return None
         bf16 = Bfloat16Copies(_default_bf16_budget(library) if bf16_budget is None else bf16_budget)
@@ -270,7 +222,7 @@ class FusedDecodeLayers:
         """Logits ``[B, vocab]`` of the final ``norm`` (the model's RMSNorm) of ``rows [B, H]`` of a step
         ``run`` took: one C call for both where the head is one the C GEMV reads and the batch is small,
         the model's own norm and head otherwise (a large batch's head is a GEMM)."""
-        if self._head is None or rows.shape[0] > MAX_BATCH or norm.weight.dtype != torch.float32:
+        if self._head is None or rows.shape[0] > MAX_ROWS or norm.weight.dtype != torch.float32:
             return self._model.lm_head(norm(rows))
         rows = rows.contiguous()
         vocab, width = self._head_shape
@@ -285,24 +237,22 @@ class FusedDecodeLayers:
             meta: AttentionMetadata) -> bool:
         """Every layer over ``hidden [B, H]`` (float32, updated in place) if this step is one the fused
         path takes; False (nothing done) otherwise."""
-        groups = meta.groups
-        if (len(groups) != 1 or not isinstance(groups[0], KernelDecodeGroup) or groups[0].token_index is not None
-                or (hidden.shape[0] > MAX_BATCH and not self._large_batches)
+        group = meta.kernel_rows
+        if (group is None or (hidden.shape[0] > MAX_ROWS and not self._large_batches)
                 or kv_cache.key.dtype not in (torch.float32, torch.float16)):
             return False
-        group = groups[0]
         batch = hidden.shape[0]
         qkv_width = (self._num_heads + 2 * self._num_kv_heads) * self._head_dim
         scores_stride = -(-group.max_context // 16) * 16 + 16
         buffers = {"normed": batch * self._hidden, "qkv_out": batch * qkv_width,
                    "attended": batch * self._num_heads * self._head_dim, "act": batch * self._intermediate,
                    "scores": batch * self._num_heads * scores_stride}
-        if batch > MAX_BATCH:
+        if batch > MAX_ROWS:
             widest_input = max(self._hidden, self._num_heads * self._head_dim, self._intermediate)
             buffers |= {"gate_up_out": batch * 2 * self._intermediate,
                         "panels": self._panel_floats(batch, widest_input)}
         cos, sin = cos.reshape(batch, -1).contiguous(), sin.reshape(batch, -1).contiguous()
-        step = _StepArgs(batch=batch, hidden=self._hidden, intermediate=self._intermediate,
+        step = StepArgs(batch=batch, hidden=self._hidden, intermediate=self._intermediate,
                          num_heads=self._num_heads, num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
                          pool_blocks=kv_cache.num_blocks + 1, block_size=kv_cache.block_size,
                          table_stride=group.block_index.stride(0), scores_stride=scores_stride,
@@ -313,9 +263,9 @@ class FusedDecodeLayers:
                          rows_share_sequences=int(batch > 1 and bool(
                              torch.unique(group.block_index[:, 0]).numel() < batch)),
                          **{name: self._buffer(name, n).data_ptr() for name, n in buffers.items()})
-        starts = (_P * len(group.window_starts))(*[t.data_ptr() for t in group.window_starts])
+        starts = (ctypes.c_void_p * len(group.window_starts))(*[t.data_ptr() for t in group.window_starts])
         step.pool_key, step.pool_value = kv_cache.key.data_ptr(), kv_cache.value.data_ptr()
-        step.pool_layer_stride, step.starts = kv_cache.key.stride(0), ctypes.cast(starts, _P)
+        step.pool_layer_stride, step.starts = kv_cache.key.stride(0), ctypes.cast(starts, ctypes.c_void_p)
         step.pool_f16 = int(kv_cache.key.dtype == torch.float16)
         if self._function(ctypes.byref(step), self._layers, len(self._layers), hidden.data_ptr()) != 0:
             raise ValueError("the fused decode layer cannot take this shape")

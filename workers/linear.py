@@ -16,16 +16,12 @@ than the packed oneDNN GEMM at every row count measured (1.1-1.4x a SmolLM2 deco
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from llmbus.workers import cpu_kernels
-
-GEMM_SOURCE = Path(__file__).with_name("gemm.c")
+from llmbus.workers.kernels import bindings
 
 # The batch size the packed layout is tuned for. Measured on a 2-core AVX2 machine (float32, SmolLM2's
 # shapes, 2 threads): 64 is as fast as 1 at 1 row, 1.6-2.1x faster at 4 rows, 1.1-1.3x at 16-64 rows
@@ -36,13 +32,10 @@ PACK_BATCH_HINT = 64
 @functools.cache
 def float32_gemm():
     """``gemm.c``'s ``gemm_f32`` where it is built for this CPU (AVX2 + FMA, no AVX-512), else None."""
-    library = cpu_kernels.load_library(GEMM_SOURCE, "float32 projections run on oneDNN or F.linear")
+    library = bindings.library()
     if library is None or not library.gemm_f32_runs():
         return None
-    function = library.gemm_f32
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-    function.restype = ctypes.c_int
-    return function
+    return library.gemm_f32
 
 
 def _gemm_for(weight: torch.Tensor):

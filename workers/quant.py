@@ -16,8 +16,8 @@ They come from a float weight (``quantize_int8``/``quantize_int4``, for ``--quan
 file's raw blocks (``from_gguf``), all three exactly: Q8_0 is int8 in groups of 32 with its float16 scales,
 Q4_0 and Q4_1 are int4 in groups of 32; every float16 of the file is exact in the float32 scales.
 
-``QuantizedLinear`` computes with ``quant_kernels.c`` (AVX512-BF16, built on first use like
-``cpu_kernels.py``) for bfloat16 and float32 activations. Where that kernel cannot run (no compiler, no
+``QuantizedLinear`` computes with ``quant_kernels.c`` (AVX512-BF16, built on first use with the other
+kernels, ``workers/kernels``) for bfloat16 and float32 activations. Where that kernel cannot run (no compiler, no
 AVX512-BF16, ``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
 (``_weight_int8pack_mm``, per-row scales, ``_weight_int4pack_mm_for_cpu``), with bf16 scales, and for
 float32 to a dense float32 weight. Why: docs/design-notes.md, "Weight-only quantization".
@@ -25,24 +25,22 @@ float32 to a dense float32 weight. Why: docs/design-notes.md, "Weight-only quant
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-from llmbus.workers import QUANTIZE_METHODS, cpu_kernels
+from llmbus.workers import QUANTIZE_METHODS
+from llmbus.workers.kernels import bindings
 from llmbus.workers.linear import Linear
 
 INT4_GROUP = 32  # Q4_0/Q4_1's block: the most accurate group, and as fast as 64 or 128 in the kernel
 # --quantize int8: groups of 32, as Q8_0 (12% more bytes than one scale per row, as fast). On SmolLM2 per-row
 # scales cost 2.9% perplexity (1.0285x bf16, benchmarks/perplexity.py), groups of 32 cost nothing measurable.
 INT8_GROUP = 32
-KERNEL_SOURCE = Path(__file__).with_name("quant_kernels.c")
-TILE = 16  # output rows per vector in quant_kernels.c
+TILE = bindings.QUANT_TILE  # output rows per vector in quant_kernels.c
 
 log = structlog.get_logger("llmbus.workers.quant")
 
@@ -201,21 +199,16 @@ def from_gguf(raw) -> QuantizedWeight:
 
 # -- the C kernel --------------------------------------------------------------------------------------------
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """quant_kernels.c built and loaded, or None (logged once) where it cannot run here."""
-    library = cpu_kernels.load_library(KERNEL_SOURCE, "quantized layers run on torch's kernels (slower)")
+def _library():
+    """The kernel library where quant_kernels.c runs here, or None (logged once) where it cannot."""
+    library = bindings.library()
     if library is None:
         return None
     if not library.quant_kernels_available():
         log.info("this CPU has no AVX512-BF16: quantized layers run on torch's kernels")
         return None
-    library.int8_matmul.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P]
-    library.int4_matmul.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P]
-    library.int8_matmul.restype = library.int4_matmul.restype = _INT
     return library
 
 

@@ -30,13 +30,14 @@ masked out (probability 0) are left out, as TGI does, so a row may get fewer tha
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import NamedTuple
 
 import torch
 
 from llmbus.bus.messages import SamplingParams
-from llmbus.workers import cpu_kernels
+from llmbus.workers.kernels import bindings
 
 TOP_P_CANDIDATES = 256  # first guess at the nucleus size; a full sort when some row needs more
 
@@ -158,11 +159,11 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
 
 
-def _kernels_for(logits: torch.Tensor) -> cpu_kernels.SamplingKernels | None:
+def _kernels_for(logits: torch.Tensor) -> SamplingKernels | None:
     """``sampling.c`` where it takes ``logits`` (float32 on CPU, rows contiguous), else None."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
         return None
-    return cpu_kernels.sampling_kernels()
+    return sampling_kernels()
 
 
 def top_tokens(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list]:
@@ -351,3 +352,48 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.T
         remove = remove_sorted.scatter(1, sorted_index, remove_sorted)
         scores = scores.index_copy(0, rows, subset.masked_fill(remove, float("-inf")))
     return scores
+
+
+class SamplingKernels:
+    """``sampling.c``'s entries: the greedy choice, and the inverse-CDF draw, of float32 CPU logits ``[rows,
+    vocab]`` (rows contiguous), with each chosen token's log-probability."""
+
+    def __init__(self, library: ctypes.CDLL):
+        """``library``: the kernel library, bound (``kernels.bindings.library``)."""
+        self._greedy, self._sample = library.greedy_f32, library.sample_f32
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's first argmax and its log-softmax."""
+        rows, vocab = logits.shape
+        ids, logprobs = torch.empty(rows, dtype=torch.long), torch.empty(rows, dtype=torch.float32)
+        self._greedy(logits.data_ptr(), rows, vocab, logits.stride(0), ids.data_ptr(), logprobs.data_ptr())
+        return ids, logprobs
+
+    def sample(self, logits: torch.Tensor, sampled: torch.Tensor, temperatures: torch.Tensor,
+               uniforms: torch.Tensor, raw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the first argmax where ``sampled`` (bool) is False, else the inverse-CDF draw at
+        ``uniforms`` from the softmax of the row divided by ``temperatures``; and each token's
+        log-probability under that distribution. ``raw``: the logits before warpers masked ``logits``
+        (same shape and strides), whose argmax a row takes when its scaled logits overflow."""
+        raw = logits if raw is None else raw
+        if raw.shape != logits.shape or raw.stride() != logits.stride():
+            raise ValueError("raw logits must have the warped logits' shape and strides")
+        rows, vocab = logits.shape
+        threads = torch.get_num_threads()
+        if self._scratch.numel() < threads * vocab:
+            self._scratch = torch.empty(threads * vocab, dtype=torch.float32)
+        sampled = sampled.to(torch.uint8).contiguous()
+        temperatures, uniforms = temperatures.float().contiguous(), uniforms.float().contiguous()
+        ids, logprobs = torch.empty(rows, dtype=torch.long), torch.empty(rows, dtype=torch.float32)
+        self._sample(logits.data_ptr(), raw.data_ptr(), rows, vocab, logits.stride(0), sampled.data_ptr(),
+                     temperatures.data_ptr(), uniforms.data_ptr(), self._scratch.data_ptr(),
+                     self._scratch.numel() // vocab, ids.data_ptr(), logprobs.data_ptr())
+        return ids, logprobs
+
+
+@functools.cache
+def sampling_kernels() -> SamplingKernels | None:
+    """``sampling.c``'s entries, built if needed; None where they cannot be (``kernels.bindings.library``)."""
+    library = bindings.library()
+    return SamplingKernels(library) if library is not None else None

@@ -4,7 +4,9 @@ A backend turns one step's scheduling (each sequence's new tokens, its tokens al
 its block table) into attention over the paged KV cache, in two calls:
 
 - ``build_metadata``, once per step, on the host lists: whatever index tensors its kernels need (shared by
-  every layer), plus each new token's position (RoPE's input) and KV slot;
+  every layer), plus each new token's position (RoPE's input) and KV slot, and, from a backend that
+  ``gives_kernel_rows``, the step as ``KernelRows`` where it can be one: what a native layer that attends
+  by itself (``fused_decode.py``) reads;
 - ``forward``, once per layer: write the step's new K/V into their slots, then attend every query over
   its own sequence's context, causally, within the layer's sliding window if it has one.
 
@@ -31,12 +33,27 @@ from llmbus.workers.kv_cache import PagedKVCache
 
 
 @dataclass(slots=True)
+class KernelRows:
+    """Rows attended as decode_attention.c attends them, each one query token over its sequence's keys up to
+    itself: decoding sequences, or every token of a step (``AttentionBackend.prompt_rows``)."""
+
+    token_index: torch.Tensor | None  # [B] rows of the step's flat token batch; None: all, in order
+    block_index: torch.Tensor  # [B, n] each sequence's blocks, in order (rows may be strided)
+    context_lens: torch.Tensor  # [B] int64 context length with this step's token
+    window_starts: tuple[torch.Tensor, ...]  # per window of the backend: [B] each sequence's first visible key
+    max_context: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step tensors, built once and used by every layer."""
 
     positions: torch.Tensor  # [T] position of each new token in its sequence (RoPE input)
     slot_mapping: torch.Tensor  # [T] KV slot each new token is written to: block * block_size + offset
     groups: list[Any]  # the backend's own per-group index tensors
+    # The whole step as kernel rows, every token in order, where the backend made it one (its only group);
+    # None otherwise.
+    kernel_rows: KernelRows | None = None
 
 
 @dataclass(slots=True)
@@ -102,10 +119,17 @@ class AttentionBackend(ABC):
     """Paged attention for one model: ``build_metadata`` per step, ``forward`` per layer."""
 
     name: ClassVar[str]
+    # Whether build_metadata gives decode-only steps (and with ``prompt_rows`` steps with prompts) as
+    # ``AttentionMetadata.kernel_rows``, over a pool whose float32 and float16 blocks are torch's layout.
+    gives_kernel_rows: ClassVar[bool] = False
 
-    def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = ()):
+    def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = (), *,
+                 prompt_rows: bool = False):
         """``sliding_windows[layer]``: that layer's window in tokens, None for full attention (layers not
-        listed attend fully)."""
+        listed attend fully). ``prompt_rows``: give steps with prompts as kernel rows too, every token a row
+        of its own, where the backend can (``gives_kernel_rows``): for a native layer that takes steps of
+        any size; the torch layers would gain nothing."""
+        self.prompt_rows = prompt_rows
         windows = list(dict.fromkeys(sliding_windows)) or [None]
         self.windows: tuple[int | None, ...] = tuple(windows)
         self.window_of_layer: tuple[int, ...] = tuple(windows.index(w) for w in sliding_windows)

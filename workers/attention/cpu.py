@@ -1,10 +1,10 @@
-"""The CPU backend: decodes by the C kernel of ``cpu_kernels.py``, reading the paged pool in place.
+"""The CPU backend: decodes by the C kernel of ``decode_kernel.py``, reading the paged pool in place.
 
 A decode step's attention is memory-bound: each sequence's K/V rows are read once per layer. The kernel
 reads them where they lie, through each sequence's block table, and writes the step's new K/V itself:
 one call per layer instead of a gather that copies every context, padded to the longest, plus two batched
 matmuls of tiny GEMVs and a softmax. Groups with longer queries (prompts, chunks) attend as the portable
-backend does, unless ``prompt_rows`` makes their tokens kernel rows too; in a step with both, every new
+backend does, unless ``prompt_rows`` makes their tokens kernel rows too (``KernelRows``); in a step with both, every new
 token is written first by the kernel's writer, then the kernel attends the decodes.
 
 For bfloat16 the pool's blocks are kept in the kernel's layout (``DecodeAttentionKernel.to_layout``: the
@@ -17,52 +17,37 @@ the portable path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from llmbus.workers.attention.base import AttentionMetadata, StepIndex, group_token_index, step_index
+from llmbus.workers.attention.base import AttentionMetadata, KernelRows, StepIndex, group_token_index, step_index
+from llmbus.workers.attention.decode_kernel import DecodeAttentionKernel, decode_attention_kernel
 from llmbus.workers.attention.torch_sdpa import TorchSDPABackend
-from llmbus.workers.cpu_kernels import DecodeAttentionKernel, decode_attention_kernel
 from llmbus.workers.kv_cache import PagedKVCache
 
 
-# Prompt rows (CPUKernelBackend.prompt_rows) only while a step's tokens times its longest context stay
+# Prompt rows (AttentionBackend.prompt_rows) only while a step's tokens times its longest context stay
 # under this: the kernel keeps every row's scores at once (rows x heads x context floats; SmolLM2's 9
 # heads: about 36 MB here). Longer prompts take the portable path, measured as fast for a 1024- or
 # 2000-token prompt.
 PROMPT_ROWS_MAX_SCORES = 1 << 20
 
 
-@dataclass(slots=True)
-class KernelDecodeGroup:
-    """Rows attended by the kernel, each one query token: decoding sequences, or every token of a step
-    (``CPUKernelBackend.prompt_rows``)."""
-
-    token_index: torch.Tensor | None  # [B] rows of the step's flat token batch; None: all, in order
-    block_index: torch.Tensor  # [B, n] each sequence's blocks, in order (rows may be strided)
-    context_lens: torch.Tensor  # [B] int64 context length with this step's token
-    window_starts: tuple[torch.Tensor, ...]  # per window of the backend: [B] each sequence's first visible key
-    max_context: int
-
-
 class CPUKernelBackend(TorchSDPABackend):
     """Paged attention on CPU: the C decode kernel over the pool in place, the portable path for the rest."""
 
     name = "cpu_kernel"
+    gives_kernel_rows = True
 
     def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = (),
-                 kernel: DecodeAttentionKernel | None = None):
-        super().__init__(sliding_windows)
+                 kernel: DecodeAttentionKernel | None = None, *, prompt_rows: bool = False):
+        """``prompt_rows``: every token of a float32 step with prompts as a kernel row of its own, attending
+        its sequence's keys up to itself (the kernel writes all rows' K/V before it attends), so that such a
+        step is one group of kernel rows: what the fused layer (fused_decode.py) takes in one native call."""
+        super().__init__(sliding_windows, prompt_rows=prompt_rows)
         kernel = kernel or decode_attention_kernel()
         if kernel is None:
             raise RuntimeError("the CPU decode attention kernel could not be built")
         self.kernel = kernel
-        # Every token of a float32 step as a kernel row of its own, attending its sequence's keys up to
-        # itself (the kernel writes all rows' K/V before it attends), so that a step with prompts is one
-        # kernel group: what the fused layer (fused_decode.py) takes in one native call. Set by
-        # the model where that layer takes steps of any size; the torch layers would gain nothing.
-        self.prompt_rows = False
 
     def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
                        kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
@@ -76,11 +61,12 @@ class CPUKernelBackend(TorchSDPABackend):
                 rows = torch.repeat_interleave(torch.arange(len(query_lens), device=device), index.query_lens,
                                                output_size=sum(query_lens))
                 context_lens = index.positions + 1
-                group = KernelDecodeGroup(
+                group = KernelRows(
                     token_index=None, block_index=index.tables[rows][:, :-(-max_context // kv_cache.block_size)],
                     context_lens=context_lens, window_starts=self._window_starts(context_lens),
                     max_context=max_context)
-                return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[group])
+                return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[group],
+                                         kernel_rows=group)
         return super().build_metadata(query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
                                       kv_cache=kv_cache, device=device)
 
@@ -96,10 +82,10 @@ class CPUKernelBackend(TorchSDPABackend):
         slots = [table[c // block_size] * block_size + c % block_size for c, table in zip(num_computed, block_tables)]
         positions = torch.tensor(num_computed, dtype=torch.long, device=device)
         context_lens = positions + 1
-        group = KernelDecodeGroup(token_index=None, block_index=torch.tensor(tables, dtype=torch.long, device=device),
-                                  context_lens=context_lens, window_starts=self._window_starts(context_lens),
-                                  max_context=max_context)
-        return AttentionMetadata(positions=positions, groups=[group],
+        group = KernelRows(token_index=None, block_index=torch.tensor(tables, dtype=torch.long, device=device),
+                           context_lens=context_lens, window_starts=self._window_starts(context_lens),
+                           max_context=max_context)
+        return AttentionMetadata(positions=positions, groups=[group], kernel_rows=group,
                                  slot_mapping=torch.tensor(slots, dtype=torch.long, device=device))
 
     def _window_starts(self, context_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -130,16 +116,16 @@ class CPUKernelBackend(TorchSDPABackend):
         members_t, token_index = group_token_index(index, members, query_lens, device)
         max_context = max(num_computed[i] for i in members) + 1
         context_lens = index.num_computed[members_t] + 1
-        return KernelDecodeGroup(
+        return KernelRows(
             token_index=token_index,
             block_index=index.tables[members_t][:, :-(-max_context // kv_cache.block_size)],
             context_lens=context_lens, window_starts=self._window_starts(context_lens), max_context=max_context)
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        group = meta.groups[0]
-        if len(meta.groups) == 1 and isinstance(group, KernelDecodeGroup):
-            # Decodes only: the kernel writes each new token's K/V as it attends.
+        group = meta.kernel_rows
+        if group is not None:
+            # The whole step as kernel rows: the kernel writes each new token's K/V as it attends.
             key_blocks, value_blocks = kv_cache.layer_blocks(layer)
             return self.kernel(query, key_blocks, value_blocks, group.block_index, group.context_lens,
                                group.window_starts[self.window_index(layer)], group.max_context, scale,
@@ -165,7 +151,7 @@ class CPUKernelBackend(TorchSDPABackend):
 
     def _attend(self, layer: int, group, queries: torch.Tensor, kv_cache: PagedKVCache, window: int,
                 scale: float) -> torch.Tensor:
-        if not isinstance(group, KernelDecodeGroup):
+        if not isinstance(group, KernelRows):
             return super()._attend(layer, group, queries, kv_cache, window, scale)
         # Beside other groups: ``_write`` has put every new token in the pool already.
         key_blocks, value_blocks = kv_cache.layer_blocks(layer)

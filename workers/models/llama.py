@@ -299,8 +299,9 @@ class LlamaForCausalLM:
         self.fused_decode = FusedDecodeLayers.for_model(self)
         if self.fused_decode is not None and self.fused_decode.takes_large_batches:
             # Prompt steps through the fused layer too: one native call instead of ~30 torch ops a layer
-            # (design notes, "Small decode steps": a 128-token prompt 1.16x, 32 of them 1.02x).
-            self.attention_backend.prompt_rows = True
+            # (design notes, "Small decode steps": a 128-token prompt 1.16x, 32 of them 1.02x), from a
+            # backend that gives them as kernel rows (the layer keeps the same windows' order).
+            self.attention_backend = make_attention_backend(device, config.sliding_windows, prompt_rows=True)
 
     @property
     def num_layers(self) -> int:

@@ -25,44 +25,15 @@
  * multiplying V, as torch's CPU attention does for bf16 (and llmbus' torch path, whose bmm takes them
  * in the value dtype). The output is rounded once to the storage dtype.
  *
- * Built on first use by cpu_kernels.py with the C compiler and OpenMP; the threads are torch's own (both
- * link the libgomp torch loaded). float32 with a head dim that is a multiple of 64 has an AVX2 path;
+ * Built on first use by workers/kernels/build.py with the C compiler and OpenMP; the threads are torch's own
+ * (both link the libgomp torch loaded). float32 with a head dim that is a multiple of 64 has an AVX2 path;
  * without AVX-512 (bf16) or AVX2 (float32) the portable loops below do the same, slower.
  */
-#include "fast_exp.c"
+#include "internal.h"
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-static inline float bf16_to_f32(uint16_t value) {
-    uint32_t bits = (uint32_t)value << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-static inline uint16_t f32_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
-
-/* float16 storage: the compiler's _Float16 conversions (one instruction each with F16C). */
-static inline float f16_to_f32(uint16_t value) {
-    _Float16 half;
-    memcpy(&half, &value, sizeof half);
-    return (float)half;
-}
-
-static inline uint16_t f32_to_f16(float value) {
-    _Float16 half = (_Float16)value;
-    uint16_t bits;
-    memcpy(&bits, &half, sizeof bits);
-    return bits;
-}
 
 /* scores[start..len) <- softmax; returns nothing, the probabilities replace the scores. */
 static inline void softmax_in_place(float *scores, int64_t start, int64_t len) {
@@ -80,33 +51,10 @@ static inline void softmax_in_place(float *scores, int64_t start, int64_t len) {
     for (int64_t j = start; j < len; j++) scores[j] *= inverse;
 }
 
-/* Where element (position w within its block, dim d) of a KV block lives, per dtype (see the layouts
- * above); a block holds block_size positions, so it starts at block * block_size * head_dim. */
-#define F32_KEY(w, d, head_dim) ((w) * (head_dim) + (d))
-#define F32_VALUE(w, d, head_dim) ((w) * (head_dim) + (d))
-#define BF16_KEY(w, d, head_dim) ((((w) >> 4) * ((head_dim) >> 1) + ((d) >> 1)) * 32 + ((w) & 15) * 2 + ((d) & 1))
-#define BF16_VALUE(w, d, head_dim) (((w) >> 1) * (head_dim) * 2 + (d) * 2 + ((w) & 1))
-static inline float f32_identity(float value) { return value; }
 static inline float f32_load(const float *p) { return *p; }
 static inline float bf16_load(const uint16_t *p) { return bf16_to_f32(*p); }
 static inline float f16_load(const uint16_t *p) { return f16_to_f32(*p); }
 static inline float bf16_prob(float value) { return bf16_to_f32(f32_to_bf16(value)); }
-
-/* One token's K/V (one kv head, activations of type A) into the pool of type P at ``slot`` (block *
- * block_size + position in it). */
-#define DEFINE_WRITE(NAME, A, P, KEY_AT, VALUE_AT, STORE)                                                   \
-static inline void NAME(const A *key_in, const A *value_in, P *keys, P *values, int64_t slot,              \
-                        int64_t block_size, int64_t head_dim) {                                             \
-    int64_t base = (slot / block_size) * block_size * head_dim, w = slot % block_size;                      \
-    for (int64_t d = 0; d < head_dim; d++) {                                                                \
-        keys[base + KEY_AT(w, d, head_dim)] = STORE(key_in[d]);                                             \
-        values[base + VALUE_AT(w, d, head_dim)] = STORE(value_in[d]);                                       \
-    }                                                                                                       \
-}
-static inline uint16_t u16_identity(uint16_t value) { return value; }
-DEFINE_WRITE(write_f32, float, float, F32_KEY, F32_VALUE, f32_identity)
-DEFINE_WRITE(write_bf16, uint16_t, uint16_t, BF16_KEY, BF16_VALUE, u16_identity)
-DEFINE_WRITE(write_f16kv, float, uint16_t, F32_KEY, F32_VALUE, f32_to_f16)
 
 /* One (kv head, sequence) pair, portable: every query head of the group in turn, reading the
  * sequence's positions block by block (table[i] holds positions i * block_size ...) of this kv head's
@@ -154,13 +102,6 @@ DEFINE_PORTABLE_PAIR(portable_f16kv, float, uint16_t, f32_load, f16_load, F32_KE
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-
-/* The sum of the 8 lanes (also decode_layer.c's, which includes this file). */
-static inline float hsum256(__m256 v) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-}
 
 /* Lane j: the sum of the 8 lanes of sums[j]. */
 static inline __m256 lane_sums8(const __m256 sums[8]) {
@@ -272,8 +213,8 @@ static void avx2_f16kv(const float *query, const uint16_t *keys, const uint16_t 
 #endif
 #endif
 
-/* One (kv head, sequence) pair in float32. */
-static inline void pair_f32(const float *query, const float *keys, const float *values, const int64_t *table,
+/* One (kv head, sequence) pair in float32 (decode_layer.c attends through it too). */
+void pair_f32(const float *query, const float *keys, const float *values, const int64_t *table,
                             int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
                             float scale, float *scores, int64_t scores_stride, float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -288,7 +229,7 @@ static inline void pair_f32(const float *query, const float *keys, const float *
 }
 
 /* One (kv head, sequence) pair of float32 queries over a float16 pool. */
-static inline void pair_f16kv(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
+void pair_f16kv(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
                               int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
                               float scale, float *scores, int64_t scores_stride, float *out) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -440,11 +381,7 @@ static void pair_bf16(const uint16_t *query, const uint16_t *keys, const uint16_
  *   scratch float32 [Hkv * B, group, scores_stride], scores_stride >= max(lens) rounded up to 16.
  * Returns 0, or -1 for a shape it cannot take. */
 #define DEFINE_ENTRY(NAME, A, P, WRITE, PAIR, BLOCK_MULTIPLE)                                               \
-int NAME(const A *query, int64_t query_stride, const A *new_key, int64_t key_stride, const A *new_value,   \
-         int64_t value_stride, P *pool_key, P *pool_value, int64_t pool_blocks, int64_t block_size,         \
-         const int64_t *slots, const int64_t *tables, int64_t table_stride, A *out, const int64_t *lens,    \
-         const int64_t *starts, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,   \
-         float scale, float *scratch, int64_t scores_stride) {                                              \
+LLMBUS_DECODE_ATTENTION(NAME, A, P) {                                                                      \
     if (num_heads % num_kv_heads != 0 || block_size % BLOCK_MULTIPLE != 0 || head_dim % 2 != 0) return -1; \
     int64_t group = num_heads / num_kv_heads, head_elems = pool_blocks * block_size * head_dim;            \
     /* every row's K/V first: rows may be positions of one sequence (speculation), each attending to the \
@@ -478,9 +415,7 @@ DEFINE_ENTRY(decode_attention_f16kv, float, uint16_t, write_f16kv, pair_f16kv, 1
 /* Tokens' K/V [T, Hkv, D] (row strides as above) into one layer's pool at slots [T]: how every token of
  * a step that is not only decodes reaches the pool in the kernel's layout. */
 #define DEFINE_WRITE_ENTRY(NAME, A, P, WRITE)                                                               \
-void NAME(const A *new_key, int64_t key_stride, const A *new_value, int64_t value_stride, P *pool_key,     \
-          P *pool_value, int64_t pool_blocks, int64_t block_size, const int64_t *slots, int64_t tokens,     \
-          int64_t num_kv_heads, int64_t head_dim) {                                                         \
+LLMBUS_WRITE_KV(NAME, A, P) {                                                                              \
     int64_t head_elems = pool_blocks * block_size * head_dim;                                               \
     for (int64_t t = 0; t < tokens; t++)                                                                    \
         for (int64_t h = 0; h < num_kv_heads; h++)                                                          \

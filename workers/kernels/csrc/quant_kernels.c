@@ -22,6 +22,8 @@
  *
  * Without AVX512-BF16 the entry points return -1 and the caller uses torch's kernels instead.
  */
+#include "internal.h"
+
 #include <stdint.h>
 #include <string.h>
 
@@ -36,23 +38,8 @@ int quant_kernels_available(void) { return QUANT_KERNELS; }
 
 #if QUANT_KERNELS
 
-#define TILE 16
+#define TILE QUANT_TILE
 #define ROW_BLOCK 8
-
-static inline uint16_t f32_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t value) {
-    uint32_t bits = (uint32_t)value << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
 
 /* x (bf16 or float32, rows x_stride apart) -> bf16 rows of k_padded in `rows` (float32 input: hi, lo
  * interleaved), zero-padded; and, for int4, each row's sum per group in `sums` [rows][groups]. */

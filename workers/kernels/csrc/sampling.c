@@ -17,9 +17,9 @@
  * argmax with log-probability 0, the limit of the distribution. Sums are float32 in another order than
  * torch's: log-probabilities agree to float32 rounding, greedy ids exactly, and a draw can differ only
  * where u * total falls within that rounding of a boundary. Each row depends on nothing but itself.
- * Built on first use by cpu_kernels.py, like the other kernels.
+ * Built on first use by workers/kernels/build.py, with the other kernels.
  */
-#include "fast_exp.c"
+#include "internal.h"
 
 #include <math.h>
 #include <omp.h>

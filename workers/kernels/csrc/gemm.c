@@ -13,10 +13,12 @@
  * The weight streams from memory once per MC rows of x, prefetched a tile ahead. Each output is one
  * sequential sum over k per KC block, as the torch path's GEMMs keep it, up to float32 rounding order.
  */
+#include "internal.h"
+
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if GEMM_RUNS
 #include <immintrin.h>
 #include <omp.h>
 
@@ -81,15 +83,12 @@ static float *panels_for(int64_t floats) {
     return buffer;
 }
 
-#define GEMM_RUNS 1
-
-/* Floats of panel buffer gemm_team needs for ``m`` rows of ``k`` inputs. */
-static inline int64_t gemm_panel_floats(int64_t m, int64_t k) { return ((m < MC ? m : MC) + MR - 1) / MR * MR * k; }
+int64_t gemm_panel_floats(int64_t m, int64_t k) { return ((m < MC ? m : MC) + MR - 1) / MR * MR * k; }
 
 /* y (+)= x w^T (+ bias) with y's rows ``y_stride`` apart: each thread of the enclosing parallel region
  * calls it (it shares the work out and ends on a barrier); ``panels`` (gemm_panel_floats) is shared.
  * ``accumulate`` adds to y (a residual) instead of overwriting it. */
-static void gemm_team(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k,
+void gemm_team(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k,
                       float *y, int64_t y_stride, int accumulate, float *panels) {
     const int64_t tiles = (n + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
@@ -137,8 +136,6 @@ int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64
     return 0;
 }
 #else
-#define GEMM_RUNS 0
-
 int gemm_f32_runs(void) { return 0; }
 
 int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k, float *y) {

@@ -10,54 +10,17 @@
  * float32 activations: weights [out, in] row-major as checkpoints store them, or int8 rows with group
  * scales (--quantize int8 where no AVX512-BF16 kernel runs: a quarter of the bytes to stream), the residual
  * stream float32 (as the torch path keeps it), the pool in torch's layout. Arithmetic is the torch path's up to the order of
- * float32 sums. Built on first use by cpu_kernels.py, like decode_attention.c (included below).
+ * float32 sums. Its structures (Proj, LayerArgs, StepArgs) are llmbus_kernels.h's; it attends through
+ * decode_attention.c's pairs and, past MAX_ROWS rows, multiplies through gemm.c (internal.h).
  */
-#include "decode_attention.c"
-#include "gemm.c"
+#include "internal.h"
 
+#include <math.h>
 #include <omp.h>
+#include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-
-enum { MAX_ROWS = 8 }; /* batch rows one GEMV pass serves; larger batches go through gemm.c (float32) */
-
-/* A projection's weight [out, in]: float32 rows, or int8 rows with a float32 scale per row and group of
- * ``group`` inputs (w = value * scale; quant.py's Int8Weight: scale [out, ceil(in / group)]), or both (the
- * int8 rows and their dequantized copy, which --quantize int8 keeps where float32 activations have no int8
- * kernel: the GEMVs stream the int8 rows, a quarter of the bytes; the GEMMs of larger batches, bound by
- * arithmetic, multiply the copy, as the torch path does). ``bf16``: the float32 rows again as bfloat16,
- * where every value of them is one (a bfloat16 checkpoint served in float32): the GEMVs stream those, half
- * the bytes, for the very same float32 numbers and sums. */
-typedef struct {
-    const float *dense;   /* or null: int8 only */
-    const int8_t *values; /* or null: float32 only */
-    const float *scale;
-    int64_t group;
-    const uint16_t *bf16; /* or null */
-} Proj;
-
-typedef struct {
-    const float *input_norm, *qkv_bias, *o_bias, *post_norm, *gate_up_bias, *down_bias;
-    Proj qkv, o_proj, gate_up, down;
-    int64_t window; /* which of StepArgs.starts this layer attends with (its sliding window, or none) */
-} LayerArgs;
-
-typedef struct {
-    int64_t batch, hidden, intermediate, num_heads, num_kv_heads, head_dim;
-    int64_t pool_blocks, block_size, table_stride, scores_stride;
-    float eps, scale;
-    const float *cos, *sin;                    /* [B, D], sin signed as RotaryEmbedding.cos_sin gives it */
-    const int64_t *slots, *tables, *lens;      /* [B], [B, table_stride], [B] */
-    float *normed, *qkv_out, *attended, *act;  /* scratch: [B, H], [B, (Hq + 2 Hkv) D], [B, Hq D], [B, I] */
-    float *scores;                             /* [Hkv * B, group, scores_stride] */
-    int64_t rows_share_sequences;              /* rows are positions of one sequence (speculation) */
-    float *gate_up_out, *panels;               /* batches past MAX_ROWS: [B, 2 I], gemm_panel_floats */
-    void *pool_key, *pool_value;               /* every layer's pool, one after the other */
-    int64_t pool_layer_stride;                 /* elements from one layer's pool to the next */
-    const int64_t *const *starts;              /* per window: [B] first visible key */
-    int64_t pool_f16;                          /* the pool holds float16 K/V (--kv-cache-dtype), else float32 */
-} StepArgs;
 
 /* What a layer's stages read of the pool: this layer's K and V and its window's first keys. */
 typedef struct {
@@ -69,13 +32,6 @@ static inline LayerPool layer_pool(const StepArgs *s, const LayerArgs *l, int64_
     int64_t offset = layer * s->pool_layer_stride * (s->pool_f16 ? 2 : 4);
     LayerPool pool = {(char *)s->pool_key + offset, (char *)s->pool_value + offset, s->starts[l->window]};
     return pool;
-}
-
-static inline float bf16_value(uint16_t bits) {
-    uint32_t widened = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &widened, sizeof value);
-    return value;
 }
 
 /* bfloat16 values as the float32 numbers they are: the 16 bits above 16 zero bits. */
@@ -143,7 +99,7 @@ static inline __attribute__((always_inline)) void dot_rows_of(const float *w, co
     for (int64_t b = 0; b < rows; b++) {
         float sum = hsum256(acc[b]);
         /* fmaf: both forms contract alike (the compiler fused one form's multiply-add and not the other's) */
-        for (int64_t t = k; t < n; t++) sum = fmaf(w != 0 ? w[t] : bf16_value(wb[t]), x[b * x_stride + t], sum);
+        for (int64_t t = k; t < n; t++) sum = fmaf(w != 0 ? w[t] : bf16_to_f32(wb[t]), x[b * x_stride + t], sum);
         y[b] = sum;
     }
 #undef LOADW
@@ -151,7 +107,7 @@ static inline __attribute__((always_inline)) void dot_rows_of(const float *w, co
     for (int64_t b = 0; b < rows; b++) {
         float sum = 0.0f;
 #pragma omp simd reduction(+:sum)
-        for (int64_t k = 0; k < n; k++) sum += (w != 0 ? w[k] : bf16_value(wb[k])) * x[b * x_stride + k];
+        for (int64_t k = 0; k < n; k++) sum += (w != 0 ? w[k] : bf16_to_f32(wb[k])) * x[b * x_stride + k];
         y[b] = sum;
     }
 #endif

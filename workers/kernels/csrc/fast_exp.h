@@ -1,5 +1,5 @@
-/* exp of a non-positive float that the compiler vectorises, shared by the CPU kernels (included, not built on
- * its own): softmax (decode_attention.c), SiLU (decode_layer.c) and choosing tokens (sampling.c). */
+/* exp of a non-positive float that the compiler vectorises, shared by the CPU kernels (internal.h includes
+ * it): softmax (decode_attention.c), SiLU (decode_layer.c) and choosing tokens (sampling.c). */
 #ifndef LLMBUS_FAST_EXP
 #define LLMBUS_FAST_EXP
 #include <math.h>

@@ -1,0 +1,100 @@
+/* What the library's translation units share among themselves and never export: the small hot helpers,
+ * kept static inline here so that every caller still inlines them (exp, bfloat16 and float16 conversions,
+ * the horizontal sum, the KV pool's layouts and their writers), and the functions one file defines for
+ * another (decode_layer.c attends through decode_attention.c's pairs and multiplies through gemm.c). */
+#ifndef LLMBUS_KERNELS_INTERNAL_H
+#define LLMBUS_KERNELS_INTERNAL_H
+
+#include "fast_exp.h"
+#include "llmbus_kernels.h"
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t value) {
+    uint32_t bits = (uint32_t)value << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline uint16_t f32_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+/* float16 storage: the compiler's _Float16 conversions (one instruction each with F16C). */
+static inline float f16_to_f32(uint16_t value) {
+    _Float16 half;
+    memcpy(&half, &value, sizeof half);
+    return (float)half;
+}
+
+static inline uint16_t f32_to_f16(float value) {
+    _Float16 half = (_Float16)value;
+    uint16_t bits;
+    memcpy(&bits, &half, sizeof bits);
+    return bits;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The sum of the 8 lanes. */
+static inline float hsum256(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+#endif
+
+/* Where element (position w within its block, dim d) of a KV block lives, per dtype (decode_attention.c's
+ * header has the layouts); a block holds block_size positions, so it starts at block * block_size * head_dim. */
+#define F32_KEY(w, d, head_dim) ((w) * (head_dim) + (d))
+#define F32_VALUE(w, d, head_dim) ((w) * (head_dim) + (d))
+#define BF16_KEY(w, d, head_dim) ((((w) >> 4) * ((head_dim) >> 1) + ((d) >> 1)) * 32 + ((w) & 15) * 2 + ((d) & 1))
+#define BF16_VALUE(w, d, head_dim) (((w) >> 1) * (head_dim) * 2 + (d) * 2 + ((w) & 1))
+static inline float f32_identity(float value) { return value; }
+static inline uint16_t u16_identity(uint16_t value) { return value; }
+
+/* One token's K/V (one kv head, activations of type A) into the pool of type P at ``slot`` (block *
+ * block_size + position in it). */
+#define DEFINE_WRITE(NAME, A, P, KEY_AT, VALUE_AT, STORE)                                                   \
+static inline void NAME(const A *key_in, const A *value_in, P *keys, P *values, int64_t slot,              \
+                        int64_t block_size, int64_t head_dim) {                                             \
+    int64_t base = (slot / block_size) * block_size * head_dim, w = slot % block_size;                      \
+    for (int64_t d = 0; d < head_dim; d++) {                                                                \
+        keys[base + KEY_AT(w, d, head_dim)] = STORE(key_in[d]);                                             \
+        values[base + VALUE_AT(w, d, head_dim)] = STORE(value_in[d]);                                       \
+    }                                                                                                       \
+}
+DEFINE_WRITE(write_f32, float, float, F32_KEY, F32_VALUE, f32_identity)
+DEFINE_WRITE(write_bf16, uint16_t, uint16_t, BF16_KEY, BF16_VALUE, u16_identity)
+DEFINE_WRITE(write_f16kv, float, uint16_t, F32_KEY, F32_VALUE, f32_to_f16)
+
+/* decode_attention.c: one (kv head, sequence) pair of float32 queries over a float32 pool, or a float16 one:
+ * every query head of the GQA group over keys start..len-1 read through the sequence's block ``table``. */
+void pair_f32(const float *query, const float *keys, const float *values, const int64_t *table, int64_t block_size,
+              int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,
+              int64_t scores_stride, float *out);
+void pair_f16kv(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
+                int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale,
+                float *scores, int64_t scores_stride, float *out);
+
+/* gemm.c's register-tiled GEMM is built for AVX2 + FMA without AVX-512 only (gemm.c says why). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define GEMM_RUNS 1
+/* Floats of panel buffer gemm_team needs for ``m`` rows of ``k`` inputs. */
+int64_t gemm_panel_floats(int64_t m, int64_t k);
+/* y (+)= x w^T (+ bias), each thread of the enclosing parallel region calling it (see gemm.c). */
+void gemm_team(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k, float *y,
+               int64_t y_stride, int accumulate, float *panels);
+#else
+#define GEMM_RUNS 0
+#endif
+
+#endif
