@@ -11,7 +11,7 @@ over rounds (the machine is shared: single timings are noisy). Backends:
 - dense: ``linear.Linear`` (oneDNN-prepacked) in the activation dtype, and bf16 weights for either
 - torch int8: ``aten._weight_int8pack_mm`` (per-row scales); torch int4: ``_weight_int4pack_mm_for_cpu``
   (groups of 32); both take scales in the activation dtype.
-- ours: ``workers/quant_kernels.c`` through ``quant.QuantizedLinear`` (int8 per row and in groups of 32,
+- ours: ``workers/kernels/csrc/quant_kernels.c`` through ``quant.QuantizedLinear`` (int8 per row and in groups of 32,
   int4 in groups of 32/64/128: 128 does not divide 576, the last group is shorter).
 
 Also printed: the weight bytes each form keeps, and the reconstruction error of each quantizer on

@@ -33,7 +33,7 @@ def test_the_wheel_holds_every_package_and_its_data(tmp_path):
         for path in (ROOT / folder).rglob("*"):
             if "__pycache__" in path.parts or not path.is_file():
                 continue
-            if path.suffix in (".py", ".c") or (folder == "supervisor" and path.suffix == ".txt"):
+            if path.suffix in (".py", ".c", ".h") or (folder == "supervisor" and path.suffix == ".txt"):
                 expected.add("llmbus/" + path.relative_to(ROOT).as_posix())
     missing = sorted(expected - names)
     assert not missing, f"left out of the wheel: {missing}"
