@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llmbus.workers import quant
-from llmbus.workers.kernels import bindings, build
 from llmbus.workers.gguf_checkpoint import GGUFRaw
+from llmbus.workers.kernels import bindings, build
 from llmbus.workers.linear import Linear
 
 torch.manual_seed(0)

@@ -16,12 +16,13 @@ It applies to a native Llama-family model on CPU, float32 activations, one rank,
 gives kernel rows (the CPU one), and projections it can read: plain float32 ones (the C layer reads weights
 as checkpoints store them, [out, in] row-major, so such a model's projections are kept plain,
 ``Linear.plain``, and also reordered for oneDNN's GEMMs where host memory allows a second copy:
-``weight_builder.SECOND_COPY_SHARE``), or int8 ones that otherwise compute through a dense float32 copy (``--quantize int8`` where quant_kernels.c
-does not run): the layer's GEMVs then stream the int8 rows, a quarter of the bytes, and its GEMMs (prompts,
-large batches) multiply that same float32 copy. Float32 weights that are all bfloat16 numbers (a bfloat16
-checkpoint served in float32) also get a bfloat16 copy for the GEMVs, half the bytes for the same bits
-(``Bfloat16Copies``). The KV pool is float32, or float16 under ``--kv-cache-dtype float16`` (the layer rounds
-K/V as it writes them and widens them as attention reads them, decode_attention.c).
+``weight_builder.SECOND_COPY_SHARE``), or int8 ones that otherwise compute through a dense float32 copy
+(``--quantize int8`` where quant_kernels.c does not run): the layer's GEMVs then stream the int8 rows, a
+quarter of the bytes, and its GEMMs (prompts, large batches) multiply that same float32 copy. Float32
+weights that are all bfloat16 numbers (a bfloat16 checkpoint served in float32) also get a bfloat16 copy for
+the GEMVs, half the bytes for the same bits (``Bfloat16Copies``). The KV pool is float32, or float16 under
+``--kv-cache-dtype float16`` (the layer rounds K/V as it writes them and widens them as attention reads
+them, decode_attention.c).
 """
 
 from __future__ import annotations

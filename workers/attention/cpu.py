@@ -24,7 +24,6 @@ from llmbus.workers.attention.decode_kernel import DecodeAttentionKernel, decode
 from llmbus.workers.attention.torch_sdpa import TorchSDPABackend
 from llmbus.workers.kv_cache import PagedKVCache
 
-
 # Prompt rows (AttentionBackend.prompt_rows) only while a step's tokens times its longest context stay
 # under this: the kernel keeps every row's scores at once (rows x heads x context floats; SmolLM2's 9
 # heads: about 36 MB here). Longer prompts take the portable path, measured as fast for a 1024- or
