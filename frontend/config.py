@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from llmbus.bus.settings import ServiceSettings, setting
-from llmbus.workers import QUANTIZE_METHODS
+from llmbus.bus.shared_settings import QUANTIZE_METHODS
 
 
 def _default_frontend_id() -> str:

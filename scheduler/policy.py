@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llmbus.bus.messages import DRAFT_GUESS, FinishReason, Grammar, SamplingParams, StoppingParams
+from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.speculation import NgramIndex
 
@@ -96,13 +97,6 @@ class Request:
         if start >= p:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:] + self.output_ids[:end - p]
-
-
-# Tokens one step computes (prompt chunks + decodes) unless --max-batch-prefill-tokens says otherwise.
-DEFAULT_MAX_BATCH_PREFILL_TOKENS = 4096
-PREFILL_TOKENS_HELP = (f"Tokens computed per step (prompt chunks + decodes). Default: "
-                       f"{DEFAULT_MAX_BATCH_PREFILL_TOKENS}, at most the KV capacity; without chunking at least "
-                       f"max_input_tokens.")
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from llmbus.bench.cli import bench as bench_command
 from llmbus.bus.rundir import Endpoints
 from llmbus.bus.settings import Declared, declared, problems
 from llmbus.frontend.config import FrontendConfig, input_total_problem
-from llmbus.scheduler.policy import DEFAULT_MAX_BATCH_PREFILL_TOKENS
+from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.process import SchedulerProcessConfig
 from llmbus.supervisor.plan import LaunchPlan, ResolvedLaunch, build_plan
 from llmbus.supervisor.settings import service_settings, up_options, up_settings

@@ -19,8 +19,7 @@ from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
-from llmbus.scheduler.policy import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP
-from llmbus.workers import QUANTIZE_METHODS
+from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
 from llmbus.workers.host_memory import keep_freed_memory
 
 

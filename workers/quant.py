@@ -32,7 +32,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from llmbus.workers import QUANTIZE_METHODS
+from llmbus.bus.shared_settings import QUANTIZE_METHODS
 from llmbus.workers.kernels import bindings
 from llmbus.workers.linear import Linear
 
