@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+RESTART_WINDOW_S = 60.0  # what --max-restarts counts within, for worker ranks and frontends alike
+
 
 @dataclass
 class PendingCheck:
@@ -88,7 +90,7 @@ class RestartBudget:
     is a crash loop that restarting only repeats."""
 
     max_restarts: int
-    window_s: float = 60.0
+    window_s: float = RESTART_WINDOW_S
     restarts: list[float] = field(default_factory=list)  # monotonic times of the ones in the window
 
     def allow(self, now: float) -> bool:

@@ -15,8 +15,9 @@ supervisor to restart the group is fatal: every frontend gets EngineDead and the
 the supervisor tears the launch down.
 
 Every frontend hears from the scheduler at least every HEARTBEAT_INTERVAL_S (SchedulerStats), so a
-frontend tells a dead or stopped scheduler from a quiet one. This module is the frontends' side and the
-loop; the ranks' side (their sockets, handshake, step results, losses and restarts) is scheduler/ranks.py.
+frontend tells a dead or stopped scheduler from a quiet one. This module is the frontends' side, the loop
+and the restart policy; the ranks' side (their sockets, handshake, step results, health probes and losses)
+is the RankGroup of scheduler/ranks.py.
 """
 
 from __future__ import annotations
@@ -29,20 +30,24 @@ import zmq
 
 from llmbus.bus import messages as m
 from llmbus.bus import tracing
+from llmbus.bus.procfs import process_alive
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir_or_exit
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
-from llmbus.bus.sockets import log_dropped, open_socket, poll, recv_from, send
+from llmbus.bus.sockets import log_dropped, open_socket, recv_from, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP
 from llmbus.scheduler.batch_metrics import BatchMetrics
-from llmbus.scheduler.health import RankHealth, RestartBudget
+from llmbus.scheduler.health import RESTART_WINDOW_S, RestartBudget
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, ScheduledBatch, Scheduler, SchedulerConfig
-from llmbus.scheduler.ranks import (HEARTBEAT_INTERVAL_S, RESTART_WINDOW_S, STEP_TIMEOUT_FLOOR_S,
-                                    STEP_TIMEOUT_WARMUP_FACTOR, EngineFailure, RankChannel, WorkersLost,
-                                    process_alive)
+from llmbus.scheduler.ranks import EngineFailure, RankGroup, ServiceHooks, WorkersLost
 
+HEARTBEAT_INTERVAL_S = 0.25  # SchedulerStats at least this often, busy or idle (frontend/engine_client.py)
 STATS_INTERVAL_S = 0.25  # SchedulerStats while steps run back to back
+# The default step deadline: this floor (first steps after a start, an odd slow step) plus this many times
+# what the warmup measured for the step's tokens.
+STEP_TIMEOUT_FLOOR_S = 30.0
+STEP_TIMEOUT_WARMUP_FACTOR = 10.0
 _POLICY = SchedulerConfig()  # the policy owns its defaults; the command line offers the same ones
 
 
@@ -105,7 +110,7 @@ class SchedulerProcessConfig(ServiceSettings):
         return Endpoints.in_dir(self.run_dir)
 
 
-class SchedulerService(RankChannel):
+class SchedulerService:
     def __init__(self, cfg: SchedulerProcessConfig, ctx: ServiceContext):
         self.cfg = cfg
         self.ctx = ctx
@@ -120,7 +125,6 @@ class SchedulerService(RankChannel):
         self._stats_sent_at = 0.0
         self._unpublished: tuple[list, dict | None] | None = None  # the last step's events: flush_events
         self.metrics = BatchMetrics()
-        self.health = RankHealth(cfg.world_size)
         self.frontend_stats: dict[str, m.FrontendStats] = {}  # the latest of each, relayed to the others
         self.restarts = RestartBudget(cfg.max_restarts, RESTART_WINDOW_S)
         self.worker_restarts = 0
@@ -128,13 +132,16 @@ class SchedulerService(RankChannel):
         self.warmup_s_per_token = 0.0
         self.warmup_step_tokens = 1
         self.vocab_size = 0  # 0: unknown (ranks of an older version)
-        self._init_sockets()
-
-    def _init_sockets(self) -> None:
-        self.requests = open_socket(self.ctx.zmq_ctx, zmq.PULL, self.cfg.endpoints.requests)
-        self._init_rank_sockets()
+        self.requests = open_socket(ctx.zmq_ctx, zmq.PULL, cfg.endpoints.requests)
+        self.ranks = RankGroup(cfg.endpoints, cfg.world_size, cfg.worker_start_timeout_s, ctx.zmq_ctx, ctx.log,
+                               ServiceHooks(intake=self.requests, drain_intake=self.drain_intake,
+                                            heartbeat=self.publish_stats, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                                            to_frontend=self._to_frontend))
 
     # ------------------------------------------------------------------ startup
+
+    def wait_for_workers(self) -> None:
+        self._adopt_ranks(self.ranks.wait_until_ready())
 
     def _adopt_ranks(self, ready: dict[int, m.WorkerReady]) -> None:
         """Size the policy to the ranks' KV pools (first start), or hand it the new ranks' pool (restart)."""
@@ -203,8 +210,7 @@ class SchedulerService(RankChannel):
             if self.recovering:
                 self._to_frontend(msg.frontend_id, m.HealthReply(msg.check_id, False, self._recovering_text()))
                 return
-            self.health.check(msg.frontend_id, msg.check_id, msg.timeout_s, time.monotonic())
-            self._probe_ranks()
+            self.ranks.check_health(msg.frontend_id, msg.check_id, msg.timeout_s)
         elif isinstance(msg, m.FrontendStats):
             self.frontend_stats[msg.frontend_id] = msg
             for frontend_id in list(self.frontends):
@@ -294,15 +300,6 @@ class SchedulerService(RankChannel):
             self.policy.abort([r.rid for r in self.policy.running + list(self.policy.waiting)
                                if r.frontend_id == frontend_id])
 
-    # ------------------------------------------------------------------ health
-
-    def _poll_ms(self, limit_s: float) -> int:
-        """A poll timeout that wakes up in time to fail a health check whose ranks did not answer."""
-        deadline = self.health.next_deadline()
-        if deadline is not None:
-            limit_s = min(limit_s, max(deadline - time.monotonic(), 0.0))
-        return int(limit_s * 1000) + 1
-
     def drain_intake(self) -> None:
         # asked first: an empty socket's zmq.Again, raised on every step otherwise, was a tenth of the
         # scheduler's CPU at one stream
@@ -333,9 +330,8 @@ class SchedulerService(RankChannel):
             num_spec=[s.num_spec for s in batch.seqs] if any(s.num_spec for s in batch.seqs) else [],
         )
         started = time.monotonic()
-        send(self.steps, cmd)
-        self.flush_events()  # the last step's tokens go out while this one computes
-        result = self._await_result(self._step_timeout(len(cmd.token_ids)))
+        # the last step's tokens go out while this one computes
+        result = self.ranks.run_step(cmd, self._step_timeout(len(cmd.token_ids)), meanwhile=self.flush_events)
         self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
                                  time.monotonic() - started)
         sampled = _sampled_by_rid(batch, result)
@@ -349,6 +345,12 @@ class SchedulerService(RankChannel):
         # Per sampled rid, [[ids], [logprobs]] or [] (it asked for none); None when no request asked.
         top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None
         self._unpublished = (events, top_tokens)
+
+    def _step_timeout(self, num_tokens: int) -> float:
+        if self.cfg.step_timeout_s is not None:
+            return self.cfg.step_timeout_s
+        tokens = max(num_tokens, self.warmup_step_tokens)
+        return STEP_TIMEOUT_FLOOR_S + STEP_TIMEOUT_WARMUP_FACTOR * self.warmup_s_per_token * tokens
 
     def flush_events(self) -> None:
         """Send the frontends the tokens of the last step, held back until the next step was sent (or the
@@ -433,6 +435,37 @@ class SchedulerService(RankChannel):
                 self.recover(str(e))
         self.flush_events()  # (a fatal error fails every request instead: EngineDead)
 
+    def recover(self, reason: str) -> None:
+        """Restart the worker group and resume every request on the new ranks; EngineFailure when that is
+        not possible (no supervisor, restarts off) or the group keeps failing."""
+        while True:
+            if not self.ctx.can_restart_services or self.cfg.max_restarts <= 0:
+                raise EngineFailure(reason)
+            if not self.restarts.allow(time.monotonic()):
+                raise EngineFailure(f"{reason}; the worker ranks were restarted {self.cfg.max_restarts} times in "
+                                    f"{RESTART_WINDOW_S:g} s already: giving up")
+            started = time.monotonic()
+            self.recovering = reason
+            self.log.warning("worker ranks lost: restarting them; requests resume after", reason=reason,
+                             requests=self.policy.num_requests)
+            self.ranks.forget(self._recovering_text())
+            self.ctx.request_restart("workers", reason)
+            try:
+                self._adopt_ranks(self.ranks.wait_until_ready(replacing=True))
+            except WorkersLost as e:
+                reason = str(e)
+                continue
+            finally:
+                self._stats_dirty = True
+            self.recovering = None
+            self.worker_restarts += 1
+            self.log.info("worker ranks back: resuming", requests=self.policy.num_requests,
+                          recovery_s=round(time.monotonic() - started, 2), restarts=self.worker_restarts)
+            return
+
+    def _recovering_text(self) -> str:
+        return f"restarting the worker ranks after: {self.recovering}"
+
     def _loop_once(self) -> None:
         self.drain_intake()
         batch = self.policy.schedule(time.time())
@@ -445,8 +478,7 @@ class SchedulerService(RankChannel):
         self.flush_events()
         self.publish_stats(force=True)
         # Idle: block until a request (or a rank's death notice) arrives, or a heartbeat is due.
-        self.check_workers(poll([self.requests, self.control, self.control_monitor],
-                                self._poll_ms(HEARTBEAT_INTERVAL_S)))
+        self.ranks.wait_idle(HEARTBEAT_INTERVAL_S, departures_expected=self.stopping and not self.policy.has_work)
 
 
 def _sampled_by_rid(batch: ScheduledBatch, result: m.StepResult) -> dict:
@@ -491,17 +523,17 @@ def run_scheduler(cfg: SchedulerProcessConfig) -> int:
             service.wait_for_workers()
             ctx.ready(f"{service.kv_info[0]} KV blocks of {service.kv_info[1]} tokens")
             service.loop()
-            service.shutdown_workers("scheduler stopped")
+            service.ranks.shutdown("scheduler stopped")
         except EngineFailure as e:
             service.fail_everything(str(e))
-            service.shutdown_workers(str(e))
+            service.ranks.shutdown(str(e))
             raise
         except Terminate:
             left = service.policy.abort_all() if service.policy else []
             if left:
                 ctx.log.warning("stopped with requests in flight", aborted=len(left))
             service.fail_everything("the server is shutting down")
-            service.shutdown_workers("scheduler stopped")
+            service.ranks.shutdown("scheduler stopped")
             raise
         finally:
             ignore_stop_signals()  # before this frame ends and garbage-collects the service's sockets
