@@ -1,5 +1,4 @@
-"""Rank health probes: which /health checks wait, and which ranks still owe an answer; and how often lost
-ranks are restarted (pure: no I/O).
+"""Rank health probes: which /health checks wait, and which ranks still owe an answer (pure: no I/O).
 
 A check is answered ok only once every rank has acknowledged a probe sent after the check arrived, so a
 rank that is alive but stuck (a hung collective, a stopped process) fails /health instead of passing on
@@ -10,9 +9,6 @@ a time, so a load balancer polling /health costs the ranks one tiny message per 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-RESTART_WINDOW_S = 60.0  # what --max-restarts counts within, for worker ranks and frontends alike
-
 
 @dataclass
 class PendingCheck:
@@ -83,20 +79,3 @@ class RankHealth:
         deadlines = [c.deadline for c in self.covered + self.queued]
         return min(deadlines) if deadlines else None
 
-
-@dataclass
-class RestartBudget:
-    """How often lost worker ranks are restarted: at most ``max_restarts`` within any ``window_s``; more
-    is a crash loop that restarting only repeats."""
-
-    max_restarts: int
-    window_s: float = RESTART_WINDOW_S
-    restarts: list[float] = field(default_factory=list)  # monotonic times of the ones in the window
-
-    def allow(self, now: float) -> bool:
-        """Whether one more restart fits; if so it is counted."""
-        self.restarts = [t for t in self.restarts if now - t < self.window_s]
-        if len(self.restarts) >= self.max_restarts:
-            return False
-        self.restarts.append(now)
-        return True

@@ -31,13 +31,13 @@ import zmq
 from llmbus.bus import messages as m
 from llmbus.bus import tracing
 from llmbus.bus.procfs import process_alive
+from llmbus.bus.restarts import RESTART_WINDOW_S, RestartBudget
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir_or_exit
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
 from llmbus.bus.sockets import log_dropped, open_socket, recv_from, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP
 from llmbus.scheduler.batch_metrics import BatchMetrics
-from llmbus.scheduler.health import RESTART_WINDOW_S, RestartBudget
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, ScheduledBatch, Scheduler, SchedulerConfig
 from llmbus.scheduler.ranks import EngineFailure, RankGroup, ServiceHooks, WorkersLost

@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 import zmq
 
 from llmbus.bus import messages as m
+from llmbus.bus.restarts import RESTART_WINDOW_S, RestartBudget
 from llmbus.bus.rundir import ENV_RUN_DIR, RunDir
 from llmbus.bus.service import ENV_JSON_LOGS, ENV_SUPERVISOR, terminate_all
 from llmbus.bus.sockets import open_socket, poll, recv
-from llmbus.scheduler.health import RestartBudget
 
 STDERR_TAIL_LINES = 40
 FRONTEND_EXIT_GRACE_S = 10.0  # beyond the graceful timeout: a frontend's own cut-short drain and exit
-RESTART_WINDOW_S = 60.0
 # A service restarted on request that exits first: how long its requester may take to ask (it notices
 # the loss within a second) before the exit counts as a failure.
 RESTART_REQUEST_WAIT_S = 10.0
