@@ -95,7 +95,7 @@ class Api:
             sample.error = f"timeout: not finished within {self.timeout.total:g} s"
         except StreamError as e:
             sample.error = str(e)[:_ERROR_CHARS]
-        except Exception as e:  # a failed request is a counted sample, never the end of the run
+        except Exception as e:  # noqa: BLE001 - a failed request is a counted sample, never the end of the run
             sample.error = f"{type(e).__name__}: {e}"[:_ERROR_CHARS]
         # not in a `finally`: a cancelled request (the run's deadline) keeps e2e None, unfinished
         sample.e2e = time.perf_counter() - sent

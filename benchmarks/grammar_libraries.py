@@ -552,7 +552,7 @@ def apply_benchmarks(bitmask: torch.Tensor, vocab: int, repeats: int, torch_comp
         same[name] = torch.equal(logits, expected)
     for _ in range(max(repeats, 5)):  # interleaved rounds: a busy spell hits every method alike
         for name, fn in methods.items():
-            rounds[name].append(_median_ms(lambda: fn(logits, bitmask), 5) * 1000)
+            rounds[name].append(_median_ms(lambda fn=fn: fn(logits, bitmask), 5) * 1000)
     return [(name, first[name], statistics.median(rounds[name]), same[name]) for name in methods]
 
 

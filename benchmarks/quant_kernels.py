@@ -97,7 +97,7 @@ def weight_bytes(thing) -> int:
 def time_stack(layers: list[list], x_by_k: dict, rounds_out: list) -> None:
     start = time.perf_counter()
     for layer in layers:
-        for (n, k), linear in layer:
+        for (_n, k), linear in layer:
             linear(x_by_k[k])
     rounds_out.append((time.perf_counter() - start) / len(layers) * 1e3)
 
@@ -122,7 +122,7 @@ def main() -> None:
             x_by_k = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
             layer_ms = {name: [] for name in built}
             head_ms = {name: [] for name in built}
-            for name, (layers, head_linear) in built.items():  # warm-up: first calls build and page in
+            for layers, head_linear in built.values():  # warm-up: first calls build and page in
                 time_stack(layers, x_by_k, [])
                 head_linear(x_by_k[576])
             for _ in range(args.rounds):
@@ -143,7 +143,8 @@ def main() -> None:
                        "ours int4 g32": lambda w: quant.QuantizedLinear(quant.quantize_int4(w, 32)),
                        "ours int4 g64": lambda w: quant.QuantizedLinear(quant.quantize_int4(w, 64))}.items():
         layer_bytes = sum(weight_bytes(make(w)) for w in floats[0])
-        print(f"  {name:14} layer {layer_bytes:>10,}  x30 {30 * layer_bytes:>12,}  head {weight_bytes(make(head)):>12,}")
+        head_bytes = weight_bytes(make(head))
+        print(f"  {name:14} layer {layer_bytes:>10,}  x30 {30 * layer_bytes:>12,}  head {head_bytes:>12,}")
     print("\nreconstruction error (RMS error / RMS weight) on Gaussian 3072x576:")
     w = floats[0][2]
     for name, q in {"int8 row": quant.quantize_int8(w), "int8 g32": quant.quantize_int8(w, 32),

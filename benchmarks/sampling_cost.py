@@ -57,7 +57,7 @@ def main() -> None:
     print(f"{args.rows} rows x {args.vocab} vocab, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     for name, params in cases.items():
-        ms = _median_ms(lambda: sample(logits, params, positions, histories, last, prompt_lens))
+        ms = _median_ms(lambda params=params: sample(logits, params, positions, histories, last, prompt_lens))
         base = base or ms
         print(f"  {name:55s} {ms:8.2f} ms  {ms / base:6.2f}x greedy")
 

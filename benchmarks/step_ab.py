@@ -31,7 +31,7 @@ def time_steps(a: argparse.Namespace) -> None:
     """In the child process: one model, ``rounds`` timed rounds; prints the best round's median step."""
     import torch
 
-    from decode_step import LlmbusDecode  # noqa: E402 - this folder, run as a script
+    from decode_step import LlmbusDecode  # this folder, run as a script
 
     decode = LlmbusDecode(str(comparison_model(a.model_id)), getattr(torch, a.dtype), a.batch, a.context, a.steps,
                           quantize=a.quantize)

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import msgpack
 
-from llmbus.bus.codec import Message, ProtocolError, register_nested  # noqa: F401 - ProtocolError: this API's
+from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
 WIRE_VERSION = 7  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
@@ -558,6 +558,6 @@ def decode(frames: list[bytes]) -> Message:
         raise ProtocolError(f"{cls.__name__} payload of {len(payload)} bytes exceeds the limit")
     try:
         values = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types for corrupt input
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types for corrupt input
         raise ProtocolError(f"{cls.__name__}: undecodable payload ({e})") from None
     return cls.from_wire(values)

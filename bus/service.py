@@ -199,7 +199,7 @@ def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int 
         body(ctx)
     except (KeyboardInterrupt, Terminate):
         ctx.log.info("stopped by signal")
-    except Exception as e:  # noqa: BLE001 - the last line of defence: report, then exit non-zero
+    except Exception as e:  # the last line of defence: report, then exit non-zero
         error = f"{type(e).__name__}: {e}"
         ctx.log.error("fatal error", error=error, exc_info=not isinstance(e, ServiceError))
         ctx.fatal(error)

@@ -29,7 +29,7 @@ class TracingUnavailable(RuntimeError):
 
 def available() -> bool:
     try:
-        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
+        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter
         import opentelemetry.sdk.trace  # noqa: F401
     except ImportError:
         return False

@@ -102,8 +102,9 @@ def _resolve(kw: dict) -> ResolvedLaunch:
         max_total = min(max_total, kw["max_batch_total_tokens"])
     max_input = max_input_tokens if max_input_tokens is not None else max_total - 1
     explicit_prefill = kw["max_batch_prefill_tokens"]
-    max_prefill = explicit_prefill if explicit_prefill is not None else (
-        DEFAULT_MAX_BATCH_PREFILL_TOKENS if kw["prefill_chunking"] else max(DEFAULT_MAX_BATCH_PREFILL_TOKENS, max_input))
+    default_prefill = (DEFAULT_MAX_BATCH_PREFILL_TOKENS if kw["prefill_chunking"]
+                       else max(DEFAULT_MAX_BATCH_PREFILL_TOKENS, max_input))
+    max_prefill = explicit_prefill if explicit_prefill is not None else default_prefill
     _check_limits(max_input, max_total, max_prefill, max_positions, kw["prefill_chunking"])
     if kw["max_batch_total_tokens"] is not None and max_total > kw["max_batch_total_tokens"]:
         raise InvalidArgument(f"`max_total_tokens` must be <= `max_batch_total_tokens`. "

@@ -65,7 +65,7 @@ def open_gguf(path: str | Path):
         return gguf.GGUFReader(str(path))
     except (ValueError, KeyError, IndexError, OSError, EOFError) as e:
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    except Exception as e:  # the reader asserts and overruns its memory map on a damaged file
+    except Exception as e:  # noqa: BLE001 - the reader asserts and overruns its memory map on a damaged file
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 

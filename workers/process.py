@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -21,6 +22,9 @@ from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
 from llmbus.workers.host_memory import keep_freed_memory
+
+if TYPE_CHECKING:
+    import torch  # imported where a rank needs it, so the launcher can read WorkerConfig without torch
 
 
 @dataclass
