@@ -86,6 +86,16 @@ def rss_bytes(pid: int) -> int | None:
     return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), None)
 
 
+def anon_huge_pages_bytes(pid: int) -> int | None:
+    """Anonymous memory the process holds on transparent huge pages (smaps_rollup's AnonHugePages)."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("AnonHugePages:")),
+                None)
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time the process has used so far."""
     fields = _stat_fields(pid)

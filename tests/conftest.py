@@ -20,7 +20,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
 
-from runner_driver import MIN_MARGIN  # noqa: E402  (the margin every compared reference step must show)
+from llmbus.testing.runner_driver import MIN_MARGIN  # noqa: E402  (the margin every compared reference step must show)
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +51,7 @@ def smollm2_transformers():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gguf_files import transformers_reads_cached
+    from llmbus.testing.gguf_files import transformers_reads_cached
     from llmbus.supervisor.weights import smollm2_gguf
 
     path = smollm2_gguf()

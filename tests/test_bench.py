@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from harness import Server, free_port
 from llmbus.bench.loadgen import BenchConfig, arrival_rng, arrival_times, run_bench
 from llmbus.bench.stats import Sample, level_stats, percentile, summarize
 from llmbus.supervisor.cli import main
+from llmbus.testing import Server, free_port
 
 MAX_TOTAL = 256
 NEW = 8

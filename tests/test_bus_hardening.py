@@ -15,7 +15,7 @@ import zmq
 from llmbus.bus import messages as m
 from llmbus.bus import sockets
 from llmbus.bus.sockets import open_socket, recv
-from wire_samples import SAMPLES
+from llmbus.testing.wire_samples import SAMPLES
 
 
 def test_dropped_messages_are_logged_at_most_once_per_interval_per_kind(monkeypatch):
@@ -56,7 +56,7 @@ def _mutations(values: list):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    from harness import Server
+    from llmbus.testing import Server
 
     run_dir = tmp_path_factory.mktemp("hardening") / "run"
     srv = Server(["--model-id", str(tiny_model_dir), "--run-dir", str(run_dir), "--max-total-tokens", "256"])
@@ -65,7 +65,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def _serves(srv) -> None:
-    from httputil import get, post
+    from llmbus.testing.http import get, post
 
     status, _, body = post(f"{srv.url}/generate", {"inputs": "hello", "parameters": {"max_new_tokens": 3}})
     assert status == 200, body

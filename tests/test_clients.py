@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from harness import Server
+from llmbus.testing import Server
 
 MAX_NEW = 8
 PROMPT = "The quick brown fox"
@@ -180,7 +180,7 @@ def test_presence_penalty_matches_a_transformers_logits_processor(server, hf, op
     import torch
     from transformers import LogitsProcessorList
 
-    from httputil import post
+    from llmbus.testing.http import post
 
     tok, model = hf
     penalty, max_new = -2.0, 16  # negative: rewards repeats, which this random model rarely makes unasked
@@ -208,7 +208,7 @@ def test_presence_penalty_matches_a_transformers_logits_processor(server, hf, op
 
 
 def test_metrics_count_every_request(server):
-    from httputil import metrics, post
+    from llmbus.testing.http import metrics, post
 
     n, generated = 5, 0
     before = metrics(server.url)

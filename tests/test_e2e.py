@@ -10,25 +10,15 @@ above float32 noise) — so a mismatch here is a real bug, never a coin flip.
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from harness import Server
-from httputil import all_blocks_free, get, post, sse_events, stream, wait_for_metrics
-
-PROMPTS = [
-    "Hello",
-    "The quick brown fox jumps over the lazy dog",
-    "Once upon a time, in a land far away, there lived a curious engineer who",
-    "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
-    "Café, naïve, 中文, emoji 🙂 — multi-byte text",
-    "a",
-]
-MAX_NEW = 12
+from llmbus.testing import Server
+from llmbus.testing.http import all_blocks_free, get, post, sse_events, stream, wait_for_metrics
+from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +28,6 @@ def server(tiny_model_dir):
                   "--enable-prefill-logprobs"])
     yield srv
     assert srv.stop() == 0, srv.stderr.text[-3000:]
-
-
-def generate(server, prompt: str, max_new_tokens: int = MAX_NEW, **params):
-    status, headers, body = post(f"{server.url}/generate", {
-        "inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True, **params}})
-    assert status == 200, body
-    return body, headers
-
-
-def ids_of(body) -> list[int]:
-    return [t["id"] for t in body["details"]["tokens"]]
 
 
 def test_greedy_matches_transformers(server, reference):

@@ -15,13 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 
-from harness import Server
-from httputil import all_blocks_free, get, metrics, post, wait_for_metrics
+from llmbus.testing import Server
+from llmbus.testing.http import all_blocks_free, get, metrics, post, wait_for_metrics
+from llmbus.testing.tiny_prompts import QUESTIONS, SYSTEM
 
-SYSTEM = "You are a helpful assistant. Answer briefly, precisely and politely. "
-QUESTIONS = ["What is two plus two?", "Name a colour.", "Why is the sky blue?", "Count to five.",
-             "Say hello in French.", "What is a prime number?", "Tell me a joke.", "Spell cat.",
-             "Where is Paris?", "Is water wet?", "Define entropy.", "Who are you?"]
 MAX_NEW = 20
 COMMON = ["--dtype", "float32", "--max-total-tokens", "96", "--max-input-tokens", "64",
           "--max-concurrent-requests", "256"]

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import Server
-from test_e2e import MAX_NEW, PROMPTS, generate, ids_of
+from llmbus.testing import Server
+from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_tp2_constrained_and_free_requests_share_steps(tp_server, reference):
     requests stay token-identical to transformers while constrained ones run beside them."""
     import re
 
-    from httputil import post
+    from llmbus.testing.http import post
 
     def constrained(regex):
         status, _, answer = post(f"{tp_server.url}/generate", {"inputs": "Hello", "parameters": {

@@ -17,9 +17,8 @@ import zmq
 from llmbus.bus import messages as m
 from llmbus.bus.rundir import RunDir
 from llmbus.bus.sockets import open_socket, recv, send
+from llmbus.testing import SupervisorSocket
 from llmbus.workers.fake import FakeRunner
-
-from harness import SupervisorSocket
 
 WORLD_SIZE = 2
 MAX_RESTARTS = 2  # the crash-loop test restarts twice, and the third loss gives up

@@ -8,8 +8,9 @@ import subprocess
 import threading
 import time
 
-from harness import Server, cmdline, descendants, free_port
-from httputil import post
+from llmbus.bus.procfs import command_line, descendants, process_alive
+from llmbus.testing import Server, free_port
+from llmbus.testing.http import post
 
 
 def test_killed_rank_stops_everything_within_10s_without_restarts(tiny_model_dir, tmp_path):
@@ -21,7 +22,7 @@ def test_killed_rank_stops_everything_within_10s_without_restarts(tiny_model_dir
     try:
         assert any(p.name.endswith(".sock") for p in run_dir.iterdir())
         procs = descendants(srv.proc.pid)
-        ranks = sorted(p for p in procs if "--rank" in cmdline(p))
+        ranks = sorted(p for p in procs if "--rank" in command_line(p))
         assert len(ranks) == 2 and len(procs) >= 5  # scheduler, workers group, 2 ranks, frontend
         # a request in flight when the rank dies gets an error, not a hang
         result = {}
@@ -45,8 +46,8 @@ def test_killed_rank_stops_everything_within_10s_without_restarts(tiny_model_dir
     summary = [line for line in log.splitlines() if line.startswith("llmbus:")]
     assert any("exited with code" in line for line in summary), log[-3000:]
     assert "rank" in log.split("exited with code", 1)[1], log[-3000:]
-    leftovers = [p for p in procs if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read().lower()]
-    assert leftovers == [], [cmdline(p) for p in leftovers]
+    leftovers = [p for p in procs if process_alive(p)]
+    assert leftovers == [], [command_line(p) for p in leftovers]
     assert not run_dir.exists()
     if "r" in result:  # the request either failed with 424 or its connection was closed
         assert result["r"][0] in (200, 424), result
@@ -89,7 +90,7 @@ def test_sigterm_lets_inflight_stream_finish_then_exits_0(tiny_model_dir, tmp_pa
     assert len(events) == 300 or events[-1]["details"]["finish_reason"] == "eos_token"
     assert srv.proc.wait(60) == 0, srv.stderr.text[-3000:]
     srv.stop()
-    assert not [p for p in procs if os.path.exists(f"/proc/{p}")]
+    assert not [p for p in procs if process_alive(p)]
     assert not run_dir.exists()
 
 

@@ -18,15 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from harness import Server
-from httputil import post
+from llmbus.testing import Server
+from llmbus.testing.http import post
+from llmbus.testing.runner_driver import Request, drive
 from llmbus.workers.model_runner import ModelRunner
 from llmbus.workers.models.hf_fallback import HFFallbackForCausalLM
-
-try:
-    from runner_driver import Request, drive
-except ImportError:
-    from test_model_runner import Request, drive
 
 BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
 NUM_BLOCKS = 96

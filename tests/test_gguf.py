@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import transformers_reads_cached, write_gguf
 from llmbus.supervisor.gguf_model import materialize
 from llmbus.supervisor.weights import ModelNotFound, resolve_model
+from llmbus.testing.gguf_files import transformers_reads_cached, write_gguf
 from llmbus.workers import quant
 from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader, GGUFError
 

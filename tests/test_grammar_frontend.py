@@ -1,4 +1,4 @@
-"""Grammars through the frontend, against test_frontend's fake scheduler (real zmq and HTTP): what reaches
+"""Grammars through the frontend, against llmbus.testing's fake scheduler (real zmq and HTTP): what reaches
 the scheduler for each shape of TGI's ``grammar`` and OpenAI's ``response_format``, and TGI's error texts
 for a grammar that is turned off, invalid or does not compile. Nothing invalid reaches the scheduler.
 """
@@ -10,9 +10,9 @@ import json
 import pytest
 
 from llmbus.bus.messages import Grammar
-from test_frontend import last_rid
+from llmbus.testing.fake_scheduler import chat, last_rid
 from test_frontend import make_frontend, model_dir  # noqa: F401  (fixtures)
-from test_openai_frontend import chat, chat_model_dir, make_fe  # noqa: F401  (fixtures)
+from test_openai_frontend import chat_model_dir, make_fe  # noqa: F401  (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name"]}

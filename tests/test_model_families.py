@@ -2,10 +2,10 @@
 token-exact against transformers at TP=1 and TP=2.
 
 Each family is a tiny checkpoint with seeded random weights (wide normal, biases included, see
-``runner_driver.widen_weights``) run through the mixed continuous batch of ``runner_driver``: prompts of
-1 to 40 tokens, arrivals mid-way, a chunked prefill beside decodes. The windows (8 and 10 tokens) are
-much shorter than the longer prompts and generations, and the windowed families also check that
-transformers' output with the window switched off differs, so an ignored window cannot pass.
+``llmbus.testing.runner_driver.widen_weights``) run through the mixed continuous batch of that module:
+prompts of 1 to 40 tokens, arrivals mid-way, a chunked prefill beside decodes. The windows (8 and 10
+tokens) are much shorter than the longer prompts and generations, and the windowed families also check
+that transformers' output with the window switched off differs, so an ignored window cannot pass.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from llmbus.testing.runner_driver import (BLOCK_SIZE, MAX_NEW_TOKENS, NUM_BLOCKS, PROMPT_LENGTHS, Reference, Request, drive,
+                           drive_tensor_parallel, make_prompts, mixed_requests, reference, widen_weights)
 from llmbus.workers.model_runner import ModelRunner
 from llmbus.workers.models.llama import DecoderConfig
-
-from runner_driver import (BLOCK_SIZE, MAX_NEW_TOKENS, NUM_BLOCKS, PROMPT_LENGTHS, Reference, Request, drive,
-                           drive_tensor_parallel, make_prompts, mixed_requests, reference, widen_weights)
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
              max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)

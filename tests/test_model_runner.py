@@ -4,41 +4,23 @@ The checkpoints are tiny random Llamas saved with ``save_pretrained``. Random we
 logits, so the weights are re-initialised with a wide normal (std 0.3) and every compared position
 asserts that the reference's top-1/top-2 logit margin exceeds 1e-3: a match is then meaningful, not a
 coin flip between two almost equal logits, and a mismatch is a real bug. The harness (a hand-driven
-scheduler, the reference, the TP=2 run) is ``runner_driver.py``; other model families are in
+scheduler, the reference, the TP=2 run) is ``llmbus.testing.runner_driver``; other model families are in
 ``test_model_families.py``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from llmbus.bus.messages import SamplingParams
+from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Reference, Request, drive, drive_tensor_parallel,
+                                          make_prompts, mixed_requests, reference, save_tiny_llama, widen_weights)
 from llmbus.workers.kv_cache import PagedKVCache, num_blocks_for_bytes
 from llmbus.workers.model_runner import ModelRunner
 from llmbus.workers.sampling import apply_warpers, sample, seeded_uniform
-
-from runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Reference, Request, drive, drive_tensor_parallel,
-                           make_prompts, mixed_requests, reference, widen_weights)
-
-
-def _save_tiny_llama(path: str, *, tied: bool, vocab_size: int) -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=tied,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no EOS: generate runs all its tokens
-    model = transformers.LlamaForCausalLM(config)
-    widen_weights(model)
-    # The untied checkpoint is split into several files, so model.safetensors.index.json is read too.
-    model.save_pretrained(path, max_shard_size="200KB" if not tied else "1GB")
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    assert (len(files) > 1) == (not tied), files
 
 
 @dataclass
@@ -55,7 +37,7 @@ def checkpoint(request, tmp_path_factory) -> Checkpoint:
     # An odd vocabulary on the untied model makes the TP=2 vocab shards uneven (padding path).
     vocab_size = 512 if tied else 509
     path = str(tmp_path_factory.mktemp(request.param))
-    _save_tiny_llama(path, tied=tied, vocab_size=vocab_size)
+    save_tiny_llama(path, tied=tied, vocab_size=vocab_size)
     prompts = make_prompts(vocab_size)
     return Checkpoint(path, tied, prompts, reference(path, prompts))
 

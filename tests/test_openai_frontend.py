@@ -1,5 +1,5 @@
 """The OpenAI routes, /tokenize, /chat_tokenize, /invocations and the guards, against the fake scheduler
-of test_frontend.py (real zmq sockets and HTTP; the reply is a fixed script, so texts are exact).
+of ``llmbus.testing.fake_scheduler`` (real zmq sockets and HTTP; the reply is a fixed script, so texts are exact).
 
 The fake scheduler answers every request with REPLY (then EOS), three tokens per event; a prompt with
 HOLD waits for ``release``, one with FAIL fails with a validation error.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_frontend import EOS, REPLY, WAIT, build_model_dir, last_rid, parse_sse
+from llmbus.testing.fake_scheduler import EOS, REPLY, WAIT, build_model_dir, chat, last_rid, parse_sse
 # fixtures: test_frontend's frontend factory, and its model folder (which has no chat template)
 from test_frontend import make_frontend, model_dir  # noqa: F401
 
@@ -43,11 +43,6 @@ def make_fe(make_frontend, chat_model_dir):
 @pytest.fixture
 def fe(make_fe):
     return make_fe()
-
-
-def chat(fe, **body):
-    body.setdefault("messages", [{"role": "user", "content": "hi"}])
-    return fe.post("/v1/chat/completions", body)
 
 
 def stream_events(raw: bytes) -> list:

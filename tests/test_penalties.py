@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from llmbus.bus.messages import SamplingParams
+from llmbus.testing.runner_driver import BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive, make_prompts
+from llmbus.testing.runner_driver import save_tiny_llama
 from llmbus.workers.model_runner import ModelRunner, TokenHistory
 from llmbus.workers.sampling import apply_penalties, apply_warpers, sample
-
-from runner_driver import BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive, make_prompts
-from test_model_runner import _save_tiny_llama
 
 VOCAB = 300
 
@@ -117,7 +116,7 @@ def penalty_checkpoint(tmp_path_factory):
     import transformers
 
     path = str(tmp_path_factory.mktemp("penalties"))
-    _save_tiny_llama(path, tied=True, vocab_size=512)
+    save_tiny_llama(path, tied=True, vocab_size=512)
     prompts = make_prompts(512)
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     references = {}

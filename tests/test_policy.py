@@ -5,7 +5,7 @@ import pytest
 from llmbus.bus.messages import FinishReason, SamplingParams, StoppingParams
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, RequestStatus, Scheduler, SchedulerConfig
-from policy_sim import SimWorker, drive, solo_output
+from llmbus.testing.policy_sim import SimWorker, drive, solo_output
 
 
 def make_request(rid: str, prompt_len: int = 4, max_new_tokens: int = 4, eos: int = 2, first: int = 10,

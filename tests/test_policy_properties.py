@@ -1,6 +1,6 @@
 """Property tests of the scheduling policy over random arrivals, finishes, aborts and preemptions.
 
-Every step the simulated worker (tests/policy_sim.py) checks that block tables built from the step
+Every step the simulated worker (llmbus.testing.policy_sim) checks that block tables built from the step
 diffs match the scheduler's, that every position a sequence relies on holds K/V of that very prefix,
 and that no two sequences write one slot; after every step the KV accounting is checked (no block owned
 twice or leaked, the prefix cache's invariant); budgets are checked per step; at the end every request
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from llmbus.bus.messages import SamplingParams, StoppingParams
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, RequestStatus, Scheduler, SchedulerConfig
-from policy_sim import SimWorker, check_budgets, solo_output
+from llmbus.testing.policy_sim import SimWorker, check_budgets, solo_output
 
 EOS = 3
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import LineReader, free_port
-from httputil import post
+from llmbus.testing import LineReader, free_port
+from llmbus.testing.http import post
 
 ROOT = Path(__file__).resolve().parent.parent
 

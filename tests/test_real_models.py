@@ -15,38 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_files import transformers_reads_cached, write_gguf
-from harness import Server
-from httputil import get, post, sse_events, stream
 from llmbus.supervisor.weights import smollm2_gguf
+from llmbus.testing import Server
+from llmbus.testing.gguf_files import transformers_reads_cached, write_gguf
+from llmbus.testing.greedy import greedy_reference, greedy_with_margins, served_greedy
+from llmbus.testing.http import get, post, sse_events, stream
 from llmbus.workers import quant
 
-MIN_MARGIN = 1e-3
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "Numbers: 1 2 3 4 5 6", "Café, naïve 🙂"]
 MAX_NEW = 10
-
-
-def greedy_with_margins(model, tokenizer, prompt: str, max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens, and each one's top-1/top-2 logit margin."""
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                         output_scores=True, return_dict_in_generate=True, eos_token_id=None,
-                         pad_token_id=tokenizer.eos_token_id)
-    top2 = [torch.topk(scores[0].float(), 2).values for scores in out.scores]
-    return out.sequences[0, ids.shape[1]:].tolist(), [float(t[0] - t[1]) for t in top2]
-
-
-def greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
-    tokens, margins = greedy_with_margins(model, tokenizer, prompt, max_new_tokens)
-    assert all(margin > MIN_MARGIN for margin in margins), "reference margin not decisive"
-    return tokens
-
-
-def served_greedy(server, prompt: str, max_new_tokens: int) -> list[int]:
-    status, _, body = post(f"{server.url}/generate", {"inputs": prompt, "parameters": {
-        "max_new_tokens": max_new_tokens, "details": True, "ignore_eos_token": True}})
-    assert status == 200, body
-    return [t["id"] for t in body["details"]["tokens"]]
 
 
 def serve(args: list[str]) -> Server:

@@ -7,7 +7,7 @@ a new sequence recomputing its prompt and every token it had generated, sampling
 them. Both must give exactly the tokens of an uninterrupted run from scratch: greedy ones (checked
 against transformers), seeded samples (the draw is a function of seed and position only) and penalised
 ones (the token history must hold the cached prefix). Same tiny float32 Llama and hand-driven scheduler
-as ``test_model_runner.py`` (``runner_driver.py``).
+as ``test_model_runner.py`` (``llmbus.testing.runner_driver``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import torch
 
 from llmbus.bus import messages as m
 from llmbus.bus.messages import SamplingParams
+from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, drive_tensor_parallel, make_prompts,
+                           reference)
+from llmbus.testing.runner_driver import save_tiny_llama
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 from llmbus.workers.process import Worker
-
-from runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, drive_tensor_parallel, make_prompts,
-                           reference)
-from test_model_runner import _save_tiny_llama
 
 VOCAB = 512
 CACHED_BLOCKS = 4  # the prefix the two prompts share: 18 tokens, of which 4 full blocks (16) are cached
@@ -54,7 +53,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Setup:
     path = str(tmp_path_factory.mktemp("recompute"))
-    _save_tiny_llama(path, tied=True, vocab_size=VOCAB)
+    save_tiny_llama(path, tied=True, vocab_size=VOCAB)
     prompts = make_prompts(VOCAB)
     donor, other = prompts[3], prompts[2]
     rng = random.Random(5)

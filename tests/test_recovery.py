@@ -19,8 +19,9 @@ import time
 
 import pytest
 
-from harness import Server, cmdline, descendants, rank_pids
-from httputil import get, metrics, wait_for_metrics
+from llmbus.bus.procfs import command_line, descendants, process_alive
+from llmbus.testing import Server, rank_pids
+from llmbus.testing.http import get, metrics, wait_for_metrics
 
 SYSTEM = "You are a helpful assistant. Answer briefly, precisely and politely. "
 QUESTIONS = ["What is two plus two?", "Name a colour.", "Why is the sky blue?", "Count to five.",
@@ -165,7 +166,7 @@ def test_stopped_rank_past_the_step_timeout_is_restarted(server, expected):
     wait_restarted(server, before + 1)
     assert restarts(server) == before + 1
     assert "got no result within 4.0s" in server.stderr.text
-    assert not os.path.exists(f"/proc/{stopped}") or "zombie" in open(f"/proc/{stopped}/status").read().lower()
+    assert not process_alive(stopped)
 
 
 def test_killed_scheduler_gives_every_client_an_in_band_error_within_2s(server):
@@ -174,7 +175,7 @@ def test_killed_scheduler_gives_every_client_an_in_band_error_within_2s(server):
     started[0].wait_tokens(2)
     # freeze the rank so the streams are still running when the scheduler dies
     os.kill(rank_pids(server)[0], signal.SIGSTOP)
-    scheduler = next(p for p in descendants(server.proc.pid) if "llmbus.scheduler" in cmdline(p))
+    scheduler = next(p for p in descendants(server.proc.pid) if "llmbus.scheduler" in command_line(p))
     procs = descendants(server.proc.pid)
     killed_at = time.monotonic()
     os.kill(scheduler, signal.SIGKILL)
@@ -185,9 +186,8 @@ def test_killed_scheduler_gives_every_client_an_in_band_error_within_2s(server):
             assert stream.error["error_type"] == "generation" and "scheduler" in stream.error["error"]
             assert stream.error_at - killed_at < 2.0, stream.error_at - killed_at
     assert server.proc.wait(WAIT) != 0
-    leftovers = [p for p in procs if os.path.exists(f"/proc/{p}")
-                 and "zombie" not in open(f"/proc/{p}/status").read().lower()]
-    assert leftovers == [], [cmdline(p) for p in leftovers]
+    leftovers = [p for p in procs if process_alive(p)]
+    assert leftovers == [], [command_line(p) for p in leftovers]
 
 
 def test_tp2_rank_1_and_a_frontend_restarted_then_a_crash_loop_stops_cleanly(tiny_model_dir, tmp_path, expected):
@@ -197,7 +197,7 @@ def test_tp2_rank_1_and_a_frontend_restarted_then_a_crash_loop_stops_cleanly(tin
     try:
         # one of two frontends dies: the other serves meanwhile, and it comes back
         frontend0 = next(p for p in descendants(server.proc.pid)
-                         if "llmbus.frontend" in cmdline(p) and "frontend0" in cmdline(p))
+                         if "llmbus.frontend" in command_line(p) and "frontend0" in command_line(p))
         os.kill(frontend0, signal.SIGKILL)
         server.stderr.wait_for("restarting frontend0", WAIT)
         while "] ready" not in server.stderr.wait_for("service=frontend0", WAIT):
@@ -222,7 +222,6 @@ def test_tp2_rank_1_and_a_frontend_restarted_then_a_crash_loop_stops_cleanly(tin
     assert code != 0
     log = server.stderr.text
     assert "restarted 1 times in 60 s already: giving up" in log, log[-3000:]
-    leftovers = [p for p in procs if os.path.exists(f"/proc/{p}")
-                 and "zombie" not in open(f"/proc/{p}/status").read().lower()]
-    assert leftovers == [], [cmdline(p) for p in leftovers]
+    leftovers = [p for p in procs if process_alive(p)]
+    assert leftovers == [], [command_line(p) for p in leftovers]
     assert not run_dir.exists()

@@ -1,4 +1,4 @@
-"""TGI's per-request metrics on /metrics, against the fake scheduler of test_frontend.py: every outcome
+"""TGI's per-request metrics on /metrics, against the fake scheduler (llmbus.testing.fake_scheduler): every outcome
 a generation request can have, on every route, counted once, with TGI's exact names."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import socket
 import time
 
 from llmbus.bus import messages as m
-
-from httputil import parse_exposition
-from test_frontend import WAIT, parse_sse
+from llmbus.testing.fake_scheduler import WAIT, parse_sse
+from llmbus.testing.http import parse_exposition
 from test_frontend import make_frontend, model_dir  # noqa: F401  (fixtures)
 from test_openai_frontend import chat_model_dir  # noqa: F401  (fixture)
 

@@ -20,10 +20,9 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     WatermarkLogitsProcessor)
 
 from llmbus.bus.messages import SamplingParams
+from llmbus.testing import Server
+from llmbus.testing.http import post
 from llmbus.workers.sampling import apply_warpers, apply_watermark, sample
-
-from harness import Server
-from httputil import post
 
 VOCAB = 300
 HASH_KEY = 15485863

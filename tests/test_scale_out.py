@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from harness import Server, rank_pids
-from httputil import get, metrics, post
+from llmbus.testing import Server, rank_pids
+from llmbus.testing.http import get, metrics, post
 
 REQUESTS = 16  # each on a new connection: the kernel spreads them over both frontends
 

@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 import schemathesis
 
-from harness import Server
 from llmbus.frontend.openapi import SPEC_PATH
+from llmbus.testing import Server
 
 # Generations are kept short so that the run (a few thousand requests, most from the coverage phase's
 # boundary values) stays within a minute on 2 cores with no operation or parameter left out: the server

@@ -7,8 +7,8 @@ import http.client
 import json
 import signal
 
-from harness import Server
-from httputil import post
+from llmbus.testing import Server
+from llmbus.testing.http import post
 
 # Long enough to still be running when the signal lands right after the first token (about 2 s on a quiet
 # 2-core machine), short enough to finish well inside the drain timeout on a loaded one.

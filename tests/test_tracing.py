@@ -9,8 +9,8 @@ from concurrent import futures
 
 import pytest
 
-from harness import Server, free_port
-from httputil import post
+from llmbus.testing import Server, free_port
+from llmbus.testing.http import post
 
 grpc = pytest.importorskip("grpc")
 trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")

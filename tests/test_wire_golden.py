@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from llmbus.bus import messages as m
-
-sys.path.insert(0, str(Path(__file__).parent))
-from wire_samples import SAMPLES  # noqa: E402
+from llmbus.testing.wire_samples import SAMPLES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wire"
 

@@ -249,3 +249,19 @@ def drive_tensor_parallel(model_dir: str, batches: dict[str, list[Request]], wor
     with open(out_file) as f:
         return {name: {rid: (tokens, logprobs) for rid, (tokens, logprobs) in results.items()}
                 for name, results in json.load(f).items()}
+
+
+def save_tiny_llama(path: str, *, tied: bool, vocab_size: int) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=tied,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no EOS: generate runs all its tokens
+    model = transformers.LlamaForCausalLM(config)
+    widen_weights(model)
+    # The untied checkpoint is split into several files, so model.safetensors.index.json is read too.
+    model.save_pretrained(path, max_shard_size="200KB" if not tied else "1GB")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert (len(files) > 1) == (not tied), files

@@ -1,0 +1,32 @@
+"""What the whole-stack tests ask the demo model's `tiny` size: the prompts (plain, and a system line
+with short questions) and a greedy ``/generate`` with the tokens it returned."""
+
+from __future__ import annotations
+
+from llmbus.testing.http import post
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog",
+    "Once upon a time, in a land far away, there lived a curious engineer who",
+    "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12",
+    "Café, naïve, 中文, emoji 🙂 — multi-byte text",
+    "a",
+]
+MAX_NEW = 12
+
+SYSTEM = "You are a helpful assistant. Answer briefly, precisely and politely. "
+QUESTIONS = ["What is two plus two?", "Name a colour.", "Why is the sky blue?", "Count to five.",
+             "Say hello in French.", "What is a prime number?", "Tell me a joke.", "Spell cat.",
+             "Where is Paris?", "Is water wet?", "Define entropy.", "Who are you?"]
+
+
+def generate(server, prompt: str, max_new_tokens: int = MAX_NEW, **params):
+    status, headers, body = post(f"{server.url}/generate", {
+        "inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True, **params}})
+    assert status == 200, body
+    return body, headers
+
+
+def ids_of(body) -> list[int]:
+    return [t["id"] for t in body["details"]["tokens"]]
