@@ -108,7 +108,8 @@ def decode_frames(frames: list[zmq.Frame]) -> tuple[Message | None, int | None]:
 
 
 # A malformed message is logged at most once per this many seconds per kind, with a count of the ones
-# dropped silently since: a peer sending garbage in a loop cannot flood the log (20,000 frames wrote 3.2 MB).
+# dropped silently since: a peer sending garbage in a loop cannot flood the log (design notes, "A malformed
+# message is dropped, and logged once in a while").
 DROP_LOG_INTERVAL_S = 10.0
 
 

@@ -81,9 +81,9 @@ class ChatTemplate:
         return self.source is not None
 
     def load(self) -> None:
-        """Import transformers' renderer (sandboxed Jinja with its filters and raise_exception): 0.6 s,
-        which the frontend pays at start-up, off its event loop, rather than in the first chat request,
-        where it would stall every stream."""
+        """Import transformers' renderer (sandboxed Jinja with its filters and raise_exception), a cost the
+        frontend pays at start-up, off its event loop, rather than in the first chat request, where it would
+        stall every stream (design notes, "Every service starts at once")."""
         if self.source is not None and self._render is None:
             from transformers.utils.chat_template_utils import render_jinja_template
             self._render = render_jinja_template

@@ -6,8 +6,8 @@ message ready and demultiplexes the columnar ``TokenBatch`` into one ``Mailbox``
 request per batch), turns ``RequestFailed`` into an error for that request and ``EngineDead`` into an
 error for every request in flight (and an unhealthy engine). The PULL is a plain socket read without
 blocking, not a ``zmq.asyncio`` one: at one stream, pyzmq's asyncio receive (a future, a poller
-registration and a callback per message) was about 40% of the frontend's CPU, and on a 2-core machine
-that CPU is taken from the worker's step.
+registration and a callback per message) was the largest part of the frontend's CPU (design notes, "What
+a served single stream is made of"), and on a small CPU machine that CPU is taken from the worker's step.
 Aborts are batched: ``abort`` never blocks (it is called from ``finally`` blocks of cancelled handlers)
 and a sender task ships every pending rid in one ``AbortRequest``. ``check_ranks`` asks the scheduler to
 probe every rank (/health); concurrent checks share one probe. Other frontends' request metrics arrive

@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import json
 
-# Imported with the frontend, not in the first request that needs them (jsonschema alone takes ~0.1 s).
+# Imported with the frontend, not in the first request that needs them, whose streams the import would stall
+# (design notes, "Every service starts at once").
 import jsonschema
 import llguidance  # noqa: F401
 

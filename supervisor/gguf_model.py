@@ -105,8 +105,8 @@ def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
 @contextlib.contextmanager
 def _parsed_once(path: Path, reader):
     """transformers parses the file afresh for the config and again for the tokenizer, each as long as our
-    own parse (about 7 s for SmolLM2's file here, 3 in all on a first start): while the folder is written,
-    opening ``path`` gives the reader already made. It is only read from (fields and tensor metadata)."""
+    own parse (design notes, "GGUF"): while the folder is written, opening ``path`` gives the reader already
+    made. It is only read from (fields and tensor metadata)."""
     import gguf
 
     opens = gguf.GGUFReader

@@ -61,18 +61,18 @@ def run_group(argv: list[str], world_size: int) -> int:
 
 # libgomp (torch's CPU thread pool) lets an idle thread spin 300,000 times before it sleeps. A rank uses
 # every core it is given while the frontend and scheduler share the same cores, so a preempted thread
-# leaves its partner spinning at each parallel op: steps measured 13 ms alone stretched to 350-670 ms under
-# load. A short spin keeps the fast handoff between ops and gives the core back quickly; sleeping at once
-# (OMP_WAIT_POLICY=PASSIVE) cost ~5 ms a step at batch 1. Read by libgomp when torch loads, so set here,
-# before any rank imports torch; an operator's own setting wins.
+# leaves its partner spinning at each parallel op, and steps stretch many times over under load. A short
+# spin keeps the fast handoff between ops and gives the core back quickly; sleeping at once
+# (OMP_WAIT_POLICY=PASSIVE) slows small steps (design notes, "OpenMP threads give their core back
+# quickly"). Read by libgomp when torch loads, so set here, before any rank imports torch; an operator's own
+# setting wins.
 GOMP_SPINCOUNT = "10000"
 
 # torch's CPU allocator puts blocks of 2 MB or more (weights, the KV pool, a prompt step's activations) on
 # 2 MB pages when this is set, where the kernel's transparent huge pages are "madvise" (the common default)
-# or "always": fewer TLB misses where decode attention reads the pool's scattered 4 KB blocks. SmolLM2
-# float32, one process, steps alternating between a copy with its tensors on 2 MB pages and one on 4 KB:
-# 1.023x at batch 1, 1.026x at batch 64 (random block tables); 30 layers of decode attention alone at
-# batch 64, context 192: 1.07x. Read once, at torch's first allocation: set before any rank imports torch.
+# or "always": fewer TLB misses where decode attention reads the pool's scattered 4 KB blocks, a small gain
+# at every batch size (design notes, "Large CPU blocks on 2 MB pages"). Read once, at torch's first
+# allocation: set before any rank imports torch.
 THP_MEM_ALLOC_ENABLE = "1"
 
 
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if cfg.world_size == 1:
             # The group's one rank is this process: a child would start another interpreter and import
-            # everything again, about 0.5 s of every launch's time to ready. It exits as the group would.
+            # everything again, a visible part of every launch's time to ready (design notes, "Every service
+            # starts at once"). It exits as the group would.
             return run_worker(dataclasses.replace(cfg, rank=0))
         if cfg.dist_init is None:
             # torch.distributed's file store: one left by a group that was killed (and is now restarted)

@@ -25,11 +25,11 @@ def keep_freed_memory() -> bool:
     """Have glibc's malloc serve every block from its heap and keep what is freed there, for this process.
 
     By default a block of 32 MB or more (a prompt step's activations: [4096, 3072] float32 is 50 MB) is
-    mapped afresh on each allocation and unmapped on free, so every step page-faults all of it in again:
-    371,000 minor faults (1.5 GB zeroed by the kernel) for one SmolLM2 step of 32 prompts of 128 tokens,
-    and 23% more CPU time for that step than with the memory kept (none). Decode steps allocate little
-    and were already free of faults. The cost: the heap keeps its peak size (vLLM and SGLang get the same
-    from tcmalloc or jemalloc, preloaded). Returns False where the C library has no mallopt (not glibc)."""
+    mapped afresh on each allocation and unmapped on free, so every step page-faults all of it in again,
+    the kernel zeroing each page, which costs a prompt step a good share of its CPU time (design notes,
+    "Freed memory stays in the heap"). Decode steps allocate little and were already free of faults.
+    The cost: the heap keeps its peak size (vLLM and SGLang get the same from tcmalloc or jemalloc,
+    preloaded). Returns False where the C library has no mallopt (not glibc)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

@@ -4,14 +4,13 @@ oneDNN on CPU.
 ``torch.nn.functional.linear`` on CPU re-lays out nothing: MKL copies the weight into its panels on every
 call, and for the few-row inputs of decode steps runs a GEMV that reads a bf16 weight at well under half
 the memory bandwidth. oneDNN's linear with a weight reordered once at load time
-(``mkldnn._reorder_linear_weight``, what inductor's freezing pass uses) gives the same results and
-measured 1.7-2.2x faster at 1-8 rows on AVX-512 machines; on a 2-core AVX2 one (float32, SmolLM2's
-shapes) 2.0-2.3x faster at 64 rows for the gate/up projection and the LM head, and 1.0-1.3x for the
-others. Elsewhere (CUDA, or a torch without oneDNN) it is F.linear.
+(``mkldnn._reorder_linear_weight``, what inductor's freezing pass uses) gives the same results faster, at
+few rows and at 64 (design notes, "Dense projections on CPU: the weight reordered once for oneDNN").
+Elsewhere (CUDA, or a torch without oneDNN) it is F.linear.
 
 On AVX2 machines without AVX-512, float32 goes through ``gemm.c`` instead, on the plain weight: faster
-than the packed oneDNN GEMM at every row count measured (1.1-1.4x a SmolLM2 decode step's projections at
-64 rows), and one copy of the weight serves both it and the fused decode layer's GEMVs.
+than the packed oneDNN GEMM at the row counts measured (design notes, "float32 GEMMs: our own register
+tile on AVX2"), and one copy of the weight serves both it and the fused decode layer's GEMVs.
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ import torch.nn.functional as F
 
 from llmbus.workers.kernels import bindings
 
-# The batch size the packed layout is tuned for. Measured on a 2-core AVX2 machine (float32, SmolLM2's
-# shapes, 2 threads): 64 is as fast as 1 at 1 row, 1.6-2.1x faster at 4 rows, 1.1-1.3x at 16-64 rows
-# (where 1's layout makes oneDNN copy weight chunks on every call) and even at 1024.
+# The batch size the packed layout is tuned for: 64 is as fast as 1 at 1 row and faster from 4 rows on,
+# where 1's layout makes oneDNN copy weight chunks on every call (design notes, "Dense projections on CPU").
 PACK_BATCH_HINT = 64
 
 

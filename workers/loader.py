@@ -122,8 +122,8 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
 
 def release_freed_memory() -> None:
     """Hand the float copies loading went through back to the OS. glibc keeps freed heap memory for
-    reuse, so a model quantized at load held on to them: SmolLM2 with --quantize int8 stayed at 280 MB of
-    resident weights instead of 139 (its bf16 form: 323)."""
+    reuse, so a model quantized at load held on to them, resident at about twice its quantized weights'
+    size (design notes, "Freed memory stays in the heap")."""
     import ctypes
     import ctypes.util
     import gc

@@ -39,8 +39,8 @@ WARMUP_RID_PREFIX = "__warmup__"
 # On CPU the warmup prefills this many tokens at most, not the whole prefill budget: it runs every code path
 # once (kernels, oneDNN primitives, the sampling warpers), but it cannot find a memory shortfall the way it
 # does on CUDA (the host overcommits, then the OOM killer ends the process; the pool's size is checked
-# against available memory instead), and a 4096-token float32 prefill took 23 s of a 29 s start on a
-# 2-core machine.
+# against available memory instead), and a full-budget float32 prefill was most of a start's time on a
+# small CPU (design notes, "Every service starts at once").
 CPU_WARMUP_TOKENS = 256
 
 
@@ -235,7 +235,8 @@ class ModelRunner:
         self.watermark_gamma, self.watermark_delta = watermark_gamma, watermark_delta  # None: sampling's defaults
         self.model_dir = model_dir
         # Rank 0, constrained decoding: built on the first request with a grammar (its vocabulary index
-        # takes ~0.3 s and some memory that a server without such requests need not spend).
+        # takes time and memory that a server without such requests need not spend; design notes,
+        # "Structured output").
         self._grammar: GrammarMasks | None = None
         self.max_position_embeddings = self.model.max_position_embeddings
         self.vocab_size = self.model.config.vocab_size

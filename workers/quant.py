@@ -37,8 +37,9 @@ from llmbus.workers.kernels import bindings
 from llmbus.workers.linear import Linear
 
 INT4_GROUP = 32  # Q4_0/Q4_1's block: the most accurate group, and as fast as 64 or 128 in the kernel
-# --quantize int8: groups of 32, as Q8_0 (12% more bytes than one scale per row, as fast). On SmolLM2 per-row
-# scales cost 2.9% perplexity (1.0285x bf16, benchmarks/perplexity.py), groups of 32 cost nothing measurable.
+# --quantize int8: groups of 32, as Q8_0: a few more bytes than one scale per row and as fast, while per-row
+# scales lose measurable perplexity on SmolLM2 and groups of 32 do not (design notes, "Weight-only
+# quantization: an AVX512-BF16 kernel of our own").
 INT8_GROUP = 32
 TILE = bindings.QUANT_TILE  # output rows per vector in quant_kernels.c
 

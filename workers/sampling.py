@@ -12,8 +12,9 @@ The logits go through TGI's ``NextTokenChooser`` order, each step only on the ro
 3. greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and typical-p (in that
    order, as TGI does) expressed as masks over the whole ``[S, vocab]`` batch, then draw one token each
    by inverse-CDF sampling with a single uniform number. On CPU the argmax, the log-softmax and the draw
-   run in C, each row on its own (``sampling.c``: torch's whole-batch passes cost 38-48 ms of a batch-64
-   step), except in a step where some row asks for ``top_n_tokens``; the warpers stay torch ops.
+   run in C, each row on its own (``sampling.c``: torch's whole-batch passes are a sizeable share of a large
+   batch's step; design notes, "Choosing tokens in C on CPU"), except in a step where some row asks for
+   ``top_n_tokens``; the warpers stay torch ops.
 
 The uniform is stateless: a function of the request's ``SamplingParams.seed`` and of the position of
 the token being sampled only (``seeded_uniform``), never of how many tokens were drawn before. The
@@ -65,9 +66,10 @@ def seeded_uniform(seed: int, position: int) -> float:
     """A uniform number in ``[0, 1)`` for ``(seed, position)``: the ``position``-th output of the
     splitmix64 stream that starts at ``mix(seed)``, cut to 24 bits.
 
-    Counter-based, so a draw depends on nothing but its two arguments. Plain Python integers: about
-    0.8 us a row, which beats reseeding a torch.Generator per row (4 us) and, below ~150 rows, the
-    same hash vectorised in int64 tensor ops (~60 us of fixed cost for its ~20 small ops).
+    Counter-based, so a draw depends on nothing but its two arguments. Plain Python integers: cheaper
+    per row than reseeding a torch.Generator, and for the batches served cheaper than the same hash
+    vectorised in int64 tensor ops, whose ~20 small ops have a fixed cost (design notes, "Choosing
+    tokens in C on CPU").
     """
     state = (_mix64(seed & _UINT64_MASK) + position * _GOLDEN_GAMMA) & _UINT64_MASK
     return (_mix64(state) >> (64 - _UNIFORM_BITS)) * (1.0 / (1 << _UNIFORM_BITS))

@@ -28,9 +28,8 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_BLOCK = 32  # weights per block of the GGUF types kept quantized (Q8_0, Q4_0, Q4_1)
 # With ``keep_plain``, the share of the host's available memory that second (oneDNN-packed) copies of dense
 # projections may take, where oneDNN computes them (not float32 where gemm.c runs). Before gemm.c they made
-# a 2-core AVX2 machine's GEMMs faster (1.0-2.3x per projection at 64 rows, 1.15-1.27x per SmolLM2
-# batch-64 decode step); a small model's copies cost little, but a model that fills the machine keeps one
-# plain copy (MKL then packs it on every call).
+# a 2-core AVX2 machine's GEMMs faster (design notes, "Dense projections on CPU"); a small model's copies
+# cost little, but a model that fills the machine keeps one plain copy (MKL then packs it on every call).
 SECOND_COPY_SHARE = 0.25
 
 
@@ -63,7 +62,7 @@ class WeightBuilder:
     def place(self, t: torch.Tensor) -> torch.Tensor:
         placed = t.to(device=self.device, dtype=self.dtype).contiguous()
         # A tensor read in the model's dtype can still be a view of the checkpoint's memory map; one
-        # kept alive holds the whole mapped file resident (263 MB of SmolLM2's 1.48 GB worker).
+        # kept alive holds the whole mapped file resident (design notes, "Freed memory stays in the heap").
         return placed.clone() if placed.data_ptr() == t.data_ptr() else placed
 
     def _stored(self, name: str) -> str:

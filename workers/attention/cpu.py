@@ -26,8 +26,8 @@ from llmbus.workers.kv_cache import PagedKVCache
 
 # Prompt rows (AttentionBackend.prompt_rows) only while a step's tokens times its longest context stay
 # under this: the kernel keeps every row's scores at once (rows x heads x context floats; SmolLM2's 9
-# heads: about 36 MB here). Longer prompts take the portable path, measured as fast for a 1024- or
-# 2000-token prompt.
+# heads: about 36 MB). Longer prompts take the portable path, which is as fast for them (design notes,
+# "Small decode steps: one C call per step").
 PROMPT_ROWS_MAX_SCORES = 1 << 20
 
 
@@ -72,7 +72,8 @@ class CPUKernelBackend(TorchSDPABackend):
     def _decodes_metadata(self, num_computed: list[int], block_tables: list[list[int]], kv_cache: PagedKVCache,
                           device: torch.device) -> AttentionMetadata:
         """A decode-only step's one kernel group, built from the host lists with a tensor per field: the
-        general path's ~20 small tensor ops were about 0.65 ms of a 15-37 ms batch-1 step."""
+        general path's ~20 small tensor ops are a visible share of a batch-1 step (design notes,
+        "Attention backends")."""
         block_size, spare = kv_cache.block_size, kv_cache.num_blocks
         max_context = max(num_computed) + 1
         width = -(-max_context // block_size)

@@ -22,12 +22,13 @@ from llmbus.workers.attention.base import (AttentionBackend, AttentionMetadata, 
 from llmbus.workers.kv_cache import PagedKVCache
 
 # Groups whose sequences bring at most this many query tokens attend with two batched matmuls instead of
-# SDPA: a short chunk of a long prompt (chunked prefill beside decodes) measured ~2x faster that way on
-# CPU at a 2k-token context, where SDPA's tiling costs more than the work; longer queries favour SDPA.
+# SDPA: a short chunk of a long prompt (chunked prefill beside decodes) is faster that way on CPU at a long
+# context, where SDPA's tiling costs more than the work; longer queries favour SDPA (design notes,
+# "Chunked prefill and budgets").
 SMALL_QUERY_MAX = 8
 # Decode groups of at most this many sequences attend with one SDPA call instead of the batched matmuls:
-# at batch 1 it measured ~30 us a layer against ~63 us for baddbmm + softmax + bmm (small bf16 batched
-# matmuls have a high fixed cost); from batch 4 on SDPA is the slower one.
+# at batch 1 it is the faster (small bf16 batched matmuls have a high fixed cost); from batch 4 on SDPA is
+# the slower one (design notes, "Attention backends").
 SDPA_DECODE_MAX_BATCH = 2
 # A decode group's gathered context (every sequence padded to the group's longest) may be at most this
 # many times its sequences' own: longer contexts go to a group of their own.
@@ -192,8 +193,8 @@ def _windowed(mask: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor
 def _matmul(queries, keys, values, group: AttentionGroup, window: int, scale: float) -> torch.Tensor:
     """Few queries per sequence, over ``keys``/``values [Hkv * B, ctx, D]``: two batched matmuls with each
     sequence's queries times the GQA group as rows, softmax in float32 (as transformers' eager
-    attention). A fused SDPA kernel tiles for long queries and measured several times slower here for
-    decodes at batch 64."""
+    attention). A fused SDPA kernel tiles for long queries and is several times slower on CPU for decodes
+    at batch 64 (design notes, "Attention backends")."""
     batch, max_q = group.batch, group.max_query_len
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     num_kv_heads = keys.shape[0] // batch

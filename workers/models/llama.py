@@ -105,10 +105,11 @@ def _sliding_windows(config: dict) -> tuple[int | None, ...]:
 
 
 # The residual stream (embeddings, each layer's sum) is kept in float32 whatever the weights' dtype, as
-# llama.cpp keeps it: real checkpoints carry outlier features of 10^4 where a bfloat16 sum rounds to
-# 64-128, and 30 layers of that rounding flipped SmolLM2's first answer token (two candidates 0.08 logits
-# apart in float32) on a plain chat prompt. Norms hand the matmuls the model dtype, and adding a layer's output
-# promotes it, so the stream costs no extra op per layer.
+# llama.cpp keeps it: real checkpoints carry outlier features large enough that a bfloat16 sum keeps only
+# steps of about a hundred, and 30 layers of that rounding flipped SmolLM2's first answer token (two
+# near-tied candidates) on a plain chat prompt (design notes, "The residual stream in float32"). Norms hand
+# the matmuls the model dtype, and adding a layer's output promotes it, so the stream costs no extra op per
+# layer.
 RESIDUAL_DTYPE = torch.float32
 
 
@@ -298,9 +299,9 @@ class LlamaForCausalLM:
         # Small decode-only steps in one native call for all layers, where it applies (fused_decode.py).
         self.fused_decode = FusedDecodeLayers.for_model(self)
         if self.fused_decode is not None and self.fused_decode.takes_large_batches:
-            # Prompt steps through the fused layer too: one native call instead of ~30 torch ops a layer
-            # (design notes, "Small decode steps": a 128-token prompt 1.16x, 32 of them 1.02x), from a
-            # backend that gives them as kernel rows (the layer keeps the same windows' order).
+            # Prompt steps through the fused layer too: one native call instead of ~30 torch ops a layer,
+            # no slower and faster for short prompts (design notes, "Small decode steps"), from a backend
+            # that gives them as kernel rows (the layer keeps the same windows' order).
             self.attention_backend = make_attention_backend(device, config.sliding_windows, prompt_rows=True)
 
     @property

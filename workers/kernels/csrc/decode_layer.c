@@ -119,10 +119,9 @@ static inline void dot_rows(const float *w, const float *x, int64_t x_stride, in
 
 /* Bytes ahead of the row being read that a batch-1 int8 or bfloat16 row's dot product asks the cache for.
  * The hardware's prefetcher alone leaves these loops waiting on memory: the conversions make them too slow
- * per byte for it to run far enough ahead. SmolLM2's int8 GEMVs in a C harness: four rows at a time with
- * the next four prefetched 10.0-12.3 ms, a row at a time with this 9.0-9.4 ms, a plain read of the bytes
- * 7.0-8.0 ms; whole decode steps 1.30x (benchmarks/step_ab.py --quantize int8); bfloat16 rows 1.105x
- * (twice this distance: 0.98x). */
+ * per byte for it to run far enough ahead. A row at a time with this distance beat four rows at a time with
+ * the next four prefetched, and twice the distance gained nothing (design notes, "The int8 batch-1 GEMV:
+ * one row at a time, prefetched" and "A bfloat16 checkpoint in float32"). */
 enum { ROW_PREFETCH_BYTES = 2304 };
 
 /* Ask the cache for the ``bytes`` of a row ROW_PREFETCH_BYTES past ``row``. */
@@ -213,9 +212,8 @@ static inline float dot_int8_row(const int8_t *w, const float *scale, int64_t gr
 
 /* The int8 group of Q8_0 and of --quantize int8 (quant.py's INT8_GROUP). The int8 loops are inlined with it
  * as a constant, so the loop over a group's inputs unrolls and the prefetch offset of the scales is no
- * division: SmolLM2's batch-1 int8 GEMVs in a C harness 6.0-7.9 ms against 8.2-11.8 with the group read
- * at run time; whole batch-1 steps (benchmarks/step_ab.py --quantize int8, 6 pairs) median 1.04x, the
- * machine drifting between 8 and 14 ms a step. Other groups take the same loops with the group a variable. */
+ * division, which is faster than the group read at run time (design notes, "The int8 batch-1 GEMV").
+ * Other groups take the same loops with the group a variable. */
 enum { COMMON_GROUP = 32 };
 
 /* Row ``o`` of projection ``p`` (``in`` inputs) against the batch: a batch-1 int8 row, whose groups split

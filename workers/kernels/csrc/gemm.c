@@ -1,11 +1,10 @@
 /* float32 projections on CPU: y[m, n] = x[m, k] . w[n, k]^T (+ bias[n]), reading the weight as checkpoints
  * store it ([out, in] row-major), so one copy serves this GEMM and decode_layer.c's GEMVs.
  *
- * Why our own: on a 2-core AVX2 machine (float32, SmolLM2's shapes) oneDNN's GEMM with a weight reordered at
- * load time ran 123-146 GFLOP/s at 64 rows, where this register tile runs 160-178 (about the two FMA pipes'
- * peak), and it was no slower at any row count from 1 to 4096 (benchmarks/gemm_vs_onednn.py). Built only
- * for AVX2 + FMA without AVX-512 (gemm_f32_runs): that is what it was measured on, and oneDNN's AVX-512
- * kernels are twice as wide.
+ * Why our own: on a 2-core AVX2 machine (float32, SmolLM2's shapes) this register tile runs near the two FMA
+ * pipes' peak at 64 rows, faster than oneDNN's GEMM with a weight reordered at load time (design notes,
+ * "float32 GEMMs: our own register tile on AVX2"). Built only for AVX2 + FMA without AVX-512
+ * (gemm_f32_runs): that is what it was measured on, and oneDNN's AVX-512 kernels are twice as wide.
  *
  * Scheme: x is taken MC rows at a time and transposed into panels of 16 rows ([panel][k][16], zero past m)
  * that stay in L2; a 6 x 16 tile (6 weight rows against one panel, 12 accumulators) runs over KC inputs at

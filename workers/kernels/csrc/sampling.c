@@ -4,10 +4,10 @@
  * here; the warpers (top-k, top-p, typical-p) stay in torch.
  *
  * Why: torch does these as whole-batch passes that each read, and most write, [rows, vocab] floats:
- * argmax, log_softmax, then a gather (greedy: 7.4 ms at batch 64 on SmolLM2's 49152-token vocabulary, 2
- * cores); for sampling also a division by the temperatures, a NaN check, exp and a cumulative sum (38-46
- * ms at batch 64, as long as a fifth of the forward pass). Here each row is read a few times while it is in
- * L2, rows split across the threads, or a single row's vocabulary split across them (greedy).
+ * argmax, log_softmax, then a gather; for sampling also a division by the temperatures, a NaN check, exp
+ * and a cumulative sum, together a sizeable share of a large batch's step (design notes, "Choosing tokens
+ * in C on CPU"). Here each row is read a few times while it is in L2, rows split across the threads, or a
+ * single row's vocabulary split across them (greedy).
  *
  * Matches sampling.py's torch path: ties go to the first index; a greedy row with a NaN picks its first
  * NaN and gets a NaN log-probability, one with no finite maximum (all -inf, or a +inf) a NaN
