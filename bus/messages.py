@@ -9,7 +9,7 @@ Evolution rules (the wire is a protocol, like TGI's generate.proto):
   reuse a number. A decoder fills missing trailing fields from their defaults and ignores extra ones, so
   a newer sender can talk to an older receiver within one ``WIRE_VERSION``.
 - A change that breaks that (a field's meaning, a removed field) bumps ``WIRE_VERSION``, which the
-  handshakes (``WorkerHello``, ``FrontendHello``) check. ``tests/test_wire_golden.py`` pins the bytes.
+  handshakes (``WorkerHello``, ``FrontendHello``) check. ``tests/bus/test_wire_golden.py`` pins the bytes.
 
 Decoding checks every field's type (bus/codec.py).
 

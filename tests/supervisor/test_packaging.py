@@ -11,7 +11,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_FOLDERS = ("bus", "scheduler", "workers", "frontend", "supervisor", "bench", "testing")
 
 

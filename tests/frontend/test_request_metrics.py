@@ -10,8 +10,6 @@ import time
 from llmbus.bus import messages as m
 from llmbus.testing.fake_scheduler import WAIT, parse_sse
 from llmbus.testing.http import parse_exposition
-from test_frontend import make_frontend, model_dir  # noqa: F401  (fixtures)
-from test_openai_frontend import chat_model_dir  # noqa: F401  (fixture)
 
 
 def scrape(fe) -> tuple[str, dict]:
@@ -21,7 +19,7 @@ def scrape(fe) -> tuple[str, dict]:
     return text, parse_exposition(text, labels=True)
 
 
-def test_request_counters_and_histograms(make_frontend, chat_model_dir):  # noqa: F811
+def test_request_counters_and_histograms(make_frontend, chat_model_dir):
     fe = make_frontend(chat_model_dir)
     ok = [("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5}}),
           ("/", {"inputs": "hi", "parameters": {"max_new_tokens": 5}}),
@@ -57,7 +55,7 @@ def test_request_counters_and_histograms(make_frontend, chat_model_dir):  # noqa
     assert samples["tgi_request_max_new_tokens_sum"] >= 5 + 5
 
 
-def test_overloaded_and_dropped(make_frontend):  # noqa: F811
+def test_overloaded_and_dropped(make_frontend):
     fe = make_frontend(max_concurrent_requests=1)
     conn = socket.create_connection((fe.host, fe.port), timeout=WAIT)
     body = json.dumps({"inputs": "HOLD", "parameters": {"max_new_tokens": 3}}).encode()
@@ -75,7 +73,7 @@ def test_overloaded_and_dropped(make_frontend):  # noqa: F811
     assert samples["tgi_request_success"] == 0
 
 
-def test_peer_frontends_counts_add_up(make_frontend):  # noqa: F811
+def test_peer_frontends_counts_add_up(make_frontend):
     # Another frontend's counts, as the scheduler relays them: a scrape here reports the sum, and this
     # frontend's own counts go out to the others.
     fe = make_frontend()

@@ -11,8 +11,6 @@ import pytest
 
 from llmbus.bus.messages import Grammar
 from llmbus.testing.fake_scheduler import chat, last_rid
-from test_frontend import make_frontend, model_dir  # noqa: F401  (fixtures)
-from test_openai_frontend import chat_model_dir, make_fe  # noqa: F401  (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name"]}

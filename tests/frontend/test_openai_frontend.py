@@ -10,34 +10,10 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from llmbus.testing.fake_scheduler import EOS, REPLY, WAIT, build_model_dir, chat, last_rid, parse_sse
-# fixtures: test_frontend's frontend factory, and its model folder (which has no chat template)
-from test_frontend import make_frontend, model_dir  # noqa: F401
-
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir():
-    d = Path(tempfile.mkdtemp(prefix="llmbus-fe-chat-"))
-    build_model_dir(d)
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def make_fe(make_frontend, chat_model_dir):
-    """test_frontend's make_frontend, on the model folder with a chat template unless told otherwise."""
-    return lambda directory=None, **overrides: make_frontend(directory or chat_model_dir, **overrides)
+from llmbus.testing.fake_scheduler import EOS, REPLY, WAIT, chat, last_rid, parse_sse
 
 
 @pytest.fixture
@@ -139,7 +115,7 @@ def test_chat_tgi_rules_still_apply(fe):
 
 
 def test_missing_chat_template_is_tgi_template_error(make_fe, model_dir):
-    fe = make_fe(model_dir)  # test_frontend's model folder has no chat template
+    fe = make_fe(model_dir)  # the plain model folder has no chat template
     status, _, body = chat(fe)
     openai_error(status, body, 422, "template_error", "Template error: template not found")
     status, _, body = fe.post("/chat_tokenize", {"messages": [{"role": "user", "content": "x"}]})

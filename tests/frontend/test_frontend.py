@@ -30,29 +30,8 @@ from llmbus.bus import messages as m
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.frontend.engine_client import DRAIN_BATCH, TIMED_OUT, EngineClient, Mailbox
 from llmbus.frontend.tokenizer import load_tokenizer
-from llmbus.testing.fake_scheduler import (BOS, EOS, REPLY, WAIT, FakeScheduler, Frontend, build_model_dir,
-                                           last_rid, parse_sse, reply_ids)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    d = Path(tempfile.mkdtemp(prefix="llmbus-fe-model-"))
-    build_model_dir(d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def make_frontend(model_dir):
-    made = []
-
-    def make(directory: Path | None = None, **overrides) -> Frontend:
-        fe = Frontend(directory or model_dir, **overrides)
-        made.append(fe)
-        return fe
-    yield make
-    for fe in made:
-        fe.close()
+from llmbus.testing.fake_scheduler import (BOS, EOS, REPLY, WAIT, FakeScheduler, Frontend, last_rid, parse_sse,
+                                           reply_ids)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from llmbus.testing import LineReader, free_port
 from llmbus.testing.http import post
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager

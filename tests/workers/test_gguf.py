@@ -21,7 +21,7 @@ from llmbus.testing.gguf_files import transformers_reads_cached, write_gguf
 from llmbus.workers import quant
 from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader, GGUFError
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "gguf"
 K_QUANT_FIXTURE = FIXTURES / "tiny-q4_k_m.gguf"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 PROMPTS = ("Hello world, the capital of France is Paris.", "  spaces\tand\nnewlines 123 ünïcödé", "")

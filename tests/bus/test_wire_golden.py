@@ -1,6 +1,6 @@
 """The wire format is a protocol: these bytes may only change together with WIRE_VERSION.
 
-Regenerate (only when bumping WIRE_VERSION): python tests/test_wire_golden.py --regenerate
+Regenerate (only when bumping WIRE_VERSION): python tests/bus/test_wire_golden.py --regenerate
 """
 
 import sys
@@ -11,7 +11,7 @@ import pytest
 from llmbus.bus import messages as m
 from llmbus.testing.wire_samples import SAMPLES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "wire"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "wire"
 
 
 def fixture_path(kind: m.Kind) -> Path:
