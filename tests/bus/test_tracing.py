@@ -27,7 +27,7 @@ class Collector(trace_service_grpc.TraceServiceServicer):
         self.spans: list[tuple[str, object]] = []
         self.cond = threading.Condition()
 
-    def Export(self, request, context):  # noqa: N802 - the gRPC method's name
+    def Export(self, request, context):  # the gRPC method's name
         with self.cond:
             for resource_spans in request.resource_spans:
                 service = next(a.value.string_value for a in resource_spans.resource.attributes

@@ -227,7 +227,8 @@ def test_stop_sequence_finishes_and_aborts(fe):
     rid = last_rid(fe)
     fe.sched.wait_for(lambda: rid in fe.sched.aborts, "AbortRequest after the stop sequence")
     # streaming: the last event is the one that completed the stop sequence
-    _, _, raw = fe.request("POST", "/generate_stream", {"inputs": "hi", "parameters": {"stop": ["🙂"], "details": True}})
+    _, _, raw = fe.request("POST", "/generate_stream",
+                           {"inputs": "hi", "parameters": {"stop": ["🙂"], "details": True}})
     events = parse_sse(raw)
     assert events[-1]["token"]["text"] == "🙂" and events[-1]["details"]["finish_reason"] == "stop_sequence"
     rid = last_rid(fe)

@@ -44,7 +44,8 @@ def test_tgi_grammar_reaches_the_scheduler(make_frontend, grammar, expected):
     ({"type": "json", "value": [1]}, "Input validation error: grammar is not supported"),
     ({"type": "json", "value": {"type": "object", "properties": {"a": {"minimum": "x"}}}},
      "Input validation error: grammar is not valid: 'x' is not of type 'number'"),
-    ({"type": "json", "value": {"$ref": "#/$defs/missing"}}, "Input validation error: cannot compile regex from schema: "),
+    ({"type": "json", "value": {"$ref": "#/$defs/missing"}},
+     "Input validation error: cannot compile regex from schema: "),
     ({"type": "lark", "value": "start: undefined_rule"}, "Input validation error: grammar is not valid: "),
     ({"type": "ebnf", "value": "root ::= ("}, "Input validation error: grammar is not valid: "),
     ({"type": "yaml", "value": "x"}, "Failed to deserialize the JSON body into the target type: parameters.grammar: "

@@ -241,7 +241,7 @@ def test_lost_ranks_are_restarted_and_requests_resume_until_a_crash_loop(engine)
         restart = sup.wait_for(m.RestartService)
         assert restart.service == "workers" and "worker rank" in restart.reason, restart
         restart_workers()
-        pump(lambda: restarts() == loss)  # the new ranks are ready: a loss from now on is theirs
+        pump(lambda loss=loss: restarts() == loss)  # the new ranks are ready: a loss from now on is theirs
     pump(lambda: len(finished) == 2)
     # every token exactly once, as an undisturbed run computes them
     assert tokens["kill-x"] == expected_tokens([1, 2], 120)

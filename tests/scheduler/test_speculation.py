@@ -42,8 +42,8 @@ from llmbus.testing.policy_sim import SimWorker, check_budgets, solo_output  # n
 EOS = 3
 
 
-def _requests(prompts, max_new, sampling=SamplingParams()):
-    return [Request(rid=f"r{i}", frontend_id="f0", prompt_ids=p, sampling=sampling,
+def _requests(prompts, max_new):
+    return [Request(rid=f"r{i}", frontend_id="f0", prompt_ids=p, sampling=SamplingParams(),
                     stopping=StoppingParams(n, [EOS])) for i, (p, n) in enumerate(zip(prompts, max_new))]
 
 
@@ -244,9 +244,9 @@ def test_smollm2_speculating_server_keeps_transformers_greedy_tokens(smollm2_ser
     mid-way leave every KV block free."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from llmbus.testing.greedy import greedy_reference, served_greedy
     from llmbus.testing.http import all_blocks_free, metrics, wait_for_metrics
     from llmbus.workers.process import resolve_dtype
-    from llmbus.testing.greedy import greedy_reference, served_greedy
 
     if resolve_dtype("auto", torch.device("cpu")) != torch.float32:
         pytest.skip("the shared server computes in bf16 here; exactness is checked in float32")
@@ -384,9 +384,9 @@ def test_draft_model_through_the_stack_at_tp2(tiny_model_dir, reference):
     from concurrent.futures import ThreadPoolExecutor
 
     from llmbus.testing import Server
+    from llmbus.testing.greedy import served_greedy
     from llmbus.testing.http import metrics
     from llmbus.testing.tiny_prompts import QUESTIONS, SYSTEM
-    from llmbus.testing.greedy import served_greedy
 
     prompts = [SYSTEM + q for q in QUESTIONS[:8]]
     want = [reference(p, 20) for p in prompts]

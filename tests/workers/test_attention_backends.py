@@ -71,9 +71,9 @@ def test_cpu_kernel_backend_equals_portable(dtype, block_size, tolerance):
 @pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is optional")
 @pytest.mark.parametrize("block_size,dtype", [(4, torch.float32), (16, torch.float32), (16, torch.float16)])
 def test_prompt_rows_equal_portable(block_size, dtype, monkeypatch):
-    """``prompt_rows``: a float32 step with prompts (over a float32 or float16 pool) is one kernel group, every token a row of its own that
-    attends its sequence up to itself (a sliding window too), and attends as the portable backend does;
-    a step past PROMPT_ROWS_MAX_SCORES keeps the portable groups."""
+    """``prompt_rows``: a float32 step with prompts (over a float32 or float16 pool) is one kernel group,
+    every token a row of its own that attends its sequence up to itself (a sliding window too), and attends
+    as the portable backend does; a step past PROMPT_ROWS_MAX_SCORES keeps the portable groups."""
     from llmbus.workers.attention import cpu
 
     rows, portable = CPUKernelBackend([None, 3], KERNEL, prompt_rows=True), TorchSDPABackend([None, 3])

@@ -1,9 +1,10 @@
-"""The C decode-attention kernel (workers/kernels/csrc/decode_attention.c) against a float32 reference written with
-torch ops: the attended output over a paged pool read through block tables, the new K/V it writes into
+"""The C decode-attention kernel (workers/kernels/csrc/decode_attention.c) against a float32 reference written
+with torch ops: the attended output over a paged pool read through block tables, the new K/V it writes into
 the pool (in the kernel's layout for bf16), the writer used beside prompts, GQA groups, sliding windows (a
-first visible key per sequence), both dtypes and a float16 pool under float32 queries, and head dims that take the AVX-512 path (64, 128) or the
-portable one (8). Also: where the kernel library cannot be built, attention falls back to torch; a library
-whose structures or constants differ from the bindings' is refused at load; and sampling.c's token choice."""
+first visible key per sequence), both dtypes and a float16 pool under float32 queries, and head dims that
+take the AVX-512 path (64, 128) or the portable one (8). Also: where the kernel library cannot be built,
+attention falls back to torch; a library whose structures or constants differ from the bindings' is
+refused at load; and sampling.c's token choice."""
 
 import ctypes
 
@@ -186,9 +187,9 @@ def test_library_whose_structures_differ_from_the_bindings_is_refused():
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 64])
 def test_greedy_kernel_chooses_and_scores_as_torch(rows):
-    """sampling.c's greedy rows: each row's first argmax and its log-softmax, as torch's argmax and log_softmax give them,
-    with ties, a NaN row, an all -inf row and a strided view (a vocabulary cut from padded logits); a
-    single row splits its vocabulary across the threads."""
+    """sampling.c's greedy rows: each row's first argmax and its log-softmax, as torch's argmax and
+    log_softmax give them, with ties, a NaN row, an all -inf row and a strided view (a vocabulary cut from
+    padded logits); a single row splits its vocabulary across the threads."""
     kernels = sampling_kernels()
     if kernels is None:
         pytest.skip("no C compiler: the kernel is optional")

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from llmbus.testing.runner_driver import (BLOCK_SIZE, MAX_NEW_TOKENS, NUM_BLOCKS, PROMPT_LENGTHS, Reference, Request, drive,
-                           drive_tensor_parallel, make_prompts, mixed_requests, reference, widen_weights)
+from llmbus.testing.runner_driver import (BLOCK_SIZE, MAX_NEW_TOKENS, NUM_BLOCKS, PROMPT_LENGTHS, Reference, Request,
+                                          drive, drive_tensor_parallel, make_prompts, mixed_requests, reference,
+                                          widen_weights)
 from llmbus.workers.model_runner import ModelRunner
 from llmbus.workers.models.llama import DecoderConfig
 

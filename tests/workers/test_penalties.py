@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from llmbus.bus.messages import SamplingParams
-from llmbus.testing.runner_driver import BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive, make_prompts
-from llmbus.testing.runner_driver import save_tiny_llama
+from llmbus.testing.runner_driver import (BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive,
+                                          make_prompts, save_tiny_llama)
 from llmbus.workers.model_runner import ModelRunner, TokenHistory
 from llmbus.workers.sampling import apply_penalties, apply_warpers, sample
 

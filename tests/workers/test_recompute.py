@@ -21,8 +21,7 @@ import torch
 from llmbus.bus import messages as m
 from llmbus.bus.messages import SamplingParams
 from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, drive_tensor_parallel, make_prompts,
-                           reference)
-from llmbus.testing.runner_driver import save_tiny_llama
+                                          reference, save_tiny_llama)
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 from llmbus.workers.process import Worker
 
