@@ -51,6 +51,8 @@ from importlib import metadata
 import numpy as np
 import torch
 
+from llmbus.testing.fake_scheduler import byte_to_unicode
+
 TYPICAL_SCHEMA = {
     "type": "object",
     "properties": {
@@ -171,15 +173,7 @@ class Model:
 
 def _gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2 byte-level BPE: the printable character each byte is spelled with in tokenizer.json."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    return {char: byte for byte, char in byte_to_unicode().items()}
 
 
 class Library:

@@ -40,7 +40,7 @@ REPLY = "Hello wörld 🙂 日本語 done"
 # ------------------------------------------------------------------------------------------------
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable char table, which the ByteLevel pre-tokenizer uses."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -78,7 +78,7 @@ def build_model_dir(path: Path) -> Path:
 
 def reply_ids(tok: Tokenizer) -> list[int]:
     """REPLY as token ids, with the emoji as four single-byte tokens (a char split across tokens)."""
-    b2u = _byte_to_unicode()
+    b2u = byte_to_unicode()
     head, tail = REPLY.split(" 🙂")
     ids = tok.encode(head, add_special_tokens=False).ids
     ids.append(tok.token_to_id(b2u[ord(" ")]))

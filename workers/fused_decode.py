@@ -32,8 +32,8 @@ import ctypes
 import structlog
 import torch
 
+from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers.attention import BACKENDS, AttentionMetadata
-from llmbus.workers.host_memory import available_host_memory
 from llmbus.workers.kernels import bindings
 from llmbus.workers.kernels.bindings import MAX_ROWS, LayerArgs, Proj, StepArgs
 from llmbus.workers.kv_cache import PagedKVCache
@@ -94,7 +94,7 @@ class Bfloat16Copies:
 def _default_bf16_budget(library: ctypes.CDLL) -> int:
     if not library.decode_layer_reads_bf16():
         return 0
-    available = available_host_memory()
+    available = mem_available_bytes()
     return 0 if available is None else int(available * SECOND_COPY_SHARE)
 
 

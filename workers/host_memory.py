@@ -1,5 +1,5 @@
-"""The host's memory: how much this machine can still give (what CPU-side sizing decisions are checked
-against), and how freed memory is kept for the next step."""
+"""The host's memory: how freed memory is kept for the next step. (How much the machine can still give, what
+CPU-side sizing is checked against, is ``bus.procfs.mem_available_bytes``.)"""
 
 from __future__ import annotations
 
@@ -7,18 +7,6 @@ import ctypes
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-
-
-def available_host_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes; None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def keep_freed_memory() -> bool:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
+from llmbus.bus.procfs import mem_available_bytes
 from llmbus.bus.service import ServiceError
 from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
-from llmbus.workers.host_memory import available_host_memory
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
 from llmbus.workers.sampling import has_penalties, sample
@@ -275,7 +275,7 @@ class ModelRunner:
     def _check_host_memory(self, num_blocks: int) -> None:
         """Refuse a CPU pool the machine cannot back: ``torch.empty`` would succeed (pages are committed
         lazily) and the kernel's OOM killer would end the process mid-generation instead."""
-        available = available_host_memory()
+        available = mem_available_bytes()
         if available is None:
             return
         per_rank = bytes_per_block(**self._kv_layout) * (num_blocks + 1)

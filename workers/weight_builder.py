@@ -20,8 +20,8 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers import quant
-from llmbus.workers.host_memory import available_host_memory
 from llmbus.workers.linear import Linear, onednn_packs
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -53,7 +53,7 @@ class WeightBuilder:
         self.reader, self.rank, self.world_size = reader, rank, world_size
         self.dtype, self.device, self.quantize = dtype, device, quantize
         self.keep_plain = keep_plain
-        available = available_host_memory() if keep_plain else None
+        available = mem_available_bytes() if keep_plain else None
         self.second_copy_budget = 0 if available is None else int(available * SECOND_COPY_SHARE)
         self.keep_quantized = (hasattr(reader, "read_quantized") and device.type == "cpu"
                                and dtype in (torch.bfloat16, torch.float16))

@@ -63,7 +63,7 @@ def test_plain_projections_are_also_packed_while_the_second_copies_fit(monkeypat
 
     monkeypatch.setattr(linear_module, "float32_gemm", lambda: None)  # where gemm.c runs nothing is packed
     weight_bytes = 16 * 32 * 4
-    monkeypatch.setattr(weight_builder, "available_host_memory",
+    monkeypatch.setattr(weight_builder, "mem_available_bytes",
                         lambda: int(2.5 * weight_bytes / weight_builder.SECOND_COPY_SHARE))
     build = weight_builder.WeightBuilder(object(), rank=0, world_size=1, dtype=torch.float32,
                                          device=torch.device("cpu"), keep_plain=True)
