@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 7  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 8  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -37,6 +37,8 @@ WIRE_VERSION = 7  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, p
 #    SchedulerStats.worker_restarts
 # 7: speculation (StepCommand.num_spec, StepResult.num_tokens): a rank that ignored num_spec would take
 #    guesses for computed tokens; SchedulerStats.spec_proposed/spec_accepted
+# 8: WorkerReady.attention_backend; SchedulerHello's dtype, attention backend and devices (/info)
+#    StepResult.failed_error (a step that ran out of memory fails its requests, not the ranks)
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -345,6 +347,9 @@ class StepResult(Message):
     # Per sampled request: how many of token_ids / logprobs are its (a speculating one keeps its verified
     # guesses and one sampled token); [] when each has one.
     num_tokens: list[int] = field(default_factory=list)
+    # Not empty: the step failed without harm to the ranks (it ran out of memory) and nothing of it counts;
+    # why, for the requests the scheduler fails for it (scheduler/policy.py, fail_step).
+    failed_error: str = ""
 
 
 @dataclass(slots=True)
@@ -374,6 +379,7 @@ class WorkerReady(Message):
     warmup_step_s: float = 0.0
     warmup_step_tokens: int = 0
     vocab_size: int = 0  # rows of the LM head: token ids the scheduler accepts are below it (0: unknown)
+    attention_backend: str = ""  # the attention backend's name (workers.attention.BACKEND_CLASSES; "": none)
 
 
 @dataclass(slots=True)
@@ -407,6 +413,10 @@ class SchedulerHello(Message):
     max_batch_total_tokens: int
     block_size: int
     wire_version: int = WIRE_VERSION
+    # what the ranks compute with, for /info: the model's dtype, the attention backend, each rank's device
+    dtype: str = ""
+    attention_backend: str = ""
+    devices: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

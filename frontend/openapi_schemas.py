@@ -231,6 +231,11 @@ def tgi_schemas() -> dict:
                            nullable=True, example="gguf:Q4_1"),
             "router": _t("string"), "version": _t("string"), "sha": _t("string", nullable=True),
             "docker_label": _t("string", nullable=True),
+            "dtype": _t("string", "The dtype the model computes in (llmbus's; --dtype resolved).", nullable=True,
+                        example="bfloat16"),
+            "attention_backend": _t("string", "The attention backend every rank runs (llmbus's; "
+                                              "--attention-backend resolved).", nullable=True, example="triton"),
+            "devices": array(_t("string"), "Each tensor-parallel rank's device, in rank order (llmbus's)."),
         }, ("model_id", "max_concurrent_requests", "max_input_tokens", "max_total_tokens", "router",
             "version"), "The served model and the server's limits."),
     }

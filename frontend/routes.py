@@ -214,7 +214,17 @@ async def info(request: web.Request) -> web.Response:
         "sha": None,
         "docker_label": None,
         "quantize": state.quantization,  # llmbus's: after TGI's own fields, which keep their order
+        **engine_compute(state),
     })
+
+
+def engine_compute(state: FrontendState) -> dict:
+    """/info's llmbus keys on what the ranks compute with, as the scheduler's hello told them (null before
+    it, or from a scheduler that did not say)."""
+    hello = state.engine.hello if state.engine is not None else None
+    return {"dtype": getattr(hello, "dtype", "") or None,
+            "attention_backend": getattr(hello, "attention_backend", "") or None,
+            "devices": list(getattr(hello, "devices", []))}
 
 
 async def metrics(request: web.Request) -> web.Response:

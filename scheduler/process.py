@@ -121,6 +121,7 @@ class SchedulerService:
         self.stopping = False
         self.policy: Scheduler | None = None
         self.kv_info: tuple[int, int] | None = None  # (num_blocks, block_size)
+        self.compute: dict = {}  # SchedulerHello's dtype, attention_backend and devices, from the ranks
         self._stats_dirty = True
         self._stats_sent_at = 0.0
         self._unpublished: tuple[list, dict | None] | None = None  # the last step's events: flush_events
@@ -161,6 +162,8 @@ class SchedulerService:
             raise EngineFailure(f"`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: "
                                 f"{self.cfg.max_batch_prefill_tokens} and {capacity}")
         self.kv_info = (num_blocks, block_size)
+        self.compute = dict(dtype=ready[0].dtype, attention_backend=ready[0].attention_backend,
+                            devices=[ready[rank].device for rank in sorted(ready)])
         slowest = max(ready.values(), key=lambda r: r.warmup_step_s)
         self.warmup_step_tokens = max(slowest.warmup_step_tokens, 1)
         self.warmup_s_per_token = slowest.warmup_step_s / self.warmup_step_tokens
@@ -181,6 +184,7 @@ class SchedulerService:
             kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,
+                      attention_backend=ready[0].attention_backend,
                       prefix_caching=cfg.prefix_caching, prefill_chunking=cfg.prefill_chunking)
 
     # ------------------------------------------------------------------ intake
@@ -261,7 +265,8 @@ class SchedulerService:
         if sender is not None:
             self.frontend_pids[msg.frontend_id] = sender
         num_blocks, block_size = self.kv_info
-        send(sock, m.SchedulerHello(max_batch_total_tokens=num_blocks * block_size, block_size=block_size))
+        send(sock, m.SchedulerHello(max_batch_total_tokens=num_blocks * block_size, block_size=block_size,
+                                    **self.compute))
         self._to_frontend(msg.frontend_id, self._stats())
         for other, stats in self.frontend_stats.items():
             if other != msg.frontend_id:

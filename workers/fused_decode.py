@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from llmbus.bus.procfs import mem_available_bytes
-from llmbus.workers.attention import BACKENDS, AttentionMetadata
+from llmbus.workers.attention import AttentionMetadata, attention_backend_class
 from llmbus.workers.kernels import bindings
 from llmbus.workers.kernels.bindings import MAX_ROWS, LayerArgs, Proj, StepArgs
 from llmbus.workers.kv_cache import PagedKVCache
@@ -120,10 +120,11 @@ def _runs_on(device: torch.device, world_size: int, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and world_size == 1 and dtype == torch.float32
 
 
-def fused_decode_applies(device: torch.device, world_size: int, dtype: torch.dtype, quantize: str | None) -> bool:
+def fused_decode_applies(device: torch.device, world_size: int, dtype: torch.dtype, quantize: str | None,
+                         attention_backend: str = "auto") -> bool:
     """Whether a native model loaded so will decode through the fused layer (then its projections keep a
     plain copy): decided before the weights are read."""
-    backend = next(cls for cls in BACKENDS if cls.available(device))  # make_attention_backend's choice
+    backend = attention_backend_class(attention_backend, device)  # make_attention_backend's choice
     return (_runs_on(device, world_size, dtype) and quantize in (None, "int8") and backend.gives_kernel_rows
             and bindings.library() is not None)
 

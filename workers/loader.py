@@ -89,9 +89,11 @@ class CheckpointReader:
 
 
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", quantize: str | None = None, trust_remote_code: bool = False):
+               device: torch.device | str = "cpu", quantize: str | None = None, trust_remote_code: bool = False,
+               attention_backend: str = "auto"):
     """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards; any other
-    ``model_type`` gets the transformers fallback (``models/hf_fallback.py``, single rank only)."""
+    ``model_type`` gets the transformers fallback (``models/hf_fallback.py``, single rank only).
+    ``attention_backend``: a name of ``workers.attention.BACKEND_CLASSES``, or auto (the device's default)."""
     from llmbus.workers.models import llama
 
     config = read_config(model_dir)
@@ -109,11 +111,13 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
                  native=", ".join(sorted(builders)))
         return HFFallbackForCausalLM.from_pretrained(model_dir, model_type=model_type, rank=rank,
                                                      world_size=world_size, dtype=dtype, device=device, log=log,
-                                                     trust_remote_code=trust_remote_code)
+                                                     trust_remote_code=trust_remote_code,
+                                                     attention_backend=attention_backend)
     log.info("model path", model_type=model_type, path="native")
     with _open_checkpoint(model_dir) as reader:
         model = builders[model_type].from_checkpoint(config, reader, rank=rank, world_size=world_size,
-                                                     dtype=dtype, device=torch.device(device), quantize=quantize)
+                                                     dtype=dtype, device=torch.device(device), quantize=quantize,
+                                                     attention_backend=attention_backend)
     # what was kept quantized, what was quantized or expanded: "210 Q4_1 -> int4 (kept), 61 ..."
     log.info("weights", quantize=quantize, formats=model.weight_summary)
     release_freed_memory()

@@ -220,7 +220,7 @@ class ModelRunner:
                  max_batch_prefill_tokens: int = 4096, cuda_memory_fraction: float = 1.0,
                  quantize: str | None = None, kv_cache_dtype: torch.dtype | None = None,
                  trust_remote_code: bool = False, watermark_gamma: float | None = None,
-                 watermark_delta: float | None = None):
+                 watermark_delta: float | None = None, attention_backend: str = "auto"):
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
@@ -231,7 +231,8 @@ class ModelRunner:
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
-                                quantize=quantize, trust_remote_code=trust_remote_code)
+                                quantize=quantize, trust_remote_code=trust_remote_code,
+                                attention_backend=attention_backend)
         self.watermark_gamma, self.watermark_delta = watermark_gamma, watermark_delta  # None: sampling's defaults
         self.model_dir = model_dir
         # Rank 0, constrained decoding: built on the first request with a grammar (its vocabulary index

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     import torch  # imported where a rank needs it, so the launcher can read WorkerConfig without torch
 
 
+# --attention-backend's choices: auto, then workers.attention.BACKEND_CLASSES' names (a test keeps the two
+# equal; that module imports torch, which the launcher reading these settings must not).
+ATTENTION_BACKENDS = ("auto", "triton", "cpu_kernel", "torch_sdpa")
+
+
 @dataclass
 class WorkerConfig(ServiceSettings):
     """A worker rank's settings (and the group's: `llmbus workers` passes its flags to every rank)."""
@@ -41,6 +46,16 @@ class WorkerConfig(ServiceSettings):
                          help="auto: bfloat16 where the hardware runs it fast (CUDA with bf16, a CPU with "
                               "avx512_bf16/AMX), else float32.")
     device: str = setting("auto", env="DEVICE", help="auto, cpu or cuda.")
+    attention_backend: str = setting(
+        "auto", env="ATTENTION", choices=ATTENTION_BACKENDS,
+        help="Attention over the paged KV cache. auto: triton on CUDA (torch_sdpa where Triton is missing), "
+             "cpu_kernel on CPU (torch_sdpa without a C compiler). triton: paged Triton kernels (CUDA; on CPU "
+             "only under TRITON_INTERPRET=1, slowly: for tests). cpu_kernel: llmbus's C kernels (CPU). "
+             "torch_sdpa: the portable one (any device). A backend named here that cannot run stops the start "
+             "with the reason.")
+    allow_tf32: bool = setting(False, env="ALLOW_TF32",
+                               help="Let float32 matmuls and convolutions on CUDA use TF32 (faster, about 3 "
+                                    "decimal digits): off, so float32 stays token-exact with transformers.")
     quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_METHODS,
                                    help="Weight-only quantization of the linear layers (int8 or int4, in groups "
                                         "of 32 inputs). GGUF files keep their Q8_0/Q4_0/Q4_1 tensors quantized "
@@ -167,6 +182,22 @@ def resolve_dtype(dtype: str, device) -> "torch.dtype":
     return torch.float32
 
 
+def process_group_backend(device: "torch.device") -> str:
+    """torch.distributed's backend for the ranks' all-reduces: NCCL between GPUs (gloo would copy every
+    all-reduce through host memory), gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def cuda_float32_math(allow_tf32: bool) -> None:
+    """Set how float32 matmuls and convolutions run on CUDA for this process. TF32 rounds their inputs to
+    10 mantissa bits, which changes greedy tokens against transformers' float32; cuDNN allows it by
+    default, so both are set, whatever torch's defaults are."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, ctx: ServiceContext):
         self.cfg = cfg
@@ -194,6 +225,13 @@ class Worker:
                    ("cuda", torch.bfloat16): "the GPU supports bf16",
                    ("cuda", torch.float16): "the GPU lacks bf16"}.get((device.type, dtype), "")
             self.log.info("dtype auto", dtype=str(dtype).removeprefix("torch."), device=str(device), reason=why)
+        if self.cfg.runner == "model":
+            from llmbus.workers.attention import attention_backend_class
+
+            # before the weights load: a backend that cannot run here fails the start in a second, with why
+            attention_backend_class(self.cfg.attention_backend, device)
+        if device.type == "cuda":
+            cuda_float32_math(self.cfg.allow_tf32)
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads(self.cfg.world_size))
             if not keep_freed_memory():
@@ -202,7 +240,7 @@ class Worker:
             import torch.distributed as dist
 
             init = self.cfg.dist_init or f"file://{default_dist_init_file(self.cfg.run_dir)}"
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            backend = process_group_backend(device)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=init, rank=self.cfg.rank, world_size=self.cfg.world_size)
@@ -221,7 +259,8 @@ class Worker:
                                                             or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
                                   cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize,
                                   kv_cache_dtype=kv_dtype, trust_remote_code=self.cfg.trust_remote_code,
-                                  watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta)
+                                  watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
+                                  **self._attention())
         load_s = time.monotonic() - t0
         warmup_started = time.monotonic()
         warmup_tokens = self.runner.warmup()
@@ -233,22 +272,29 @@ class Worker:
                                 max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
                                                           or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
                                 trust_remote_code=self.cfg.trust_remote_code,
-                                watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta)
+                                watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
+                                attention_backend=self.cfg.attention_backend)
             draft.warmup()
             self.runner.attach_draft(draft)
             self.log.info("draft model loaded", model=self.cfg.draft_model_dir)
+        paths = getattr(self.runner, "compute_paths", {})  # the attention backend's name, for the log and /info
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
                       device=str(device), load_s=round(load_s, 2),
                       warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks,
                       kv_cache_dtype=str(getattr(self.runner, "kv_cache_dtype", dtype)).removeprefix("torch."),
                       **({"threads": torch.get_num_threads()} if device.type == "cpu" else {}),
-                      **getattr(self.runner, "compute_paths", {}))
+                      **paths)
         send(self.control, m.WorkerReady(rank=self.cfg.rank, num_blocks=self.runner.num_blocks,
                                          block_size=self.runner.block_size,
                                          dtype=str(dtype).removeprefix("torch."), device=str(device),
                                          max_position_embeddings=self.runner.max_position_embeddings,
                                          warmup_step_s=warmup_step_s, warmup_step_tokens=warmup_tokens,
-                                         vocab_size=self.runner.vocab_size))
+                                         vocab_size=self.runner.vocab_size,
+                                         attention_backend=paths.get("attention", "")))
+
+    def _attention(self) -> dict:
+        """The runner's attention argument: the fake runner attends to nothing."""
+        return {"attention_backend": self.cfg.attention_backend} if self.cfg.runner == "model" else {}
 
     def loop(self) -> None:
         while True:

@@ -41,6 +41,18 @@ class DenseEmbedding:
         return F.embedding(ids, self.weight)
 
 
+def upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (host memory, often a view of the checkpoint's memory map) on the GPU in ``dtype``. Through a
+    pinned staging copy: the DMA engine reads page-locked memory directly, where a pageable source is
+    copied into a driver buffer first, in small synchronous pieces; ``non_blocking`` lets the next tensor's
+    read from disk overlap this one's transfer (the caching host allocator keeps the staging block until
+    its copy is done). Cast on the GPU: the copy moves the checkpoint's bytes, not a widened float32."""
+    if t.device.type != "cpu":
+        return t.to(device=device, dtype=dtype).contiguous()
+    staged = t.contiguous().pin_memory()
+    return staged.to(device, non_blocking=True).to(dtype)
+
+
 class WeightBuilder:
     def __init__(self, reader, *, rank: int, world_size: int, dtype: torch.dtype, device: torch.device,
                  quantize: str | None = None, keep_plain: bool = False):
@@ -60,6 +72,8 @@ class WeightBuilder:
         self.report: Counter[str] = Counter()  # "Q4_1 -> int4 (kept)": count of tensors
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return upload(t, self.device, self.dtype)
         placed = t.to(device=self.device, dtype=self.dtype).contiguous()
         # A tensor read in the model's dtype can still be a view of the checkpoint's memory map; one
         # kept alive holds the whole mapped file resident (design notes, "Freed memory stays in the heap").

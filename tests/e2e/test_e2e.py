@@ -96,6 +96,11 @@ def test_info(server, tiny_model_dir):
     assert status == 200
     assert info["max_input_tokens"] == 128 and info["max_total_tokens"] == 256
     assert info["model_id"] == str(tiny_model_dir)
+    # what the ranks compute with (llmbus's keys), from each rank's WorkerReady through the scheduler's hello
+    from llmbus.workers.attention import attention_backend_class
+
+    backend = attention_backend_class("auto", torch.device("cpu")).name
+    assert (info["dtype"], info["attention_backend"], info["devices"]) == ("float32", backend, ["cpu"])
 
 
 def test_logprobs_match_transformers_log_softmax(server, tiny_model_dir):

@@ -244,8 +244,11 @@ def test_health_info_and_ping(fe):
     assert status == 200
     assert list(info) == ["model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
                           "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
-                          "max_client_batch_size", "router", "version", "sha", "docker_label", "quantize"]
+                          "max_client_batch_size", "router", "version", "sha", "docker_label", "quantize", "dtype",
+                          "attention_backend", "devices"]
     assert info["quantize"] is None
+    # the fake scheduler's hello says nothing of the ranks' compute
+    assert (info["dtype"], info["attention_backend"], info["devices"]) == (None, None, [])
     assert info["model_id"] == "tiny-test" and info["router"] == "text-generation-router"
     assert (info["max_input_tokens"], info["max_total_tokens"]) == (40, 64)
     assert (info["max_concurrent_requests"], info["max_best_of"], info["max_stop_sequences"],

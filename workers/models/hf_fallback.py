@@ -135,13 +135,13 @@ def _max_positions(hf_config) -> int:
 class HFFallbackForCausalLM:
     """A transformers causal LM behind the interface ``ModelRunner`` uses from ``LlamaForCausalLM``."""
 
-    def __init__(self, model, *, model_type: str, device: torch.device, log=None):
+    def __init__(self, model, *, model_type: str, device: torch.device, log=None, attention_backend: str = "auto"):
         self.model = model
         self.dtype = next(model.parameters()).dtype
         self.device = device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.config, windows = self._probe(model_type)
-        self.attention_backend = make_attention_backend(self.device, windows)
+        self.attention_backend = make_attention_backend(self.device, windows, name=attention_backend)
         self.num_layers = self.config.num_layers
         self.num_local_kv_heads = self.config.num_kv_heads
         self.max_position_embeddings = self.config.max_position_embeddings
@@ -154,7 +154,8 @@ class HFFallbackForCausalLM:
     @classmethod
     def from_pretrained(cls, model_dir: str, *, model_type: str, rank: int = 0, world_size: int = 1,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                        log=None, trust_remote_code: bool = False) -> "HFFallbackForCausalLM":
+                        log=None, trust_remote_code: bool = False,
+                        attention_backend: str = "auto") -> "HFFallbackForCausalLM":
         if world_size > 1:
             raise ValueError(f"model_type {model_type!r} runs through the transformers fallback, which does not "
                              f"support tensor parallelism; use --gpus 1")
@@ -173,7 +174,7 @@ class HFFallbackForCausalLM:
         device = torch.device(device)
         model = model.to(device).eval().requires_grad_(False)
         _silence_padding_check(model)
-        return cls(model, model_type=model_type, device=device, log=log)
+        return cls(model, model_type=model_type, device=device, log=log, attention_backend=attention_backend)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step, logits_index: torch.Tensor | None):
         kwargs = {"logits_to_keep": logits_index} if self._keeps_logits and logits_index is not None else {}

@@ -276,7 +276,8 @@ class LlamaForCausalLM:
 
     def __init__(self, *, config: DecoderConfig, tp: TensorParallel, embedding, vocab_per_rank: int,
                  layers: list[LlamaDecoderLayer], norm: RMSNorm, lm_head, dtype: torch.dtype,
-                 device: torch.device, weight_summary: str = "", plain_head_weight: torch.Tensor | None = None):
+                 device: torch.device, weight_summary: str = "", plain_head_weight: torch.Tensor | None = None,
+                 attention_backend: str = "auto"):
         self.config = config
         self.tp = tp
         # ids -> rows of this rank's [vocab_per_rank, hidden] shard (zero rows past the real vocabulary)
@@ -292,7 +293,7 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings, device)
         self.max_position_embeddings = self.rotary.max_positions
-        self.attention_backend = make_attention_backend(device, config.sliding_windows)
+        self.attention_backend = make_attention_backend(device, config.sliding_windows, name=attention_backend)
         self.dtype = dtype
         self.device = device
         self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
@@ -302,7 +303,8 @@ class LlamaForCausalLM:
             # Prompt steps through the fused layer too: one native call instead of ~30 torch ops a layer,
             # no slower and faster for short prompts (design notes, "Small decode steps"), from a backend
             # that gives them as kernel rows (the layer keeps the same windows' order).
-            self.attention_backend = make_attention_backend(device, config.sliding_windows, prompt_rows=True)
+            self.attention_backend = make_attention_backend(device, config.sliding_windows, prompt_rows=True,
+                                                            name=attention_backend)
 
     @property
     def num_layers(self) -> int:
@@ -342,7 +344,8 @@ class LlamaForCausalLM:
 
     @classmethod
     def from_checkpoint(cls, hf_config: dict, reader, *, rank: int, world_size: int, dtype: torch.dtype,
-                        device: torch.device, quantize: str | None = None) -> "LlamaForCausalLM":
+                        device: torch.device, quantize: str | None = None,
+                        attention_backend: str = "auto") -> "LlamaForCausalLM":
         """Read this rank's shards from ``reader`` (a ``loader.CheckpointReader`` or a GGUF reader) and
         fuse them; ``quantize`` ("int8", "int4") quantizes the projections (``weight_builder.py``)."""
         config = DecoderConfig.from_hf(hf_config)
@@ -357,7 +360,7 @@ class LlamaForCausalLM:
         tp = TensorParallel(rank, world_size)
         build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
                               quantize=quantize,
-                              keep_plain=fused_decode_applies(device, world_size, dtype, quantize))
+                              keep_plain=fused_decode_applies(device, world_size, dtype, quantize, attention_backend))
         head_dim = config.head_dim
         q_rows = config.num_heads // world_size * head_dim
         kv_rows = config.num_kv_heads // world_size * head_dim
@@ -389,4 +392,5 @@ class LlamaForCausalLM:
         plain_head = getattr(embedding, "weight", None) if tied else None
         return cls(config=config, tp=tp, embedding=embedding, vocab_per_rank=vocab_per_rank, layers=layers,
                    norm=norm, lm_head=lm_head, dtype=dtype, device=device, weight_summary=build.summary(),
-                   plain_head_weight=plain_head if isinstance(plain_head, torch.Tensor) else None)
+                   plain_head_weight=plain_head if isinstance(plain_head, torch.Tensor) else None,
+                   attention_backend=attention_backend)
