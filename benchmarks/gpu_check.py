@@ -1,0 +1,627 @@
+"""The device check of issue #34: is llmbus on one CUDA GPU correct, memory-safe and how fast, in one command.
+
+    python benchmarks/gpu_check.py --out report.json [--attention-backend NAME] [--parts 1,2,3,4]
+    python benchmarks/gpu_check.py --dry-run --out report.json      # CPU, tiny shapes, seconds (CI)
+
+Sized for a lent H100 (at most 8 minutes with its setup; benchmarks/README.md has the `run` command and
+benchmarks/device_wheels.py the wheels it carries). Four parts, each a function that records rows; a part that
+raises records its error and the others still run; the JSON report is rewritten after every row, so a run
+stopped at its time limit keeps what it measured. Every row names the attention backend it ran on.
+
+1. float32, TF32 off: greedy tokens equal transformers' on the same device, for a mixed continuous batch
+   (``llmbus.testing.runner_driver.drive``: arrivals mid-way, a chunked prompt beside decodes, a prefix-cache
+   hit on a running request's blocks, a preemption resumed from one cached block) on a 4-layer GQA Llama with
+   llama3 RoPE, a Mistral with a window shorter than the sequences, and a Qwen2 (q/k/v biases).
+2. bfloat16 teacher-forced on part 1's float32 tokens (prompt rows, then one decode row per sequence per step):
+   llmbus's logit error against transformers float32 is at most ``BF16_SLACK`` times transformers' own bf16 error.
+3. served: ``llmbus up`` on a model of Llama-3.1-8B's width with 4 layers (random weights, a byte-level BPE
+   tokenizer of its vocabulary built here): 16 concurrent streams, then one 32k-token prompt, then 64 concurrent
+   2k-token prompts; all answered, no restart (/metrics), the device's peak memory while serving.
+4. speed baseline: decode step time at batch 1/16/64 x context 512/2048 on a Llama-3.1-8B-shaped model with
+   random weights made on the device (``ModelRunner`` directly), beside the floor that the measured
+   device-to-device copy bandwidth gives for its bytes (weights plus the KV read).
+
+With ``--dry-run`` every part runs on CPU with tiny shapes and short prompts: it tests this script, not llmbus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import inspect
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from _server import client_session, exact_token_prompt, load_tokenizer, metrics, stream_tokens
+
+from llmbus.bus.messages import SamplingParams
+from llmbus.testing import Server
+from llmbus.testing.fake_scheduler import byte_to_unicode
+from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
+from llmbus.workers import model_runner as model_runner_module
+from llmbus.workers.model_runner import ModelRunner, SeqInput
+
+BLOCK_SIZE = 16  # what the scheduler uses on CUDA
+NUM_BLOCKS = 96
+# Two bf16 computations of one function round in different orders: llmbus may be off by this factor of
+# transformers' own bf16 error and still count as "no larger" (a real bug is many times larger).
+BF16_SLACK = 1.25
+SERVED_RESTART_METRIC = "llmbus_worker_restarts_total"
+
+# Tiny families of part 1 (GQA 4:1, head_dim 32); windows shorter than the 52-token sequences. Each has the
+# weight seed that gives every reference token a top-1/top-2 margin above MIN_MARGIN (a match then means
+# something): seed 0 leaves the Mistral at 8e-4, seed 1 the Llama at 3e-4.
+TINY = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512, vocab_size=512,
+            max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+FAMILIES = {
+    "llama3_gqa": ("LlamaConfig", dict(num_hidden_layers=4, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32)), 0),
+    "mistral_window": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=24), 1),
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=2), 0),
+}
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=128256, num_hidden_layers=32, max_position_embeddings=131072,
+                rms_norm_eps=1e-5, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                        low_freq_factor=1.0, high_freq_factor=4.0,
+                                                        original_max_position_embeddings=8192))
+LLAMA_DRY = dict(LLAMA_8B, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, vocab_size=2048, num_hidden_layers=2, max_position_embeddings=16384)
+
+
+@dataclass
+class Sizes:
+    """What the served and speed parts run: the full sizes on a GPU, tiny ones in a dry run."""
+
+    served_shape: dict
+    served_layers: int
+    streams: int
+    stream_tokens: int
+    long_prompt: int
+    burst: int
+    burst_prompt: int
+    speed_shape: dict
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    timed_steps: int
+    copy_bytes: int
+
+
+FULL = Sizes(LLAMA_8B, 4, 16, 64, 32768, 64, 2048, LLAMA_8B, (1, 16, 64), (512, 2048), 20, 2**30)
+DRY = Sizes(LLAMA_DRY, 2, 4, 8, 300, 6, 64, LLAMA_DRY, (1, 4), (16, 48), 3, 2**22)
+
+
+class Report:
+    """The rows, written to ``path`` after each one."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path, self.meta, self.rows = path, meta, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**self.meta, "rows": self.rows}, indent=2, default=str) + "\n")
+        tmp.replace(self.path)
+        mark = "ok  " if row["ok"] else "FAIL"
+        print(f"[{mark}] {row['part']} {row['name']}: {row.get('summary') or row.get('error', '')}", flush=True)
+
+
+class Check:
+    def __init__(self, args, report: Report):
+        self.args, self.report = args, report
+        self.dry = args.dry_run
+        self.device = torch.device("cpu" if self.dry else "cuda")
+        self.sizes = DRY if self.dry else FULL
+        self.work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
+        self.float32_tokens: dict[str, dict] = {}  # family -> {"path", "prompts", "tokens"} (part 2 reads it)
+
+    def row(self, part: str, name: str, ok: bool, summary: str, **details) -> None:
+        self.report.add(dict(part=part, name=name, ok=bool(ok), summary=summary, **details))
+
+    def run_part(self, part: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001  (a failed part is a row; the other parts still run)
+            self.row(part, "error", False, f"{type(exc).__name__}: {exc}"[:300], error=traceback.format_exc(),
+                     seconds=round(time.perf_counter() - t0, 1))
+        finally:
+            self.free()
+
+    def free(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def runner(self, path: str, dtype: torch.dtype, **kwargs) -> ModelRunner:
+        """A ModelRunner on the check's device, on ``--attention-backend`` where the runner takes one."""
+        if self.args.attention_backend and "attention_backend" in inspect.signature(ModelRunner).parameters:
+            kwargs["attention_backend"] = self.args.attention_backend
+        runner = ModelRunner(path, dtype=dtype, device=self.device, block_size=BLOCK_SIZE, **kwargs)
+        runner.warmup()
+        return runner
+
+    # -- part 1 ----------------------------------------------------------------------------------
+
+    def _family(self, name: str) -> str:
+        import transformers
+
+        config_class, arguments, seed = FAMILIES[name]
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**TINY, **arguments))
+        widen_weights(model)
+        path = str(self.work / name)
+        model.save_pretrained(path)
+        return path
+
+    def _hf_greedy(self, path: str, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
+        """transformers float32 greedy tokens on the device, one prompt at a time, and the thinnest top-1/top-2
+        logit margin among them (a token match only means something above a margin)."""
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        tokens, margin = [], float("inf")
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt], device=self.device), max_new_tokens=MAX_NEW_TOKENS,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(prompt):].tolist())
+            top2 = torch.stack(out.logits)[:, 0].float().topk(2, dim=-1).values
+            margin = min(margin, float((top2[:, 0] - top2[:, 1]).min()))
+        return tokens, margin
+
+    def _mixed_batch(self, prompts: list[list[int]], vocab: int) -> list[Request]:
+        """r0..r4 (1, 3, 7, 19 and 40 tokens: a decode-sized prompt, a padded prompt group, a 40-token prompt
+        in chunks of 16 arriving while others decode); r3 is preempted after 5 tokens and resumes from its first
+        block; ``hit`` shares r4's first 34 tokens and starts from its first 2 blocks while r4 still runs."""
+        donor_blocks = [NUM_BLOCKS - 1, NUM_BLOCKS - 7, NUM_BLOCKS - 3]
+        hit_prompt = prompts[4][:34] + [random.Random(5).randrange(vocab) for _ in range(9)]
+        prompts.append(hit_prompt)
+        return [Request("r0", prompts[0]), Request("r1", prompts[1]), Request("r2", prompts[2], arrival_step=1),
+                Request("r3", prompts[3], arrival_step=2, preempt_after=5, resume_cached_blocks=1),
+                Request("r4", prompts[4], arrival_step=3, prefill_chunk=16, blocks=list(donor_blocks)),
+                Request("hit", hit_prompt, arrival_step=7, computed=2 * BLOCK_SIZE, blocks=donor_blocks[:2])]
+
+    def float32_greedy(self) -> None:
+        for name in FAMILIES:
+            t0 = time.perf_counter()
+            path = self._family(name)
+            vocab = TINY["vocab_size"]
+            prompts = make_prompts(vocab)
+            requests = self._mixed_batch(prompts, vocab)
+            expected, margin = self._hf_greedy(path, prompts)
+            self.float32_tokens[name] = dict(path=path, prompts=prompts, tokens=expected)
+            runner = self.runner(path, torch.float32, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+            results = drive(runner, requests)
+            got = [results[r.rid].tokens for r in requests]
+            mismatched = [r.rid for r, g, e in zip(requests, got, expected) if g != e]
+            preempted = results["r3"].preemptions
+            thin = " (under MIN_MARGIN: a mismatch may be a tie)" if margin < MIN_MARGIN else ""
+            self.row("1 float32 greedy", name, not mismatched and preempted == 1,
+                     f"{len(requests) - len(mismatched)}/{len(requests)} sequences token-exact (min margin "
+                     f"{margin:.3g}{thin}, {preempted} preemption, prefix hit of 2 blocks)",
+                     backend=runner.compute_paths["attention"], device=str(self.device), dtype="float32",
+                     tf32=torch.backends.cuda.matmul.allow_tf32, mismatched=mismatched,
+                     tokens={r.rid: g for r, g in zip(requests, got)}, expected=expected, min_margin=margin,
+                     seconds=round(time.perf_counter() - t0, 1))
+            del runner
+
+    # -- part 2 ----------------------------------------------------------------------------------
+
+    def _hf_logits(self, path: str, seqs: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
+        with torch.inference_mode():
+            return [model(torch.tensor([s], device=self.device)).logits[0].float().cpu() for s in seqs]
+
+    def _llmbus_teacher_forced(self, runner: ModelRunner, seqs: list[list[int]],
+                               prompt_lens: list[int]) -> list[torch.Tensor]:
+        """Logits of every generated position: all prompts in one step, then one decode row per sequence per
+        step feeding the given tokens, on scattered block tables."""
+        blocks = list(range(runner.num_blocks))
+        random.Random(3).shuffle(blocks)
+        per = -(-max(len(s) for s in seqs) // BLOCK_SIZE)
+        tables = [blocks[i * per:(i + 1) * per] for i in range(len(seqs))]
+        rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        greedy = SamplingParams()
+        with torch.inference_mode():
+            logits = runner._forward([SeqInput(f"s{i}", s[:n], 0, tables[i], True, greedy, n)
+                                      for i, (s, n) in enumerate(zip(seqs, prompt_lens))], runner.kv_cache)
+            for i in range(len(seqs)):
+                rows[i].append(logits[i].float().cpu())
+            for step in range(MAX_NEW_TOKENS - 1):
+                logits = runner._forward([SeqInput(f"s{i}", [s[n + step]], n + step, tables[i], True, greedy, n)
+                                          for i, (s, n) in enumerate(zip(seqs, prompt_lens))], runner.kv_cache)
+                for i in range(len(seqs)):
+                    rows[i].append(logits[i].float().cpu())
+        return [torch.stack(r) for r in rows]
+
+    def bfloat16_logits(self) -> None:
+        if not self.float32_tokens:
+            raise RuntimeError("part 1 recorded no float32 tokens to teacher-force")
+        for name, ref in self.float32_tokens.items():
+            t0 = time.perf_counter()
+            prompts, lens = ref["prompts"], [len(p) for p in ref["prompts"]]
+            seqs = [p + t for p, t in zip(prompts, ref["tokens"])]
+            truth = _generated_rows(self._hf_logits(ref["path"], seqs, torch.float32), lens)
+            hf_bf16 = _generated_rows(self._hf_logits(ref["path"], seqs, torch.bfloat16), lens)
+            runner = self.runner(ref["path"], torch.bfloat16, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=512)
+            ours = torch.cat(self._llmbus_teacher_forced(runner, seqs, lens))
+            hf_err, our_err = _relative_error(hf_bf16, truth), _relative_error(ours, truth)
+            agree = float((ours.argmax(-1) == truth.argmax(-1)).float().mean())
+            self.row("2 bfloat16 logits", name, our_err <= BF16_SLACK * hf_err,
+                     f"relative logit error llmbus {our_err:.3g} vs transformers bf16 {hf_err:.3g} "
+                     f"(ratio {our_err / hf_err:.2f}, limit {BF16_SLACK}); argmax agrees on {agree:.0%}",
+                     backend=runner.compute_paths["attention"], device=str(self.device), dtype="bfloat16",
+                     llmbus_error=our_err, transformers_bf16_error=hf_err,
+                     llmbus_max_abs=float((ours - truth).abs().max()),
+                     transformers_bf16_max_abs=float((hf_bf16 - truth).abs().max()),
+                     seconds=round(time.perf_counter() - t0, 1))
+            del runner
+
+    # -- part 3 ----------------------------------------------------------------------------------
+
+    def _served_model(self) -> Path:
+        """A Llama of ``served_shape`` with ``served_layers`` layers: N(0, 0.02) weights made on the device,
+        and a byte-level BPE of exactly its vocabulary (every byte pair, then pair + byte merges)."""
+        from safetensors.torch import save_file
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        from llmbus.supervisor.demo_model import SPECIAL_TOKENS, _special_tokens_map, _tokenizer_config
+
+        shape = dict(self.sizes.served_shape, num_hidden_layers=self.sizes.served_layers)
+        out = self.work / "served"
+        out.mkdir()
+        chars = list(byte_to_unicode().values())
+        vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+        for c in chars:
+            vocab[c] = len(vocab)
+        merges = []
+        # Pairs that start with the space mark first: " a" is one token in any vocabulary, which
+        # exact_token_prompt relies on to add one token at a time.
+        space = byte_to_unicode()[ord(" ")]
+        pairs = sorted(((a, b) for a in chars for b in chars), key=lambda pair: pair[0] != space)
+        triples = ((a + b, c) for a, b in pairs for c in chars)
+        for left, right in [*pairs, *triples]:
+            if len(vocab) >= shape["vocab_size"]:
+                break
+            vocab[left + right] = len(vocab)
+            merges.append((left, right))
+        tokenizer = Tokenizer(models.BPE(vocab, merges))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens(SPECIAL_TOKENS)
+        tokenizer.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(shape["max_position_embeddings"])))
+        (out / "special_tokens_map.json").write_text(json.dumps(_special_tokens_map()))
+        config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                      tie_word_embeddings=False, dtype="bfloat16", bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        state = {name: t.cpu() for name, t in _random_weights(config, self.device, torch.bfloat16, 0.02).items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+
+    def served(self) -> None:
+        t0 = time.perf_counter()
+        sizes = self.sizes
+        model_dir = self._served_model()
+        self.free()  # the weights were made on the device: their memory goes back before the server starts
+        built_s = time.perf_counter() - t0
+        longest = sizes.long_prompt + 16
+        args = ["--model-id", str(model_dir), "--max-input-tokens", str(sizes.long_prompt + 1),
+                "--max-total-tokens", str(longest), "--max-restarts", "0"]
+        help_text = _up_help()
+        if "--device" in help_text:
+            args += ["--device", self.device.type]
+        if self.args.attention_backend and "--attention-backend" in help_text:
+            args += ["--attention-backend", self.args.attention_backend]
+        if self.dry:
+            args += ["--dtype", "float32"]
+        peak = _DevicePeak(self.device)
+        with peak, Server(args, ready_timeout=300) as server:
+            started_s = time.perf_counter() - t0
+            info = _get_json(f"{server.url}/info")
+            tokenizer = load_tokenizer(str(model_dir))
+            stages = {}
+
+            async def wave(n: int, prompt_tokens: int, new: int, tag: str) -> dict:
+                prompts = [exact_token_prompt(tokenizer, prompt_tokens, f"{tag}{i}") if prompt_tokens else
+                           f"stream {i} says" for i in range(n)]
+                params = {"max_new_tokens": new, "ignore_eos_token": True, "do_sample": False, "details": True}
+                w0 = time.perf_counter()
+                async with client_session() as session:
+                    streams = await asyncio.gather(*(stream_tokens(session, server.url, p, params)
+                                                     for p in prompts))
+                answered = sum(1 for s in streams if s.error is None and len(s.times) == new)
+                errors = sorted({s.error for s in streams if s.error})[:3]
+                return dict(requests=n, answered=answered, prompt_tokens=prompt_tokens, new_tokens=new,
+                            seconds=round(time.perf_counter() - w0, 2), errors=errors)
+
+            stages["streams"] = asyncio.run(wave(sizes.streams, 0, sizes.stream_tokens, "s"))
+            stages["long_prompt"] = asyncio.run(wave(1, sizes.long_prompt, 8, "long"))
+            stages["burst"] = asyncio.run(wave(sizes.burst, sizes.burst_prompt, 8, "b"))
+            restarts = metrics(server.url).get(SERVED_RESTART_METRIC)
+            memory_lines = server.log_lines("memory", "activation", "kv cache", "blocks")[-6:]
+        ok = all(s["answered"] == s["requests"] for s in stages.values()) and restarts == 0
+        backend = {k: v for k, v in info.items() if any(w in k for w in ("attention", "device", "dtype"))}
+        answered = ", ".join(f"{k} {s['answered']}/{s['requests']}" for k, s in stages.items())
+        self.row("3 served", "llmbus up", ok,
+                 f"answered {answered}; "
+                 f"restarts {restarts}; device peak {_gib(peak.peak_bytes)} GiB over "
+                 f"{_gib(peak.baseline_bytes)} GiB in use before",
+                 backend=backend.get("attention_backend", backend), info=backend, command=server.command_line,
+                 stages=stages, restarts=restarts, device_peak_bytes=peak.peak_bytes,
+                 device_baseline_bytes=peak.baseline_bytes, memory_log=memory_lines,
+                 model_build_seconds=round(built_s, 1), ready_seconds=round(started_s - built_s, 1),
+                 seconds=round(time.perf_counter() - t0, 1))
+
+    # -- part 4 ----------------------------------------------------------------------------------
+
+    def speed(self) -> None:
+        sizes = self.sizes
+        bandwidth = _copy_bandwidth(self.device, sizes.copy_bytes)
+        self.row("4 speed", "copy bandwidth", True, f"{bandwidth / 1e12:.3f} TB/s device-to-device "
+                 "(bytes read + written)", bytes_per_s=bandwidth, device=str(self.device))
+        config = dict(sizes.speed_shape, model_type="llama", hidden_act="silu", tie_word_embeddings=False)
+        path = self.work / "speed"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        dtype = torch.bfloat16
+        longest = max(sizes.contexts) + 1
+        per_seq = -(-longest // BLOCK_SIZE)
+        with _random_model_loader(self.device):
+            runner = self.runner(str(path), dtype, num_blocks=max(sizes.batches) * per_seq + 1,
+                                 max_batch_prefill_tokens=2048)
+        # What a decode step reads: every weight but the embedding, of which it reads one row per sequence
+        weights = sum(t.numel() for name, t in _meta_llama(config).state_dict().items()
+                      if name != "model.embed_tokens.weight") * dtype.itemsize
+        kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2
+        blocks = list(range(runner.num_blocks))
+        random.Random(7).shuffle(blocks)
+        rng = random.Random(0)
+        for context in sizes.contexts:
+            for batch in sizes.batches:
+                seqs = [SeqInput(f"d{i}", [rng.randrange(3, config["vocab_size"])], context,
+                                 blocks[i * per_seq:(i + 1) * per_seq], True, SamplingParams(), context)
+                        for i in range(batch)]
+                for _ in range(3):
+                    runner.step(seqs)  # compiles and warms what this shape runs
+                times = []
+                for _ in range(sizes.timed_steps):
+                    s0 = time.perf_counter()
+                    runner.step(seqs)  # synchronizes before it returns (sampled ids on the host)
+                    times.append(time.perf_counter() - s0)
+                step = statistics.median(times)
+                # Each weight and KV byte read once, at the copy's rate (which counts a byte read or written)
+                floor = (weights + batch * context * kv_per_token) / bandwidth
+                self.row("4 speed", f"decode b{batch} ctx{context}", True,
+                         f"{step * 1e3:.2f} ms/step, {batch / step:.0f} tokens/s; floor {floor * 1e3:.2f} ms "
+                         f"({floor / step:.0%} of it)", backend=runner.compute_paths["attention"],
+                         device=str(self.device), dtype="bfloat16", batch=batch, context=context,
+                         step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in times], floor_ms=floor * 1e3,
+                         weight_bytes=weights, kv_bytes=batch * context * kv_per_token)
+        del runner
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _generated_rows(logits: list[torch.Tensor], prompt_lens: list[int]) -> torch.Tensor:
+    """Of each sequence's logits over all its positions, the rows that predict its generated tokens."""
+    return torch.cat([f[n - 1:n - 1 + MAX_NEW_TOKENS] for f, n in zip(logits, prompt_lens)])
+
+
+def _relative_error(x: torch.Tensor, truth: torch.Tensor) -> float:
+    return float((x - truth).norm() / truth.norm())
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
+
+
+def _get_json(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _up_help() -> str:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "llmbus.supervisor", "up", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    return done.stdout
+
+
+class _DevicePeak:
+    """The device's used memory (all processes: the server's ranks) sampled every 50 ms while the block
+    runs, and what was in use when it started; None on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.baseline_bytes, self.peak_bytes = device, None, None
+        self._stop = threading.Event()
+
+    def _used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak_bytes = max(self.peak_bytes, self._used())
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            self.baseline_bytes = self.peak_bytes = self._used()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.device.type == "cuda":
+            self._thread.join()
+
+
+def _copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes read plus written per second by a device-to-device copy, best of 10 after a warm-up."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dst.copy_(src)
+    sync()
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def _meta_llama(config: dict):
+    """``transformers.LlamaForCausalLM(config)`` without storage: its weights' names and shapes."""
+    import transformers
+
+    keys = {"dtype", "architectures", "model_type"}
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in config.items()
+                                                                        if k not in keys}))
+
+
+def _random_weights(config: dict, device: torch.device, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
+    """Every weight of ``transformers.LlamaForCausalLM(config)``, N(0, std) (norms 1), made on ``device``."""
+    model = _meta_llama(config)
+    generator = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(t.shape, dtype=dtype, device=device)
+        else:
+            out[name] = torch.empty(t.shape, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
+    return out
+
+
+class _RandomReader:
+    """A checkpoint reader (``loader.CheckpointReader``'s reads) over random weights made on the device, so
+    an 8B-shaped model needs no 16 GB file."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tensors.clear()
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[name].shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][start:stop]
+
+    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][:, start:stop]
+
+
+@contextlib.contextmanager
+def _random_model_loader(device: torch.device):
+    """ModelRunner's ``load_model`` builds the native Llama from ``_RandomReader`` while the block runs."""
+    from llmbus.workers.loader import read_config
+    from llmbus.workers.models.llama import LlamaForCausalLM
+
+    accepted = inspect.signature(LlamaForCausalLM.from_checkpoint).parameters
+
+    def load(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype=torch.float32, device=device, **options):
+        config = read_config(model_dir)
+        reader = _RandomReader(_random_weights(config, torch.device(device), dtype, 0.02))
+        with reader:  # quantize, attention_backend: as ModelRunner passes them
+            return LlamaForCausalLM.from_checkpoint(config, reader, rank=rank, world_size=world_size, dtype=dtype,
+                                                    device=torch.device(device),
+                                                    **{k: v for k, v in options.items() if k in accepted})
+
+    original = model_runner_module.load_model
+    model_runner_module.load_model = load
+    try:
+        yield
+    finally:
+        model_runner_module.load_model = original
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'part':<18} {'name':<20} {'ok':<4} {'backend':<14} summary"]
+    for r in rows:
+        backend = r.get("backend", "")
+        backend = backend if isinstance(backend, str) else json.dumps(backend)
+        lines.append(f"{r['part']:<18} {r['name']:<20} {'yes' if r['ok'] else 'NO':<4} {backend[:14]:<14} "
+                     f"{r.get('summary', '')}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="the JSON report's path")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: tests this script (CI)")
+    parser.add_argument("--attention-backend", default=None,
+                        help="the backend every part runs on (default: the device's default)")
+    parser.add_argument("--parts", default="1,2,3,4", help="which parts to run, comma-separated")
+    args = parser.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU machine, or pass --dry-run")
+    # float32 means float32 on both sides: TF32 would put transformers' reference near 3e-4 off.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch.manual_seed(0)
+    meta = dict(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), dry_run=args.dry_run,
+                attention_backend_asked=args.attention_backend, torch=torch.__version__,
+                device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    try:
+        import transformers
+        import triton
+
+        meta.update(transformers=transformers.__version__, triton=triton.__version__)
+    except ImportError:
+        pass
+    report = Report(args.out, meta)
+    check = Check(args, report)
+    t0 = time.perf_counter()
+    parts = {"1": ("1 float32 greedy", check.float32_greedy), "2": ("2 bfloat16 logits", check.bfloat16_logits),
+             "3": ("3 served", check.served), "4": ("4 speed", check.speed)}
+    for key in args.parts.split(","):
+        name, fn = parts[key.strip()]
+        p0 = time.perf_counter()
+        check.run_part(name, fn)
+        print(f"-- {name}: {time.perf_counter() - p0:.1f} s", flush=True)
+    report.meta["seconds"] = round(time.perf_counter() - t0, 1)
+    report.path.write_text(json.dumps({**report.meta, "rows": report.rows}, indent=2, default=str) + "\n")
+    print(_table(report.rows))
+    print(f"report: {args.out} ({report.meta['seconds']} s)")
+    return 0 if all(r["ok"] for r in report.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

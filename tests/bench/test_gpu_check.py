@@ -1,0 +1,46 @@
+"""benchmarks/gpu_check.py, the device check of issue #34, in its CPU dry run: the script a lent GPU runs must
+not be first run there. Its four parts run with tiny shapes on CPU, as a user runs it, and the JSON report
+must hold every row, each part's rows naming the attention backend they ran on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = {"llama3_gqa", "mistral_window", "qwen2"}
+
+
+def test_dry_run_writes_every_row(tmp_path):
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True
+    rows = report["rows"]
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, failed
+    by_part: dict[str, list[dict]] = {}
+    for row in rows:
+        by_part.setdefault(row["part"].split()[0], []).append(row)
+    assert {r["name"] for r in by_part["1"]} == FAMILIES
+    assert {r["name"] for r in by_part["2"]} == FAMILIES
+    assert all(r["mismatched"] == [] and r["min_margin"] > 0 for r in by_part["1"])
+    assert all(r["llmbus_error"] <= 1.25 * r["transformers_bf16_error"] for r in by_part["2"])
+    (served,) = by_part["3"]
+    assert served["restarts"] == 0
+    assert all(stage["answered"] == stage["requests"] for stage in served["stages"].values())
+    assert set(served["stages"]) == {"streams", "long_prompt", "burst"}
+    speed = by_part["4"]
+    assert speed[0]["name"] == "copy bandwidth" and speed[0]["bytes_per_s"] > 0
+    decode = speed[1:]
+    assert {(r["batch"], r["context"]) for r in decode} == {(1, 16), (4, 16), (1, 48), (4, 48)}
+    assert all(r["step_ms"] > 0 for r in decode)
+    # On CPU the default backend; whichever it is, every measured row names it.
+    assert all(isinstance(r["backend"], str) and r["backend"] for r in by_part["1"] + by_part["2"] + decode)
+    assert served["backend"] == served["info"].get("attention_backend", served["info"])
+    # The table is printed last.
+    assert "part" in done.stdout and "report:" in done.stdout.splitlines()[-1]
