@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import inspect
 import json
@@ -44,13 +43,13 @@ from pathlib import Path
 
 import torch
 
+from _random_llama import meta_llama, random_model_loader, random_weights
 from _server import client_session, exact_token_prompt, load_tokenizer, metrics, stream_tokens
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.testing import Server
 from llmbus.testing.fake_scheduler import byte_to_unicode
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
-from llmbus.workers import model_runner as model_runner_module
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 16  # what the scheduler uses on CUDA
@@ -310,7 +309,7 @@ class Check:
         config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                       tie_word_embeddings=False, dtype="bfloat16", bos_token_id=0, eos_token_id=1, pad_token_id=2)
         (out / "config.json").write_text(json.dumps(config, indent=1))
-        state = {name: t.cpu() for name, t in _random_weights(config, self.device, torch.bfloat16, 0.02).items()}
+        state = {name: t.cpu() for name, t in random_weights(config, self.device, torch.bfloat16, 0.02).items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         return out
 
@@ -382,11 +381,11 @@ class Check:
         dtype = torch.bfloat16
         longest = max(sizes.contexts) + 1
         per_seq = -(-longest // BLOCK_SIZE)
-        with _random_model_loader(self.device):
+        with random_model_loader(self.device):
             runner = self.runner(str(path), dtype, num_blocks=max(sizes.batches) * per_seq + 1,
                                  max_batch_prefill_tokens=2048)
         # What a decode step reads: every weight but the embedding, of which it reads one row per sequence
-        weights = sum(t.numel() for name, t in _meta_llama(config).state_dict().items()
+        weights = sum(t.numel() for name, t in meta_llama(config).state_dict().items()
                       if name != "model.embed_tokens.weight") * dtype.itemsize
         kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2
         blocks = list(range(runner.num_blocks))
@@ -490,85 +489,6 @@ def _copy_bandwidth(device: torch.device, nbytes: int) -> float:
         sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
-
-
-def _meta_llama(config: dict):
-    """``transformers.LlamaForCausalLM(config)`` without storage: its weights' names and shapes."""
-    import transformers
-
-    keys = {"dtype", "architectures", "model_type"}
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in config.items()
-                                                                        if k not in keys}))
-
-
-def _random_weights(config: dict, device: torch.device, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
-    """Every weight of ``transformers.LlamaForCausalLM(config)``, N(0, std) (norms 1), made on ``device``."""
-    model = _meta_llama(config)
-    generator = torch.Generator(device=device).manual_seed(0)
-    out = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("norm.weight"):
-            out[name] = torch.ones(t.shape, dtype=dtype, device=device)
-        else:
-            out[name] = torch.empty(t.shape, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
-    return out
-
-
-class _RandomReader:
-    """A checkpoint reader (``loader.CheckpointReader``'s reads) over random weights made on the device, so
-    an 8B-shaped model needs no 16 GB file."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.tensors.clear()
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
-    def shape(self, name: str) -> list[int]:
-        return list(self.tensors[name].shape)
-
-    def read(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
-
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.tensors[name][start:stop]
-
-    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.tensors[name][:, start:stop]
-
-
-@contextlib.contextmanager
-def _random_model_loader(device: torch.device):
-    """ModelRunner's ``load_model`` builds the native Llama from ``_RandomReader`` while the block runs."""
-    from llmbus.workers.loader import read_config
-    from llmbus.workers.models.llama import LlamaForCausalLM
-
-    accepted = inspect.signature(LlamaForCausalLM.from_checkpoint).parameters
-
-    def load(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype=torch.float32, device=device, **options):
-        config = read_config(model_dir)
-        reader = _RandomReader(_random_weights(config, torch.device(device), dtype, 0.02))
-        with reader:  # quantize, attention_backend: as ModelRunner passes them
-            return LlamaForCausalLM.from_checkpoint(config, reader, rank=rank, world_size=world_size, dtype=dtype,
-                                                    device=torch.device(device),
-                                                    **{k: v for k, v in options.items() if k in accepted})
-
-    original = model_runner_module.load_model
-    model_runner_module.load_model = load
-    try:
-        yield
-    finally:
-        model_runner_module.load_model = original
 
 
 def _table(rows: list[dict]) -> str:
