@@ -209,6 +209,16 @@ class Scheduler:
             aborted.append(req)
         return aborted
 
+    def fail_step(self, batch: ScheduledBatch) -> list[Request]:
+        """The ranks could not compute ``batch`` (it ran out of memory) and nothing of it was applied: remove
+        the requests it computed prompt tokens for (the rows whose size a step's memory depends on: chunks
+        attend to their whole context), or, in a step of decodes alone, every one of them; like an abort,
+        their blocks go back (only what earlier steps computed enters the prefix cache). Returns them. The
+        others run on from where they were: the next step computes the same tokens again."""
+        live = [seq for seq in batch.seqs if seq.request.status is RequestStatus.RUNNING]
+        victims = [seq for seq in live if not seq.is_decode] or live
+        return self.abort([seq.request.rid for seq in victims])
+
     def restart(self, kv: KVBlockManager) -> list[Request]:
         """The ranks were replaced and every KV block (and cached prefix) went with them: continue on
         ``kv``, the new ranks' pool. Running requests go back to the head of the queue, oldest first, to

@@ -339,6 +339,9 @@ class SchedulerService:
         result = self.ranks.run_step(cmd, self._step_timeout(len(cmd.token_ids)), meanwhile=self.flush_events)
         self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
                                  time.monotonic() - started)
+        if result.failed_error:
+            self._fail_step(batch, result.failed_error)
+            return
         sampled = _sampled_by_rid(batch, result)
         prompt_logprobs = {rid: values for rid, values in result.prompt_logprobs} if result.prompt_logprobs else None
         for rid, error_type, why in result.errors:
@@ -350,6 +353,18 @@ class SchedulerService:
         # Per sampled rid, [[ids], [logprobs]] or [] (it asked for none); None when no request asked.
         top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None
         self._unpublished = (events, top_tokens)
+
+    def _fail_step(self, batch: ScheduledBatch, why: str) -> None:
+        """The ranks ran out of memory in this step and live on: the requests the policy blames fail with
+        TGI's generation error, the rest compute the step again next time."""
+        self.flush_events()  # a failed request's tokens of the last step go out before its failure
+        failed = self.policy.fail_step(batch)
+        self.log.warning("step failed in the engine", reason=why, failed=[r.rid for r in failed],
+                         requests=len(batch.seqs))
+        for req in failed:
+            if req.traceparent:
+                _trace_request(req, "generation_error")
+            self._to_frontend(req.frontend_id, m.RequestFailed(rid=req.rid, error_type="generation", message=why))
 
     def _step_timeout(self, num_tokens: int) -> float:
         if self.cfg.step_timeout_s is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from llmbus.bus.messages import SamplingParams
 
 _GREEDY = SamplingParams()
@@ -24,6 +26,14 @@ def _draft_row(seq, token_ids: list[int], num_computed: int, sample: bool):
     greedy, and none of the target's own sampling work (guesses, grammar, prompt logprobs)."""
     return dataclasses.replace(seq, token_ids=token_ids, num_computed=num_computed, sample=sample,
                                sampling=_GREEDY, num_spec=0, grammar=None, prompt_logprobs=False)
+
+
+def _checked(out):
+    """The draft's step output; a draft step that ran out of memory fails the target's step with it (the
+    target's step handles that as its own, model_runner.ModelRunner.step)."""
+    if out.failed:
+        raise torch.OutOfMemoryError(out.failed)
+    return out
 
 
 class DraftProposer:
@@ -43,13 +53,14 @@ class DraftProposer:
             if last_guess is not None and last_guess[0] == start - 1:  # kept by the target
                 tokens, start = [last_guess[1], *tokens], start - 1
             first_pass.append(_draft_row(seq, tokens, start, bool(seq.sample and seq.num_spec)))
-        out = self.runner.step(first_pass)
+        out = _checked(self.runner.step(first_pass))
         guesses = dict(zip(out.rids, ([t] for t in out.token_ids)))
         speculating = [s for s in seqs if s.sample and s.num_spec]
         for r in range(1, max((s.num_spec for s in speculating), default=0)):
             more = [s for s in speculating if s.num_spec > r]
             position = {s.rid: s.num_computed + len(s.token_ids) - s.num_spec + r - 1 for s in more}
-            out = self.runner.step([_draft_row(s, [guesses[s.rid][-1]], position[s.rid], True) for s in more])
+            out = _checked(self.runner.step([_draft_row(s, [guesses[s.rid][-1]], position[s.rid], True)
+                                             for s in more]))
             for rid, token in zip(out.rids, out.token_ids):
                 guesses[rid].append(token)
         for seq in speculating:

@@ -4,13 +4,23 @@ For fast scheduler and bus tests, and for measuring the overhead of everything a
 (`--runner fake`). The next token depends only on the request's own history (its last token and
 position), so outputs do not depend on batch composition, on a prefix-cache hit (``num_computed > 0`` on
 a first step) or on a preemption followed by recomputation — like a real model's with seeded sampling.
+
+A step whose prompt tokens include ``OUT_OF_MEMORY_TOKEN`` raises ``torch.OutOfMemoryError``, which the
+runner handles as ModelRunner does (``out_of_memory_step``), so tests reach the path of a step that ran out
+of memory without a GPU. The fake has no collectives: every rank fails that step alike, at any group size.
 """
 
 from __future__ import annotations
 
 import time
 
-from llmbus.workers.model_runner import SeqInput, StepOutput
+import torch
+
+from llmbus.workers.model_runner import SeqInput, StepOutput, out_of_memory_reason, out_of_memory_step
+
+# A prompt token that makes the fake's step run out of memory (only at prompt positions: a sampled token
+# equal to it is an ordinary decode).
+OUT_OF_MEMORY_TOKEN = 999
 
 
 class FakeRunner:
@@ -30,7 +40,18 @@ class FakeRunner:
         return (last_token * 31 + position * 7 + 3) % self.vocab_size
 
     def step(self, seqs: list[SeqInput]) -> StepOutput | None:
+        try:
+            return self._step(seqs)
+        except torch.OutOfMemoryError as e:
+            reason = out_of_memory_reason(e, seqs)
+        return out_of_memory_step(reason, self.rank)
+
+    def _step(self, seqs: list[SeqInput]) -> StepOutput | None:
         self.steps += 1
+        for s in seqs:
+            prompt_part = s.token_ids[:max(0, s.prompt_len - s.num_computed)]
+            if OUT_OF_MEMORY_TOKEN in prompt_part:
+                raise torch.OutOfMemoryError(f"fake runner: prompt token {OUT_OF_MEMORY_TOKEN} of {s.rid}")
         t0 = time.perf_counter()
         sampled = [s for s in seqs if s.sample]
         if self.rank != 0:

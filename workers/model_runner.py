@@ -35,6 +35,9 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024  # when neither num_blocks nor kv_cac
 # Of what the memory fraction leaves free after warmup, the KV pool takes this much: allocator
 # fragmentation and the CUDA context grow a little after warmup (TGI keeps a similar margin).
 CUDA_KV_HEADROOM = 0.95
+# The top alternatives each sampled row of warmup's sampling measurement asks for (TGI's default
+# --max-top-n-tokens).
+WARMUP_TOP_N_TOKENS = 5
 WARMUP_RID_PREFIX = "__warmup__"
 # On CPU the warmup prefills this many tokens at most, not the whole prefill budget: it runs every code path
 # once (kernels, oneDNN primitives, the sampling warpers), but it cannot find a memory shortfall the way it
@@ -46,6 +49,19 @@ CPU_WARMUP_TOKENS = 256
 
 class WarmupOutOfMemory(ServiceError):
     """The worst-case batch or the KV pool does not fit: a startup error, with TGI's wording."""
+
+
+def cuda_kv_blocks(*, free_bytes: int, total_bytes: int, memory_fraction: float, activation_peak: int,
+                   sampling_bytes: int, block_bytes: int, draft_block_bytes: int = 0) -> int:
+    """The KV blocks a GPU rank's pool gets once its weights (and a draft model's) are loaded: of the
+    memory free now, less what ``memory_fraction`` leaves to others and ``CUDA_KV_HEADROOM``, minus what
+    steps need besides the pool: the largest step's measured ``activation_peak`` and sampling's buffers of
+    the largest batch (``sampling_bytes``). A draft model's pool has the same block count as the target's
+    (one block table addresses both), so each block costs ``block_bytes + draft_block_bytes``; each pool
+    also holds one padding block."""
+    usable = free_bytes - (1.0 - memory_fraction) * total_bytes
+    budget = int(usable * CUDA_KV_HEADROOM) - activation_peak - sampling_bytes
+    return max(0, budget // (block_bytes + draft_block_bytes) - 1)
 
 
 @dataclass(slots=True)
@@ -88,6 +104,7 @@ class StepOutput:
     top_tokens: list[list] = field(default_factory=list)
     errors: list[list] = field(default_factory=list)  # [[rid, error type, why]]: constrained requests that fail
     num_tokens: list[int] = field(default_factory=list)  # tokens per sequence; [] when each has one
+    failed: str = ""  # not empty: the step ran out of memory and nothing of it counts (why; out_of_memory_step)
 
 
 class TokenHistory:
@@ -162,6 +179,25 @@ class _PromptLogprobRows:
         return out
 
 
+def out_of_memory_reason(error: BaseException, seqs: list[SeqInput]) -> str:
+    """The text a request failed by a step that ran out of memory gets (after TGI's "Request failed during
+    generation: "): torch's own first line, with the step's size and what to lower."""
+    lines = str(error).strip().splitlines()
+    tokens = sum(len(s.token_ids) for s in seqs)
+    return (f"Server error: out of memory computing a step of {tokens} tokens for {len(seqs)} request(s): "
+            f"{lines[0] if lines else type(error).__name__}. Lower `--max-batch-prefill-tokens` or "
+            f"`--cuda-memory-fraction`")
+
+
+def out_of_memory_step(reason: str, rank: int) -> StepOutput | None:
+    """What a rank returns for a step that ran out of memory: the memory the step's tensors held goes back to
+    the device (the caller has left its except block, so the traceback no longer keeps them), and rank 0
+    reports the step failed; the scheduler fails its requests and the ranks forget them on the next step."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return StepOutput([], [], [], 0.0, 0.0, failed=reason) if rank == 0 else None
+
+
 def _one_token_rows(seqs: list[SeqInput]) -> list[SeqInput]:
     """A speculating decode as 1 + num_spec one-token decodes of itself, one per position, sharing its
     block table: each sees the K/V of the positions before it (every attention path writes a step's K/V
@@ -211,7 +247,8 @@ class ModelRunner:
     ``warmup`` and ``step`` with identical arguments, since the forward pass runs collectives.
     ``num_blocks`` is known after ``__init__``, except on CUDA with neither ``num_blocks`` nor
     ``kv_cache_bytes`` given: then ``warmup`` measures the activation peak and sizes the pool from the
-    free memory.
+    free memory (a draft model's runner built so is given its pool by the target's warmup, ``attach_draft``
+    first).
     """
 
     def __init__(self, model_dir: str, *, rank: int = 0, world_size: int = 1,
@@ -328,7 +365,23 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def step(self, seqs: list[SeqInput]) -> StepOutput | None:
-        """One forward pass over every sequence's new tokens; rank 0 samples the ``sample=True`` ones."""
+        """One forward pass over every sequence's new tokens; rank 0 samples the ``sample=True`` ones.
+
+        A step that runs out of memory returns a failed StepOutput (``out_of_memory_step``) instead of
+        raising, so the rank lives on. With tensor parallelism only once the forward pass is over: a rank
+        that failed inside it leaves the others waiting in a collective it will never join, and a
+        collective to agree on the failure would be matched against theirs, so that stays a group failure.
+        """
+        self._collectives_done = self.world_size == 1
+        try:
+            return self._step(seqs)
+        except torch.OutOfMemoryError as e:
+            if not self._collectives_done:
+                raise
+            reason = out_of_memory_reason(e, seqs)
+        return out_of_memory_step(reason, self.rank)
+
+    def _step(self, seqs: list[SeqInput]) -> StepOutput | None:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is sized by warmup() on CUDA: call it before step()")
         if not seqs:
@@ -350,6 +403,7 @@ class ModelRunner:
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None)
             self._synchronize()
             forward_done = time.perf_counter()
+            self._collectives_done = True  # rank 0's sampling and grammar masks are its own
             if self.rank != 0:
                 return None
             prompt_logprobs = []
@@ -456,7 +510,12 @@ class ModelRunner:
 
     def _warmup_batch(self) -> list[SeqInput]:
         """``max_batch_prefill_tokens`` prompt tokens (on CPU at most ``CPU_WARMUP_TOKENS``), split into
-        sequences the model can position."""
+        sequences the model can position.
+
+        On CUDA the first sequence is the last chunk of a prompt as long as the model's context: its
+        attention over everything before it is the largest a step of this budget can need (a prompt chunk
+        attends to its whole context), which the pool's sizing must leave room for. The context's K/V are
+        only read, so every block before the chunk is one shared block of the scratch pool."""
         total = self.max_batch_prefill_tokens
         if self.device.type == "cpu":
             total = min(total, CPU_WARMUP_TOKENS)
@@ -464,15 +523,20 @@ class ModelRunner:
         lengths = [longest] * (total // longest) + ([total % longest] if total % longest else [])
         seqs, next_block = [], 0
         for i, length in enumerate(lengths):
-            num_blocks = -(-length // self.block_size)
+            num_computed, shared = 0, []
+            if i == 0 and self.device.type == "cuda" and self.max_position_embeddings > length:
+                num_computed = self.max_position_embeddings - length
+                shared = [next_block] * (num_computed // self.block_size)
+                next_block += 1
+            num_blocks = -(-(num_computed + length) // self.block_size) - len(shared)
             # The last sequence also exercises the sampling warpers, the watermark and top tokens; the rest
             # sample greedily.
             sampling = (SamplingParams(do_sample=True, top_k=50, top_p=0.9, typical_p=0.95, top_n_tokens=5,
                                        watermark=True)
                         if i == len(lengths) - 1 else SamplingParams())
-            seqs.append(SeqInput(rid=f"{WARMUP_RID_PREFIX}{i}", token_ids=[0] * length, num_computed=0,
-                                 block_table=list(range(next_block, next_block + num_blocks)), sample=True,
-                                 sampling=sampling))
+            seqs.append(SeqInput(rid=f"{WARMUP_RID_PREFIX}{i}", token_ids=[0] * length, num_computed=num_computed,
+                                 block_table=shared + list(range(next_block, next_block + num_blocks)),
+                                 sample=True, sampling=sampling))
             next_block += num_blocks
         return seqs
 
@@ -481,14 +545,16 @@ class ModelRunner:
         ``CPU_WARMUP_TOKENS``), results discarded; returns the tokens it computed.
 
         On CUDA it fails here rather than on the first real batch if memory is short, and without an
-        explicit budget it sizes the KV pool from what is free once the activation peak is known.
+        explicit budget it sizes the KV pool (and an attached draft model's) from what is free once the
+        activation peak of that step, at full context, and sampling's peak over the largest batch are known.
         """
         seqs = self._warmup_batch()
-        blocks_needed = sum(len(s.block_table) for s in seqs)
+        blocks_needed = max(max(s.block_table) for s in seqs) + 1
         size_from_free_memory = self.kv_cache is None
         if size_from_free_memory:
             self._synchronize()
             torch.cuda.empty_cache()
+            sampling_bytes = self._measure_sampling() if self.rank == 0 else 0
             torch.cuda.reset_peak_memory_stats(self.device)
             allocated_before = torch.cuda.memory_allocated(self.device)
         # The warmup's blocks are overwritten before any real request reads them, so the real pool can
@@ -514,25 +580,60 @@ class ModelRunner:
             return warmup_tokens
         scratch_bytes = cache.nbytes
         del cache, logits
-        num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes)
-        self.kv_cache = self._new_cache(num_blocks)
-        self.num_blocks = num_blocks
+        num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes, sampling_bytes)
+        self.allocate_pool(num_blocks)
+        if self.draft is not None:
+            self.draft.runner.allocate_pool(num_blocks)  # its share was set aside: the same block tables
         return warmup_tokens
 
-    def _blocks_for_free_gpu_memory(self, allocated_before: int, scratch_bytes: int) -> int:
-        """The KV blocks a GPU pool gets after warmup: of the memory free now, less what
-        ``--cuda-memory-fraction`` keeps for others, ``CUDA_KV_HEADROOM``, minus the warmup's activation peak
-        (its allocation high-water mark above what was allocated before it, less its ``scratch_bytes`` KV
-        scratch), which later prefills will need again."""
+    def allocate_pool(self, num_blocks: int) -> None:
+        """The KV pool of a runner whose pool was left to be sized (on CUDA, by its own warmup, or by the
+        warmup of the target model it drafts for)."""
+        self.kv_cache = self._new_cache(num_blocks)
+        self.num_blocks = num_blocks
+
+    def _measure_sampling(self) -> int:
+        """Rank 0's peak memory above what is allocated while sampling the largest batch a step can hold
+        (``max_batch_prefill_tokens`` rows, each a decode) with every warper and top tokens: the float32
+        logits and the warpers' copies and sorts of them, which the KV pool must leave room for."""
+        rows = self.max_batch_prefill_tokens
+        params = [SamplingParams(do_sample=True, top_k=50, top_p=0.9, typical_p=0.95,
+                                 top_n_tokens=WARMUP_TOP_N_TOKENS)] * rows
+        self._synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        allocated_before = torch.cuda.memory_allocated(self.device)
+        try:
+            with torch.inference_mode():
+                logits = torch.randn(rows, self.vocab_size, dtype=torch.float32, device=self.device)
+                sample(logits, params, [1] * rows, last_tokens=[0] * rows)
+                del logits
+        except torch.OutOfMemoryError as e:
+            raise WarmupOutOfMemory(
+                f"Not enough memory to sample {rows} sequences at once ({self.vocab_size} logits each). "
+                f"You need to decrease `--max-batch-prefill-tokens`") from e
+        self._synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - allocated_before
+        torch.cuda.empty_cache()
+        return peak
+
+    def _blocks_for_free_gpu_memory(self, allocated_before: int, scratch_bytes: int, sampling_bytes: int = 0) -> int:
+        """The KV blocks a GPU pool gets after warmup (``cuda_kv_blocks``): the warmup's activation peak is its
+        allocation high-water mark above what was allocated before it, less its ``scratch_bytes`` KV scratch,
+        which later steps of that size need again; a draft model attached to this runner gets a pool of as
+        many blocks (its weights were loaded before, so they are not in the free memory)."""
         activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated_before - scratch_bytes
         torch.cuda.empty_cache()
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
-        usable = free_bytes - (1.0 - self.cuda_memory_fraction) * total_bytes
-        budget = int(usable * CUDA_KV_HEADROOM) - activation_peak
-        num_blocks = self._blocks_for_bytes(budget)
+        draft_block_bytes = bytes_per_block(**self.draft.runner._kv_layout) if self.draft is not None else 0
+        num_blocks = cuda_kv_blocks(free_bytes=free_bytes, total_bytes=total_bytes,
+                                    memory_fraction=self.cuda_memory_fraction, activation_peak=activation_peak,
+                                    sampling_bytes=sampling_bytes, block_bytes=bytes_per_block(**self._kv_layout),
+                                    draft_block_bytes=draft_block_bytes)
         if num_blocks < 1:
             raise WarmupOutOfMemory(
                 f"no GPU memory left for the KV cache after warmup: {free_bytes} bytes free of {total_bytes}, "
                 f"`--cuda-memory-fraction` {self.cuda_memory_fraction}, activation peak {activation_peak} "
-                f"bytes. Decrease `--max-batch-prefill-tokens` or raise `--cuda-memory-fraction`")
+                f"bytes, sampling {sampling_bytes} bytes"
+                + (f", a draft model's pool {draft_block_bytes} bytes a block" if draft_block_bytes else "")
+                + ". Decrease `--max-batch-prefill-tokens` or raise `--cuda-memory-fraction`")
         return num_blocks

@@ -262,20 +262,22 @@ class Worker:
                                   watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
                                   **self._attention())
         load_s = time.monotonic() - t0
+        wants_draft = bool(self.cfg.draft_model_dir) and self.cfg.rank == 0 and runner_cls is ModelRunner
+        draft = None
+        if wants_draft and self.runner.kv_cache is None:
+            # The target's warmup sizes its pool from free memory (CUDA): the draft's weights load first, and
+            # the draft's pool gets its share of what is left before the target's takes the rest. The draft's
+            # steps run before the target's, so the target's measured activation peak covers them.
+            draft = self._draft_runner(ModelRunner, dtype, device, num_blocks=None)
+            self.runner.attach_draft(draft)
         warmup_started = time.monotonic()
         warmup_tokens = self.runner.warmup()
         warmup_step_s = time.monotonic() - warmup_started
-        if self.cfg.draft_model_dir and self.cfg.rank == 0 and runner_cls is ModelRunner:
-            # its own pool with the target's block count and size: the same block tables address both
-            draft = ModelRunner(self.cfg.draft_model_dir, rank=0, world_size=1, dtype=dtype, device=device,
-                                block_size=self.runner.block_size, num_blocks=self.runner.num_blocks,
-                                max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
-                                                          or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
-                                trust_remote_code=self.cfg.trust_remote_code,
-                                watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
-                                attention_backend=self.cfg.attention_backend)
+        if wants_draft:
+            if draft is None:
+                draft = self._draft_runner(ModelRunner, dtype, device, num_blocks=self.runner.num_blocks)
+                self.runner.attach_draft(draft)
             draft.warmup()
-            self.runner.attach_draft(draft)
             self.log.info("draft model loaded", model=self.cfg.draft_model_dir)
         paths = getattr(self.runner, "compute_paths", {})  # the attention backend's name, for the log and /info
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
@@ -291,6 +293,17 @@ class Worker:
                                          warmup_step_s=warmup_step_s, warmup_step_tokens=warmup_tokens,
                                          vocab_size=self.runner.vocab_size,
                                          attention_backend=paths.get("attention", "")))
+
+    def _draft_runner(self, runner_cls, dtype, device, num_blocks: int | None):
+        """The draft model's runner (--draft-model-id), with its own pool of the target's block size and
+        ``num_blocks`` (None: allocated by the target's warmup): the same block tables address both."""
+        return runner_cls(self.cfg.draft_model_dir, rank=0, world_size=1, dtype=dtype, device=device,
+                          block_size=self.runner.block_size, num_blocks=num_blocks,
+                          max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
+                                                    or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
+                          trust_remote_code=self.cfg.trust_remote_code,
+                          watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
+                          attention_backend=self.cfg.attention_backend)
 
     def _attention(self) -> dict:
         """The runner's attention argument: the fake runner attends to nothing."""
@@ -318,7 +331,7 @@ class Worker:
                                                 sample_time=out.sample_time,
                                                 prompt_logprobs=out.prompt_logprobs,
                                                 top_tokens=out.top_tokens, errors=out.errors,
-                                                num_tokens=out.num_tokens))
+                                                num_tokens=out.num_tokens, failed_error=out.failed))
 
     def apply(self, cmd: m.StepCommand) -> list:
         SeqInput = self._seq_input
