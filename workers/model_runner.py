@@ -181,11 +181,12 @@ class _PromptLogprobRows:
 
 def out_of_memory_reason(error: BaseException, seqs: list[SeqInput]) -> str:
     """The text a request failed by a step that ran out of memory gets (after TGI's "Request failed during
-    generation: "): torch's own first line, with the step's size and what to lower."""
-    lines = str(error).strip().splitlines()
+    generation: "): the start of torch's own text, with the step's size and what to lower. Torch's goes on
+    about the device's memory and the allocator's settings, for an operator rather than a client."""
+    sentences = str(error).strip().splitlines()[0].split(". ") if str(error).strip() else [type(error).__name__]
     tokens = sum(len(s.token_ids) for s in seqs)
     return (f"Server error: out of memory computing a step of {tokens} tokens for {len(seqs)} request(s): "
-            f"{lines[0] if lines else type(error).__name__}. Lower `--max-batch-prefill-tokens` or "
+            f"{'. '.join(sentences[:2]).rstrip('.')}. Lower `--max-batch-prefill-tokens` or "
             f"`--cuda-memory-fraction`")
 
 

@@ -74,7 +74,8 @@ def test_runner_reports_a_step_that_ran_out_of_memory_and_runs_the_next(runner, 
     real_forward = runner.model.forward
 
     def forward_out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB\nmore detail")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 1.2 GiB is free. Including non-PyTorch memory ...\n")
 
     monkeypatch.setattr(runner.model, "forward", forward_out_of_memory)
     out = runner.step(seqs)
