@@ -1,0 +1,112 @@
+"""The Triton backend: paged attention that reads and writes the pool in place, one kernel launch per layer.
+
+Every row kind a step can hold (decodes, prompt chunks over cached blocks, speculative rows) goes through
+one varlen kernel (``triton_kernels.paged_attention``): each query token attends its own sequence's keys up
+to itself, through the block table, with an online softmax over tiles of keys. Nothing is gathered, padded
+or masked densely, so a step's attention needs no memory beyond its output, whatever its shape: the
+portable backend's gathers and SDPA's math fallback (float32 ``[heads, query, context]`` scores for a
+boolean mask with GQA) are what ran a GPU out of memory on long prompts.
+
+The pool keeps torch's layout (``PagedKVCache``: ``[layers, Hkv, blocks + 1, block_size, D]``, each block's
+keys contiguous rows of D), so it holds exactly what the portable backend's pool holds. The step's new K/V
+are written by ``index_copy_`` through the slot mapping before the kernel reads them, since a chunk's later
+tokens attend its earlier ones and the kernel's programs run in no order.
+
+Runs on CUDA (triton ships inside torch's CUDA wheels), or on any device under ``TRITON_INTERPRET=1``,
+where Triton's interpreter runs the same kernels on the CPU, slowly: how CI tests their numerics. triton is
+imported only when the backend is made, so ``llmbus.workers.attention`` imports without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from llmbus.workers.attention.base import AttentionBackend, AttentionMetadata, step_index
+from llmbus.workers.kv_cache import PagedKVCache
+
+
+@dataclass(slots=True)
+class TritonStep:
+    """One step's index tensors, shared by every layer's launch."""
+
+    tables: torch.Tensor  # [N, max_blocks] int64 each sequence's blocks, padded with the pool's spare block
+    programs: torch.Tensor  # [2, P] int32 each program's sequence and first row (triton_kernels.program_map)
+    block_q: int  # query tokens per program
+    query_starts: torch.Tensor  # [N] int64 each sequence's first row of the flat token batch
+    query_lens: torch.Tensor  # [N] int64
+    num_computed: torch.Tensor  # [N] int64 tokens already in the cache before this step's
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its interpreter (``TRITON_INTERPRET=1``): on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def load_kernels() -> ModuleType:
+    """``triton_kernels``, whose kernels (and triton's own library functions) were decorated for the
+    interpreter or for the GPU when triton was first imported in this process: ``triton.jit`` reads
+    ``TRITON_INTERPRET`` then, once. A process that changed the variable since cannot run them."""
+    from llmbus.workers.attention import triton_kernels
+
+    if triton_kernels.interpreted() != interpreting():
+        raise RuntimeError(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')} now, but triton was "
+                           f"imported in this process under the other setting: set it before the process starts")
+    return triton_kernels
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton: every row of a step in one launch per layer, over the pool in place."""
+
+    name = "triton"
+
+    def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = (), *,
+                 prompt_rows: bool = False):
+        """``prompt_rows`` is accepted for the interface and has no effect: this backend gives no kernel rows
+        (``gives_kernel_rows`` is False), every step is one launch already."""
+        super().__init__(sliding_windows, prompt_rows=prompt_rows)
+        if not triton_importable():
+            raise RuntimeError("the triton attention backend needs triton (pip install triton; torch's CUDA "
+                               "wheels ship it)")
+        self.kernels = load_kernels()
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        """CUDA with triton installed; any device under ``TRITON_INTERPRET=1`` (the interpreter, for tests)."""
+        if not triton_importable():
+            return False
+        return interpreting() or (device.type == "cuda" and torch.cuda.is_available())
+
+    def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
+                       kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
+        index = step_index(query_lens, num_computed, block_tables, kv_cache, device)
+        block_q = self.kernels.query_tile(max(query_lens))
+        step = TritonStep(tables=index.tables, programs=self.kernels.program_map(query_lens, block_q, device),
+                          block_q=block_q, query_starts=index.query_starts, query_lens=index.query_lens,
+                          num_computed=index.num_computed)
+        return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[step])
+
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        key_slots, value_slots = kv_cache.layer_slots(layer)  # [Hkv, slots, D]
+        key_slots.index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(key_slots.dtype))
+        value_slots.index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(value_slots.dtype))
+        step: TritonStep = meta.groups[0]
+        key_blocks, value_blocks = kv_cache.layer_blocks(layer)
+        return self.kernels.paged_attention(
+            query, key_blocks, value_blocks, step.tables, step.programs, step.block_q, step.query_starts,
+            step.query_lens, step.num_computed, scale, self.windows[self.window_index(layer)])

@@ -1,0 +1,185 @@
+"""The Triton kernels of the Triton attention backend (``triton.py``), and their launch wrappers.
+
+One kernel, ``paged_attention``, attends every query row of a step in one launch per layer: decode rows,
+prompt chunks over their cached blocks and speculative rows alike, each query token attending its own
+sequence's keys up to its own position (within the layer's sliding window, if any). It reads K/V where
+they lie in the paged pool, through each sequence's block table, one tile of keys at a time with an online
+softmax (flash attention's running maximum and sum), so no step materializes a mask, a padded gather or a
+``[query, context]`` score matrix: its memory is the output alone, whatever the step's shape.
+
+A program is one tile of up to ``BLOCK_Q`` consecutive query tokens of one sequence under one KV head, and
+all the query heads that share that KV head (GQA): its ``BLOCK_Q * BLOCK_H`` rows are token-major, so the
+tile's K/V are read once for the whole GQA group. Which tile of which sequence each program takes comes
+from the host (``program_map``), so the grid has exactly as many programs as tiles.
+
+Numerics: scores, softmax and the output accumulate in float32; the probabilities are rounded to the
+compute dtype before they multiply V (as flash attention and the portable backend's bfloat16 path do).
+Float32 dot products stay IEEE unless torch allows TF32 (``torch.set_float32_matmul_precision``), so a
+float32 model's tokens match transformers'. Triton's interpreter multiplies bfloat16 operands of ``tl.dot``
+wrongly (triton 3.7: products of the raw bits), so there the operands, rounded to bfloat16 first, are
+widened to float32 for the product: the same values, each product exact in float32 as on the GPU.
+
+This module imports triton at import time and decorates its kernels then: ``triton.jit`` reads
+``TRITON_INTERPRET`` at that moment, so the interpreter (CPU) must be asked for before the first import.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Keys per tile of the softmax loop (independent of the pool's block size: each key finds its block).
+BLOCK_N = 64
+# A program's query rows (tokens x GQA heads) are at least this many: tl.dot's smallest M.
+MIN_ROWS = 16
+# The running maximum starts finite, so a row whose first tiles are all masked (a sliding window's start,
+# a padded row) keeps exp2(-inf - start) = 0 instead of exp2(-inf - -inf) = NaN.
+_NEG_START = -1.0e30
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, program_seq_ptr, program_row_ptr,
+        query_starts_ptr, query_lens_ptr, num_computed_ptr,
+        qk_scale, window,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, stride_table,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr,
+        PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(program_seq_ptr + program)
+    first_row = tl.load(program_row_ptr + program)  # the tile's first row of the flat token batch
+    seq_start = tl.load(query_starts_ptr + seq)
+    seq_end = seq_start + tl.load(query_lens_ptr + seq)
+    computed = tl.load(num_computed_ptr + seq)
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = first_row + offs_m // BLOCK_H
+    head_in_group = offs_m % BLOCK_H
+    row_valid = (rows < seq_end) & (head_in_group < QUERIES_PER_KV)
+    heads = kv_head * QUERIES_PER_KV + head_in_group
+    query_pos = computed + rows - seq_start  # each row's position in its sequence
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    DTYPE: tl.constexpr = q.dtype  # the compute dtype: K/V and probabilities are rounded to it
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys the tile's rows can see: up to its last row's position; from its first row's window start.
+    last_row = tl.minimum(first_row + BLOCK_Q, seq_end) - 1
+    kv_end = computed + last_row - seq_start + 1
+    kv_start = kv_end * 0
+    if SLIDING:
+        kv_start = tl.maximum(computed + first_row - seq_start - window + 1, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], NEG_START, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    for start in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        blocks = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k = tl.load(k_head + blocks[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None],
+                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+        k = k.to(DTYPE)
+        if UPCAST:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [M, N], log2 units
+        visible = (offs_n[None, :] <= query_pos[:, None]) & n_valid[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        p = p.to(DTYPE)
+        v = v.to(DTYPE)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    # Every valid row sees at least its own key; padded rows (never stored) may have summed nothing.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+def interpreted() -> bool:
+    """Whether this module's kernels were decorated for Triton's interpreter (``TRITON_INTERPRET=1`` when it
+    was imported)."""
+    return type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+def query_tile(max_query_len: int) -> int:
+    """Query tokens per program for a step whose longest query is ``max_query_len``: one for a decode-only
+    step, else up to 16 (a power of two), fewer for short speculative rows."""
+    return min(16, triton.next_power_of_2(max_query_len))
+
+
+def program_map(query_lens: list[int], block_q: int, device: torch.device) -> torch.Tensor:
+    """``[2, P]`` int32: each program's sequence and first row of the flat token batch, one program per
+    ``block_q`` query tokens of each sequence, built from the host lists (one copy to the device)."""
+    seqs, rows, start = [], [], 0
+    for seq, length in enumerate(query_lens):
+        for first in range(start, start + length, block_q):
+            seqs.append(seq)
+            rows.append(first)
+        start += length
+    return torch.tensor([seqs, rows], dtype=torch.int32, device=device)
+
+
+def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
+                    tables: torch.Tensor, programs: torch.Tensor, block_q: int, query_starts: torch.Tensor,
+                    query_lens: torch.Tensor, num_computed: torch.Tensor, scale: float,
+                    window: int | None) -> torch.Tensor:
+    """``query [T, Hq, D]`` of a step over one layer's pool -> ``[T, Hq, D]`` in ``query``'s dtype.
+
+    ``key_blocks``/``value_blocks [Hkv, blocks, block_size, D]``: the layer's pool, the step's K/V already
+    written; ``tables [N, >= blocks per sequence]`` each sequence's blocks in order; ``programs``:
+    ``program_map(query_lens, block_q)``; ``query_starts``/``query_lens``/``num_computed [N]``: each
+    sequence's first row, its new tokens and its tokens cached before them; ``window``: keys less than this
+    many positions behind a query are visible (None: all)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, _, block_size, _ = key_blocks.shape
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    per_kv = num_heads // num_kv_heads
+    block_h = max(triton.next_power_of_2(per_kv), MIN_ROWS // block_q)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = "ieee"
+    if query.dtype == torch.float32 and query.is_cuda and torch.get_float32_matmul_precision() != "highest":
+        precision = "tf32"  # asked for (--tf32 / torch's setting); float32 stays exact otherwise
+    # Eight warps for big tiles: each thread holds its share of the [D, BLOCK_N] K tile and its 64-bit
+    # addresses (every key finds its own block); with four, bfloat16 at head dim 128 spills on sm_90.
+    rows = block_q * block_h
+    grid = (programs.shape[1], num_kv_heads)
+    _paged_attention_kernel[grid](
+        query, key_blocks, value_blocks, out, tables, programs[0], programs[1],
+        query_starts, query_lens, num_computed,
+        scale * LOG2E, window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
+        value_blocks.stride(0), value_blocks.stride(1), value_blocks.stride(2), tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, QUERIES_PER_KV=per_kv, BLOCK_H=block_h, BLOCK_Q=block_q,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SLIDING=window is not None, PRECISION=precision,
+        NEG_START=_NEG_START, UPCAST=query.dtype == torch.bfloat16 and interpreted(),
+        num_warps=8 if rows > 64 or block_d >= 128 else 4)
+    return out
