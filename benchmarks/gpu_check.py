@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import gc
 import inspect
+import itertools
 import json
 import random
 import statistics
@@ -58,6 +59,9 @@ NUM_BLOCKS = 96
 # transformers' own bf16 error and still count as "no larger" (a real bug is many times larger).
 BF16_SLACK = 1.25
 SERVED_RESTART_METRIC = "llmbus_worker_restarts_total"
+# A served wave or start that takes longer is a failure, not a wait: the whole check must fit 8 minutes.
+WAVE_TIMEOUT_S = 120
+READY_TIMEOUT_S = 180
 
 # Tiny families of part 1 (GQA 4:1, head_dim 32); windows shorter than the 52-token sequences. Each has the
 # weight seed that gives every reference token a top-1/top-2 margin above MIN_MARGIN (a match then means
@@ -294,7 +298,7 @@ class Check:
         space = byte_to_unicode()[ord(" ")]
         pairs = sorted(((a, b) for a in chars for b in chars), key=lambda pair: pair[0] != space)
         triples = ((a + b, c) for a, b in pairs for c in chars)
-        for left, right in [*pairs, *triples]:
+        for left, right in itertools.chain(pairs, triples):
             if len(vocab) >= shape["vocab_size"]:
                 break
             vocab[left + right] = len(vocab)
@@ -330,7 +334,7 @@ class Check:
         if self.dry:
             args += ["--dtype", "float32"]
         peak = _DevicePeak(self.device)
-        with peak, Server(args, ready_timeout=300) as server:
+        with peak, Server(args, ready_timeout=READY_TIMEOUT_S) as server:
             started_s = time.perf_counter() - t0
             info = _get_json(f"{server.url}/info")
             tokenizer = load_tokenizer(str(model_dir))
@@ -342,10 +346,15 @@ class Check:
                 params = {"max_new_tokens": new, "ignore_eos_token": True, "do_sample": False, "details": True}
                 w0 = time.perf_counter()
                 async with client_session() as session:
-                    streams = await asyncio.gather(*(stream_tokens(session, server.url, p, params)
-                                                     for p in prompts))
+                    try:
+                        streams = await asyncio.wait_for(asyncio.gather(
+                            *(stream_tokens(session, server.url, p, params) for p in prompts)), WAVE_TIMEOUT_S)
+                    except asyncio.TimeoutError:
+                        streams = []
                 answered = sum(1 for s in streams if s.error is None and len(s.times) == new)
                 errors = sorted({s.error for s in streams if s.error})[:3]
+                if not streams:
+                    errors = [f"not all answered within {WAVE_TIMEOUT_S} s"]
                 return dict(requests=n, answered=answered, prompt_tokens=prompt_tokens, new_tokens=new,
                             seconds=round(time.perf_counter() - w0, 2), errors=errors)
 
@@ -353,6 +362,7 @@ class Check:
             stages["long_prompt"] = asyncio.run(wave(1, sizes.long_prompt, 8, "long"))
             stages["burst"] = asyncio.run(wave(sizes.burst, sizes.burst_prompt, 8, "b"))
             restarts = metrics(server.url).get(SERVED_RESTART_METRIC)
+            restarts = None if restarts is None else int(restarts)
             memory_lines = server.log_lines("memory", "activation", "kv cache", "blocks")[-6:]
         ok = all(s["answered"] == s["requests"] for s in stages.values()) and restarts == 0
         backend = {k: v for k, v in info.items() if any(w in k for w in ("attention", "device", "dtype"))}
