@@ -129,7 +129,7 @@ class Check:
         self.device = torch.device("cpu" if self.dry else "cuda")
         self.sizes = DRY if self.dry else FULL
         self.work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
-        self.float32_tokens: dict[str, dict] = {}  # family -> {"path", "prompts", "tokens"} (part 2 reads it)
+        self.float32_tokens: dict[str, dict] = {}  # family -> {"path", "prompts", "tokens", "margin"}
 
     def row(self, part: str, name: str, ok: bool, summary: str, **details) -> None:
         self.report.add(dict(part=part, name=name, ok=bool(ok), summary=summary, **details))
@@ -197,15 +197,23 @@ class Check:
                 Request("r4", prompts[4], arrival_step=3, prefill_chunk=16, blocks=list(donor_blocks)),
                 Request("hit", hit_prompt, arrival_step=7, computed=2 * BLOCK_SIZE, blocks=donor_blocks[:2])]
 
+    def _reference(self, name: str) -> tuple[dict, list[Request]]:
+        """Family ``name``'s checkpoint, prompts and transformers float32 tokens (made once: part 2 reuses
+        part 1's), and the mixed batch of requests over those prompts."""
+        vocab = TINY["vocab_size"]
+        prompts = make_prompts(vocab)
+        requests = self._mixed_batch(prompts, vocab)
+        if name not in self.float32_tokens:
+            path = self._family(name)
+            expected, margin = self._hf_greedy(path, prompts)
+            self.float32_tokens[name] = dict(path=path, prompts=prompts, tokens=expected, margin=margin)
+        return self.float32_tokens[name], requests
+
     def float32_greedy(self) -> None:
         for name in FAMILIES:
             t0 = time.perf_counter()
-            path = self._family(name)
-            vocab = TINY["vocab_size"]
-            prompts = make_prompts(vocab)
-            requests = self._mixed_batch(prompts, vocab)
-            expected, margin = self._hf_greedy(path, prompts)
-            self.float32_tokens[name] = dict(path=path, prompts=prompts, tokens=expected)
+            ref, requests = self._reference(name)
+            path, expected, margin = ref["path"], ref["tokens"], ref["margin"]
             runner = self.runner(path, torch.float32, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
             results = drive(runner, requests)
             got = [results[r.rid].tokens for r in requests]
@@ -253,10 +261,9 @@ class Check:
         return [torch.stack(r) for r in rows]
 
     def bfloat16_logits(self) -> None:
-        if not self.float32_tokens:
-            raise RuntimeError("part 1 recorded no float32 tokens to teacher-force")
-        for name, ref in self.float32_tokens.items():
+        for name in FAMILIES:
             t0 = time.perf_counter()
+            ref, _ = self._reference(name)
             prompts, lens = ref["prompts"], [len(p) for p in ref["prompts"]]
             seqs = [p + t for p, t in zip(prompts, ref["tokens"])]
             truth = _generated_rows(self._hf_logits(ref["path"], seqs, torch.float32), lens)
