@@ -45,7 +45,8 @@ class WorkerConfig(ServiceSettings):
     dtype: str = setting("auto", env="DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
                          help="auto: bfloat16 where the hardware runs it fast (CUDA with bf16, a CPU with "
                               "avx512_bf16/AMX), else float32.")
-    device: str = setting("auto", env="DEVICE", help="auto, cpu or cuda.")
+    device: str = setting("auto", env="DEVICE", choices=("auto", "cpu", "cuda"),
+                          help="auto: cuda where torch sees a GPU, else cpu.")
     attention_backend: str = setting(
         "auto", env="ATTENTION", choices=ATTENTION_BACKENDS,
         help="Attention over the paged KV cache. auto: triton on CUDA (torch_sdpa where Triton is missing), "

@@ -27,6 +27,7 @@ def test_the_flag_offers_every_backend_by_its_class_name():
     d = next(d for d in declared(WorkerConfig) if d.name == "attention_backend")
     assert d.flag == "--attention-backend" and d.spec.env == "ATTENTION" and d.spec.choices == ATTENTION_BACKENDS
     assert d.default == "auto" and d.spec.user, "a user-facing flag: `llmbus up` offers it"
+    assert next(d for d in declared(WorkerConfig) if d.name == "device").spec.choices == ("auto", "cpu", "cuda")
     for name in ("cpu_kernel", "torch_sdpa"):
         assert attention._import(name).name == name
     try:
