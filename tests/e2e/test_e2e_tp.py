@@ -29,6 +29,13 @@ def test_tp2_greedy_matches_transformers_alone_and_batched(tp_server, reference)
     assert "world_size" in tp_server.stderr.text or "ranks=2" in tp_server.stderr.text
 
 
+def test_tp2_info_names_each_ranks_device(tp_server):
+    from llmbus.testing.http import get
+
+    info = get(f"{tp_server.url}/info")[1]
+    assert info["devices"] == ["cpu", "cpu"] and info["dtype"] == "float32" and info["attention_backend"]
+
+
 def test_tp2_constrained_and_free_requests_share_steps(tp_server, reference):
     """Rank 0 alone holds the grammars; the other rank computes the same steps without them. Greedy free
     requests stay token-identical to transformers while constrained ones run beside them."""
