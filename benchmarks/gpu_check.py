@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import inspect
 import itertools
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -150,10 +150,9 @@ class Check:
             torch.cuda.empty_cache()
 
     def runner(self, path: str, dtype: torch.dtype, **kwargs) -> ModelRunner:
-        """A ModelRunner on the check's device, on ``--attention-backend`` where the runner takes one."""
-        if self.args.attention_backend and "attention_backend" in inspect.signature(ModelRunner).parameters:
-            kwargs["attention_backend"] = self.args.attention_backend
-        runner = ModelRunner(path, dtype=dtype, device=self.device, block_size=BLOCK_SIZE, **kwargs)
+        """A ModelRunner on the check's device and ``--attention-backend``, warmed up."""
+        runner = ModelRunner(path, dtype=dtype, device=self.device, block_size=BLOCK_SIZE,
+                             attention_backend=self.args.attention_backend, **kwargs)
         runner.warmup()
         return runner
 
@@ -333,10 +332,8 @@ class Check:
         longest = sizes.long_prompt + 16
         args = ["--model-id", str(model_dir), "--max-input-tokens", str(sizes.long_prompt + 1),
                 "--max-total-tokens", str(longest), "--max-restarts", "0"]
-        help_text = _up_help()
-        if "--device" in help_text:
-            args += ["--device", self.device.type]
-        if self.args.attention_backend and "--attention-backend" in help_text:
+        args += ["--device", self.device.type]
+        if self.args.attention_backend:
             args += ["--attention-backend", self.args.attention_backend]
         if self.dry:
             args += ["--dtype", "float32"]
@@ -455,14 +452,6 @@ def _get_json(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def _up_help() -> str:
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-m", "llmbus.supervisor", "up", "--help"], capture_output=True,
-                          text=True, timeout=120)
-    return done.stdout
-
-
 class _DevicePeak:
     """The device's used memory (all processes: the server's ranks) sampled every 50 ms while the block
     runs, and what was in use when it started; None on CPU."""
@@ -522,8 +511,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="the JSON report's path")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: tests this script (CI)")
-    parser.add_argument("--attention-backend", default=None,
-                        help="the backend every part runs on (default: the device's default)")
+    parser.add_argument("--attention-backend", default="auto",
+                        help="the backend every part runs on, as llmbus up takes it (auto: the device's default)")
     parser.add_argument("--parts", default="1,2,3,4", help="which parts to run, comma-separated")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
@@ -553,6 +542,7 @@ def main() -> int:
         p0 = time.perf_counter()
         check.run_part(name, fn)
         print(f"-- {name}: {time.perf_counter() - p0:.1f} s", flush=True)
+    shutil.rmtree(check.work, ignore_errors=True)  # the models it built (the served one is 4 GB on a GPU)
     report.meta["seconds"] = round(time.perf_counter() - t0, 1)
     report.path.write_text(json.dumps({**report.meta, "rows": report.rows}, indent=2, default=str) + "\n")
     print(_table(report.rows))
