@@ -18,7 +18,6 @@ import argparse
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +60,8 @@ def normalize(name: str) -> str:
 
 def missing_requirements() -> list[str]:
     """llmbus's own dependencies (pyproject's, not the extras) that the device image lacks."""
+    import tomllib  # Python 3.11+: only here, where the wheels are fetched, not on the device's side
+
     with open(ROOT / "pyproject.toml", "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
     return [d for d in deps if normalize(re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0]) not in DEVICE_HAS]
