@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 # --attention-backend's choices: auto, then workers.attention.BACKEND_CLASSES' names (a test keeps the two
 # equal; that module imports torch, which the launcher reading these settings must not).
-ATTENTION_BACKENDS = ("auto", "triton", "cpu_kernel", "torch_sdpa")
+# TGI's ATTENTION values name its own kernels; every backend here reads a paged cache, so a TGI user's setting
+# means "the paged default" (workers/attention/__init__.py TGI_ATTENTION_NAMES) rather than an error.
+ATTENTION_BACKENDS = ("auto", "triton", "cpu_kernel", "torch_sdpa", "flashinfer", "flashdecoding", "paged")
 
 
 @dataclass
@@ -52,8 +54,8 @@ class WorkerConfig(ServiceSettings):
         help="Attention over the paged KV cache. auto: triton on CUDA (torch_sdpa where Triton is missing), "
              "cpu_kernel on CPU (torch_sdpa without a C compiler). triton: paged Triton kernels (CUDA; on CPU "
              "only under TRITON_INTERPRET=1, slowly: for tests). cpu_kernel: llmbus's C kernels (CPU). "
-             "torch_sdpa: the portable one (any device). A backend named here that cannot run stops the start "
-             "with the reason.")
+             "torch_sdpa: the portable one (any device). TGI's names (flashinfer, flashdecoding, paged) mean auto. "
+             "A backend named here that cannot run stops the start with the reason.")
     allow_tf32: bool = setting(False, env="ALLOW_TF32",
                                help="Let float32 matmuls and convolutions on CUDA use TF32 (faster, about 3 "
                                     "decimal digits): off, so float32 stays token-exact with transformers.")

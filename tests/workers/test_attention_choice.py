@@ -23,7 +23,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
 def test_the_flag_offers_every_backend_by_its_class_name():
-    assert ATTENTION_BACKENDS == ("auto", *BACKEND_CLASSES)
+    assert ATTENTION_BACKENDS == ("auto", *BACKEND_CLASSES, *attention.TGI_ATTENTION_NAMES)
     d = next(d for d in declared(WorkerConfig) if d.name == "attention_backend")
     assert d.flag == "--attention-backend" and d.spec.env == "ATTENTION" and d.spec.choices == ATTENTION_BACKENDS
     assert d.default == "auto" and d.spec.user, "a user-facing flag: `llmbus up` offers it"
@@ -40,6 +40,15 @@ def test_the_environment_variable_is_tgis(monkeypatch):
     monkeypatch.setenv("ATTENTION", "torch_sdpa")
     cfg, _ = WorkerConfig.parse(["--run-dir", "/tmp/r", "--model-dir", "/m"], prog="llmbus workers")
     assert cfg.attention_backend == "torch_sdpa"
+
+
+@pytest.mark.parametrize("tgi_name", ["flashinfer", "flashdecoding", "paged"])
+def test_tgis_own_backend_names_mean_the_paged_default(monkeypatch, tgi_name):
+    """A TGI user's ATTENTION (its default is flashinfer) keeps working: every backend here is paged."""
+    monkeypatch.setenv("ATTENTION", tgi_name)
+    cfg, _ = WorkerConfig.parse(["--run-dir", "/tmp/r", "--model-dir", "/m"], prog="llmbus workers")
+    assert attention.attention_backend_class(cfg.attention_backend, CPU) is attention.attention_backend_class(
+        "auto", CPU)
 
 
 @pytest.fixture
@@ -81,9 +90,9 @@ def test_a_named_backend_is_used_or_refused_with_the_reason(fake_triton, monkeyp
         attention_backend_class("triton", CPU)
     with pytest.raises(AttentionBackendUnavailable, match="'cpu_kernel' cannot run on cuda:0: it needs a CPU device"):
         attention_backend_class("cpu_kernel", CUDA)
-    with pytest.raises(AttentionBackendUnavailable, match="unknown attention backend 'paged': choose auto or one of "
+    with pytest.raises(AttentionBackendUnavailable, match="unknown attention backend 'flash': choose auto or one of "
                                                           "triton, cpu_kernel, torch_sdpa"):
-        attention_backend_class("paged", CPU)
+        attention_backend_class("flash", CPU)
     monkeypatch.setitem(BACKEND_CLASSES, "triton", "llmbus.workers.attention.no_such_module:X")
     with pytest.raises(AttentionBackendUnavailable, match="not part of this llmbus"):
         attention_backend_class("triton", CUDA)

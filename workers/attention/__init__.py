@@ -36,6 +36,8 @@ BACKEND_CLASSES: dict[str, str] = {
 # On CPU the Triton backend stays out even under TRITON_INTERPRET=1: the interpreter is for tests, and slow.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch_sdpa"), "cpu": ("cpu_kernel", "torch_sdpa")}
 PORTABLE = "torch_sdpa"
+# TGI's ATTENTION values: its own kernels, all over a paged cache, which every backend here reads; taken as auto.
+TGI_ATTENTION_NAMES = ("flashinfer", "flashdecoding", "paged")
 # What a backend needs, for the error when one named explicitly cannot run.
 NEEDS: dict[str, str] = {
     "triton": ("triton installed (torch's CUDA wheels bring it; else pip install triton) and a CUDA device, or "
@@ -70,7 +72,7 @@ def attention_backend_class(name: str, device: torch.device) -> type[AttentionBa
     """The backend class ``name`` ("auto": the device's default) picks on ``device``; a backend named
     explicitly that is unknown, not importable or not available on ``device`` raises
     ``AttentionBackendUnavailable`` saying why, rather than falling back to another one silently."""
-    if name == "auto":
+    if name == "auto" or name in TGI_ATTENTION_NAMES:
         for candidate in AUTO_ORDER.get(device.type, (PORTABLE,)):
             try:
                 cls = _import(candidate)
