@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from llmbus.workers.model_runner import SeqInput, StepOutput, out_of_memory_reason, out_of_memory_step
+from llmbus.workers.memory_budget import out_of_memory_reason
+from llmbus.workers.model_runner import SeqInput, StepOutput, out_of_memory_step
 
 # A prompt token that makes the fake's step run out of memory (only at prompt positions: a sampled token
 # equal to it is an ordinary decode).

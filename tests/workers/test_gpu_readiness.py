@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from llmbus.workers.kv_cache import bytes_per_block
-from llmbus.workers.model_runner import CUDA_KV_HEADROOM, ModelRunner, WarmupOutOfMemory
+from llmbus.workers.memory_budget import CUDA_KV_HEADROOM, WarmupOutOfMemory
+from llmbus.workers.model_runner import ModelRunner
 from llmbus.workers.process import gpu_shortage
 
 

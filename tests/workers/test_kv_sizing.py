@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from llmbus.workers.kv_cache import bytes_per_block
-from llmbus.workers.model_runner import (CUDA_KV_HEADROOM, ModelRunner, WarmupOutOfMemory, cuda_kv_blocks)
+from llmbus.workers.memory_budget import CUDA_KV_HEADROOM, WarmupOutOfMemory, cuda_kv_blocks
+from llmbus.workers.model_runner import ModelRunner
 
 GIB, MIB = 1 << 30, 1 << 20
 
