@@ -67,7 +67,7 @@ def setting(default=MISSING, *, help: str, flag: str | None = None, aliases: tup
 def offered(service, name: str):
     """``service``'s own setting ``name`` (declared there with ``user=False``, set by the launch), as a flag
     of the launch itself: the same declaration (help, variable, bounds), listed where this field is."""
-    d = next(d for d in declared(service) if d.name == name)
+    d = declared_setting(service, name)
     spec = dataclasses.replace(d.spec, user=True, hidden=False)
     return dataclasses.field(default=d.default, metadata={_KEY: spec})
 
@@ -144,6 +144,11 @@ def declared(cls) -> list[Declared]:
             f.default_factory() if f.default_factory is not MISSING else MISSING)
         out.append(Declared(f.name, kind, optional, default, spec))
     return out
+
+
+def declared_setting(cls, name: str) -> Declared:
+    """The field ``name`` of settings class ``cls``, as the command lines see it."""
+    return next(d for d in declared(cls) if d.name == name)
 
 
 def _unwrap(hint) -> tuple[type, bool]:

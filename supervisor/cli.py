@@ -10,7 +10,7 @@ import click
 
 from llmbus.bench.cli import bench as bench_command
 from llmbus.bus.rundir import Endpoints
-from llmbus.bus.settings import Declared, declared, problems
+from llmbus.bus.settings import declared_setting, problems
 from llmbus.frontend.config import FrontendConfig, input_total_problem
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.process import SchedulerProcessConfig
@@ -213,7 +213,7 @@ def _check_static(kw: dict) -> tuple[int, int | None]:
 
 def _check_limits(max_input: int, max_total: int, max_prefill: int, max_positions: int, chunking: bool) -> None:
     """TGI's launcher rules on the resolved token limits."""
-    broken = (_declared(FrontendConfig, "max_input_tokens").problem(max_input)
+    broken = (declared_setting(FrontendConfig, "max_input_tokens").problem(max_input)
               or input_total_problem(max_input, max_total))
     if broken:
         raise InvalidArgument(broken)
@@ -223,10 +223,6 @@ def _check_limits(max_input: int, max_total: int, max_prefill: int, max_position
     if max_total > max_positions:
         raise InvalidArgument(f"`max_total_tokens`({max_total}) must be <= the model's "
                               f"`max_position_embeddings`({max_positions})")
-
-
-def _declared(service, name: str) -> Declared:
-    return next(d for d in declared(service) if d.name == name)
 
 
 @main.command("demo-model")

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from llmbus.bus.settings import declared
+from llmbus.bus.settings import declared_setting
 from llmbus.testing.server import free_port
 from llmbus.workers import attention, weight_builder
 from llmbus.workers.attention import (BACKEND_CLASSES, AttentionBackendUnavailable, CPUKernelBackend,
@@ -24,10 +24,10 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 def test_the_flag_offers_every_backend_by_its_class_name():
     assert ATTENTION_BACKENDS == ("auto", *BACKEND_CLASSES, *attention.TGI_ATTENTION_NAMES)
-    d = next(d for d in declared(WorkerConfig) if d.name == "attention_backend")
+    d = declared_setting(WorkerConfig, "attention_backend")
     assert d.flag == "--attention-backend" and d.spec.env == "ATTENTION" and d.spec.choices == ATTENTION_BACKENDS
     assert d.default == "auto" and d.spec.user, "a user-facing flag: `llmbus up` offers it"
-    assert next(d for d in declared(WorkerConfig) if d.name == "device").spec.choices == ("auto", "cpu", "cuda")
+    assert declared_setting(WorkerConfig, "device").spec.choices == ("auto", "cpu", "cuda")
     for name in ("cpu_kernel", "torch_sdpa"):
         assert attention._import(name).name == name
     try:
@@ -121,7 +121,7 @@ def test_cuda_math_is_float32_unless_tf32_is_asked(monkeypatch):
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     cuda_float32_math(True)
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    assert next(d for d in declared(WorkerConfig) if d.name == "allow_tf32").default is False
+    assert declared_setting(WorkerConfig, "allow_tf32").default is False
 
 
 def test_cuda_dtype_and_process_group(monkeypatch):
