@@ -22,9 +22,13 @@ def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head
 def num_blocks_for_bytes(budget_bytes: int, *, num_layers: int, block_size: int, num_kv_heads: int,
                          head_dim: int, dtype: torch.dtype) -> int:
     """How many blocks fit in ``budget_bytes`` (the pool's extra padding block included)."""
-    per_block = bytes_per_block(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
-                                head_dim=head_dim, dtype=dtype)
-    return max(0, budget_bytes // per_block - 1)
+    return blocks_within(budget_bytes, bytes_per_block(num_layers=num_layers, block_size=block_size,
+                                                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype))
+
+
+def blocks_within(budget_bytes: int, block_bytes: int) -> int:
+    """How many blocks of ``block_bytes`` a pool of ``budget_bytes`` holds besides its padding block."""
+    return max(0, budget_bytes // block_bytes - 1)
 
 
 class PagedKVCache:
@@ -70,3 +74,9 @@ class PagedKVCache:
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_kv_heads, (num_blocks + 1) * block_size, head_dim]`` K and V views of one layer."""
         return self.key_slots[layer], self.value_slots[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A step's new ``key``/``value [T, Hkv, D]`` into ``layer`` at ``slots [T]``, in the pool's dtype."""
+        key_slots, value_slots = self.layer_slots(layer)  # [Hkv, slots, D]
+        key_slots.index_copy_(1, slots, key.transpose(0, 1).to(key_slots.dtype))
+        value_slots.index_copy_(1, slots, value.transpose(0, 1).to(value_slots.dtype))

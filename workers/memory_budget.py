@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmbus.bus.service import ServiceError
+from llmbus.workers.kv_cache import blocks_within
 
 if TYPE_CHECKING:
     from llmbus.workers.model_runner import SeqInput
@@ -31,7 +32,7 @@ def cuda_kv_blocks(*, free_bytes: int, total_bytes: int, memory_fraction: float,
     also holds one padding block."""
     usable = free_bytes - (1.0 - memory_fraction) * total_bytes
     budget = int(usable * CUDA_KV_HEADROOM) - activation_peak - sampling_bytes
-    return max(0, budget // (block_bytes + draft_block_bytes) - 1)
+    return blocks_within(budget, block_bytes + draft_block_bytes)
 
 
 def out_of_memory_reason(error: BaseException, seqs: list[SeqInput]) -> str:

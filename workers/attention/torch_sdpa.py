@@ -152,9 +152,7 @@ class TorchSDPABackend(AttentionBackend):
     def _write(self, layer: int, kv_cache: PagedKVCache, slots: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> None:
         """The step's new ``key``/``value [T, Hkv, D]`` into the pool at ``slots [T]``."""
-        key_slots, value_slots = kv_cache.layer_slots(layer)  # [Hkv, slots, D]
-        key_slots.index_copy_(1, slots, key.transpose(0, 1).to(key_slots.dtype))
-        value_slots.index_copy_(1, slots, value.transpose(0, 1).to(value_slots.dtype))
+        kv_cache.write(layer, slots, key, value)
 
     def _context(self, layer: int, kv_cache: PagedKVCache,
                  block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

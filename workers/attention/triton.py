@@ -102,9 +102,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        key_slots, value_slots = kv_cache.layer_slots(layer)  # [Hkv, slots, D]
-        key_slots.index_copy_(1, meta.slot_mapping, key.transpose(0, 1).to(key_slots.dtype))
-        value_slots.index_copy_(1, meta.slot_mapping, value.transpose(0, 1).to(value_slots.dtype))
+        kv_cache.write(layer, meta.slot_mapping, key, value)
         step: TritonStep = meta.groups[0]
         key_blocks, value_blocks = kv_cache.layer_blocks(layer)
         return self.kernels.paged_attention(
