@@ -15,10 +15,12 @@ must stay under 64 MiB with the working tree: the script prints the total.
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl"
@@ -54,21 +56,17 @@ xxhash yarl zipp
 """.split())
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def missing_requirements() -> list[str]:
     """llmbus's own dependencies (pyproject's, not the extras) that the device image lacks."""
     import tomllib  # Python 3.11+: only here, where the wheels are fetched, not on the device's side
 
     with open(ROOT / "pyproject.toml", "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
-    return [d for d in deps if normalize(re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0]) not in DEVICE_HAS]
+    return [d for d in deps if canonicalize_name(Requirement(d).name) not in DEVICE_HAS]
 
 
 def wheel_name(path: Path) -> str:
-    return normalize(path.name.split("-")[0])
+    return canonicalize_name(path.name.split("-")[0])
 
 
 def download() -> int:

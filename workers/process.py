@@ -271,14 +271,14 @@ class Worker:
             # The target's warmup sizes its pool from free memory (CUDA): the draft's weights load first, and
             # the draft's pool gets its share of what is left before the target's takes the rest. The draft's
             # steps run before the target's, so the target's measured activation peak covers them.
-            draft = self._draft_runner(ModelRunner, dtype, device, num_blocks=None)
+            draft = self._draft_runner(dtype, device, num_blocks=None)
             self.runner.attach_draft(draft)
         warmup_started = time.monotonic()
         warmup_tokens = self.runner.warmup()
         warmup_step_s = time.monotonic() - warmup_started
         if wants_draft:
             if draft is None:
-                draft = self._draft_runner(ModelRunner, dtype, device, num_blocks=self.runner.num_blocks)
+                draft = self._draft_runner(dtype, device, num_blocks=self.runner.num_blocks)
                 self.runner.attach_draft(draft)
             draft.warmup()
             self.log.info("draft model loaded", model=self.cfg.draft_model_dir)
@@ -297,16 +297,18 @@ class Worker:
                                          vocab_size=self.runner.vocab_size,
                                          attention_backend=paths.get("attention", "")))
 
-    def _draft_runner(self, runner_cls, dtype, device, num_blocks: int | None):
+    def _draft_runner(self, dtype, device, num_blocks: int | None):
         """The draft model's runner (--draft-model-id), with its own pool of the target's block size and
         ``num_blocks`` (None: allocated by the target's warmup): the same block tables address both."""
-        return runner_cls(self.cfg.draft_model_dir, rank=0, world_size=1, dtype=dtype, device=device,
-                          block_size=self.runner.block_size, num_blocks=num_blocks,
-                          max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
-                                                    or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
-                          trust_remote_code=self.cfg.trust_remote_code,
-                          watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
-                          attention_backend=self.cfg.attention_backend)
+        from llmbus.workers.model_runner import ModelRunner
+
+        return ModelRunner(self.cfg.draft_model_dir, rank=0, world_size=1, dtype=dtype, device=device,
+                           block_size=self.runner.block_size, num_blocks=num_blocks,
+                           max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
+                                                     or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
+                           trust_remote_code=self.cfg.trust_remote_code,
+                           watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
+                           attention_backend=self.cfg.attention_backend)
 
     def _attention(self) -> dict:
         """The runner's attention argument: the fake runner attends to nothing."""
