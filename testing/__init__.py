@@ -6,10 +6,11 @@ Installed with the package (as ``llmbus.testing``), so tests and benchmarks impo
 putting each other's folders on ``sys.path``. Nothing here is used when serving.
 
 The rest is imported by module, as each needs its own dependencies (torch, transformers, the frontend):
-``fake_scheduler`` (the frontend's tests: a scripted scheduler, the frontend in a thread, their model
-folder), ``runner_driver`` (a ModelRunner driven by hand against transformers), ``greedy`` (greedy
-tokens from transformers and from a server), ``tiny_prompts`` (what the whole-stack tests ask the tiny
-model), ``policy_sim`` (a simulated worker for the policy), ``gguf_files`` (GGUF files written for
+``fake_scheduler`` (the frontend's tests: a scripted scheduler, the frontend in a thread, their model folder),
+``runner_driver`` (a ModelRunner driven by hand against transformers), ``greedy`` (greedy tokens from
+transformers and from a server), ``tiny_prompts`` (what the whole-stack tests ask the tiny model),
+``policy_sim`` (a simulated worker for the policy), ``raw_frontend`` (a frontend of raw sockets for the
+scheduler and ranks as processes, and the fake runner's tokens), ``gguf_files`` (GGUF files written for
 tests), ``structured_cases`` (schemas and regexes for SmolLM2) and ``wire_samples`` (one of every wire
 message, for the golden bytes).
 """

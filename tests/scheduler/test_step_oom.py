@@ -4,24 +4,21 @@ scheduler and worker rank (the fake runner runs out of memory on OUT_OF_MEMORY_T
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-import zmq
 
 from llmbus.bus import messages as m
 from llmbus.bus.rundir import RunDir
-from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.frontend.errors import engine_error
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, Scheduler, SchedulerConfig
 from llmbus.testing import SupervisorSocket
+from llmbus.testing.raw_frontend import RawFrontend, expected_tokens
 from llmbus.workers import model_runner as mr
 from llmbus.workers.fake import OUT_OF_MEMORY_TOKEN, FakeRunner
 
@@ -117,46 +114,6 @@ def test_fake_runner_runs_out_of_memory_on_its_prompt_token_only():
     assert fake.step([decode]).failed == "", "a sampled token equal to it is an ordinary decode"
 
 
-def _expected_tokens(prompt: list[int], n: int) -> list[int]:
-    fake, out, last = FakeRunner(), [], prompt[-1]
-    for position in range(len(prompt), len(prompt) + n):
-        last = fake.next_token(last, position)
-        out.append(last)
-    return out
-
-
-class _Frontend:
-    """Plays a frontend with raw sockets."""
-
-    def __init__(self, run_dir: RunDir, frontend_id: str):
-        self.ctx = zmq.Context()
-        self.id = frontend_id
-        endpoint = run_dir.endpoints.frontend_events(run_dir.path, frontend_id)
-        self.events = open_socket(self.ctx, zmq.PULL, endpoint)
-        self.requests = open_socket(self.ctx, zmq.PUSH, run_dir.endpoints.requests)
-        send(self.requests, m.FrontendHello(frontend_id, endpoint))
-        self.stats: m.SchedulerStats | None = None
-        assert isinstance(self.next_event(), m.SchedulerHello)
-
-    def next_event(self, timeout: float = 30):
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.events.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "no event"
-            msg = recv(self.events)
-            if not isinstance(msg, m.SchedulerStats):
-                return msg
-            self.stats = msg
-
-    def add(self, rid: str, prompt: list[int], max_new_tokens: int) -> None:
-        send(self.requests, m.AddRequest(f"{self.id}-{rid}", self.id, prompt, m.SamplingParams(),
-                                         m.StoppingParams(max_new_tokens)))
-
-    def close(self) -> None:
-        self.events.close(0)
-        self.requests.close(0)
-        self.ctx.term()
-
-
 def test_a_step_out_of_memory_fails_its_prompt_and_the_rest_go_on():
     """Real scheduler and worker rank processes: a request whose step runs out of memory gets TGI's
     generation error while a running request completes, the ranks are not restarted and every KV block is
@@ -172,7 +129,7 @@ def test_a_step_out_of_memory_fails_its_prompt_and_the_rest_go_on():
     fe = None
     try:
         sup.wait_ready("scheduler", timeout=120)
-        fe = _Frontend(run_dir, "oom")
+        fe = RawFrontend(run_dir, "oom")
         fe.add("long", [1, 2, 3], max_new_tokens=60)
         tokens: dict[str, list[int]] = {}
         failures: dict[str, m.RequestFailed] = {}
@@ -199,13 +156,9 @@ def test_a_step_out_of_memory_fails_its_prompt_and_the_rest_go_on():
         assert "oom-big" not in tokens
         fe.add("after", [8, 9], max_new_tokens=4)
         pump(lambda: {"oom-long", "oom-after"} <= finished)
-        assert tokens["oom-long"] == _expected_tokens([1, 2, 3], 60), "the running request lost no token"
-        assert tokens["oom-after"] == _expected_tokens([8, 9], 4)
-        deadline = time.monotonic() + 30
-        while fe.stats is None or fe.stats.batch_size or fe.stats.queue_size:
-            assert time.monotonic() < deadline, fe.stats
-            with contextlib.suppress(AssertionError):
-                fe.next_event(timeout=0.5)
+        assert tokens["oom-long"] == expected_tokens([1, 2, 3], 60), "the running request lost no token"
+        assert tokens["oom-after"] == expected_tokens([8, 9], 4)
+        fe.wait_for_idle_stats()
         assert fe.stats.worker_restarts == 0 and fe.stats.kv_blocks_free == fe.stats.kv_blocks_total == 64, fe.stats
         assert all(p.poll() is None for p in procs), "no process died"
     finally:
