@@ -26,7 +26,11 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 # -fno-trapping-math: without it gcc vectorises no loop that calls exp_nonpositive (the softmax's and SiLU's
 # exp), as it may not speculate the float-to-int conversion; nothing here reads floating-point traps.
 # -fvisibility=hidden: only what llmbus_kernels.h marks LLMBUS_API is exported.
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden"]
+# -flto: the sources are separate translation units, and the fused layer calls decode attention's and the
+# GEMM's functions in its innermost loops; link-time optimisation inlines them across files, as the single
+# file that #included the others did (without it a float32 batch-1 step was about 4% slower).
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden",
+         "-flto"]
 DISABLE_ENV = "LLMBUS_CPU_KERNELS"
 CACHE_ENV = "LLMBUS_KERNEL_CACHE"
 LIBRARY_NAME = "llmbus_kernels"
