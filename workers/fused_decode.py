@@ -38,7 +38,7 @@ from llmbus.workers.kernels import bindings
 from llmbus.workers.kernels.bindings import MAX_ROWS, LayerArgs, Proj, StepArgs
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.linear import Linear
-from llmbus.workers.quant import Int8Weight, _DensePack
+from llmbus.workers.quant import Int8Weight, _DensePack, _KernelPack, tiled_forms
 from llmbus.workers.weight_builder import SECOND_COPY_SHARE
 
 log = structlog.get_logger("llmbus.workers")
@@ -98,9 +98,19 @@ def _default_bf16_budget(library: ctypes.CDLL) -> int:
     return 0 if available is None else int(available * SECOND_COPY_SHARE)
 
 
+def _tiled_pack(projection) -> _KernelPack | None:
+    """The tiled kernel form behind a ``QuantizedLinear`` (int8, int4 or bf16 where quant_kernels.c runs)."""
+    pack = getattr(projection, "_pack", None)
+    return pack if isinstance(pack, _KernelPack) else None
+
+
 def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> Proj | None:
-    """The C view of a projection the fused layer can read (plain float32, or int8 with group scales), with
-    a bfloat16 copy where ``bf16`` makes one; the tensors it points into are appended to ``keep``."""
+    """The C view of a projection the fused layer can read (plain float32, int8 with group scales, or a
+    tiled form), with a bfloat16 copy where ``bf16`` makes one; the tensors it points into are appended to
+    ``keep``."""
+    if (pack := _tiled_pack(projection)) is not None:
+        keep.append(pack)
+        return Proj(tiled=pack.tiled())
     if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
         proj = _dense_proj(projection.weight, keep)
         if bf16 is not None:
@@ -125,8 +135,8 @@ def fused_decode_applies(device: torch.device, world_size: int, dtype: torch.dty
     """Whether a native model loaded so will decode through the fused layer (then its projections keep a
     plain copy): decided before the weights are read."""
     backend = attention_backend_class(attention_backend, device)  # make_attention_backend's choice
-    return (_runs_on(device, world_size, dtype) and quantize in (None, "int8") and backend.gives_kernel_rows
-            and bindings.library() is not None)
+    return (_runs_on(device, world_size, dtype) and quantize in (None, "int8", *tiled_forms())
+            and backend.gives_kernel_rows and bindings.library() is not None)
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -154,6 +164,8 @@ class FusedDecodeLayers:
             self._head_shape = tuple(model.plain_head_weight.shape)
             if bf16 is not None:
                 bf16.add(self._head, model.plain_head_weight, weights)
+        elif (head_pack := _tiled_pack(model.lm_head)) is not None:
+            self._head, self._head_shape = _proj_args(model.lm_head, weights), (head_pack.n, head_pack.k)
         elif (head_int8 := _int8_source(model.lm_head)) is not None:
             self._head, self._head_shape = _int8_proj(head_int8, weights), head_int8.shape
         else:
@@ -164,9 +176,15 @@ class FusedDecodeLayers:
         self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self._eps, self._scale = config.rms_norm_eps, first.scale
         self._scratch: dict[str, torch.Tensor] = {}
-        # Batches past MAX_ROWS: gemm.c's GEMMs, which read float32 weights only.
-        self._large_batches = bool(library.decode_layer_takes_large_batches()) and all(
-            projection.dense for layer in layers for projection in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        projections = [p for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        # Tiled projections: every step through the same per-row arithmetic, any batch (what makes a row's
+        # result independent of its batch); the widest input they prepare as bf16 pairs.
+        self._tiled = all(p.tiled.values for p in projections)
+        self._widest_tiled = max([p.tiled.k_padded for p in projections if p.tiled.values]
+                                 + ([self._head.tiled.k_padded] if self._head is not None else [0]))
+        # Batches past MAX_ROWS otherwise: gemm.c's GEMMs, which read float32 weights only.
+        self._large_batches = self._tiled or (bool(library.decode_layer_takes_large_batches())
+                                              and all(p.dense for p in projections))
 
     @staticmethod
     def _layer_args(model, weights: list, bf16: Bfloat16Copies | None = None) -> list[LayerArgs] | None:
@@ -214,24 +232,32 @@ class FusedDecodeLayers:
         """Whether ``run`` takes steps of any number of rows (gemm.c's GEMMs inside the layer)."""
         return self._large_batches
 
-    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         buffer = self._scratch.get(name)
         if buffer is None or buffer.numel() < numel:
-            buffer = self._scratch[name] = torch.empty(numel, dtype=torch.float32)
+            buffer = self._scratch[name] = torch.empty(numel, dtype=dtype)
         return buffer
+
+    def _prepared(self, rows: int) -> tuple[int, int]:
+        """Scratch for tiled projections' inputs (as bf16 hi/lo pairs) and their group sums."""
+        numel = 2 * rows * self._widest_tiled
+        return (self._buffer("prepared", numel, torch.bfloat16).data_ptr(),
+                self._buffer("prepared_sums", numel).data_ptr())
 
     def logits(self, rows: torch.Tensor, norm) -> torch.Tensor:
         """Logits ``[B, vocab]`` of the final ``norm`` (the model's RMSNorm) of ``rows [B, H]`` of a step
         ``run`` took: one C call for both where the head is one the C GEMV reads and the batch is small,
         the model's own norm and head otherwise (a large batch's head is a GEMM)."""
-        if self._head is None or rows.shape[0] > MAX_ROWS or norm.weight.dtype != torch.float32:
+        head_takes = self._head is not None and (rows.shape[0] <= MAX_ROWS or self._head.tiled.values)
+        if not head_takes or norm.weight.dtype != torch.float32:
             return self._model.lm_head(norm(rows))
         rows = rows.contiguous()
         vocab, width = self._head_shape
         logits = rows.new_empty(rows.shape[0], vocab)
         normed = self._buffer("head_normed", rows.numel())
         if self._head_function(ctypes.byref(self._head), norm.weight.data_ptr(), norm.eps, rows.data_ptr(), width,
-                               vocab, rows.shape[0], normed.data_ptr(), logits.data_ptr()) != 0:
+                               vocab, rows.shape[0], normed.data_ptr(), logits.data_ptr(),
+                               *self._prepared(rows.shape[0])) != 0:
             raise ValueError("the fused LM head cannot take this shape")
         return logits
 
@@ -249,7 +275,9 @@ class FusedDecodeLayers:
         buffers = {"normed": batch * self._hidden, "qkv_out": batch * qkv_width,
                    "attended": batch * self._num_heads * self._head_dim, "act": batch * self._intermediate,
                    "scores": batch * self._num_heads * scores_stride}
-        if batch > MAX_ROWS:
+        if self._tiled:
+            buffers["gate_up_out"] = batch * 2 * self._intermediate
+        elif batch > MAX_ROWS:
             widest_input = max(self._hidden, self._num_heads * self._head_dim, self._intermediate)
             buffers |= {"gate_up_out": batch * 2 * self._intermediate,
                         "panels": self._panel_floats(batch, widest_input)}
@@ -269,6 +297,7 @@ class FusedDecodeLayers:
         step.pool_key, step.pool_value = kv_cache.key.data_ptr(), kv_cache.value.data_ptr()
         step.pool_layer_stride, step.starts = kv_cache.key.stride(0), ctypes.cast(starts, ctypes.c_void_p)
         step.pool_f16 = int(kv_cache.key.dtype == torch.float16)
+        step.prepared, step.prepared_sums = self._prepared(batch)
         if self._function(ctypes.byref(step), self._layers, len(self._layers), hidden.data_ptr()) != 0:
             raise ValueError("the fused decode layer cannot take this shape")
         return True

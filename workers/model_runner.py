@@ -231,8 +231,6 @@ class ModelRunner:
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
-        self.dtype = dtype
-        self.kv_cache_dtype = kv_cache_dtype or dtype  # what the KV pool stores (attention computes in dtype)
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
@@ -240,6 +238,12 @@ class ModelRunner:
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
                                 attention_backend=attention_backend)
+        # What the model computes in: the weights' ``dtype``, or float32 over bfloat16 weights
+        # (quant.compute_plan).
+        self.dtype = self.model.dtype
+        # What the KV pool stores (attention computes in self.dtype): bfloat16 weights computing in float32
+        # keep K/V in float16, as llama.cpp does: 3 more bits than bfloat16 in the same bytes.
+        self.kv_cache_dtype = kv_cache_dtype or (torch.float16 if self.dtype != dtype else dtype)
         self.watermark_gamma, self.watermark_delta = watermark_gamma, watermark_delta  # None: sampling's defaults
         self.model_dir = model_dir
         # Rank 0, constrained decoding: built on the first request with a grammar (its vocabulary index

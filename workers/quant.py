@@ -120,7 +120,32 @@ class Int4Weight:
                           torch.cat([p.low for p in parts]), group)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+@dataclass(eq=False)
+class Bf16Weight:
+    """A float weight stored as bfloat16, computed with float32 activations by the same tiled kernel as the
+    quantized forms (float32 sums, float32 out): bfloat16 storage at float32's arithmetic, as llama.cpp runs
+    a bf16 file (design notes, "bfloat16 weights, float32 activations")."""
+
+    values: torch.Tensor  # bfloat16 [N, K]
+    packs: dict = field(default_factory=dict, repr=False)
+    group = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float()
+
+    def cols(self, start: int, stop: int) -> "Bf16Weight":
+        return Bf16Weight(self.values[:, start:stop].contiguous())
+
+    @staticmethod
+    def cat(parts: list["Bf16Weight"]) -> "Bf16Weight":
+        return Bf16Weight(torch.cat([p.values for p in parts]))
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Bf16Weight
 
 
 def _grouped(weight: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -155,13 +180,21 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
     return Int4Weight(values.view(n, -1)[:, :k].contiguous(), scale, low, group)
 
 
+def as_bf16(weight: torch.Tensor) -> Bf16Weight:
+    return Bf16Weight(weight.to(torch.bfloat16).contiguous())
+
+
 _QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+# The forms a projection's weight can take besides a dense float tensor: --quantize's, and bfloat16 storage
+# (``compute_plan``), which no flag names.
+_FORMS = {**_QUANTIZERS, "bf16": as_bf16}
+WEIGHT_FORMS = tuple(_FORMS)
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    """``--quantize``'s ``method`` ("int8", "int4") with its default grouping."""
-    if method in _QUANTIZERS:
-        return _QUANTIZERS[method](weight)
+    """``--quantize``'s ``method`` ("int8", "int4") with its default grouping, or "bf16" storage."""
+    if method in _FORMS:
+        return _FORMS[method](weight)
     raise ValueError(f"unknown quantization {method!r} (known: {', '.join(QUANTIZE_METHODS)})")
 
 
@@ -230,19 +263,32 @@ def _tiles(per_row: torch.Tensor, k_padded: int | None = None) -> torch.Tensor:
 
 
 class _KernelPack:
-    """A quantized weight in quant_kernels.c's layout (see its header)."""
+    """A quantized or bf16 weight in quant_kernels.c's tiled layout (see its header)."""
 
     def __init__(self, weight: QuantizedWeight):
         n, k = weight.shape
         self.n, self.k, self.is_int4 = n, k, isinstance(weight, Int4Weight)
+        self.kind = (bindings.TILED_BF16 if isinstance(weight, Bf16Weight)
+                     else bindings.TILED_INT4 if self.is_int4 else bindings.TILED_INT8)
         self.group = weight.group if weight.group is not None else k + k % 2
         self.k_padded = _groups(k, self.group) * self.group
+        self.scale = self.low = None
+        if self.kind == bindings.TILED_BF16:  # [T, Kp/2, 16, 2]: 16 rows' pairs of columns, as VDPBF16PS reads
+            padded = F.pad(weight.values.view(torch.int16), (0, self.k_padded - k, 0, -n % TILE))
+            self.values = padded.view(-1, TILE, self.k_padded // 2, 2).transpose(1, 2).contiguous()
+            return
         tiles = _tiles(weight.values, self.k_padded)  # [T, Kp, 16]
         pairs = tiles.view(tiles.shape[0], self.k_padded // 2, 2, TILE)
         # int8: [T, Kp/2, 2, 16]; int4: one byte per row and column pair, the even column low.
         self.values = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous() if self.is_int4 else pairs
         self.scale = _tiles(weight.scale)
         self.low = _tiles(weight.low) if self.is_int4 else None
+
+    def tiled(self) -> bindings.Tiled:
+        """The C view of this pack (its tensors must outlive it)."""
+        pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return bindings.Tiled(values=self.values.data_ptr(), scale=pointer(self.scale), low=pointer(self.low),
+                              kind=self.kind, k_padded=self.k_padded, group=self.group)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m = x.shape[0]
@@ -253,7 +299,11 @@ class _KernelPack:
         prepared = m * (1 + is_f32)
         rows = _scratch_of("rows", prepared * self.k_padded)
         bias_pointer = bias.data_ptr() if bias is not None else None
-        if self.is_int4:
+        if self.kind == bindings.TILED_BF16:
+            status = _library().bf16_matmul(
+                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.n, self.k_padded,
+                bias_pointer, y.data_ptr(), rows.data_ptr())
+        elif self.is_int4:
             sums = _scratch_of("sums", prepared * (self.k_padded // self.group))
             status = _library().int4_matmul(
                 x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.scale.data_ptr(),
@@ -268,8 +318,11 @@ class _KernelPack:
         return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of the int8 weight, dequantized to float32."""
+        """Rows ``ids`` of the int8 or bf16 weight, dequantized to float32."""
         tile, lane = ids // TILE, ids % TILE
+        if self.kind == bindings.TILED_BF16:
+            pairs = self.values[tile, :, lane].reshape(len(ids), self.k_padded)[:, : self.k]
+            return pairs.view(torch.bfloat16).float()
         values = self.values[tile, :, :, lane].reshape(len(ids), self.k_padded)[:, : self.k]
         scale = self.scale[tile, :, lane]
         return values.float() * _expand(scale, self.k, self.group)
@@ -311,7 +364,9 @@ class _TorchPack:
         return _int8_rows(self.weight, ids)
 
 
-def _int8_rows(weight: Int8Weight, ids: torch.Tensor) -> torch.Tensor:
+def _int8_rows(weight: Int8Weight | Bf16Weight, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(weight, Bf16Weight):
+        return weight.values[ids].float()
     return weight.values[ids].float() * _expand(weight.scale[ids], weight.shape[1], weight.group)
 
 
@@ -320,7 +375,7 @@ class _DensePack:
     (torch's quantized kernels are slower there than a dense float32 product)."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
-        self.source = weight if isinstance(weight, Int8Weight) else None  # for embedding rows
+        self.source = weight if isinstance(weight, Int8Weight | Bf16Weight) else None  # for embedding rows
         self.linear = Linear(weight.dequantize().to(dtype))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -336,7 +391,7 @@ def _pack(weight: QuantizedWeight, dtype: torch.dtype):
     tied embedding and LM head share it)."""
     if dtype in (torch.bfloat16, torch.float32) and _library() is not None:
         kind, make = "kernel", lambda: _KernelPack(weight)
-    elif dtype in (torch.bfloat16, torch.float16) and _TorchPack.takes(weight):
+    elif dtype in (torch.bfloat16, torch.float16) and not isinstance(weight, Bf16Weight) and _TorchPack.takes(weight):
         kind, make = f"torch-{dtype}", lambda: _TorchPack(weight, dtype)
     else:
         kind, make = f"dense-{dtype}", lambda: _DensePack(weight, dtype)
@@ -354,7 +409,8 @@ class QuantizedLinear:
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.bfloat16):
         self.out_features = weight.shape[0]
-        self.method = "int4" if isinstance(weight, Int4Weight) else "int8"
+        self.method = ("int4" if isinstance(weight, Int4Weight) else "bf16" if isinstance(weight, Bf16Weight)
+                       else "int8")
         self.bias = bias
         self._pack = _pack(weight, dtype)
         # Our kernel adds a float32 bias before rounding to the output dtype.
@@ -366,18 +422,19 @@ class QuantizedLinear:
 
 
 class QuantizedEmbedding:
-    """Embedding rows looked up in an int8 matrix, dequantized: with ``tied_embedding_and_head`` (or the
-    same ``Int8Weight`` given to a ``QuantizedLinear`` of the same dtype) an embedding and LM head share
-    one int8 copy, in the kernel's layout."""
+    """Embedding rows looked up in an int8 (or bf16) matrix, dequantized: with ``tied_embedding_and_head``
+    (or the same weight given to a ``QuantizedLinear`` of the same dtype) an embedding and LM head share
+    one copy, in the kernel's layout."""
 
-    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
+    def __init__(self, weight: Int8Weight | Bf16Weight, dtype: torch.dtype):
         self._pack, self.dtype = _pack(weight, dtype), dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self._pack.rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
 
-def tied_embedding_and_head(weight: Int8Weight, dtype: torch.dtype) -> tuple[QuantizedEmbedding, QuantizedLinear]:
+def tied_embedding_and_head(weight: Int8Weight | Bf16Weight,
+                            dtype: torch.dtype) -> tuple[QuantizedEmbedding, QuantizedLinear]:
     return QuantizedEmbedding(weight, dtype), QuantizedLinear(weight, None, dtype)
 
 
@@ -388,7 +445,23 @@ def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | Non
     if isinstance(weight, torch.Tensor):
         if quantize is None:
             return Linear(weight if dtype is None else weight.to(dtype), bias)
-        if quantize not in _QUANTIZERS:
+        if quantize not in _FORMS:
             raise ValueError(f"unknown quantization {quantize!r} (known: {', '.join(QUANTIZE_METHODS)})")
-        return QuantizedLinear(_QUANTIZERS[quantize](weight), bias, dtype or weight.dtype)
+        return QuantizedLinear(_FORMS[quantize](weight), bias, dtype or weight.dtype)
     return QuantizedLinear(weight, bias, dtype or torch.bfloat16)
+
+
+def compute_plan(device: torch.device, dtype: torch.dtype, quantize: str | None) -> tuple[torch.dtype, str | None]:
+    """(activation dtype, weight form) for a native model served in ``dtype`` with ``quantize``: on a CPU
+    where the tiled kernel runs (AVX512-BF16), bfloat16 means bfloat16 weights and float32 activations,
+    norms, softmax and logits (llama.cpp's arithmetic, and batch-invariant: design notes, "bfloat16
+    weights, float32 activations"), and --quantize's forms compute with float32 activations too. Elsewhere
+    the model computes in ``dtype``."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or _library() is None:
+        return dtype, quantize
+    return torch.float32, quantize or "bf16"
+
+
+def tiled_forms() -> tuple[str, ...]:
+    """The weight forms that compute through the tiled kernel on this machine (none without AVX512-BF16)."""
+    return ("int8", "int4", "bf16") if _library() is not None else ()

@@ -58,7 +58,7 @@ class WeightBuilder:
                  quantize: str | None = None, keep_plain: bool = False):
         """``keep_plain`` keeps dense projections plain (see ``Linear``) for the fused decode layer, and
         also packed while the copies fit in ``SECOND_COPY_SHARE`` of the available host memory."""
-        if quantize is not None and quantize not in quant.QUANTIZE_METHODS:
+        if quantize is not None and quantize not in quant.WEIGHT_FORMS:
             raise ValueError(f"unknown quantization {quantize!r} (known: {', '.join(quant.QUANTIZE_METHODS)})")
         if quantize is not None and device.type != "cpu":
             raise ValueError(f"--quantize {quantize} runs on CPU only (its kernels are torch's CPU ops)")
@@ -68,7 +68,7 @@ class WeightBuilder:
         available = mem_available_bytes() if keep_plain else None
         self.second_copy_budget = 0 if available is None else int(available * SECOND_COPY_SHARE)
         self.keep_quantized = (hasattr(reader, "read_quantized") and device.type == "cpu"
-                               and dtype in (torch.bfloat16, torch.float16))
+                               and (dtype in (torch.bfloat16, torch.float16) or quantize == "bf16"))
         self.report: Counter[str] = Counter()  # "Q4_1 -> int4 (kept)": count of tensors
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ class WeightBuilder:
                 return quant.QuantizedLinear(weight, bias, self.dtype)
         dense = floats()
         if self.quantize is not None:
-            self._count(weight_names, self.quantize)
+            self._count(weight_names, _FORM_LABELS.get(self.quantize, self.quantize))
             return quant.QuantizedLinear(quant.quantize(dense, self.quantize), bias, self.dtype)
         self._count(weight_names, _dtype_label(self.dtype))
         return self._dense_linear(self.place(dense), bias)
@@ -171,6 +171,9 @@ class WeightBuilder:
             head, head_int8 = embed, embed_int8
         else:
             head, head_int8 = self.vocab_shard("lm_head.weight", vocab_size, hidden)
+        if self.quantize == "bf16" and not isinstance(embed, quant.Int8Weight) and not isinstance(
+                head, quant.Int8Weight):
+            return self._bf16_embedding_and_head(embed, head, tied)
         if embed_int8:
             embed_q = embed if isinstance(embed, quant.Int8Weight) else quant.quantize_int8(embed)
             embedding = quant.QuantizedEmbedding(embed_q, self.dtype)
@@ -188,6 +191,15 @@ class WeightBuilder:
             self._count(["lm_head.weight"], "int8" if head_int8 else _dtype_label(self.dtype))
         return embedding, lm_head, embed.shape[0]
 
+    def _bf16_embedding_and_head(self, embed: torch.Tensor, head: torch.Tensor, tied: bool):
+        """bfloat16 storage (``quant.compute_plan``): a tied pair shares one bf16 matrix in the kernel's layout,
+        the head computing float32 logits."""
+        embed_bf16 = quant.as_bf16(embed)
+        head_bf16 = embed_bf16 if tied else quant.as_bf16(head)
+        self._count(["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"]), _FORM_LABELS["bf16"])
+        return (quant.QuantizedEmbedding(embed_bf16, self.dtype), quant.QuantizedLinear(head_bf16, None, self.dtype),
+                embed.shape[0])
+
     def summary(self) -> str:
         """``"210 Q4_1 -> int4 (kept), 61 F32 -> bfloat16, ..."``, most frequent first."""
         return ", ".join(f"{n} {what}" for what, n in self.report.most_common())
@@ -198,6 +210,9 @@ def _cat(parts: list) -> quant.QuantizedWeight:
     if len(kinds) != 1:
         raise ValueError("parts of different quantized forms")
     return parts[0] if len(parts) == 1 else kinds.pop().cat(parts)
+
+
+_FORM_LABELS = {"bf16": "bfloat16"}
 
 
 def _dtype_label(dtype: torch.dtype) -> str:

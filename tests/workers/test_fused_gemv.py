@@ -10,7 +10,7 @@ import torch
 
 from llmbus.workers import fused_decode
 from llmbus.workers.kernels import bindings
-from llmbus.workers.quant import quantize_int8
+from llmbus.workers.quant import QuantizedLinear, as_bf16, quantize_int4, quantize_int8, tiled_forms
 
 LIBRARY = bindings.library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler: the fused decode layer is optional")
@@ -18,8 +18,10 @@ pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler: the fuse
 
 def gemv(proj: bindings.Proj, x: torch.Tensor, out_features: int) -> torch.Tensor:
     y = torch.full((x.shape[0], out_features), float("nan"))
+    width = proj.tiled.k_padded or x.shape[1]
+    prepared, sums = torch.empty(2 * x.shape[0] * width, dtype=torch.bfloat16), torch.empty(2 * x.shape[0] * width)
     assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), x.shape[1], out_features, x.shape[0],
-                             y.data_ptr()) == 0
+                             y.data_ptr(), prepared.data_ptr(), sums.data_ptr()) == 0
     return y
 
 
@@ -51,7 +53,7 @@ def test_more_rows_than_one_pass_serves_are_refused():
     keep = []
     proj = fused_decode._dense_proj(torch.randn(4, 8), keep)
     x, y = torch.randn(bindings.MAX_ROWS + 1, 8), torch.empty(bindings.MAX_ROWS + 1, 4)
-    assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), 8, 4, x.shape[0], y.data_ptr()) == -1
+    assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), 8, 4, x.shape[0], y.data_ptr(), None, None) == -1
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
@@ -79,3 +81,24 @@ def test_no_bfloat16_copy_of_float32_values_or_past_the_budget():
     for weight in (inexact, exact, exact):
         copies.add(fused_decode._dense_proj(weight, keep), weight, keep)
     assert copies.made == 1 and copies.bytes == exact.numel() * 2  # the inexact one, then no room left
+
+
+@pytest.mark.skipif(not tiled_forms(), reason="the tiled kernel needs AVX512-BF16")
+@pytest.mark.parametrize("form", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (67, 128), (5, 32)])
+def test_tiled_rows_are_the_kernels_bits_whatever_the_batch(form, out_features, in_features):
+    """A tiled projection in the fused layer gives the bits quant_kernels.c's product gives, and a row's
+    result does not depend on how many rows are beside it (1, 3, 8 or 13: past MAX_ROWS too)."""
+    torch.manual_seed(out_features + in_features)
+    make = {"bf16": as_bf16, "int8": quantize_int8, "int4": quantize_int4}[form]
+    weight = make(torch.randn(out_features, in_features))
+    linear = QuantizedLinear(weight, None, torch.float32)
+    keep = []
+    proj = fused_decode._proj_args(linear, keep)
+    assert proj.tiled.values
+    x = torch.randn(13, in_features)
+    alone = torch.cat([gemv(proj, x[i:i + 1], out_features) for i in range(13)])
+    assert torch.equal(alone, linear(x))
+    for rows in (1, 3, 8, 13):
+        assert torch.equal(gemv(proj, x[:rows], out_features), alone[:rows])
+    torch.testing.assert_close(alone, (x.double() @ weight.dequantize().double().T).float(), rtol=1e-4, atol=1e-3)

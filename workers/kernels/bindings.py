@@ -25,10 +25,21 @@ QUANT_TILE = 16  # output rows per vector of quant_kernels.c's weight layout
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
-class Proj(ctypes.Structure):
-    """A projection's weight: float32 rows, int8 rows with group scales, or both; and a bfloat16 copy."""
+# quant_kernels.c's tiled forms (Tiled.kind)
+TILED_INT8, TILED_INT4, TILED_BF16 = 1, 2, 3
 
-    _fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64), ("bf16", _P)]
+
+class Tiled(ctypes.Structure):
+    """A projection in quant_kernels.c's tiled layout: int8/int4 with group scales, or bf16."""
+
+    _fields_ = [("values", _P), ("scale", _P), ("low", _P), ("kind", _I64), ("k_padded", _I64), ("group", _I64)]
+
+
+class Proj(ctypes.Structure):
+    """A projection's weight: float32 rows, int8 rows with group scales, or both; and a bfloat16 copy; or a
+    tiled form (``tiled.values`` set), which every GEMV of it then reads."""
+
+    _fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64), ("bf16", _P), ("tiled", Tiled)]
 
 
 class LayerArgs(ctypes.Structure):
@@ -51,7 +62,8 @@ class StepArgs(ctypes.Structure):
                                            "attended", "act", "scores")]
                 + [("rows_share_sequences", _I64)]
                 + [(name, _P) for name in ("gate_up_out", "panels", "pool_key", "pool_value")]
-                + [("pool_layer_stride", _I64), ("starts", _P), ("pool_f16", _I64)])
+                + [("pool_layer_stride", _I64), ("starts", _P), ("pool_f16", _I64), ("prepared", _P),
+                   ("prepared_sums", _P)])
 
 
 _ATTENTION = [_P, _I64, _P, _I64, _P, _I64,  # query, new key, new value (+ row strides)
@@ -72,9 +84,10 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     **{f"decode_attention_{suffix}": (_ATTENTION, _INT) for suffix in POOL_SUFFIXES},
     **{f"write_kv_{suffix}": (_WRITE_KV, None) for suffix in POOL_SUFFIXES},
     "decode_layers_f32": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs), _I64, _P], _INT),
-    # weight, norm (or null), eps, x, in, out, rows, normed scratch, y
-    "lm_head_f32": ([ctypes.POINTER(Proj), _P, _F32, _P, _I64, _I64, _I64, _P, _P], _INT),
-    "gemv_proj": ([ctypes.POINTER(Proj), _P, _I64, _I64, _I64, _P], _INT),  # weight, x, in, out, rows, y
+    # weight, norm (or null), eps, x, in, out, rows, normed scratch, y, prepared scratch, their sums (tiled)
+    "lm_head_f32": ([ctypes.POINTER(Proj), _P, _F32, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
+    # weight, x, in, out, rows, y, prepared scratch, their sums (tiled)
+    "gemv_proj": ([ctypes.POINTER(Proj), _P, _I64, _I64, _I64, _P, _P, _P], _INT),
     "decode_layer_reads_bf16": ([], _INT),
     "decode_layer_takes_large_batches": ([], _INT),
     "decode_layer_panel_floats": ([_I64, _I64], _I64),
@@ -83,6 +96,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "quant_kernels_available": ([], _INT),
     # x, x is float32, m, k, x stride, values, scale, (int4: low,) n, k padded, group, bias, y, rows, (int4: sums)
     "int8_matmul": ([_P, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
+    # x, x is float32, m, k, x stride, values, n, k padded, bias, y, rows
+    "bf16_matmul": ([_P, _INT, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P], _INT),
     "int4_matmul": ([_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
     "greedy_f32": ([_P, _I64, _I64, _I64, _P, _P], _INT),  # logits, rows, vocab, stride, ids, logprobs
     # logits, raw, rows, vocab, stride, sampled, temperatures, uniforms, scratch, scratch rows, ids, logprobs
@@ -100,8 +115,10 @@ class KernelABIError(RuntimeError):
 
 def abi_expectations() -> dict[str, int]:
     """What ``llmbus_kernels_abi`` must answer for each name: these bindings' sizes and constants."""
-    return {"sizeof(Proj)": ctypes.sizeof(Proj), "sizeof(LayerArgs)": ctypes.sizeof(LayerArgs),
-            "sizeof(StepArgs)": ctypes.sizeof(StepArgs), "MAX_ROWS": MAX_ROWS, "QUANT_TILE": QUANT_TILE}
+    return {"sizeof(Tiled)": ctypes.sizeof(Tiled), "sizeof(Proj)": ctypes.sizeof(Proj),
+            "sizeof(LayerArgs)": ctypes.sizeof(LayerArgs), "sizeof(StepArgs)": ctypes.sizeof(StepArgs),
+            "MAX_ROWS": MAX_ROWS, "QUANT_TILE": QUANT_TILE, "TILED_INT8": TILED_INT8, "TILED_INT4": TILED_INT4,
+            "TILED_BF16": TILED_BF16}
 
 
 def check_abi(lib: ctypes.CDLL, expected: dict[str, int] | None = None) -> None:

@@ -12,11 +12,15 @@ typedef struct {
 } AbiEntry;
 
 static const AbiEntry ABI[] = {
+    {"sizeof(Tiled)", sizeof(Tiled)},
     {"sizeof(Proj)", sizeof(Proj)},
     {"sizeof(LayerArgs)", sizeof(LayerArgs)},
     {"sizeof(StepArgs)", sizeof(StepArgs)},
     {"MAX_ROWS", MAX_ROWS},
     {"QUANT_TILE", QUANT_TILE},
+    {"TILED_INT8", TILED_INT8},
+    {"TILED_INT4", TILED_INT4},
+    {"TILED_BF16", TILED_BF16},
 };
 
 int64_t llmbus_kernels_abi(const char *name) {

@@ -255,6 +255,30 @@ static inline void gemv(const Proj *weight, const float *bias, const float *x, i
     }
 }
 
+/* y (+)= W x (+ bias) for a tiled projection and any number of rows: the rows as bf16 pairs first, then the
+ * tiles (16 outputs each) split across the threads. Called inside a parallel region; ends on a barrier. */
+static inline void tiled_gemv(const Tiled *w, const float *bias, const float *x, int64_t in, int64_t out_features,
+                              int64_t rows, float *y, int64_t y_stride, int accumulate, uint16_t *prepared,
+                              float *sums) {
+    const int64_t groups = w->k_padded / w->group, tiles = (out_features + QUANT_TILE - 1) / QUANT_TILE;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < rows; b++)
+        tiled_prepare_row(w, x + b * in, in, prepared + b * 2 * w->k_padded, sums == 0 ? 0 : sums + b * 2 * groups);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) tiled_product(w, t, prepared, sums, rows, out_features, bias, y, y_stride,
+                                                      accumulate);
+}
+
+/* A projection of a step, through its tiled form where it has one. */
+static inline void project(const StepArgs *s, const Proj *p, const float *bias, const float *x, int64_t in,
+                           int64_t out_features, float *y, int64_t y_stride, int accumulate) {
+    if (p->tiled.values != 0)
+        tiled_gemv(&p->tiled, bias, x, in, out_features, s->batch, y, y_stride, accumulate, s->prepared,
+                   s->prepared_sums);
+    else
+        gemv(p, bias, x, in, out_features, s->batch, y, y_stride, accumulate);
+}
+
 static inline void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
     float sum = 0.0f;
 #pragma omp simd reduction(+:sum)
@@ -329,6 +353,18 @@ static inline float silu_times(float gate, float up) {
     return gate * (gate < 0.0f ? e : 1.0f) / (1.0f + e) * up;
 }
 
+/* act = SiLU(gate) * up for every row of gate_up_out; called inside the step's parallel region. */
+static inline void silu_rows(const StepArgs *s) {
+    const int64_t I = s->intermediate;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < s->batch; b++) {
+        const float *gate = s->gate_up_out + b * 2 * I, *up = gate + I;
+        float *act = s->act + b * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) act[i] = silu_times(gate[i], up[i]);
+    }
+}
+
 #if GEMM_RUNS
 /* A batch past MAX_ROWS, float32 weights: the same stages, the projections as gemm.c's GEMMs (each weight
  * row used for every row of the batch from cache, not streamed per row as a GEMV would). Called by every
@@ -344,13 +380,7 @@ static void layer_gemm(const StepArgs *s, const LayerArgs *l, const LayerPool *p
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
     gemm_team(s->normed, l->gate_up.dense, l->gate_up_bias, B, 2 * I, H, s->gate_up_out, 2 * I, 0, s->panels);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; b++) {
-        const float *gate = s->gate_up_out + b * 2 * I, *up = gate + I;
-        float *act = s->act + b * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; i++) act[i] = silu_times(gate[i], up[i]);
-    }
+    silu_rows(s);
     gemm_team(s->act, l->down.dense, l->down_bias, B, H, I, hidden, H, 1, s->panels);
 }
 #endif
@@ -377,18 +407,25 @@ int64_t decode_layer_panel_floats(int64_t rows, int64_t widest) {
 #endif
 }
 
-/* A batch of at most MAX_ROWS: the projections as GEMVs, each weight row streamed once for every row.
- * Called by every thread of the step's parallel region; ends on a barrier. */
+/* A batch of at most MAX_ROWS, or of any size when every projection is tiled: the projections as GEMVs, each
+ * weight row streamed once for every row. Called by every thread of the step's parallel region; ends on a
+ * barrier. */
 static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *pool, float *hidden) {
     const int64_t B = s->batch, H = s->hidden, I = s->intermediate, D = s->head_dim;
     const int64_t Hq = s->num_heads, Hkv = s->num_kv_heads, qkv_width = (Hq + 2 * Hkv) * D;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
-    gemv(&l->qkv, l->qkv_bias, s->normed, H, qkv_width, B, s->qkv_out, qkv_width, 0);
+    project(s, &l->qkv, l->qkv_bias, s->normed, H, qkv_width, s->qkv_out, qkv_width, 0);
     rope_write_attend(s, pool);
-    gemv(&l->o_proj, l->o_bias, s->attended, Hq * D, H, B, hidden, H, 1);
+    project(s, &l->o_proj, l->o_bias, s->attended, Hq * D, H, hidden, H, 1);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
+    if (l->gate_up.tiled.values != 0) { /* every row the same arithmetic, whatever the batch */
+        project(s, &l->gate_up, l->gate_up_bias, s->normed, H, 2 * I, s->gate_up_out, 2 * I, 0);
+        silu_rows(s);
+        project(s, &l->down, l->down_bias, s->act, I, H, hidden, H, 1);
+        return;
+    }
     /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < I; i++) {
@@ -401,7 +438,12 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
             s->act[b * I + i] = g / (1.0f + expf(-g)) * u;
         }
     }
-    gemv(&l->down, l->down_bias, s->act, I, H, B, hidden, H, 1);
+    project(s, &l->down, l->down_bias, s->act, I, H, hidden, H, 1);
+}
+
+static inline int all_tiled(const LayerArgs *l) {
+    return l->qkv.tiled.values != 0 && l->o_proj.tiled.values != 0 && l->gate_up.tiled.values != 0 &&
+           l->down.tiled.values != 0;
 }
 
 /* Every layer of ``layers`` over hidden [B, H] (float32, updated in place), in one parallel region: the
@@ -410,14 +452,14 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
 int decode_layers_f32(const StepArgs *s, const LayerArgs *layers, int64_t num_layers, float *hidden) {
     const int64_t B = s->batch, Hq = s->num_heads, Hkv = s->num_kv_heads;
     if (Hq % Hkv != 0 || s->head_dim % 2 != 0) return -1;
-    const int large = B > MAX_ROWS;
-    if (large) {
-        if (!GEMM_RUNS) return -1;
-        for (int64_t i = 0; i < num_layers; i++) {
-            const LayerArgs *l = &layers[i];
-            if (l->qkv.dense == 0 || l->o_proj.dense == 0 || l->gate_up.dense == 0 || l->down.dense == 0) return -1;
-        }
+    int large = B > MAX_ROWS;
+    for (int64_t i = 0; i < num_layers && large; i++) { /* tiled layers take any batch through their GEMVs */
+        const LayerArgs *l = &layers[i];
+        if (!all_tiled(l) && (!GEMM_RUNS || l->qkv.dense == 0 || l->o_proj.dense == 0 || l->gate_up.dense == 0 ||
+                              l->down.dense == 0))
+            return -1;
     }
+    if (large && num_layers > 0 && all_tiled(&layers[0])) large = 0;
 #pragma omp parallel
     for (int64_t i = 0; i < num_layers; i++) {
         const LayerPool pool = layer_pool(s, &layers[i], i);
@@ -436,20 +478,26 @@ int decode_layers_f32(const StepArgs *s, const LayerArgs *layers, int64_t num_la
  * final norm and the LM head of a small decode step (its largest matrix, streamed once for every row), in
  * one parallel region. ``normed``: scratch of rows * in floats. norm may be null (x is normed already). */
 int lm_head_f32(const Proj *weight, const float *norm, float eps, const float *x, int64_t in, int64_t out_features,
-                int64_t rows, float *normed, float *y) {
-    if (rows > MAX_ROWS) return -1;
+                int64_t rows, float *normed, float *y, uint16_t *prepared, float *prepared_sums) {
+    const int tiled = weight->tiled.values != 0;
+    if (rows > MAX_ROWS && !tiled) return -1;
 #pragma omp parallel
     {
         if (norm != 0) {
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < rows; b++) rms_norm(x + b * in, norm, in, eps, normed + b * in);
         }
-        gemv(weight, 0, norm != 0 ? normed : x, in, out_features, rows, y, out_features, 0);
+        const float *input = norm != 0 ? normed : x;
+        if (tiled)
+            tiled_gemv(&weight->tiled, 0, input, in, out_features, rows, y, out_features, 0, prepared, prepared_sums);
+        else
+            gemv(weight, 0, input, in, out_features, rows, y, out_features, 0);
     }
     return 0;
 }
 
-/* y [rows, out] = x [rows, in] W^T for one projection (float32 or int8 rows). */
-int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y) {
-    return lm_head_f32(weight, 0, 0.0f, x, in, out_features, rows, 0, y);
+/* y [rows, out] = x [rows, in] W^T for one projection (float32 or int8 rows, or tiled). */
+int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y,
+              uint16_t *prepared, float *prepared_sums) {
+    return lm_head_f32(weight, 0, 0.0f, x, in, out_features, rows, 0, y, prepared, prepared_sums);
 }

@@ -85,6 +85,13 @@ void pair_f16kv(const float *query, const uint16_t *keys, const uint16_t *values
                 int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale,
                 float *scores, int64_t scores_stride, float *out);
 
+/* quant_kernels.c, for the fused decode layer's tiled projections (both no-ops without AVX512-BF16, where
+ * none is made): one float32 input row of k as its bf16 hi and lo rows (k_padded apart) and, for int4, their
+ * group sums; and tile t (16 outputs) of y (+)= x . w (+ bias) for `inputs` rows prepared so. */
+void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out, float *sums);
+void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
+                   const float *bias, float *y, int64_t y_stride, int accumulate);
+
 /* gemm.c's register-tiled GEMM is built for AVX2 + FMA without AVX-512 only (gemm.c says why). */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define GEMM_RUNS 1

@@ -26,12 +26,23 @@ enum { QUANT_TILE = 16 };
  * arithmetic, multiply the copy, as the torch path does). ``bf16``: the float32 rows again as bfloat16,
  * where every value of them is one (a bfloat16 checkpoint served in float32): the GEMVs stream those, half
  * the bytes, for the very same float32 numbers and sums. */
+/* A projection in quant_kernels.c's tiled layout (its header): 16 output rows a vector, each lane summing its
+ * row's products in input order whatever the batch, so a row's result does not depend on the rows beside
+ * it. int8 and int4 with per-group scales (int4: and lows); bf16 with no scale (group = k_padded). */
+enum { TILED_NONE = 0, TILED_INT8 = 1, TILED_INT4 = 2, TILED_BF16 = 3 };
+typedef struct {
+    const void *values; /* or null: not tiled */
+    const float *scale, *low;
+    int64_t kind, k_padded, group;
+} Tiled;
+
 typedef struct {
     const float *dense;   /* or null: int8 only */
     const int8_t *values; /* or null: float32 only */
     const float *scale;
     int64_t group;
     const uint16_t *bf16; /* or null */
+    Tiled tiled;          /* values null, or the form every GEMV of this projection reads */
 } Proj;
 
 /* One decoder layer's weights for decode_layers_f32. */
@@ -56,6 +67,8 @@ typedef struct {
     int64_t pool_layer_stride;                 /* elements from one layer's pool to the next */
     const int64_t *const *starts;              /* per window: [B] first visible key */
     int64_t pool_f16;                          /* the pool holds float16 K/V (--kv-cache-dtype), else float32 */
+    uint16_t *prepared;                        /* tiled projections' inputs as bf16 pairs: [2 B, widest k_padded] */
+    float *prepared_sums;                      /* and their group sums (int4): [2 B, most groups] */
 } StepArgs;
 
 /* The library's side of the ABI check: the value of ``name`` (a constant above, or "sizeof(Proj)",
@@ -89,9 +102,10 @@ LLMBUS_WRITE_KV(write_kv_f16kv, float, uint16_t);
  * and what this build of it takes. */
 LLMBUS_API int decode_layers_f32(const StepArgs *s, const LayerArgs *layers, int64_t num_layers, float *hidden);
 LLMBUS_API int lm_head_f32(const Proj *weight, const float *norm, float eps, const float *x, int64_t in,
-                           int64_t out_features, int64_t rows, float *normed, float *y);
+                           int64_t out_features, int64_t rows, float *normed, float *y, uint16_t *prepared,
+                           float *prepared_sums);
 LLMBUS_API int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows,
-                         float *y);
+                         float *y, uint16_t *prepared, float *prepared_sums);
 LLMBUS_API int decode_layer_reads_bf16(void);
 LLMBUS_API int decode_layer_takes_large_batches(void);
 LLMBUS_API int64_t decode_layer_panel_floats(int64_t rows, int64_t widest);
@@ -101,11 +115,14 @@ LLMBUS_API int gemm_f32_runs(void);
 LLMBUS_API int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k,
                         float *y);
 
-/* quant_kernels.c: weight-only int8 / int4 products (AVX512-BF16 only: quant_kernels_available). */
+/* quant_kernels.c: weight-only int8 / int4 / bf16 products (AVX512-BF16 only: quant_kernels_available). */
 LLMBUS_API int quant_kernels_available(void);
 LLMBUS_API int int8_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
                            const int8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
                            const float *bias, void *y, uint16_t *rows);
+LLMBUS_API int bf16_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+                           const uint16_t *values, int64_t n, int64_t k_padded, const float *bias, void *y,
+                           uint16_t *rows);
 LLMBUS_API int int4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
                            const uint8_t *values, const float *scale, const float *low, int64_t n,
                            int64_t k_padded, int64_t group, const float *bias, void *y, uint16_t *rows,

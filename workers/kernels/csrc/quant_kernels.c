@@ -41,35 +41,43 @@ int quant_kernels_available(void) { return QUANT_KERNELS; }
 #define TILE QUANT_TILE
 #define ROW_BLOCK 8
 
+/* One input row (bf16, or float32: hi then lo, k_padded apart) -> bf16 row(s) of k_padded in `out`, zero-padded;
+ * and, where `sums` is not null (int4), each prepared row's sum per group, `groups` apart. */
+static inline void prepare_row(const void *x_row, int x_is_f32, int64_t k, int64_t k_padded, int64_t group,
+                               uint16_t *out, float *sums) {
+    int64_t per_input = x_is_f32 ? 2 : 1, groups = k_padded / group;
+    uint16_t *hi = out, *lo = out + k_padded;
+    if (x_is_f32) {
+        const float *src = (const float *)x_row;
+        for (int64_t j = 0; j < k; j++) {
+            uint16_t h = f32_to_bf16(src[j]);
+            hi[j] = h;
+            lo[j] = f32_to_bf16(src[j] - bf16_to_f32(h));
+        }
+    } else {
+        memcpy(hi, x_row, k * sizeof(uint16_t));
+    }
+    for (int64_t r = 0; r < per_input; r++) {
+        uint16_t *row = hi + r * k_padded;
+        memset(row + k, 0, (k_padded - k) * sizeof(uint16_t));
+        if (sums == NULL) continue;
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t j = g * group; j < (g + 1) * group; j++) sum += bf16_to_f32(row[j]);
+            sums[r * groups + g] = sum;
+        }
+    }
+}
+
 /* x (bf16 or float32, rows x_stride apart) -> bf16 rows of k_padded in `rows` (float32 input: hi, lo
  * interleaved), zero-padded; and, for int4, each row's sum per group in `sums` [rows][groups]. */
 static void prepare_rows(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int64_t k_padded,
                          int64_t group, uint16_t *rows, float *sums) {
-    int64_t per_input = x_is_f32 ? 2 : 1, groups = k_padded / group;
+    int64_t per_input = x_is_f32 ? 2 : 1, groups = k_padded / group, size = x_is_f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (m >= 32)
-    for (int64_t i = 0; i < m; i++) {
-        uint16_t *hi = rows + i * per_input * k_padded, *lo = hi + k_padded;
-        if (x_is_f32) {
-            const float *src = (const float *)x + i * x_stride;
-            for (int64_t j = 0; j < k; j++) {
-                uint16_t h = f32_to_bf16(src[j]);
-                hi[j] = h;
-                lo[j] = f32_to_bf16(src[j] - bf16_to_f32(h));
-            }
-        } else {
-            memcpy(hi, (const uint16_t *)x + i * x_stride, k * sizeof(uint16_t));
-        }
-        for (int64_t r = 0; r < per_input; r++) {
-            uint16_t *row = hi + r * k_padded;
-            memset(row + k, 0, (k_padded - k) * sizeof(uint16_t));
-            if (sums == NULL) continue;
-            for (int64_t g = 0; g < groups; g++) {
-                float sum = 0.0f;
-                for (int64_t j = g * group; j < (g + 1) * group; j++) sum += bf16_to_f32(row[j]);
-                sums[(i * per_input + r) * groups + g] = sum;
-            }
-        }
-    }
+    for (int64_t i = 0; i < m; i++)
+        prepare_row((const char *)x + i * x_stride * size, x_is_f32, k, k_padded, group,
+                    rows + i * per_input * k_padded, sums == NULL ? NULL : sums + i * per_input * groups);
 }
 
 static inline __m512i unpack_int8(const int8_t *pair) {
@@ -87,14 +95,27 @@ static inline __m512i unpack_int4(const uint8_t *pair) {
     return _mm512_ternarylogic_epi32(spread, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300), 0xEA);
 }
 
-/* One tile (16 output rows) for `count` consecutive prepared rows starting at `first`. */
+/* One tile (16 output rows) for `count` consecutive prepared rows starting at `first`. Each lane's sum runs
+ * over the pairs of inputs in order, one group after another, whatever `count` and `first` are: a row's
+ * result does not depend on the rows beside it. */
 static inline __attribute__((always_inline)) void tile_rows(
-        int is_int4, const void *tile_values, const float *tile_scale, const float *tile_low,
+        int64_t kind, const void *tile_values, const float *tile_scale, const float *tile_low,
         const uint16_t *rows, const float *sums, int64_t first, const int count, int64_t k_padded,
         int64_t group, __m512 *total) {
     const int64_t groups = k_padded / group, pairs_per_group = group / 2;
     const uint32_t *x_pairs = (const uint32_t *)rows;
     for (int i = 0; i < count; i++) total[i] = _mm512_setzero_ps();
+    if (kind == TILED_BF16) { /* one group, no scale: the pairs are stored as the instruction reads them */
+        for (int64_t p = 0; p < k_padded / 2; p++) {
+            __m512i w = _mm512_loadu_si512((const uint16_t *)tile_values + p * 2 * TILE);
+            for (int i = 0; i < count; i++) {
+                __m512i xx = _mm512_set1_epi32((int)x_pairs[(first + i) * (k_padded / 2) + p]);
+                total[i] = _mm512_dpbf16_ps(total[i], (__m512bh)xx, (__m512bh)w);
+            }
+        }
+        return;
+    }
+    const int is_int4 = kind == TILED_INT4;
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc[ROW_BLOCK];
         for (int i = 0; i < count; i++) acc[i] = _mm512_setzero_ps();
@@ -121,56 +142,76 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-static inline void store_row(void *y, int y_is_f32, int64_t row, int64_t n, int64_t column, __m512 v,
-                             const float *bias) {
+static inline void store_row(void *y, int y_is_f32, int64_t y_stride, int accumulate, int64_t row, int64_t n,
+                             int64_t column, __m512 v, const float *bias) {
     __mmask16 mask = n - column >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - column)) - 1);
     if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + column));
     if (y_is_f32) {
-        _mm512_mask_storeu_ps((float *)y + row * n + column, mask, v);
+        float *at = (float *)y + row * y_stride + column;
+        if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, at), v);
+        _mm512_mask_storeu_ps(at, mask, v);
     } else {
         __m256i packed = (__m256i)_mm512_cvtneps_pbh(v);
-        _mm256_mask_storeu_epi16((uint16_t *)y + row * n + column, mask, packed);
+        _mm256_mask_storeu_epi16((uint16_t *)y + row * y_stride + column, mask, packed);
     }
 }
 
-static int quant_matmul(int is_int4, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
-                        const void *values, const float *scale, const float *low, int64_t n, int64_t k_padded,
-                        int64_t group, const float *bias, void *y, uint16_t *rows, float *sums) {
-    if (k_padded % group || group % 2 || k > k_padded) return -2;
-    prepare_rows(x, x_is_f32, m, k, x_stride, k_padded, group, rows, is_int4 ? sums : NULL);
-    const int64_t per_input = x_is_f32 ? 2 : 1, prepared = m * per_input, groups = k_padded / group;
-    const int64_t tiles = (n + TILE - 1) / TILE;
-    const int64_t tile_bytes = is_int4 ? k_padded / 2 * TILE : k_padded * TILE;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const void *tile_values = (const uint8_t *)values + t * tile_bytes;
-        const float *tile_scale = scale + t * groups * TILE;
-        const float *tile_low = is_int4 ? low + t * groups * TILE : NULL;
-        for (int64_t first = 0; first < prepared; first += ROW_BLOCK) {
-            __m512 total[ROW_BLOCK];
-            int64_t count = prepared - first < ROW_BLOCK ? prepared - first : ROW_BLOCK;
-            /* constant counts let the compiler keep the accumulators in registers */
-            switch (count) {
-#define ROWS_CASE(c) case c: tile_rows(is_int4, tile_values, tile_scale, tile_low, rows, sums, first, c, \
+/* Tile `t` of `w` against every prepared row: rows of y (y_stride apart) get x . w (+ bias), or add it. */
+static inline void tile_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums,
+                                int64_t prepared, int64_t per_input, int64_t n, const float *bias, void *y,
+                                int y_is_f32, int64_t y_stride, int accumulate) {
+    const int64_t k_padded = w->k_padded, group = w->group, groups = k_padded / group;
+    const int64_t tile_bytes = w->kind == TILED_INT4 ? k_padded / 2 * TILE
+                             : w->kind == TILED_INT8 ? k_padded * TILE : k_padded * TILE * 2;
+    const void *tile_values = (const uint8_t *)w->values + t * tile_bytes;
+    const float *tile_scale = w->kind == TILED_BF16 ? NULL : w->scale + t * groups * TILE;
+    const float *tile_low = w->kind == TILED_INT4 ? w->low + t * groups * TILE : NULL;
+    for (int64_t first = 0; first < prepared; first += ROW_BLOCK) {
+        __m512 total[ROW_BLOCK];
+        int64_t count = prepared - first < ROW_BLOCK ? prepared - first : ROW_BLOCK;
+        /* constant counts let the compiler keep the accumulators in registers */
+        switch (count) {
+#define ROWS_CASE(c) case c: tile_rows(w->kind, tile_values, tile_scale, tile_low, rows, sums, first, c, \
                                        k_padded, group, total); break;
-                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+            ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
-            }
-            for (int64_t i = 0; i < count; i += per_input) {
-                __m512 v = per_input == 2 ? _mm512_add_ps(total[i], total[i + 1]) : total[i];
-                store_row(y, x_is_f32, (first + i) / per_input, n, t * TILE, v, bias);
-            }
+        }
+        for (int64_t i = 0; i < count; i += per_input) {
+            __m512 v = per_input == 2 ? _mm512_add_ps(total[i], total[i + 1]) : total[i];
+            store_row(y, y_is_f32, y_stride, accumulate, (first + i) / per_input, n, t * TILE, v, bias);
         }
     }
+}
+
+void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out, float *sums) {
+    prepare_row(x, 1, k, w->k_padded, w->group, out, w->kind == TILED_INT4 ? sums : NULL);
+}
+
+void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
+                   const float *bias, float *y, int64_t y_stride, int accumulate) {
+    tile_product(w, t, rows, sums, 2 * inputs, 2, n, bias, y, 1, y_stride, accumulate);
+}
+
+static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+                        int64_t n, const float *bias, void *y, uint16_t *rows, float *sums) {
+    if (w->k_padded % w->group || w->group % 2 || k > w->k_padded) return -2;
+    prepare_rows(x, x_is_f32, m, k, x_stride, w->k_padded, w->group, rows, w->kind == TILED_INT4 ? sums : NULL);
+    const int64_t per_input = x_is_f32 ? 2 : 1, tiles = (n + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        tile_product(w, t, rows, sums, m * per_input, per_input, n, bias, y, x_is_f32, n, 0);
     return 0;
 }
 
 #else
 
-static int quant_matmul(int is_int4, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
-                        const void *values, const float *scale, const float *low, int64_t n, int64_t k_padded,
-                        int64_t group, const float *bias, void *y, uint16_t *rows, float *sums) {
+void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out, float *sums) {}
+void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
+                   const float *bias, float *y, int64_t y_stride, int accumulate) {}
+
+static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+                        int64_t n, const float *bias, void *y, uint16_t *rows, float *sums) {
     return -1;
 }
 
@@ -181,13 +222,19 @@ static int quant_matmul(int is_int4, const void *x, int x_is_f32, int64_t m, int
 int int8_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const int8_t *values,
                 const float *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
                 uint16_t *rows) {
-    return quant_matmul(0, x, x_is_f32, m, k, x_stride, values, scale, NULL, n, k_padded, group, bias, y, rows,
-                        NULL);
+    Tiled w = {values, scale, NULL, TILED_INT8, k_padded, group};
+    return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, NULL);
 }
 
 int int4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint8_t *values,
                 const float *scale, const float *low, int64_t n, int64_t k_padded, int64_t group,
                 const float *bias, void *y, uint16_t *rows, float *sums) {
-    return quant_matmul(1, x, x_is_f32, m, k, x_stride, values, scale, low, n, k_padded, group, bias, y, rows,
-                        sums);
+    Tiled w = {values, scale, low, TILED_INT4, k_padded, group};
+    return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, sums);
+}
+
+int bf16_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint16_t *values,
+                int64_t n, int64_t k_padded, const float *bias, void *y, uint16_t *rows) {
+    Tiled w = {values, NULL, NULL, TILED_BF16, k_padded, k_padded};
+    return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, NULL);
 }
