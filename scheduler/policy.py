@@ -25,12 +25,14 @@ step so the workers drop their state.
 
 4. **Speculation** (``speculate`` > 0; scheduler/speculation.py). A decoding request also feeds up to
    ``speculate`` guessed tokens when the batch has at most ``speculate_max_batch`` decodes (beyond that a
-   step is compute-bound and guesses cost more than they save), blocks for them are free (a guess never
-   preempts anyone) and its guesses so far pay (one that keeps under a quarter of them stops). The ranks
-   keep the guesses their samples agree with, plus one sampled token; only those tokens' K/V count as
-   computed, so a rejected guess's slots are rewritten by later tokens and the prefix cache only ever
-   holds verified tokens. Never for requests with penalties, a watermark, a grammar, top_n_tokens or
-   pending prompt logprobs, and never past ``max_new_tokens``.
+   step is compute-bound and guesses cost more than they save) and blocks for them are free (a guess never
+   preempts anyone). How many is its ``GuessRate``'s call from its recent acceptance: 0 while guesses do
+   not pay, in which case an n-gram request keeps checking what it would have guessed against the token
+   that comes (free) and resumes when that starts to hold, and a draft-model request probes with one
+   guess after a back-off. The ranks keep the guesses their samples agree with, plus one sampled token;
+   only those tokens' K/V count as computed, so a rejected guess's slots are rewritten by later tokens and
+   the prefix cache only ever holds verified tokens. Never for requests with penalties, a watermark, a
+   grammar, top_n_tokens or pending prompt logprobs, and never past ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from llmbus.bus.messages import DRAFT_GUESS, FinishReason, Grammar, SamplingParams, StoppingParams
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.speculation import NgramIndex
+from llmbus.scheduler.speculation import GuessRate, NgramIndex
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +74,7 @@ class Request:
     prompt_logprob_values: list[float] = field(default_factory=list)  # prompt tokens 1..n-1, as computed
     num_preemptions: int = 0
     ngrams: NgramIndex | None = None  # prompt + output, indexed once the request first speculates
+    guess_rate: GuessRate | None = None  # its recent acceptance, once it first speculates
     spec_proposed: int = 0  # guessed tokens fed ...
     spec_accepted: int = 0  # ... and kept
 
@@ -122,6 +125,9 @@ class ScheduledSeq:
     sample: bool
     is_decode: bool = False  # computes only the token sampled last (else prompt or recomputed tokens)
     num_spec: int = 0  # of token_ids, the trailing guessed ones the ranks verify (a speculating decode)
+    # a plain decode of a request braked from guessing: the token n-gram lookup would have guessed, checked
+    # against the sampled one (free: nothing of it goes to the ranks)
+    watched_guess: int | None = None
 
 
 @dataclass(slots=True)
@@ -283,13 +289,15 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            watched = None
             if speculating and remaining == 1 and req.output_ids and budget > 0:
-                seq = self._guess(req, budget, batch)
-                if seq is not None:
+                guessed = self._guess(req, budget, batch)
+                if isinstance(guessed, ScheduledSeq):
                     i += 1
-                    budget -= seq.num_spec
-                    batch.seqs.append(seq)
+                    budget -= guessed.num_spec
+                    batch.seqs.append(guessed)
                     continue
+                watched = guessed
             need = self.kv.blocks_for(req.num_computed + n) - len(req.block_table)
             blocks = self.kv.allocate(need) if need > 0 else []
             while blocks is None:
@@ -308,23 +316,32 @@ class Scheduler:
                 budget -= n
             batch.seqs.append(ScheduledSeq(req, req.tokens(req.num_computed, req.num_computed + n),
                                            req.num_computed, n == remaining,
-                                           is_decode=remaining == 1 and bool(req.output_ids)))
+                                           is_decode=remaining == 1 and bool(req.output_ids),
+                                           watched_guess=watched))
             i += 1
         return preempted, budget
 
-    def _guess(self, req: Request, budget: int, batch: ScheduledBatch) -> ScheduledSeq | None:
-        """A decode of ``req`` with guessed tokens after its last one, if it may speculate, a guess exists
-        and blocks for it are free; else None (it decodes plainly)."""
-        if not _may_speculate(req) or _guesses_do_not_pay(req):
+    def _guess(self, req: Request, budget: int, batch: ScheduledBatch) -> ScheduledSeq | int | None:
+        """A decode of ``req`` with guessed tokens after its last one, if it may speculate, its recent
+        guesses pay (or a probe is due), a guess exists and blocks for it are free. Else it decodes
+        plainly: None, or, when n-gram guessing is braked, the token it would have guessed (to watch)."""
+        if not _may_speculate(req):
             return None
         # the kept guesses and the token sampled after them must fit in max_new_tokens
         room = req.stopping.max_new_tokens - len(req.output_ids) - 1
-        n = min(self.config.speculate, room, budget)
-        if self.config.speculate_method == "draft":
-            guess = [DRAFT_GUESS] * max(n, 0)
+        most = min(self.config.speculate, room, budget)
+        if req.guess_rate is None:
+            req.guess_rate = GuessRate()
+        draft = self.config.speculate_method == "draft"
+        n = req.guess_rate.length(most, len(req.output_ids), probe=draft)
+        if draft:
+            guess = [DRAFT_GUESS] * n
         else:
             if req.ngrams is None:
                 req.ngrams = NgramIndex(req.prompt_ids + req.output_ids)
+            if n == 0:
+                watch = req.ngrams.propose(1) if most > 0 else []
+                return watch[0] if watch else None
             guess = req.ngrams.propose(n)
         if not guess:
             return None
@@ -432,8 +449,11 @@ class Scheduler:
                 accepted = len(kept) - 1
                 req.spec_proposed += seq.num_spec
                 req.spec_accepted += accepted
+                req.guess_rate.observe(accepted, seq.num_spec)
                 self.counters.spec_proposed += seq.num_spec
                 self.counters.spec_accepted += accepted
+            elif seq.watched_guess is not None:
+                req.guess_rate.observe(int(kept[0][0] == seq.watched_guess), 1)
             for token_id, logprob in kept:
                 req.output_ids.append(token_id)
                 if req.ngrams is not None:
@@ -480,16 +500,6 @@ class Scheduler:
             req.prompt_logprob_values.clear()  # recomputed from the first chunk on
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
-
-
-# A request whose guesses keep failing stops guessing: past this many guesses, below this share kept, each
-# guess costs a position's compute for little (a batch step on a CPU is compute-bound).
-SPEC_PROBATION_GUESSES = 24
-SPEC_MIN_KEPT_SHARE = 0.25
-
-
-def _guesses_do_not_pay(req: Request) -> bool:
-    return req.spec_proposed >= SPEC_PROBATION_GUESSES and req.spec_accepted < SPEC_MIN_KEPT_SHARE * req.spec_proposed
 
 
 def _may_speculate(req: Request) -> bool:
