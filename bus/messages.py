@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 8  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 9  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -39,6 +39,7 @@ WIRE_VERSION = 8  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, p
 #    guesses for computed tokens; SchedulerStats.spec_proposed/spec_accepted
 # 8: WorkerReady.attention_backend; SchedulerHello's dtype, attention backend and devices (/info)
 #    StepResult.failed_error (a step that ran out of memory fails its requests, not the ranks)
+# 9: SamplingParams.min_p: a rank that ignored it would sample from tokens the request cut off
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -109,6 +110,7 @@ class SamplingParams(Message):
     top_n_tokens: int = 0  # how many alternatives to return per generated token
     watermark: bool = False  # Kirchenbauer et al. green-list bias
     presence_penalty: float = 0.0  # 0.0 = off; OpenAI's: logit -= penalty if the token was generated before
+    min_p: float = 0.0  # 0.0 = off; else drop tokens less likely than min_p x the most likely one's probability
 
 
 @dataclass(slots=True)

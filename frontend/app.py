@@ -46,6 +46,7 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
     app = web.Application(client_max_size=config.payload_limit, middlewares=middlewares)
     state = FrontendState(config=config, tokenizer=tokenizer or load_tokenizer(config.model_dir))
     app[STATE] = state
+    state.sampling_defaults.log_line()
 
     async def engine_ctx(app: web.Application):
         # the chat template's renderer loads while the scheduler answers

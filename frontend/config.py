@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.shared_settings import QUANTIZE_METHODS
+
+# --generation-config's words: the model's file, or none (vLLM's word for that, "vllm", means the same)
+GENERATION_CONFIG_MODES = ("auto", "none", "vllm")
 
 
 def _default_frontend_id() -> str:
@@ -25,6 +29,12 @@ def _default_compute_type() -> str:
 def _frontend_id_problem(value: str) -> str | None:
     # rids are f"{frontend_id}-{n}": a dash in the id would make the prefix ambiguous
     return None if value and "-" not in value else f"must be non-empty and contain no '-'. Given: {value!r}"
+
+
+def _generation_config_problem(value: str) -> str | None:
+    if value in GENERATION_CONFIG_MODES or (Path(value).expanduser() / "generation_config.json").is_file():
+        return None
+    return f"must be auto, none or a folder holding a generation_config.json. Given: {value}"
 
 
 def input_total_problem(max_input_tokens: int, max_total_tokens: int) -> str | None:
@@ -96,12 +106,34 @@ class FrontendConfig(ServiceSettings):
     disable_grammar_support: bool = setting(False, env="DISABLE_GRAMMAR_SUPPORT",
                                             help="Refuse `grammar`, `response_format` and `tools` (422 `grammar is "
                                                  "not supported`), as TGI does with this flag.")
+    # What a request that leaves a sampling parameter unset gets (frontend/sampling_defaults.py): a flag,
+    # else the model's generation_config.json, else the API's own default. Only requests that sample.
+    generation_config: str = setting(
+        "auto", check=_generation_config_problem,
+        help="Sampling defaults for requests that leave temperature, top_k, top_p, min_p or repetition_penalty "
+             "unset: `auto` reads the model's generation_config.json (as vLLM does), `none` ignores it, or a "
+             "folder holding one. The --default-* flags override it; a request's own value always wins.")
+    default_temperature: float | None = setting(
+        None, ge=0, help="Temperature of requests that sample and set none (over generation_config.json). "
+                         "0: the OpenAI routes decode greedily unless a request sets a temperature.")
+    default_top_k: int | None = setting(None, ge=0, help="top_k of requests that sample and set none "
+                                                         "(0: off).")
+    default_top_p: float | None = setting(None, gt=0, le=1, help="top_p of requests that sample and set none "
+                                                                 "(1: off).")
+    default_min_p: float | None = setting(None, ge=0, le=1, help="min_p of requests that sample and set none "
+                                                                 "(0: off).")
+    default_repetition_penalty: float | None = setting(None, gt=0, help="repetition_penalty of requests that "
+                                                                        "sample and set none (1: off).")
     keepalive_s: float = 15.0  # SSE comment `:` after this long without an event
     compute_type: str = field(default_factory=_default_compute_type)  # x-compute-type header
 
     def __post_init__(self) -> None:
         if self.model_id is None:
             self.model_id = self.model_dir
+        if self.generation_config == "vllm":
+            self.generation_config = "none"
+        elif self.generation_config not in GENERATION_CONFIG_MODES:  # a folder: the same for every process
+            self.generation_config = str(Path(self.generation_config).expanduser().resolve())
         super().__post_init__()
 
     def validate(self) -> list[str]:

@@ -1,7 +1,9 @@
 """OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) read into TGI's parameters.
 
-Where TGI falls short of OpenAI's API we follow OpenAI: ``temperature`` 0 means greedy, ``top_p`` 1.0 is
-accepted (and means no nucleus cut), ``n`` > 1 returns n choices, ``stop`` may be a string. The mapped
+Where TGI falls short of OpenAI's API we follow OpenAI: ``temperature`` 0 means greedy (whatever else the
+request sets), ``top_p`` 1.0 is accepted (and means no nucleus cut), ``n`` > 1 returns n choices, ``stop``
+may be a string. A sampled request's unset temperature, top_k, top_p, min_p and repetition_penalty take the
+server's defaults (``sampling_defaults.py``: flags, then the model's generation_config.json), then OpenAI's. The mapped
 ``GenerateParameters`` then pass TGI's own rules (``validate_parameters``) with TGI's messages. Unknown
 keys are ignored, as both OpenAI's and TGI's servers do.
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
 from llmbus.frontend.grammar import response_format_grammar
+from llmbus.frontend.sampling_defaults import SamplingDefaults
 from llmbus.frontend.tools import ToolPlan, parse_tools
 from llmbus.frontend.validation import I32_MAX, GenerateParameters, load_json, to_f32
 
@@ -99,10 +102,11 @@ def _stop_sequences(body: dict) -> list[str]:
     raise validation_error("`stop` must be a string or an array of strings", param="stop")
 
 
-def _common(body: dict, max_choices: int,
-            max_tokens_keys: tuple[str, ...]) -> tuple[GenerateParameters, OpenAIOptions]:
-    """The parameters both routes share, mapped onto TGI's GenerateParameters."""
-    p = GenerateParameters(do_sample=True, details=True)  # OpenAI samples at temperature 1 by default
+def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
+            defaults: SamplingDefaults) -> tuple[GenerateParameters, OpenAIOptions]:
+    """The parameters both routes share, mapped onto TGI's GenerateParameters; the sampling parameters a
+    sampled request leaves unset come from ``defaults`` (frontend/sampling_defaults.py)."""
+    p = GenerateParameters(do_sample=True, details=True)
     max_tokens = None
     for key in max_tokens_keys:  # max_completion_tokens wins over the deprecated max_tokens
         value = _get(body, key, "integer")
@@ -114,19 +118,40 @@ def _common(body: dict, max_choices: int,
 
     temperature = _get(body, "temperature", "number")
     _in_range("temperature", temperature, 0.0, 2.0)
-    if temperature == 0:
-        p.do_sample = False  # greedy
-    elif temperature is not None:
-        p.temperature = float(temperature)
     top_p = _get(body, "top_p", "number")
     _in_range("top_p", top_p, 0.0, 1.0, low_open=True)
-    if top_p is not None and top_p < 1.0:
-        p.top_p = float(top_p)
     top_k = _get(body, "top_k", "integer")  # vLLM's extension; -1 and 0 mean off there
     if top_k is not None and top_k > I32_MAX:  # the engine's top_k is TGI's i32
         raise validation_error(f"`top_k` must be <= {I32_MAX}. Given: {top_k}", param="top_k")
-    if top_k is not None and top_k > 0:
-        p.top_k = top_k
+    min_p = _get(body, "min_p", "number")  # vLLM's and llama.cpp's extension; 0 means off
+    _in_range("min_p", min_p, 0.0, 1.0)
+    repetition = _get(body, "repetition_penalty", "number")  # TGI's and vLLM's extension
+    # Unset: the server's default, else OpenAI's temperature 1 over the whole vocabulary. A value the
+    # request sets wins, its "off" values (top_p 1, top_k 0, min_p 0) included.
+    if temperature is None:
+        asks_to_sample = bool((top_p is not None and top_p < 1.0) or (top_k is not None and top_k > 0) or min_p)
+        if defaults.greedy and not asks_to_sample:
+            temperature = 0.0  # the default decoding is greedy (sampling_defaults.py)
+        elif defaults.temperature:
+            temperature = defaults.temperature
+    if temperature == 0:
+        p.do_sample = False  # greedy: the warpers and the defaults do not apply
+    else:
+        if temperature is not None:
+            p.temperature = float(temperature)
+        top_p = defaults.top_p if top_p is None else top_p
+        if top_p is not None and top_p < 1.0:
+            p.top_p = float(top_p)
+        top_k = defaults.top_k if top_k is None else top_k
+        if top_k is not None and top_k > 0:
+            p.top_k = top_k
+        min_p = defaults.min_p if min_p is None else min_p
+        if min_p:
+            p.min_p = float(min_p)
+        if repetition is None:
+            repetition = defaults.repetition_penalty
+    if repetition is not None:
+        p.repetition_penalty = float(repetition)
     frequency = _get(body, "frequency_penalty", "number")
     _in_range("frequency_penalty", frequency, -2.0, 2.0)
     if frequency:
@@ -135,9 +160,6 @@ def _common(body: dict, max_choices: int,
     _in_range("presence_penalty", presence, -2.0, 2.0)
     if presence:
         p.presence_penalty = float(presence)
-    repetition = _get(body, "repetition_penalty", "number")  # TGI's and vLLM's extension
-    if repetition is not None:
-        p.repetition_penalty = float(repetition)
     p.stop = _stop_sequences(body)
     seed = _get(body, "seed", "integer")
     if seed is not None:
@@ -207,8 +229,8 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def parse_chat(body: dict, limits: Limits, max_choices: int) -> ChatRequest:
-    p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"))
+def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingDefaults) -> ChatRequest:
+    p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"), defaults)
     messages = _messages(body)
     if _get(body, "logprobs", "boolean", False):
         _set_top_logprobs(p, options, _get(body, "top_logprobs", "integer", 0), "top_logprobs", limits)
@@ -229,7 +251,8 @@ def parse_chat(body: dict, limits: Limits, max_choices: int) -> ChatRequest:
                        tool_prompt=_get(body, "tool_prompt", "string"))
 
 
-def parse_completion(body: dict, limits: Limits, max_client_batch_size: int) -> CompletionRequest:
+def parse_completion(body: dict, limits: Limits, max_client_batch_size: int,
+                     defaults: SamplingDefaults) -> CompletionRequest:
     suffix = body.get("suffix")
     if suffix:
         raise ApiError(ErrorKind.SUFFIX)
@@ -244,7 +267,7 @@ def parse_completion(body: dict, limits: Limits, max_client_batch_size: int) -> 
         raise validation_error("`prompt` must be a string or a non-empty array of strings", param="prompt")
     if len(prompts) > max_client_batch_size:
         raise ApiError(ErrorKind.BATCH_SIZE, str(max_client_batch_size))
-    p, options = _common(body, max_client_batch_size, ("max_tokens",))
+    p, options = _common(body, max_client_batch_size, ("max_tokens",), defaults)
     if body.get("max_tokens") is None:
         p.max_new_tokens = 16  # OpenAI's default for completions
     best_of = _get(body, "best_of", "integer")

@@ -338,7 +338,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     start, arrival = time.monotonic(), time.time()
     state = request.app[STATE]
     chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
-                      state.config.max_client_batch_size)
+                      state.config.max_client_batch_size, state.sampling_defaults)
     prompt = chat_prompt(state, chat)
     # the rendered template already holds the BOS and other special tokens
     jobs = [Job(i, 0, prompt, _choice_params(chat.params, i), add_special_tokens=False)
@@ -388,7 +388,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     start, arrival = time.monotonic(), time.time()
     state = request.app[STATE]
     req: CompletionRequest = parse_completion(read_json_object(await request.read(), "CompletionRequest"),
-                                              state.limits, state.config.max_client_batch_size)
+                                              state.limits, state.config.max_client_batch_size,
+                                              state.sampling_defaults)
     n = req.options.n
     params = req.params
     if req.echo and req.options.top_logprobs is not None and not req.options.stream:

@@ -102,8 +102,11 @@ def _generate_parameters() -> dict:
                       "no `seed`, and no streaming; at most --max-best-of.", nullable=True, minimum=1,
                       maximum=U64_MAX),
         "temperature": _t(f32, "Divide the logits by this before sampling; below 1 sharpens, above 1 "
-                          "flattens. Setting it turns sampling on.", nullable=True, minimum=F32_TINY,
-                          maximum=F32_MAX),
+                          "flattens. Setting it turns sampling on. Unset in a request that samples: the "
+                          "server's default (/info `sampling_defaults`: --default-temperature, else the "
+                          "model's generation_config.json), as are top_k, top_p, min_p and "
+                          "repetition_penalty; a greedy request gets none of them.", nullable=True,
+                          minimum=F32_TINY, maximum=F32_MAX),
         "repetition_penalty": _t(f32, "Penalty for tokens already in the prompt or output (1.0 = none; "
                                  "above 1 discourages repeats).", nullable=True, minimum=F32_TINY,
                                  maximum=F32_MAX),
@@ -119,6 +122,9 @@ def _generate_parameters() -> dict:
                     maximum=F32_BELOW_ONE),
         "typical_p": _t(f32, "Locally typical sampling mass (same bounds as top_p).", nullable=True,
                         minimum=F32_TINY, maximum=F32_BELOW_ONE),
+        "min_p": _t(f32, "llmbus extension (llama.cpp's and vLLM's min-p): drop tokens less likely than min_p "
+                    "times the most likely one (0 = off). Setting it turns sampling on.", nullable=True,
+                    minimum=0, maximum=1),
         "do_sample": _t("boolean", "Sample instead of greedy decoding. Defaults to false when `parameters` "
                         "is given, but to true when the body has no `parameters` at all (TGI's quirk).",
                         default=False),
@@ -236,6 +242,12 @@ def tgi_schemas() -> dict:
             "attention_backend": _t("string", "The attention backend every rank runs (llmbus's; "
                                               "--attention-backend resolved).", nullable=True, example="triton"),
             "devices": array(_t("string"), "Each tensor-parallel rank's device, in rank order (llmbus's)."),
+            "sampling_defaults": _obj({
+                "temperature": _t("number", minimum=0), "top_k": _t("integer"), "top_p": _t("number"),
+                "min_p": _t("number", minimum=0, maximum=1), "repetition_penalty": _t("number")},
+                description="llmbus's: what a sampled request's unset parameters take (--default-* flags over "
+                            "the model's generation_config.json); a parameter not listed takes the API's own "
+                            "default.", example={"temperature": 0.2, "top_p": 0.9}),
         }, ("model_id", "max_concurrent_requests", "max_input_tokens", "max_total_tokens", "router",
             "version"), "The served model and the server's limits."),
     }
@@ -247,12 +259,16 @@ def _openai_common(model_id: str) -> dict:
         "model": _t("string", f"Model name; echoed back. This server serves `{model_id}`.", nullable=True,
                     example=model_id),
         "max_tokens": _t("integer", "Most tokens to generate.", nullable=True, minimum=1),
-        "temperature": _t("number", "Sampling temperature; 0 means greedy decoding.", nullable=True,
-                          minimum=0, maximum=2),
+        "temperature": _t("number", "Sampling temperature; 0 means greedy decoding. Unset: the server's "
+                          "default (/info `sampling_defaults`: --default-temperature, else the model's "
+                          "generation_config.json), else 1; likewise top_p, top_k, min_p and "
+                          "repetition_penalty of a sampled request.", nullable=True, minimum=0, maximum=2),
         "top_p": _t("number", "Nucleus sampling mass; unlike TGI's native routes, 1 is accepted and means "
                     "no cut.", nullable=True, minimum=F32_TINY, maximum=1),
         "top_k": _t("integer", "Sample among the k most likely tokens (vLLM's extension; 0 or less means "
                     "off).", nullable=True, maximum=I32_MAX),
+        "min_p": _t("number", "Drop tokens less likely than min_p times the most likely one (vLLM's and "
+                    "llama.cpp's extension; 0 means off).", nullable=True, minimum=0, maximum=1),
         "repetition_penalty": _t("number", "TGI's repetition penalty (1.0 = none).", nullable=True,
                                  minimum=F32_TINY, maximum=F32_MAX),
         "stop": _string_or_list("Stop sequences (a string or a list); a matched one is cut from the text.",

@@ -32,7 +32,10 @@ _DISCONNECTED = ConnectionResetError  # aiohttp's ClientConnectionResetError is 
 
 
 async def _read(request: web.Request, *, compat: bool) -> GenerateRequest:
-    return parse_request(await request.read(), compat=compat)
+    """The body, with the server's sampling defaults where a request that samples left them unset."""
+    req = parse_request(await request.read(), compat=compat)
+    req.parameters = request.app[STATE].sampling_defaults.fill_tgi(req.parameters)
+    return req
 
 
 # --- generation -----------------------------------------------------------------------------------
@@ -162,7 +165,7 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     """What /v1/chat/completions would feed the model: the templated text and its tokens."""
     state = request.app[STATE]
     chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
-                      state.config.max_client_batch_size)
+                      state.config.max_client_batch_size, state.sampling_defaults)
     text = chat_prompt(state, chat)
     spans = state.tokenizer.encode_with_offsets(text, add_special_tokens=False)
     return json_response({"tokenize_response": _token_spans(text, spans), "templated_text": text})
@@ -215,6 +218,8 @@ async def info(request: web.Request) -> web.Response:
         "docker_label": None,
         "quantize": state.quantization,  # llmbus's: after TGI's own fields, which keep their order
         **engine_compute(state),
+        # what a sampled request's unset parameters take (flags over generation_config.json)
+        "sampling_defaults": state.sampling_defaults.values(),
     })
 
 

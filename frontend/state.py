@@ -17,6 +17,7 @@ from llmbus.frontend.generation import Generator
 from llmbus.frontend.metrics import make_registry
 from llmbus.frontend.request_metrics import RequestMetrics
 from llmbus.frontend.responses import dumps
+from llmbus.frontend.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from llmbus.frontend.tokenizer import ModelTokenizer
 
 try:
@@ -35,6 +36,7 @@ class FrontendState:
     metrics: CollectorRegistry = field(init=False)
     request_metrics: RequestMetrics = field(init=False)
     chat_template: ChatTemplate = field(init=False)
+    sampling_defaults: SamplingDefaults = field(init=False)
 
     def __post_init__(self) -> None:
         self.request_metrics = RequestMetrics(
@@ -42,6 +44,10 @@ class FrontendState:
         self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None,
                                      self.request_metrics)
         self.chat_template = ChatTemplate(self.config.model_dir)
+        c = self.config
+        self.sampling_defaults = resolve_sampling_defaults(c.model_dir, c.generation_config, {
+            "temperature": c.default_temperature, "top_k": c.default_top_k, "top_p": c.default_top_p,
+            "min_p": c.default_min_p, "repetition_penalty": c.default_repetition_penalty})
 
     @property
     def system_fingerprint(self) -> str:

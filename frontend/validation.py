@@ -54,6 +54,7 @@ class GenerateParameters:
     adapter_id: str | None = None
     ignore_eos_token: bool = False  # benchmarks: only max_new_tokens ends the request (vLLM's TGI client sends it)
     presence_penalty: float | None = None  # OpenAI's, also accepted here (TGI has none): -2.0 to 2.0
+    min_p: float | None = None  # llama.cpp's and vLLM's, also accepted here (TGI has none): 0.0 to 1.0
     # Not read from a body: a grammar the OpenAI routes built already checked (response_format, tools)
     constraint: Grammar | None = field(default=None, metadata={"body": False})
 
@@ -67,6 +68,7 @@ _PARAMETER_TYPES: dict[str, tuple[str, bool]] = {
     "watermark": ("bool", False), "details": ("bool", False), "decoder_input_details": ("bool", False),
     "seed": ("u64", True), "top_n_tokens": ("u32", True), "grammar": ("grammar", True),
     "adapter_id": ("string", True), "ignore_eos_token": ("bool", False), "presence_penalty": ("f32", True),
+    "min_p": ("f32", True),
 }
 
 
@@ -271,7 +273,7 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
     """validation.rs ``validate`` up to tokenization, in TGI's order."""
     best_of = 1 if p.best_of is None else p.best_of
     sampling_requested = (p.do_sample or p.temperature is not None or p.top_k is not None
-                          or p.top_p is not None or p.typical_p is not None)
+                          or p.top_p is not None or p.typical_p is not None or p.min_p is not None)
     if best_of > 1 and not sampling_requested:
         raise validation_error("you must use sampling when `best_of` is > 1")
 
@@ -297,6 +299,9 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
         if not 0.0 < p.typical_p < 1.0:
             raise validation_error("`typical_p` must be > 0.0 and < 1.0")
         typical_p = p.typical_p
+    min_p = 0.0 if p.min_p is None else p.min_p
+    if not 0.0 <= min_p <= 1.0:
+        raise validation_error("`min_p` must be >= 0.0 and <= 1.0")
     top_k = 0
     if p.top_k is not None:
         if p.top_k <= 0:
@@ -330,11 +335,11 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
 
     # The server samples when asked to or when any warper changes the distribution
     # (text_generation_server/utils/tokens.py); greedy requests report no seed.
-    do_sample = (p.do_sample or temperature != 1.0 or top_k != 0 or top_p < 1.0 or typical_p < 1.0)
+    do_sample = (p.do_sample or temperature != 1.0 or top_k != 0 or top_p < 1.0 or typical_p < 1.0 or min_p > 0.0)
     sampling = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p, do_sample=do_sample,
         seed=seed, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-        top_n_tokens=top_n_tokens, watermark=p.watermark, presence_penalty=presence_penalty)
+        top_n_tokens=top_n_tokens, watermark=p.watermark, presence_penalty=presence_penalty, min_p=min_p)
     return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
                            truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop),
                            ignore_eos=p.ignore_eos_token, grammar=grammar)

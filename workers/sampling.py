@@ -9,8 +9,9 @@ The logits go through TGI's ``NextTokenChooser`` order, each step only on the ro
    ``RepetitionPenaltyLogitsProcessor``, then the frequency penalty as TGI's
    ``HeterogeneousFrequencyPenaltyLogitsProcessor``. Both read the request's token history (prompt and
    generated tokens so far), which the caller (rank 0's ModelRunner) keeps.
-3. greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and typical-p (in that
-   order, as TGI does) expressed as masks over the whole ``[S, vocab]`` batch, then draw one token each
+3. greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p, min-p and typical-p (in
+   that order: TGI's, with min-p, which TGI lacks, where transformers' ``generate`` puts its
+   ``MinPLogitsWarper``) expressed as masks over the whole ``[S, vocab]`` batch, then draw one token each
    by inverse-CDF sampling with a single uniform number. On CPU the argmax, the log-softmax and the draw
    run in C, each row on its own (``sampling.c``: torch's whole-batch passes are a sizeable share of a large
    batch's step; design notes, "Choosing tokens in C on CPU"), except in a step where some row asks for
@@ -293,11 +294,11 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
 def _warps(p: SamplingParams) -> bool:
     """Whether ``apply_warpers`` masks a row with these parameters: it skips rows for which this is False,
     so a warper it does not name here would be left out everywhere, not only on the kernels' path."""
-    return p.do_sample and (p.top_k > 0 or p.top_p < 1.0 or p.typical_p < 1.0)
+    return p.do_sample and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 or p.typical_p < 1.0)
 
 
 def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """top-k, top-p and typical-p as ``-inf`` masks on temperature-scaled ``scores [S, vocab]``.
+    """top-k, top-p, min-p and typical-p as ``-inf`` masks on temperature-scaled ``scores [S, vocab]``.
 
     Each warper only touches the rows that asked for it: a disabled top-p (1.0) must not trim a tail
     whose cumulative probability rounds to 1.
@@ -337,6 +338,18 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.T
         keep_sorted[:, 0] = True
         keep = torch.zeros_like(subset, dtype=torch.bool).scatter_(1, sorted_index, keep_sorted)
         scores = scores.index_copy(0, rows, subset.masked_fill(~keep, float("-inf")))
+
+    min_p_rows = [i for i, p in enumerate(params) if p.do_sample and p.min_p > 0.0]
+    if min_p_rows:
+        # min-p (transformers' MinPLogitsWarper, as vLLM and llama.cpp define it): drop the tokens whose
+        # probability is below min_p times the most likely token's. min_p <= 1 (validated), so that token
+        # always stays: a float product by at most 1 never exceeds it.
+        rows = torch.tensor(min_p_rows, device=device)
+        min_p = torch.tensor([params[i].min_p for i in min_p_rows], dtype=torch.float32, device=device)
+        subset = scores[rows]
+        probs = subset.softmax(dim=-1)
+        remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        scores = scores.index_copy(0, rows, subset.masked_fill(remove, float("-inf")))
 
     typical_rows = [i for i, p in enumerate(typical_p) if p < 1.0]
     if typical_rows:

@@ -53,8 +53,10 @@ def test_older_versions_still_decode(path):
         assert all(new.cached_ids == [] or not path.name.startswith("v1") for new in msg.new_requests)
         assert all(new.grammar is None or version >= 5 for new in msg.new_requests)
         assert all(new.sampling.presence_penalty == 0.0 or version >= 3 for new in msg.new_requests)
+        assert all(new.sampling.min_p == 0.0 or version >= 9 for new in msg.new_requests)
     if isinstance(msg, m.AddRequest):
         assert msg.sampling.presence_penalty == 0.0 or version >= 3
+        assert msg.sampling.min_p == 0.0 or version >= 9
         assert msg.traceparent == "" or version >= 4
         assert msg.grammar is None or version >= 5
     if isinstance(msg, m.SchedulerStats) and path.name.startswith("v1"):

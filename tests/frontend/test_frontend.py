@@ -245,7 +245,8 @@ def test_health_info_and_ping(fe):
     assert list(info) == ["model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
                           "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
                           "max_client_batch_size", "router", "version", "sha", "docker_label", "quantize", "dtype",
-                          "attention_backend", "devices"]
+                          "attention_backend", "devices", "sampling_defaults"]
+    assert info["sampling_defaults"] == {}  # the test model's generation_config.json recommends nothing
     assert info["quantize"] is None
     # the fake scheduler's hello says nothing of the ranks' compute
     assert (info["dtype"], info["attention_backend"], info["devices"]) == (None, None, [])
