@@ -110,7 +110,7 @@ def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> Pr
     ``keep``."""
     if (pack := _tiled_pack(projection)) is not None:
         keep.append(pack)
-        return Proj(tiled=pack.tiled())
+        return Proj(tiled=pack.tiled(projection.split))
     if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
         proj = _dense_proj(projection.weight, keep)
         if bf16 is not None:

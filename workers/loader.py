@@ -116,14 +116,15 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
                                                      trust_remote_code=trust_remote_code,
                                                      attention_backend=attention_backend)
     log.info("model path", model_type=model_type, path="native")
-    compute_dtype, form = compute_plan(torch.device(device), dtype, quantize)
+    plan = compute_plan(torch.device(device), dtype, quantize)
     with _open_checkpoint(model_dir) as reader:
         model = builders[model_type].from_checkpoint(config, reader, rank=rank, world_size=world_size,
-                                                     dtype=compute_dtype, device=torch.device(device),
-                                                     quantize=form, attention_backend=attention_backend)
+                                                     dtype=plan.dtype, device=torch.device(device),
+                                                     quantize=plan.form, bf16_inputs=plan.bf16_inputs,
+                                                     attention_backend=attention_backend)
     # what was kept quantized, what was quantized or expanded: "210 Q4_1 -> int4 (kept), 61 ..."
     log.info("weights", quantize=quantize, formats=model.weight_summary,
-             activations=str(compute_dtype).removeprefix("torch."))
+             activations=str(plan.dtype).removeprefix("torch."))
     release_freed_memory()
     return model
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -284,34 +285,38 @@ class _KernelPack:
         self.scale = _tiles(weight.scale)
         self.low = _tiles(weight.low) if self.is_int4 else None
 
-    def tiled(self) -> bindings.Tiled:
-        """The C view of this pack (its tensors must outlive it)."""
+    def tiled(self, split: bool = True) -> bindings.Tiled:
+        """The C view of this pack (its tensors must outlive it); ``split`` as ``__call__`` takes it."""
         pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         return bindings.Tiled(values=self.values.data_ptr(), scale=pointer(self.scale), low=pointer(self.low),
-                              kind=self.kind, k_padded=self.k_padded, group=self.group)
+                              kind=self.kind, k_padded=self.k_padded, group=self.group, split=int(split))
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, split: bool = True) -> torch.Tensor:
+        """``x @ w.T + bias``; float32 ``x`` as bf16 hi + lo rows (``split``) or rounded to bf16."""
         m = x.shape[0]
         if x.stride(-1) != 1:
             x = x.contiguous()
         y = x.new_empty(m, self.n)
         is_f32 = int(x.dtype == torch.float32)
-        prepared = m * (1 + is_f32)
+        prepared = m * (1 + is_f32 * split)
         rows = _scratch_of("rows", prepared * self.k_padded)
         bias_pointer = bias.data_ptr() if bias is not None else None
         if self.kind == bindings.TILED_BF16:
             status = _library().bf16_matmul(
-                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.n, self.k_padded,
+                x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
+                self.values.data_ptr(), self.n, self.k_padded,
                 bias_pointer, y.data_ptr(), rows.data_ptr())
         elif self.is_int4:
             sums = _scratch_of("sums", prepared * (self.k_padded // self.group))
             status = _library().int4_matmul(
-                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.scale.data_ptr(),
+                x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
+                self.values.data_ptr(), self.scale.data_ptr(),
                 self.low.data_ptr(), self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(),
                 rows.data_ptr(), sums.data_ptr())
         else:
             status = _library().int8_matmul(
-                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.scale.data_ptr(),
+                x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
+                self.values.data_ptr(), self.scale.data_ptr(),
                 self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(), rows.data_ptr())
         if status != 0:
             raise RuntimeError(f"quant_kernels.c refused a {m}x{self.k} by {self.n}x{self.k} product ({status})")
@@ -353,7 +358,7 @@ class _TorchPack:
             return k % 32 == 0
         return weight.group in (32, 64, 128, 256) and k % weight.group == 0 and n % 16 == 0
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, split: bool = True) -> torch.Tensor:
         if self.weight is not None:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight.values, self.scale)
         else:
@@ -378,7 +383,7 @@ class _DensePack:
         self.source = weight if isinstance(weight, Int8Weight | Bf16Weight) else None  # for embedding rows
         self.linear = Linear(weight.dequantize().to(dtype))
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, split: bool = True) -> torch.Tensor:
         y = self.linear(x)
         return y + bias if bias is not None else y
 
@@ -402,12 +407,14 @@ def _pack(weight: QuantizedWeight, dtype: torch.dtype):
 
 class QuantizedLinear:
     """``y = x @ w.T + bias`` for 2-D ``x`` of ``dtype`` with a quantized ``w``, keeping only the form the
-    kernel reads (``linear.Linear``'s call contract)."""
+    kernel reads (``linear.Linear``'s call contract). ``bf16_inputs``: float32 ``x`` enters the tiled kernel
+    rounded to bf16 (the bfloat16 plan's arithmetic, ``compute_plan``), not as bf16 hi + lo."""
 
-    __slots__ = ("method", "out_features", "bias", "_pack", "_kernel_bias")
+    __slots__ = ("method", "out_features", "bias", "split", "_pack", "_kernel_bias")
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, *, bf16_inputs: bool = False):
+        self.split = not bf16_inputs
         self.out_features = weight.shape[0]
         self.method = ("int4" if isinstance(weight, Int4Weight) else "bf16" if isinstance(weight, Bf16Weight)
                        else "int8")
@@ -418,7 +425,7 @@ class QuantizedLinear:
         self._kernel_bias = bias.float().contiguous() if is_kernel and bias is not None else bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._pack(x, self._kernel_bias)
+        return self._pack(x, self._kernel_bias, self.split)
 
 
 class QuantizedEmbedding:
@@ -451,15 +458,21 @@ def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | Non
     return QuantizedLinear(weight, bias, dtype or torch.bfloat16)
 
 
-def compute_plan(device: torch.device, dtype: torch.dtype, quantize: str | None) -> tuple[torch.dtype, str | None]:
-    """(activation dtype, weight form) for a native model served in ``dtype`` with ``quantize``: on a CPU
-    where the tiled kernel runs (AVX512-BF16), bfloat16 means bfloat16 weights and float32 activations,
-    norms, softmax and logits (llama.cpp's arithmetic, and batch-invariant: design notes, "bfloat16
-    weights, float32 activations"), and --quantize's forms compute with float32 activations too. Elsewhere
-    the model computes in ``dtype``."""
+class ComputePlan(NamedTuple):
+    dtype: torch.dtype  # what the model computes in: activations, norms, attention, logits
+    form: str | None  # the projections' weight form (WEIGHT_FORMS), None: dense in ``dtype``
+    bf16_inputs: bool  # tiled projections take float32 inputs rounded to bf16 (else as bf16 hi + lo)
+
+
+def compute_plan(device: torch.device, dtype: torch.dtype, quantize: str | None) -> ComputePlan:
+    """How a native model served in ``dtype`` with ``quantize`` computes. On a CPU where the tiled kernel runs
+    (AVX512-BF16), bfloat16 means bfloat16 weights and float32 activations, norms, softmax, residual and
+    logits, the products' inputs rounded to bf16 and summed in float32: llama.cpp's arithmetic for a bf16
+    file, and batch-invariant (design notes, "bfloat16 weights, float32 activations"); --quantize's forms
+    then compute so too. Elsewhere the model computes in ``dtype``."""
     if device.type != "cpu" or dtype != torch.bfloat16 or _library() is None:
-        return dtype, quantize
-    return torch.float32, quantize or "bf16"
+        return ComputePlan(dtype, quantize, False)
+    return ComputePlan(torch.float32, quantize or "bf16", True)
 
 
 def tiled_forms() -> tuple[str, ...]:

@@ -55,7 +55,7 @@ def upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.T
 
 class WeightBuilder:
     def __init__(self, reader, *, rank: int, world_size: int, dtype: torch.dtype, device: torch.device,
-                 quantize: str | None = None, keep_plain: bool = False):
+                 quantize: str | None = None, bf16_inputs: bool = False, keep_plain: bool = False):
         """``keep_plain`` keeps dense projections plain (see ``Linear``) for the fused decode layer, and
         also packed while the copies fit in ``SECOND_COPY_SHARE`` of the available host memory."""
         if quantize is not None and quantize not in quant.WEIGHT_FORMS:
@@ -65,6 +65,7 @@ class WeightBuilder:
         self.reader, self.rank, self.world_size = reader, rank, world_size
         self.dtype, self.device, self.quantize = dtype, device, quantize
         self.keep_plain = keep_plain
+        self.bf16_inputs = bf16_inputs  # for the quantized and bf16 projections (quant.compute_plan)
         available = mem_available_bytes() if keep_plain else None
         self.second_copy_budget = 0 if available is None else int(available * SECOND_COPY_SHARE)
         self.keep_quantized = (hasattr(reader, "read_quantized") and device.type == "cpu"
@@ -96,11 +97,12 @@ class WeightBuilder:
                 weight = None
             if weight is not None:
                 self._count(weight_names, f"{'int4 (kept)' if isinstance(weight, quant.Int4Weight) else 'int8'}")
-                return quant.QuantizedLinear(weight, bias, self.dtype)
+                return quant.QuantizedLinear(weight, bias, self.dtype, bf16_inputs=self.bf16_inputs)
         dense = floats()
         if self.quantize is not None:
             self._count(weight_names, _FORM_LABELS.get(self.quantize, self.quantize))
-            return quant.QuantizedLinear(quant.quantize(dense, self.quantize), bias, self.dtype)
+            return quant.QuantizedLinear(quant.quantize(dense, self.quantize), bias, self.dtype,
+                                         bf16_inputs=self.bf16_inputs)
         self._count(weight_names, _dtype_label(self.dtype))
         return self._dense_linear(self.place(dense), bias)
 
@@ -184,7 +186,7 @@ class WeightBuilder:
             self._count(["model.embed_tokens.weight"], _dtype_label(self.dtype))
         if head_int8:
             head_q = embed_q if tied else head if isinstance(head, quant.Int8Weight) else quant.quantize_int8(head)
-            lm_head = quant.QuantizedLinear(head_q, None, self.dtype)
+            lm_head = quant.QuantizedLinear(head_q, None, self.dtype, bf16_inputs=self.bf16_inputs)
         else:
             lm_head = Linear(embed_dense if tied and not embed_int8 else self.place(head))
         if not tied:
@@ -197,8 +199,8 @@ class WeightBuilder:
         embed_bf16 = quant.as_bf16(embed)
         head_bf16 = embed_bf16 if tied else quant.as_bf16(head)
         self._count(["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"]), _FORM_LABELS["bf16"])
-        return (quant.QuantizedEmbedding(embed_bf16, self.dtype), quant.QuantizedLinear(head_bf16, None, self.dtype),
-                embed.shape[0])
+        return (quant.QuantizedEmbedding(embed_bf16, self.dtype),
+                quant.QuantizedLinear(head_bf16, None, self.dtype, bf16_inputs=self.bf16_inputs), embed.shape[0])
 
     def summary(self) -> str:
         """``"210 Q4_1 -> int4 (kept), 61 F32 -> bfloat16, ..."``, most frequent first."""

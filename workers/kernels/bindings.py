@@ -32,7 +32,8 @@ TILED_INT8, TILED_INT4, TILED_BF16 = 1, 2, 3
 class Tiled(ctypes.Structure):
     """A projection in quant_kernels.c's tiled layout: int8/int4 with group scales, or bf16."""
 
-    _fields_ = [("values", _P), ("scale", _P), ("low", _P), ("kind", _I64), ("k_padded", _I64), ("group", _I64)]
+    _fields_ = [("values", _P), ("scale", _P), ("low", _P), ("kind", _I64), ("k_padded", _I64), ("group", _I64),
+                ("split", _I64)]
 
 
 class Proj(ctypes.Structure):
@@ -94,11 +95,12 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "gemm_f32_runs": ([], _INT),
     "gemm_f32": ([_P] * 3 + [_I64] * 3 + [_P], _INT),  # x, w, bias, m, n, k, y
     "quant_kernels_available": ([], _INT),
-    # x, x is float32, m, k, x stride, values, scale, (int4: low,) n, k padded, group, bias, y, rows, (int4: sums)
-    "int8_matmul": ([_P, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
-    # x, x is float32, m, k, x stride, values, n, k padded, bias, y, rows
-    "bf16_matmul": ([_P, _INT, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P], _INT),
-    "int4_matmul": ([_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
+    # x, x is float32, split float32 x, m, k, x stride, values, scale, (int4: low,) n, k padded, group, bias, y,
+    # rows, (int4: sums)
+    "int8_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
+    # x, x is float32, split float32 x, m, k, x stride, values, n, k padded, bias, y, rows
+    "bf16_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P], _INT),
+    "int4_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
     "greedy_f32": ([_P, _I64, _I64, _I64, _P, _P], _INT),  # logits, rows, vocab, stride, ids, logprobs
     # logits, raw, rows, vocab, stride, sampled, temperatures, uniforms, scratch, scratch rows, ids, logprobs
     "sample_f32": ([_P, _P, _I64, _I64, _I64] + [_P] * 4 + [_I64] + [_P] * 2, _INT),

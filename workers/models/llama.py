@@ -344,10 +344,11 @@ class LlamaForCausalLM:
 
     @classmethod
     def from_checkpoint(cls, hf_config: dict, reader, *, rank: int, world_size: int, dtype: torch.dtype,
-                        device: torch.device, quantize: str | None = None,
+                        device: torch.device, quantize: str | None = None, bf16_inputs: bool = False,
                         attention_backend: str = "auto") -> "LlamaForCausalLM":
         """Read this rank's shards from ``reader`` (a ``loader.CheckpointReader`` or a GGUF reader) and
-        fuse them; ``quantize`` ("int8", "int4") quantizes the projections (``weight_builder.py``)."""
+        fuse them; ``quantize`` (a form of ``quant.WEIGHT_FORMS``) and ``bf16_inputs`` as
+        ``quant.compute_plan`` gives them (``weight_builder.py``)."""
         config = DecoderConfig.from_hf(hf_config)
         if config.num_heads % world_size or config.num_kv_heads % world_size:
             raise ValueError(
@@ -359,7 +360,7 @@ class LlamaForCausalLM:
                              f"({config.intermediate_size}) divisible by {world_size}")
         tp = TensorParallel(rank, world_size)
         build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
-                              quantize=quantize,
+                              quantize=quantize, bf16_inputs=bf16_inputs,
                               keep_plain=fused_decode_applies(device, world_size, dtype, quantize, attention_backend))
         head_dim = config.head_dim
         q_rows = config.num_heads // world_size * head_dim

@@ -34,6 +34,7 @@ typedef struct {
     const void *values; /* or null: not tiled */
     const float *scale, *low;
     int64_t kind, k_padded, group;
+    int64_t split; /* float32 inputs as bf16 hi + lo (~16 significant bits), else rounded to bf16 */
 } Tiled;
 
 typedef struct {
@@ -117,13 +118,13 @@ LLMBUS_API int gemm_f32(const float *x, const float *w, const float *bias, int64
 
 /* quant_kernels.c: weight-only int8 / int4 / bf16 products (AVX512-BF16 only: quant_kernels_available). */
 LLMBUS_API int quant_kernels_available(void);
-LLMBUS_API int int8_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+LLMBUS_API int int8_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                            const int8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
                            const float *bias, void *y, uint16_t *rows);
-LLMBUS_API int bf16_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+LLMBUS_API int bf16_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                            const uint16_t *values, int64_t n, int64_t k_padded, const float *bias, void *y,
                            uint16_t *rows);
-LLMBUS_API int int4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+LLMBUS_API int int4_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                            const uint8_t *values, const float *scale, const float *low, int64_t n,
                            int64_t k_padded, int64_t group, const float *bias, void *y, uint16_t *rows,
                            float *sums);

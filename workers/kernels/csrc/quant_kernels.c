@@ -41,18 +41,19 @@ int quant_kernels_available(void) { return QUANT_KERNELS; }
 #define TILE QUANT_TILE
 #define ROW_BLOCK 8
 
-/* One input row (bf16, or float32: hi then lo, k_padded apart) -> bf16 row(s) of k_padded in `out`, zero-padded;
- * and, where `sums` is not null (int4), each prepared row's sum per group, `groups` apart. */
-static inline void prepare_row(const void *x_row, int x_is_f32, int64_t k, int64_t k_padded, int64_t group,
-                               uint16_t *out, float *sums) {
-    int64_t per_input = x_is_f32 ? 2 : 1, groups = k_padded / group;
+/* One input row (bf16, or float32: rounded to bf16, and with `split` its remainder too, k_padded apart) ->
+ * bf16 row(s) of k_padded in `out`, zero-padded; and, where `sums` is not null (int4), each prepared row's
+ * sum per group, `groups` apart. */
+static inline void prepare_row(const void *x_row, int x_is_f32, int split, int64_t k, int64_t k_padded,
+                               int64_t group, uint16_t *out, float *sums) {
+    int64_t per_input = x_is_f32 && split ? 2 : 1, groups = k_padded / group;
     uint16_t *hi = out, *lo = out + k_padded;
     if (x_is_f32) {
         const float *src = (const float *)x_row;
         for (int64_t j = 0; j < k; j++) {
             uint16_t h = f32_to_bf16(src[j]);
             hi[j] = h;
-            lo[j] = f32_to_bf16(src[j] - bf16_to_f32(h));
+            if (split) lo[j] = f32_to_bf16(src[j] - bf16_to_f32(h));
         }
     } else {
         memcpy(hi, x_row, k * sizeof(uint16_t));
@@ -71,12 +72,12 @@ static inline void prepare_row(const void *x_row, int x_is_f32, int64_t k, int64
 
 /* x (bf16 or float32, rows x_stride apart) -> bf16 rows of k_padded in `rows` (float32 input: hi, lo
  * interleaved), zero-padded; and, for int4, each row's sum per group in `sums` [rows][groups]. */
-static void prepare_rows(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int64_t k_padded,
-                         int64_t group, uint16_t *rows, float *sums) {
-    int64_t per_input = x_is_f32 ? 2 : 1, groups = k_padded / group, size = x_is_f32 ? 4 : 2;
+static void prepare_rows(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
+                         int64_t k_padded, int64_t group, uint16_t *rows, float *sums) {
+    int64_t per_input = x_is_f32 && split ? 2 : 1, groups = k_padded / group, size = x_is_f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (m >= 32)
     for (int64_t i = 0; i < m; i++)
-        prepare_row((const char *)x + i * x_stride * size, x_is_f32, k, k_padded, group,
+        prepare_row((const char *)x + i * x_stride * size, x_is_f32, split, k, k_padded, group,
                     rows + i * per_input * k_padded, sums == NULL ? NULL : sums + i * per_input * groups);
 }
 
@@ -185,19 +186,21 @@ static inline void tile_product(const Tiled *w, int64_t t, const uint16_t *rows,
 }
 
 void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out, float *sums) {
-    prepare_row(x, 1, k, w->k_padded, w->group, out, w->kind == TILED_INT4 ? sums : NULL);
+    prepare_row(x, 1, (int)w->split, k, w->k_padded, w->group, out, w->kind == TILED_INT4 ? sums : NULL);
 }
 
 void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int accumulate) {
-    tile_product(w, t, rows, sums, 2 * inputs, 2, n, bias, y, 1, y_stride, accumulate);
+    const int64_t per_input = w->split ? 2 : 1;
+    tile_product(w, t, rows, sums, per_input * inputs, per_input, n, bias, y, 1, y_stride, accumulate);
 }
 
 static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
                         int64_t n, const float *bias, void *y, uint16_t *rows, float *sums) {
     if (w->k_padded % w->group || w->group % 2 || k > w->k_padded) return -2;
-    prepare_rows(x, x_is_f32, m, k, x_stride, w->k_padded, w->group, rows, w->kind == TILED_INT4 ? sums : NULL);
-    const int64_t per_input = x_is_f32 ? 2 : 1, tiles = (n + TILE - 1) / TILE;
+    prepare_rows(x, x_is_f32, (int)w->split, m, k, x_stride, w->k_padded, w->group, rows,
+                 w->kind == TILED_INT4 ? sums : NULL);
+    const int64_t per_input = x_is_f32 && w->split ? 2 : 1, tiles = (n + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
         tile_product(w, t, rows, sums, m * per_input, per_input, n, bias, y, x_is_f32, n, 0);
@@ -217,24 +220,25 @@ static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, 
 
 #endif
 
-/* x: m rows of k (bf16, or float32 when x_is_f32; y has x's dtype, m x n contiguous); rows: scratch of
- * (x_is_f32 ? 2 : 1) * m * k_padded bf16; sums: (x_is_f32 ? 2 : 1) * m * k_padded / group floats. */
-int int8_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const int8_t *values,
-                const float *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
-                uint16_t *rows) {
-    Tiled w = {values, scale, NULL, TILED_INT8, k_padded, group};
+/* x: m rows of k (bf16, or float32 when x_is_f32, split into hi and lo rows where `split`; y has x's dtype,
+ * m x n contiguous); rows: scratch of (x_is_f32 ? 2 : 1) * m * k_padded bf16; sums: (x_is_f32 ? 2 : 1) * m
+ * * k_padded / group floats. */
+int int8_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
+                const int8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
+                const float *bias, void *y, uint16_t *rows) {
+    Tiled w = {values, scale, NULL, TILED_INT8, k_padded, group, split};
     return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, NULL);
 }
 
-int int4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint8_t *values,
-                const float *scale, const float *low, int64_t n, int64_t k_padded, int64_t group,
-                const float *bias, void *y, uint16_t *rows, float *sums) {
-    Tiled w = {values, scale, low, TILED_INT4, k_padded, group};
+int int4_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
+                const uint8_t *values, const float *scale, const float *low, int64_t n, int64_t k_padded,
+                int64_t group, const float *bias, void *y, uint16_t *rows, float *sums) {
+    Tiled w = {values, scale, low, TILED_INT4, k_padded, group, split};
     return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, sums);
 }
 
-int bf16_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint16_t *values,
-                int64_t n, int64_t k_padded, const float *bias, void *y, uint16_t *rows) {
-    Tiled w = {values, NULL, NULL, TILED_BF16, k_padded, k_padded};
+int bf16_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
+                const uint16_t *values, int64_t n, int64_t k_padded, const float *bias, void *y, uint16_t *rows) {
+    Tiled w = {values, NULL, NULL, TILED_BF16, k_padded, k_padded, split};
     return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, NULL);
 }
