@@ -45,8 +45,8 @@ class WorkerConfig(ServiceSettings):
     world_size: int = setting(1, flag="--gpus", aliases=("--num-shard",), user=False,
                               help="tensor-parallel ranks of the group")
     dtype: str = setting("auto", env="DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
-                         help="auto: bfloat16 where the hardware runs it fast (CUDA with bf16, a CPU with "
-                              "avx512_bf16/AMX), else float32.")
+                         help="auto: bfloat16 where the hardware runs it fast (CUDA with bf16; a CPU with "
+                              "avx512_bf16, where bf16 weights compute in float32), else float32.")
     device: str = setting("auto", env="DEVICE", choices=("auto", "cpu", "cuda"),
                           help="auto: cuda where torch sees a GPU, else cpu.")
     attention_backend: str = setting(
@@ -176,13 +176,12 @@ def resolve_dtype(dtype: str, device) -> "torch.dtype":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    try:
-        # oneDNN runs bf16 GEMMs natively with avx512_bf16 / AMX; elsewhere bf16 is emulated and slower.
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return torch.bfloat16
-    except (AttributeError, RuntimeError):
-        pass
-    return torch.float32
+    from llmbus.workers.quant import tiled_forms
+
+    # bf16 on CPU is bf16 weights computed in float32 through our AVX512-BF16 kernel (quant.compute_plan):
+    # half float32's bytes at its quality (benchmarks/bf16_quality.py). Without that kernel bf16 would be
+    # torch's bf16 arithmetic (less accurate, and emulated without avx512_bf16): float32 instead.
+    return torch.bfloat16 if tiled_forms() else torch.float32
 
 
 def process_group_backend(device: "torch.device") -> str:
@@ -223,8 +222,11 @@ class Worker:
         dtype = resolve_dtype(self.cfg.dtype, device)
         kv_dtype = None if self.cfg.kv_cache_dtype == "auto" else resolve_dtype(self.cfg.kv_cache_dtype, device)
         if self.cfg.dtype == "auto" and self.cfg.rank == 0:
-            why = {("cpu", torch.bfloat16): "this CPU runs bf16 matmuls natively (oneDNN: avx512_bf16/AMX)",
-                   ("cpu", torch.float32): "this CPU has no native bf16 matmuls; bf16 would be emulated",
+            why = {("cpu", torch.bfloat16): "bf16 weights computed in float32 by the AVX512-BF16 kernel: half "
+                                            "float32's bytes to read per step, float32's norms, attention and "
+                                            "logits",
+                   ("cpu", torch.float32): "no AVX512-BF16 kernel here (CPU or compiler): bf16 would be torch's "
+                                           "bf16 arithmetic, less accurate",
                    ("cuda", torch.bfloat16): "the GPU supports bf16",
                    ("cuda", torch.float16): "the GPU lacks bf16"}.get((device.type, dtype), "")
             self.log.info("dtype auto", dtype=str(dtype).removeprefix("torch."), device=str(device), reason=why)
