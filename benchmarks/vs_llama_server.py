@@ -21,11 +21,11 @@ weights' bf16 values (fused_decode.Bfloat16Copies), as llama-server's bf16 file 
 float32 run also measures llama-server bf16 and prints the c=1 row against both of its dense files. The
 int8 row is llmbus ``--quantize int8`` against llama-server's q8_0.
 
-llama-server keeps its KV cache in float16 (its default cache type). In a float32 run llmbus is measured
-twice for each dense model: with its exact default (the cache in float32, token-exact against transformers)
-and with ``--kv-cache-dtype float16``, the same cache type as llama-server's ("kv f16" rows: half the bytes
-for decode attention, no longer exact). ``--quantize int8`` is not exact either, and runs with the float16
-cache too, as q8_0 does.
+llama-server keeps its KV cache in float16 (its default cache type). llmbus is measured twice for each dense
+model: with its default cache (float32: what it computes in, bf16 weights on CPU included; token-exact
+against transformers in a float32 run) and with ``--kv-cache-dtype float16``, the same cache type as
+llama-server's ("kv f16" rows: half the bytes for decode attention). ``--quantize int8`` is not exact
+either, and runs with the float16 cache too, as q8_0 does.
 
 | target                                              | ratio                                   |
 |-----------------------------------------------------|-----------------------------------------|
@@ -112,10 +112,12 @@ def main() -> None:
 
     print(f"dense dtype: {dtype}; load average before: {load_average()}", flush=True)
     smol_prompts, demo_prompts = prompts(smollm2), prompts(default_model_dir())
-    # llama-server's cache type: in a float32 run, llmbus also runs with it (see the docstring)
-    kv16 = dtype == "float32"
+    # llama-server's cache type: llmbus also runs with it (see the docstring)
+    kv16 = True
+    # what llmbus's cache stores by default: what the model computes in (float32 for bf16 weights on CPU)
+    kv_default = "float32"
 
-    def llmbus(folder, kv_dtype: str = dtype, *extra: str):
+    def llmbus(folder, kv_dtype: str = kv_default, *extra: str):
         """What starts `llmbus up` on ``folder`` in ``dtype``, with KV room for KV_TOKENS tokens of
         ``kv_dtype`` (and ``--kv-cache-dtype`` where that is not the model's)."""
         kv = ["--kv-cache-memory", str(kv_bytes_for(folder, KV_TOKENS, kv_dtype)),
@@ -129,7 +131,7 @@ def main() -> None:
                         ("llama-server q8_0", lambda: LlamaServer(peer_gguf("q8_0"))),
                         *([("llama-server bf16", lambda: LlamaServer(peer_gguf("bf16")))]
                           if gguf_kind == "f32" else []),
-                        ("llmbus int8", llmbus(smollm2, "float16" if kv16 else dtype, "--quantize", "int8")),
+                        ("llmbus int8", llmbus(smollm2, "float16", "--quantize", "int8")),
                         *([(f"llmbus {dtype} kv f16", llmbus(smollm2, "float16"))] if kv16 else [])]),
         (demo_prompts, [("demo llama-server " + gguf_kind, lambda: LlamaServer(demo_gguf(gguf_kind))),
                         ("demo llmbus " + dtype, llmbus(default_model_dir())),
