@@ -20,6 +20,8 @@ stopped at its time limit keeps what it measured. Every row names the attention 
 4. speed baseline: decode step time at batch 1/16/64 x context 512/2048 on a Llama-3.1-8B-shaped model with
    random weights made on the device (``ModelRunner`` directly), beside the floor that the measured
    device-to-device copy bandwidth gives for its bytes (weights plus the KV read).
+5. step profile (issue #39's baseline): per decode step at batch 1 and 64, the kernels launched, the
+   host-device copies and synchronisations torch's profiler sees, and the CPU ops that take the most time.
 
 With ``--dry-run`` every part runs on CPU with tiny shapes and short prompts: it tests this script, not llmbus.
 """
@@ -383,21 +385,27 @@ class Check:
 
     # -- part 4 ----------------------------------------------------------------------------------
 
+    def _speed_runner(self, name: str) -> tuple[ModelRunner, dict, int]:
+        """(a runner of random bf16 weights of the speed shape made on the device, its config, blocks per
+        sequence of the longest context)."""
+        sizes = self.sizes
+        config = dict(sizes.speed_shape, model_type="llama", hidden_act="silu", tie_word_embeddings=False)
+        path = self.work / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        per_seq = -(-(max(sizes.contexts) + 1) // BLOCK_SIZE)
+        with random_model_loader(self.device):
+            runner = self.runner(str(path), torch.bfloat16, num_blocks=max(sizes.batches) * per_seq + 1,
+                                 max_batch_prefill_tokens=2048)
+        return runner, config, per_seq
+
     def speed(self) -> None:
         sizes = self.sizes
         bandwidth = _copy_bandwidth(self.device, sizes.copy_bytes)
         self.row("4 speed", "copy bandwidth", True, f"{bandwidth / 1e12:.3f} TB/s device-to-device "
                  "(bytes read + written)", bytes_per_s=bandwidth, device=str(self.device))
-        config = dict(sizes.speed_shape, model_type="llama", hidden_act="silu", tie_word_embeddings=False)
-        path = self.work / "speed"
-        path.mkdir()
-        (path / "config.json").write_text(json.dumps(config))
         dtype = torch.bfloat16
-        longest = max(sizes.contexts) + 1
-        per_seq = -(-longest // BLOCK_SIZE)
-        with random_model_loader(self.device):
-            runner = self.runner(str(path), dtype, num_blocks=max(sizes.batches) * per_seq + 1,
-                                 max_batch_prefill_tokens=2048)
+        runner, config, per_seq = self._speed_runner("speed")
         # What a decode step reads: every weight but the embedding, of which it reads one row per sequence
         weights = sum(t.numel() for name, t in meta_llama(config).state_dict().items()
                       if name != "model.embed_tokens.weight") * dtype.itemsize
@@ -426,6 +434,39 @@ class Check:
                          device=str(self.device), dtype="bfloat16", batch=batch, context=context,
                          step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in times], floor_ms=floor * 1e3,
                          weight_bytes=weights, kv_bytes=batch * context * kv_per_token)
+        del runner
+
+    def step_profile(self) -> None:
+        """What a decode step is made of on the device (issue #39's baseline): per step, the kernels
+        launched, the host-device copies and the synchronisations, from torch's profiler."""
+        from torch.profiler import ProfilerActivity, profile
+
+        runner, config, per_seq = self._speed_runner("profile")
+        rng = random.Random(0)
+        context, steps = min(self.sizes.contexts), 5
+        for batch in (1, max(self.sizes.batches)):
+            seqs = [SeqInput(f"p{i}", [rng.randrange(3, config["vocab_size"])], context,
+                             list(range(i * per_seq, (i + 1) * per_seq)), True, SamplingParams(), context)
+                    for i in range(batch)]
+            for _ in range(3):
+                runner.step(seqs)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    runner.step(seqs)
+            counts: dict[str, int] = {}
+            for event in prof.events():
+                name = event.name
+                kind = ("launches" if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+                        else "syncs" if "Synchronize" in name
+                        else "copies" if name.startswith("cudaMemcpy") else None)
+                if kind is not None:
+                    counts[kind] = counts.get(kind, 0) + 1
+            per_step = {k: v / steps for k, v in counts.items()}
+            self.row("5 profile", f"decode b{batch} ctx{context}", True,
+                     ", ".join(f"{v:.0f} {k}" for k, v in sorted(per_step.items())) + " per step",
+                     device=str(self.device), batch=batch, context=context, per_step=per_step,
+                     top_cpu=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
         del runner
 
 
@@ -513,7 +554,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: tests this script (CI)")
     parser.add_argument("--attention-backend", default="auto",
                         help="the backend every part runs on, as llmbus up takes it (auto: the device's default)")
-    parser.add_argument("--parts", default="1,2,3,4", help="which parts to run, comma-separated")
+    parser.add_argument("--parts", default="1,2,3,4,5", help="which parts to run, comma-separated")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or pass --dry-run")
@@ -536,7 +577,8 @@ def main() -> int:
     check = Check(args, report)
     t0 = time.perf_counter()
     parts = {"1": ("1 float32 greedy", check.float32_greedy), "2": ("2 bfloat16 logits", check.bfloat16_logits),
-             "3": ("3 served", check.served), "4": ("4 speed", check.speed)}
+             "3": ("3 served", check.served), "4": ("4 speed", check.speed),
+             "5": ("5 profile", check.step_profile)}
     for key in args.parts.split(","):
         name, fn = parts[key.strip()]
         p0 = time.perf_counter()
