@@ -115,7 +115,8 @@ class FrontendConfig(ServiceSettings):
              "folder holding one. The --default-* flags override it; a request's own value always wins.")
     default_temperature: float | None = setting(
         None, ge=0, help="Temperature of requests that sample and set none (over generation_config.json). "
-                         "0: the OpenAI routes decode greedily unless a request sets a temperature.")
+                         "It also sets the OpenAI routes' default decoding: 0 is greedy unless a request "
+                         "sets a temperature or a warper, above 0 samples.")
     default_top_k: int | None = setting(None, ge=0, help="top_k of requests that sample and set none "
                                                          "(0: off).")
     default_top_p: float | None = setting(None, gt=0, le=1, help="top_p of requests that sample and set none "

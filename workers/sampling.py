@@ -288,7 +288,10 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
             present = torch.zeros_like(scores).scatter_(1, gen_index.clamp_(max=vocab), 1.0)
             scores -= present * torch.tensor(presence, dtype=torch.float32, device=device)[:, None]
 
-    return logits.index_copy(0, row_index, scores[:, :vocab])
+    # A repetition penalty near 0 (TGI only asks for > 0) divides a positive logit past float32's range: kept
+    # at the largest float, the row's argmax and its log-softmax stay numbers instead of inf and NaN.
+    scores = scores[:, :vocab].clamp_(max=torch.finfo(torch.float32).max)
+    return logits.index_copy(0, row_index, scores)
 
 
 def _warps(p: SamplingParams) -> bool:
