@@ -192,9 +192,9 @@ def preempted(runner, prompt_ids: list[list[int]], expected: dict[str, Request],
 def beside_long_context(runner, prompt_ids: list[list[int]], expected: dict[str, Request],
                         together: bool = True) -> dict[str, Request]:
     """The targets' prompts in the step of a request with ``LONG_CONTEXT`` tokens of context (a cached
-    prefix, whatever its blocks hold, and 16 new tokens): a step whose tokens times its longest context pass
-    the CPU backend's budget for kernel rows (``attention.cpu.PROMPT_ROWS_MAX_SCORES``), where alone each
-    prompt is kernel rows. (The long request's own tokens are not compared.)"""
+    prefix, whatever its blocks hold, and 16 new tokens): a step whose tokens times its longest context
+    passed the CPU backend's former budget for kernel rows (2^20 scores; such a step took the torch path, where
+    alone each prompt is kernel rows). (The long request's own tokens are not compared.)"""
     rng = random.Random(36)
     cached = LONG_CONTEXT // runner.block_size - 1
     long = Request("long", [rng.randrange(runner.vocab_size) for _ in range(LONG_CONTEXT)], max_new_tokens=1,

@@ -34,6 +34,7 @@ import torch
 
 from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers.attention import AttentionMetadata, attention_backend_class
+from llmbus.workers.attention.decode_kernel import score_slots
 from llmbus.workers.kernels import bindings
 from llmbus.workers.kernels.bindings import MAX_ROWS, LayerArgs, Proj, StepArgs
 from llmbus.workers.kv_cache import PagedKVCache
@@ -182,9 +183,12 @@ class FusedDecodeLayers:
         self._tiled = all(p.tiled.values for p in projections)
         self._widest_tiled = max([p.tiled.k_padded for p in projections if p.tiled.values]
                                  + ([self._head.tiled.k_padded] if self._head is not None else [0]))
-        # Batches past MAX_ROWS otherwise: gemm.c's GEMMs, which read float32 weights only.
-        self._large_batches = self._tiled or (bool(library.decode_layer_takes_large_batches())
-                                              and all(p.dense for p in projections))
+        # Batches past MAX_ROWS: the GEMVs in passes of MAX_ROWS rows, each row's sums the same whatever the
+        # batch (gemm.c's GEMMs instead for float32 weights where it runs: AVX2 without AVX-512).
+        self._large_batches = self._tiled or bool(library.decode_layer_takes_large_batches())
+        # decode_layer.c's GEMMs (panels exist only where gemm.c runs) for float32 batches past MAX_ROWS
+        self._gemm_batches = (not self._tiled and all(p.dense for p in projections)
+                              and library.decode_layer_panel_floats(MAX_ROWS + 1, 16) > 0)
 
     @staticmethod
     def _layer_args(model, weights: list, bf16: Bfloat16Copies | None = None) -> list[LayerArgs] | None:
@@ -228,6 +232,16 @@ class FusedDecodeLayers:
         return fused
 
     @property
+    def invariance_gap(self) -> str | None:
+        """Why a row's logits may depend on what shares its step (design notes, "Batch-invariant numerics on
+        CPU"), or None: they do not."""
+        if self._gemm_batches:
+            return "float32 steps past 8 rows multiply through gemm.c's GEMMs (AVX2), others through the GEMV"
+        if self._head is None:
+            return "the LM head runs through torch"
+        return None
+
+    @property
     def takes_large_batches(self) -> bool:
         """Whether ``run`` takes steps of any number of rows (gemm.c's GEMMs inside the layer)."""
         return self._large_batches
@@ -248,7 +262,8 @@ class FusedDecodeLayers:
         """Logits ``[B, vocab]`` of the final ``norm`` (the model's RMSNorm) of ``rows [B, H]`` of a step
         ``run`` took: one C call for both where the head is one the C GEMV reads and the batch is small,
         the model's own norm and head otherwise (a large batch's head is a GEMM)."""
-        head_takes = self._head is not None and (rows.shape[0] <= MAX_ROWS or self._head.tiled.values)
+        head_takes = self._head is not None and (rows.shape[0] <= MAX_ROWS or self._head.tiled.values
+                                                 or self._large_batches)
         if not head_takes or norm.weight.dtype != torch.float32:
             return self._model.lm_head(norm(rows))
         rows = rows.contiguous()
@@ -274,7 +289,8 @@ class FusedDecodeLayers:
         scores_stride = -(-group.max_context // 16) * 16 + 16
         buffers = {"normed": batch * self._hidden, "qkv_out": batch * qkv_width,
                    "attended": batch * self._num_heads * self._head_dim, "act": batch * self._intermediate,
-                   "scores": batch * self._num_heads * scores_stride}
+                   "scores": score_slots(batch * self._num_kv_heads) * (self._num_heads // self._num_kv_heads)
+                   * scores_stride}
         if self._tiled:
             buffers["gate_up_out"] = batch * 2 * self._intermediate
         elif batch > MAX_ROWS:

@@ -111,6 +111,8 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
 
         log.info("model path", model_type=model_type, path="transformers fallback",
                  native=", ".join(sorted(builders)))
+        if torch.device(device).type == "cpu":
+            log.warning("batch invariance not promised", why="transformers fallback: torch's kernels")
         return HFFallbackForCausalLM.from_pretrained(model_dir, model_type=model_type, rank=rank,
                                                      world_size=world_size, dtype=dtype, device=device, log=log,
                                                      trust_remote_code=trust_remote_code,
@@ -125,6 +127,11 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
     # what was kept quantized, what was quantized or expanded: "210 Q4_1 -> int4 (kept), 61 ..."
     log.info("weights", quantize=quantize, formats=model.weight_summary,
              activations=str(plan.dtype).removeprefix("torch."))
+    fused = getattr(model, "fused_decode", None)
+    gap = ("tensor parallel" if world_size > 1 else "no fused decode layer: torch's kernels" if fused is None
+           else fused.invariance_gap)
+    if torch.device(device).type == "cpu" and gap:  # issue #35 part 4: a step's rows do not change a request's tokens
+        log.warning("batch invariance not promised", why=gap)
     release_freed_memory()
     return model
 

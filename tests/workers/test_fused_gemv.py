@@ -49,11 +49,13 @@ def test_float32_rows_give_the_product(rows, out_features, in_features):
     torch.testing.assert_close(y, (x.double() @ weight.double().T).float(), rtol=1e-5, atol=1e-4)
 
 
-def test_more_rows_than_one_pass_serves_are_refused():
+def test_more_rows_than_one_pass_serves_are_passes_of_its_rows():
+    """Past MAX_ROWS rows: passes of MAX_ROWS, each row the bits it has alone (issue #35 part 4)."""
     keep = []
-    proj = fused_decode._dense_proj(torch.randn(4, 8), keep)
-    x, y = torch.randn(bindings.MAX_ROWS + 1, 8), torch.empty(bindings.MAX_ROWS + 1, 4)
-    assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), 8, 4, x.shape[0], y.data_ptr(), None, None) == -1
+    proj = fused_decode._dense_proj(torch.randn(5, 40), keep)
+    x = torch.randn(3 * bindings.MAX_ROWS + 3, 40)
+    alone = torch.cat([gemv(proj, x[b:b + 1], 5) for b in range(x.shape[0])])
+    assert torch.equal(gemv(proj, x, 5), alone)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
@@ -70,6 +72,27 @@ def test_bfloat16_copy_gives_the_same_bits_as_its_float32_rows(rows, out_feature
     copies.add(compact, weight, keep)
     assert compact.bf16 and copies.made == 1 and copies.bytes == weight.numel() * 2
     assert torch.equal(gemv(compact, x, out_features), gemv(dense, x, out_features))
+
+
+@pytest.mark.parametrize("form", ["float32", "bf16_copy", "int8"])
+@pytest.mark.parametrize(("out_features", "in_features", "group"),
+                         [(64, 96, 32), (67, 100, None), (5, 7, None), (3, 576, 32), (9, 96, 24), (7, 200, 64)])
+def test_a_rows_sum_is_the_same_bits_whatever_the_batch(form, out_features, in_features, group):
+    """Batch invariance (issue #35 part 4): row b of a pass of 1..8 rows gives the bits of that row alone."""
+    if form == "int8" and group is None:
+        pytest.skip("int8 takes a group")
+    torch.manual_seed(out_features * 31 + in_features)
+    weight, x = torch.randn(out_features, in_features), torch.randn(bindings.MAX_ROWS, in_features)
+    keep = []
+    if form == "int8":
+        proj = fused_decode._int8_proj(quantize_int8(weight, group), keep)
+    else:
+        proj = fused_decode._dense_proj(weight.bfloat16().float() if form == "bf16_copy" else weight, keep)
+        if form == "bf16_copy":
+            fused_decode.Bfloat16Copies(budget=1 << 30).add(proj, weight.bfloat16().float(), keep)
+    alone = torch.cat([gemv(proj, x[b:b + 1], out_features) for b in range(bindings.MAX_ROWS)])
+    for rows in range(2, bindings.MAX_ROWS + 1):
+        assert torch.equal(gemv(proj, x[:rows], out_features), alone[:rows]), f"{rows} rows"
 
 
 def test_no_bfloat16_copy_of_float32_values_or_past_the_budget():

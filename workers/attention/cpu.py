@@ -24,13 +24,6 @@ from llmbus.workers.attention.decode_kernel import DecodeAttentionKernel, decode
 from llmbus.workers.attention.torch_sdpa import TorchSDPABackend
 from llmbus.workers.kv_cache import PagedKVCache
 
-# Prompt rows (AttentionBackend.prompt_rows) only while a step's tokens times its longest context stay
-# under this: the kernel keeps every row's scores at once (rows x heads x context floats; SmolLM2's 9
-# heads: about 36 MB). Longer prompts take the portable path, which is as fast for them (design notes,
-# "Small decode steps: one C call per step").
-PROMPT_ROWS_MAX_SCORES = 1 << 20
-
-
 class CPUKernelBackend(TorchSDPABackend):
     """Paged attention on CPU: the C decode kernel over the pool in place, the portable path for the rest."""
 
@@ -54,18 +47,19 @@ class CPUKernelBackend(TorchSDPABackend):
             return self._decodes_metadata(num_computed, block_tables, kv_cache, device)
         if (self.prompt_rows and max(query_lens) > 1 and kv_cache.compute_dtype == torch.float32
                 and self._takes(kv_cache)):
+            # Every prompt, however long: the kernel's scores scratch is one slot a thread (SCORE_SLOTS),
+            # so a step's length never switches its rows to another algorithm (issue #35 part 4).
             max_context = max(c + n for c, n in zip(num_computed, query_lens))
-            if sum(query_lens) * max_context <= PROMPT_ROWS_MAX_SCORES:
-                index = step_index(query_lens, num_computed, block_tables, kv_cache, device)
-                rows = torch.repeat_interleave(torch.arange(len(query_lens), device=device), index.query_lens,
-                                               output_size=sum(query_lens))
-                context_lens = index.positions + 1
-                group = KernelRows(
-                    token_index=None, block_index=index.tables[rows][:, :-(-max_context // kv_cache.block_size)],
-                    context_lens=context_lens, window_starts=self._window_starts(context_lens),
-                    max_context=max_context)
-                return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[group],
-                                         kernel_rows=group)
+            index = step_index(query_lens, num_computed, block_tables, kv_cache, device)
+            rows = torch.repeat_interleave(torch.arange(len(query_lens), device=device), index.query_lens,
+                                           output_size=sum(query_lens))
+            context_lens = index.positions + 1
+            group = KernelRows(
+                token_index=None, block_index=index.tables[rows][:, :-(-max_context // kv_cache.block_size)],
+                context_lens=context_lens, window_starts=self._window_starts(context_lens),
+                max_context=max_context)
+            return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[group],
+                                     kernel_rows=group)
         return super().build_metadata(query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
                                       kv_cache=kv_cache, device=device)
 

@@ -378,7 +378,8 @@ static void pair_bf16(const uint16_t *query, const uint16_t *keys, const uint16_
  *   already holds them (written by write_kv beside other groups);
  *   tables [B, table_stride]: each sequence's blocks, in order; lens [B] its context with this token;
  *   starts [B] its first visible key (a sliding window); out [B, Hq, D];
- *   scratch float32 [Hkv * B, group, scores_stride], scores_stride >= max(lens) rounded up to 16.
+ *   scratch float32 [min(Hkv * B, SCORE_SLOTS), group, scores_stride] (one slot a thread), scores_stride >=
+ *   max(lens) rounded up to 16.
  * Returns 0, or -1 for a shape it cannot take. */
 #define DEFINE_ENTRY(NAME, A, P, WRITE, PAIR, BLOCK_MULTIPLE)                                               \
 LLMBUS_DECODE_ATTENTION(NAME, A, P) {                                                                      \
@@ -386,7 +387,7 @@ LLMBUS_DECODE_ATTENTION(NAME, A, P) {                                           
     int64_t group = num_heads / num_kv_heads, head_elems = pool_blocks * block_size * head_dim;            \
     /* every row's K/V first: rows may be positions of one sequence (speculation), each attending to the \
      * ones before it */                                                                                   \
-    _Pragma("omp parallel")                                                                                 \
+    _Pragma("omp parallel num_threads(score_threads())")                                                   \
     {                                                                                                       \
         if (slots != 0) {                                                                                   \
             _Pragma("omp for schedule(static)")                                                             \
@@ -402,7 +403,8 @@ LLMBUS_DECODE_ATTENTION(NAME, A, P) {                                           
             int64_t kv_head = pair / batch, seq = pair % batch;                                             \
             PAIR(query + seq * query_stride + kv_head * group * head_dim, pool_key + kv_head * head_elems,  \
                  pool_value + kv_head * head_elems, tables + seq * table_stride, block_size, starts[seq],   \
-                 lens[seq], head_dim, group, scale, scratch + pair * group * scores_stride, scores_stride,  \
+                 lens[seq], head_dim, group, scale, scratch + omp_get_thread_num() * group * scores_stride,  \
+                 scores_stride,                                                                              \
                  out + (seq * num_heads + kv_head * group) * head_dim);                                     \
         }                                                                                                   \
     }                                                                                                       \

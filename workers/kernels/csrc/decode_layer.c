@@ -47,18 +47,23 @@ static inline __m256 widen_bf16x8(const uint16_t *p) {
 
 /* y[b] = w . x[b] for the rows of the batch, w one weight row of n floats: float32 ones (w), or bfloat16
  * ones (wb, when w is null; called with a constant null or not, so each form compiles to its own loop).
- * Both read the same numbers and sum them in the same order: the results are the same bits. */
+ * Both read the same numbers and sum them in the same order: the results are the same bits.
+ * Batch invariance (issue #35 part 4): every row sums in the same chains and reduces them in the same order
+ * whatever ``rows`` is, so a row's result does not depend on how many rows share the pass. AVX-512: two
+ * chains a row (16 zmm accumulators for MAX_ROWS rows); AVX2: four chains a row (one would wait on the FMA
+ * latency), two rows at a time to fit 16 ymm registers, the weight row read again from cache per pair. */
 static inline __attribute__((always_inline)) void dot_rows_of(const float *w, const uint16_t *wb, const float *x,
                                                               int64_t x_stride, int64_t rows, int64_t n, float *y) {
 #if defined(__AVX512F__)
 #define LOADW(k) (w != 0 ? _mm512_loadu_ps(w + (k)) : widen_bf16x16(wb + (k)))
-    __m512 acc[MAX_ROWS], acc2 = _mm512_setzero_ps();
-    for (int64_t b = 0; b < rows; b++) acc[b] = _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS], acc2[MAX_ROWS];
+    for (int64_t b = 0; b < rows; b++) acc[b] = acc2[b] = _mm512_setzero_ps();
     int64_t k = 0;
-    if (rows == 1) { /* two chains: one would wait on the FMA latency */
-        for (; k + 32 <= n; k += 32) {
-            acc[0] = _mm512_fmadd_ps(LOADW(k), _mm512_loadu_ps(x + k), acc[0]);
-            acc2 = _mm512_fmadd_ps(LOADW(k + 16), _mm512_loadu_ps(x + k + 16), acc2);
+    for (; k + 32 <= n; k += 32) {
+        __m512 wv = LOADW(k), wv2 = LOADW(k + 16);
+        for (int64_t b = 0; b < rows; b++) {
+            acc[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * x_stride + k), acc[b]);
+            acc2[b] = _mm512_fmadd_ps(wv2, _mm512_loadu_ps(x + b * x_stride + k + 16), acc2[b]);
         }
     }
     for (; k + 16 <= n; k += 16) {
@@ -74,33 +79,36 @@ static inline __attribute__((always_inline)) void dot_rows_of(const float *w, co
         for (int64_t b = 0; b < rows; b++)
             acc[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + b * x_stride + k), acc[b]);
     }
-    acc[0] = _mm512_add_ps(acc[0], acc2);
-    for (int64_t b = 0; b < rows; b++) y[b] = _mm512_reduce_add_ps(acc[b]);
+    for (int64_t b = 0; b < rows; b++) y[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b], acc2[b]));
 #undef LOADW
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LOADW(k) (w != 0 ? _mm256_loadu_ps(w + (k)) : widen_bf16x8(wb + (k)))
-    __m256 acc[MAX_ROWS], extra[3] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < rows; b++) acc[b] = _mm256_setzero_ps();
-    int64_t k = 0;
-    if (rows == 1) { /* four chains: one would wait on the FMA latency */
+    for (int64_t b0 = 0; b0 < rows; b0 += 2) {
+        const int64_t pair = rows - b0 < 2 ? rows - b0 : 2;
+        const float *xs = x + b0 * x_stride;
+        __m256 acc[2][4];
+        for (int64_t b = 0; b < pair; b++)
+            for (int c = 0; c < 4; c++) acc[b][c] = _mm256_setzero_ps();
+        int64_t k = 0;
         for (; k + 32 <= n; k += 32) {
-            acc[0] = _mm256_fmadd_ps(LOADW(k), _mm256_loadu_ps(x + k), acc[0]);
-            extra[0] = _mm256_fmadd_ps(LOADW(k + 8), _mm256_loadu_ps(x + k + 8), extra[0]);
-            extra[1] = _mm256_fmadd_ps(LOADW(k + 16), _mm256_loadu_ps(x + k + 16), extra[1]);
-            extra[2] = _mm256_fmadd_ps(LOADW(k + 24), _mm256_loadu_ps(x + k + 24), extra[2]);
+            __m256 wv[4] = {LOADW(k), LOADW(k + 8), LOADW(k + 16), LOADW(k + 24)};
+            for (int64_t b = 0; b < pair; b++)
+                for (int c = 0; c < 4; c++)
+                    acc[b][c] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(xs + b * x_stride + k + 8 * c), acc[b][c]);
         }
-        acc[0] = _mm256_add_ps(_mm256_add_ps(acc[0], extra[0]), _mm256_add_ps(extra[1], extra[2]));
-    }
-    for (; k + 8 <= n; k += 8) {
-        __m256 wv = LOADW(k);
-        for (int64_t b = 0; b < rows; b++)
-            acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * x_stride + k), acc[b]);
-    }
-    for (int64_t b = 0; b < rows; b++) {
-        float sum = hsum256(acc[b]);
-        /* fmaf: both forms contract alike (the compiler fused one form's multiply-add and not the other's) */
-        for (int64_t t = k; t < n; t++) sum = fmaf(w != 0 ? w[t] : bf16_to_f32(wb[t]), x[b * x_stride + t], sum);
-        y[b] = sum;
+        for (int64_t b = 0; b < pair; b++)
+            acc[b][0] = _mm256_add_ps(_mm256_add_ps(acc[b][0], acc[b][1]), _mm256_add_ps(acc[b][2], acc[b][3]));
+        for (; k + 8 <= n; k += 8) {
+            __m256 wv = LOADW(k);
+            for (int64_t b = 0; b < pair; b++)
+                acc[b][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs + b * x_stride + k), acc[b][0]);
+        }
+        for (int64_t b = 0; b < pair; b++) {
+            float sum = hsum256(acc[b][0]);
+            /* fmaf: both forms contract alike (the compiler fused one form's multiply-add and not the other's) */
+            for (int64_t t = k; t < n; t++) sum = fmaf(w != 0 ? w[t] : bf16_to_f32(wb[t]), xs[b * x_stride + t], sum);
+            y[b0 + b] = sum;
+        }
     }
 #undef LOADW
 #else
@@ -154,15 +162,7 @@ static inline void dot_rows_int8(const int8_t *w, const float *scale, int64_t gr
         int64_t k = g0;
 #if defined(__AVX2__) && defined(__FMA__)
         const __m256 group_scale = _mm256_set1_ps(scale[gi]);
-        if (rows == 1) { /* two chains, no arrays: batch 1 where dot_int8_row does not take the groups */
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            for (; k + 16 <= end; k += 16) {
-                a0 = _mm256_fmadd_ps(INT8X8(w + k), _mm256_loadu_ps(x + k), a0);
-                a1 = _mm256_fmadd_ps(INT8X8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-            }
-            for (; k + 8 <= end; k += 8) a0 = _mm256_fmadd_ps(INT8X8(w + k), _mm256_loadu_ps(x + k), a0);
-            sums[0] = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), group_scale, sums[0]);
-        } else {
+        { /* one chain a row, whatever the rows (batch invariance): groups dot_int8_row does not take */
             __m256 acc[MAX_ROWS];
             for (int64_t b = 0; b < rows; b++) acc[b] = _mm256_setzero_ps();
             for (; k + 8 <= end; k += 8) {
@@ -216,8 +216,8 @@ static inline float dot_int8_row(const int8_t *w, const float *scale, int64_t gr
  * Other groups take the same loops with the group a variable. */
 enum { COMMON_GROUP = 32 };
 
-/* Row ``o`` of projection ``p`` (``in`` inputs) against the batch: a batch-1 int8 row, whose groups split
- * into whole runs of 16, in dot_int8_row. */
+/* Row ``o`` of projection ``p`` (``in`` inputs) against the batch: int8 rows whose groups split into whole
+ * runs of 16 in dot_int8_row, row by row (the same sums whatever the batch). */
 static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x, int64_t x_stride, int64_t rows,
                             float *y) {
     if (p->bf16 != 0) {
@@ -229,9 +229,11 @@ static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x
         const int8_t *values = p->values + o * in;
         const float *scale = p->scale + o * groups;
 #if defined(__AVX2__) && defined(__FMA__)
-        if (rows == 1 && p->group % 16 == 0 && in % p->group == 0) { /* the batch-1 step's loop */
-            y[0] = p->group == COMMON_GROUP ? dot_int8_row(values, scale, COMMON_GROUP, x, in)
-                                            : dot_int8_row(values, scale, p->group, x, in);
+        if (p->group % 16 == 0 && in % p->group == 0) { /* the batch-1 step's loop, for every row alike
+                                                          * (batch invariance), the weight row from cache */
+            for (int64_t b = 0; b < rows; b++)
+                y[b] = p->group == COMMON_GROUP ? dot_int8_row(values, scale, COMMON_GROUP, x + b * x_stride, in)
+                                                : dot_int8_row(values, scale, p->group, x + b * x_stride, in);
             return;
         }
 #endif
@@ -240,17 +242,22 @@ static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x
     }
 }
 
-/* out[b] (+)= W x[b] (+ bias) for rows this thread takes; called inside a parallel region. */
+/* out[b] (+)= W x[b] (+ bias) for the outputs this thread takes; called inside a parallel region. Any number
+ * of rows: passes of up to MAX_ROWS rows, weight row ``o`` from memory for the first pass and from cache for
+ * the next ones, each row by dot_proj's arithmetic, the same whatever the batch (issue #35 part 4). */
 static inline void gemv(const Proj *weight, const float *bias, const float *x, int64_t in, int64_t out_features,
                         int64_t rows, float *y, int64_t y_stride, int accumulate) {
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < out_features; o++) {
-        float dots[MAX_ROWS];
-        dot_proj(weight, o, in, x, in, rows, dots);
-        float add = bias != 0 ? bias[o] : 0.0f;
-        for (int64_t b = 0; b < rows; b++) {
-            if (accumulate) y[b * y_stride + o] += dots[b] + add;
-            else y[b * y_stride + o] = dots[b] + add;
+        const float add = bias != 0 ? bias[o] : 0.0f;
+        for (int64_t b0 = 0; b0 < rows; b0 += MAX_ROWS) {
+            const int64_t pass = rows - b0 < MAX_ROWS ? rows - b0 : MAX_ROWS;
+            float dots[MAX_ROWS];
+            dot_proj(weight, o, in, x + b0 * in, in, pass, dots);
+            for (int64_t b = 0; b < pass; b++) {
+                if (accumulate) y[(b0 + b) * y_stride + o] += dots[b] + add;
+                else y[(b0 + b) * y_stride + o] = dots[b] + add;
+            }
         }
     }
 }
@@ -307,7 +314,7 @@ static inline void attend_pair(const StepArgs *s, const LayerPool *l, int64_t pa
     int64_t kv_head = pair / B, b = pair % B;
     const float *query = s->qkv_out + b * qkv_width + kv_head * group * D;
     const int64_t *table = s->tables + b * s->table_stride;
-    float *scores = s->scores + pair * group * s->scores_stride, *out = s->attended + (b * Hq + kv_head * group) * D;
+    float *scores = s->scores + omp_get_thread_num() * group * s->scores_stride, *out = s->attended + (b * Hq + kv_head * group) * D;
     if (s->pool_f16)
         pair_f16kv(query, (const uint16_t *)l->pool_key + kv_head * head_elems,
                    (const uint16_t *)l->pool_value + kv_head * head_elems, table, s->block_size, l->starts[b],
@@ -396,8 +403,8 @@ int decode_layer_reads_bf16(void) {
 #endif
 }
 
-/* Whether decode_layer_f32 takes batches past MAX_ROWS (with float32 weights) in this build. */
-int decode_layer_takes_large_batches(void) { return GEMM_RUNS; }
+/* Whether decode_layers_f32 takes batches past MAX_ROWS in this build: every build now (GEMV passes). */
+int decode_layer_takes_large_batches(void) { return 1; }
 
 /* The floats of StepArgs.panels a batch of ``rows`` needs, ``widest`` the most inputs of a projection. */
 int64_t decode_layer_panel_floats(int64_t rows, int64_t widest) {
@@ -409,8 +416,8 @@ int64_t decode_layer_panel_floats(int64_t rows, int64_t widest) {
 #endif
 }
 
-/* A batch of at most MAX_ROWS, or of any size when every projection is tiled: the projections as GEMVs, each
- * weight row streamed once for every row. Called by every thread of the step's parallel region; ends on a
+/* A batch of any size: the projections as GEMVs, each weight row streamed once for every pass of MAX_ROWS
+ * rows (tiled ones: once for every row). Called by every thread of the step's parallel region; ends on a
  * barrier. */
 static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *pool, float *hidden) {
     const int64_t B = s->batch, H = s->hidden, I = s->intermediate, D = s->head_dim;
@@ -431,13 +438,16 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
     /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < I; i++) {
-        float gate[MAX_ROWS], up[MAX_ROWS];
-        dot_proj(&l->gate_up, i, H, s->normed, H, B, gate);
-        dot_proj(&l->gate_up, I + i, H, s->normed, H, B, up);
-        for (int64_t b = 0; b < B; b++) {
-            float g = gate[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[i] : 0.0f);
-            float u = up[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i] : 0.0f);
-            s->act[b * I + i] = g / (1.0f + expf(-g)) * u;
+        for (int64_t b0 = 0; b0 < B; b0 += MAX_ROWS) { /* passes of MAX_ROWS rows, as gemv's */
+            const int64_t pass = B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS;
+            float gate[MAX_ROWS], up[MAX_ROWS];
+            dot_proj(&l->gate_up, i, H, s->normed + b0 * H, H, pass, gate);
+            dot_proj(&l->gate_up, I + i, H, s->normed + b0 * H, H, pass, up);
+            for (int64_t b = 0; b < pass; b++) {
+                float g = gate[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[i] : 0.0f);
+                float u = up[b] + (l->gate_up_bias != 0 ? l->gate_up_bias[I + i] : 0.0f);
+                s->act[(b0 + b) * I + i] = g / (1.0f + expf(-g)) * u;
+            }
         }
     }
     project(s, &l->down, l->down_bias, s->act, I, H, hidden, H, 1);
@@ -454,15 +464,16 @@ static inline int all_tiled(const LayerArgs *l) {
 int decode_layers_f32(const StepArgs *s, const LayerArgs *layers, int64_t num_layers, float *hidden) {
     const int64_t B = s->batch, Hq = s->num_heads, Hkv = s->num_kv_heads;
     if (Hq % Hkv != 0 || s->head_dim % 2 != 0) return -1;
-    int large = B > MAX_ROWS;
-    for (int64_t i = 0; i < num_layers && large; i++) { /* tiled layers take any batch through their GEMVs */
+    /* Any batch through the GEMVs, in passes of MAX_ROWS rows with each row's arithmetic the same whatever
+     * the batch; but a batch past MAX_ROWS of float32 weights where gemm.c runs (AVX2 without AVX-512) through
+     * its GEMMs, whose sums are not the GEMV's (design notes, "Batch-invariant numerics on CPU"). */
+    int large = B > MAX_ROWS && GEMM_RUNS;
+    for (int64_t i = 0; i < num_layers && large; i++) {
         const LayerArgs *l = &layers[i];
-        if (!all_tiled(l) && (!GEMM_RUNS || l->qkv.dense == 0 || l->o_proj.dense == 0 || l->gate_up.dense == 0 ||
-                              l->down.dense == 0))
-            return -1;
+        if (all_tiled(l) || l->qkv.dense == 0 || l->o_proj.dense == 0 || l->gate_up.dense == 0 || l->down.dense == 0)
+            large = 0;
     }
-    if (large && num_layers > 0 && all_tiled(&layers[0])) large = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(score_threads())
     for (int64_t i = 0; i < num_layers; i++) {
         const LayerPool pool = layer_pool(s, &layers[i], i);
 #if GEMM_RUNS
@@ -482,7 +493,6 @@ int decode_layers_f32(const StepArgs *s, const LayerArgs *layers, int64_t num_la
 int lm_head_f32(const Proj *weight, const float *norm, float eps, const float *x, int64_t in, int64_t out_features,
                 int64_t rows, float *normed, float *y, uint16_t *prepared, float *prepared_sums) {
     const int tiled = weight->tiled.values != 0;
-    if (rows > MAX_ROWS && !tiled) return -1;
 #pragma omp parallel
     {
         if (norm != 0) {

@@ -8,6 +8,7 @@
 #include "fast_exp.h"
 #include "llmbus_kernels.h"
 
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -54,6 +55,14 @@ static inline float hsum256(__m256 v) {
 
 /* Where element (position w within its block, dim d) of a KV block lives, per dtype (decode_attention.c's
  * header has the layouts); a block holds block_size positions, so it starts at block * block_size * head_dim. */
+/* Attention's scores scratch holds SCORE_SLOTS pairs' [group, scores_stride] at most, one per thread (the
+ * parallel regions that attend run on at most SCORE_SLOTS threads): its size does not grow with the step's
+ * rows, so a step of any length attends through the kernel, each (row, head) by the same arithmetic. */
+enum { SCORE_SLOTS = 256 };
+static inline int score_threads(void) {
+    return omp_get_max_threads() < SCORE_SLOTS ? omp_get_max_threads() : SCORE_SLOTS;
+}
+
 #define F32_KEY(w, d, head_dim) ((w) * (head_dim) + (d))
 #define F32_VALUE(w, d, head_dim) ((w) * (head_dim) + (d))
 #define BF16_KEY(w, d, head_dim) ((((w) >> 4) * ((head_dim) >> 1) + ((d) >> 1)) * 32 + ((w) & 15) * 2 + ((d) & 1))

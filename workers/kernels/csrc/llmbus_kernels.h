@@ -61,7 +61,7 @@ typedef struct {
     const float *cos, *sin;                    /* [B, D], sin signed as RotaryEmbedding.cos_sin gives it */
     const int64_t *slots, *tables, *lens;      /* [B], [B, table_stride], [B] */
     float *normed, *qkv_out, *attended, *act;  /* scratch: [B, H], [B, (Hq + 2 Hkv) D], [B, Hq D], [B, I] */
-    float *scores;                             /* [Hkv * B, group, scores_stride] */
+    float *scores;                             /* [min(Hkv * B, SCORE_SLOTS), group, scores_stride] */
     int64_t rows_share_sequences;              /* rows are positions of one sequence (speculation) */
     float *gate_up_out, *panels;               /* batches past MAX_ROWS: [B, 2 I], decode_layer_panel_floats */
     void *pool_key, *pool_value;               /* every layer's pool, one after the other */

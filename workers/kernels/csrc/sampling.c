@@ -97,11 +97,29 @@ static float logprob_of(SpanMax m, float sum) {
     return (m.has_nan || !isfinite(m.maximum)) ? NAN : -logf(sum);
 }
 
+/* A greedy row's softmax sum is the sum, in order, of its vocabulary's fixed spans' sums (EXP_SPAN values each,
+ * more where a vocabulary has over MAX_SPANS of them): the same float32 sum whether one thread reads the row or
+ * the threads share its spans, so a token's logprob does not depend on the step's rows or the thread count
+ * (issue #35 part 4). */
+enum { EXP_SPAN = 4096, MAX_SPANS = 1024 };
+
+static int64_t exp_span(int64_t vocab) {
+    const int64_t per = (vocab + MAX_SPANS - 1) / MAX_SPANS;
+    return per > EXP_SPAN ? per : EXP_SPAN;
+}
+
+static float row_exp_sum(const float *x, int64_t vocab, float maximum) {
+    const int64_t span = exp_span(vocab);
+    float sum = 0.0f;
+    for (int64_t lo = 0; lo < vocab; lo += span) sum += span_exp_sum(x, lo, lo + span < vocab ? lo + span : vocab, maximum);
+    return sum;
+}
+
 /* One greedy row, read by one thread: its first argmax and that token's log-softmax. */
 static void greedy_row(const float *x, int64_t vocab, int64_t *id, float *logprob) {
     SpanMax m = span_max(x, 0, vocab);
     *id = m.index;
-    *logprob = logprob_of(m, m.has_nan ? NAN : span_exp_sum(x, 0, vocab, m.maximum));
+    *logprob = logprob_of(m, m.has_nan ? NAN : row_exp_sum(x, vocab, m.maximum));
 }
 
 /* logits [rows, vocab] with row stride ``stride``; ids [rows] and logprobs [rows] out. Returns 0. */
@@ -112,9 +130,11 @@ int greedy_f32(const float *logits, int64_t rows, int64_t vocab, int64_t stride,
         for (int64_t r = 0; r < rows; r++) greedy_row(logits + r * stride, vocab, &ids[r], &logprobs[r]);
         return 0;
     }
-    /* fewer rows than threads (batch 1): each row's vocabulary in one span per thread */
+    /* fewer rows than threads (batch 1): each row's maximum over one span per thread, its sum over the fixed
+     * spans of row_exp_sum shared among the threads and added in row_exp_sum's order */
     SpanMax spans[MAX_THREADS];
-    float sums[MAX_THREADS];
+    float sums[MAX_SPANS];
+    const int64_t span = exp_span(vocab), num_spans = (vocab + span - 1) / span;
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * stride;
         SpanMax m;
@@ -129,12 +149,15 @@ int greedy_f32(const float *logits, int64_t rows, int64_t vocab, int64_t stride,
                 m = spans[0];
                 for (int k = 1; k < n; k++) m = combine(m, spans[k]);
             }
-            sums[t] = m.has_nan ? 0.0f : span_exp_sum(x, lo, hi, m.maximum);
-#pragma omp barrier
+            if (!m.has_nan) {
+#pragma omp for schedule(static)
+                for (int64_t k = 0; k < num_spans; k++)
+                    sums[k] = span_exp_sum(x, k * span, (k + 1) * span < vocab ? (k + 1) * span : vocab, m.maximum);
+            }
 #pragma omp single
             {
                 float sum = 0.0f;
-                for (int k = 0; k < n; k++) sum += sums[k];
+                for (int64_t k = 0; k < num_spans; k++) sum += sums[k];
                 ids[r] = m.index;
                 logprobs[r] = logprob_of(m, sum);
             }
