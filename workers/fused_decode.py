@@ -183,12 +183,14 @@ class FusedDecodeLayers:
         self._tiled = all(p.tiled.values for p in projections)
         self._widest_tiled = max([p.tiled.k_padded for p in projections if p.tiled.values]
                                  + ([self._head.tiled.k_padded] if self._head is not None else [0]))
-        # Batches past MAX_ROWS: the GEMVs in passes of MAX_ROWS rows, each row's sums the same whatever the
-        # batch (gemm.c's GEMMs instead for float32 weights where it runs: AVX2 without AVX-512).
-        self._large_batches = self._tiled or bool(library.decode_layer_takes_large_batches())
         # decode_layer.c's GEMMs (panels exist only where gemm.c runs) for float32 batches past MAX_ROWS
         self._gemm_batches = (not self._tiled and all(p.dense for p in projections)
                               and library.decode_layer_panel_floats(MAX_ROWS + 1, 16) > 0)
+        # Batches past MAX_ROWS and prompts: tiled projections, or float32 ones through gemm.c where it runs.
+        # decode_layer.c can also run float32 ones as GEMVs in passes of MAX_ROWS rows, each row's sums the
+        # same whatever the batch, but at batch 64 that measured 1.62x slower than oneDNN's GEMMs (design
+        # notes, "Batch-invariant numerics on CPU"): float32 on AVX-512 keeps the torch layers there.
+        self._large_batches = self._tiled or self._gemm_batches
 
     @staticmethod
     def _layer_args(model, weights: list, bf16: Bfloat16Copies | None = None) -> list[LayerArgs] | None:
@@ -237,6 +239,8 @@ class FusedDecodeLayers:
         CPU"), or None: they do not."""
         if self._gemm_batches:
             return "float32 steps past 8 rows multiply through gemm.c's GEMMs (AVX2), others through the GEMV"
+        if not self._large_batches:
+            return "float32 prompts and steps past 8 rows run through oneDNN's GEMMs, decodes through the GEMV"
         if self._head is None:
             return "the LM head runs through torch"
         return None
