@@ -5,21 +5,13 @@ float32 figure must be transformers float32's on the same tokens (what makes the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_dry_run_measures_both_parts(tmp_path):
-    out = tmp_path / "quality.json"
-    done = subprocess.run([sys.executable, "benchmarks/bf16_quality.py", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(out.read_text())
+def test_dry_run_measures_both_parts(dry_run):
+    done, result = dry_run("benchmarks/bf16_quality.py")
     assert result["dry_run"] is True
     (row,) = result["answers"].values()
     assert row["questions"] == 3 and 0 <= row["identical"] <= 3 and len(row["answers"]) == 3

@@ -4,21 +4,12 @@ must hold every row, each part's rows naming the attention backend they ran on."
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = {"llama3_gqa", "mistral_window", "qwen2"}
 
 
-def test_dry_run_writes_every_row(tmp_path):
-    out = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+def test_dry_run_writes_every_row(dry_run):
+    done, report = dry_run("benchmarks/gpu_check.py")
     assert report["dry_run"] is True
     rows = report["rows"]
     failed = [r for r in rows if not r["ok"]]
