@@ -403,8 +403,6 @@ int decode_layer_reads_bf16(void) {
 #endif
 }
 
-/* Whether decode_layers_f32 takes batches past MAX_ROWS in this build: every build now (GEMV passes). */
-int decode_layer_takes_large_batches(void) { return 1; }
 
 /* The floats of StepArgs.panels a batch of ``rows`` needs, ``widest`` the most inputs of a projection. */
 int64_t decode_layer_panel_floats(int64_t rows, int64_t widest) {

@@ -108,7 +108,6 @@ LLMBUS_API int lm_head_f32(const Proj *weight, const float *norm, float eps, con
 LLMBUS_API int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows,
                          float *y, uint16_t *prepared, float *prepared_sums);
 LLMBUS_API int decode_layer_reads_bf16(void);
-LLMBUS_API int decode_layer_takes_large_batches(void);
 LLMBUS_API int64_t decode_layer_panel_floats(int64_t rows, int64_t widest);
 
 /* gemm.c: y = x w^T (+ bias) in float32, where this build runs it (gemm_f32_runs). */
