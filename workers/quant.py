@@ -366,10 +366,10 @@ class _TorchPack:
         return y + bias if bias is not None else y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return _int8_rows(self.weight, ids)
+        return _weight_rows(self.weight, ids)
 
 
-def _int8_rows(weight: Int8Weight | Bf16Weight, ids: torch.Tensor) -> torch.Tensor:
+def _weight_rows(weight: Int8Weight | Bf16Weight, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(weight, Bf16Weight):
         return weight.values[ids].float()
     return weight.values[ids].float() * _expand(weight.scale[ids], weight.shape[1], weight.group)
@@ -388,7 +388,7 @@ class _DensePack:
         return y + bias if bias is not None else y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return _int8_rows(self.source, ids)
+        return _weight_rows(self.source, ids)
 
 
 def _pack(weight: QuantizedWeight, dtype: torch.dtype):
