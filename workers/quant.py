@@ -237,14 +237,22 @@ def from_gguf(raw) -> QuantizedWeight:
 
 @functools.cache
 def _library():
-    """The kernel library where quant_kernels.c runs here, or None (logged once) where it cannot."""
+    """The kernel library where quant_kernels.c's tiled kernel runs here, or None (logged once) where it
+    cannot."""
     library = bindings.library()
     if library is None:
         return None
-    if not library.quant_kernels_available():
-        log.info("this CPU has no AVX512-BF16: quantized layers run on torch's kernels")
+    if library.tiled_kernel_isa() == bindings.TILED_ISA_NONE:
+        log.info("this CPU has neither AVX512-BF16 nor AVX2 + FMA: quantized layers run on torch's kernels")
         return None
     return library
+
+
+def tiled_kernel() -> str | None:
+    """Which tiled kernel computes the tiled forms here: "AVX512-BF16" (VDPBF16PS), "AVX2" (FMAs, the same
+    numbers: quant_kernels_avx2.c), or None."""
+    library = _library()
+    return None if library is None else bindings.TILED_ISA_NAMES[library.tiled_kernel_isa()]
 
 
 _scratch = {"rows": torch.empty(0, dtype=torch.bfloat16), "sums": torch.empty(0)}

@@ -27,6 +27,9 @@ _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 
 # quant_kernels.c's tiled forms (Tiled.kind)
 TILED_INT8, TILED_INT4, TILED_BF16 = 1, 2, 3
+# which tiled kernel a build has (tiled_kernel_isa): none, quant_kernels_avx2.c's, quant_kernels.c's VDPBF16PS
+TILED_ISA_NONE, TILED_ISA_AVX2, TILED_ISA_AVX512_BF16 = 0, 1, 2
+TILED_ISA_NAMES = {TILED_ISA_NONE: None, TILED_ISA_AVX2: "AVX2", TILED_ISA_AVX512_BF16: "AVX512-BF16"}
 
 
 class Tiled(ctypes.Structure):
@@ -93,7 +96,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "decode_layer_panel_floats": ([_I64, _I64], _I64),
     "gemm_f32_runs": ([], _INT),
     "gemm_f32": ([_P] * 3 + [_I64] * 3 + [_P], _INT),  # x, w, bias, m, n, k, y
-    "quant_kernels_available": ([], _INT),
+    "tiled_kernel_isa": ([], _INT),
     # x, x is float32, split float32 x, m, k, x stride, values, scale, (int4: low,) n, k padded, group, bias, y,
     # rows, (int4: sums)
     "int8_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
@@ -119,7 +122,8 @@ def abi_expectations() -> dict[str, int]:
     return {"sizeof(Tiled)": ctypes.sizeof(Tiled), "sizeof(Proj)": ctypes.sizeof(Proj),
             "sizeof(LayerArgs)": ctypes.sizeof(LayerArgs), "sizeof(StepArgs)": ctypes.sizeof(StepArgs),
             "MAX_ROWS": MAX_ROWS, "QUANT_TILE": QUANT_TILE, "TILED_INT8": TILED_INT8, "TILED_INT4": TILED_INT4,
-            "TILED_BF16": TILED_BF16}
+            "TILED_BF16": TILED_BF16, "TILED_ISA_AVX2": TILED_ISA_AVX2,
+            "TILED_ISA_AVX512_BF16": TILED_ISA_AVX512_BF16}
 
 
 def check_abi(lib: ctypes.CDLL, expected: dict[str, int] | None = None) -> None:

@@ -9,6 +9,10 @@ threads (``torch.set_num_threads`` applies) rather than a second pool competing 
 Every ``csrc/*.c`` is compiled as its own translation unit into one shared library, cached under
 ``$LLMBUS_KERNEL_CACHE`` (default ``~/.cache/llmbus/kernels``), keyed by the sources and headers, the
 flags, the compiler and the CPU (``-march=native``).
+
+``$LLMBUS_KERNEL_MARCH`` (default ``native``) is the ``-march`` the library is built for: ``x86-64-v3``
+(AVX2, FMA, F16C, no AVX-512) builds on an AVX-512 machine exactly the code an AVX2-only CPU runs, so its
+tests run there too (tests/workers/test_avx2_build.py). It must name a target this CPU can execute.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden",
          "-flto"]
 DISABLE_ENV = "LLMBUS_CPU_KERNELS"
+MARCH_ENV = "LLMBUS_KERNEL_MARCH"
 CACHE_ENV = "LLMBUS_KERNEL_CACHE"
 LIBRARY_NAME = "llmbus_kernels"
 
@@ -44,6 +49,14 @@ def disabled() -> bool:
 def find_compiler() -> str | None:
     """``$CC``, else ``cc`` or ``gcc`` on the PATH; None where there is none."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def flags() -> list[str]:
+    """``FLAGS`` with ``$LLMBUS_KERNEL_MARCH``'s target in place of ``native``."""
+    march = os.environ.get(MARCH_ENV) or "native"
+    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise RuntimeError(f"{MARCH_ENV}={march!r} is not a -march target name")
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
 
 
 def _cache_dir() -> Path:
@@ -61,10 +74,10 @@ def _inputs(source_dir: Path) -> list[Path]:
 def build(compiler: str, source_dir: Path = SOURCE_DIR) -> Path:
     """The library built from ``source_dir`` with ``compiler``, from the cache where it is there already.
     Raises RuntimeError (the compiler's message) or OSError / SubprocessError where it cannot be built."""
-    inputs = _inputs(source_dir)
+    inputs, build_flags = _inputs(source_dir), flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([*(path.name.encode() + b"\0" + path.read_bytes() for path in inputs),
-                                     " ".join(FLAGS).encode(), version.encode(),
+                                     " ".join(build_flags).encode(), version.encode(),
                                      cpu_identity().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"{LIBRARY_NAME}-{key}.so"
     if target.exists():
@@ -74,7 +87,7 @@ def build(compiler: str, source_dir: Path = SOURCE_DIR) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         sources = [str(path) for path in inputs if path.suffix == ".c"]
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), *sources], capture_output=True, text=True,
+        result = subprocess.run([compiler, *build_flags, "-o", str(built), *sources], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")

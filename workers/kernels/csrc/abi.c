@@ -21,6 +21,8 @@ static const AbiEntry ABI[] = {
     {"TILED_INT8", TILED_INT8},
     {"TILED_INT4", TILED_INT4},
     {"TILED_BF16", TILED_BF16},
+    {"TILED_ISA_AVX2", TILED_ISA_AVX2},
+    {"TILED_ISA_AVX512_BF16", TILED_ISA_AVX512_BF16},
 };
 
 int64_t llmbus_kernels_abi(const char *name) {

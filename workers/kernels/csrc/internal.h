@@ -94,12 +94,47 @@ void pair_f16kv(const float *query, const uint16_t *keys, const uint16_t *values
                 int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale,
                 float *scores, int64_t scores_stride, float *out);
 
-/* quant_kernels.c, for the fused decode layer's tiled projections (both no-ops without AVX512-BF16, where
- * none is made): one float32 input row of k as its bf16 hi and lo rows (k_padded apart) and, for int4, their
- * group sums; and tile t (16 outputs) of y (+)= x . w (+ bias) for `inputs` rows prepared so. */
+/* quant_kernels.c, for the fused decode layer's tiled projections (both no-ops where no tiled kernel runs,
+ * where none is made): one float32 input row of k as its bf16 hi and lo rows (k_padded apart) and, for int4,
+ * their group sums; and tile t (16 outputs) of y (+)= x . w (+ bias) for `inputs` rows prepared so. */
 void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out, float *sums);
 void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int accumulate);
+
+/* Which tiled kernel this build has (tiled_kernel_isa): VDPBF16PS's in quant_kernels.c, else the same numbers
+ * from FMAs in quant_kernels_avx2.c (also on AVX-512 CPUs without BF16), else none. Plain numbers, as the
+ * preprocessor cannot read llmbus_kernels.h's TILED_ISA_* enum: 2 is TILED_ISA_AVX512_BF16, 1 TILED_ISA_AVX2. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TILED_KERNEL 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TILED_KERNEL 1
+#else
+#define TILED_KERNEL 0
+#endif
+
+#if TILED_KERNEL
+/* Where tile t of w (16 output rows) starts: its values, and its group scales and lows where it has them. */
+typedef struct {
+    const void *values;
+    const float *scale, *low;
+} TileAt;
+
+static inline TileAt tile_at(const Tiled *w, int64_t t) {
+    const int64_t groups = w->k_padded / w->group;
+    const int64_t bytes = w->kind == TILED_INT4 ? w->k_padded / 2 * QUANT_TILE
+                        : w->kind == TILED_INT8 ? w->k_padded * QUANT_TILE : w->k_padded * QUANT_TILE * 2;
+    TileAt at = {(const uint8_t *)w->values + t * bytes, w->kind == TILED_BF16 ? 0 : w->scale + t * groups * QUANT_TILE,
+                 w->kind == TILED_INT4 ? w->low + t * groups * QUANT_TILE : 0};
+    return at;
+}
+
+/* Tile t of w against `prepared` bf16 rows (per_input of them per row of y, whose results add): rows of y
+ * (y_stride apart; float32, or bf16 when y_is_f32 is 0) get x . w (+ bias), or add it. Defined by the file of
+ * this build's TILED_KERNEL. */
+void tile_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t prepared,
+                  int64_t per_input, int64_t n, const float *bias, void *y, int y_is_f32, int64_t y_stride,
+                  int accumulate);
+#endif
 
 /* gemm.c's register-tiled GEMM is built for AVX2 + FMA without AVX-512 only (gemm.c says why). */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)

@@ -115,8 +115,10 @@ LLMBUS_API int gemm_f32_runs(void);
 LLMBUS_API int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k,
                         float *y);
 
-/* quant_kernels.c: weight-only int8 / int4 / bf16 products (AVX512-BF16 only: quant_kernels_available). */
-LLMBUS_API int quant_kernels_available(void);
+/* quant_kernels.c: weight-only int8 / int4 / bf16 products, where this build has a tiled kernel
+ * (tiled_kernel_isa: AVX512-BF16's, or AVX2 + FMA's with the same numbers; none: the products return -1). */
+enum { TILED_ISA_NONE = 0, TILED_ISA_AVX2 = 1, TILED_ISA_AVX512_BF16 = 2 };
+LLMBUS_API int tiled_kernel_isa(void);
 LLMBUS_API int int8_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                            const int8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
                            const float *bias, void *y, uint16_t *rows);

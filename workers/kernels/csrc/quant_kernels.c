@@ -12,6 +12,7 @@
  *          second), scale [N/16][G][16] float32: w = value * scale of its group.
  *   int4:  values [N/16][K/2][16] bytes, low nibble column 2p and high nibble column 2p+1, each 0..15;
  *          scale and low [N/16][G][16] float32: w = q * scale + low.
+ *   bf16:  values [N/16][K/2][16][2]: each row's pair of columns as VDPBF16PS reads it; one group, no scale.
  * int8 values become bf16 through float32 (exact); int4 values q become the bf16 number 128 + q by
  * OR-ing the bf16 bits of 128 (0x4300) into the nibble, two integer ops for 32 weights, and the group's
  * sum of x times 128 is taken off afterwards.
@@ -20,26 +21,23 @@
  * and lo = bf16(x - hi), and its result is the sum of theirs: x is then carried to about 2^-17 of
  * itself (hi + lo holds 16 significant bits), against 2^-8 for rounding x to bf16.
  *
- * Without AVX512-BF16 the entry points return -1 and the caller uses torch's kernels instead.
+ * Without AVX512-BF16 (an AVX2-only CPU, or AVX-512 without BF16) quant_kernels_avx2.c computes the same
+ * layouts with FMAs and the same numbers; this file keeps what both share (preparing the rows, the entry
+ * points). Without AVX2 + FMA either, the entry points return -1 and the caller uses torch's kernels.
  */
 #include "internal.h"
 
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define QUANT_KERNELS 1
-#else
-#define QUANT_KERNELS 0
-#endif
+int tiled_kernel_isa(void) {
+    _Static_assert(TILED_ISA_AVX2 == 1 && TILED_ISA_AVX512_BF16 == 2, "internal.h's TILED_KERNEL numbers");
+    return TILED_KERNEL;
+}
 
-int quant_kernels_available(void) { return QUANT_KERNELS; }
-
-#if QUANT_KERNELS
+#if TILED_KERNEL
 
 #define TILE QUANT_TILE
-#define ROW_BLOCK 8
 
 /* One input row (bf16, or float32: rounded to bf16, and with `split` its remainder too, k_padded apart) ->
  * bf16 row(s) of k_padded in `out`, zero-padded; and, where `sums` is not null (int4), each prepared row's
@@ -80,6 +78,9 @@ static void prepare_rows(const void *x, int x_is_f32, int split, int64_t m, int6
         prepare_row((const char *)x + i * x_stride * size, x_is_f32, split, k, k_padded, group,
                     rows + i * per_input * k_padded, sums == NULL ? NULL : sums + i * per_input * groups);
 }
+
+#if TILED_KERNEL == 2
+#define ROW_BLOCK 8
 
 static inline __m512i unpack_int8(const int8_t *pair) {
     __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pair)));
@@ -157,16 +158,14 @@ static inline void store_row(void *y, int y_is_f32, int64_t y_stride, int accumu
     }
 }
 
-/* Tile `t` of `w` against every prepared row: rows of y (y_stride apart) get x . w (+ bias), or add it. */
-static inline void tile_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums,
-                                int64_t prepared, int64_t per_input, int64_t n, const float *bias, void *y,
-                                int y_is_f32, int64_t y_stride, int accumulate) {
-    const int64_t k_padded = w->k_padded, group = w->group, groups = k_padded / group;
-    const int64_t tile_bytes = w->kind == TILED_INT4 ? k_padded / 2 * TILE
-                             : w->kind == TILED_INT8 ? k_padded * TILE : k_padded * TILE * 2;
-    const void *tile_values = (const uint8_t *)w->values + t * tile_bytes;
-    const float *tile_scale = w->kind == TILED_BF16 ? NULL : w->scale + t * groups * TILE;
-    const float *tile_low = w->kind == TILED_INT4 ? w->low + t * groups * TILE : NULL;
+/* internal.h: tile `t` of `w` against every prepared row. */
+void tile_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t prepared,
+                  int64_t per_input, int64_t n, const float *bias, void *y, int y_is_f32, int64_t y_stride,
+                  int accumulate) {
+    const int64_t k_padded = w->k_padded, group = w->group;
+    const TileAt at = tile_at(w, t);
+    const void *tile_values = at.values;
+    const float *tile_scale = at.scale, *tile_low = at.low;
     for (int64_t first = 0; first < prepared; first += ROW_BLOCK) {
         __m512 total[ROW_BLOCK];
         int64_t count = prepared - first < ROW_BLOCK ? prepared - first : ROW_BLOCK;
@@ -184,6 +183,8 @@ static inline void tile_product(const Tiled *w, int64_t t, const uint16_t *rows,
         }
     }
 }
+
+#endif
 
 void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out, float *sums) {
     prepare_row(x, 1, (int)w->split, k, w->k_padded, w->group, out, w->kind == TILED_INT4 ? sums : NULL);
