@@ -46,7 +46,7 @@ class WorkerConfig(ServiceSettings):
                               help="tensor-parallel ranks of the group")
     dtype: str = setting("auto", env="DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
                          help="auto: bfloat16 where the hardware runs it fast (CUDA with bf16; a CPU with "
-                              "avx512_bf16, where bf16 weights compute in float32), else float32.")
+                              "AVX2 + FMA, where bf16 weights compute in float32), else float32.")
     device: str = setting("auto", env="DEVICE", choices=("auto", "cpu", "cuda"),
                           help="auto: cuda where torch sees a GPU, else cpu.")
     attention_backend: str = setting(
@@ -176,12 +176,11 @@ def resolve_dtype(dtype: str, device) -> "torch.dtype":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    from llmbus.workers.quant import tiled_forms
+    from llmbus.workers.quant import auto_cpu_dtype
 
-    # bf16 on CPU is bf16 weights computed in float32 through our AVX512-BF16 kernel (quant.compute_plan):
-    # half float32's bytes at its quality (benchmarks/bf16_quality.py). Without that kernel bf16 would be
-    # torch's bf16 arithmetic (less accurate, and emulated without avx512_bf16): float32 instead.
-    return torch.bfloat16 if tiled_forms() else torch.float32
+    # bf16 on CPU is bf16 weights computed in float32 through our tiled kernel (quant.compute_plan), where it
+    # runs; without it bf16 would be torch's bf16 arithmetic (less accurate): float32 instead.
+    return auto_cpu_dtype()[0]
 
 
 def process_group_backend(device: "torch.device") -> str:
@@ -222,13 +221,10 @@ class Worker:
         dtype = resolve_dtype(self.cfg.dtype, device)
         kv_dtype = None if self.cfg.kv_cache_dtype == "auto" else resolve_dtype(self.cfg.kv_cache_dtype, device)
         if self.cfg.dtype == "auto" and self.cfg.rank == 0:
-            why = {("cpu", torch.bfloat16): "bf16 weights computed in float32 by the AVX512-BF16 kernel: half "
-                                            "float32's bytes to read per step, float32's norms, attention and "
-                                            "logits",
-                   ("cpu", torch.float32): "no AVX512-BF16 kernel here (CPU or compiler): bf16 would be torch's "
-                                           "bf16 arithmetic, less accurate",
-                   ("cuda", torch.bfloat16): "the GPU supports bf16",
-                   ("cuda", torch.float16): "the GPU lacks bf16"}.get((device.type, dtype), "")
+            from llmbus.workers.quant import auto_cpu_dtype
+
+            why = (auto_cpu_dtype()[1] if device.type == "cpu"
+                   else {torch.bfloat16: "the GPU supports bf16", torch.float16: "the GPU lacks bf16"}.get(dtype, ""))
             self.log.info("dtype auto", dtype=str(dtype).removeprefix("torch."), device=str(device), reason=why)
         if self.cfg.runner == "model":
             from llmbus.workers.attention import attention_backend_class

@@ -16,9 +16,10 @@ They come from a float weight (``quantize_int8``/``quantize_int4``, for ``--quan
 file's raw blocks (``from_gguf``), all three exactly: Q8_0 is int8 in groups of 32 with its float16 scales,
 Q4_0 and Q4_1 are int4 in groups of 32; every float16 of the file is exact in the float32 scales.
 
-``QuantizedLinear`` computes with ``quant_kernels.c`` (AVX512-BF16, built on first use with the other
-kernels, ``workers/kernels``) for bfloat16 and float32 activations. Where that kernel cannot run (no compiler, no
-AVX512-BF16, ``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
+``QuantizedLinear`` computes with ``quant_kernels.c``'s tiled kernel (AVX512-BF16, or the same numbers from
+AVX2 + FMA in ``quant_kernels_avx2.c``; built on first use with the other kernels, ``workers/kernels``) for
+bfloat16 and float32 activations. Where that kernel cannot run (no compiler, no AVX2 + FMA,
+``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
 (``_weight_int8pack_mm``, per-row scales, ``_weight_int4pack_mm_for_cpu``), with bf16 scales, and for
 float32 to a dense float32 weight. Why: docs/design-notes.md, "Weight-only quantization".
 """
@@ -474,15 +475,36 @@ class ComputePlan(NamedTuple):
 
 def compute_plan(device: torch.device, dtype: torch.dtype, quantize: str | None) -> ComputePlan:
     """How a native model served in ``dtype`` with ``quantize`` computes. On a CPU where the tiled kernel runs
-    (AVX512-BF16), bfloat16 means bfloat16 weights and float32 activations, norms, softmax, residual and
-    logits, the products' inputs rounded to bf16 and summed in float32: llama.cpp's arithmetic for a bf16
-    file, and batch-invariant (design notes, "bfloat16 weights, float32 activations"); --quantize's forms
-    then compute so too. Elsewhere the model computes in ``dtype``."""
+    (AVX512-BF16, or AVX2 + FMA with the same numbers), bfloat16 means bfloat16 weights and float32
+    activations, norms, softmax, residual and logits, the products' inputs rounded to bf16 and summed in
+    float32: llama.cpp's arithmetic for a bf16 file, and batch-invariant (design notes, "bfloat16 weights,
+    float32 activations"); --quantize's forms then compute so too. Elsewhere the model computes in
+    ``dtype``."""
     if device.type != "cpu" or dtype != torch.bfloat16 or _library() is None:
         return ComputePlan(dtype, quantize, False)
     return ComputePlan(torch.float32, quantize or "bf16", True)
 
 
 def tiled_forms() -> tuple[str, ...]:
-    """The weight forms that compute through the tiled kernel on this machine (none without AVX512-BF16)."""
+    """The weight forms that compute through the tiled kernel on this machine (none without AVX2 + FMA)."""
     return ("int8", "int4", "bf16") if _library() is not None else ()
+
+
+# --dtype auto on CPU, by which tiled kernel runs: (dtype, the startup log's reason). On AVX2 the choice is
+# measured, not inherited: SmolLM2 decode steps on the x86-64-v3 build (design notes, "bfloat16 weights,
+# float32 activations": bf16 as fast as float32 for a bf16 checkpoint, a GGUF's Q4_1 kept as int4 about 3x
+# float32's expansion for one stream, --quantize int8 twice float32's hi + lo inputs at batch 64).
+_AUTO_CPU = {
+    "AVX512-BF16": (torch.bfloat16, "bf16 weights computed in float32 by the AVX512-BF16 kernel: half float32's "
+                                    "bytes to read per step, float32's norms, attention and logits"),
+    "AVX2": (torch.bfloat16, "bf16 weights computed in float32 by the AVX2 tiled kernel (the AVX512-BF16 "
+                             "kernel's numbers): as fast as float32 for a bf16 checkpoint, quantized weights "
+                             "stay quantized, float32's norms, attention and logits, batch-invariant"),
+    None: (torch.float32, "no tiled kernel here (no AVX2 + FMA, or no C compiler): bf16 would be torch's bf16 "
+                          "arithmetic, less accurate"),
+}
+
+
+def auto_cpu_dtype() -> tuple[torch.dtype, str]:
+    """What ``--dtype auto`` computes in on this CPU, and why."""
+    return _AUTO_CPU[tiled_kernel()]

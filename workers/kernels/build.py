@@ -51,9 +51,9 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def flags() -> list[str]:
-    """``FLAGS`` with ``$LLMBUS_KERNEL_MARCH``'s target in place of ``native``."""
-    march = os.environ.get(MARCH_ENV) or "native"
+def flags(march: str | None = None) -> list[str]:
+    """``FLAGS`` with ``march`` (default: ``$LLMBUS_KERNEL_MARCH``, else ``native``) as the target."""
+    march = march or os.environ.get(MARCH_ENV) or "native"
     if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise RuntimeError(f"{MARCH_ENV}={march!r} is not a -march target name")
     return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
@@ -71,10 +71,11 @@ def _inputs(source_dir: Path) -> list[Path]:
     return sorted([*source_dir.glob("*.c"), *source_dir.glob("*.h")])
 
 
-def build(compiler: str, source_dir: Path = SOURCE_DIR) -> Path:
-    """The library built from ``source_dir`` with ``compiler``, from the cache where it is there already.
-    Raises RuntimeError (the compiler's message) or OSError / SubprocessError where it cannot be built."""
-    inputs, build_flags = _inputs(source_dir), flags()
+def build(compiler: str, source_dir: Path = SOURCE_DIR, march: str | None = None) -> Path:
+    """The library built from ``source_dir`` with ``compiler`` for ``march`` (``flags``), from the cache where
+    it is there already. Raises RuntimeError (the compiler's message) or OSError / SubprocessError where it
+    cannot be built."""
+    inputs, build_flags = _inputs(source_dir), flags(march)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([*(path.name.encode() + b"\0" + path.read_bytes() for path in inputs),
                                      " ".join(build_flags).encode(), version.encode(),
