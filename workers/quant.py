@@ -492,7 +492,7 @@ def tiled_forms() -> tuple[str, ...]:
 
 # --dtype auto on CPU, by which tiled kernel runs: (dtype, the startup log's reason). On AVX2 the choice is
 # measured, not inherited: SmolLM2 decode steps on the x86-64-v3 build (design notes, "bfloat16 weights,
-# float32 activations": bf16 as fast as float32 for a bf16 checkpoint, a GGUF's Q4_1 kept as int4 about 3x
+# float32 activations": bf16 as fast as float32 for a bf16 checkpoint, a GGUF's Q4_1 kept as int4 about 2x
 # float32's expansion for one stream, --quantize int8 twice float32's hi + lo inputs at batch 64).
 _AUTO_CPU = {
     "AVX512-BF16": (torch.bfloat16, "bf16 weights computed in float32 by the AVX512-BF16 kernel: half float32's "
