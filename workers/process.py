@@ -21,7 +21,7 @@ from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, i
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
-from llmbus.workers.host_memory import keep_freed_memory
+from llmbus.workers.host_memory import bound_onednn_caches, keep_freed_memory
 
 if TYPE_CHECKING:
     import torch  # imported where a rank needs it, so the launcher can read WorkerConfig without torch
@@ -78,6 +78,11 @@ class WorkerConfig(ServiceSettings):
                                                "KV cache).")
     max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", ge=1,
                                                     help=PREFILL_TOKENS_HELP)
+    onednn_cache_capacity: int = setting(
+        64, env="LLMBUS_ONEDNN_CACHE_CAPACITY", ge=0,
+        help="Entries in each of oneDNN's two caches of GEMMs built per input shape on CPU (about 300 KiB an "
+             "entry; oneDNN's own default, 1024, let a worker grow by ~600 MiB as prompts and batches took new "
+             "row counts). ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY, where set, win for their cache.")
     runner: str = setting("model", env="LLMBUS_RUNNER", choices=("model", "fake"), hidden=True,
                           help="fake: workers return tokens without computing (to measure the stack alone).")
     draft_model_dir: str | None = setting(None, user=False,
@@ -105,6 +110,23 @@ class _RequestState:
 
 class StepGap(RuntimeError):
     pass
+
+
+def runner_request_state(runner) -> dict[str, int]:
+    """How many per-request objects ``runner`` (a ModelRunner, its draft's included, or the fake runner)
+    holds: token histories, pending prompt-logprob rows, grammar matchers, the draft's uncomputed guesses.
+    Every one goes when its request is dropped, so once the requests a step listed as finished are dropped
+    these are all 0: a count left above that is state a finished request left behind (issue #36's check)."""
+    grammar = getattr(runner, "_grammar", None)
+    draft = getattr(runner, "draft", None)
+    counts = {"histories": len(getattr(runner, "histories", {})),
+              "prompt_logprob_rows": len(getattr(runner, "pending_prompt_rows", {})),
+              "grammar_matchers": len(grammar.requests) if grammar is not None else 0,
+              "draft_guesses": len(draft.uncomputed) if draft is not None else 0}
+    if draft is not None:
+        for name, n in runner_request_state(draft.runner).items():
+            counts[name] += n
+    return counts
 
 
 def default_dist_init_file(run_dir: str) -> str:
@@ -214,12 +236,16 @@ class Worker:
         self.results = open_socket(z, zmq.PUSH, ep.results, linger_ms=2000) if cfg.rank == 0 else None
 
     def start(self) -> None:
+        # before any torch operation: the first oneDNN one reads the caches' capacities (CPU only; harmless on CUDA)
+        onednn_caches = bound_onednn_caches(self.cfg.onednn_cache_capacity)
         import torch
 
         send(self.control, m.WorkerHello(rank=self.cfg.rank, world_size=self.cfg.world_size, pid=os.getpid()))
         device = resolve_device(self.cfg.device, self.cfg.rank)
         dtype = resolve_dtype(self.cfg.dtype, device)
         kv_dtype = None if self.cfg.kv_cache_dtype == "auto" else resolve_dtype(self.cfg.kv_cache_dtype, device)
+        if device.type == "cpu" and self.cfg.rank == 0:
+            self.log.info("oneDNN cache capacities", **onednn_caches)
         if self.cfg.dtype == "auto" and self.cfg.rank == 0:
             from llmbus.workers.quant import auto_cpu_dtype
 
@@ -335,6 +361,10 @@ class Worker:
                                                 prompt_logprobs=out.prompt_logprobs,
                                                 top_tokens=out.top_tokens, errors=out.errors,
                                                 num_tokens=out.num_tokens, failed_error=out.failed))
+
+    def request_state(self) -> dict[str, int]:
+        """This rank's per-request objects by kind (``runner_request_state``, and the requests' own states)."""
+        return {"requests": len(self.states), **runner_request_state(self.runner)}
 
     def apply(self, cmd: m.StepCommand) -> list:
         SeqInput = self._seq_input
