@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 9  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 10  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -40,6 +40,7 @@ WIRE_VERSION = 9  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, p
 # 8: WorkerReady.attention_backend; SchedulerHello's dtype, attention backend and devices (/info)
 #    StepResult.failed_error (a step that ran out of memory fails its requests, not the ranks)
 # 9: SamplingParams.min_p: a rank that ignored it would sample from tokens the request cut off
+# 10: TokenBatch.cached_tokens (prompt tokens the prefix cache held, for Anthropic's usage)
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -435,6 +436,9 @@ class TokenBatch(Message):
     queue_times: list[float] = field(default_factory=list)  # per token: seconds queued (first token only, else 0)
     # [[rid, guessed tokens, kept]] for each request that finished in this batch after speculating
     speculation: list[list] = field(default_factory=list)
+    # [[rid, prompt tokens found in the prefix cache at first admission]] on first tokens, for the APIs that
+    # report cached prompt tokens (Anthropic's cache_read_input_tokens)
+    cached_tokens: list[list] = field(default_factory=list)
 
 
 @dataclass(slots=True)

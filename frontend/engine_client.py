@@ -58,6 +58,7 @@ class EngineTokens:
     prompt_logprobs: list | None = None
     received_at: float = 0.0
     speculation: tuple[int, int] | None = None  # (guessed, kept) once a request that speculated finishes
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (with the first tokens)
 
 
 @dataclass(slots=True)
@@ -400,6 +401,9 @@ class EngineClient:
         for entry in batch.speculation:
             if isinstance(entry, list) and len(entry) == 3 and entry[0] in per_request:
                 per_request[entry[0]].speculation = (entry[1], entry[2])
+        for entry in batch.cached_tokens:
+            if isinstance(entry, list) and len(entry) == 2 and entry[0] in per_request:
+                per_request[entry[0]].cached_tokens = entry[1]
         for rid, item in per_request.items():
             self._channels[rid].put_nowait(item)
 

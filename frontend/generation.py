@@ -213,6 +213,7 @@ class Generation:
     finish_reason: str | None = None
     prompt_logprobs: list | None = None
     speculation: tuple[int, int] | None = None  # (guessed tokens, kept), for the request log
+    cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache saved
     timings: Timings = field(default_factory=Timings)
     _mailbox: Mailbox | None = None
     _closed: bool = False
@@ -292,6 +293,8 @@ class Generation:
             self.prompt_logprobs = item.prompt_logprobs
         if item.speculation is not None:
             self.speculation = item.speculation
+        if item.cached_tokens:
+            self.cached_tokens = item.cached_tokens
         if not self.timings.first_token:
             self.timings.first_token = time.monotonic()
             if item.tokens and item.tokens[0].queue_time:

@@ -71,6 +71,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
     admitted_time: float | None = None  # first admission
+    cached_tokens: int = 0  # prompt tokens the prefix cache held at first admission
     prompt_logprob_values: list[float] = field(default_factory=list)  # prompt tokens 1..n-1, as computed
     num_preemptions: int = 0
     ngrams: NgramIndex | None = None  # prompt + output, indexed once the request first speculates
@@ -417,6 +418,7 @@ class Scheduler:
         for req, seq in admitted:
             if req.admitted_time is None:
                 req.admitted_time = now
+                req.cached_tokens = seq.num_computed  # a recomputation after preemption is not the client's
             self.counters.prefix_cache_queried_tokens += req.num_tokens
             self.counters.prefix_cache_hit_tokens += seq.num_computed
             batch.new_requests.append(req)

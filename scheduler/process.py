@@ -391,6 +391,8 @@ class SchedulerService:
             # TGI's queue time: arrival to first admission, reported once, with the first token.
             first = len(req.output_ids) == 1 and req.arrival_time > 0 and req.admitted_time is not None
             tb.queue_times.append(max(req.admitted_time - req.arrival_time, 1e-6) if first else 0.0)
+            if first and req.cached_tokens:
+                tb.cached_tokens.append([req.rid, req.cached_tokens])
             tb.rids.append(req.rid)
             tb.token_ids.append(ev.token_id)
             tb.logprobs.append(ev.logprob)
