@@ -106,7 +106,7 @@ def test_no_bfloat16_copy_of_float32_values_or_past_the_budget():
     assert copies.made == 1 and copies.bytes == exact.numel() * 2  # the inexact one, then no room left
 
 
-@pytest.mark.skipif(not tiled_forms(), reason="the tiled kernel needs AVX512-BF16")
+@pytest.mark.skipif(not tiled_forms(), reason="the tiled kernel needs AVX512-BF16 or AVX2 + FMA")
 @pytest.mark.parametrize("bf16_inputs", [False, True])
 @pytest.mark.parametrize("form", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (67, 128), (5, 32)])

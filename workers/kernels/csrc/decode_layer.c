@@ -8,7 +8,7 @@
  * stream each weight row once for every row of the batch, which is what bounds a small batch's step.
  *
  * float32 activations: weights [out, in] row-major as checkpoints store them, or int8 rows with group
- * scales (--quantize int8 where no AVX512-BF16 kernel runs: a quarter of the bytes to stream), the residual
+ * scales (--quantize int8 where no tiled kernel runs: a quarter of the bytes to stream), the residual
  * stream float32 (as the torch path keeps it), the pool in torch's layout. Arithmetic is the torch path's up to the order of
  * float32 sums. Its structures (Proj, LayerArgs, StepArgs) are llmbus_kernels.h's; it attends through
  * decode_attention.c's pairs and, past MAX_ROWS rows, multiplies through gemm.c (internal.h).
