@@ -106,6 +106,12 @@ class FrontendConfig(ServiceSettings):
     disable_grammar_support: bool = setting(False, env="DISABLE_GRAMMAR_SUPPORT",
                                             help="Refuse `grammar`, `response_format` and `tools` (422 `grammar is "
                                                  "not supported`), as TGI does with this flag.")
+    # /v1/responses with `store` (OpenAI's default) keeps this many responses for previous_response_id and
+    # GET/DELETE /v1/responses/{id}; in this process's memory only (frontend/responses_store.py)
+    responses_store_size: int = setting(1000, env="RESPONSES_STORE_SIZE", ge=0,
+                                        help="Responses /v1/responses keeps in memory for previous_response_id "
+                                             "(least recently used dropped first; 0: none). Per frontend "
+                                             "process, lost on restart.")
     # What a request that leaves a sampling parameter unset gets (frontend/sampling_defaults.py): a flag,
     # else the model's generation_config.json, else the API's own default. Only requests that sample.
     generation_config: str = setting(

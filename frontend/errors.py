@@ -24,6 +24,8 @@ class ErrorKind(enum.Enum):
     SUFFIX = "suffix not supported"  # /v1/completions with a suffix
     PAYLOAD_TOO_LARGE = "payload_too_large"  # a body over --payload-limit
     SHUTTING_DOWN = "shutting_down"  # SIGTERM: no new requests; or one still running when the drain ended
+    NOT_FOUND = "not_found"  # /v1/responses/{id}: no such response in this frontend's store
+    UNSUPPORTED = "unsupported"  # a feature OpenAI has that llmbus refuses outright (built-in tools)
 
 
 # kind -> (HTTP status, error_type, text; "{}" takes the detail)
@@ -44,6 +46,8 @@ ERROR_TABLE: dict[ErrorKind, tuple[int, str, str]] = {
                        "Suffix is not supported and can be achieved by preprocessing the prompt."),
     ErrorKind.PAYLOAD_TOO_LARGE: (413, "payload_too_large", "Failed to buffer the request body: {}"),
     ErrorKind.SHUTTING_DOWN: (503, "shutting_down", "The server is shutting down"),
+    ErrorKind.NOT_FOUND: (404, "not_found", "{}"),
+    ErrorKind.UNSUPPORTED: (400, "unsupported", "{}"),
 }
 
 # OpenAI's error.type for the kinds (the routes under /v1 answer in OpenAI's envelope)
@@ -53,7 +57,22 @@ OPENAI_TYPES: dict[ErrorKind, str] = {
     ErrorKind.BATCH_SIZE: "invalid_request_error", ErrorKind.SUFFIX: "invalid_request_error",
     ErrorKind.PAYLOAD_TOO_LARGE: "invalid_request_error", ErrorKind.UNAUTHORIZED: "authentication_error",
     ErrorKind.OVERLOADED: "rate_limit_error", ErrorKind.SHUTTING_DOWN: "service_unavailable",
+    ErrorKind.NOT_FOUND: "invalid_request_error", ErrorKind.UNSUPPORTED: "invalid_request_error",
 }
+
+# Anthropic's (HTTP status, error.type) for the kinds, on /v1/messages: Anthropic's API answers every bad
+# request with 400 invalid_request_error (not TGI's 422), and its SDK raises a typed error per status
+ANTHROPIC_ERRORS: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.VALIDATION: (400, "invalid_request_error"), ErrorKind.BODY: (400, "invalid_request_error"),
+    ErrorKind.TEMPLATE: (400, "invalid_request_error"), ErrorKind.TOOL: (400, "invalid_request_error"),
+    ErrorKind.BATCH_SIZE: (400, "invalid_request_error"), ErrorKind.SUFFIX: (400, "invalid_request_error"),
+    ErrorKind.UNSUPPORTED: (400, "invalid_request_error"),
+    ErrorKind.PAYLOAD_TOO_LARGE: (413, "request_too_large"), ErrorKind.UNAUTHORIZED: (401, "authentication_error"),
+    ErrorKind.NOT_FOUND: (404, "not_found_error"), ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    # Anthropic's "try again later" (the SDKs retry it), as TGI's 503 is for its clients
+    ErrorKind.SHUTTING_DOWN: (529, "overloaded_error"), ErrorKind.UNHEALTHY: (529, "overloaded_error"),
+}
+ANTHROPIC_SERVER_ERROR = (500, "api_error")  # the engine's failures
 
 # error_type strings the scheduler may put in RequestFailed, mapped back to a kind
 _BY_ERROR_TYPE = {error_type: kind for kind, (_, error_type, _) in ERROR_TABLE.items()
@@ -81,6 +100,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": OPENAI_TYPES.get(self.kind, "server_error"),
                           "param": self.param, "code": self.error_type},
                 "error_type": self.error_type}
+
+    @property
+    def anthropic_status(self) -> int:
+        return ANTHROPIC_ERRORS.get(self.kind, ANTHROPIC_SERVER_ERROR)[0]
+
+    def anthropic_body(self) -> dict:
+        """Anthropic's envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+        return {"type": "error", "error": {"type": ANTHROPIC_ERRORS.get(self.kind, ANTHROPIC_SERVER_ERROR)[1],
+                                           "message": self.message}}
 
 
 def validation_error(detail: str, param: str | None = None) -> ApiError:

@@ -39,7 +39,7 @@ FAILURE_LABELS = {
     ErrorKind.BATCH_SIZE: "validation", ErrorKind.SUFFIX: "validation", ErrorKind.TOOL: "validation",
     ErrorKind.OVERLOADED: "overloaded", ErrorKind.GENERATION: "generation", ErrorKind.INCOMPLETE: "incomplete",
     ErrorKind.INCOMPLETE_STREAM: "incomplete", ErrorKind.TEMPLATE: "template",
-    ErrorKind.SHUTTING_DOWN: "shutdown",
+    ErrorKind.SHUTTING_DOWN: "shutdown", ErrorKind.NOT_FOUND: "validation", ErrorKind.UNSUPPORTED: "validation",
 }
 DROPPED = "dropped"
 

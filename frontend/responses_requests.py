@@ -1,0 +1,208 @@
+"""A Responses API request body (``POST /v1/responses``) translated into the chat completions body that
+``parse_chat`` reads, so a response runs exactly as a chat completion does: the same chat template, tool
+grammar, ``response_format`` grammar, sampling defaults and limits. Only the shapes differ:
+
+- ``instructions`` is a system message first; ``input`` (a string, or items) and a previous response's
+  stored conversation follow it. Message items of role ``developer`` are system messages (the chat
+  templates know no developer role); content parts ``input_text``/``output_text`` are joined text.
+- ``function_call`` items become an assistant message's ``tool_calls`` (consecutive ones, and a message
+  of the assistant's just before them, one message), ``function_call_output`` items ``role: "tool"``
+  messages.
+- flat function tools (``{"type": "function", "name", "parameters"}``) become chat tools; a named
+  ``tool_choice`` ``{"type": "function", "name"}`` the chat shape. Built-in tools (web search, file search,
+  code interpreter, MCP, ...) are refused with a 400: nothing here can run them.
+- ``text.format`` becomes ``response_format``, ``max_output_tokens`` ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# sampling keys passed to the chat parser as they are (OpenAI's, and the extensions the chat route takes)
+_SAMPLING_KEYS = ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "repetition_penalty",
+                  "frequency_penalty", "presence_penalty", "model")
+
+
+def unsupported(detail: str, param: str) -> ApiError:
+    return ApiError(ErrorKind.UNSUPPORTED, detail, param=param)
+
+
+@dataclass
+class ResponsesRequest:
+    chat_body: dict  # what parse_chat reads
+    history: list[dict]  # the conversation as chat messages, instructions left out (what the store keeps)
+    echo: dict  # the request's fields the response object repeats
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    tools: list[dict] = field(default_factory=list)  # flat, as given
+
+
+def _check(body: dict, name: str, kinds: tuple[type, ...], what: str):
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
+        raise validation_error(f"`{name}` must be {what}. Given: {json.dumps(value)}", param=name)
+    return value
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise validation_error(f"`{where}.content` must be a string or an array of content parts", param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise unsupported(f"`{where}.content`: {kind} parts are not supported by this model; only text "
+                              f"parts are", param="input")
+        else:
+            raise validation_error(f"`{where}.content` parts must be input_text or output_text parts with a "
+                                   f"string `text`", param="input")
+    return "".join(texts)
+
+
+def _function_call(item: dict, where: str) -> dict:
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise validation_error(f"`{where}.{key}` must be a string", param="input")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def input_messages(raw) -> list[dict]:
+    """``input`` as chat messages."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list):
+        raise validation_error("`input` must be a string or an array of input items", param="input")
+    out: list[dict] = []
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise validation_error(f"`{where}` must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))
+            if role is None:
+                raise validation_error(f"`{where}.role` must be one of user, assistant, system, developer",
+                                       param="input")
+            out.append({"role": role, "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":  # one assistant turn: its text, then calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise validation_error(f"`{where}.call_id` must be a string", param="input")
+            output = item.get("output")
+            output = output if isinstance(output, str) else _text(output, where)
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        elif kind == "reasoning":
+            continue  # a reasoning model's notes, fed back by clients: nothing this model can read
+        else:
+            raise unsupported(f"`{where}`: input items of type {json.dumps(kind)} are not supported; "
+                              f"messages, function_call and function_call_output are", param="input")
+    return out
+
+
+def _tool(tool, i: int) -> dict:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        if isinstance(kind, str):
+            raise unsupported(f"`tools[{i}]`: built-in tools ({kind}) are not supported; only function tools "
+                              f"are", param="tools")
+        raise validation_error(f'`tools[{i}]` must be an object with `type: "function"`', param="tools")
+    fn = {"name": tool.get("name"), "parameters": tool.get("parameters")}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    # strict or not, the grammar holds every call to its parameters schema
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(value):
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        return {"type": "function", "function": {"name": value.get("name")}}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str):
+        raise unsupported(f"`tool_choice` of type {json.dumps(kind)} is not supported; only auto, none, "
+                          f"required and function are", param="tool_choice")
+    raise validation_error('`tool_choice` must be "none", "auto", "required" or {"type": "function", "name": '
+                           '...}', param="tool_choice")
+
+
+def _response_format(text) -> dict | None:
+    """``text.format`` as a chat ``response_format``; None for plain text."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise validation_error("`text` must be an object", param="text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise validation_error("`text.format.schema` must be a JSON Schema object", param="text")
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict")
+                                                       if k in fmt}}
+    raise validation_error('`text.format.type` must be "text", "json_object" or "json_schema"', param="text")
+
+
+def parse_responses(body: dict, previous: list[dict] | None) -> ResponsesRequest:
+    """The chat body and the echoed fields of a Responses request; ``previous`` is the stored conversation
+    of ``previous_response_id`` (looked up by the caller), or None."""
+    instructions = _check(body, "instructions", (str,), "a string")
+    if "input" not in body or body["input"] is None:
+        raise validation_error("`input` is required", param="input")
+    history = list(previous or []) + input_messages(body["input"])
+    if not history:
+        raise validation_error("`input` must not be empty", param="input")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    tools = _check(body, "tools", (list,), "an array") or []
+    chat = {"messages": messages, "tools": [_tool(t, i) for i, t in enumerate(tools)] or None,
+            "tool_choice": _tool_choice(body.get("tool_choice")),
+            "parallel_tool_calls": body.get("parallel_tool_calls"),
+            "response_format": _response_format(body.get("text"))}
+    max_output = _check(body, "max_output_tokens", (int,), "an integer")
+    if max_output is not None:
+        if max_output < 1:
+            raise validation_error(f"`max_output_tokens` must be >= 1. Given: {max_output}",
+                                   param="max_output_tokens")
+        chat["max_tokens"] = max_output
+    chat.update({k: body[k] for k in _SAMPLING_KEYS if k in body})
+    metadata = _check(body, "metadata", (dict,), "an object") or {}
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise validation_error("`metadata` values must be strings", param="metadata")
+    user = _check(body, "user", (str,), "a string")
+    stream = _check(body, "stream", (bool,), "a boolean") or False
+    store = _check(body, "store", (bool,), "a boolean")
+    echo = {"instructions": instructions, "max_output_tokens": max_output, "metadata": metadata, "user": user,
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "text": {"format": body.get("text", {}).get("format") or {"type": "text"}}
+            if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}}
+    return ResponsesRequest(chat_body=chat, history=history, echo=echo, stream=stream,
+                            store=True if store is None else store,
+                            previous_response_id=body.get("previous_response_id"), tools=tools)
+
+
+def output_messages(output: list[dict]) -> list[dict]:
+    """A response's output items as the chat messages the next turn's template sees."""
+    return input_messages([item for item in output if item.get("type") in ("message", "function_call")])
