@@ -76,8 +76,8 @@ class _Answer:
                       for t in req.tools],
             "top_p": req.echo["top_p"], "truncation": "disabled",
             "usage": {"input_tokens": gen.input_length,
-                      # the engine's prefix cache does not report per-request hits to the frontend (yet)
-                      "input_tokens_details": {"cached_tokens": 0},
+                      # the prompt tokens the scheduler's prefix cache held (their prefill skipped)
+                      "input_tokens_details": {"cached_tokens": gen.cached_tokens},
                       "output_tokens": len(gen.tokens), "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": gen.input_length + len(gen.tokens)} if usage else None,
             "user": req.echo["user"], "metadata": req.echo["metadata"],

@@ -47,7 +47,7 @@ def test_plain_text_answer_and_the_store(sdk, smollm2_server):
     usage = answer.usage
     assert usage.input_tokens > 10 and 0 < usage.output_tokens <= 40
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
-    assert usage.input_tokens_details.cached_tokens == 0
+    assert 0 <= usage.input_tokens_details.cached_tokens < usage.input_tokens
     assert (answer.instructions, answer.metadata, answer.user) == ("Answer in one sentence.", {"case": "plain"},
                                                                    "u1")
     # what the chat route answers for the same conversation: one engine path under both
@@ -75,6 +75,11 @@ def test_max_output_tokens_makes_it_incomplete_and_store_false_keeps_nothing(sdk
     assert answer.usage.output_tokens == 5 and answer.output[0].status == "incomplete"
     with pytest.raises(NotFoundError):
         sdk.responses.retrieve(answer.id)
+    # a long prompt twice: the second finds its full KV blocks in the prefix cache, and usage says so
+    instructions = "You are a storyteller who writes about dragons, castles and knights. " * 20
+    first, again = (create(sdk, input="Begin.", instructions=instructions, max_output_tokens=1) for _ in range(2))
+    assert first.usage.input_tokens == again.usage.input_tokens > 200
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
 
 
 EVENTS_TEXT = ["response.created", "response.in_progress", "response.output_item.added",
