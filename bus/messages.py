@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 10  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 11  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -41,6 +41,7 @@ WIRE_VERSION = 10  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 #    StepResult.failed_error (a step that ran out of memory fails its requests, not the ranks)
 # 9: SamplingParams.min_p: a rank that ignored it would sample from tokens the request cut off
 # 10: TokenBatch.cached_tokens (prompt tokens the prefix cache held, for Anthropic's usage)
+# 11: FrontendStats.route_names/route_counts (generation requests per route, summed over frontends)
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -249,6 +250,8 @@ class FrontendStats(Message):
     failure_counts: list[int]  # ... and its count
     histogram_names: list[str]  # metric name after tgi_request_ (duration, input_length, ...) ...
     histograms: list[Histogram]  # ... and its histogram
+    route_names: list[str] = field(default_factory=list)  # the HTTP route of each request counter ...
+    route_counts: list[int] = field(default_factory=list)  # ... and its count (llmbus_request_route_count)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -60,6 +60,20 @@ OPENAI_TYPES: dict[ErrorKind, str] = {
     ErrorKind.NOT_FOUND: "invalid_request_error", ErrorKind.UNSUPPORTED: "invalid_request_error",
 }
 
+# Anthropic's (HTTP status, error.type) for the kinds, on /v1/messages: Anthropic's API answers every bad
+# request with 400 invalid_request_error (not TGI's 422), and its SDK raises a typed error per status
+ANTHROPIC_ERRORS: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.VALIDATION: (400, "invalid_request_error"), ErrorKind.BODY: (400, "invalid_request_error"),
+    ErrorKind.TEMPLATE: (400, "invalid_request_error"), ErrorKind.TOOL: (400, "invalid_request_error"),
+    ErrorKind.BATCH_SIZE: (400, "invalid_request_error"), ErrorKind.SUFFIX: (400, "invalid_request_error"),
+    ErrorKind.UNSUPPORTED: (400, "invalid_request_error"),
+    ErrorKind.PAYLOAD_TOO_LARGE: (413, "request_too_large"), ErrorKind.UNAUTHORIZED: (401, "authentication_error"),
+    ErrorKind.NOT_FOUND: (404, "not_found_error"), ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    # Anthropic's "try again later" (the SDKs retry it), as TGI's 503 is for its clients
+    ErrorKind.SHUTTING_DOWN: (529, "overloaded_error"), ErrorKind.UNHEALTHY: (529, "overloaded_error"),
+}
+ANTHROPIC_SERVER_ERROR = (500, "api_error")  # the engine's failures
+
 # error_type strings the scheduler may put in RequestFailed, mapped back to a kind
 _BY_ERROR_TYPE = {error_type: kind for kind, (_, error_type, _) in ERROR_TABLE.items()
                   if kind is not ErrorKind.BODY}
@@ -86,6 +100,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": OPENAI_TYPES.get(self.kind, "server_error"),
                           "param": self.param, "code": self.error_type},
                 "error_type": self.error_type}
+
+    @property
+    def anthropic_status(self) -> int:
+        return ANTHROPIC_ERRORS.get(self.kind, ANTHROPIC_SERVER_ERROR)[0]
+
+    def anthropic_body(self) -> dict:
+        """Anthropic's envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+        return {"type": "error", "error": {"type": ANTHROPIC_ERRORS.get(self.kind, ANTHROPIC_SERVER_ERROR)[1],
+                                           "message": self.message}}
 
 
 def validation_error(detail: str, param: str | None = None) -> ApiError:

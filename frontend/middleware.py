@@ -19,16 +19,17 @@ from llmbus.frontend.request_metrics import DROPPED, failure_label
 from llmbus.frontend.state import STATE, json_response
 
 GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
-                              "/invocations", "/v1/responses"})
-AUTH_PATHS = GENERATION_PATHS | {"/tokenize"}
+                              "/invocations", "/v1/responses", "/v1/messages"})
+AUTH_PATHS = GENERATION_PATHS | {"/tokenize", "/v1/messages/count_tokens"}
 # stored responses (GET and DELETE /v1/responses/{id}) hold conversations: the key guards them too
 AUTH_PREFIXES = ("/v1/responses/",)
 # a streaming handler that answered 200 but then failed in-band (or lost its client) says so here
 OUTCOME = web.RequestKey("llmbus_outcome", str)
 OPENAI_PREFIX = "/v1/"
+ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's routes: its error envelope and statuses
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: what tracing and access logs see; never sent
 CORS_METHODS = "GET,POST,DELETE"
-CORS_HEADERS = "content-type,authorization"
+CORS_HEADERS = "content-type,authorization,x-api-key,anthropic-version"  # the last two: Anthropic's SDKs
 
 log = structlog.get_logger("llmbus.frontend")
 
@@ -41,13 +42,23 @@ async def error_middleware(request: web.Request, handler):
         error = e
     except web.HTTPRequestEntityTooLarge:
         error = ApiError(ErrorKind.PAYLOAD_TOO_LARGE, "length limit exceeded")
+    except web.HTTPNotFound:
+        if not _anthropic(request):
+            raise  # aiohttp's own 404 elsewhere, as TGI's router answers an empty one
+        error = ApiError(ErrorKind.NOT_FOUND, f"Not found: {request.method} {request.path}")
     except ConnectionResetError:
         # the client left before the response started (a stream's headers found the socket closing): no
         # one to answer, and not the server's fault, so no traceback from aiohttp's 500 path either
         log.info("client disconnected before the response", method=request.method, path=request.path)
         return web.Response(status=CLIENT_CLOSED_REQUEST)
+    if _anthropic(request):
+        return json_response(error.anthropic_body(), status=error.anthropic_status)
     body = error.openai_body() if request.path.startswith(OPENAI_PREFIX) else error.body()
     return json_response(body, status=error.status)
+
+
+def _anthropic(request: web.Request) -> bool:
+    return request.path == ANTHROPIC_PREFIX or request.path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 @web.middleware
@@ -56,7 +67,7 @@ async def request_metrics_middleware(request: web.Request, handler):
     if request.method != "POST" or request.path not in GENERATION_PATHS:
         return await handler(request)
     metrics = request.app[STATE].request_metrics
-    metrics.started()
+    metrics.started(request.path)
     try:
         response = await handler(request)
     except ApiError as e:
@@ -76,7 +87,8 @@ async def request_metrics_middleware(request: web.Request, handler):
 # the route span's name, as TGI names its handlers' spans
 SPAN_NAMES = {"/": "compat_generate", "/generate": "generate", "/generate_stream": "generate_stream",
               "/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
-              "/invocations": "invocations", "/tokenize": "tokenize", "/v1/responses": "create_response"}
+              "/invocations": "invocations", "/tokenize": "tokenize", "/v1/responses": "create_response",
+              "/v1/messages": "messages"}
 
 
 @web.middleware
@@ -104,15 +116,23 @@ def mark_failed(request: web.Request, error: ApiError | None) -> None:
 
 
 def auth_middleware(api_key: str):
-    # TGI compares the whole header case-insensitively
+    # TGI compares the whole header case-insensitively; Anthropic's SDKs send the key alone, as x-api-key,
+    # compared the same way so that one key works whichever header carries it
     expected = f"bearer {api_key}".lower().encode()
+    expected_key = api_key.lower().encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
         if (request.method == "POST" and request.path in AUTH_PATHS
                 or request.path.startswith(AUTH_PREFIXES) and request.method != "OPTIONS"):
             given = request.headers.get("Authorization", "").lower().encode()
-            if not hmac.compare_digest(given, expected):
+            given_key = request.headers.get("x-api-key", "").lower().encode()
+            # both compared every time: how long the check takes says nothing about which one was sent
+            key_ok = hmac.compare_digest(given_key, expected_key)
+            if not (hmac.compare_digest(given, expected) | key_ok):
+                if _anthropic(request):  # Anthropic's SDKs raise AuthenticationError from its envelope
+                    error = ApiError(ErrorKind.UNAUTHORIZED)
+                    return json_response(error.anthropic_body(), status=error.anthropic_status)
                 return web.Response(status=401)
         return await handler(request)
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 from aiohttp import web
 
+from llmbus.frontend import anthropic_schemas
 from llmbus.frontend.openapi_schemas import array, openai_schemas, ref, tgi_schemas
 
 SPEC_PATH = "/api-doc/openapi.json"
@@ -24,6 +25,7 @@ DOCS_ASSETS = {"swagger-ui.css": "text/css", "swagger-ui-bundle.js": "text/javas
 
 TGI_TAG, OPENAI_TAG, SAGEMAKER_TAG, INFO_TAG, DOCS_TAG = (
     "Text Generation Inference", "OpenAI compatible", "SageMaker", "Health and info", "Documentation")
+ANTHROPIC_TAG = "Anthropic compatible"
 
 _TIMING_HEADERS = {
     "x-compute-type": ("string", "What served the request (COMPUTE_TYPE; e.g. gpu+optimized)."),
@@ -77,7 +79,17 @@ def _components_responses() -> dict:
     for name, (_, description) in _TGI_ERRORS.items():
         out[name] = _response(description, _json(ref("ErrorResponse")))
         out["OpenAI" + name] = _response(description, _json(ref("OpenAIError")))
+    for status, description in anthropic_schemas.ERRORS.items():
+        out[f"Anthropic{status}"] = _response(description, _json(ref("AnthropicError")))
     return out
+
+
+def _anthropic_op(op_id: str, summary: str, ok: dict, body: str, statuses) -> dict:
+    """An Anthropic route: either key header, and its errors in Anthropic's envelope."""
+    op = _op(op_id, ANTHROPIC_TAG, summary, {
+        "200": ok, **{s: {"$ref": f"#/components/responses/Anthropic{s}"} for s in statuses}}, body=ref(body))
+    op["security"] = [{"bearer": []}, {"x_api_key": []}, {}]  # checked only with --api-key, as elsewhere
+    return op
 
 
 def _errors(*, openai: bool = False, secured: bool = True, engine: bool = True) -> dict:
@@ -197,6 +209,18 @@ def _paths() -> dict:
             {"200": _openai_ok("Completion", "CompletionChunk"),
              **_errors(openai=True)},
             body=ref("CompletionRequest"), secured=True)},
+        "/v1/messages": {"post": _anthropic_op(
+            "anthropic_messages", "Anthropic Messages", _response(
+                "An AnthropicMessage; with `stream: true`, Anthropic's SSE events (`event: <type>` and `data: "
+                "<AnthropicStreamEvent>`): message_start, ping, content_block_start / _delta / _stop per "
+                "block, message_delta, message_stop; an error after the stream started arrives as `event: "
+                "error`.", {**_json(ref("AnthropicMessage")), **_sse(ref("AnthropicStreamEvent"))}),
+            "AnthropicMessagesRequest", anthropic_schemas.ERRORS)},
+        "/v1/messages/count_tokens": {"post": _anthropic_op(
+            "anthropic_count_tokens", "Anthropic token count", _response(
+                "The tokens /v1/messages would feed the model for this prompt.",
+                _json(ref("AnthropicTokenCount"))),
+            "AnthropicCountTokensRequest", ("400", "401", "413"))},
         "/v1/models": {"get": _op("list_models", OPENAI_TAG, "The served model",
                                   {"200": _response("A list holding the one served model.",
                                                     _json(ref("ModelList")))})},
@@ -229,15 +253,17 @@ def build_spec(version: str, model_id: str) -> dict:
                                 "text-generation-inference's HTTP API and OpenAI's chat and completions "
                                 "routes.",
                  "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"}},
-        "tags": [{"name": t} for t in (TGI_TAG, OPENAI_TAG, SAGEMAKER_TAG, INFO_TAG, DOCS_TAG)],
+        "tags": [{"name": t} for t in (TGI_TAG, OPENAI_TAG, ANTHROPIC_TAG, SAGEMAKER_TAG, INFO_TAG, DOCS_TAG)],
         "paths": _paths(),
         "components": {
-            "schemas": {**tgi_schemas(), **openai_schemas(model_id)},
+            "schemas": {**tgi_schemas(), **openai_schemas(model_id), **anthropic_schemas.anthropic_schemas(model_id)},
             "responses": _components_responses(),
             "securitySchemes": {"bearer": {
                 "type": "http", "scheme": "bearer",
                 "description": "Checked only when the server runs with --api-key; the key is compared "
-                               "case-insensitively."}},
+                               "case-insensitively."},
+                "x_api_key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                              "description": "The same key as Anthropic's SDKs send it."}},
         },
     }
 

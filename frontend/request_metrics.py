@@ -3,7 +3,8 @@ answers the requests.
 
 Each HTTP generation request counts once in ``tgi_request_count`` and ends as a success or as a failure
 labelled ``err`` (``validation``, ``overloaded``, ``generation``, ``incomplete``, ``template``,
-``dropped`` for a client that left). Each generation that finishes (one per request; ``best_of`` and
+``dropped`` for a client that left); llmbus adds ``llmbus_request_route_count{route}``, the same requests by
+HTTP route. Each generation that finishes (one per request; ``best_of`` and
 ``n`` make several) adds one observation to the histograms, with TGI's buckets: 35 geometric ones from
 0.15 ms for durations, 100 linear ones up to the token limits for lengths.
 
@@ -60,6 +61,7 @@ class RequestMetrics(Collector):
         self.count = 0
         self.success = 0
         self.failures: dict[str, int] = {}
+        self.routes: dict[str, int] = {}  # requests by HTTP route (TGI has no such counter; llmbus's)
         self._durations = {name: HistogramCounts(DURATION_BUCKETS) for name in (
             "duration", "validation_duration", "queue_duration", "inference_duration",
             "mean_time_per_token_duration")}
@@ -73,8 +75,9 @@ class RequestMetrics(Collector):
 
     # --- recording ---------------------------------------------------------------------------------
 
-    def started(self) -> None:
+    def started(self, route: str) -> None:
         self.count += 1
+        self.routes[route] = self.routes.get(route, 0) + 1
         self.version += 1
 
     def succeeded(self) -> None:
@@ -122,7 +125,8 @@ class RequestMetrics(Collector):
         histograms = {**self._durations, **self._lengths}
         return m.FrontendStats(frontend_id, self.count, self.success, list(self.failures),
                                list(self.failures.values()), list(histograms),
-                               [h.snapshot() for h in histograms.values()])
+                               [h.snapshot() for h in histograms.values()], list(self.routes),
+                               list(self.routes.values()))
 
     def collect(self) -> Iterator:
         total = self.snapshot("")
@@ -133,15 +137,16 @@ class RequestMetrics(Collector):
         yield counter("tgi_request_failure", "Generation requests that failed, by cause",
                       {(label,): n for label, n in sorted(zip(total.failure_labels, total.failure_counts))},
                       ("err",))
+        yield counter("llmbus_request_route_count", "Generation requests received, by HTTP route",
+                      {(route,): n for route, n in sorted(zip(total.route_names, total.route_counts))}, ("route",))
         for name, counts in zip(total.histogram_names, total.histograms):
             unit = " (seconds)" if name.endswith("duration") else ""
             yield histogram(f"tgi_request_{name}", name.replace("_", " ").capitalize() + unit, counts)
 
 
 def _add(a: m.FrontendStats, b: m.FrontendStats) -> m.FrontendStats:
-    failures = dict(zip(a.failure_labels, a.failure_counts))
-    for label, n in zip(b.failure_labels, b.failure_counts):
-        failures[label] = failures.get(label, 0) + n
+    failures = _add_counts(a.failure_labels, a.failure_counts, b.failure_labels, b.failure_counts)
+    routes = _add_counts(a.route_names, a.route_counts, b.route_names, b.route_counts)
     histograms = dict(zip(a.histogram_names, a.histograms))
     for name, h in zip(b.histogram_names, b.histograms):
         mine = histograms.get(name)
@@ -152,4 +157,11 @@ def _add(a: m.FrontendStats, b: m.FrontendStats) -> m.FrontendStats:
                                            mine.sum + h.sum)
     return m.FrontendStats(a.frontend_id, a.request_count + b.request_count,
                            a.request_success + b.request_success, list(failures), list(failures.values()),
-                           list(histograms), list(histograms.values()))
+                           list(histograms), list(histograms.values()), list(routes), list(routes.values()))
+
+
+def _add_counts(names: list[str], counts: list[int], more_names: list[str], more: list[int]) -> dict[str, int]:
+    out = dict(zip(names, counts))
+    for name, n in zip(more_names, more):
+        out[name] = out.get(name, 0) + n
+    return out

@@ -15,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from llmbus.frontend import responses
+from llmbus.frontend.anthropic_messages import setup_anthropic_routes
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend.generation import Generation, run_all
 from llmbus.frontend.metrics import render
@@ -251,5 +252,6 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/chat_tokenize", chat_tokenize)
     app.router.add_post("/invocations", invocations)
     setup_openai_routes(app)
+    setup_anthropic_routes(app)
     setup_responses_routes(app)
     add_openapi_routes(app, VERSION, lambda: app[STATE].config.model_id)

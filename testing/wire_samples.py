@@ -14,7 +14,7 @@ SAMPLES: dict[m.Kind, m.Message] = {
                                      "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", GRAMMAR),
     m.Kind.HEALTH_CHECK: m.HealthCheck("f0", 3, 5.0),
     m.Kind.FRONTEND_STATS: m.FrontendStats("f1", 10, 8, ["validation"], [2], ["duration"],
-                                           [m.Histogram([0.01, 0.1], [1, 6, 1], 0.4)]),
+                                           [m.Histogram([0.01, 0.1], [1, 6, 1], 0.4)], ["/v1/messages"], [10]),
     m.Kind.HEALTH_PROBE: m.HealthProbe(9),
     m.Kind.HEALTH_ACK: m.HealthAck(rank=1, probe_id=9),
     m.Kind.HEALTH_REPLY: m.HealthReply(3, False, "rank 1 did not answer within 5 s"),

@@ -84,7 +84,8 @@ def test_peer_frontends_counts_add_up(make_frontend):
     assert own.frontend_id == "fe1" and dict(zip(own.histogram_names, own.histograms))["duration"].counts[-1] == 0
     durations = dict(zip(own.histogram_names, own.histograms))["duration"]
     peer = m.FrontendStats("fe2", 5, 3, ["validation", "generation"], [1, 1], ["duration"],
-                           [m.Histogram(durations.buckets, [0] * len(durations.buckets) + [3], 120.0)])
+                           [m.Histogram(durations.buckets, [0] * len(durations.buckets) + [3], 120.0)],
+                           ["/generate", "/v1/messages"], [3, 2])
     fe.sched.send_event(peer)
     deadline = time.monotonic() + WAIT
     while (samples := scrape(fe)[1])["tgi_request_count"] != 6:
@@ -95,3 +96,6 @@ def test_peer_frontends_counts_add_up(make_frontend):
     assert samples["tgi_request_duration_count"] == 4 and samples['tgi_request_duration_bucket{le="+Inf"}'] == 4
     assert samples["tgi_request_duration_sum"] >= 120.0
     assert samples["tgi_request_input_length_count"] == 1  # only this frontend observed lengths
+    # the requests per route, this frontend's and the peer's summed
+    assert samples['llmbus_request_route_count{route="/generate"}'] == 4
+    assert samples['llmbus_request_route_count{route="/v1/messages"}'] == 2
