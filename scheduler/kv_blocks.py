@@ -122,6 +122,18 @@ class KVBlockManager:
                 node.last_use = tick
                 if not node.children:
                     heapq.heappush(self._lru, (tick, next(self._tiebreak), node))
+        # A leaf released again leaves its older entry behind, and only eviction pops entries: with a pool that
+        # rarely fills, the heap grew by one entry per released leaf for good (issue #36). Keeping the live
+        # ones whenever it is twice the cache's size bounds it at one pass per as many releases.
+        if len(self._lru) > 2 * len(self._node_of_block) + 64:
+            self._lru = [entry for entry in self._lru if self._live(entry)]
+            heapq.heapify(self._lru)
+
+    def _live(self, entry: tuple[int, int, _Node]) -> bool:
+        """Whether an LRU entry still names an evictable leaf as of its latest release (else it is stale)."""
+        last_use, _, node = entry
+        return (self._node_of_block.get(node.block) is node and not node.children
+                and self.refcount[node.block] == 1 and node.last_use == last_use)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -171,11 +183,11 @@ class KVBlockManager:
         """Free ``count`` cached blocks, least recently released leaves first."""
         freed = 0
         while freed < count:
-            last_use, _, node = heapq.heappop(self._lru)
+            entry = heapq.heappop(self._lru)
+            if not self._live(entry):
+                continue
+            node = entry[2]
             block = node.block
-            if (self._node_of_block.get(block) is not node or node.children or self.refcount[block] != 1
-                    or node.last_use != last_use):
-                continue  # stale entry
             parent = node.parent
             siblings = parent.children[self._hash(node.tokens)]
             siblings.remove(node)
