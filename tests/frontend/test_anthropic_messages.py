@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -216,3 +217,13 @@ def test_a_bad_request_is_anthropics_error(client):
     with pytest.raises(BadRequestError, match="Tool with name nope not found"):
         client.messages.create(model="m", max_tokens=10, messages=QUESTION, tools=TOOLS,
                                tool_choice={"type": "tool", "name": "nope"})
+
+
+def test_the_readme_curl_answers(smollm2_server):
+    """The README's /v1/messages curl, exactly as a new user pastes it, names Paris."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    found = re.search(r"curl -s localhost:3000/v1/messages .*?-d '(\{.*?\})'", readme, re.S)
+    assert found, "README.md has no /v1/messages curl"
+    status, _, answer = post(f"{smollm2_server.url}/v1/messages", json.loads(found.group(1)),
+                             headers={"anthropic-version": "2023-06-01"})
+    assert status == 200 and "Paris" in answer["content"][0]["text"], answer
