@@ -1,0 +1,75 @@
+"""What a real engine seldom does on cue, for /v1/messages streams, against the fake scheduler
+(llmbus.testing.fake_scheduler): a generation that fails after the stream started arrives as Anthropic's
+``event: error`` (api_error) after ``message_start``; a request the engine holds gets ``ping`` events as
+keep-alives, ``message_start`` with the first of them, and ends normally once released; a full server
+answers 429 rate_limit_error in Anthropic's envelope.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+
+from llmbus.testing.fake_scheduler import WAIT, last_rid
+
+
+def _body(content: str, **extra) -> dict:
+    return {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def _events(raw: bytes) -> list[tuple[str, dict]]:
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block:
+            name, data = block.split("\n", 1)
+            assert name.startswith("event: ") and data.startswith("data: "), block
+            out.append((name[len("event: "):], json.loads(data[len("data: "):])))
+    return out
+
+
+def test_a_failure_after_the_stream_started_is_an_error_event(make_fe):
+    fe = make_fe()
+    status, headers, raw = fe.request("POST", "/v1/messages", _body("GENFAIL", stream=True))
+    assert status == 200 and headers["content-type"] == "text/event-stream"
+    events = _events(raw)
+    assert [name for name, _ in events] == ["message_start", "ping", "error"]
+    assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message":
+                                                        "Request failed during generation: shard broke"}}
+    # the same failure before an answer started: an HTTP 500 in the same envelope
+    status, _, answer = fe.post("/v1/messages", _body("GENFAIL"))
+    assert status == 500 and answer["error"]["type"] == "api_error"
+
+
+def test_a_held_stream_pings_and_then_ends(make_fe):
+    fe = make_fe(keepalive_s=0.05)
+    conn = http.client.HTTPConnection(fe.host, fe.port, timeout=WAIT)
+    conn.request("POST", "/v1/messages", json.dumps(_body("HOLD", stream=True)),
+                  {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    lines = []
+    # read until two keep-alive pings came while the engine holds the request (the first comes with
+    # message_start), then let the engine answer
+    while sum(line == b"event: ping\n" for line in lines) < 2:
+        lines.append(resp.readline())
+    fe.sched.release(last_rid(fe))
+    events = _events(b"".join(lines) + resp.read())
+    conn.close()
+    names = [name for name, _ in events]
+    assert names[:3] == ["message_start", "ping", "ping"]
+    assert names[-2:] == ["message_delta", "message_stop"] and "content_block_delta" in names
+    assert events[-2][1]["delta"]["stop_reason"] in ("end_turn", "max_tokens")
+
+
+def test_a_full_server_is_a_rate_limit_error(make_fe):
+    fe = make_fe(max_concurrent_requests=1)
+    conn = socket.create_connection((fe.host, fe.port), timeout=WAIT)
+    body = json.dumps(_body("HOLD")).encode()
+    conn.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 1, "the held request to arrive")
+    status, _, answer = fe.post("/v1/messages", _body("hi"))
+    assert status == 429
+    assert answer == {"type": "error", "error": {"type": "rate_limit_error", "message": "Model is overloaded"}}
+    conn.close()  # the client leaves: its request is aborted and its permit returns
+    fe.sched.wait_for(lambda: len(fe.sched.aborts) == 1, "the held request to be aborted")
