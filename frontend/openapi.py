@@ -14,6 +14,7 @@ from typing import Callable
 from aiohttp import web
 
 from llmbus.frontend import anthropic_schemas
+from llmbus.frontend.openapi_responses import responses_schemas
 from llmbus.frontend.openapi_schemas import array, openai_schemas, ref, tgi_schemas
 
 SPEC_PATH = "/api-doc/openapi.json"
@@ -53,6 +54,15 @@ _TGI_ERRORS = {
                             "new ones (error_type `shutting_down`)."),
 }
 _ENGINE_ERRORS = ("GenerationError", "Overloaded", "IncompleteGeneration", "ShuttingDown")
+# the Responses API's own (OpenAI's envelope): a feature refused outright, a stored response not found
+_RESPONSES_ERRORS = {
+    "Unsupported": ("400", "A built-in tool (web search, file search, code interpreter, MCP, ...), a tool_choice "
+                           "naming one, or an input item or content part this server cannot take (error_type "
+                           "`unsupported`)."),
+    "NotFound": ("404", "No stored response has this id (`previous_response_id`, or the path's): it was never "
+                        "stored, was deleted or dropped from the store, or another server process answered it "
+                        "(error_type `not_found`)."),
+}
 
 
 def _json(schema: dict) -> dict:
@@ -78,6 +88,8 @@ def _components_responses() -> dict:
                                      "missing or wrong (empty body).")}
     for name, (_, description) in _TGI_ERRORS.items():
         out[name] = _response(description, _json(ref("ErrorResponse")))
+        out["OpenAI" + name] = _response(description, _json(ref("OpenAIError")))
+    for name, (_, description) in _RESPONSES_ERRORS.items():
         out["OpenAI" + name] = _response(description, _json(ref("OpenAIError")))
     for status, description in anthropic_schemas.ERRORS.items():
         out[f"Anthropic{status}"] = _response(description, _json(ref("AnthropicError")))
@@ -221,6 +233,7 @@ def _paths() -> dict:
                 "The tokens /v1/messages would feed the model for this prompt.",
                 _json(ref("AnthropicTokenCount"))),
             "AnthropicCountTokensRequest", ("400", "401", "413"))},
+        **_responses_paths(),
         "/v1/models": {"get": _op("list_models", OPENAI_TAG, "The served model",
                                   {"200": _response("A list holding the one served model.",
                                                     _json(ref("ModelList")))})},
@@ -244,6 +257,31 @@ def _paths() -> dict:
     }
 
 
+def _responses_paths() -> dict:
+    """OpenAI's Responses API: create (JSON, or its SSE events), and read or delete a stored response."""
+    refs = {status: {"$ref": f"#/components/responses/OpenAI{name}"} for name, (status, _) in _RESPONSES_ERRORS.items()}
+    stored = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
+    auth = {"401": {"$ref": "#/components/responses/Unauthorized"}, "404": refs["404"]}
+    return {
+        "/v1/responses": {"post": _op(
+            "create_response", OPENAI_TAG, "OpenAI Responses", {"200": _response(
+                "A ResponseObject; with `stream: true`, OpenAI's Responses SSE events (`event: <type>` and "
+                "`data: <ResponseStreamEvent>`, no [DONE]): response.created, response.in_progress, per output "
+                "item output_item.added, its content part or function call arguments events, output_item.done, "
+                "then response.completed (or response.incomplete); an error after the stream started arrives "
+                "as `event: error`.", {**_json(ref("ResponseObject")), **_sse(ref("ResponseStreamEvent"))}),
+                **dict(sorted({**_errors(openai=True), **refs}.items()))},
+            body=ref("ResponsesRequest"), secured=True)},
+        "/v1/responses/{response_id}": {
+            "get": {**_op("get_response", OPENAI_TAG, "A stored response", {
+                "200": _response("The response as it was answered.", _json(ref("ResponseObject"))), **auth},
+                secured=True), **stored},
+            "delete": {**_op("delete_response", OPENAI_TAG, "Delete a stored response", {
+                "200": _response("It is gone.", _json(ref("ResponseDeleted"))), **auth}, secured=True),
+                **stored}},
+    }
+
+
 def build_spec(version: str, model_id: str) -> dict:
     """The OpenAPI 3.1 document for a server of ``version`` serving ``model_id``."""
     return {
@@ -256,7 +294,8 @@ def build_spec(version: str, model_id: str) -> dict:
         "tags": [{"name": t} for t in (TGI_TAG, OPENAI_TAG, ANTHROPIC_TAG, SAGEMAKER_TAG, INFO_TAG, DOCS_TAG)],
         "paths": _paths(),
         "components": {
-            "schemas": {**tgi_schemas(), **openai_schemas(model_id), **anthropic_schemas.anthropic_schemas(model_id)},
+            "schemas": {**tgi_schemas(), **openai_schemas(model_id), **responses_schemas(),
+                        **anthropic_schemas.anthropic_schemas(model_id)},
             "responses": _components_responses(),
             "securitySchemes": {"bearer": {
                 "type": "http", "scheme": "bearer",

@@ -91,7 +91,8 @@ def input_messages(raw) -> list[dict]:
             raise validation_error(f"`{where}` must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = item.get("role")
+            role = _ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise validation_error(f"`{where}.role` must be one of user, assistant, system, developer",
                                        param="input")

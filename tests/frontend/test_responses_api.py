@@ -174,6 +174,7 @@ def test_second_turns_previous_response_id_and_function_call_output(sdk):
     ({"input": "hi", "max_output_tokens": 0}, 422, "max_output_tokens", ">= 1"),
     ({"input": "hi", "temperature": 3}, 422, "temperature", "<= 2"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 422, "input", "role"),
+    ({"input": [{"role": {}, "content": "hi"}]}, 422, "input", "role"),  # was a 500 (schemathesis)
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, 422, "text", "text.format.type"),
     ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 422, None,
      "Tool with name nope not found"),
@@ -217,3 +218,37 @@ def test_agents_sdk_runs_a_tool_loop_to_a_final_answer(smollm2_server):
     assert calls and isinstance(result.final_output, str) and result.final_output.strip()
     kinds = [item.type for item in result.new_items]
     assert kinds[0] == "tool_call_item" and "tool_call_output_item" in kinds and kinds[-1] == "message_output_item"
+
+
+def test_answers_match_the_openapi_document(smollm2_server):
+    """A real answer and every event of a real stream validate against the served document's schemas
+    (schemathesis fuzzes the route on the tiny model; this checks SmolLM2's tool-calling answers too)."""
+    from llmbus.frontend.openapi import SPEC_PATH
+    from llmbus.testing.http import stream
+
+    _, spec = get(smollm2_server.url + SPEC_PATH)
+    post_op = spec["paths"]["/v1/responses"]["post"]
+    assert "text/event-stream" in post_op["responses"]["200"]["content"]
+    assert {"400", "404", "422"} <= set(post_op["responses"])
+    for method in ("get", "delete"):
+        assert spec["paths"]["/v1/responses/{response_id}"][method]["security"] == [{"bearer": []}, {}]
+
+    def check(name: str, body) -> None:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": spec["components"]}
+        jsonschema.Draft202012Validator(schema).validate(body)
+
+    body = {"model": "tgi", "input": QUESTION, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+            "parallel_tool_calls": False, "max_output_tokens": 80}
+    status, _, answer = post(smollm2_server.url + "/v1/responses", body)
+    assert status == 200, answer
+    check("ResponsesRequest", body)
+    check("ResponseObject", answer)
+    raw = stream(smollm2_server.url + "/v1/responses", {**body, "stream": True}).decode()
+    blocks = [b.split("\n") for b in raw.split("\n\n") if b]
+    # OpenAI's SSE shape: each event names its type on an `event:` line, then its JSON on one `data:` line
+    assert all(len(b) == 2 and b[0].startswith("event: ") and b[1].startswith("data: ") for b in blocks), raw
+    events = [json.loads(b[1][len("data: "):]) for b in blocks]
+    assert [b[0][len("event: "):] for b in blocks] == [e["type"] for e in events]
+    assert events[-1]["type"] == "response.completed"
+    for event in events:
+        check("ResponseStreamEvent", event)

@@ -72,6 +72,8 @@ def _shorten_generation(body) -> None:
         return
     if "inputs" in body:
         fields, names = body.get("parameters"), ("max_new_tokens",)
+    elif "input" in body:  # /v1/responses
+        fields, names = body, ("max_output_tokens",)
     else:
         fields, names = body, ("max_tokens", "max_completion_tokens")
     if not isinstance(fields, dict):
