@@ -22,13 +22,14 @@ import time
 
 from aiohttp import web
 
+from llmbus.frontend.anthropic_requests import parse_messages
 from llmbus.frontend.engine_client import TIMED_OUT
 from llmbus.frontend.errors import ApiError
-from llmbus.frontend.middleware import mark_failed
-from llmbus.frontend.anthropic_requests import parse_messages
-from llmbus.frontend.openai_requests import ChatRequest, read_json_object
-from llmbus.frontend.openai_routes import Choice, Job, _one_choice, _prepare, chat_prompt
 from llmbus.frontend.generation import run_all
+from llmbus.frontend.middleware import mark_failed
+from llmbus.frontend.openai_requests import ChatRequest, read_json_object
+# the chat route's choice machinery: one choice, read directly from the engine as its streams are
+from llmbus.frontend.openai_routes import Choice, Job, _one_choice, _prepare, chat_prompt
 from llmbus.frontend.responses import dumps, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
 from llmbus.frontend.tools import ToolCallStream, parse_tool_output

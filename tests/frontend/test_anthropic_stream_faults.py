@@ -2,7 +2,7 @@
 (llmbus.testing.fake_scheduler): a generation that fails after the stream started arrives as Anthropic's
 ``event: error`` (api_error) after ``message_start``; a request the engine holds gets ``ping`` events as
 keep-alives, ``message_start`` with the first of them, and ends normally once released; a full server
-answers 429 rate_limit_error in Anthropic's envelope.
+answers 429 rate_limit_error in Anthropic's envelope. And a browser's CORS preflight for Anthropic's headers.
 """
 
 from __future__ import annotations
@@ -73,3 +73,14 @@ def test_a_full_server_is_a_rate_limit_error(make_fe):
     assert answer == {"type": "error", "error": {"type": "rate_limit_error", "message": "Model is overloaded"}}
     conn.close()  # the client leaves: its request is aborted and its permit returns
     fe.sched.wait_for(lambda: len(fe.sched.aborts) == 1, "the held request to be aborted")
+
+
+def test_a_browsers_preflight_allows_anthropics_headers(make_fe):
+    """Anthropic's SDKs in a browser send the key as x-api-key and an anthropic-version header: a preflight
+    that names them must allow both, or the browser never sends the request."""
+    fe = make_fe()
+    status, headers, _ = fe.request("OPTIONS", "/v1/messages", headers={
+        "Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,x-api-key,anthropic-version"})
+    assert status == 200 and headers["access-control-allow-origin"] == "*"
+    assert {"x-api-key", "anthropic-version", "content-type"} <= set(headers["access-control-allow-headers"].split(","))
