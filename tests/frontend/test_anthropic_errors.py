@@ -86,6 +86,8 @@ def test_the_sdk_raises_its_typed_errors(server):
     ({**HELLO, "tools": [{"name": "f"}]}, "`tools[0].input_schema` must be a JSON Schema object"),
     ({**HELLO, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "is a server tool"),
     ({**HELLO, "tool_choice": {"type": "sometimes"}}, "`tool_choice` must be"),
+    # schemathesis found it: a type that is not a string was looked up in a dict (a 500)
+    ({**HELLO, "tool_choice": {"type": {}}}, "`tool_choice` must be"),
     ({**HELLO, "tool_choice": {"type": "any"}}, "`tool_choice` needs `tools`"),
     ({**HELLO, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool",
                                                                                             "name": "g"}},
