@@ -252,3 +252,32 @@ def test_answers_match_the_openapi_document(smollm2_server):
     assert events[-1]["type"] == "response.completed"
     for event in events:
         check("ResponseStreamEvent", event)
+
+
+def test_requests_count_on_metrics_by_route(smollm2_server):
+    from llmbus.testing.http import metrics
+
+    before = metrics(smollm2_server.url, labels=True)
+    assert post(smollm2_server.url + "/v1/responses", {"input": "Hi", "max_output_tokens": 2})[0] == 200
+    assert post(smollm2_server.url + "/v1/responses", {"input": "Hi", "tools": [{"type": "web_search"}]})[0] == 400
+    after = metrics(smollm2_server.url, labels=True)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew('llmbus_request_route_count{route="/v1/responses"}') == 2
+    assert grew("tgi_request_success") == 1 and grew('tgi_request_failure{err="validation"}') == 1
+
+
+def test_readme_example_names_paris(smollm2_server):
+    """The README's curl example, its body read from the README itself, answers as it says."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("<!-- responses-example -->", 1)[1].split("<!-- /responses-example -->", 1)[0]
+    assert "localhost:3000/v1/responses" in block
+    body = json.loads(re.search(r"-d '(.*)'", block).group(1))
+    status, _, answer = post(smollm2_server.url + "/v1/responses", body)
+    assert status == 200 and answer["status"] == "completed", answer
+    assert "Paris" in answer["output"][0]["content"][0]["text"]
