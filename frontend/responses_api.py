@@ -38,11 +38,7 @@ _DISCONNECTED = ConnectionResetError
 
 
 def _store(request: web.Request) -> ResponseStore:
-    """The app's store, made on first use: its size is a frontend setting, known once the state is."""
-    app = request.app
-    if STORE not in app:
-        app[STORE] = ResponseStore(app[STATE].config.responses_store_size)
-    return app[STORE]
+    return request.app[STORE]
 
 
 class _Answer:
@@ -177,6 +173,7 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 def setup_responses_routes(app: web.Application) -> None:
+    app[STORE] = ResponseStore(app[STATE].config.responses_store_size)  # the state is set before the routes
     app.router.add_post(PATH, create_response)
     app.router.add_get(PATH + "/{response_id}", get_response)
     app.router.add_delete(PATH + "/{response_id}", delete_response)
