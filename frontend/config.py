@@ -106,6 +106,13 @@ class FrontendConfig(ServiceSettings):
     disable_grammar_support: bool = setting(False, env="DISABLE_GRAMMAR_SUPPORT",
                                             help="Refuse `grammar`, `response_format` and `tools` (422 `grammar is "
                                                  "not supported`), as TGI does with this flag.")
+    # tool arguments and json_schema outputs hold to what their schema declares (frontend/strict_schema.py),
+    # as vLLM's default grammar backend does: small models otherwise invent keys
+    disable_strict_schemas: bool = setting(False, env="DISABLE_STRICT_SCHEMAS",
+                                           help="Compile tool parameters and `json_schema` outputs as JSON "
+                                                "Schema does: objects allow undeclared properties and tuples "
+                                                "extra items unless the schema says otherwise (default: only "
+                                                "what the schema declares, unless it opts in to more).")
     # /v1/responses with `store` (OpenAI's default) keeps this many responses for previous_response_id and
     # GET/DELETE /v1/responses/{id}; in this process's memory only (frontend/responses_store.py)
     responses_store_size: int = setting(1000, env="RESPONSES_STORE_SIZE", ge=0,
@@ -168,6 +175,7 @@ class Limits:
     max_stop_sequences: int
     max_top_n_tokens: int
     grammar_support: bool = True  # False: --disable-grammar-support
+    strict_schemas: bool = True  # False: --disable-strict-schemas
 
 
 DEFAULT_MAX_TOTAL_TOKENS = 4096  # when neither the config nor the model says
@@ -189,4 +197,5 @@ def resolve_limits(config: FrontendConfig, model_max_length: int | None,
         raise ValueError(f"`max_input_tokens` must be < `max_total_tokens`. Given: {max_input} and {total}")
     return Limits(max_input_tokens=max_input, max_total_tokens=total, max_best_of=config.max_best_of,
                   max_stop_sequences=config.max_stop_sequences, max_top_n_tokens=config.max_top_n_tokens,
-                  grammar_support=not config.disable_grammar_support)
+                  grammar_support=not config.disable_grammar_support,
+                  strict_schemas=not config.disable_strict_schemas)

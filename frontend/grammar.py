@@ -28,6 +28,7 @@ import llguidance  # noqa: F401
 from llmbus.bus.grammar import grammar_error
 from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import body_type_error, validation_error
+from llmbus.frontend.strict_schema import strict_schema
 
 ANY_JSON_OBJECT = {"type": "object"}
 GRAMMAR_TYPES = ("json", "json_object", "regex", "json_schema", "lark", "ebnf")
@@ -57,14 +58,17 @@ def _meta_schema_error(source: str) -> str | None:
     return None
 
 
-def json_schema_grammar(schema, param: str | None = None) -> Grammar:
-    """The grammar of outputs that are JSON documents valid under ``schema`` (a dict, as TGI wants it)."""
+def json_schema_grammar(schema, param: str | None = None, *, strict: bool = False) -> Grammar:
+    """The grammar of outputs that are JSON documents valid under ``schema`` (a dict, as TGI wants it);
+    ``strict``: only what the schema declares (frontend/strict_schema.py)."""
     if not isinstance(schema, dict):
         raise _not_supported()
     source = json.dumps(schema, sort_keys=False, separators=(",", ":"))
-    why = _meta_schema_error(source)
+    why = _meta_schema_error(source)  # the client's schema as written is what must be valid
     if why is not None:
         raise _invalid(why, param)
+    if strict:
+        source = json.dumps(strict_schema(schema), sort_keys=False, separators=(",", ":"))
     why = compile_error("json_schema", source)
     if why is not None:
         raise validation_error(f"cannot compile regex from schema: {why}", param=param)
@@ -108,7 +112,7 @@ def _schema_value(value, param: str | None):
     return value
 
 
-def tgi_grammar(value: dict, *, enabled: bool, param: str | None = None) -> Grammar:
+def tgi_grammar(value: dict, *, enabled: bool, param: str | None = None, strict: bool = False) -> Grammar:
     """TGI's ``parameters.grammar`` (already known to be a JSON object) as a wire Grammar."""
     kind = value.get("type")
     if kind not in GRAMMAR_TYPES:
@@ -126,18 +130,18 @@ def tgi_grammar(value: dict, *, enabled: bool, param: str | None = None) -> Gram
     if kind == "json_schema":
         if not isinstance(raw, dict) or "schema" not in raw:
             raise body_type_error("parameters.grammar.value: missing field `schema`")
-        return json_schema_grammar(_schema_value(raw["schema"], param), param)
-    return json_schema_grammar(_schema_value(raw, param), param)
+        return json_schema_grammar(_schema_value(raw["schema"], param), param, strict=strict)
+    return json_schema_grammar(_schema_value(raw, param), param, strict=strict)
 
 
-def response_format_grammar(value: dict, *, enabled: bool) -> Grammar | None:
+def response_format_grammar(value: dict, *, enabled: bool, strict: bool = False) -> Grammar | None:
     """OpenAI's ``response_format`` (or TGI's shapes of it) as a wire Grammar; None for plain text."""
     param = "response_format"
     kind = value.get("type")
     if kind in (None, "text"):
         return None
     if "value" in value:  # TGI's shape: {"type": ..., "value": ...}
-        return tgi_grammar(value, enabled=enabled, param=param)
+        return tgi_grammar(value, enabled=enabled, param=param, strict=strict)
     if not enabled:
         raise validation_error("grammar is not supported", param=param)
     if kind in ("json_object", "json"):
@@ -149,7 +153,7 @@ def response_format_grammar(value: dict, *, enabled: bool) -> Grammar | None:
         schema = spec.get("schema", ANY_JSON_OBJECT)
         if not isinstance(schema, dict):
             raise validation_error("`response_format.json_schema.schema` must be a JSON Schema object", param=param)
-        return json_schema_grammar(schema, param)
+        return json_schema_grammar(schema, param, strict=strict)
     if kind in ("regex", "lark", "ebnf"):
         raise validation_error(f"`response_format` of type `{kind}` takes its grammar in `value`", param=param)
     raise validation_error(f"`response_format.type` must be `text`, `json_object` or `json_schema`. Given: "

@@ -237,7 +237,7 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
     elif body.get("top_logprobs") is not None:
         raise validation_error("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
     tools = _get(body, "tools", "array")
-    plan = parse_tools(body)
+    plan = parse_tools(body, strict=limits.strict_schemas)
     response_format = _get(body, "response_format", "object")
     if plan is not None:
         if response_format and response_format.get("type") not in (None, "text"):
@@ -246,7 +246,8 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
             raise validation_error("grammar is not supported", param="tools")
         p.constraint = plan.grammar
     elif response_format:
-        p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support)
+        p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support,
+                                               strict=limits.strict_schemas)
     return ChatRequest(messages=messages, tools=tools or None, params=p, options=options, plan=plan,
                        tool_prompt=_get(body, "tool_prompt", "string"))
 
@@ -277,6 +278,7 @@ def parse_completion(body: dict, limits: Limits, max_client_batch_size: int,
     _set_top_logprobs(p, options, _get(body, "logprobs", "integer"), "logprobs", limits)
     response_format = _get(body, "response_format", "object")  # vLLM takes it here too
     if response_format:
-        p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support)
+        p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support,
+                                               strict=limits.strict_schemas)
     return CompletionRequest(prompts=prompts, echo=_get(body, "echo", "boolean", False), params=p,
                              options=options)

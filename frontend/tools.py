@@ -16,7 +16,8 @@ the syntax by a Lark grammar (llguidance's dialect) that rank 0 masks sampling w
   as separators and no free whitespace. One ``%json`` with ``anyOf`` rather than ``a | b`` of several, as
   llguidance advises; llguidance emits properties in schema order, so "name" always comes first, which the
   stream parser relies on to name a call before its arguments arrive.
-- ``required`` / a named function: ``start: call ("\\n" call)* "\\n"?`` (one call without parallel calls).
+- ``required``: ``start: call ("\\n" call)* "\\n"?`` (one call without parallel calls); a named function:
+  always one call (``parallel_tool_calls`` aside), as in OpenAI's API and vLLM.
 - ``auto``: ``start: TEXT | lead "\\n" body "\\n</tool_call>" ...`` where TEXT is any text without
   "<tool_call>" and ``lead`` a *lazy* lexeme of any text ending in "<tool_call>". Lazy because llguidance's
   lexer is greedy: ``TEXT? call`` can never end TEXT right before "<tool_call>"; a lazy lexeme ends at the
@@ -41,6 +42,7 @@ from llmbus.bus.grammar import JSON_OPTIONS
 from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend.grammar import compile_error
+from llmbus.frontend.strict_schema import strict_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -120,9 +122,10 @@ def _choice(value) -> tuple[str, str | None]:
                            '{"type": "function", "function": {"name": ...}}', param="tool_choice")
 
 
-def parse_tools(body: dict) -> ToolPlan | None:
+def parse_tools(body: dict, *, strict: bool = False) -> ToolPlan | None:
     """The plan of a chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when the
-    generation is not about tools (no tools, or ``tool_choice: "none"``)."""
+    generation is not about tools (no tools, or ``tool_choice: "none"``). ``strict``: arguments hold to
+    what each function's parameters declare (frontend/strict_schema.py)."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise validation_error("`tools` must be an array of tools", param="tools")
@@ -143,8 +146,15 @@ def parse_tools(body: dict) -> ToolPlan | None:
         return None
     if choice == "function" and function not in names:
         raise ApiError(ErrorKind.TOOL, f"Tool with name {function} not found")
-    plan = ToolPlan(tools, choice, function, parallel is not False, Grammar("lark", ""))
-    plan.grammar = tool_grammar(plan.offered, choice, plan.parallel)
+    # a named function means exactly one call, as in OpenAI's API and vLLM: with more allowed, a small model
+    # repeats the same call until max_tokens
+    parallel = parallel is not False and choice != "function"
+    plan = ToolPlan(tools, choice, function, parallel, Grammar("lark", ""))
+    offered = plan.offered
+    if strict:
+        offered = [{**t, "function": {**t["function"], "parameters": strict_schema(t["function"]["parameters"])}}
+                   for t in offered]
+    plan.grammar = tool_grammar(offered, choice, plan.parallel)
     why = compile_error("lark", plan.grammar.source)
     if why is not None:  # name the culprit: compiling each schema alone gives llguidance's plain reason
         for tool in plan.offered:

@@ -331,7 +331,7 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
                                f"{limits.max_input_tokens}. Given: {p.truncate}")
     grammar = p.constraint
     if p.grammar is not None:
-        grammar = tgi_grammar(p.grammar, enabled=limits.grammar_support)
+        grammar = tgi_grammar(p.grammar, enabled=limits.grammar_support, strict=limits.strict_schemas)
 
     # The server samples when asked to or when any warper changes the distribution
     # (text_generation_server/utils/tokens.py); greedy requests report no seed.
