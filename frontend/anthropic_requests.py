@@ -13,7 +13,9 @@ is a string or blocks. Blocks map onto OpenAI's messages:
 - ``thinking`` / ``redacted_thinking`` (assistant): dropped, as this model never wrote them;
 - ``image``, ``document`` and anything else: refused, naming the block (the models served read text).
 
-Unknown top-level keys are ignored, as on the OpenAI routes.
+Structured outputs (``output_config.format``) become the chat route's ``response_format``. Documented fields
+that are not served (extended ``thinking``, ``output_config.effort``, ...) are refused by name
+(refused_fields.py); unknown top-level keys are ignored, as on the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import validation_error
 from llmbus.frontend.openai_requests import ChatRequest, parse_chat
+from llmbus.frontend.refused_fields import ANTHROPIC, ANTHROPIC_OUTPUT_CONFIG, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
 
 _DROPPED_BLOCKS = ("thinking", "redacted_thinking")
@@ -209,9 +212,26 @@ def _number(body: dict, name: str, low: float, high: float):
     return value
 
 
+def _output_format(body: dict, openai: dict) -> None:
+    """Structured outputs, ``output_config.format`` (or the beta's ``output_format``): ``{"type":
+    "json_schema", "schema": ...}``, served as the chat route's ``response_format``."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise _bad("output_config", f"must be an object, not {_kind(config)}", "output_config")
+    refuse_unserved(config or {}, ANTHROPIC_OUTPUT_CONFIG, "output_config.")
+    fmt = (config or {}).get("format", body.get("output_format"))
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _bad("output_config.format", 'must be {"type": "json_schema", "schema": {...}}',
+                   "output_config.format")
+    openai["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
 def to_openai(body: dict, *, count_only: bool = False) -> dict:
     """The chat route's OpenAI body for an Anthropic Messages body (``count_only``: count_tokens', which
     has no ``max_tokens`` and generates nothing)."""
+    refuse_unserved(body, ANTHROPIC)
     openai: dict = {"messages": _messages(body)}
     tools = _tools(body)
     if tools is not None:
@@ -248,6 +268,7 @@ def to_openai(body: dict, *, count_only: bool = False) -> dict:
         raise _bad("metadata", f"must be an object, not {_kind(metadata)}", "metadata")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise _bad("model", f"must be a string, not {_kind(body['model'])}", "model")
+    _output_format(body, openai)
     return openai
 
 

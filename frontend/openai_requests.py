@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
 from llmbus.frontend.grammar import response_format_grammar
+from llmbus.frontend.refused_fields import OPENAI_CHAT, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
 from llmbus.frontend.tools import ToolPlan, parse_tools
 from llmbus.frontend.validation import I32_MAX, GenerateParameters, load_json, to_f32
@@ -230,6 +231,7 @@ def _messages(body: dict) -> list[dict]:
 
 
 def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingDefaults) -> ChatRequest:
+    refuse_unserved(body, OPENAI_CHAT)
     p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"), defaults)
     messages = _messages(body)
     if _get(body, "logprobs", "boolean", False):

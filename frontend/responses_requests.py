@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+from llmbus.frontend.refused_fields import RESPONSES, refuse_unserved
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -170,6 +171,7 @@ def _response_format(text) -> dict | None:
 def parse_responses(body: dict, previous: list[dict] | None) -> ResponsesRequest:
     """The chat body and the echoed fields of a Responses request; ``previous`` is the stored conversation
     of ``previous_response_id`` (looked up by the caller), or None."""
+    refuse_unserved(body, RESPONSES)
     instructions = _check(body, "instructions", (str,), "a string")
     if "input" not in body or body["input"] is None:
         raise validation_error("`input` is required", param="input")

@@ -18,6 +18,7 @@ from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import body_parse_error, body_type_error, validation_error
 from llmbus.frontend.grammar import GRAMMAR_TYPES
 from llmbus.frontend.grammar import tgi_grammar
+from llmbus.frontend.refused_fields import refuse_adapter
 
 _F32 = struct.Struct("<f")
 
@@ -271,6 +272,7 @@ def validate_best_of(best_of: int, limits: Limits) -> int:
 def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
                         rng: random.Random | None = None) -> ValidParameters:
     """validation.rs ``validate`` up to tokenization, in TGI's order."""
+    refuse_adapter(p.adapter_id)  # before all: the base model's answer would be the wrong model's
     best_of = 1 if p.best_of is None else p.best_of
     sampling_requested = (p.do_sample or p.temperature is not None or p.top_k is not None
                           or p.top_p is not None or p.typical_p is not None or p.min_p is not None)

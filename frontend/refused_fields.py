@@ -1,0 +1,88 @@
+"""Documented request fields llmbus does not serve, refused by name instead of silently ignored (issue #37).
+
+A client migrating to llmbus must not get the base model's answer to a question it asked of something else
+(TGI's ``adapter_id``), or a plain answer where it asked for reasoning, audio or a built-in tool. Each API's
+documented fields are either honoured by its parser, accepted as documented no-ops (below, with why), or
+listed here: a request that sets one to anything but its "off" values gets 400 (``ErrorKind.UNSUPPORTED``)
+naming the field. Unknown keys stay ignored, as OpenAI's SDKs add new ones freely.
+
+Accepted as no-ops, since they change nothing a client sees in the answer: OpenAI's ``user``,
+``safety_identifier``, ``prompt_cache_key`` (prefix caching is automatic), ``metadata``, ``store`` on chat
+completions (OpenAI's own dashboard), ``service_tier``, ``prediction`` (a latency hint: the output is the
+same), ``stream_options.include_obfuscation``; Anthropic's ``metadata`` and ``service_tier``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from llmbus.frontend.errors import ApiError, ErrorKind
+
+# a field's value that asks for nothing: None always, and per field the values that mean "off"
+_Off = Callable[[object], bool]
+
+
+def _empty(value) -> bool:
+    return value in (None, False, 0, "", [], {})
+
+
+def _text_only(value) -> bool:
+    return value is None or value == ["text"]
+
+
+def _nothing_set(value) -> bool:
+    return value is None or isinstance(value, dict) and all(v is None for v in value.values())
+
+
+def _disabled(value) -> bool:
+    return value is None or isinstance(value, dict) and value.get("type") == "disabled"
+
+
+# field -> (why it is refused, what counts as off)
+OPENAI_CHAT: dict[str, tuple[str, _Off]] = {
+    "functions": ("the deprecated `functions` are not supported: pass them as `tools`", _empty),
+    "function_call": ("the deprecated `function_call` is not supported: use `tool_choice`", _empty),
+    "audio": ("audio output is not supported", _empty),
+    "modalities": ('only the "text" modality is served', _text_only),
+    "reasoning_effort": ("the served model does not reason: `reasoning_effort` is not supported", _empty),
+    "verbosity": ("`verbosity` is not supported", _empty),
+    "web_search_options": ("built-in web search is not supported", _empty),
+}
+RESPONSES: dict[str, tuple[str, _Off]] = {
+    "include": ("`include` is not supported: no extra output data (logprobs, reasoning, tool results) is "
+                "served", _empty),
+    "reasoning": ("the served model does not reason: `reasoning` is not supported", _nothing_set),
+    "truncation": ('only `truncation: "disabled"` is served: a too-long input is an error, never cut',
+                   lambda v: v in (None, "disabled")),
+    "top_logprobs": ("`top_logprobs` is not supported on /v1/responses (use /v1/chat/completions)", _empty),
+    "background": ("background responses are not supported", _empty),
+    "prompt": ("stored prompt templates are not supported", _empty),
+    "conversation": ("conversations are not supported: use `previous_response_id`", _empty),
+    "max_tool_calls": ("`max_tool_calls` is not supported", lambda v: v is None),
+}
+ANTHROPIC: dict[str, tuple[str, _Off]] = {
+    "thinking": ("the served model does not think: extended thinking is not supported", _disabled),
+    "container": ("containers are not supported", _empty),
+    "mcp_servers": ("MCP servers are not supported", _empty),
+    "context_management": ("`context_management` is not supported", _empty),
+}
+# output_config's keys (Anthropic): `format` is honoured (anthropic_requests.py), others refused
+ANTHROPIC_OUTPUT_CONFIG: dict[str, tuple[str, _Off]] = {
+    "effort": ("`output_config.effort` is not supported", lambda v: v is None),
+}
+
+
+def refuse_unserved(body: dict, table: dict[str, tuple[str, _Off]], prefix: str = "") -> None:
+    """Raise UNSUPPORTED for the first field of ``table`` that ``body`` sets to something other than off."""
+    for name, (why, off) in table.items():
+        if name in body and not off(body[name]):
+            raise ApiError(ErrorKind.UNSUPPORTED, f"`{prefix}{name}`: {why}", param=prefix + name)
+
+
+def refuse_adapter(adapter_id) -> None:
+    """TGI's ``parameters.adapter_id``: llmbus serves no LoRA adapters, so naming one is refused rather than
+    answered by the base model. Unset or empty means the base model, as in TGI."""
+    if adapter_id:
+        raise ApiError(ErrorKind.UNSUPPORTED, f"adapter `{adapter_id}` is not served: llmbus serves the base "
+                                              f"model only (LoRA adapters are not supported)",
+                       param="adapter_id")
