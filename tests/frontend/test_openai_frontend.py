@@ -338,7 +338,8 @@ def test_cors_any_origin_by_default(fe):
     status, headers, _ = fe.request("OPTIONS", "/generate", headers={
         "Origin": "https://a.example", "Access-Control-Request-Method": "POST"})
     assert status == 200 and headers["access-control-allow-origin"] == "*"
-    assert set(headers["access-control-allow-methods"].split(",")) == {"GET", "POST"}
+    # DELETE: /v1/responses/{id}
+    assert set(headers["access-control-allow-methods"].split(",")) == {"GET", "POST", "DELETE"}
     assert "content-type" in headers["access-control-allow-headers"]
     status, headers, _ = fe.request("GET", "/info", headers={"Origin": "https://a.example"})
     assert status == 200 and headers["access-control-allow-origin"] == "*"
