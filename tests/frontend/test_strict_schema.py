@@ -119,3 +119,64 @@ def test_invented_keys_are_refused_in_json_schema_outputs_unless_strictness_is_o
     assert writes(llg, json_schema_grammar(WEATHER), INVENTED)
     # a schema that opts in keeps its extra keys under strictness
     assert writes(llg, json_schema_grammar(WEATHER | {"additionalProperties": True}, strict=True), INVENTED)
+
+
+def test_the_flag_reaches_the_limits():
+    from llmbus.frontend.config import FrontendConfig, resolve_limits
+
+    def limits(**kw):
+        config = FrontendConfig(model_dir="/m", requests_endpoint="ipc://r", events_endpoint="ipc://e", **kw)
+        return resolve_limits(config, 512, 0)
+
+    assert limits().strict_schemas and not limits(disable_strict_schemas=True).strict_schemas
+
+
+# --- SmolLM2 through the whole stack (the default: strict) ---------------------------------------------
+
+# Parameters as clients write them, with no additionalProperties: SmolLM2 copied the schema's own keywords
+# ("type", "maxLength", "required") into its arguments before (issue #37; benchmarks/structured_args.py)
+CITY = {"type": "string", "maxLength": 40}
+OPEN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": CITY, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                    "required": ["city"]}}},
+              {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                                "parameters": {"type": "object", "properties": {"tz": CITY},
+                                                               "required": ["tz"]}}}]
+
+
+def chat(server, prompt: str, **extra) -> dict:
+    from llmbus.testing.http import post
+
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 200, "temperature": 0}
+    status, _, answer = post(server.url + "/v1/chat/completions", body | extra)
+    assert status == 200, answer
+    return answer["choices"][0]
+
+
+@pytest.mark.parametrize("prompt", ["What is the weather in Paris?", "What time is it in Tokyo?"])
+def test_smollm2_arguments_hold_to_the_declared_keys(smollm2_server, prompt):
+    choice = chat(smollm2_server, prompt, tools=OPEN_TOOLS, tool_choice="required", parallel_tool_calls=False)
+    [call] = choice["message"]["tool_calls"]
+    declared = OPEN_TOOLS[0 if call["function"]["name"] == "get_weather" else 1]["function"]["parameters"]
+    assert set(json.loads(call["function"]["arguments"])) <= set(declared["properties"]), call
+
+
+def test_smollm2_json_schema_output_holds_to_the_declared_keys(smollm2_server):
+    schema = {"type": "object", "properties": {"museum": CITY, "address": {
+        "type": "object", "properties": {"street": CITY, "city": CITY}, "required": ["street", "city"]}},
+        "required": ["museum", "address"]}
+    choice = chat(smollm2_server, "Give the address of a museum as JSON.", response_format={
+        "type": "json_schema", "json_schema": {"name": "museum", "schema": schema}})
+    value = json.loads(choice["message"]["content"])  # before: "state", "zip", "country" were added
+    assert set(value) == {"museum", "address"} and set(value["address"]) == {"street", "city"}, value
+    assert choice["finish_reason"] == "stop"
+
+
+def test_smollm2_named_choice_is_one_call(smollm2_server):
+    for parallel in (None, True):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        choice = chat(smollm2_server, "Is it raining in London?", tools=OPEN_TOOLS, **extra,
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"], choice
