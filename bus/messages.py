@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 11  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 12  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -42,6 +42,7 @@ WIRE_VERSION = 11  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 # 9: SamplingParams.min_p: a rank that ignored it would sample from tokens the request cut off
 # 10: TokenBatch.cached_tokens (prompt tokens the prefix cache held, for Anthropic's usage)
 # 11: FrontendStats.route_names/route_counts (generation requests per route, summed over frontends)
+# 12: SamplingParams.frequency_per_count: a rank that ignored it would apply TGI's far weaker formula
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -113,6 +114,10 @@ class SamplingParams(Message):
     watermark: bool = False  # Kirchenbauer et al. green-list bias
     presence_penalty: float = 0.0  # 0.0 = off; OpenAI's: logit -= penalty if the token was generated before
     min_p: float = 0.0  # 0.0 = off; else drop tokens less likely than min_p x the most likely one's probability
+    # frequency_penalty as OpenAI's API defines it: logit -= penalty * count, over the generated tokens only
+    # (the OpenAI routes). False: TGI's count / len over prompt + generated, which a long chat prompt dilutes
+    # to nothing (frequency_penalty 2.0 left SmolLM2's greedy answers unchanged)
+    frequency_per_count: bool = False
 
 
 @dataclass(slots=True)

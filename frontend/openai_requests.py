@@ -155,8 +155,8 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
         p.repetition_penalty = float(repetition)
     frequency = _get(body, "frequency_penalty", "number")
     _in_range("frequency_penalty", frequency, -2.0, 2.0)
-    if frequency:
-        p.frequency_penalty = float(frequency)
+    if frequency:  # OpenAI's formula, count x penalty over the generated tokens (not TGI's count / length)
+        p.frequency_penalty, p.frequency_per_count = float(frequency), True
     presence = _get(body, "presence_penalty", "number")
     _in_range("presence_penalty", presence, -2.0, 2.0)
     if presence:

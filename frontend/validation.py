@@ -56,6 +56,8 @@ class GenerateParameters:
     ignore_eos_token: bool = False  # benchmarks: only max_new_tokens ends the request (vLLM's TGI client sends it)
     presence_penalty: float | None = None  # OpenAI's, also accepted here (TGI has none): -2.0 to 2.0
     min_p: float | None = None  # llama.cpp's and vLLM's, also accepted here (TGI has none): 0.0 to 1.0
+    # Not read from a body: the OpenAI routes' frequency_penalty follows OpenAI's formula (bus/messages.py)
+    frequency_per_count: bool = field(default=False, metadata={"body": False})
     # Not read from a body: a grammar the OpenAI routes built already checked (response_format, tools)
     constraint: Grammar | None = field(default=None, metadata={"body": False})
 
@@ -341,7 +343,8 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
     sampling = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p, do_sample=do_sample,
         seed=seed, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-        top_n_tokens=top_n_tokens, watermark=p.watermark, presence_penalty=presence_penalty, min_p=min_p)
+        top_n_tokens=top_n_tokens, watermark=p.watermark, presence_penalty=presence_penalty, min_p=min_p,
+        frequency_per_count=p.frequency_per_count and frequency_penalty != 0.0)
     return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
                            truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop),
                            ignore_eos=p.ignore_eos_token, grammar=grammar)

@@ -247,7 +247,8 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
       ``logit -= penalty * count(token in history) / len(history)``, over the whole history (prompt and
       generated). TGI divides by its padded batch width and also counts its padding id 0; here each row
       divides by its own history's length and padding counts for nothing, which is what TGI gives a
-      request that is alone in its batch.
+      request that is alone in its batch. With ``frequency_per_count`` (the OpenAI routes), OpenAI's:
+      ``logit -= penalty * count(token in the generated part)``, no division, the prompt not counted.
     - presence penalty, OpenAI's: ``logit -= penalty`` for every token id present in the generated part
       of the history (from ``prompt_lens[i]`` on). Not the prompt: a chat prompt holds the template's
       role and end-of-turn markers, and penalising those would keep the model from ending its answer.
@@ -271,11 +272,20 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
 
     frequency = [params[i].frequency_penalty for i in rows]
     if any(frequency):
-        lengths = torch.tensor([len(h) for h in seqs], dtype=torch.float32, device=device)
-        counts = torch.zeros_like(scores).scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+        per_count = [params[i].frequency_per_count for i in rows]
+        if any(per_count) and prompt_lens is None:
+            raise ValueError("an OpenAI frequency penalty needs the prompt lengths")
+        # a per-count row counts its generated part only: its prompt ids are pointed at the scratch column
+        counted = index.clone()
+        for r, i in enumerate(rows):
+            if per_count[r]:
+                counted[r, :prompt_lens[i]] = vocab
+        lengths = torch.tensor([1.0 if per_count[r] else len(h) for r, h in enumerate(seqs)],
+                               dtype=torch.float32, device=device)
+        counts = torch.zeros_like(scores).scatter_add_(1, counted, torch.ones_like(index, dtype=torch.float32))
         penalty = torch.tensor(frequency, dtype=torch.float32, device=device)
-        # TGI's order of operations: frequency = count / length, then times the penalty. A 0.0 penalty
-        # subtracts exact zeros.
+        # TGI's order of operations: frequency = count / length, then times the penalty (OpenAI's rows divide
+        # by 1). A 0.0 penalty subtracts exact zeros.
         scores -= counts / lengths[:, None] * penalty[:, None]
 
     presence = [params[i].presence_penalty for i in rows]

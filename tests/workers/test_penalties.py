@@ -185,3 +185,18 @@ def test_overflowing_temperature_samples_the_argmax_instead_of_crashing():
     assert out.logprobs[:3].tolist() == [0.0, 0.0, 0.0]
     nan_row = torch.full((1, VOCAB), float("nan"))
     assert 0 <= sample(nan_row, [SamplingParams(do_sample=True, seed=1)], [0]).token_ids.item() < VOCAB
+
+
+def test_openai_frequency_penalty_counts_generated_tokens_undivided():
+    # one history, prompt [5, 5, 5] then generated [7, 7, 9]: OpenAI's row subtracts count x penalty over
+    # the generated part only; TGI's row (same history) count / length over all of it
+    history = torch.tensor([5, 5, 5, 7, 7, 9])
+    params = [SamplingParams(frequency_penalty=0.5, frequency_per_count=True), SamplingParams(frequency_penalty=0.5),
+              SamplingParams(frequency_penalty=-1.0, frequency_per_count=True), SamplingParams()]
+    out = apply_penalties(torch.zeros(4, VOCAB), params, [history] * 4, [3] * 4)
+    assert (out[0, 5].item(), out[0, 7].item(), out[0, 9].item()) == (0.0, -1.0, -0.5)
+    assert out[1, 5].item() == pytest.approx(-0.5 * 3 / 6) and out[1, 7].item() == pytest.approx(-0.5 * 2 / 6)
+    assert (out[2, 7].item(), out[2, 9].item()) == (2.0, 1.0)  # a negative penalty favours repeats
+    assert not out[3].any()
+    with pytest.raises(ValueError, match="prompt lengths"):
+        apply_penalties(torch.zeros(1, VOCAB), params[:1], [history], None)
