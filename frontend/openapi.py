@@ -57,8 +57,8 @@ _ENGINE_ERRORS = ("GenerationError", "Overloaded", "IncompleteGeneration", "Shut
 # the Responses API's own (OpenAI's envelope): a feature refused outright, a stored response not found
 _RESPONSES_ERRORS = {
     "Unsupported": ("400", "A built-in tool (web search, file search, code interpreter, MCP, ...), a tool_choice "
-                           "naming one, or an input item or content part this server cannot take (error_type "
-                           "`unsupported`)."),
+                           "naming one, an input item or content part this server cannot take, or a documented "
+                           "field it does not serve, named (error_type `unsupported`)."),
     "NotFound": ("404", "No stored response has this id (`previous_response_id`, or the path's): it was never "
                         "stored, was deleted or dropped from the store, or another server process answered it "
                         "(error_type `not_found`)."),
@@ -214,7 +214,8 @@ def _paths() -> dict:
         "/v1/chat/completions": {"post": _op(
             "chat_completions", OPENAI_TAG, "OpenAI chat completions",
             {"200": _openai_ok("ChatCompletion", "ChatCompletionChunk"),
-             **_errors(openai=True)},
+             # documented fields that are not served (reasoning_effort, audio, ...): refused by name
+             "400": {"$ref": "#/components/responses/OpenAIUnsupported"}, **_errors(openai=True)},
             body=ref("ChatRequest"), secured=True)},
         "/v1/completions": {"post": _op(
             "completions", OPENAI_TAG, "OpenAI (legacy) completions",

@@ -147,7 +147,7 @@ def _generate_parameters() -> dict:
         "top_n_tokens": _t("integer", "Also return the n most likely alternatives at each step (at most "
                            "--max-top-n-tokens, default 5).", nullable=True, minimum=0, maximum=U32_MAX),
         "grammar": _maybe(ref("GrammarType")),
-        "adapter_id": _t("string", "LoRA adapter to use: none is served, so a non-empty one is refused (400).",
+        "adapter_id": _t("string", "LoRA adapter to use: none is served, so a non-empty one is refused (422).",
                          nullable=True),
         "ignore_eos_token": _t("boolean", "llmbus extension: do not stop at end-of-sequence tokens, so "
                                "every request generates exactly max_new_tokens (fixed-length benchmarks).",

@@ -1,7 +1,8 @@
 """Nothing a client asks for is silently ignored (issue #37): on a real server (the tiny model), TGI's
-``adapter_id`` and every documented field of the OpenAI, Responses and Anthropic APIs that llmbus does not
-serve are refused with 400 naming the field, while their "off" values and the documented no-op fields are
-answered; Anthropic's ``output_config.format`` is honoured (a JSON answer valid under the schema)."""
+``adapter_id`` (422, TGI's validation status) and every documented field of the OpenAI, Responses and
+Anthropic APIs that llmbus does not serve (400) are refused naming the field, while their "off" values and
+the documented no-op fields are answered; Anthropic's ``output_config.format`` is honoured (a JSON answer
+valid under the schema)."""
 
 from __future__ import annotations
 
@@ -85,14 +86,14 @@ def test_documented_no_op_fields_are_accepted(server, route, body):
 
 def test_tgi_adapter_is_refused_naming_it(server):
     status, _, answer = post(server.url + "/generate", {"inputs": "hi", "parameters": {"adapter_id": "my-lora"}})
-    assert status == 400 and "my-lora" in answer["error"] and answer["error_type"] == "unsupported", answer
+    assert status == 422 and "my-lora" in answer["error"] and answer["error_type"] == "validation", answer
     for base in ("", None):  # TGI's base model
         status, _, answer = post(server.url + "/generate", {"inputs": "hi", "parameters": {
             "adapter_id": base, "max_new_tokens": 2}})
         assert status == 200, answer
     # a stream carries it in-band, as TGI's streams carry every validation error
     _, _, answer = post(server.url + "/generate_stream", {"inputs": "hi", "parameters": {"adapter_id": "x"}})
-    assert "adapter `x` is not served" in str(answer) and '"error_type":"unsupported"' in str(answer), answer
+    assert "adapter `x` is not served" in str(answer) and '"error_type":"validation"' in str(answer), answer
 
 
 def test_anthropic_effort_is_refused_and_output_format_honoured(server):
