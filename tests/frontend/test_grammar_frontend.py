@@ -14,7 +14,8 @@ from llmbus.testing.fake_scheduler import chat, last_rid
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name"]}
-COMPACT = json.dumps(SCHEMA, separators=(",", ":"))
+# what reaches the scheduler by default: the schema closed to its declared properties (strict_schema.py)
+COMPACT = json.dumps(SCHEMA | {"additionalProperties": False}, separators=(",", ":"))
 
 
 def generate(fe, grammar, **parameters):
@@ -87,6 +88,16 @@ def test_response_format_shapes(make_fe, response_format, expected):
     status, _, body = chat(fe, response_format=response_format)
     assert status == 200, body
     assert fe.sched.adds[last_rid(fe)].grammar == expected
+
+
+def test_strictness_off_sends_the_schema_as_written(make_frontend, make_fe):
+    status, _, body = generate(fe := make_frontend(disable_strict_schemas=True), {"type": "json", "value": SCHEMA})
+    assert status == 200, body
+    assert fe.sched.adds[last_rid(fe)].grammar == Grammar("json_schema", json.dumps(SCHEMA, separators=(",", ":")))
+    fe = make_fe(disable_strict_schemas=True)
+    status, _, body = chat(fe, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+    assert status == 200, body
+    assert "additionalProperties" not in fe.sched.adds[last_rid(fe)].grammar.source
 
 
 def test_gbnf_is_translated_to_lark(make_frontend):
