@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 12  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 13  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -43,6 +43,7 @@ WIRE_VERSION = 12  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 # 10: TokenBatch.cached_tokens (prompt tokens the prefix cache held, for Anthropic's usage)
 # 11: FrontendStats.route_names/route_counts (generation requests per route, summed over frontends)
 # 12: SamplingParams.frequency_per_count: a rank that ignored it would apply TGI's far weaker formula
+# 13: WorkerReady.onednn_cache_capacity, StepResult.request_state, SchedulerStats' memory gauges (issue #36)
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -361,6 +362,10 @@ class StepResult(Message):
     # Not empty: the step failed without harm to the ranks (it ran out of memory) and nothing of it counts;
     # why, for the requests the scheduler fails for it (scheduler/policy.py, fail_step).
     failed_error: str = ""
+    # Per-request objects rank 0 holds after this step (Worker.request_state summed: request states,
+    # histories, grammar matchers, prompt-logprob rows, draft guesses), those of the requests that finished
+    # in this step included (the next step drops them): it stays bounded by the batch (issue #36)
+    request_state: int = 0
 
 
 @dataclass(slots=True)
@@ -391,6 +396,8 @@ class WorkerReady(Message):
     warmup_step_tokens: int = 0
     vocab_size: int = 0  # rows of the LM head: token ids the scheduler accepts are below it (0: unknown)
     attention_backend: str = ""  # the attention backend's name (workers.attention.BACKEND_CLASSES; "": none)
+    # Entries each of oneDNN's two shape-keyed kernel caches may hold (--onednn-cache-capacity; 0: not a CPU rank)
+    onednn_cache_capacity: int = 0
 
 
 @dataclass(slots=True)
@@ -481,6 +488,10 @@ class SchedulerStats(Message):
     spec_proposed: int = 0  # guessed tokens fed to the ranks (n-gram speculation)
     spec_accepted: int = 0  # of those, kept
     spec_method: str = "ngram"  # where the guesses come from: "ngram" or "draft"
+    # Memory gauges (issue #36): what bounds and shows each per-process store that grows with traffic
+    onednn_cache_capacity: int = 0  # rank 0's WorkerReady.onednn_cache_capacity
+    worker_request_state: int = 0  # rank 0's StepResult.request_state after the last step
+    prefix_cache_heap_entries: int = 0  # the prefix cache's LRU heap, live and stale entries (kv_blocks.py)
 
 
 for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size"):

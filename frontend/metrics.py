@@ -40,6 +40,16 @@ class SchedulerStatsCollector(Collector):
                                 value=stats.kv_blocks_free)
         yield GaugeMetricFamily("llmbus_kv_blocks_cached", "Free KV blocks the prefix cache keeps for reuse",
                                 value=stats.kv_blocks_cached)
+        yield GaugeMetricFamily("llmbus_onednn_cache_capacity",
+                                "Entries each of oneDNN's shape-keyed kernel caches may hold on rank 0 "
+                                "(--onednn-cache-capacity; 0 off CPU)", value=stats.onednn_cache_capacity)
+        yield GaugeMetricFamily("llmbus_worker_request_state",
+                                "Per-request objects rank 0 holds after the last step (request states, histories, "
+                                "grammar matchers, prompt-logprob rows, draft guesses), its finished requests' "
+                                "included", value=stats.worker_request_state)
+        yield GaugeMetricFamily("llmbus_prefix_cache_heap_entries",
+                                "Entries of the prefix cache's LRU heap, stale ones included (bounded)",
+                                value=stats.prefix_cache_heap_entries)
         yield counter("llmbus_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache",
                       {(): stats.prefix_cache_queried_tokens})
         yield counter("llmbus_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache",

@@ -72,6 +72,11 @@ class KVBlockManager:
         return len(self._free)
 
     @property
+    def lru_entries(self) -> int:
+        """Entries of the prefix cache's LRU heap, stale ones included: bounded by release() (issue #36)."""
+        return len(self._lru)
+
+    @property
     def num_cached(self) -> int:
         """Blocks only the prefix cache keeps: free for the taking, after eviction."""
         return self._num_evictable

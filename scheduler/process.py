@@ -129,6 +129,8 @@ class SchedulerService:
         self.frontend_stats: dict[str, m.FrontendStats] = {}  # the latest of each, relayed to the others
         self.restarts = RestartBudget(cfg.max_restarts, RESTART_WINDOW_S)
         self.worker_restarts = 0
+        self.onednn_cache_capacity = 0  # rank 0's, from its WorkerReady
+        self.worker_request_state = 0  # rank 0's, from its last StepResult
         self.recovering: str | None = None  # why the ranks are being restarted, while they are
         self.warmup_s_per_token = 0.0
         self.warmup_step_tokens = 1
@@ -168,6 +170,7 @@ class SchedulerService:
         self.warmup_step_tokens = max(slowest.warmup_step_tokens, 1)
         self.warmup_s_per_token = slowest.warmup_step_s / self.warmup_step_tokens
         self.vocab_size = ready[0].vocab_size
+        self.onednn_cache_capacity = ready[0].onednn_cache_capacity
         cfg = self.cfg
         kv = KVBlockManager(num_blocks, block_size, prefix_caching=cfg.prefix_caching)
         if self.policy is not None:  # new ranks after a restart
@@ -339,6 +342,7 @@ class SchedulerService:
         result = self.ranks.run_step(cmd, self._step_timeout(len(cmd.token_ids)), meanwhile=self.flush_events)
         self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
                                  time.monotonic() - started)
+        self.worker_request_state = result.request_state
         if result.failed_error:
             self._fail_step(batch, result.failed_error)
             return
@@ -422,7 +426,8 @@ class SchedulerService:
             concat_chunking=counters.concat["chunking"], concat_backpressure=counters.concat["backpressure"],
             concat_wait_exceeded=counters.concat["wait_exceeded"], worker_restarts=self.worker_restarts,
             spec_proposed=counters.spec_proposed, spec_accepted=counters.spec_accepted,
-            spec_method=self.cfg.speculate_method))
+            spec_method=self.cfg.speculate_method, onednn_cache_capacity=self.onednn_cache_capacity,
+            worker_request_state=self.worker_request_state, prefix_cache_heap_entries=kv.lru_entries))
 
     def publish_stats(self, force: bool = False) -> None:
         """Gauges to every frontend: when ``force``d (a request joined or left the batch, or the

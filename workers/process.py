@@ -244,6 +244,8 @@ class Worker:
         device = resolve_device(self.cfg.device, self.cfg.rank)
         dtype = resolve_dtype(self.cfg.dtype, device)
         kv_dtype = None if self.cfg.kv_cache_dtype == "auto" else resolve_dtype(self.cfg.kv_cache_dtype, device)
+        # the smaller of the two bounds, for /metrics (llmbus_onednn_cache_capacity)
+        self.onednn_cache_capacity = min(int(v) for v in onednn_caches.values()) if device.type == "cpu" else 0
         if device.type == "cpu" and self.cfg.rank == 0:
             self.log.info("oneDNN cache capacities", **onednn_caches)
         if self.cfg.dtype == "auto" and self.cfg.rank == 0:
@@ -319,7 +321,8 @@ class Worker:
                                          max_position_embeddings=self.runner.max_position_embeddings,
                                          warmup_step_s=warmup_step_s, warmup_step_tokens=warmup_tokens,
                                          vocab_size=self.runner.vocab_size,
-                                         attention_backend=paths.get("attention", "")))
+                                         attention_backend=paths.get("attention", ""),
+                                         onednn_cache_capacity=self.onednn_cache_capacity))
 
     def _draft_runner(self, dtype, device, num_blocks: int | None):
         """The draft model's runner (--draft-model-id), with its own pool of the target's block size and
@@ -360,7 +363,8 @@ class Worker:
                                                 sample_time=out.sample_time,
                                                 prompt_logprobs=out.prompt_logprobs,
                                                 top_tokens=out.top_tokens, errors=out.errors,
-                                                num_tokens=out.num_tokens, failed_error=out.failed))
+                                                num_tokens=out.num_tokens, failed_error=out.failed,
+                                                request_state=sum(self.request_state().values())))
 
     def request_state(self) -> dict[str, int]:
         """This rank's per-request objects by kind (``runner_request_state``, and the requests' own states)."""

@@ -146,3 +146,16 @@ def test_every_kv_block_is_free_again_after_requests_end(server):
                                          **({"stop": ["e"]} if i % 3 == 0 else {})), range(12)))
     generate(server, PROMPTS[1], 5, best_of=2, do_sample=True)
     _wait_for_gauges(server, all_free)
+
+
+def test_memory_gauges_stay_bounded(server):
+    """Issue #36's gauges on /metrics: oneDNN's cache bound, and rank 0's per-request objects, which after a
+    burst of requests and then one request alone count that one request's (the step that finished it is the
+    last, and its state goes with the next step) and nothing the burst left behind."""
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: generate(server, PROMPTS[i % len(PROMPTS)] + " " * (i % 5), 3 + i % 7), range(32)))
+    generate(server, PROMPTS[0], 4)
+    samples = wait_for_metrics(server.url, all_blocks_free)
+    assert samples["llmbus_onednn_cache_capacity"] == 64  # --onednn-cache-capacity's default
+    assert 1 <= samples["llmbus_worker_request_state"] <= 4  # its state and token history, no one else's
+    assert 0 < samples["llmbus_prefix_cache_heap_entries"] <= 2 * 256 + 64  # the bound release() keeps
