@@ -94,6 +94,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--output", default="vs_llama_server.json")
+    p.add_argument("--no-demo", action="store_true",
+                   help="SmolLM2's rows only (issue #35's targets), without the demo model's (#17's)")
     a = p.parse_args()
     exit_on_sigterm()
     from tokenizers import Tokenizer
@@ -111,7 +113,8 @@ def main() -> None:
                  make(f"warm-up r{k}", 8)) for k in range(a.rounds)]
 
     print(f"dense dtype: {dtype}; load average before: {load_average()}", flush=True)
-    smol_prompts, demo_prompts = prompts(smollm2), prompts(default_model_dir())
+    smol_prompts = prompts(smollm2)
+    demo_prompts = [] if a.no_demo else prompts(default_model_dir())
     # llama-server's cache type: llmbus also runs with it (see the docstring)
     kv16 = True
     # what llmbus's cache stores by default: what the model computes in (float32 for bf16 weights on CPU)
@@ -139,7 +142,7 @@ def main() -> None:
                           if kv16 else [])])]
     rounds: dict[str, list[dict]] = {}
     startup: dict[str, float] = {}
-    for round_prompts, servers in groups:
+    for round_prompts, servers in groups[:1] if a.no_demo else groups:
         with contextlib.ExitStack() as stack:
             running = {name: stack.enter_context(start()) for name, start in servers}
             startup |= {name: srv.startup_s for name, srv in running.items() if isinstance(srv, Server)}
@@ -171,12 +174,15 @@ def main() -> None:
         (f"c=64 {dtype} / llama-server best c=64", per_round("llmbus " + dtype, "c64", *llama_servers), 1.5, True),
         *([(f"c=64 {dtype} kv f16 / llama-server best c=64",
             per_round(f"llmbus {dtype} kv f16", "c64", *llama_servers), 1.5, True)] if kv16 else []),
-        (f"demo small c=64 / llama-server {gguf_kind}",
-         per_round("demo llmbus " + dtype, "c64", "demo llama-server " + gguf_kind), 1.5, True),
-        *([(f"demo small c=64 kv f16 / llama-server {gguf_kind}",
-            per_round(f"demo llmbus {dtype} kv f16", "c64", "demo llama-server " + gguf_kind), 1.5, True)]
-          if kv16 else []),
-        ("startup to ready, second start (s)", [second_start], 20.0, False)]
+    ]
+    if not a.no_demo:
+        rows += [
+            (f"demo small c=64 / llama-server {gguf_kind}",
+             per_round("demo llmbus " + dtype, "c64", "demo llama-server " + gguf_kind), 1.5, True),
+            *([(f"demo small c=64 kv f16 / llama-server {gguf_kind}",
+                per_round(f"demo llmbus {dtype} kv f16", "c64", "demo llama-server " + gguf_kind), 1.5, True)]
+              if kv16 else [])]
+    rows.append(("startup to ready, second start (s)", [second_start], 20.0, False))
     print()
     for label, values, target, at_least in rows:
         value = statistics.median(values)
