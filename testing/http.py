@@ -45,6 +45,27 @@ def sse_events(raw: bytes) -> list[dict]:
     return events
 
 
+def named_sse_events(raw: bytes, *, comments: bool = False) -> list[tuple[str, dict]]:
+    """(event name, data) of each ``event:``/``data:`` block of an SSE body (Anthropic's and the Responses API's
+    shape); keep-alive comment blocks are left out where ``comments`` allows them, and fail otherwise."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if not block or (comments and block.startswith(":")):
+            continue
+        name, data = block.split("\n", 1)
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        out.append((name[len("event: "):], json.loads(data[len("data: "):])))
+    return out
+
+
+def read_lines_until(response, line: bytes, count: int) -> list[bytes]:
+    """Lines of an open ``http.client`` response, read until ``line`` came ``count`` times."""
+    lines = []
+    while sum(seen == line for seen in lines) < count:
+        lines.append(response.readline())
+    return lines
+
+
 def parse_exposition(text: str, *, labels: bool = False) -> dict[str, float]:
     """Samples of a Prometheus text exposition under their names exactly as written (prometheus_client's
     parser renames counters to ``*_total``, which would hide TGI's names). With ``labels`` the key keeps

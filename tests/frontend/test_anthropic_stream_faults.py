@@ -12,6 +12,7 @@ import json
 import socket
 
 from llmbus.testing.fake_scheduler import WAIT, last_rid
+from llmbus.testing.http import named_sse_events, read_lines_until
 
 
 def _body(content: str, **extra) -> dict:
@@ -19,13 +20,7 @@ def _body(content: str, **extra) -> dict:
 
 
 def _events(raw: bytes) -> list[tuple[str, dict]]:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block:
-            name, data = block.split("\n", 1)
-            assert name.startswith("event: ") and data.startswith("data: "), block
-            out.append((name[len("event: "):], json.loads(data[len("data: "):])))
-    return out
+    return named_sse_events(raw)
 
 
 def test_a_failure_after_the_stream_started_is_an_error_event(make_fe):
@@ -47,11 +42,9 @@ def test_a_held_stream_pings_and_then_ends(make_fe):
     conn.request("POST", "/v1/messages", json.dumps(_body("HOLD", stream=True)),
                   {"Content-Type": "application/json"})
     resp = conn.getresponse()
-    lines = []
     # read until two keep-alive pings came while the engine holds the request (the first comes with
     # message_start), then let the engine answer
-    while sum(line == b"event: ping\n" for line in lines) < 2:
-        lines.append(resp.readline())
+    lines = read_lines_until(resp, b"event: ping\n", 2)
     fe.sched.release(last_rid(fe))
     events = _events(b"".join(lines) + resp.read())
     conn.close()

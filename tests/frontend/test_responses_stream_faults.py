@@ -11,17 +11,11 @@ import http.client
 import json
 
 from llmbus.testing.fake_scheduler import WAIT, last_rid
+from llmbus.testing.http import named_sse_events, read_lines_until
 
 
 def _events(raw: bytes) -> list[tuple[str, dict]]:
-    """(event name, data) of an SSE body, keep-alive comments left out."""
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block and not block.startswith(":"):
-            name, data = block.split("\n", 1)
-            assert name.startswith("event: ") and data.startswith("data: "), block
-            out.append((name[len("event: "):], json.loads(data[len("data: "):])))
-    return out
+    return named_sse_events(raw, comments=True)
 
 
 def test_a_failure_after_the_stream_started_is_an_error_event(make_fe):
@@ -45,10 +39,8 @@ def _open_stream(fe, body: dict):
 def test_a_held_stream_keeps_alive_and_then_completes(make_fe):
     fe = make_fe(keepalive_s=0.05)
     conn, resp = _open_stream(fe, {"input": "HOLD", "stream": True, "max_output_tokens": 3})
-    lines = []
     # read until two keep-alive comments came while the engine holds the request, then let it answer
-    while sum(line == b":\n" for line in lines) < 2:
-        lines.append(resp.readline())
+    lines = read_lines_until(resp, b":\n", 2)
     fe.sched.release(last_rid(fe))
     events = _events(b"".join(lines) + resp.read())
     conn.close()
