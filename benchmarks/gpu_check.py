@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import gc
 import itertools
 import json
@@ -53,6 +54,7 @@ from llmbus.bus.messages import SamplingParams
 from llmbus.testing import Server
 from llmbus.testing.fake_scheduler import byte_to_unicode
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
+from llmbus.workers.graph_sizes import parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 16  # what the scheduler uses on CUDA
@@ -154,7 +156,8 @@ class Check:
     def runner(self, path: str, dtype: torch.dtype, **kwargs) -> ModelRunner:
         """A ModelRunner on the check's device and ``--attention-backend``, warmed up."""
         runner = ModelRunner(path, dtype=dtype, device=self.device, block_size=BLOCK_SIZE,
-                             attention_backend=self.args.attention_backend, **kwargs)
+                             attention_backend=self.args.attention_backend,
+                             cuda_graphs=parse_cuda_graphs(self.args.cuda_graphs), **kwargs)
         runner.warmup()
         return runner
 
@@ -213,21 +216,27 @@ class Check:
     def float32_greedy(self) -> None:
         for name in FAMILIES:
             t0 = time.perf_counter()
-            ref, requests = self._reference(name)
+            ref, template = self._reference(name)
             path, expected, margin = ref["path"], ref["tokens"], ref["margin"]
             runner = self.runner(path, torch.float32, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
-            results = drive(runner, requests)
-            got = [results[r.rid].tokens for r in requests]
-            mismatched = [r.rid for r, g, e in zip(requests, got, expected) if g != e]
-            preempted = results["r3"].preemptions
-            thin = " (under MIN_MARGIN: a mismatch may be a tie)" if margin < MIN_MARGIN else ""
-            self.row("1 float32 greedy", name, not mismatched and preempted == 1,
-                     f"{len(requests) - len(mismatched)}/{len(requests)} sequences token-exact (min margin "
-                     f"{margin:.3g}{thin}, {preempted} preemption, prefix hit of 2 blocks)",
-                     backend=runner.compute_paths["attention"], device=str(self.device), dtype="float32",
-                     tf32=torch.backends.cuda.matmul.allow_tf32, mismatched=mismatched,
-                     tokens={r.rid: g for r, g in zip(requests, got)}, expected=expected, min_margin=margin,
-                     seconds=round(time.perf_counter() - t0, 1))
+            for suffix, graph_sizes in _graph_modes(runner):
+                requests = copy.deepcopy(template)
+                replays = _count_replays(runner)
+                results = drive(runner, requests)
+                got = [results[r.rid].tokens for r in requests]
+                mismatched = [r.rid for r, g, e in zip(requests, got, expected) if g != e]
+                preempted = results["r3"].preemptions
+                thin = " (under MIN_MARGIN: a mismatch may be a tie)" if margin < MIN_MARGIN else ""
+                graphs_said = f", {replays[0]} steps replayed CUDA graphs" if graph_sizes else ""
+                self.row("1 float32 greedy", name + suffix, not mismatched and preempted == 1
+                         and (replays[0] > 0 or not graph_sizes),
+                         f"{len(requests) - len(mismatched)}/{len(requests)} sequences token-exact (min margin "
+                         f"{margin:.3g}{thin}, {preempted} preemption, prefix hit of 2 blocks{graphs_said})",
+                         backend=runner.compute_paths["attention"], device=str(self.device), dtype="float32",
+                         tf32=torch.backends.cuda.matmul.allow_tf32, mismatched=mismatched,
+                         tokens={r.rid: g for r, g in zip(requests, got)}, expected=expected, min_margin=margin,
+                         cuda_graphs=graph_sizes, graph_replays=replays[0],
+                         seconds=round(time.perf_counter() - t0, 1))
             del runner
 
     # -- part 2 ----------------------------------------------------------------------------------
@@ -418,22 +427,23 @@ class Check:
                 seqs = [SeqInput(f"d{i}", [rng.randrange(3, config["vocab_size"])], context,
                                  blocks[i * per_seq:(i + 1) * per_seq], True, SamplingParams(), context)
                         for i in range(batch)]
-                for _ in range(3):
-                    runner.step(seqs)  # compiles and warms what this shape runs
-                times = []
-                for _ in range(sizes.timed_steps):
-                    s0 = time.perf_counter()
-                    runner.step(seqs)  # synchronizes before it returns (sampled ids on the host)
-                    times.append(time.perf_counter() - s0)
-                step = statistics.median(times)
-                # Each weight and KV byte read once, at the copy's rate (which counts a byte read or written)
-                floor = (weights + batch * context * kv_per_token) / bandwidth
-                self.row("4 speed", f"decode b{batch} ctx{context}", True,
-                         f"{step * 1e3:.2f} ms/step, {batch / step:.0f} tokens/s; floor {floor * 1e3:.2f} ms "
-                         f"({floor / step:.0%} of it)", backend=runner.compute_paths["attention"],
-                         device=str(self.device), dtype="bfloat16", batch=batch, context=context,
-                         step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in times], floor_ms=floor * 1e3,
-                         weight_bytes=weights, kv_bytes=batch * context * kv_per_token)
+                for suffix, graph_sizes in _graph_modes(runner):
+                    for _ in range(3):
+                        runner.step(seqs)  # compiles and warms what this shape runs
+                    times = []
+                    for _ in range(sizes.timed_steps):
+                        s0 = time.perf_counter()
+                        runner.step(seqs)  # synchronizes before it returns (sampled ids on the host)
+                        times.append(time.perf_counter() - s0)
+                    step = statistics.median(times)
+                    # Each weight and KV byte read once, at the copy's rate (which counts a byte read or written)
+                    floor = (weights + batch * context * kv_per_token) / bandwidth
+                    self.row("4 speed", f"decode b{batch} ctx{context}{suffix}", True,
+                             f"{step * 1e3:.2f} ms/step, {batch / step:.0f} tokens/s; floor {floor * 1e3:.2f} ms "
+                             f"({floor / step:.0%} of it)", backend=runner.compute_paths["attention"],
+                             device=str(self.device), dtype="bfloat16", batch=batch, context=context,
+                             cuda_graphs=graph_sizes, step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in times],
+                             floor_ms=floor * 1e3, weight_bytes=weights, kv_bytes=batch * context * kv_per_token)
         del runner
 
     def step_profile(self) -> None:
@@ -448,29 +458,64 @@ class Check:
             seqs = [SeqInput(f"p{i}", [rng.randrange(3, config["vocab_size"])], context,
                              list(range(i * per_seq, (i + 1) * per_seq)), True, SamplingParams(), context)
                     for i in range(batch)]
-            for _ in range(3):
-                runner.step(seqs)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            with profile(activities=activities) as prof:
-                for _ in range(steps):
+            for suffix, graph_sizes in _graph_modes(runner):
+                for _ in range(3):
                     runner.step(seqs)
-            counts: dict[str, int] = {}
-            for event in prof.events():
-                name = event.name
-                kind = ("launches" if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
-                        else "syncs" if "Synchronize" in name
-                        else "copies" if name.startswith("cudaMemcpy") else None)
-                if kind is not None:
-                    counts[kind] = counts.get(kind, 0) + 1
-            per_step = {k: v / steps for k, v in counts.items()}
-            self.row("5 profile", f"decode b{batch} ctx{context}", True,
-                     ", ".join(f"{v:.0f} {k}" for k, v in sorted(per_step.items())) + " per step",
-                     device=str(self.device), batch=batch, context=context, per_step=per_step,
-                     top_cpu=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+                with profile(activities=activities) as prof:
+                    for _ in range(steps):
+                        runner.step(seqs)
+                counts: dict[str, int] = {}
+                syncs_by_name: dict[str, int] = {}
+                for event in prof.events():
+                    name = event.name
+                    kind = ("launches" if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                   "cuLaunchKernelEx")
+                            else "graph launches" if name == "cudaGraphLaunch"
+                            else "syncs" if "Synchronize" in name
+                            else "copies" if name.startswith("cudaMemcpy") else None)
+                    if kind is not None:
+                        counts[kind] = counts.get(kind, 0) + 1
+                    if kind == "syncs" or kind == "copies":
+                        syncs_by_name[name] = syncs_by_name.get(name, 0) + 1
+                per_step = {k: v / steps for k, v in counts.items()}
+                self.row("5 profile", f"decode b{batch} ctx{context}{suffix}", True,
+                         ", ".join(f"{v:.0f} {k}" for k, v in sorted(per_step.items())) + " per step",
+                         device=str(self.device), batch=batch, context=context, per_step=per_step,
+                         cuda_graphs=graph_sizes, sync_and_copy_calls={k: v / steps for k, v in syncs_by_name.items()},
+                         top_cpu=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15),
+                         top_cuda=(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
+                                   if self.device.type == "cuda" else ""))
         del runner
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _graph_modes(runner: ModelRunner):
+    """Run the caller's body with the runner's decode graphs (name suffix ""), then, where it captured any,
+    again without them (" eager"): both in one run, on one card. Each yield says the graph sizes in use."""
+    graphs = runner.graphs
+    yield "", list(graphs.sizes) if graphs is not None else []
+    if graphs is not None:
+        runner.graphs = None
+        try:
+            yield " eager", []
+        finally:
+            runner.graphs = graphs
+
+
+def _count_replays(runner: ModelRunner) -> list[int]:
+    """A one-item list counting the decode steps that replay the runner's graphs from now on."""
+    count = [0]
+    if runner.graphs is not None:
+        replay = runner.graphs.forward
+
+        def counted(seqs):
+            count[0] += 1
+            return replay(seqs)
+        runner.graphs.forward = counted
+    return count
 
 
 def _generated_rows(logits: list[torch.Tensor], prompt_lens: list[int]) -> torch.Tensor:
@@ -555,6 +600,9 @@ def main() -> int:
     parser.add_argument("--attention-backend", default="auto",
                         help="the backend every part runs on, as llmbus up takes it (auto: the device's default)")
     parser.add_argument("--parts", default="1,2,3,4,5", help="which parts to run, comma-separated")
+    parser.add_argument("--cuda-graphs", default=None,
+                        help="the runners' --cuda-graphs (default: llmbus's; 0: none); the served part takes "
+                             "llmbus up's default")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or pass --dry-run")

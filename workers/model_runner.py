@@ -24,6 +24,7 @@ import torch
 
 from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
 from llmbus.bus.procfs import mem_available_bytes
+from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
@@ -227,13 +228,19 @@ class ModelRunner:
                  max_batch_prefill_tokens: int = 4096, cuda_memory_fraction: float = 1.0,
                  quantize: str | None = None, kv_cache_dtype: torch.dtype | None = None,
                  trust_remote_code: bool = False, watermark_gamma: float | None = None,
-                 watermark_delta: float | None = None, attention_backend: str = "auto"):
+                 watermark_delta: float | None = None, attention_backend: str = "auto",
+                 cuda_graphs: tuple[int, ...] = ()):
+        """``cuda_graphs``: decode batch sizes to capture as CUDA graphs at warmup (``cuda_graphs.py``; on
+        CUDA, with an attention backend that can be captured; sizes above ``max_batch_prefill_tokens`` are
+        left out)."""
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.graph_sizes = tuple(b for b in cuda_graphs if b <= max_batch_prefill_tokens)
+        self.graphs: DecodeGraphs | None = None  # captured by warmup
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
@@ -308,7 +315,8 @@ class ModelRunner:
         """Which attention backend runs, and whether small decode steps take the fused C layer (for the log)."""
         backend = getattr(self.model, "attention_backend", None)
         return {"attention": getattr(backend, "name", "model's own"),
-                "fused_decode": getattr(self.model, "fused_decode", None) is not None}
+                "fused_decode": getattr(self.model, "fused_decode", None) is not None,
+                "cuda_graphs": list(self.graphs.sizes) if self.graphs is not None else []}
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -325,6 +333,8 @@ class ModelRunner:
             if seq.num_computed + n > len(seq.block_table) * self.block_size:
                 raise ValueError(f"{seq.rid}: {len(seq.block_table)} blocks of {self.block_size} cannot hold "
                                  f"{seq.num_computed + n} tokens")
+        if logits_index is None and kv_cache is self.kv_cache and self.graphs is not None and self.graphs.applies(seqs):
+            return self.graphs.forward(seqs)
         input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
                                  dtype=torch.long, device=self.device)
         meta = self.model.attention_backend.build_metadata(
@@ -553,14 +563,46 @@ class ModelRunner:
         self._synchronize()
         warmup_tokens = sum(len(s.token_ids) for s in seqs)
         if not size_from_free_memory:
+            self._capture_graphs()
             return warmup_tokens
         scratch_bytes = cache.nbytes
+        peak_allocated = torch.cuda.max_memory_allocated(self.device)  # before the graphs' measurement resets it
+        graph_bytes = self._measure_graph_bytes(cache)
         del cache, logits
-        num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes, sampling_bytes)
+        num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes, sampling_bytes, graph_bytes,
+                                                      peak_allocated)
         self.allocate_pool(num_blocks)
         if self.draft is not None:
             self.draft.runner.allocate_pool(num_blocks)  # its share was set aside: the same block tables
+        self._capture_graphs()
         return warmup_tokens
+
+    def _graphs_wanted(self) -> bool:
+        return bool(self.graph_sizes) and self.device.type == "cuda" and DecodeGraphs.supported(self.model)
+
+    def _measure_graph_bytes(self, cache: PagedKVCache) -> int:
+        """What the captured graphs will hold, measured before the pool is sized: the allocation peak of an
+        eager decode step of the largest size (the graphs share one pool, and a smaller one's activations fit
+        in the largest's)."""
+        if not self._graphs_wanted():
+            return 0
+        rows = [SeqInput(rid=f"{WARMUP_RID_PREFIX}graph{i}", token_ids=[0], num_computed=0, block_table=[0],
+                         sample=True, sampling=SamplingParams()) for i in range(max(self.graph_sizes))]
+        self._synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        allocated_before = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            self._forward(rows, cache)
+        self._synchronize()
+        return torch.cuda.max_memory_allocated(self.device) - allocated_before
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode graphs over the pool, once it exists (``--cuda-graphs``)."""
+        if not self._graphs_wanted():
+            return
+        max_blocks = -(-self.max_position_embeddings // self.block_size)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.graph_sizes, max_blocks)
 
     def allocate_pool(self, num_blocks: int) -> None:
         """The KV pool of a runner whose pool was left to be sized (on CUDA, by its own warmup, or by the
@@ -592,24 +634,29 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _blocks_for_free_gpu_memory(self, allocated_before: int, scratch_bytes: int, sampling_bytes: int = 0) -> int:
+    def _blocks_for_free_gpu_memory(self, allocated_before: int, scratch_bytes: int, sampling_bytes: int = 0,
+                                    graph_bytes: int = 0, peak_allocated: int | None = None) -> int:
         """The KV blocks a GPU pool gets after warmup (``cuda_kv_blocks``): the warmup's activation peak is its
         allocation high-water mark above what was allocated before it, less its ``scratch_bytes`` KV scratch,
         which later steps of that size need again; a draft model attached to this runner gets a pool of as
         many blocks (its weights were loaded before, so they are not in the free memory)."""
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated_before - scratch_bytes
+        if peak_allocated is None:
+            peak_allocated = torch.cuda.max_memory_allocated(self.device)
+        activation_peak = peak_allocated - allocated_before - scratch_bytes
         torch.cuda.empty_cache()
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
         draft_block_bytes = bytes_per_block(**self.draft.runner._kv_layout) if self.draft is not None else 0
         num_blocks = cuda_kv_blocks(free_bytes=free_bytes, total_bytes=total_bytes,
                                     memory_fraction=self.cuda_memory_fraction, activation_peak=activation_peak,
-                                    sampling_bytes=sampling_bytes, block_bytes=bytes_per_block(**self._kv_layout),
+                                    sampling_bytes=sampling_bytes + graph_bytes,
+                                    block_bytes=bytes_per_block(**self._kv_layout),
                                     draft_block_bytes=draft_block_bytes)
         if num_blocks < 1:
             raise WarmupOutOfMemory(
                 f"no GPU memory left for the KV cache after warmup: {free_bytes} bytes free of {total_bytes}, "
                 f"`--cuda-memory-fraction` {self.cuda_memory_fraction}, activation peak {activation_peak} "
                 f"bytes, sampling {sampling_bytes} bytes"
+                + (f", CUDA graphs {graph_bytes} bytes" if graph_bytes else "")
                 + (f", a draft model's pool {draft_block_bytes} bytes a block" if draft_block_bytes else "")
                 + ". Decrease `--max-batch-prefill-tokens` or raise `--cuda-memory-fraction`")
         return num_blocks

@@ -21,6 +21,7 @@ from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, i
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
+from llmbus.workers.graph_sizes import cuda_graphs_problem, parse_cuda_graphs
 from llmbus.workers.host_memory import bound_onednn_caches, keep_freed_memory
 
 if TYPE_CHECKING:
@@ -78,6 +79,11 @@ class WorkerConfig(ServiceSettings):
                                                "KV cache).")
     max_batch_prefill_tokens: int | None = setting(None, env="MAX_BATCH_PREFILL_TOKENS", ge=1,
                                                     help=PREFILL_TOKENS_HELP)
+    cuda_graphs: str | None = setting(
+        None, env="CUDA_GRAPHS", check=cuda_graphs_problem,
+        help="Decode batch sizes captured as CUDA graphs at warmup, comma-separated (default "
+             "1,2,4,8,16,32,64,128,256, those within --max-batch-prefill-tokens); a decode step replays the "
+             "smallest size that holds it, padded. 0 disables them. CUDA with the triton attention backend.")
     onednn_cache_capacity: int = setting(
         64, env="LLMBUS_ONEDNN_CACHE_CAPACITY", ge=0,
         help="Entries in each of oneDNN's two caches of GEMMs built per input shape on CPU (about 300 KiB an "
@@ -338,8 +344,10 @@ class Worker:
                            attention_backend=self.cfg.attention_backend)
 
     def _attention(self) -> dict:
-        """The runner's attention argument: the fake runner attends to nothing."""
-        return {"attention_backend": self.cfg.attention_backend} if self.cfg.runner == "model" else {}
+        """The runner's attention and graph arguments: the fake runner attends to nothing."""
+        if self.cfg.runner != "model":
+            return {}
+        return {"attention_backend": self.cfg.attention_backend, "cuda_graphs": parse_cuda_graphs(self.cfg.cuda_graphs)}
 
     def loop(self) -> None:
         while True:

@@ -111,7 +111,7 @@ def test_the_model_and_the_fused_layer_take_the_named_backend(tiny_model_dir):
     from llmbus.workers.model_runner import ModelRunner
 
     runner = ModelRunner(str(tiny_model_dir), num_blocks=8, block_size=16, attention_backend="torch_sdpa")
-    assert runner.compute_paths == {"attention": "torch_sdpa", "fused_decode": False}
+    assert runner.compute_paths == {"attention": "torch_sdpa", "fused_decode": False, "cuda_graphs": []}
 
 
 def test_cuda_math_is_float32_unless_tf32_is_asked(monkeypatch):

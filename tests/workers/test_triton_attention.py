@@ -7,7 +7,6 @@ write the same bytes into pools of the same layout.
 
 The interpreter runs each program in Python, so the shapes stay small: two KV heads, tens of tokens."""
 
-import importlib
 import os
 import subprocess
 import sys
@@ -15,38 +14,13 @@ import sys
 import pytest
 import torch
 
+from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers.attention.torch_sdpa import TorchSDPABackend
 from llmbus.workers.attention.triton import TritonAttentionBackend, load_kernels, triton_importable
 from llmbus.workers.kv_cache import PagedKVCache
 
 
-def _interpreted_kernels():
-    """``triton_kernels`` decorated for Triton's interpreter. triton.jit reads TRITON_INTERPRET when a
-    function is decorated, and triton decorates its own library functions (tl.sum, tl.max, ...) when it is
-    first imported, so both must happen under the variable. Where another module of this process imported
-    triton without it (every xdist worker collects every test module), triton's Python modules are imported
-    again (its compiled extension stays loaded). The variable is set only meanwhile, and again while this
-    module's tests run (``interpret``): servers that other tests of this process start must not inherit it."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        standard = importlib.import_module("triton.language.standard")
-        ours = sys.modules.get("llmbus.workers.attention.triton_kernels")
-        if type(standard.sum).__name__ != "InterpretedFunction" or (ours and not ours.interpreted()):
-            stale = [name for name in sys.modules if name == "llmbus.workers.attention.triton_kernels"
-                     or (name.split(".")[0] == "triton" and not name.startswith("triton._C"))]
-            for name in stale:
-                del sys.modules[name]
-        return importlib.import_module("llmbus.workers.attention.triton_kernels")
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-triton_kernels = _interpreted_kernels()
+triton_kernels = interpreted_triton_kernels()
 
 NUM_KV_HEADS, WINDOW = 2, 7
 CPU = torch.device("cpu")

@@ -57,6 +57,17 @@ class AttentionMetadata:
 
 
 @dataclass(slots=True)
+class DecodeGraphInputs:
+    """The device tensors a captured decode step reads (``workers/cuda_graphs.py``): up to ``max_batch`` rows
+    of one token each, rewritten before every replay. A graph of ``batch`` rows reads the first ``batch`` of
+    each: views, whose addresses the graph keeps."""
+
+    positions: torch.Tensor  # [max_batch] int64 each row's position; also its tokens already in the cache
+    slot_mapping: torch.Tensor  # [max_batch] int64 the KV slot its K/V is written to
+    tables: torch.Tensor  # [max_batch, max_blocks] int64 its blocks, in order (unread past its context)
+
+
+@dataclass(slots=True)
 class StepIndex:
     """The step's sequences as device tensors, computed per sequence on the host, never per token."""
 
@@ -149,6 +160,13 @@ class AttentionBackend(ABC):
         """Index tensors for one step: sequence ``i`` brings ``query_lens[i]`` new tokens after
         ``num_computed[i]`` cached ones, in the blocks ``block_tables[i]``; the flat token batch holds the
         sequences' tokens one after the other, in this order."""
+
+    def decode_graph_metadata(self, inputs: DecodeGraphInputs, batch: int) -> AttentionMetadata | None:
+        """Metadata of a decode step of ``batch`` rows (one new token each, every row sampled) that reads
+        only ``inputs``' first ``batch`` rows and constants the metadata holds, so a CUDA graph captured over
+        it replays any such step once ``inputs`` are rewritten. None (the default): this backend's steps
+        take host-side shapes from their contexts and are not captured."""
+        return None
 
     @abstractmethod
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from llmbus.workers.attention.base import AttentionBackend, AttentionMetadata, step_index
+from llmbus.workers.attention.base import AttentionBackend, AttentionMetadata, DecodeGraphInputs, step_index
 from llmbus.workers.kv_cache import PagedKVCache
 
 
@@ -99,6 +99,18 @@ class TritonAttentionBackend(AttentionBackend):
                           block_q=block_q, query_starts=index.query_starts, query_lens=index.query_lens,
                           num_computed=index.num_computed)
         return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[step])
+
+    def decode_graph_metadata(self, inputs: DecodeGraphInputs, batch: int) -> AttentionMetadata:
+        """One program per row, as ``build_metadata`` plans a decode-only step; each row is its own sequence,
+        so its first row, its length (1) and its program map are constants of the batch size."""
+        device = inputs.positions.device
+        rows = torch.arange(batch, dtype=torch.long, device=device)
+        step = TritonStep(tables=inputs.tables[:batch], programs=torch.stack((rows, rows)).to(torch.int32),
+                          block_q=self.kernels.query_tile(1), query_starts=rows,
+                          query_lens=torch.ones(batch, dtype=torch.long, device=device),
+                          num_computed=inputs.positions[:batch])
+        return AttentionMetadata(positions=inputs.positions[:batch], slot_mapping=inputs.slot_mapping[:batch],
+                                 groups=[step])
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

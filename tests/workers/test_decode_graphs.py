@@ -1,0 +1,123 @@
+"""CUDA graphs of decode steps (``workers/cuda_graphs.py``), checked on the CPU: ``DecodeGraphs`` with
+``capture=False`` runs the forward a graph would replay (the padded batch size, every input read from the
+persistent buffers, padding rows on the spare block) eagerly, with the Triton backend's kernels under Triton's
+interpreter. A continuous batch driven through it stays token-exact with transformers, and the steps it takes
+are exactly the decode-only ones. The capture itself runs on a GPU (benchmarks/gpu_check.py)."""
+
+import pytest
+import torch
+
+from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, make_prompts, mixed_requests,
+                                          reference, save_tiny_llama)
+from llmbus.testing.triton_interpret import interpreted_triton_kernels
+from llmbus.workers.cuda_graphs import DecodeGraphs
+from llmbus.workers.graph_sizes import DEFAULT_CUDA_GRAPHS, cuda_graphs_problem, parse_cuda_graphs
+from llmbus.workers.model_runner import ModelRunner, SeqInput
+from llmbus.bus.messages import SamplingParams
+
+triton_kernels = interpreted_triton_kernels()
+VOCAB = 256
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("graphs_llama")
+    save_tiny_llama(str(path), tied=False, vocab_size=VOCAB)
+    return str(path)
+
+
+def _runner_with_graphs(model_dir: str, sizes: tuple[int, ...]) -> tuple[ModelRunner, list[int]]:
+    """A Triton-backend runner whose decode steps go through uncaptured graphs; and the batch sizes
+    (before padding) of the steps that did."""
+    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton")
+    max_blocks = -(-runner.max_position_embeddings // BLOCK_SIZE)
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, sizes, max_blocks, capture=False)
+    replayed: list[int] = []
+    forward = runner.graphs.forward
+    runner.graphs.forward = lambda seqs: replayed.append(len(seqs)) or forward(seqs)
+    return runner, replayed
+
+
+def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir):
+    """Arrivals, a chunked prompt beside decodes, a prefix hit and a preemption: the decode-only steps take
+    the buffers (at sizes that need padding: 3 rows in a graph of 4, 5 in 8), the rest run eagerly, and
+    every request's tokens equal transformers' greedy ones."""
+    prompts = make_prompts(VOCAB)
+    expected = reference(llama_dir, prompts)
+    runner, replayed = _runner_with_graphs(llama_dir, (1, 2, 4, 8))
+    requests = mixed_requests(prompts)
+    requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
+    requests.append(Request(rid="hit", prompt=prompts[4], arrival_step=9, computed=2 * BLOCK_SIZE))
+    lender = requests[4]
+    lender.blocks = [NUM_BLOCKS - 1, NUM_BLOCKS - 2]  # r4's first two blocks, which "hit" starts from
+    requests[-1].blocks = list(lender.blocks)
+    results = drive(runner, requests)
+    for i in range(len(prompts)):
+        assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
+    assert results["hit"].tokens == expected.tokens[4]
+    assert results["r1"].preemptions == 1
+    assert replayed and set(replayed) - {1, 2, 4, 8}, f"no step needed padding: {replayed}"
+
+
+def test_only_decode_only_steps_within_the_sizes_replay(llama_dir):
+    runner, _ = _runner_with_graphs(llama_dir, (1, 2))
+    graphs = runner.graphs
+
+    def row(tokens, table=(0,), **kw) -> SeqInput:
+        return SeqInput(rid="r", token_ids=list(tokens), num_computed=1, block_table=list(table), sample=True,
+                        sampling=SamplingParams(), **kw)
+    assert graphs.applies([row([5])]) and graphs.applies([row([5]), row([6])])
+    assert not graphs.applies([row([5])] * 3)  # above the largest size
+    assert not graphs.applies([row([5, 6])])  # a prompt chunk
+    assert not graphs.applies([row([5, 6], num_spec=1)])  # speculative rows
+    assert not graphs.applies([row([5], table=range(graphs.max_blocks + 1))])
+    assert not graphs.applies([row([5]) if i else SeqInput("p", [1], 0, [0], False, SamplingParams())
+                               for i in range(2)])
+
+
+def test_cuda_graph_sizes_parse_as_tgis_flag():
+    assert parse_cuda_graphs(None) == DEFAULT_CUDA_GRAPHS
+    assert parse_cuda_graphs("8,1, 2,2") == (1, 2, 8)
+    assert parse_cuda_graphs("0") == () and parse_cuda_graphs("") == ()
+    assert "must list batch sizes" in cuda_graphs_problem("1,two")
+    assert "must list batch sizes" in cuda_graphs_problem("-1")
+    assert cuda_graphs_problem("1,2,4") is None
+
+
+def test_no_graphs_off_cuda_or_for_a_backend_that_cannot_be_captured(llama_dir):
+    cpu = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=8, cuda_graphs=(1, 2))
+    cpu.warmup()
+    assert cpu.graphs is None and cpu.compute_paths["cuda_graphs"] == []
+    portable = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=8, attention_backend="torch_sdpa")
+    assert not DecodeGraphs.supported(portable.model)
+    triton = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=8, attention_backend="triton")
+    assert DecodeGraphs.supported(triton.model)
+    assert torch.equal(torch.tensor(triton_kernels.query_tile(1)), torch.tensor(1))
+
+
+def test_a_padded_step_writes_only_its_rows_slots_and_the_spare_block(llama_dir):
+    """3 rows in the graph of 4: the pool changes at the 3 rows' slots and in the spare block only, and
+    each row's logits equal those of the same step run eagerly."""
+    runner, replayed = _runner_with_graphs(llama_dir, (4,))
+    seqs = [SeqInput(rid=f"s{i}", token_ids=[7 + i], num_computed=i + 1, block_table=[2 * i, 2 * i + 1],
+                     sample=True, sampling=SamplingParams()) for i in range(3)]
+    key = runner.kv_cache.key
+    before = key.clone()
+    with torch.inference_mode():
+        logits = runner._forward(seqs, runner.kv_cache).clone()
+        assert replayed == [3]
+        changed = (key != before).any(dim=-1).any(dim=1)  # [layers, blocks + 1, block_size]
+        spare = runner.kv_cache.num_blocks
+        written = {(int(b), int(o)) for b, o in changed.any(dim=0).nonzero()}
+        assert written - {(spare, o) for o in range(BLOCK_SIZE)} == {(2 * i, i + 1) for i in range(3)}
+        assert changed[:, spare].any(), "the padding row wrote nowhere"
+        runner.graphs = None
+        eager = runner._forward(seqs, runner.kv_cache)
+    torch.testing.assert_close(logits, eager)

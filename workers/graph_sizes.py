@@ -1,0 +1,34 @@
+"""``--cuda-graphs``: the decode batch sizes a CUDA rank captures as graphs, read without importing torch (the
+launcher parses every service's settings; ``workers/cuda_graphs.py`` captures them)."""
+
+from __future__ import annotations
+
+# TGI's default list, continued by doubling: a decode step of n rows replays the smallest captured size >= n,
+# its extra rows padded; larger steps run eagerly. Sizes above the step's row budget are not captured.
+DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def parse_cuda_graphs(text: str | None) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); None -> the default list; ``"0"`` (TGI's way to turn them off) or an empty
+    text -> (). Raises ValueError with the reason for anything else."""
+    if text is None:
+        return DEFAULT_CUDA_GRAPHS
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if parts == ["0"] or not parts:
+        return ()
+    sizes = []
+    for part in parts:
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"must list batch sizes >= 1 separated by commas (or be 0 to disable them), "
+                             f"not {text!r}")
+        sizes.append(int(part))
+    return tuple(sorted(set(sizes)))
+
+
+def cuda_graphs_problem(text: str) -> str | None:
+    """The settings check: what is wrong with a ``--cuda-graphs`` value, None if nothing."""
+    try:
+        parse_cuda_graphs(text)
+    except ValueError as e:
+        return str(e)
+    return None
