@@ -211,6 +211,50 @@ def _keep_verified(rows: list[SeqInput], tokens: list[int], logprobs: list[float
     return rids, kept_tokens, kept_logprobs, kept_top, num_tokens
 
 
+class StepClock:
+    """A step's forward and sampling times without waiting for the device: host time on the CPU; on CUDA,
+    events recorded in the stream and read once the step's results have come back to the host (the one
+    synchronisation a decode step makes), so the times are the device's."""
+
+    def __init__(self, device: torch.device):
+        self.started = time.perf_counter()
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
+        if self.events:
+            self.events[0].record()
+
+    def forward_done(self) -> None:
+        if self.events:
+            self.events[1].record()
+        else:
+            self.forwarded = time.perf_counter()
+
+    def sampling_done(self) -> None:
+        """Recorded before the results are copied to the host: the copy waits for it."""
+        if self.events:
+            self.events[2].record()
+        else:
+            self.sampled = time.perf_counter()
+
+    def times(self, wait: bool = False) -> tuple[float, float]:
+        """(forward, sampling) seconds, once the results are on the host (``wait``: a step that returns none
+        waits for the device here)."""
+        if self.events:
+            start, forwarded, sampled = self.events
+            if wait:
+                sampled.synchronize()
+            return start.elapsed_time(forwarded) / 1e3, forwarded.elapsed_time(sampled) / 1e3
+        return self.forwarded - self.started, self.sampled - self.forwarded
+
+
+def tokens_and_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Sampled ids and their logprobs as host lists, in one device-to-host copy (float64 holds every id
+    exactly)."""
+    if token_ids.device.type == "cpu":
+        return token_ids.tolist(), logprobs.tolist()
+    ids, values = torch.stack((token_ids.double(), logprobs.double())).tolist()
+    return [int(i) for i in ids], values
+
+
 class ModelRunner:
     """Loads this rank's shard of a Hugging Face model folder and runs batched steps over a paged KV pool.
 
@@ -350,6 +394,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+
     def step(self, seqs: list[SeqInput]) -> StepOutput | None:
         """One forward pass over every sequence's new tokens; rank 0 samples the ``sample=True`` ones.
 
@@ -382,13 +427,12 @@ class ModelRunner:
         if speculating:
             seqs = _one_token_rows(seqs)
         with torch.inference_mode():
-            started = time.perf_counter()
+            clock = StepClock(self.device)
             # Constrained requests' masks are computed on another thread while the forward pass runs.
             mask_job = self._start_masks(seqs) if self.rank == 0 else None
             prompt_rows = _PromptLogprobRows.plan(seqs, self.device)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None)
-            self._synchronize()
-            forward_done = time.perf_counter()
+            clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
             if self.rank != 0:
                 return None
@@ -399,7 +443,8 @@ class ModelRunner:
             sampled = [s for s in seqs if s.sample]
             if not sampled:
                 self._record_histories(seqs, sampled)
-                return StepOutput([], [], [], forward_done - started, 0.0, prompt_logprobs)
+                clock.sampling_done()
+                return StepOutput([], [], [], *clock.times(wait=True), prompt_logprobs)
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
@@ -408,14 +453,15 @@ class ModelRunner:
                          [s.num_computed + len(s.token_ids) for s in sampled], histories,
                          [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled],
                          watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
-            token_list, logprob_list = out.token_ids.tolist(), out.logprobs.tolist()
+            clock.sampling_done()
+            token_list, logprob_list = tokens_and_logprobs(out.token_ids, out.logprobs)
+            forward_time, sample_time = clock.times()
             top_tokens, num_tokens = out.top_tokens, []
             if speculating:
                 rids, token_list, logprob_list, top_tokens, num_tokens = _keep_verified(
                     sampled, token_list, logprob_list, top_tokens)
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
-                              forward_time=forward_done - started,
-                              sample_time=time.perf_counter() - forward_done, prompt_logprobs=prompt_logprobs,
+                              forward_time=forward_time, sample_time=sample_time, prompt_logprobs=prompt_logprobs,
                               top_tokens=top_tokens,
                               errors=[[rid, kind, why] for rid, (kind, why) in errors.items()],
                               num_tokens=num_tokens)

@@ -110,13 +110,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         greedy_ids = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
         return Sampled(greedy_ids, logprobs.gather(1, greedy_ids[:, None]).squeeze(1), top_tokens(logprobs, params))
-    device = logits.device
-    do_sample = torch.tensor([p.do_sample for p in params], device=device)
-    temperature = torch.tensor([p.temperature if p.do_sample else 1.0 for p in params],
-                               dtype=torch.float32, device=device)
-    # Made on the CPU and sent over with one copy; greedy rows get a dummy 0.
-    uniforms = torch.tensor([seeded_uniform(p.seed, position) if p.do_sample else 0.0
-                             for p, position in zip(params, positions)], dtype=torch.float32).to(device)
+    # The rows' draw parameters, made on the CPU and sent over in one copy (from pinned memory on a GPU:
+    # the host does not wait for it); greedy rows get temperature 1 and a dummy uniform 0.
+    rows = torch.tensor([[float(p.do_sample) for p in params],
+                         [p.temperature if p.do_sample else 1.0 for p in params],
+                         [seeded_uniform(p.seed, position) if p.do_sample else 0.0
+                          for p, position in zip(params, positions)]], dtype=torch.float32)
+    if logits.device.type == "cuda":
+        rows = rows.pin_memory().to(logits.device, non_blocking=True)
+    do_sample, temperature, uniforms = rows[0] > 0.5, rows[1], rows[2]
     kernels = _kernels_for(logits)
     if kernels is not None and not any(p.top_n_tokens for p in params):
         # The same draw as below, each row on its own: the warpers' masks (where a row asked for them) on
@@ -131,7 +133,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     warped = apply_warpers(logits / temperature[:, None], params)
     warped_logprobs = torch.log_softmax(warped, dim=-1)
     overflowed = torch.isnan(warped_logprobs).any(dim=-1)
-    if bool(overflowed.any()):
+    # Checked on the host only on the CPU: on a GPU the check would wait for the device, so the (rarely
+    # needed) replacement is always computed there.
+    if logits.device.type != "cpu" or bool(overflowed.any()):
         # A temperature so small that logits / temperature overflow f32: sample from the limit of the
         # distribution as the temperature falls, all mass on the argmax, instead of from NaNs.
         limit = torch.full_like(warped_logprobs, float("-inf")).scatter_(1, greedy_ids[:, None], 0.0)
