@@ -130,7 +130,7 @@ class DecodeGraphs:
 
     def _stage(self, seqs: list[SeqInput], batch: int) -> None:
         """Write the step's rows and padding into staging, then into the buffers (two non-blocking copies)."""
-        if self.staged is not None:
+        if self.staged is not None and not self.staged.query():  # done, unless the host ran a step ahead
             self.staged.synchronize()
         block_size, spare = self.block_size, self.spare_block
         width = max(len(s.block_table) for s in seqs)
