@@ -104,10 +104,13 @@ class Sizes:
     contexts: tuple[int, ...]
     timed_steps: int
     copy_bytes: int
+    # Part 3's throughput wave, which transformers' continuous batching then runs too: concurrent requests,
+    # prompt tokens, new tokens (issue #39: c=64, 128+128).
+    throughput: tuple[int, int, int] = (64, 128, 128)
 
 
 FULL = Sizes(LLAMA_8B, 4, 16, 64, 32768, 64, 2048, LLAMA_8B, (1, 16, 64), (512, 2048), 20, 2**30)
-DRY = Sizes(LLAMA_DRY, 2, 4, 8, 300, 6, 64, LLAMA_DRY, (1, 4), (16, 48), 3, 2**22)
+DRY = Sizes(LLAMA_DRY, 2, 4, 8, 300, 6, 64, LLAMA_DRY, (1, 4), (16, 48), 3, 2**22, (4, 16, 8))
 
 
 class Report:
@@ -376,6 +379,9 @@ class Check:
             stages["streams"] = asyncio.run(wave(sizes.streams, 0, sizes.stream_tokens, "s"))
             stages["long_prompt"] = asyncio.run(wave(1, sizes.long_prompt, 8, "long"))
             stages["burst"] = asyncio.run(wave(sizes.burst, sizes.burst_prompt, 8, "b"))
+            concurrent, prompt_tokens, new_tokens = sizes.throughput
+            asyncio.run(wave(concurrent, prompt_tokens, new_tokens, "w"))  # warms what the timed wave runs
+            stages["throughput"] = asyncio.run(wave(concurrent, prompt_tokens, new_tokens, "t"))
             restarts = metrics(server.url).get(SERVED_RESTART_METRIC)
             restarts = None if restarts is None else int(restarts)
             memory_lines = server.log_lines("memory", "activation", "kv cache", "blocks")[-6:]
@@ -391,6 +397,49 @@ class Check:
                  device_baseline_bytes=peak.baseline_bytes, memory_log=memory_lines,
                  model_build_seconds=round(built_s, 1), ready_seconds=round(started_s - built_s, 1),
                  seconds=round(time.perf_counter() - t0, 1))
+        self._against_transformers(model_dir, tokenizer, stages["throughput"])
+
+    def _against_transformers(self, model_dir: Path, tokenizer, served: dict) -> None:
+        """The throughput wave's prompts through transformers' own continuous batching (``generate_batch``,
+        paged attention, its CUDA graphs where it takes them), on the same card after the server stopped:
+        generated tokens per second, both sides timed from the first request to the last token."""
+        import transformers
+        from transformers.generation import ContinuousBatchingConfig, GenerationConfig
+
+        concurrent, prompt_tokens, new_tokens = self.sizes.throughput
+        inputs = [tokenizer.encode(exact_token_prompt(tokenizer, prompt_tokens, f"t{i}")).ids
+                  for i in range(concurrent)]
+        dtype = torch.float32 if self.dry else torch.bfloat16
+        for attention in ("paged|sdpa", "sdpa_paged"):  # the name of transformers >= 5.2x, then the older one
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(model_dir), attn_implementation=attention, dtype=dtype, device_map=str(self.device)).eval()
+                break
+            except ValueError:
+                if attention == "sdpa_paged":
+                    raise
+        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)
+        batching = ContinuousBatchingConfig(use_cuda_graph=self.device.type == "cuda")
+
+        def run(model) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            outputs = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching,
+                                           progress_bar=False)
+            return sum(len(o.generated_tokens) for o in outputs.values()), time.perf_counter() - t0
+        if not self.dry:
+            run(model)  # its warmup and graph capture, then the timed run
+        generated, seconds = run(model)
+        del model
+        self.free()
+        ours = served["answered"] * new_tokens / served["seconds"] if served["seconds"] else 0.0
+        theirs = generated / seconds
+        ratio = ours / theirs if theirs else 0.0
+        self.row("3 served", f"c={concurrent} vs transformers", served["answered"] == concurrent,
+                 f"llmbus {ours:.0f} tokens/s, transformers generate_batch {theirs:.0f} tokens/s: {ratio:.2f}x "
+                 f"({prompt_tokens}+{new_tokens} tokens, {concurrent} at once)",
+                 backend=f"{attention} (transformers)", device=str(self.device), llmbus_tokens_per_s=ours,
+                 transformers_tokens_per_s=theirs, ratio=ratio, transformers_generated=generated,
+                 transformers_seconds=seconds, transformers=transformers.__version__)
 
     # -- part 4 ----------------------------------------------------------------------------------
 
