@@ -1,0 +1,79 @@
+"""``workers/gpu_ops.py``'s Triton kernels, run on the CPU by Triton's interpreter, against the torch ops they
+replace in the decoder layer (``models/llama.py``): float32 to rounding, bfloat16 to two roundings of the
+output (the kernels round once, at the end, torch after every op; and where a float32 intermediate differs in
+its last bit, a bfloat16 rounding of it may fall the other way)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmbus.testing.triton_interpret import interpreted_triton_kernels
+from llmbus.workers import gpu_ops
+from llmbus.workers.models.llama import RMSNorm, apply_rotary
+
+interpreted_triton_kernels()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    else:  # two bfloat16 roundings apart at most
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 96])  # a power of two, and one whose block is masked
+def test_rms_norm_and_the_residual_add_before_it(dtype, width):
+    torch.manual_seed(0)
+    norm = RMSNorm(torch.randn(width).to(dtype), 1e-6)
+    residual = torch.randn(5, width) * 3
+    update = torch.randn(5, width).to(dtype)
+    assert gpu_ops.available(residual)
+    _close(gpu_ops.rms_norm(update, norm.weight, norm.eps), norm(update))
+    expected_sum = residual + update
+    normed, summed = gpu_ops.rms_norm(update, norm.weight, norm.eps, residual=residual)
+    assert summed is residual and torch.equal(residual, expected_sum)
+    _close(normed, norm(expected_sum))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [3, 20])  # fewer than one tile of heads, and more
+def test_rotary_on_queries_and_keys(dtype, heads):
+    torch.manual_seed(1)
+    x = torch.randn(4, heads, 32).to(dtype)
+    angles = torch.randn(4, 1, 16)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(dtype)
+    _close_rotated(gpu_ops.rotary(x, cos, sin), x, cos, sin)
+    # a view of the fused QKV output, as the attention layer passes it: rows strided past the heads
+    qkv = torch.randn(4, heads + 2, 32).to(dtype)
+    _close_rotated(gpu_ops.rotary(qkv[:, :heads], cos, sin), qkv[:, :heads], cos, sin)
+
+
+def _close_rotated(got, x, cos, sin) -> None:
+    """``x * cos + rotate(x) * sin`` cancels where its two terms nearly meet, so a bfloat16 result is held to
+    roundings of the terms, not of itself."""
+    want = apply_rotary(x, cos, sin)
+    if x.dtype == torch.float32:
+        return _close(got, want)
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1).float()
+    scale = x.float().abs() * cos.float().abs() + swapped.abs() * sin.float().abs()
+    assert got.dtype == want.dtype
+    assert ((got.float() - want.float()).abs() <= 2 ** -7 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    torch.manual_seed(2)
+    gate_up = (torch.randn(3, 2 * 1100) * 4).to(dtype)  # two column tiles, the second masked
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(gpu_ops.silu_and_mul(gate_up), F.silu(gate) * up)

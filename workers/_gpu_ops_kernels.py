@@ -1,0 +1,86 @@
+"""The Triton kernels behind ``gpu_ops.py`` (imported only where triton is installed)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_residual, stride_out, width, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < width
+    x = tl.load(x_ptr + row * stride_x + offs, mask=valid, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + row * stride_residual + offs, mask=valid, other=0.0).to(tl.float32)
+        tl.store(residual_ptr + row * stride_residual + offs, x, mask=valid)
+    mean_square = tl.sum(x * x, axis=0) / width
+    normed = x / tl.sqrt_rn(mean_square + eps)
+    weight = tl.load(weight_ptr + offs, mask=valid, other=0.0)
+    # As transformers: the normalised row is rounded to the weight's dtype, then scaled in it.
+    scaled = normed.to(weight.dtype).to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, scaled.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                    eps: float) -> None:
+    rows, width = x.shape
+    block = triton.next_power_of_2(width)
+    _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, x.stride(0),
+                              residual.stride(0) if residual is not None else 0, out.stride(0), width, eps,
+                              HAS_RESIDUAL=residual is not None, BLOCK=block,
+                              num_warps=min(16, max(1, block // 256)))
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, stride_ot,
+                   stride_oh, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_D)
+    valid = (heads[:, None] < num_heads) & (offs[None, :] < HALF)
+    x_row = x_ptr + token * stride_xt + heads[:, None] * stride_xh
+    first = tl.load(x_row + offs[None, :], mask=valid, other=0.0).to(tl.float32)
+    second = tl.load(x_row + HALF + offs[None, :], mask=valid, other=0.0).to(tl.float32)
+    cos_first = tl.load(cos_ptr + token * stride_ct + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    cos_second = tl.load(cos_ptr + token * stride_ct + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    sin_first = tl.load(sin_ptr + token * stride_st + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    sin_second = tl.load(sin_ptr + token * stride_st + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    # out = x * cos + rotate(x) * signed_sin, rotate(x) = cat(second half, first half)
+    out_first = first * cos_first[None, :] + second * sin_first[None, :]
+    out_second = second * cos_second[None, :] + first * sin_second[None, :]
+    out_row = out_ptr + token * stride_ot + heads[:, None] * stride_oh
+    tl.store(out_row + offs[None, :], out_first.to(out_ptr.dtype.element_ty), mask=valid)
+    tl.store(out_row + HALF + offs[None, :], out_second.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def launch_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor) -> None:
+    tokens, heads, dim = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or signed_sin.stride(-1) != 1:
+        raise ValueError("rotary needs contiguous head dimensions")
+    half = dim // 2
+    block_h = min(16, triton.next_power_of_2(heads))
+    _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
+        x, cos, signed_sin, out, x.stride(0), x.stride(1), cos.stride(0), signed_sin.stride(0), out.stride(0),
+        out.stride(1), heads, HALF=half, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), num_warps=4)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < width
+    gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=valid, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + width + offs, mask=valid, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def launch_silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    rows, width = out.shape
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0), width,
+                                                            BLOCK=block, num_warps=4)

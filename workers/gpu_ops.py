@@ -1,0 +1,72 @@
+"""The decoder layer's small ops as one Triton kernel each, for CUDA: RMSNorm (and the residual add before
+it), RoPE on queries and keys together, and SiLU-and-multiply.
+
+In torch each of these is several kernels (RMSNorm alone: a cast, a square, a mean, an add and a reciprocal
+root, a multiply, a cast and the weight's multiply), each reading and writing the whole activation: the H100
+device check found a decode step's elementwise and reduction kernels at about a quarter of its GPU time once
+CUDA graphs had removed the launch cost. Each kernel here reads its inputs once and writes once, computing in
+float32 and rounding to the output's dtype at the end (torch rounds after every op in bfloat16, so bfloat16
+results may differ from torch's in the last bit, towards the exact value; float32 results differ only by the
+reduction order of the mean).
+
+``available(tensor)``: the kernels run where the tensor is on CUDA and triton imports, or on any device under
+``TRITON_INTERPRET=1`` (how CI tests them). Callers keep the torch path for everything else.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+
+@functools.cache
+def _triton():
+    try:
+        return importlib.import_module("llmbus.workers._gpu_ops_kernels")
+    except ImportError:
+        return None
+
+
+def available(tensor: torch.Tensor) -> bool:
+    """Whether the kernels take ``tensor``: on CUDA with triton installed, or anywhere under the interpreter."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return (tensor.is_cuda or interpreting) and _triton() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * (x / rms(x))`` per row in ``weight``'s dtype, ``x [T, N]`` normalised in float32. With
+    ``residual`` (float32, ``[T, N]``): ``residual += x`` first, in place, and the sum is normalised; returns
+    (normalised, residual)."""
+    kernels = _triton()
+    rows, width = x.shape
+    out = torch.empty((rows, width), dtype=weight.dtype, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        raise ValueError("the residual must have contiguous rows: it is updated in place")
+    kernels.launch_rms_norm(x, residual, weight, out, eps)
+    return out if residual is None else (out, residual)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as ``llama.apply_rotary``: ``x [T, H, D]``, ``cos``/``signed_sin [T, 1, D]`` (rotate-half's sign in
+    the sine) -> ``[T, H, D]`` in ``x``'s dtype."""
+    kernels = _triton()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    kernels.launch_rotary(x, cos, signed_sin, out)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first, as the fused projection lays them out)."""
+    kernels = _triton()
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype, device=gate_up.device)
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    kernels.launch_silu_and_mul(gate_up, out)
+    return out
