@@ -199,13 +199,16 @@ class FusedDecodeLayers:
         layers = []
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.attention, layer.mlp
+            if not hasattr(mlp, "gate_up"):  # routed experts (models/moe.py): the torch layers run them
+                return None
             projections = dict(qkv=attention.qkv, o_proj=attention.o_proj, gate_up=mlp.gate_up, down=mlp.down)
             projections = {name: _proj_args(p, weights, bf16) for name, p in projections.items()}
             if any(p is None for p in projections.values()):
                 return None
             vectors = dict(input_norm=layer.input_norm.weight, qkv_bias=attention.qkv.bias, o_bias=attention.o_bias,
                            post_norm=layer.post_attention_norm.weight, gate_up_bias=mlp.gate_up.bias,
-                           down_bias=mlp.down_bias)
+                           down_bias=mlp.down_bias, q_norm=getattr(attention.q_norm, "weight", None),
+                           k_norm=getattr(attention.k_norm, "weight", None))
             vectors = {k: None if t is None else t.float().contiguous() for k, t in vectors.items()}
             weights += [t for t in vectors.values() if t is not None]
             layers.append(LayerArgs(**{k: _ptr(t) for k, t in vectors.items()}, **projections,

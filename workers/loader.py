@@ -3,7 +3,8 @@
 Each rank reads only its own slices through ``safe_open(...).get_slice(name)[...]``: a tensor-parallel
 rank never materialises a full sharded weight. Both a single ``model.safetensors`` and a sharded
 ``model.safetensors.index.json`` are handled. Which weights are sliced along which dimension is the
-model's business (see ``models/llama.py``, which serves the ``model_type``s llama, mistral and qwen2);
+model's business (see ``models/llama.py``, which serves the ``model_type``s llama, mistral, qwen2, qwen3,
+mixtral and qwen3_moe);
 this module only reads.
 """
 
@@ -100,7 +101,7 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
 
     config = read_config(model_dir)
     model_type = config.get("model_type")
-    builders = {"llama": llama.LlamaForCausalLM, "mistral": llama.LlamaForCausalLM, "qwen2": llama.LlamaForCausalLM}
+    builders = {name: llama.LlamaForCausalLM for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")}
     log = structlog.get_logger("llmbus.workers")
     if model_type not in builders:
         if quantize is not None:

@@ -52,7 +52,8 @@ class LayerArgs(ctypes.Structure):
     _fields_ = ([(name, _P) for name in ("input_norm", "qkv_bias", "o_bias", "post_norm", "gate_up_bias",
                                          "down_bias")]
                 + [(name, Proj) for name in ("qkv", "o_proj", "gate_up", "down")]
-                + [("window", _I64)])
+                + [("window", _I64)]
+                + [(name, _P) for name in ("q_norm", "k_norm")])
 
 
 class StepArgs(ctypes.Structure):

@@ -1,5 +1,6 @@
 """A native Llama-family decoder over a paged KV cache, tensor-parallel across ranks: serves the
-``model_type``s "llama", "mistral" and "qwen2".
+``model_type``s "llama", "mistral", "qwen2" and "qwen3", and with routed experts (``moe.py``) "mixtral" and
+"qwen3_moe".
 
 The forward pass works on one flat ``[T, hidden]`` batch: the new tokens of every sequence of a step,
 concatenated. Attention is delegated to a backend (``workers/attention.py``) that knows how the tokens
@@ -11,10 +12,12 @@ all-reduce; the embedding and the LM head are split over the vocabulary. Project
 time (one QKV matmul, one gate/up matmul) so a layer runs two matmuls before attention and two after.
 
 Variants fit through ``DecoderConfig``: biases are loaded whenever the checkpoint has them (Llama's
-``attention_bias``/``mlp_bias``, Qwen2's q/k/v biases), and each layer's sliding window (Mistral's
-``sliding_window``, Qwen2's ``layer_types`` or ``use_sliding_window``/``max_window_layers``) is a mask
-term in the attention backend. Keys that slide out of a window keep their KV blocks until the request
-ends (the scheduler owns the blocks); they are only masked.
+``attention_bias``/``mlp_bias``, Qwen2's q/k/v biases); Qwen3's per-head RMSNorm of queries and keys
+before RoPE (``q_norm``/``k_norm``) whenever the checkpoint has those weights; a layer's MLP may be a
+routed mixture of experts (``moe.py``); and each layer's sliding window (Mistral's ``sliding_window``,
+Qwen2's and Qwen3's ``layer_types`` or ``use_sliding_window``/``max_window_layers``) is a mask term in
+the attention backend. Keys that slide out of a window keep their KV blocks until the request ends (the
+scheduler owns the blocks); they are only masked.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from llmbus.workers.attention import AttentionMetadata, make_attention_backend
 from llmbus.workers.fused_decode import FusedDecodeLayers, fused_decode_applies
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.models.moe import MoEConfig, build_sparse_moe
 from llmbus.workers.weight_builder import WeightBuilder
 
 
@@ -50,6 +54,7 @@ class DecoderConfig:
     rope_scaling: dict  # {"rope_type": ..., "factor": ..., ...}; {"rope_type": "default"} when none
     # Per layer: a query at position q attends the keys k with q - window < k <= q; None: every k <= q.
     sliding_windows: tuple[int | None, ...] = ()
+    model_type: str = "llama"
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -75,6 +80,7 @@ class DecoderConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope,
             sliding_windows=_sliding_windows(config),
+            model_type=config.get("model_type", "llama"),
         )
 
 
@@ -87,7 +93,12 @@ def _sliding_windows(config: dict) -> tuple[int | None, ...]:
     model_type = config.get("model_type", "llama")
     if model_type == "mistral":  # one window for every layer; null means full attention
         return (config.get("sliding_window", DEFAULT_SLIDING_WINDOW),) * num_layers
-    if model_type == "qwen2":
+    if model_type == "mixtral":  # as Mistral, but MixtralConfig's default is no window
+        return (config.get("sliding_window"),) * num_layers
+    if model_type == "qwen3_moe":  # Qwen3MoeConfig: one window for every layer, only with use_sliding_window
+        return ((config.get("sliding_window", DEFAULT_SLIDING_WINDOW) if config.get("use_sliding_window", False)
+                 else None),) * num_layers
+    if model_type in ("qwen2", "qwen3"):
         # Qwen2Config drops the window unless use_sliding_window; then transformers 5's layer_types
         # names each layer's kind, and older configs window the layers from max_window_layers on.
         window = (config.get("sliding_window", DEFAULT_SLIDING_WINDOW) if config.get("use_sliding_window", False)
@@ -219,10 +230,11 @@ class RMSNorm:
 
 
 class LlamaAttention:
-    """Fused column-parallel QKV, RoPE, paged attention, row-parallel output projection."""
+    """Fused column-parallel QKV, RoPE, paged attention, row-parallel output projection; optionally an
+    RMSNorm over each query and key head before RoPE (Qwen3's QK-norm)."""
 
     def __init__(self, *, layer: int, qkv, o_proj, o_bias, num_heads: int, num_kv_heads: int,
-                 head_dim: int, tp: TensorParallel):
+                 head_dim: int, tp: TensorParallel, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
         self.layer = layer
         self.qkv = qkv  # a Linear or a quant.QuantizedLinear: the projections only need __call__
         self.o_proj = o_proj
@@ -231,12 +243,16 @@ class LlamaAttention:
         self.qk_width = (num_heads + num_kv_heads) * head_dim
         self.scale = head_dim ** -0.5
         self.tp = tp
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     def __call__(self, hidden, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
         qkv = self.qkv(hidden)
+        qk = qkv[:, :self.qk_width].view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         # Queries and keys side by side get one rotary application instead of two.
-        qk = apply_rotary(qkv[:, :self.qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         query, key = qk[:, :self.num_heads], qk[:, self.num_heads:]
         value = qkv[:, self.qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attended = backend.forward(self.layer, query, key, value, kv_cache, meta, self.scale)
@@ -359,9 +375,11 @@ class LlamaForCausalLM:
             raise ValueError(f"tensor parallelism over {world_size} ranks needs intermediate_size "
                              f"({config.intermediate_size}) divisible by {world_size}")
         tp = TensorParallel(rank, world_size)
+        moe = MoEConfig.from_hf(hf_config)
+        # The fused decode layer runs dense SwiGLU MLPs only: a model with routed experts keeps the torch layers.
+        keep_plain = moe is None and fused_decode_applies(device, world_size, dtype, quantize, attention_backend)
         build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
-                              quantize=quantize, bf16_inputs=bf16_inputs,
-                              keep_plain=fused_decode_applies(device, world_size, dtype, quantize, attention_backend))
+                              quantize=quantize, bf16_inputs=bf16_inputs, keep_plain=keep_plain)
         head_dim = config.head_dim
         q_rows = config.num_heads // world_size * head_dim
         kv_rows = config.num_kv_heads // world_size * head_dim
@@ -371,16 +389,23 @@ class LlamaForCausalLM:
             prefix = f"model.layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
             o_proj, o_bias = build.row_parallel(attn + "o_proj", q_rows)
+            q_norm, k_norm = (
+                (RMSNorm(build.vector(attn + "q_norm.weight"), config.rms_norm_eps),
+                 RMSNorm(build.vector(attn + "k_norm.weight"), config.rms_norm_eps))
+                if reader.has(attn + "q_norm.weight") else (None, None))
             attention = LlamaAttention(
                 layer=i, qkv=build.column_parallel([(attn + "q_proj", q_rows), (attn + "k_proj", kv_rows),
                                                     (attn + "v_proj", kv_rows)]),
                 o_proj=o_proj, o_bias=o_bias,
                 num_heads=config.num_heads // world_size, num_kv_heads=config.num_kv_heads // world_size,
-                head_dim=head_dim, tp=tp)
-            down, down_bias = build.row_parallel(mlp + "down_proj", inter_rows)
-            mlp_block = LlamaMLP(
-                gate_up=build.column_parallel([(mlp + "gate_proj", inter_rows), (mlp + "up_proj", inter_rows)]),
-                down=down, down_bias=down_bias, tp=tp)
+                head_dim=head_dim, tp=tp, q_norm=q_norm, k_norm=k_norm)
+            if moe is not None and moe.sparse_layers[i]:
+                mlp_block = build_sparse_moe(build, moe, prefix, world_size, tp)
+            else:
+                down, down_bias = build.row_parallel(mlp + "down_proj", inter_rows)
+                mlp_block = LlamaMLP(
+                    gate_up=build.column_parallel([(mlp + "gate_proj", inter_rows), (mlp + "up_proj", inter_rows)]),
+                    down=down, down_bias=down_bias, tp=tp)
             layers.append(LlamaDecoderLayer(
                 input_norm=RMSNorm(build.vector(prefix + "input_layernorm.weight"), config.rms_norm_eps),
                 attention=attention,

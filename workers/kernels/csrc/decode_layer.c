@@ -327,7 +327,7 @@ static inline void attend_pair(const StepArgs *s, const LayerPool *l, int64_t pa
 
 /* RoPE on the step's queries and keys, the new K/V into the pool, and attention, for every (kv head, row)
  * pair; called inside the layer's parallel region. */
-static inline void rope_write_attend(const StepArgs *s, const LayerPool *l) {
+static inline void rope_write_attend(const StepArgs *s, const LayerPool *l, const LayerArgs *w) {
     const int64_t B = s->batch, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads, group = Hq / Hkv;
     const int64_t qkv_width = (Hq + 2 * Hkv) * D, head_elems = s->pool_blocks * s->block_size * D;
 #pragma omp for schedule(static)
@@ -336,6 +336,9 @@ static inline void rope_write_attend(const StepArgs *s, const LayerPool *l) {
         float *row = s->qkv_out + b * qkv_width;
         const float *cos = s->cos + b * D, *sin = s->sin + b * D;
         float *query = row + kv_head * group * D, *key = row + (Hq + kv_head) * D;
+        if (w->q_norm) /* QK-norm (Qwen3): each head normalised over head_dim before its rotation */
+            for (int64_t g = 0; g < group; g++) rms_norm(query + g * D, w->q_norm, D, s->eps, query + g * D);
+        if (w->k_norm) rms_norm(key, w->k_norm, D, s->eps, key);
         for (int64_t g = 0; g < group; g++) rope(query + g * D, cos, sin, D);
         rope(key, cos, sin, D);
         const float *value = row + (Hq + Hkv + kv_head) * D;
@@ -384,7 +387,7 @@ static void layer_gemm(const StepArgs *s, const LayerArgs *l, const LayerPool *p
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
     gemm_team(s->normed, l->qkv.dense, l->qkv_bias, B, qkv_width, H, s->qkv_out, qkv_width, 0, s->panels);
-    rope_write_attend(s, pool);
+    rope_write_attend(s, pool, l);
     gemm_team(s->attended, l->o_proj.dense, l->o_bias, B, H, Hq * D, hidden, H, 1, s->panels);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
@@ -423,7 +426,7 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
     project(s, &l->qkv, l->qkv_bias, s->normed, H, qkv_width, s->qkv_out, qkv_width, 0);
-    rope_write_attend(s, pool);
+    rope_write_attend(s, pool, l);
     project(s, &l->o_proj, l->o_bias, s->attended, Hq * D, H, hidden, H, 1);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);

@@ -51,6 +51,7 @@ typedef struct {
     const float *input_norm, *qkv_bias, *o_bias, *post_norm, *gate_up_bias, *down_bias;
     Proj qkv, o_proj, gate_up, down;
     int64_t window; /* which of StepArgs.starts this layer attends with (its sliding window, or none) */
+    const float *q_norm, *k_norm; /* or null: per-head RMSNorm weights [head_dim] on queries and keys before RoPE (Qwen3) */
 } LayerArgs;
 
 /* One step of decode_layers_f32: its shapes, its per-row inputs, scratch, and the paged pool. */
