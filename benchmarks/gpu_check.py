@@ -35,6 +35,7 @@ import gc
 import itertools
 import json
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -55,7 +56,7 @@ from llmbus.testing import Server
 from llmbus.testing.fake_scheduler import byte_to_unicode
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
 from llmbus.workers.graph_sizes import parse_cuda_graphs
-from llmbus.workers.model_runner import ModelRunner, SeqInput
+from llmbus.workers.model_runner import TIMELINE_WINDOW_S, ModelRunner, SeqInput
 
 BLOCK_SIZE = 16  # what the scheduler uses on CUDA
 NUM_BLOCKS = 96
@@ -107,6 +108,11 @@ class Sizes:
     # Part 3's throughput wave, which transformers' continuous batching then runs too: concurrent requests,
     # prompt tokens, new tokens (issue #39: c=64, 128+128).
     throughput: tuple[int, int, int] = (64, 128, 128)
+
+
+# How long part 3 keeps the throughput wave's concurrency up to read the device's idle time: two of rank 0's
+# timeline windows and the one it starts in.
+SUSTAINED_S = 3 * TIMELINE_WINDOW_S
 
 
 FULL = Sizes(LLAMA_8B, 4, 16, 64, 32768, 64, 2048, LLAMA_8B, (1, 16, 64), (512, 2048), 20, 2**30)
@@ -382,6 +388,26 @@ class Check:
             concurrent, prompt_tokens, new_tokens = sizes.throughput
             asyncio.run(wave(concurrent, prompt_tokens, new_tokens, "w"))  # warms what the timed wave runs
             stages["throughput"] = asyncio.run(wave(concurrent, prompt_tokens, new_tokens, "t"))
+
+            async def sustained(seconds: float) -> dict:
+                """``concurrent`` clients, each sending its next request as soon as its last one ends."""
+                params = {"max_new_tokens": new_tokens, "ignore_eos_token": True, "do_sample": False}
+                deadline = time.perf_counter() + seconds
+                done = []
+
+                async def client(session, i: int) -> None:
+                    k = 0
+                    while time.perf_counter() < deadline:
+                        prompt = exact_token_prompt(tokenizer, prompt_tokens, f"c{i}.{k}")
+                        done.append(await stream_tokens(session, server.url, prompt, params))
+                        k += 1
+                async with client_session() as session:
+                    await asyncio.gather(*(client(session, i) for i in range(concurrent)))
+                return dict(requests=len(done), answered=sum(1 for s in done if s.error is None),
+                            seconds=round(seconds, 1))
+            timeline_before = len(server.log_lines("device timeline"))
+            stages["sustained"] = asyncio.run(sustained(SUSTAINED_S if not self.dry else 1.0))
+            timeline = server.log_lines("device timeline")[timeline_before:]
             restarts = metrics(server.url).get(SERVED_RESTART_METRIC)
             restarts = None if restarts is None else int(restarts)
             memory_lines = server.log_lines("memory", "activation", "kv cache", "blocks")[-6:]
@@ -397,7 +423,23 @@ class Check:
                  device_baseline_bytes=peak.baseline_bytes, memory_log=memory_lines,
                  model_build_seconds=round(built_s, 1), ready_seconds=round(started_s - built_s, 1),
                  seconds=round(time.perf_counter() - t0, 1))
+        self._device_idle(timeline, stages["sustained"])
         self._against_transformers(model_dir, tokenizer, stages["throughput"])
+
+    def _device_idle(self, lines: list[str], sustained: dict) -> None:
+        """Issue #39's GPU idle between decode steps at c=64: rank 0's "device timeline" windows logged
+        while ``concurrent`` clients kept the server full, those whose steps averaged at least half that many
+        rows (a window that began before the load is left out)."""
+        concurrent = self.sizes.throughput[0]
+        windows = [{k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", line)} for line in lines]
+        loaded = [w for w in windows if w.get("mean_rows", 0) >= concurrent / 2]
+        busy = sum(w["busy_ms"] for w in loaded)
+        idle = sum(w["idle_ms"] for w in loaded)
+        share = idle / (busy + idle) if busy + idle else None
+        said = f"{share:.1%} of the device's time idle between steps" if share is not None else "no window logged"
+        self.row("3 served", f"c={concurrent} device idle", self.device.type != "cuda" or share is not None,
+                 f"{said} ({len(loaded)} windows of {len(windows)}, {sustained['answered']} requests)",
+                 device=str(self.device), idle_share=share, windows=windows, sustained=sustained)
 
     def _against_transformers(self, model_dir: Path, tokenizer, served: dict) -> None:
         """The throughput wave's prompts through transformers' own continuous batching (``generate_batch``,

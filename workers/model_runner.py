@@ -20,6 +20,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
 from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
@@ -211,14 +212,25 @@ def _keep_verified(rows: list[SeqInput], tokens: list[int], logprobs: list[float
     return rids, kept_tokens, kept_logprobs, kept_top, num_tokens
 
 
+# Rank 0 on CUDA logs the device's busy and idle time between steps ("device timeline") once per this many
+# seconds in which steps ran.
+TIMELINE_WINDOW_S = 5.0
+# A longer wait between steps is the server having nothing to run, not the step loop's turnaround: not counted.
+IDLE_GAP_CAP_S = 0.05
+
+
 class StepClock:
     """A step's forward and sampling times without waiting for the device: host time on the CPU; on CUDA,
     events recorded in the stream and read once the step's results have come back to the host (the one
-    synchronisation a decode step makes), so the times are the device's."""
+    synchronisation a decode step makes), so the times are the device's. Given the previous step's clock,
+    also how long the device sat idle between that step's last op and this step's first (``idle_before``):
+    the start event runs as soon as the stream reaches it, at once where the device had nothing queued."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, previous: "StepClock | None" = None):
         self.started = time.perf_counter()
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
+        self.previous_end = previous.events[2] if previous is not None and previous.events else None
+        self.idle_before = 0.0
         if self.events:
             self.events[0].record()
 
@@ -242,8 +254,36 @@ class StepClock:
             start, forwarded, sampled = self.events
             if wait:
                 sampled.synchronize()
+            if self.previous_end is not None:
+                self.idle_before = self.previous_end.elapsed_time(start) / 1e3
             return start.elapsed_time(forwarded) / 1e3, forwarded.elapsed_time(sampled) / 1e3
         return self.forwarded - self.started, self.sampled - self.forwarded
+
+
+class DeviceTimeline:
+    """Rank 0 on CUDA: the device's time in steps and idle between them, logged per window (issue #39's "GPU
+    idle between decode steps": the scheduler's turnaround, which overlap scheduling hides)."""
+
+    def __init__(self):
+        self.log = structlog.get_logger("llmbus.workers")
+        self._reset()
+
+    def _reset(self) -> None:
+        self.window_started = time.monotonic()
+        self.steps, self.rows, self.busy_s, self.idle_s = 0, 0, 0.0, 0.0
+
+    def add(self, clock: StepClock, busy_s: float, rows: int) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.busy_s += busy_s
+        if clock.idle_before <= IDLE_GAP_CAP_S:
+            self.idle_s += clock.idle_before
+        if time.monotonic() - self.window_started >= TIMELINE_WINDOW_S:
+            total = self.busy_s + self.idle_s
+            self.log.info("device timeline", steps=self.steps, mean_rows=round(self.rows / self.steps, 1),
+                          busy_ms=round(self.busy_s * 1e3, 1), idle_ms=round(self.idle_s * 1e3, 1),
+                          idle_share=round(self.idle_s / total, 4) if total else 0.0)
+            self._reset()
 
 
 def tokens_and_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -285,6 +325,8 @@ class ModelRunner:
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.graph_sizes = tuple(b for b in cuda_graphs if b <= max_batch_prefill_tokens)
         self.graphs: DecodeGraphs | None = None  # captured by warmup
+        self._last_clock: StepClock | None = None
+        self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
@@ -427,7 +469,8 @@ class ModelRunner:
         if speculating:
             seqs = _one_token_rows(seqs)
         with torch.inference_mode():
-            clock = StepClock(self.device)
+            clock = StepClock(self.device, self._last_clock)
+            self._last_clock = clock
             # Constrained requests' masks are computed on another thread while the forward pass runs.
             mask_job = self._start_masks(seqs) if self.rank == 0 else None
             prompt_rows = _PromptLogprobRows.plan(seqs, self.device)
@@ -444,7 +487,10 @@ class ModelRunner:
             if not sampled:
                 self._record_histories(seqs, sampled)
                 clock.sampling_done()
-                return StepOutput([], [], [], *clock.times(wait=True), prompt_logprobs)
+                forward_time, sample_time = clock.times(wait=True)
+                if self.timeline is not None:
+                    self.timeline.add(clock, forward_time + sample_time, len(seqs))
+                return StepOutput([], [], [], forward_time, sample_time, prompt_logprobs)
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
@@ -456,6 +502,8 @@ class ModelRunner:
             clock.sampling_done()
             token_list, logprob_list = tokens_and_logprobs(out.token_ids, out.logprobs)
             forward_time, sample_time = clock.times()
+            if self.timeline is not None:
+                self.timeline.add(clock, forward_time + sample_time, len(seqs))
             top_tokens, num_tokens = out.top_tokens, []
             if speculating:
                 rids, token_list, logprob_list, top_tokens, num_tokens = _keep_verified(

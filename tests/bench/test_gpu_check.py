@@ -21,10 +21,12 @@ def test_dry_run_writes_every_row(dry_run):
     assert {r["name"] for r in by_part["2"]} == FAMILIES
     assert all(r["mismatched"] == [] and r["min_margin"] > 0 for r in by_part["1"])
     assert all(r["llmbus_error"] <= 1.25 * r["transformers_bf16_error"] for r in by_part["2"])
-    served, against = by_part["3"]
+    served, idle, against = by_part["3"]
     assert served["restarts"] == 0
     assert all(stage["answered"] == stage["requests"] for stage in served["stages"].values())
-    assert set(served["stages"]) == {"streams", "long_prompt", "burst", "throughput"}
+    assert set(served["stages"]) == {"streams", "long_prompt", "burst", "throughput", "sustained"}
+    assert served["stages"]["sustained"]["answered"] >= 4
+    assert idle["name"] == "c=4 device idle" and idle["idle_share"] is None  # rank 0 logs it on CUDA only
     # The throughput wave again through transformers' continuous batching, every token generated.
     assert against["name"] == "c=4 vs transformers" and against["transformers_generated"] == 4 * 8
     assert against["ratio"] > 0
