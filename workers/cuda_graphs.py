@@ -79,10 +79,15 @@ class DecodeGraphs:
 
     @staticmethod
     def supported(model) -> bool:
-        """Whether ``model``'s steps can be captured: its backend gives graph metadata, and no native layer
-        of its own (the fused CPU layer) replaces the layers' forward."""
+        """Whether ``model``'s steps can be captured: its backend gives graph metadata, no native layer of its
+        own (the fused CPU layer) replaces the layers' forward, and no block of a layer says it cannot be
+        (``capturable = False``)."""
         backend = getattr(model, "attention_backend", None)
         if backend is None or getattr(model, "fused_decode", None) is not None:
+            return False
+        # A block that reads device values on the host (a mixture of experts' routing) says so.
+        if not all(getattr(block, "capturable", True) for layer in getattr(model, "layers", ())
+                   for block in vars(layer).values()):
             return False
         probe = DecodeGraphInputs(positions=torch.zeros(1, dtype=torch.long),
                                   slot_mapping=torch.zeros(1, dtype=torch.long),

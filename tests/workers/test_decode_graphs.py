@@ -121,3 +121,12 @@ def test_a_padded_step_writes_only_its_rows_slots_and_the_spare_block(llama_dir)
         runner.graphs = None
         eager = runner._forward(seqs, runner.kv_cache)
     torch.testing.assert_close(logits, eager)
+
+
+def test_a_mixture_of_experts_is_not_captured(tmp_path):
+    """Its routing reads each expert's token count on the host, which a graph cannot replay."""
+    from llmbus.testing.families import save_tiny_family
+
+    save_tiny_family(str(tmp_path), "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
+    runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=8, attention_backend="triton")
+    assert not DecodeGraphs.supported(runner.model)

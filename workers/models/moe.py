@@ -75,6 +75,10 @@ class SparseMoE:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(hidden.dtype), chosen
 
+    # Each expert's share of the tokens is read on the host (one matmul per busy expert), so a step through this
+    # block cannot be captured in a CUDA graph (workers/cuda_graphs.py asks).
+    capturable = False
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(hidden)
         # Sort the (token, expert) pairs by expert: each expert's tokens are then one contiguous run.
