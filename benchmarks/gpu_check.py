@@ -11,7 +11,8 @@ stopped at its time limit keeps what it measured. Every row names the attention 
 1. float32, TF32 off: greedy tokens equal transformers' on the same device, for a mixed continuous batch
    (``llmbus.testing.runner_driver.drive``: arrivals mid-way, a chunked prompt beside decodes, a prefix-cache
    hit on a running request's blocks, a preemption resumed from one cached block) on a 4-layer GQA Llama with
-   llama3 RoPE, a Mistral with a window shorter than the sequences, and a Qwen2 (q/k/v biases).
+   llama3 RoPE, a Mistral with a window shorter than the sequences, a Qwen2 (q/k/v biases), a Qwen3 (QK-norm)
+   and a Mixtral (routed experts). Each runs with the decode CUDA graphs and again eagerly ("... eager").
 2. bfloat16 teacher-forced on part 1's float32 tokens (prompt rows, then one decode row per sequence per step):
    llmbus's logit error against transformers float32 is at most ``BF16_SLACK`` times transformers' own bf16 error.
 3. served: ``llmbus up`` on a model of Llama-3.1-8B's width with 4 layers (random weights, a byte-level BPE
@@ -79,6 +80,8 @@ FAMILIES = {
         original_max_position_embeddings=32)), 0),
     "mistral_window": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=24), 1),
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=2), 0),
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32), 0),  # QK-norm
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2), 0),
 }
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=128256, num_hidden_layers=32, max_position_embeddings=131072,
