@@ -12,9 +12,18 @@ from __future__ import annotations
 import os
 
 import torch
-
-from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Reference, Request, drive, drive_tensor_parallel,
-                                          make_prompts, mixed_requests, reference, widen_weights)
+from llmbus.testing.runner_driver import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    Reference,
+    Request,
+    drive,
+    drive_tensor_parallel,
+    make_prompts,
+    mixed_requests,
+    reference,
+    widen_weights,
+)
 
 # The shape every family's tiny checkpoint shares (a family may override any of it).
 TINY_SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -22,11 +31,12 @@ TINY_SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, 
                   eos_token_id=None, pad_token_id=None)
 
 
-def save_tiny_family(path: str, config_class: str, **arguments) -> object:
-    """A seeded tiny ``transformers.<config_class>`` model with widened weights saved in ``path``; its config."""
+def save_tiny_family(path: str, config_class: str, *, seed: int = 0, **arguments) -> object:
+    """A tiny ``transformers.<config_class>`` model with widened weights drawn from ``seed``, saved in
+    ``path``; its config."""
     import transformers
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**{**TINY_SHAPE, **arguments})
     model = transformers.AutoModelForCausalLM.from_config(config)
     widen_weights(model)
@@ -44,9 +54,8 @@ def requantized_copy(path: str, out: str, method: str, ranks: int = 1) -> str:
     embedding and the LM head as int8 (what ``--quantize`` makes them); routers and norms as they are."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
-
     from llmbus.workers import quant
+    from safetensors.torch import load_file, save_file
 
     shutil.copytree(path, out)
     state = load_file(os.path.join(out, "model.safetensors"))
@@ -61,6 +70,29 @@ def requantized_copy(path: str, out: str, method: str, ranks: int = 1) -> str:
             state[name] = quant.quantize_int8(tensor.float()).dequantize().to(tensor.dtype)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def tiny_family(path: str, config_class: str, **arguments) -> tuple[str, list[list[int]], Reference]:
+    """``save_tiny_family`` in ``path``, then (path, the prompts, transformers' greedy reference of them)."""
+    config = save_tiny_family(path, config_class, **arguments)
+    prompts = make_prompts(config.vocab_size)
+    return path, prompts, reference(path, prompts)
+
+
+def parametrized_family(request, tmp_path_factory, families: dict[str, tuple[str, dict]]):
+    """For a module fixture parametrized over ``families`` (name -> (config class, its arguments)): (name,
+    path, prompts, reference) of ``request.param``'s tiny checkpoint."""
+    config_class, arguments = families[request.param]
+    return request.param, *tiny_family(str(tmp_path_factory.mktemp(request.param)), config_class, **arguments)
+
+
+def family_runner(path: str, **kwargs):
+    """A warmed-up ``ModelRunner`` of ``path`` for ``family_requests`` (``kwargs``: quantize, ...)."""
+    from llmbus.workers.model_runner import ModelRunner
+
+    runner = ModelRunner(path, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, **kwargs)
+    runner.warmup()
+    return runner
 
 
 def family_requests(prompts: list[list[int]]) -> list[Request]:
@@ -99,5 +131,6 @@ def run_family_tensor_parallel(path: str, prompts: list[list[int]], work_dir: st
     return drive_tensor_parallel(path, {"family": family_requests(prompts)}, work_dir)["family"]
 
 
-__all__ = ["TINY_SHAPE", "assert_matches_reference", "family_requests", "make_prompts", "reference", "requantized_copy",
-           "run_family", "run_family_tensor_parallel", "save_tiny_family"]
+__all__ = ["TINY_SHAPE", "assert_matches_reference", "family_requests", "family_runner", "make_prompts",
+           "parametrized_family", "reference", "requantized_copy", "run_family", "run_family_tensor_parallel",
+           "save_tiny_family", "tiny_family"]

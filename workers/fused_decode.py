@@ -220,7 +220,8 @@ class FusedDecodeLayers:
         """The fused path for ``model`` if it applies (see the module's docstring), else None.
         ``bf16_budget``: bytes for bfloat16 copies of weights (``Bfloat16Copies``); None: the default."""
         if (not _runs_on(model.device, model.tp.world_size, model.dtype)
-                or not model.attention_backend.gives_kernel_rows):
+                or not model.attention_backend.gives_kernel_rows
+                or model.rotary.rotary_dim != model.config.head_dim):  # decode_layer.c rotates whole heads
             return None
         library = bindings.library()
         if library is None:

@@ -4,7 +4,7 @@ Each rank reads only its own slices through ``safe_open(...).get_slice(name)[...
 rank never materialises a full sharded weight. Both a single ``model.safetensors`` and a sharded
 ``model.safetensors.index.json`` are handled. Which weights are sliced along which dimension is the
 model's business (see ``models/llama.py``, which serves the ``model_type``s llama, mistral, qwen2, qwen3,
-mixtral and qwen3_moe);
+mixtral, qwen3_moe and phi3);
 this module only reads.
 """
 
@@ -101,7 +101,8 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
 
     config = read_config(model_dir)
     model_type = config.get("model_type")
-    builders = {name: llama.LlamaForCausalLM for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")}
+    builders = {name: llama.LlamaForCausalLM for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+                                                            "phi3")}
     log = structlog.get_logger("llmbus.workers")
     if model_type not in builders:
         if quantize is not None:

@@ -115,10 +115,12 @@ class WeightBuilder:
         self.report["dense projections kept plain" + (" and packed" if pack else " only")] += 1
         return Linear(weight, bias, pack=pack, keep_plain=True)
 
-    def column_parallel(self, parts: list[tuple[str, int]]) -> object:
-        """One projection fusing ``parts`` (``(prefix, rows_per_rank)``: ``prefix.weight`` and optional
-        ``prefix.bias``), each cut to this rank's rows and stacked in order."""
-        spans = [(prefix, self.rank * n, (self.rank + 1) * n) for prefix, n in parts]
+    def column_parallel(self, parts: list[tuple[str, int] | tuple[str, int, int]]) -> object:
+        """One projection fusing ``parts`` (``(prefix, rows_per_rank[, first_row])``: ``prefix.weight`` and
+        optional ``prefix.bias``, from row ``first_row`` on: one part of a tensor that is already fused in the
+        checkpoint, as Phi-3's ``qkv_proj``), each cut to this rank's rows and stacked in order."""
+        spans = [(part[0], offset + self.rank * part[1], offset + (self.rank + 1) * part[1])
+                 for part in parts for offset in [part[2] if len(part) > 2 else 0]]
         names = [f"{p}.weight" for p, _, _ in spans]
         kept = None
         if self.keep_quantized:
@@ -129,8 +131,9 @@ class WeightBuilder:
         if any(b is None for b in biases) and not all(b is None for b in biases):
             raise ValueError("a fused projection has biases on some of its parts only")
         bias = None if biases[0] is None else self.place(torch.cat(biases))
-        return self._linear(names, kept, lambda: torch.cat([self.reader.read_rows(n, a, b)
-                                                            for n, (_, a, b) in zip(names, spans)]), bias)
+        return self._linear(list(dict.fromkeys(names)), kept,  # a fused checkpoint tensor is counted once
+                            lambda: torch.cat([self.reader.read_rows(n, a, b) for n, (_, a, b) in zip(names, spans)]),
+                            bias)
 
     def row_parallel(self, prefix: str, per_rank: int) -> tuple[object, torch.Tensor | None]:
         """(projection over this rank's input columns, the bias to add once after the all-reduce)."""

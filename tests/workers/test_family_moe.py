@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from llmbus.testing.families import (assert_matches_reference, make_prompts, reference, requantized_copy, run_family,
-                                     run_family_tensor_parallel, save_tiny_family)
-from llmbus.testing.runner_driver import BLOCK_SIZE, NUM_BLOCKS
-from llmbus.workers.model_runner import ModelRunner
+from llmbus.testing.families import (
+    assert_matches_reference,
+    family_runner,
+    parametrized_family,
+    reference,
+    requantized_copy,
+    run_family,
+    run_family_tensor_parallel,
+)
 from llmbus.workers.models.moe import SparseMoE
 
 NUM_EXPERTS = 4
@@ -27,22 +31,12 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    config_class, arguments = FAMILIES[request.param]
-    path = str(tmp_path_factory.mktemp(request.param))
-    config = save_tiny_family(path, config_class, **arguments)
-    prompts = make_prompts(config.vocab_size)
-    return request.param, path, prompts, reference(path, prompts)
-
-
-def _runner(path: str, **kwargs) -> ModelRunner:
-    runner = ModelRunner(path, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, **kwargs)
-    runner.warmup()
-    return runner
+    return parametrized_family(request, tmp_path_factory, FAMILIES)
 
 
 def test_moe_matches_transformers(family):
     name, path, prompts, ref = family
-    runner = _runner(path)
+    runner = family_runner(path)
     kinds = [type(layer.mlp).__name__ for layer in runner.model.layers]
     assert kinds == (["SparseMoE", "LlamaMLP"] if name == "qwen3_moe" else ["SparseMoE", "SparseMoE"])
     assert runner.model.fused_decode is None  # routed experts keep the torch layers
@@ -60,7 +54,7 @@ def test_moe_block_equals_transformers_with_busy_and_idle_experts(family, num_to
     import transformers
 
     _, path, _, _ = family
-    ours = _runner(path).model.layers[0].mlp
+    ours = family_runner(path).model.layers[0].mlp
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0].mlp
     hidden = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
     used = torch.unique(ours.route(hidden)[1]).numel()
@@ -72,7 +66,7 @@ def test_moe_block_equals_transformers_with_busy_and_idle_experts(family, num_to
 
 def test_moe_int8_matches_transformers_on_requantized_weights(family, tmp_path):
     _, path, prompts, _ = family
-    runner = _runner(path, quantize="int8")
+    runner = family_runner(path, quantize="int8")
     assert isinstance(runner.model.layers[0].mlp, SparseMoE) and "int8" in runner.model.weight_summary
     requantized = requantized_copy(path, str(tmp_path / "int8"), "int8")
     assert_matches_reference(reference(requantized, prompts), prompts, run_family(runner, prompts),

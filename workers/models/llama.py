@@ -22,7 +22,6 @@ scheduler owns the blocks); they are only masked.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ from llmbus.workers.attention import AttentionMetadata, make_attention_backend
 from llmbus.workers.fused_decode import FusedDecodeLayers, fused_decode_applies
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.models.moe import MoEConfig, build_sparse_moe
+from llmbus.workers.models.rotary import RotaryEmbedding, apply_rotary
 from llmbus.workers.weight_builder import WeightBuilder
 
 
@@ -55,6 +55,7 @@ class DecoderConfig:
     # Per layer: a query at position q attends the keys k with q - window < k <= q; None: every k <= q.
     sliding_windows: tuple[int | None, ...] = ()
     model_type: str = "llama"
+    partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates (Phi-4-mini: 0.75)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -66,6 +67,12 @@ class DecoderConfig:
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default"))
+        partial_rotary_factor = rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        # Phi-3's LongRoPE was first called su, and Phi3Config reads yarn as longrope too.
+        if rope["rope_type"] == "su" or (rope["rope_type"] == "yarn" and config.get("model_type") == "phi3"):
+            rope["rope_type"] = "longrope"
+        if config.get("original_max_position_embeddings") is not None:  # Phi-3 keeps it beside rope_scaling
+            rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -81,6 +88,7 @@ class DecoderConfig:
             rope_scaling=rope,
             sliding_windows=_sliding_windows(config),
             model_type=config.get("model_type", "llama"),
+            partial_rotary_factor=float(partial_rotary_factor or 1.0),
         )
 
 
@@ -93,7 +101,7 @@ def _sliding_windows(config: dict) -> tuple[int | None, ...]:
     model_type = config.get("model_type", "llama")
     if model_type == "mistral":  # one window for every layer; null means full attention
         return (config.get("sliding_window", DEFAULT_SLIDING_WINDOW),) * num_layers
-    if model_type == "mixtral":  # as Mistral, but MixtralConfig's default is no window
+    if model_type in ("mixtral", "phi3"):  # as Mistral, but their configs' default is no window
         return (config.get("sliding_window"),) * num_layers
     if model_type == "qwen3_moe":  # Qwen3MoeConfig: one window for every layer, only with use_sliding_window
         return ((config.get("sliding_window", DEFAULT_SLIDING_WINDOW) if config.get("use_sliding_window", False)
@@ -144,76 +152,6 @@ class TensorParallel:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(tensor, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
-
-
-class RotaryEmbedding:
-    """RoPE with the default, ``linear``, ``dynamic`` (NTK) and ``llama3`` frequency schemes.
-
-    cos/sin are computed per step from the positions (one ``[T, head_dim]`` pair shared by all layers)
-    rather than kept as a table of every position, which for long-context models is large.
-    """
-
-    SUPPORTED = ("default", "linear", "dynamic", "llama3")
-
-    def __init__(self, head_dim: int, theta: float, scaling: dict, max_position_embeddings: int,
-                 device: torch.device):
-        self.rope_type = scaling.get("rope_type", "default")
-        if self.rope_type not in self.SUPPORTED:
-            raise ValueError(f"rope type {self.rope_type!r} is not supported (supported: {self.SUPPORTED})")
-        self.head_dim = head_dim
-        self.theta = theta
-        self.exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-        inv_freq = 1.0 / (theta ** self.exponents)
-        self.max_positions = max_position_embeddings
-        if self.rope_type == "linear":
-            inv_freq = inv_freq / scaling["factor"]
-        elif self.rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif self.rope_type == "dynamic":
-            # NTK scaling grows the base once a position passes the trained length; done per position
-            # (as transformers does for a decoded token) so a token's rotation never depends on its batch.
-            self.factor = scaling["factor"]
-            self.original_max_positions = max_position_embeddings
-            self.max_positions = int(max_position_embeddings * self.factor)
-        self.inv_freq = inv_freq
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 1, head_dim]`` cos and signed sin for ``positions [T]``, broadcastable over heads."""
-        pos = positions.float()[:, None]
-        if self.rope_type == "dynamic":
-            seq_len = torch.clamp(pos + 1, min=self.original_max_positions)
-            factor, dim = self.factor, self.head_dim
-            base = self.theta * ((factor * seq_len / self.original_max_positions) - (factor - 1)) ** (dim / (dim - 2))
-            freqs = pos * (1.0 / base ** self.exponents[None, :])
-        else:
-            freqs = pos * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        # The sine carries rotate-half's sign: x * cos + cat(x2, x1) * cat(-sin, sin) is the usual
-        # x * cos + cat(-x2, x1) * sin with one negation per step instead of one per layer.
-        return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
-                torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE with ``signed_sin`` from ``RotaryEmbedding.cos_sin`` (the sign of rotate-half folded in)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class RMSNorm:
@@ -307,7 +245,7 @@ class LlamaForCausalLM:
         self.num_local_heads = config.num_heads // tp.world_size
         self.num_local_kv_heads = config.num_kv_heads // tp.world_size
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
-                                      config.max_position_embeddings, device)
+                                      config.max_position_embeddings, device, config.partial_rotary_factor)
         self.max_position_embeddings = self.rotary.max_positions
         self.attention_backend = make_attention_backend(device, config.sliding_windows, name=attention_backend)
         self.dtype = dtype
@@ -382,7 +320,6 @@ class LlamaForCausalLM:
                               quantize=quantize, bf16_inputs=bf16_inputs, keep_plain=keep_plain)
         head_dim = config.head_dim
         q_rows = config.num_heads // world_size * head_dim
-        kv_rows = config.num_kv_heads // world_size * head_dim
         inter_rows = config.intermediate_size // world_size
         layers = []
         for i in range(config.num_layers):
@@ -394,8 +331,7 @@ class LlamaForCausalLM:
                  RMSNorm(build.vector(attn + "k_norm.weight"), config.rms_norm_eps))
                 if reader.has(attn + "q_norm.weight") else (None, None))
             attention = LlamaAttention(
-                layer=i, qkv=build.column_parallel([(attn + "q_proj", q_rows), (attn + "k_proj", kv_rows),
-                                                    (attn + "v_proj", kv_rows)]),
+                layer=i, qkv=build.column_parallel(_qkv_parts(reader, attn, config, world_size)),
                 o_proj=o_proj, o_bias=o_bias,
                 num_heads=config.num_heads // world_size, num_kv_heads=config.num_kv_heads // world_size,
                 head_dim=head_dim, tp=tp, q_norm=q_norm, k_norm=k_norm)
@@ -404,7 +340,7 @@ class LlamaForCausalLM:
             else:
                 down, down_bias = build.row_parallel(mlp + "down_proj", inter_rows)
                 mlp_block = LlamaMLP(
-                    gate_up=build.column_parallel([(mlp + "gate_proj", inter_rows), (mlp + "up_proj", inter_rows)]),
+                    gate_up=build.column_parallel(_gate_up_parts(reader, mlp, config.intermediate_size, world_size)),
                     down=down, down_bias=down_bias, tp=tp)
             layers.append(LlamaDecoderLayer(
                 input_norm=RMSNorm(build.vector(prefix + "input_layernorm.weight"), config.rms_norm_eps),
@@ -420,3 +356,22 @@ class LlamaForCausalLM:
                    norm=norm, lm_head=lm_head, dtype=dtype, device=device, weight_summary=build.summary(),
                    plain_head_weight=plain_head if isinstance(plain_head, torch.Tensor) else None,
                    attention_backend=attention_backend)
+
+
+def _qkv_parts(reader, attn: str, config: DecoderConfig, world_size: int) -> list[tuple[str, int, int]]:
+    """This rank's query, key and value rows as ``WeightBuilder.column_parallel`` parts: from separate
+    q/k/v projections, or from the thirds of Phi-3's fused ``qkv_proj`` (query heads, then key, then value)."""
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    q_rows, kv_rows = q_width // world_size, kv_width // world_size
+    if reader.has(attn + "qkv_proj.weight"):
+        fused = attn + "qkv_proj"
+        return [(fused, q_rows, 0), (fused, kv_rows, q_width), (fused, kv_rows, q_width + kv_width)]
+    return [(attn + "q_proj", q_rows, 0), (attn + "k_proj", kv_rows, 0), (attn + "v_proj", kv_rows, 0)]
+
+
+def _gate_up_parts(reader, mlp: str, intermediate_size: int, world_size: int) -> list[tuple[str, int, int]]:
+    """This rank's gate and up rows: from separate projections or the halves of Phi-3's ``gate_up_proj``."""
+    rows = intermediate_size // world_size
+    if reader.has(mlp + "gate_up_proj.weight"):
+        return [(mlp + "gate_up_proj", rows, 0), (mlp + "gate_up_proj", rows, intermediate_size)]
+    return [(mlp + "gate_proj", rows, 0), (mlp + "up_proj", rows, 0)]

@@ -1,0 +1,101 @@
+"""Dense families served natively beside Llama: Qwen3 (QK-norm, in the torch layers and in the fused CPU
+decode layer), Phi-3/Phi-4 (the checkpoint's fused ``qkv_proj``/``gate_up_proj`` split per TP rank,
+LongRoPE, partial rotation). Each is token- and logprob-exact against transformers in float32 at TP=1 and
+TP=2 on a mixed batch with a chunked prefill, a preemption and a prefix hit; Qwen3 also under
+``--quantize int8`` against transformers on the re-quantized weights."""
+
+from __future__ import annotations
+
+import pytest
+from llmbus.testing.families import (
+    assert_matches_reference,
+    family_runner,
+    make_prompts,
+    parametrized_family,
+    reference,
+    requantized_copy,
+    run_family,
+    run_family_tensor_parallel,
+    save_tiny_family,
+)
+from llmbus.testing.runner_driver import Request, drive
+
+
+def _longrope(rotary_dim: int, original: int) -> dict:
+    half = rotary_dim // 2
+    return dict(original_max_position_embeddings=original, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(half)],
+        long_factor=[2.0 ** i for i in range(half)]))
+
+
+FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),  # heads wider than hidden / heads, as Qwen3's configs have
+    # The mixed batch stays within original_max_position_embeddings: short factors, and the attention
+    # factor sqrt(1 + ln 4 / ln 64) from max_position_embeddings / original = 4.
+    "phi3": ("Phi3Config", _longrope(16, 64)),
+}
+# Partial rotation (half of each 16-wide head) and an original length of 16 that prompts and generations
+# cross, so long factors are used.
+PHI3_PARTIAL = dict(**_longrope(8, 16), partial_rotary_factor=0.5)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    return parametrized_family(request, tmp_path_factory, FAMILIES)
+
+
+def test_matches_transformers_through_fused_and_torch_layers(family):
+    name, path, prompts, ref = family
+    runner = family_runner(path)
+    if name == "qwen3":
+        assert runner.model.layers[0].attention.q_norm is not None
+    else:
+        assert runner.model.rotary.rope_type == "longrope" and runner.model.rotary.attention_factor > 1
+    fused = runner.model.fused_decode
+    runner.model.fused_decode = None
+    assert_matches_reference(ref, prompts, run_family(runner, prompts))
+    if fused is None:
+        pytest.skip("no C compiler: the fused decode layer is optional")
+    ran = []
+    fused.run = lambda *args, run=fused.run: ran.append(run(*args)) or ran[-1]
+    runner.model.fused_decode = fused
+    assert_matches_reference(ref, prompts, run_family(runner, prompts))
+    assert sum(ran) >= 5, "the fused layer took no step"
+
+
+def test_tensor_parallel_2_matches_transformers(family, tmp_path):
+    _, path, prompts, ref = family
+    assert_matches_reference(ref, prompts, run_family_tensor_parallel(path, prompts, str(tmp_path)))
+
+
+def test_qwen3_int8_matches_transformers_on_requantized_weights(family, tmp_path):
+    name, path, prompts, _ = family
+    if name != "qwen3":
+        pytest.skip("int8 is checked on Qwen3 (and the MoEs, test_family_moe.py)")
+    requantized = requantized_copy(path, str(tmp_path / "int8"), "int8")
+    runner = family_runner(path, quantize="int8")
+    assert "int8" in runner.model.weight_summary
+    assert_matches_reference(reference(requantized, prompts), prompts, run_family(runner, prompts),
+                             logprob_atol=1e-3)
+
+
+def test_phi3_long_factors_and_partial_rotation_match_transformers(tmp_path):
+    """One sequence at a time, unchunked, as transformers' generate runs: prompts longer than the original
+    length take the long factors from their first token and match to the end; shorter ones match until
+    their generation crosses it. There transformers' Phi-3 drops its cache and recomputes the whole sequence
+    with the long factors; we keep the keys computed so far (see models/rotary.py)."""
+    path = str(tmp_path / "partial")
+    config = save_tiny_family(path, "Phi3Config", seed=1, **PHI3_PARTIAL)  # seed 0 has a near tie
+    original = config.rope_parameters["original_max_position_embeddings"]
+    prompts = make_prompts(config.vocab_size)
+    ref = reference(path, prompts)
+    runner = family_runner(path)
+    assert runner.model.rotary.rotary_dim == 8 and runner.model.fused_decode is None
+    long_prompts = 0
+    for i, prompt in enumerate(prompts):
+        result = drive(runner, [Request(rid="solo", prompt=prompt)])["solo"]
+        # token j comes from position len(prompt) - 1 + j; the first past the original length switches
+        compared = len(result.tokens) if len(prompt) > original else original + 1 - len(prompt)
+        long_prompts += len(prompt) > original
+        assert result.tokens[:compared] == ref.tokens[i][:compared], f"prompt {i} (length {len(prompt)})"
+    assert long_prompts >= 2

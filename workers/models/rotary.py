@@ -1,0 +1,118 @@
+"""Rotary position embeddings for the native decoder (``llama.py``): the frequency schemes of the
+families served natively, and partial rotation (``partial_rotary_factor``: only the first part of each
+head is rotated, the rest passes through).
+
+Schemes: default, ``linear``, ``dynamic`` (NTK), ``llama3``, and Phi-3's ``longrope`` (configs may say
+``su``, or ``yarn`` for Phi-3, which Phi3Config reads as longrope): per-dimension ``short_factor`` or
+``long_factor`` divisors of the frequencies and an attention factor on cos and sin. A sequence whose
+length passes ``original_max_position_embeddings`` is rotated with the long factors, one within it with
+the short ones, as transformers chooses; the choice is made per sequence of the step, by its last
+position in it. A step's sequences are found as runs of consecutive positions (two sequences whose
+positions happen to continue each other are taken as one, which can only change the choice for the
+first when the second crosses the original length in that step). One difference remains: when a
+generation crosses the original length, transformers' Phi-3 drops its cache and recomputes the whole
+sequence with the long factors, where here the keys already computed keep their short-factor rotation
+and only the tokens from the crossing on take the long factors; prompts longer than the
+original length are rotated with the long factors from their first token, as in transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class RotaryEmbedding:
+    """cos/sin are computed per step from the positions (one ``[T, rotary_dim]`` pair shared by all
+    layers) rather than kept as a table of every position, which for long-context models is large."""
+
+    SUPPORTED = ("default", "linear", "dynamic", "llama3", "longrope")
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict, max_position_embeddings: int,
+                 device: torch.device, partial_rotary_factor: float = 1.0):
+        self.rope_type = scaling.get("rope_type", "default")
+        if self.rope_type not in self.SUPPORTED:
+            raise ValueError(f"rope type {self.rope_type!r} is not supported (supported: {self.SUPPORTED})")
+        self.head_dim = head_dim
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        self.theta = theta
+        self.exponents = (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float()
+                          / self.rotary_dim)
+        inv_freq = 1.0 / (theta ** self.exponents)
+        self.max_positions = max_position_embeddings
+        self.attention_factor = 1.0
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif self.rope_type == "dynamic":
+            # NTK scaling grows the base once a position passes the trained length; done per position
+            # (as transformers does for a decoded token) so a token's rotation never depends on its batch.
+            self.factor = scaling["factor"]
+            self.original_max_positions = max_position_embeddings
+            self.max_positions = int(max_position_embeddings * self.factor)
+        elif self.rope_type == "longrope":
+            self.original_max_positions = scaling["original_max_position_embeddings"]
+            factor = scaling.get("factor") or max_position_embeddings / self.original_max_positions
+            self.attention_factor = scaling.get("attention_factor") or (
+                math.sqrt(1 + math.log(factor) / math.log(self.original_max_positions)) if factor > 1 else 1.0)
+            self.long_inv_freq = inv_freq / torch.tensor(scaling["long_factor"], dtype=torch.float32, device=device)
+            inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32, device=device)
+        self.inv_freq = inv_freq
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, rotary_dim]`` cos and signed sin for ``positions [T]``, broadcastable over heads."""
+        pos = positions.float()[:, None]
+        if self.rope_type == "dynamic":
+            seq_len = torch.clamp(pos + 1, min=self.original_max_positions)
+            factor, dim = self.factor, self.rotary_dim
+            base = self.theta * ((factor * seq_len / self.original_max_positions) - (factor - 1)) ** (dim / (dim - 2))
+            freqs = pos * (1.0 / base ** self.exponents[None, :])
+        elif self.rope_type == "longrope":
+            long = (_sequence_last_positions(positions) >= self.original_max_positions)[:, None]
+            freqs = pos * torch.where(long, self.long_inv_freq[None, :], self.inv_freq[None, :])
+        else:
+            freqs = pos * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        # The sine carries rotate-half's sign: x * cos + cat(x2, x1) * cat(-sin, sin) is the usual
+        # x * cos + cat(-x2, x1) * sin with one negation per step instead of one per layer.
+        return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
+                torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
+
+
+def _sequence_last_positions(positions: torch.Tensor) -> torch.Tensor:
+    """Per token, the last position of its run of consecutive positions (its sequence in the step)."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    run = torch.cumsum(starts, 0) - 1
+    last = torch.zeros_like(positions).scatter_reduce(0, run, positions, reduce="amax", include_self=False)
+    return last[run]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with ``signed_sin`` from ``RotaryEmbedding.cos_sin`` (the sign of rotate-half folded in); where
+    ``cos`` is narrower than the head (partial rotation), the rest of the head passes through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]), dim=-1)
+    half = rotary_dim // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
