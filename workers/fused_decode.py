@@ -221,7 +221,8 @@ class FusedDecodeLayers:
         ``bf16_budget``: bytes for bfloat16 copies of weights (``Bfloat16Copies``); None: the default."""
         if (not _runs_on(model.device, model.tp.world_size, model.dtype)
                 or not model.attention_backend.gives_kernel_rows
-                or model.rotary.rotary_dim != model.config.head_dim):  # decode_layer.c rotates whole heads
+                or model.rotary.rotary_dim != model.config.head_dim  # decode_layer.c rotates whole heads
+                or model.config.hidden_act != "silu"):  # and gates with SiLU
             return None
         library = bindings.library()
         if library is None:

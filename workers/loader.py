@@ -4,7 +4,7 @@ Each rank reads only its own slices through ``safe_open(...).get_slice(name)[...
 rank never materialises a full sharded weight. Both a single ``model.safetensors`` and a sharded
 ``model.safetensors.index.json`` are handled. Which weights are sliced along which dimension is the
 model's business (see ``models/llama.py``, which serves the ``model_type``s llama, mistral, qwen2, qwen3,
-mixtral, qwen3_moe and phi3);
+mixtral, qwen3_moe and phi3, and ``models/gemma3.py`` gemma3_text);
 this module only reads.
 """
 
@@ -97,12 +97,12 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
     """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards; any other
     ``model_type`` gets the transformers fallback (``models/hf_fallback.py``, single rank only).
     ``attention_backend``: a name of ``workers.attention.BACKEND_CLASSES``, or auto (the device's default)."""
-    from llmbus.workers.models import llama
+    from llmbus.workers.models import gemma3, llama
 
     config = read_config(model_dir)
     model_type = config.get("model_type")
     builders = {name: llama.LlamaForCausalLM for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                                                            "phi3")}
+                                                            "phi3")} | {"gemma3_text": gemma3.Gemma3ForCausalLM}
     log = structlog.get_logger("llmbus.workers")
     if model_type not in builders:
         if quantize is not None:

@@ -1,8 +1,10 @@
 """Dense families served natively beside Llama: Qwen3 (QK-norm, in the torch layers and in the fused CPU
 decode layer), Phi-3/Phi-4 (the checkpoint's fused ``qkv_proj``/``gate_up_proj`` split per TP rank,
-LongRoPE, partial rotation). Each is token- and logprob-exact against transformers in float32 at TP=1 and
-TP=2 on a mixed batch with a chunked prefill, a preemption and a prefix hit; Qwen3 also under
-``--quantize int8`` against transformers on the re-quantized weights."""
+LongRoPE, partial rotation), Gemma 3 text (interleaved local/global layers with their two RoPE bases,
+QK-norm, (1 + weight) norms around attention and MLP, GeGLU, scaled embeddings, soft-capped logits).
+Each is token- and logprob-exact against transformers in float32 at TP=1 and TP=2 on a mixed batch with
+a chunked prefill, a preemption and a prefix hit; Qwen3 also under ``--quantize int8`` against
+transformers on the re-quantized weights."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from llmbus.testing.families import (
     save_tiny_family,
 )
 from llmbus.testing.runner_driver import Request, drive
+from llmbus.workers.kernels import bindings
 
 
 def _longrope(rotary_dim: int, original: int) -> dict:
@@ -33,6 +36,13 @@ FAMILIES = {
     # The mixed batch stays within original_max_position_embeddings: short factors, and the attention
     # factor sqrt(1 + ln 4 / ln 64) from max_position_embeddings / original = 4.
     "phi3": ("Phi3Config", _longrope(16, 64)),
+    # Local, global, local layers (the window of 8 well inside the longer prompts), linear scaling on the
+    # global layers' RoPE, soft-capped logits, query_pre_attn_scalar unlike head_dim.
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
 }
 # Partial rotation (half of each 16-wide head) and an original length of 16 that prompts and generations
 # cross, so long factors are used.
@@ -47,15 +57,18 @@ def family(request, tmp_path_factory):
 def test_matches_transformers_through_fused_and_torch_layers(family):
     name, path, prompts, ref = family
     runner = family_runner(path)
-    if name == "qwen3":
+    if name in ("qwen3", "gemma3"):
         assert runner.model.layers[0].attention.q_norm is not None
-    else:
+    if name == "phi3":
         assert runner.model.rotary.rope_type == "longrope" and runner.model.rotary.attention_factor > 1
+    if name == "gemma3":
+        assert runner.model.config.sliding_windows == (8, None, 8) and runner.model.fused_decode is None
     fused = runner.model.fused_decode
     runner.model.fused_decode = None
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
-    if fused is None:
-        pytest.skip("no C compiler: the fused decode layer is optional")
+    if fused is None:  # Gemma 3's layer is not decode_layer.c's; the others' is, where the library builds
+        assert name == "gemma3" or bindings.library() is None
+        return
     ran = []
     fused.run = lambda *args, run=fused.run: ran.append(run(*args)) or ran[-1]
     runner.model.fused_decode = fused

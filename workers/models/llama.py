@@ -56,12 +56,18 @@ class DecoderConfig:
     sliding_windows: tuple[int | None, ...] = ()
     model_type: str = "llama"
     partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates (Phi-4-mini: 0.75)
+    hidden_act: str = "silu"  # the gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    # Gemma 3 (models/gemma3.py): attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5,
+    # the sliding layers' RoPE base, and tanh soft-capping of the logits.
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        act = config.get("hidden_activation") or config.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         num_heads = config["num_attention_heads"]
         # transformers >= 5 writes rope_parameters (theta included); older configs rope_theta + rope_scaling.
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
@@ -89,8 +95,12 @@ class DecoderConfig:
             sliding_windows=_sliding_windows(config),
             model_type=config.get("model_type", "llama"),
             partial_rotary_factor=float(partial_rotary_factor or 1.0),
+            hidden_act=act,
         )
 
+
+# The MLP gate's activation by config name: SwiGLU's, and GeGLU's (Gemma) as transformers computes it.
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 DEFAULT_SLIDING_WINDOW = 4096  # MistralConfig's and Qwen2Config's when config.json has no sliding_window
 
@@ -172,14 +182,15 @@ class LlamaAttention:
     RMSNorm over each query and key head before RoPE (Qwen3's QK-norm)."""
 
     def __init__(self, *, layer: int, qkv, o_proj, o_bias, num_heads: int, num_kv_heads: int,
-                 head_dim: int, tp: TensorParallel, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+                 head_dim: int, tp: TensorParallel, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                 scale: float | None = None):
         self.layer = layer
         self.qkv = qkv  # a Linear or a quant.QuantizedLinear: the projections only need __call__
         self.o_proj = o_proj
         self.o_bias = o_bias
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_width = (num_heads + num_kv_heads) * head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.tp = tp
         self.q_norm, self.k_norm = q_norm, k_norm
 
@@ -200,9 +211,10 @@ class LlamaAttention:
 
 
 class LlamaMLP:
-    """SwiGLU with a fused column-parallel gate/up projection and a row-parallel down projection."""
+    """SwiGLU (or GeGLU) with a fused column-parallel gate/up projection and a row-parallel down projection."""
 
-    def __init__(self, *, gate_up, down, down_bias, tp: TensorParallel):
+    def __init__(self, *, gate_up, down, down_bias, tp: TensorParallel, hidden_act: str = "silu"):
+        self.hidden_act, self.activation = hidden_act, ACTIVATIONS[hidden_act]
         self.gate_up = gate_up
         self.down = down
         self.down_bias = down_bias
@@ -210,7 +222,7 @@ class LlamaMLP:
 
     def __call__(self, hidden):
         gate, up = self.gate_up(hidden).chunk(2, dim=-1)
-        out = self.tp.all_reduce(self.down(F.silu(gate).mul_(up)))
+        out = self.tp.all_reduce(self.down(self.activation(gate).mul_(up)))
         return out + self.down_bias if self.down_bias is not None else out
 
 
@@ -226,7 +238,13 @@ class LlamaDecoderLayer:
 
 
 class LlamaForCausalLM:
-    """Llama decoder with vocab-parallel embedding and LM head; logits come back on rank 0 only."""
+    """Llama decoder with vocab-parallel embedding and LM head; logits come back on rank 0 only.
+
+    A family that differs in its layers subclasses it (``gemma3.py``): ``build_layer`` and ``run_layers``,
+    ``embed`` and ``finish_logits``, and ``FUSED_DECODE`` where decode_layer.c does not compute its layer."""
+
+    FUSED_DECODE = True  # whether decode_layer.c computes this family's layers (where fused_decode.py applies)
+    norm_class = RMSNorm
 
     def __init__(self, *, config: DecoderConfig, tp: TensorParallel, embedding, vocab_per_rank: int,
                  layers: list[LlamaDecoderLayer], norm: RMSNorm, lm_head, dtype: torch.dtype,
@@ -252,7 +270,7 @@ class LlamaForCausalLM:
         self.device = device
         self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
         # Small decode-only steps in one native call for all layers, where it applies (fused_decode.py).
-        self.fused_decode = FusedDecodeLayers.for_model(self)
+        self.fused_decode = FusedDecodeLayers.for_model(self) if self.FUSED_DECODE else None
         if self.fused_decode is not None and self.fused_decode.takes_large_batches:
             # Prompt steps through the fused layer too: one native call instead of ~30 torch ops a layer,
             # no slower and faster for short prompts (design notes, "Small decode steps"), from a backend
@@ -284,8 +302,7 @@ class LlamaForCausalLM:
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         fused = self.fused_decode is not None and self.fused_decode.run(hidden, cos, sin, kv_cache, meta)
         if not fused:
-            for layer in self.layers:
-                hidden = layer(hidden, cos, sin, self.attention_backend, kv_cache, meta)
+            hidden = self.run_layers(hidden, positions, cos, sin, kv_cache, meta)
         if logits_index.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32) if self.tp.rank == 0 else None
         # The final norm is per token, so it only runs on the rows that need logits.
@@ -294,7 +311,19 @@ class LlamaForCausalLM:
         logits = self.tp.gather_last_dim_to_first_rank(head_out)
         if logits is None:
             return None
-        return logits[:, : self.config.vocab_size].float()
+        return self.finish_logits(logits[:, : self.config.vocab_size].float())
+
+    def run_layers(self, hidden, positions, cos, sin, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, self.attention_backend, kv_cache, meta)
+        return hidden
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    @classmethod
+    def make_config(cls, hf_config: dict) -> DecoderConfig:
+        return DecoderConfig.from_hf(hf_config)
 
     @classmethod
     def from_checkpoint(cls, hf_config: dict, reader, *, rank: int, world_size: int, dtype: torch.dtype,
@@ -303,7 +332,7 @@ class LlamaForCausalLM:
         """Read this rank's shards from ``reader`` (a ``loader.CheckpointReader`` or a GGUF reader) and
         fuse them; ``quantize`` (a form of ``quant.WEIGHT_FORMS``) and ``bf16_inputs`` as
         ``quant.compute_plan`` gives them (``weight_builder.py``)."""
-        config = DecoderConfig.from_hf(hf_config)
+        config = cls.make_config(hf_config)
         if config.num_heads % world_size or config.num_kv_heads % world_size:
             raise ValueError(
                 f"tensor parallelism over {world_size} ranks needs the number of attention heads "
@@ -315,47 +344,54 @@ class LlamaForCausalLM:
         tp = TensorParallel(rank, world_size)
         moe = MoEConfig.from_hf(hf_config)
         # The fused decode layer runs dense SwiGLU MLPs only: a model with routed experts keeps the torch layers.
-        keep_plain = moe is None and fused_decode_applies(device, world_size, dtype, quantize, attention_backend)
+        keep_plain = (cls.FUSED_DECODE and moe is None
+                      and fused_decode_applies(device, world_size, dtype, quantize, attention_backend))
         build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
                               quantize=quantize, bf16_inputs=bf16_inputs, keep_plain=keep_plain)
-        head_dim = config.head_dim
-        q_rows = config.num_heads // world_size * head_dim
-        inter_rows = config.intermediate_size // world_size
-        layers = []
-        for i in range(config.num_layers):
-            prefix = f"model.layers.{i}."
-            attn, mlp = prefix + "self_attn.", prefix + "mlp."
-            o_proj, o_bias = build.row_parallel(attn + "o_proj", q_rows)
-            q_norm, k_norm = (
-                (RMSNorm(build.vector(attn + "q_norm.weight"), config.rms_norm_eps),
-                 RMSNorm(build.vector(attn + "k_norm.weight"), config.rms_norm_eps))
-                if reader.has(attn + "q_norm.weight") else (None, None))
-            attention = LlamaAttention(
-                layer=i, qkv=build.column_parallel(_qkv_parts(reader, attn, config, world_size)),
-                o_proj=o_proj, o_bias=o_bias,
-                num_heads=config.num_heads // world_size, num_kv_heads=config.num_kv_heads // world_size,
-                head_dim=head_dim, tp=tp, q_norm=q_norm, k_norm=k_norm)
-            if moe is not None and moe.sparse_layers[i]:
-                mlp_block = build_sparse_moe(build, moe, prefix, world_size, tp)
-            else:
-                down, down_bias = build.row_parallel(mlp + "down_proj", inter_rows)
-                mlp_block = LlamaMLP(
-                    gate_up=build.column_parallel(_gate_up_parts(reader, mlp, config.intermediate_size, world_size)),
-                    down=down, down_bias=down_bias, tp=tp)
-            layers.append(LlamaDecoderLayer(
-                input_norm=RMSNorm(build.vector(prefix + "input_layernorm.weight"), config.rms_norm_eps),
-                attention=attention,
-                post_attention_norm=RMSNorm(build.vector(prefix + "post_attention_layernorm.weight"),
-                                            config.rms_norm_eps),
-                mlp=mlp_block))
+        layers = [cls.build_layer(build, config, i, tp, moe) for i in range(config.num_layers)]
         tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
         embedding, lm_head, vocab_per_rank = build.embedding_and_head(config.vocab_size, config.hidden_size, tied)
-        norm = RMSNorm(build.vector("model.norm.weight"), config.rms_norm_eps)
+        norm = cls.norm_class(build.vector("model.norm.weight"), config.rms_norm_eps)
         plain_head = getattr(embedding, "weight", None) if tied else None
         return cls(config=config, tp=tp, embedding=embedding, vocab_per_rank=vocab_per_rank, layers=layers,
                    norm=norm, lm_head=lm_head, dtype=dtype, device=device, weight_summary=build.summary(),
                    plain_head_weight=plain_head if isinstance(plain_head, torch.Tensor) else None,
                    attention_backend=attention_backend)
+
+    @classmethod
+    def build_attention(cls, build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel,
+                        scale: float | None = None) -> LlamaAttention:
+        attn, world_size = f"model.layers.{i}.self_attn.", tp.world_size
+        o_proj, o_bias = build.row_parallel(attn + "o_proj", config.num_heads // world_size * config.head_dim)
+        q_norm, k_norm = (
+            (cls.norm_class(build.vector(attn + "q_norm.weight"), config.rms_norm_eps),
+             cls.norm_class(build.vector(attn + "k_norm.weight"), config.rms_norm_eps))
+            if build.reader.has(attn + "q_norm.weight") else (None, None))
+        return LlamaAttention(
+            layer=i, qkv=build.column_parallel(_qkv_parts(build.reader, attn, config, world_size)),
+            o_proj=o_proj, o_bias=o_bias,
+            num_heads=config.num_heads // world_size, num_kv_heads=config.num_kv_heads // world_size,
+            head_dim=config.head_dim, tp=tp, q_norm=q_norm, k_norm=k_norm, scale=scale)
+
+    @staticmethod
+    def build_dense_mlp(build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel) -> LlamaMLP:
+        mlp = f"model.layers.{i}.mlp."
+        down, down_bias = build.row_parallel(mlp + "down_proj", config.intermediate_size // tp.world_size)
+        return LlamaMLP(
+            gate_up=build.column_parallel(_gate_up_parts(build.reader, mlp, config.intermediate_size, tp.world_size)),
+            down=down, down_bias=down_bias, tp=tp, hidden_act=config.hidden_act)
+
+    @classmethod
+    def build_layer(cls, build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel,
+                    moe: MoEConfig | None) -> LlamaDecoderLayer:
+        prefix = f"model.layers.{i}."
+        mlp_block = (build_sparse_moe(build, moe, prefix, tp.world_size, tp) if moe is not None and moe.sparse_layers[i]
+                     else cls.build_dense_mlp(build, config, i, tp))
+        return LlamaDecoderLayer(
+            input_norm=RMSNorm(build.vector(prefix + "input_layernorm.weight"), config.rms_norm_eps),
+            attention=cls.build_attention(build, config, i, tp),
+            post_attention_norm=RMSNorm(build.vector(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps),
+            mlp=mlp_block)
 
 
 def _qkv_parts(reader, attn: str, config: DecoderConfig, world_size: int) -> list[tuple[str, int, int]]:

@@ -1,0 +1,134 @@
+"""Gemma 3 text models (``model_type`` gemma3_text) on the native decoder of ``llama.py``.
+
+What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
+
+- RMSNorm scales by ``1 + weight``, in float32 (``GemmaRMSNorm``); a layer has four of them: before and
+  after attention, before and after the MLP (the residual adds the post-normalised output);
+- queries and keys get a per-head RMSNorm before RoPE (QK-norm), and attention scales by
+  ``query_pre_attn_scalar ** -0.5``;
+- sliding (local) and full (global) layers interleave (``layer_types``, or every
+  ``sliding_window_pattern``-th layer global); local layers rotate with ``rope_local_base_freq`` and no
+  scaling, global ones with ``rope_theta`` and the config's scaling: two cos/sin pairs per step;
+- embeddings are multiplied by sqrt(hidden_size), rounded to the weights' dtype; the MLP is GeGLU
+  (``gelu_pytorch_tanh``); logits are soft-capped (``tanh(x / cap) * cap``) when
+  ``final_logit_softcapping`` is set.
+
+The fused CPU decode layer (decode_layer.c) computes Llama's layer, so Gemma 3 runs the torch layers.
+Attention-logit soft-capping and bidirectional attention (not used by Gemma 3's text models) are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llmbus.workers.models.llama import DecoderConfig, LlamaAttention, LlamaForCausalLM, LlamaMLP, TensorParallel
+from llmbus.workers.models.rotary import RotaryEmbedding
+from llmbus.workers.weight_builder import WeightBuilder
+
+
+class GemmaRMSNorm:
+    """``x / rms(x) * (1 + weight)`` in float32, back in the dtype the model computes in."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight  # as stored; the scale is 1 + weight
+        self.scale = 1.0 + weight.float()
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.scale).to(self.weight.dtype)
+
+
+class Gemma3DecoderLayer:
+    def __init__(self, *, input_norm, attention: LlamaAttention, post_attention_norm, pre_feedforward_norm,
+                 mlp: LlamaMLP, post_feedforward_norm, local: bool):
+        self.input_norm, self.attention, self.post_attention_norm = input_norm, attention, post_attention_norm
+        self.pre_feedforward_norm, self.mlp = pre_feedforward_norm, mlp
+        self.post_feedforward_norm = post_feedforward_norm
+        self.local = local  # a sliding-window layer, rotated with the local RoPE base
+
+    def __call__(self, hidden, cos, sin, backend, kv_cache, meta):
+        attended = self.attention(self.input_norm(hidden), cos, sin, backend, kv_cache, meta)
+        hidden = hidden + self.post_attention_norm(attended)
+        return hidden + self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(hidden)))
+
+
+def _layer_types(config: dict) -> list[str]:
+    """Each layer's kind, as Gemma3TextConfig derives it when config.json does not list them."""
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config["num_hidden_layers"])]
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    FUSED_DECODE = False
+    norm_class = GemmaRMSNorm
+
+    def __init__(self, *, config: DecoderConfig, device: torch.device, dtype: torch.dtype, **kwargs):
+        super().__init__(config=config, device=device, dtype=dtype, **kwargs)
+        self.local_rotary = RotaryEmbedding(config.head_dim, config.local_rope_theta, {"rope_type": "default"},
+                                            config.max_position_embeddings, device)
+        # transformers multiplies by sqrt(hidden) rounded to the embedding's dtype
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
+
+    @classmethod
+    def make_config(cls, hf_config: dict) -> DecoderConfig:
+        if hf_config.get("attn_logit_softcapping") is not None:
+            raise ValueError("attention logit soft-capping is not supported natively")
+        if hf_config.get("use_bidirectional_attention"):
+            raise ValueError("bidirectional attention is not supported natively")
+        layer_types = _layer_types(hf_config)
+        if len(layer_types) != hf_config["num_hidden_layers"]:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is "
+                             f"{hf_config['num_hidden_layers']}")
+        # transformers >= 5: rope_parameters per layer kind; older configs: rope_theta and rope_scaling for the
+        # global layers, rope_local_base_freq for the local ones.
+        rope = hf_config.get("rope_parameters") or {}
+        global_rope = dict(rope.get("full_attention") or hf_config.get("rope_scaling") or {})
+        global_rope.setdefault("rope_theta", hf_config.get("rope_theta", 1_000_000.0))
+        local_theta = (rope.get("sliding_attention") or {}).get(
+            "rope_theta", hf_config.get("rope_local_base_freq", 10_000.0))
+        window = hf_config.get("sliding_window", 4096)
+        plain = {k: v for k, v in hf_config.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+        config = DecoderConfig.from_hf({**plain, "rope_parameters": global_rope})
+        return dataclasses.replace(
+            config,
+            sliding_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types),
+            query_pre_attn_scalar=float(hf_config.get("query_pre_attn_scalar", config.head_dim)),
+            local_rope_theta=float(local_theta),
+            final_logit_softcapping=hf_config.get("final_logit_softcapping"),
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
+
+    @classmethod
+    def build_layer(cls, build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel,
+                    moe) -> Gemma3DecoderLayer:
+        prefix = f"model.layers.{i}."
+
+        def norm(name: str) -> GemmaRMSNorm:
+            return GemmaRMSNorm(build.vector(f"{prefix}{name}.weight"), config.rms_norm_eps)
+
+        return Gemma3DecoderLayer(
+            input_norm=norm("input_layernorm"),
+            attention=cls.build_attention(build, config, i, tp, scale=config.query_pre_attn_scalar ** -0.5),
+            post_attention_norm=norm("post_attention_layernorm"),
+            pre_feedforward_norm=norm("pre_feedforward_layernorm"), mlp=cls.build_dense_mlp(build, config, i, tp),
+            post_feedforward_norm=norm("post_feedforward_layernorm"),
+            local=config.sliding_windows[i] is not None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.embed_scale
+
+    def run_layers(self, hidden, positions, cos, sin, kv_cache, meta):
+        local_cos, local_sin = self.local_rotary.cos_sin(positions, self.dtype)
+        for layer in self.layers:
+            rope = (local_cos, local_sin) if layer.local else (cos, sin)
+            hidden = layer(hidden, *rope, self.attention_backend, kv_cache, meta)
+        return hidden
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
