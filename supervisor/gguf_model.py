@@ -182,7 +182,8 @@ def _llama3_factors(wavelen: np.ndarray, params: dict) -> np.ndarray:
 
 
 def _causal_lm_class(model_type: str) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}[model_type]
 
 
 def _eos_ids(summary: dict, config: dict, tokenizer) -> list[int]:

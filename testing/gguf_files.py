@@ -20,7 +20,8 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-          "mlp.down_proj.weight": "ffn_down.weight"}
+          "mlp.down_proj.weight": "ffn_down.weight",
+          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
 
 
 def interleave_heads(w: np.ndarray, heads: int) -> np.ndarray:

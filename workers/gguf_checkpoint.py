@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Types with a dequantizer here. Q8_0/Q4_0/Q4_1 can also stay quantized (KEPT_TYPES).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
-# Architectures whose files carry llama.cpp's interleaved query/key rows (its Qwen2 writer leaves them).
+# Architectures whose files carry llama.cpp's interleaved query/key rows (its Qwen2 and Qwen3 writers leave them).
 PERMUTED_QK = ("llama", "mistral")
 
 _LAYER_NAMES = {
@@ -33,6 +33,7 @@ _LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",  # Qwen3
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
