@@ -91,18 +91,24 @@ class CheckpointReader:
         return self._slice(name)[:, start:stop]
 
 
+def native_builders() -> dict[str, type]:
+    """``model_type`` -> the native model class that serves it (benchmarks/families.py empties it to time
+    the fallback on the same checkpoints)."""
+    from llmbus.workers.models import gemma3, llama
+
+    return {name: llama.LlamaForCausalLM for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+                                                      "phi3")} | {"gemma3_text": gemma3.Gemma3ForCausalLM}
+
+
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", quantize: str | None = None, trust_remote_code: bool = False,
                attention_backend: str = "auto"):
     """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards; any other
     ``model_type`` gets the transformers fallback (``models/hf_fallback.py``, single rank only).
     ``attention_backend``: a name of ``workers.attention.BACKEND_CLASSES``, or auto (the device's default)."""
-    from llmbus.workers.models import gemma3, llama
-
     config = read_config(model_dir)
     model_type = config.get("model_type")
-    builders = {name: llama.LlamaForCausalLM for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                                                            "phi3")} | {"gemma3_text": gemma3.Gemma3ForCausalLM}
+    builders = native_builders()
     log = structlog.get_logger("llmbus.workers")
     if model_type not in builders:
         if quantize is not None:
