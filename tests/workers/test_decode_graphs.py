@@ -10,6 +10,7 @@ import torch
 from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, make_prompts, mixed_requests,
                                           reference, save_tiny_llama)
 from llmbus.testing.triton_interpret import interpreted_triton_kernels
+from llmbus.workers import gpu_ops
 from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.graph_sizes import DEFAULT_CUDA_GRAPHS, cuda_graphs_problem, parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
@@ -45,10 +46,15 @@ def _runner_with_graphs(model_dir: str, sizes: tuple[int, ...]) -> tuple[ModelRu
     return runner, replayed
 
 
-def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir):
+def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, monkeypatch):
     """Arrivals, a chunked prompt beside decodes, a prefix hit and a preemption: the decode-only steps take
     the buffers (at sizes that need padding: 3 rows in a graph of 4, 5 in 8), the rest run eagerly, and
-    every request's tokens equal transformers' greedy ones."""
+    every request's tokens equal transformers' greedy ones. The layers' small ops run as the GPU runs them,
+    as gpu_ops' Triton kernels (here interpreted)."""
+    fused = []
+    for name in ("rms_norm", "rotary", "silu_and_mul"):
+        op = getattr(gpu_ops, name)
+        monkeypatch.setattr(gpu_ops, name, lambda *a, op=op, name=name, **k: fused.append(name) or op(*a, **k))
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
     runner, replayed = _runner_with_graphs(llama_dir, (1, 2, 4, 8))
@@ -64,6 +70,7 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir):
     assert results["hit"].tokens == expected.tokens[4]
     assert results["r1"].preemptions == 1
     assert replayed and set(replayed) - {1, 2, 4, 8}, f"no step needed padding: {replayed}"
+    assert set(fused) == {"rms_norm", "rotary", "silu_and_mul"}
 
 
 def test_only_decode_only_steps_within_the_sizes_replay(llama_dir):

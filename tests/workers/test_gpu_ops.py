@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers import gpu_ops
-from llmbus.workers.models.llama import RMSNorm, apply_rotary
+from llmbus.workers.models.llama import RMSNorm
+from llmbus.workers.models.rotary import apply_rotary
 
 interpreted_triton_kernels()
 

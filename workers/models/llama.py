@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from llmbus.workers import gpu_ops
 from llmbus.workers.attention import AttentionMetadata, make_attention_backend
 from llmbus.workers.fused_decode import FusedDecodeLayers, fused_decode_applies
 from llmbus.workers.kv_cache import PagedKVCache
@@ -172,9 +173,19 @@ class RMSNorm:
         self.eps = eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if gpu_ops.available(x):  # one kernel instead of eight (workers/gpu_ops.py)
+            return gpu_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(self.weight.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` normalised, and that sum (the new residual; on a GPU, ``residual`` updated in
+        place by the same kernel)."""
+        if gpu_ops.available(x) and residual.dtype == torch.float32 and residual.is_contiguous():
+            return gpu_ops.rms_norm(x, self.weight, self.eps, residual=residual)
+        residual = residual + x
+        return self(residual), residual
 
 
 class LlamaAttention:
@@ -221,8 +232,13 @@ class LlamaMLP:
         self.tp = tp
 
     def __call__(self, hidden):
-        gate, up = self.gate_up(hidden).chunk(2, dim=-1)
-        out = self.tp.all_reduce(self.down(self.activation(gate).mul_(up)))
+        gate_up = self.gate_up(hidden)
+        if self.hidden_act == "silu" and gpu_ops.available(gate_up):
+            activated = gpu_ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = self.activation(gate).mul_(up)
+        out = self.tp.all_reduce(self.down(activated))
         return out + self.down_bias if self.down_bias is not None else out
 
 
@@ -233,8 +249,9 @@ class LlamaDecoderLayer:
         self.post_attention_norm, self.mlp = post_attention_norm, mlp
 
     def __call__(self, hidden, cos, sin, backend, kv_cache, meta):
-        hidden = hidden + self.attention(self.input_norm(hidden), cos, sin, backend, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_norm(hidden))
+        attended = self.attention(self.input_norm(hidden), cos, sin, backend, kv_cache, meta)
+        normed, hidden = self.post_attention_norm.add_and_norm(hidden, attended)
+        return hidden + self.mlp(normed)
 
 
 class LlamaForCausalLM:

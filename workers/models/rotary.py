@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from llmbus.workers import gpu_ops
+
 
 class RotaryEmbedding:
     """cos/sin are computed per step from the positions (one ``[T, rotary_dim]`` pair shared by all
@@ -111,6 +113,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """RoPE with ``signed_sin`` from ``RotaryEmbedding.cos_sin`` (the sign of rotate-half folded in); where
     ``cos`` is narrower than the head (partial rotation), the rest of the head passes through."""
     rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1] and x.stride(-1) == 1 and gpu_ops.available(x):
+        return gpu_ops.rotary(x, cos, signed_sin)  # one kernel instead of four (workers/gpu_ops.py)
     if rotary_dim < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]), dim=-1)
     half = rotary_dim // 2
