@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 13  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 14  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -44,6 +44,8 @@ WIRE_VERSION = 13  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 # 11: FrontendStats.route_names/route_counts (generation requests per route, summed over frontends)
 # 12: SamplingParams.frequency_per_count: a rank that ignored it would apply TGI's far weaker formula
 # 13: WorkerReady.onednn_cache_capacity, StepResult.request_state, SchedulerStats' memory gauges (issue #36)
+# 14: steps scheduled ahead (overlap): SAMPLED_LAST in StepCommand.token_ids, StepCommand.ahead; a rank that
+#     took SAMPLED_LAST for a token id would compute garbage
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -51,6 +53,9 @@ MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 
 
 DRAFT_GUESS = -1  # StepCommand.token_ids: a guess the draft model fills in
+# StepCommand.token_ids: the token rank 0 sampled for this request in the step before, not known to the
+# scheduler when it sent this one (a step scheduled ahead); rank 0 puts it in
+SAMPLED_LAST = -2
 
 
 class Kind(enum.IntEnum):
@@ -295,6 +300,10 @@ class StepCommand(Message):
     computes this step (a whole prompt or a chunk of it for a new request, the last sampled token for a
     running one). Positions run from ``num_computed[i]`` for ``num_new[i]`` tokens. Every rank computes
     the same thing, so ranks other than 0 learn the sampled tokens from the next step's ``token_ids``.
+
+    A step sent ``ahead`` (before the result of the step before it was read; one rank only) may feed
+    ``SAMPLED_LAST`` as a running request's last token: the one rank 0 sampled for it in that step. If that
+    step failed, the rank skips this one (its result is dropped: the scheduler schedules it again).
     """
 
     KIND: ClassVar[Kind] = Kind.STEP
@@ -311,6 +320,7 @@ class StepCommand(Message):
     # scheduler/speculation.py); [] when none speculates. A guess of DRAFT_GUESS is left for rank 0's draft
     # model to make (--draft-model-id), which it shares with the other ranks.
     num_spec: list[int] = field(default_factory=list)
+    ahead: bool = False
 
 
 register_nested("StepCommand", "new_requests", NewRequestData, many=True)

@@ -23,6 +23,19 @@ Every step, ``schedule`` builds one forward pass and ``update`` applies its samp
 Finished, aborted and preempted requests release their blocks at once; their ids ride on the next
 step so the workers drop their state.
 
+5. **Scheduling ahead** (overlap; scheduler/process.py). ``schedule`` may be called again before the last
+   batch's ``update``: the next step is then built as if every request of the step in flight goes on. A
+   request that samples in the step in flight has one *pending* token nobody knows yet; its next decode
+   feeds ``SAMPLED_LAST`` in its place (the rank puts in the token it sampled) and reserves the KV slot
+   for it. ``ahead`` counts the tokens of steps not yet applied, so a request's next step starts after
+   them; ``update`` turns them into computed tokens, or drops a step's result for a request that finished,
+   was aborted or was preempted since it was scheduled (``generation``): the step scheduled ahead of its
+   end computed a token nobody sees, and a preempted one recomputes its tokens. A request is not scheduled
+   ahead past ``max_new_tokens``, nor given guesses (the guess follows the token that is not known yet).
+   Blocks go back to the pool at once even while a step in flight still writes to them: the ranks run
+   steps in order, so whoever gets a block next writes it after that step; only computed tokens' full
+   blocks enter the prefix cache, and a step in flight writes past them.
+
 4. **Speculation** (``speculate`` > 0; scheduler/speculation.py). A decoding request also feeds up to
    ``speculate`` guessed tokens when the batch has at most ``speculate_max_batch`` decodes (beyond that a
    step is compute-bound and guesses cost more than they save) and blocks for them are free (a guess never
@@ -41,7 +54,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from llmbus.bus.messages import DRAFT_GUESS, FinishReason, Grammar, SamplingParams, StoppingParams
+from llmbus.bus.messages import DRAFT_GUESS, SAMPLED_LAST, FinishReason, Grammar, SamplingParams, StoppingParams
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.speculation import GuessRate, NgramIndex
@@ -78,10 +91,31 @@ class Request:
     guess_rate: GuessRate | None = None  # its recent acceptance, once it first speculates
     spec_proposed: int = 0  # guessed tokens fed ...
     spec_accepted: int = 0  # ... and kept
+    # Scheduling ahead: tokens fed by steps scheduled but not yet applied, and tokens those steps sample
+    # (not known yet); ``generation`` changes whenever the request's computed state is thrown away
+    # (preempted, ranks restarted), so results of steps scheduled before are dropped.
+    ahead: int = 0
+    pending: int = 0
+    generation: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scheduled_computed(self) -> int:
+        """Tokens computed once every step scheduled so far ran: where the next step starts."""
+        return self.num_computed + self.ahead
+
+    @property
+    def scheduled_tokens(self) -> int:
+        """Prompt, output and the tokens sampled by steps not yet applied."""
+        return self.num_tokens + self.pending
+
+    def feed(self, start: int, end: int) -> list[int]:
+        """Tokens ``start..end-1`` to feed a step; a pending token's place holds SAMPLED_LAST."""
+        known = self.num_tokens
+        return self.tokens(start, min(end, known)) + [SAMPLED_LAST] * (end - max(start, known))
 
     @property
     def max_kv_tokens(self) -> int:
@@ -126,6 +160,7 @@ class ScheduledSeq:
     sample: bool
     is_decode: bool = False  # computes only the token sampled last (else prompt or recomputed tokens)
     num_spec: int = 0  # of token_ids, the trailing guessed ones the ranks verify (a speculating decode)
+    generation: int = 0  # the request's generation when scheduled: a result for an older one is dropped
     # a plain decode of a request braked from guessing: the token n-gram lookup would have guessed, checked
     # against the sampled one (free: nothing of it goes to the ranks)
     watched_guess: int | None = None
@@ -144,6 +179,11 @@ class ScheduledBatch:
     @property
     def has_prefill(self) -> bool:
         return not all(seq.is_decode for seq in self.seqs)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether a row verifies guesses or watches one: the next step's guesses need its tokens."""
+        return any(seq.num_spec or seq.watched_guess is not None for seq in self.seqs)
 
 
 @dataclass(slots=True)
@@ -224,7 +264,18 @@ class Scheduler:
         others run on from where they were: the next step computes the same tokens again."""
         live = [seq for seq in batch.seqs if seq.request.status is RequestStatus.RUNNING]
         victims = [seq for seq in live if not seq.is_decode] or live
-        return self.abort([seq.request.rid for seq in victims])
+        failed = self.abort([seq.request.rid for seq in victims])
+        self.discard(batch)
+        return failed
+
+    def discard(self, batch: ScheduledBatch) -> None:
+        """Nothing of ``batch`` will be applied (it failed, or it was scheduled ahead of a step that failed):
+        its requests' next steps start where they were before it. Its blocks stay where they went."""
+        for seq in batch.seqs:
+            req = seq.request
+            if req.status is RequestStatus.RUNNING and req.generation == seq.generation:
+                req.ahead -= len(seq.token_ids)
+                req.pending -= seq.sample
 
     def restart(self, kv: KVBlockManager) -> list[Request]:
         """The ranks were replaced and every KV block (and cached prefix) went with them: continue on
@@ -237,6 +288,9 @@ class Scheduler:
             if req.wants_prompt_logprobs:
                 req.prompt_logprob_values.clear()
             self.waiting.appendleft(req)
+        for req in self.waiting:  # the steps in flight are lost with the ranks: their tokens are computed again
+            req.ahead = req.pending = 0
+            req.generation += 1
         self.kv = kv
         self._watermark_blocks = int(self.config.watermark * kv.num_blocks)
         self._dropped_rids = []  # the new ranks hold no state to drop
@@ -267,12 +321,25 @@ class Scheduler:
         if not batch.seqs:
             self._dropped_rids = batch.finished_rids
             return None
+        for seq in batch.seqs:
+            req = seq.request
+            req.ahead += len(seq.token_ids)
+            req.pending += seq.sample
+            seq.generation = req.generation
         return batch
+
+    def may_schedule_ahead(self, in_flight: ScheduledBatch) -> bool:
+        """Whether the next step may be scheduled before ``in_flight``'s tokens are known. Not when a
+        row of it speculates (the next guess follows its kept tokens), nor while a running request could
+        speculate (it would have to skip the step scheduled ahead: better to wait for its token)."""
+        if in_flight.speculates:
+            return False
+        return not (self.config.speculate > 0 and any(_may_speculate(r) for r in self.running))
 
     def _prefill_budget(self) -> int:
         if not self.config.prefill_chunking:
             return self.config.max_batch_prefill_tokens
-        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed == 1)
+        decodes = sum(1 for r in self.running if r.scheduled_tokens - r.scheduled_computed == 1)
         return self.config.max_batch_prefill_tokens - decodes
 
     def _schedule_running(self, batch: ScheduledBatch) -> tuple[bool, int]:
@@ -281,17 +348,20 @@ class Scheduler:
         budget = self._prefill_budget()
         preempted = False
         speculating = self.config.speculate > 0 and sum(
-            1 for r in self.running if r.num_tokens - r.num_computed == 1) <= self.config.speculate_max_batch
+            1 for r in self.running
+            if r.scheduled_tokens - r.scheduled_computed == 1) <= self.config.speculate_max_batch
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            remaining = req.num_tokens - req.num_computed
+            computed = req.scheduled_computed
+            remaining = req.scheduled_tokens - computed
             n = 1 if remaining == 1 else min(remaining, budget)
-            if n <= 0:
+            if n <= 0 or req.pending > 1 or len(req.output_ids) + req.pending >= req.stopping.max_new_tokens:
+                # (scheduled ahead: its pending token is its last; a second pending one is never fed)
                 i += 1
                 continue
             watched = None
-            if speculating and remaining == 1 and req.output_ids and budget > 0:
+            if speculating and remaining == 1 and req.output_ids and not req.pending and budget > 0:
                 guessed = self._guess(req, budget, batch)
                 if isinstance(guessed, ScheduledSeq):
                     i += 1
@@ -299,7 +369,7 @@ class Scheduler:
                     batch.seqs.append(guessed)
                     continue
                 watched = guessed
-            need = self.kv.blocks_for(req.num_computed + n) - len(req.block_table)
+            need = self.kv.blocks_for(computed + n) - len(req.block_table)
             blocks = self.kv.allocate(need) if need > 0 else []
             while blocks is None:
                 victim = self.running[-1]
@@ -315,9 +385,8 @@ class Scheduler:
                 batch.added_blocks.append((req.rid, blocks))
             if remaining > 1:
                 budget -= n
-            batch.seqs.append(ScheduledSeq(req, req.tokens(req.num_computed, req.num_computed + n),
-                                           req.num_computed, n == remaining,
-                                           is_decode=remaining == 1 and bool(req.output_ids),
+            batch.seqs.append(ScheduledSeq(req, req.feed(computed, computed + n), computed, n == remaining,
+                                           is_decode=remaining == 1 and bool(req.output_ids or req.pending),
                                            watched_guess=watched))
             i += 1
         return preempted, budget
@@ -346,15 +415,15 @@ class Scheduler:
             guess = req.ngrams.propose(n)
         if not guess:
             return None
-        need = self.kv.blocks_for(req.num_computed + 1 + len(guess)) - len(req.block_table)
+        computed = req.scheduled_computed
+        need = self.kv.blocks_for(computed + 1 + len(guess)) - len(req.block_table)
         blocks = self.kv.allocate(need) if need > 0 else []
         if blocks is None:
             return None
         if blocks:
             req.block_table.extend(blocks)
             batch.added_blocks.append((req.rid, blocks))
-        return ScheduledSeq(req, [req.output_ids[-1], *guess], req.num_computed, True, is_decode=True,
-                            num_spec=len(guess))
+        return ScheduledSeq(req, [req.output_ids[-1], *guess], computed, True, is_decode=True, num_spec=len(guess))
 
     def _admit(self, batch: ScheduledBatch, budget: int, now: float) -> bool:
         cfg, kv = self.config, self.kv
@@ -433,8 +502,10 @@ class Scheduler:
         events = []
         for seq in batch.seqs:
             req = seq.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran: its token is dropped
+            if req.status is not RequestStatus.RUNNING or req.generation != seq.generation:
+                continue  # finished, aborted or preempted since it was scheduled: its token is dropped
+            req.ahead -= len(seq.token_ids)
+            req.pending -= seq.sample
             req.num_computed = seq.num_computed + len(seq.token_ids)
             if prompt_logprobs and req.rid in prompt_logprobs:
                 req.prompt_logprob_values.extend(prompt_logprobs[req.rid])
@@ -495,7 +566,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release_blocks(req)
-        req.num_computed = 0
+        req.num_computed = req.ahead = req.pending = 0
+        req.generation += 1  # a step in flight computed tokens it recomputes: their result is dropped
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         if req.wants_prompt_logprobs:

@@ -5,8 +5,15 @@ to every rank, PULL ``results`` from rank 0, PULL ``control`` from every rank; p
 frontend, connected to the PULL that frontend announced in its FrontendHello (receivers bind, and a
 PUSH never drops what it sends before the connection is up, unlike PUB/SUB).
 
-Lock-step: one StepCommand in flight at a time; requests that arrive meanwhile are queued by the policy
-and join the next step. A rank that dies or reports a fatal error, or a step past its deadline, loses the
+Overlap: while the ranks compute step N the scheduler schedules and sends step N+1, as if every request
+of step N goes on (at most one step ahead); it then reads N's result, applies it, and its tokens go out
+while N+1 computes. A request that samples in step N feeds SAMPLED_LAST in step N+1: rank 0 puts in the
+token it sampled. What the scheduler learns one step late (an EOS, a grammar's end, an abort, a failed
+request) drops the token the step ahead computed for that request (scheduler/policy.py, "Scheduling
+ahead"). A step runs in lock-step (scheduled once the last one's tokens are back) where its guesses need
+them (speculation), after a step that failed, with --disable-overlap, and in tensor-parallel groups (the
+other ranks would need rank 0's sampled tokens). Requests that arrive meanwhile are queued by the policy
+and join a later step. A rank that dies or reports a fatal error, or a step past its deadline, loses the
 worker group. Launched by `llmbus up`, the scheduler then asks the supervisor to restart the group, keeps
 every request (the running ones go back to the queue as if preempted: their KV is recomputed from prompt
 and output, so the tokens are those of an undisturbed run) and resumes once the new ranks are ready; /health
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -99,6 +107,11 @@ class SchedulerProcessConfig(ServiceSettings):
         help=f"Seconds one step may take before its ranks count as hung (and are restarted, see --max-restarts). "
              f"Default: {STEP_TIMEOUT_FLOOR_S:g} s plus {STEP_TIMEOUT_WARMUP_FACTOR:g}x the warmup's time per "
              f"token for the step's tokens.")
+    disable_overlap: bool = setting(
+        False, env="DISABLE_OVERLAP",
+        help="Schedule each step only once the last one's tokens are back (lock-step), so the ranks wait for "
+             "the scheduler between steps; by default the next step is sent while one computes. For debugging "
+             "and measuring; tensor-parallel groups (--gpus > 1) always run lock-step.")
     max_restarts: int = setting(
         3, env="MAX_RESTARTS",
         help=f"Restart worker ranks that crashed or hung, resuming every request where it was, at most this many "
@@ -108,6 +121,16 @@ class SchedulerProcessConfig(ServiceSettings):
     @property
     def endpoints(self) -> Endpoints:
         return Endpoints.in_dir(self.run_dir)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A step sent to the ranks whose result has not been applied yet."""
+
+    batch: ScheduledBatch
+    cmd: m.StepCommand
+    # scheduled ahead of a step that failed: the ranks skip it, and the policy has discarded it
+    void: bool = False
 
 
 class SchedulerService:
@@ -135,6 +158,8 @@ class SchedulerService:
         self.warmup_s_per_token = 0.0
         self.warmup_step_tokens = 1
         self.vocab_size = 0  # 0: unknown (ranks of an older version)
+        self.in_flight: deque[_InFlight] = deque()  # sent, oldest first: at most one step ahead of the ranks
+        self.overlap = not cfg.disable_overlap and cfg.world_size == 1
         self.requests = open_socket(ctx.zmq_ctx, zmq.PULL, cfg.endpoints.requests)
         self.ranks = RankGroup(cfg.endpoints, cfg.world_size, cfg.worker_start_timeout_s, ctx.zmq_ctx, ctx.log,
                                ServiceHooks(intake=self.requests, drain_intake=self.drain_intake,
@@ -320,7 +345,8 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ stepping
 
-    def run_step(self, batch: ScheduledBatch) -> None:
+    def send_step(self, batch: ScheduledBatch, ahead: bool) -> None:
+        """Send ``batch`` to the ranks (``ahead``: before the result of the step in flight is read)."""
         self.step_id += 1
         cmd = m.StepCommand(
             step_id=self.step_id,
@@ -336,15 +362,39 @@ class SchedulerService:
             added_blocks=[[rid, blocks] for rid, blocks in batch.added_blocks],
             finished_rids=batch.finished_rids,
             num_spec=[s.num_spec for s in batch.seqs] if any(s.num_spec for s in batch.seqs) else [],
+            ahead=ahead,
         )
+        self.ranks.send_step(cmd)
+        self.in_flight.append(_InFlight(batch, cmd))
+
+    def _schedule_ahead(self) -> None:
+        """With one step in flight, send the next one now if it may be (see the module's docstring)."""
+        if not self.overlap or len(self.in_flight) != 1:
+            return
+        head = self.in_flight[0]
+        if head.void or not self.policy.may_schedule_ahead(head.batch):
+            return
+        batch = self.policy.schedule(time.time())
+        if batch is not None:
+            self.send_step(batch, ahead=True)
+
+    def finish_step(self) -> None:
+        """Wait for the oldest step's result and apply it (a step ahead of it may be computing meanwhile)."""
+        flight = self.in_flight[0]
+        batch, cmd = flight.batch, flight.cmd
         started = time.monotonic()
-        # the last step's tokens go out while this one computes
-        result = self.ranks.run_step(cmd, self._step_timeout(len(cmd.token_ids)), meanwhile=self.flush_events)
+        result = self.ranks.wait_result(cmd.step_id, self._step_timeout(len(cmd.token_ids)))
+        self.in_flight.popleft()
+        self.worker_request_state = result.request_state
+        if flight.void:
+            return  # the ranks skipped it; the policy discarded it when the step before failed
         self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
                                  time.monotonic() - started)
-        self.worker_request_state = result.request_state
         if result.failed_error:
             self._fail_step(batch, result.failed_error)
+            for later in self.in_flight:  # built on this step's tokens: nothing of it counts either
+                self.policy.discard(later.batch)
+                later.void = True
             return
         sampled = _sampled_by_rid(batch, result)
         prompt_logprobs = {rid: values for rid, values in result.prompt_logprobs} if result.prompt_logprobs else None
@@ -454,11 +504,12 @@ class SchedulerService:
     # ------------------------------------------------------------------ main loop
 
     def loop(self) -> None:
-        while not self.stopping or self.policy.has_work:
+        while not self.stopping or self.policy.has_work or self.in_flight:
             try:
                 self._loop_once()
             except WorkersLost as e:
                 self.flush_events()
+                self.in_flight.clear()  # lost with the ranks: the policy's restart recomputes their tokens
                 self.recover(str(e))
         self.flush_events()  # (a fatal error fails every request instead: EngineDead)
 
@@ -495,12 +546,18 @@ class SchedulerService:
 
     def _loop_once(self) -> None:
         self.drain_intake()
-        batch = self.policy.schedule(time.time())
-        if batch is not None:
-            running_before = len(self.policy.running) - len(batch.new_requests)
-            self.run_step(batch)
+        if not self.in_flight:
+            batch = self.policy.schedule(time.time())
+            if batch is not None:
+                self.send_step(batch, ahead=False)
+        if self.in_flight:
+            head = self.in_flight[0].batch
+            running_before = len(self.policy.running) - len(head.new_requests)
+            self._schedule_ahead()
+            self.flush_events()  # the last step's tokens go out while the ranks compute
+            self.finish_step()
             self._stats_dirty = True
-            self.publish_stats(force=bool(batch.new_requests) or len(self.policy.running) != running_before)
+            self.publish_stats(force=bool(head.new_requests) or len(self.policy.running) != running_before)
             return
         self.flush_events()
         self.publish_stats(force=True)

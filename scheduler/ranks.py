@@ -125,16 +125,18 @@ class RankGroup:
 
     # ------------------------------------------------------------------ stepping
 
-    def run_step(self, step: m.StepCommand, deadline_s: float, meanwhile: Callable[[], None]) -> m.StepResult:
-        """Broadcast ``step``, call ``meanwhile`` (work that overlaps the ranks' compute), and return rank
-        0's result; WorkersLost if a rank dies or fails first, or no result comes within ``deadline_s``."""
+    def send_step(self, step: m.StepCommand) -> None:
+        """Broadcast ``step``: the ranks run the steps they are sent in order, one at a time."""
         send(self.steps, step)
-        meanwhile()
+
+    def wait_result(self, step_id: int, deadline_s: float) -> m.StepResult:
+        """Rank 0's result of step ``step_id`` (sent before; a step sent after it may be queued behind it);
+        WorkersLost if a rank dies or fails first, or no result comes within ``deadline_s``."""
         deadline = time.monotonic() + deadline_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WorkersLost(f"step {step.step_id} got no result within {deadline_s:.1f}s (--step-timeout): "
+                raise WorkersLost(f"step {step_id} got no result within {deadline_s:.1f}s (--step-timeout): "
                                   f"a rank hangs")
             ready = poll([self.results, self.control, self.control_monitor, self.hooks.intake],
                          self._poll_ms(min(remaining, self.hooks.heartbeat_interval_s)))
@@ -149,10 +151,10 @@ class RankGroup:
                 if sender is not None and sender != self.pids.get(0):
                     log_dropped("StepResult", "step result from a process that is not rank 0", peer_pid=sender)
                     continue
-                if msg.step_id < step.step_id:
+                if msg.step_id < step_id:
                     continue  # sent by a rank 0 that died before it was read: that step was computed again
-                if msg.step_id != step.step_id:
-                    log_dropped("StepResult", "result of a step never sent", step=msg.step_id, due=step.step_id)
+                if msg.step_id != step_id:
+                    log_dropped("StepResult", "result of a step never sent", step=msg.step_id, due=step_id)
                     continue
                 return msg
 

@@ -22,8 +22,8 @@ SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.STEP: m.StepCommand(
         step_id=7, new_requests=[m.NewRequestData("f0-2", SAMPLING, [4, 5, 8], 36, False, list(range(16)),
                                                          GRAMMAR)],
-        rids=["f0-1", "f0-2"], num_computed=[33, 16], num_new=[1, 20], token_ids=[9] + list(range(20)),
-        sample=[True, True], added_blocks=[["f0-1", [6]]], finished_rids=["f0-0"]),
+        rids=["f0-1", "f0-2"], num_computed=[33, 16], num_new=[1, 20], token_ids=[m.SAMPLED_LAST] + list(range(20)),
+        sample=[True, True], added_blocks=[["f0-1", [6]]], finished_rids=["f0-0"], ahead=True),
     m.Kind.SHUTDOWN: m.Shutdown("scheduler stopped"),
     m.Kind.STEP_RESULT: m.StepResult(7, ["f0-1", "f0-2"], [11, 12], [-0.25, -1.5], 0.01, 0.001,
                                      [[[11, 13], [-0.25, -2.0]], [[12, 14], [-1.5, -1.75]]], [],

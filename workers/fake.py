@@ -8,6 +8,12 @@ a first step) or on a preemption followed by recomputation — like a real model
 A step whose prompt tokens include ``OUT_OF_MEMORY_TOKEN`` raises ``torch.OutOfMemoryError``, which the
 runner handles as ModelRunner does (``out_of_memory_step``), so tests reach the path of a step that ran out
 of memory without a GPU. The fake has no collectives: every rank fails that step alike, at any group size.
+
+A request with a grammar is constrained to ``len(grammar.source)`` tokens: its next sample is forced to
+``GRAMMAR_END_TOKEN`` (as a real grammar that is complete allows only end-of-sequence), and a token fed
+after that end is a grammar error (rank 0 reports it, as the real matcher reports a token it cannot take).
+Rank 0 also checks that every token fed where it sampled one is that token (the token a step sent ahead
+feeds forward, ``SAMPLED_LAST``): a mismatch is reported as the request's error.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from llmbus.workers.model_runner import SeqInput, StepOutput, out_of_memory_step
 # A prompt token that makes the fake's step run out of memory (only at prompt positions: a sampled token
 # equal to it is an ordinary decode).
 OUT_OF_MEMORY_TOKEN = 999
+GRAMMAR_END_TOKEN = 998  # what a constrained request samples once its grammar is complete
 
 
 class FakeRunner:
@@ -33,6 +40,7 @@ class FakeRunner:
         self.num_blocks = num_blocks or 4096
         self.max_position_embeddings = 1 << 20
         self.steps = 0
+        self.last_sampled: dict[str, tuple[int, int]] = {}  # rank 0: rid -> (position, token) sampled last
 
     def warmup(self) -> int:
         return 1
@@ -57,8 +65,21 @@ class FakeRunner:
         sampled = [s for s in seqs if s.sample]
         if self.rank != 0:
             return None
+        errors = self._check_fed(seqs)
         tokens, num_tokens = [], []
         for s in sampled:
+            if s.grammar is not None and not s.num_spec:
+                position = s.num_computed + len(s.token_ids)  # of the token sampled now
+                generated = position - s.prompt_len
+                if generated >= len(s.grammar.source):
+                    tokens.append(GRAMMAR_END_TOKEN)
+                else:
+                    tokens.append(self.next_token(s.token_ids[-1], position))
+                if generated > len(s.grammar.source):
+                    errors.append([s.rid, "generation", f"token {s.token_ids[-1]} after the grammar's end"])
+                num_tokens.append(1)
+                self.last_sampled[s.rid] = (position, tokens[-1])
+                continue
             # each guessed position verified as the real runner does: kept while the next token agrees
             first = len(s.token_ids) - 1 - s.num_spec
             kept = 0
@@ -69,9 +90,22 @@ class FakeRunner:
                 if kept > s.num_spec or token != s.token_ids[first + kept]:
                     break
             num_tokens.append(kept)
+            self.last_sampled[s.rid] = (s.num_computed + first + kept, token)
         return StepOutput(rids=[s.rid for s in sampled], token_ids=tokens, logprobs=[-1.0] * len(tokens),
-                          forward_time=time.perf_counter() - t0, sample_time=0.0,
+                          forward_time=time.perf_counter() - t0, sample_time=0.0, errors=errors,
                           num_tokens=num_tokens if any(s.num_spec for s in sampled) else [])
 
+    def _check_fed(self, seqs: list[SeqInput]) -> list[list]:
+        """Errors for requests fed a token other than the one sampled at its position."""
+        errors = []
+        for s in seqs:
+            position, token = self.last_sampled.get(s.rid, (-1, 0))
+            offset = position - s.num_computed
+            if 0 <= offset < len(s.token_ids) and s.token_ids[offset] != token:
+                errors.append([s.rid, "generation",
+                               f"fed {s.token_ids[offset]} at position {position}, where {token} was sampled"])
+        return errors
+
     def drop(self, rids: list[str]) -> None:
-        pass
+        for rid in rids:
+            self.last_sampled.pop(rid, None)

@@ -4,6 +4,11 @@ Each rank keeps the state of the requests it has seen (sampling parameters, KV b
 tokens), updated from the diffs in each StepCommand and dropped when a step lists the request as finished
 (or preempted: it may come back later as a new request with the same rid). Steps are
 numbered: a rank that sees a gap stops with a WorkerFatal rather than compute with missing state.
+
+A step the scheduler sent ahead (before it read the result of the step before) feeds ``SAMPLED_LAST`` where
+a request's last token goes: rank 0 puts in the token it sampled for that request in the step before
+(the scheduler's overlap; scheduler/process.py). When that step failed, the one sent ahead of it is
+skipped: its diffs are applied, nothing is computed, and the scheduler drops its result.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class _RequestState:
     prompt_logprobs: bool
     cached_ids: list[int]  # NewRequestData.cached_ids: the prefix its first step found already computed
     grammar: m.Grammar | None = None
+    last_sampled: int | None = None  # rank 0: the last token sampled for it, for a step's SAMPLED_LAST
 
 
 class StepGap(RuntimeError):
@@ -234,6 +240,7 @@ class Worker:
         self.log = ctx.log
         self.states: dict[str, _RequestState] = {}
         self.last_step = 0
+        self.last_failed = False  # the last step ran out of memory: a step sent ahead of it is skipped
         ep = Endpoints.in_dir(cfg.run_dir)
         z = ctx.zmq_ctx
         # Subscribe before saying hello: the scheduler counts subscriptions before its first step.
@@ -364,7 +371,12 @@ class Worker:
             if self.last_step and msg.step_id != self.last_step + 1:
                 raise StepGap(f"rank {self.cfg.rank} got step {msg.step_id} after step {self.last_step}")
             self.last_step = msg.step_id
-            out = self.runner.step(self.apply(msg))
+            seqs = self.apply(msg)
+            if msg.ahead and self.last_failed:
+                out = self._skipped(msg)
+            else:
+                out = self.runner.step(seqs)
+                self._note_sampled(msg, out)
             if self.results is not None:
                 send(self.results, m.StepResult(step_id=msg.step_id, rids=out.rids, token_ids=out.token_ids,
                                                 logprobs=out.logprobs, forward_time=out.forward_time,
@@ -373,6 +385,34 @@ class Worker:
                                                 top_tokens=out.top_tokens, errors=out.errors,
                                                 num_tokens=out.num_tokens, failed_error=out.failed,
                                                 request_state=sum(self.request_state().values())))
+
+    def _skipped(self, cmd: m.StepCommand):
+        """What a step sent ahead of a failed one answers: it was built on tokens that step never sampled."""
+        from llmbus.workers.model_runner import StepOutput
+
+        self.last_failed = False
+        why = f"step {cmd.step_id} skipped: it was sent ahead of step {cmd.step_id - 1}, which failed"
+        return StepOutput([], [], [], 0.0, 0.0, failed=why) if self.cfg.rank == 0 else None
+
+    def _note_sampled(self, cmd: m.StepCommand, out) -> None:
+        """Rank 0 keeps each request's last sampled token (for SAMPLED_LAST in the next step) and whether the
+        step failed; the other ranks have no tokens (they are never sent ahead: tensor parallelism is
+        lock-step)."""
+        if out is None:
+            return
+        self.last_failed = bool(out.failed)
+        if out.failed:
+            for rid in cmd.rids:
+                if rid in self.states:
+                    self.states[rid].last_sampled = None
+            return
+        counts = out.num_tokens or [1] * len(out.rids)
+        end = 0
+        for rid, n in zip(out.rids, counts):
+            end += n
+            state = self.states.get(rid)
+            if state is not None:
+                state.last_sampled = out.token_ids[end - 1]
 
     def request_state(self) -> dict[str, int]:
         """This rank's per-request objects by kind (``runner_request_state``, and the requests' own states)."""
@@ -399,13 +439,27 @@ class Worker:
         for rid, num_computed, num_new, sample, spec in zip(cmd.rids, cmd.num_computed, cmd.num_new, cmd.sample,
                                                              num_spec):
             state = self.states[rid]
-            seqs.append(SeqInput(rid=rid, token_ids=cmd.token_ids[offset:offset + num_new],
+            token_ids = cmd.token_ids[offset:offset + num_new]
+            if m.SAMPLED_LAST in token_ids:
+                token_ids = self._fed_forward(cmd, state, token_ids)
+            seqs.append(SeqInput(rid=rid, token_ids=token_ids,
                                  num_computed=num_computed, block_table=state.block_table, sample=sample,
                                  sampling=state.sampling, prompt_len=state.prompt_len,
                                  prompt_logprobs=state.prompt_logprobs, cached_ids=state.cached_ids,
                                  grammar=state.grammar, num_spec=spec))
             offset += num_new
         return seqs
+
+    def _fed_forward(self, cmd: m.StepCommand, state: _RequestState, token_ids: list[int]) -> list[int]:
+        """A request's tokens with SAMPLED_LAST replaced by the token this rank sampled for it last."""
+        if self.cfg.rank != 0 or not cmd.ahead:
+            raise ValueError(f"step {cmd.step_id}: SAMPLED_LAST reached rank {self.cfg.rank} in a step "
+                             f"{'sent ahead' if cmd.ahead else 'not sent ahead'}")
+        if state.last_sampled is None:
+            if self.last_failed:
+                return [0 if t == m.SAMPLED_LAST else t for t in token_ids]  # the step is skipped
+            raise ValueError(f"step {cmd.step_id}: SAMPLED_LAST for a request that sampled nothing yet")
+        return [state.last_sampled if t == m.SAMPLED_LAST else t for t in token_ids]
 
     def report_fatal(self, error: str) -> None:
         try:
