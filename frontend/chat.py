@@ -4,7 +4,8 @@ Jinja renderer, so a conversation becomes exactly the text ``tokenizer.apply_cha
 Where to look, first hit wins (transformers 5 and TGI agree on the order): ``chat_template.jinja``,
 ``chat_template.json``, then ``tokenizer_config.json`` ``chat_template`` (a string, or a list of named
 templates of which ``default`` is used). The template sees ``messages``, ``add_generation_prompt``, the
-special tokens (``bos_token``, ``eos_token``, ...) and ``tools`` when given. As in TGI, a conversation
+special tokens (``bos_token``, ``eos_token``, ...), ``tools`` when given and a request's
+``chat_template_kwargs`` (``enable_thinking``, ...). As in TGI, a conversation
 that ends with an assistant message is continued (the prompt stops right after that message's content)
 instead of being answered.
 """
@@ -12,9 +13,12 @@ instead of being answered.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from llmbus.frontend.errors import ApiError, ErrorKind
+from llmbus.frontend.reasoning import ReasoningMarkers, find_markers
+from llmbus.frontend.tool_formats import ToolFormat, tool_format
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                        "mask_token")
@@ -67,6 +71,27 @@ def _special_tokens(model_dir: Path) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class ChatFormat:
+    """How the model writes: its tool-call syntax, its thinking markers, and its added tokens by text
+    (a marker held as one token is allowed in grammars as that token too)."""
+
+    tools: ToolFormat
+    reasoning: ReasoningMarkers | None
+    added_tokens: dict[str, int]
+
+    def token_of(self, marker: str) -> int | None:
+        return self.added_tokens.get(marker)
+
+    @property
+    def markers(self) -> frozenset[str]:
+        """The markers the parsers read: kept in a chat answer's text even where they are special tokens."""
+        fmt, reasoning = self.tools, self.reasoning
+        found = [fmt.lead, fmt.optional_tag, *(fmt.tags or ())]
+        found += [reasoning.start, reasoning.end] if reasoning else []
+        return frozenset(m for m in found if m)
+
+
 class ChatTemplate:
     """Renders conversations with the model's template; ``TEMPLATE`` errors (422) when it has none."""
 
@@ -75,6 +100,16 @@ class ChatTemplate:
         self.source = find_chat_template(model_dir)
         self.special_tokens = _special_tokens(model_dir)
         self._render = None
+        self._format: tuple[str, ChatFormat] | None = None
+
+    def chat_format(self, tool_call_parser: str, tokenizer) -> ChatFormat:
+        """The model's ``ChatFormat`` under ``--tool-call-parser`` (``auto``: the template's), worked out
+        once. ``tokenizer``: a ``tokenizers.Tokenizer``."""
+        if self._format is None or self._format[0] != tool_call_parser:
+            added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+            self._format = (tool_call_parser, ChatFormat(tool_format(tool_call_parser, self.source),
+                                                         find_markers(self.source), added))
+        return self._format[1]
 
     @property
     def available(self) -> bool:
@@ -88,7 +123,8 @@ class ChatTemplate:
             from transformers.utils.chat_template_utils import render_jinja_template
             self._render = render_jinja_template
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, extra: dict | None = None) -> str:
+        """The prompt; ``extra``: more variables for the template (a request's ``chat_template_kwargs``)."""
         if self.source is None:
             raise template_error("template not found")
         self.load()
@@ -97,7 +133,7 @@ class ChatTemplate:
             rendered, _ = self._render(
                 [messages], tools=tools or None, chat_template=self.source,
                 add_generation_prompt=not continue_final, continue_final_message=continue_final,
-                **self.special_tokens)
+                **{**self.special_tokens, **(extra or {})})
         except Exception as e:  # noqa: BLE001 - any template failure is the template's error, not ours
             # raise_exception('...') in a template arrives here with the template's own words
             raise template_error(str(e) or type(e).__name__) from None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.shared_settings import QUANTIZE_METHODS
+from llmbus.frontend.tool_formats import TOOL_CALL_PARSERS
 
 # --generation-config's words: the model's file, or none (vLLM's word for that, "vllm", means the same)
 GENERATION_CONFIG_MODES = ("auto", "none", "vllm")
@@ -113,6 +114,10 @@ class FrontendConfig(ServiceSettings):
                                                 "Schema does: objects allow undeclared properties and tuples "
                                                 "extra items unless the schema says otherwise (default: only "
                                                 "what the schema declares, unless it opts in to more).")
+    # the syntax tool calls are parsed and constrained in (frontend/tool_formats.py); vLLM's flag name
+    tool_call_parser: str = setting("auto", env="TOOL_CALL_PARSER", choices=TOOL_CALL_PARSERS,
+                                    help="The tool-call syntax: `auto` reads it from the chat template's "
+                                         "markers (Hermes when it shows none); or name one.")
     # /v1/responses with `store` (OpenAI's default) keeps this many responses for previous_response_id and
     # GET/DELETE /v1/responses/{id}; in this process's memory only (frontend/responses_store.py)
     responses_store_size: int = setting(1000, env="RESPONSES_STORE_SIZE", ge=0,

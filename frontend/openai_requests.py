@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from llmbus.frontend.chat import ChatFormat
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
 from llmbus.frontend.grammar import response_format_grammar
+from llmbus.frontend.reasoning import ReasoningPlan
 from llmbus.frontend.refused_fields import OPENAI_CHAT, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
 from llmbus.frontend.tools import ToolPlan, parse_tools
@@ -30,6 +32,9 @@ _TYPE_CHECKS = {
     "array": lambda v: isinstance(v, list),
 }
 _ARTICLE = {"integer": "an", "object": "an", "array": "an"}
+# the variables the renderer sets itself: chat_template_kwargs may not replace them
+_TEMPLATE_OWN = ("messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                 "continue_final_message", "return_assistant_tokens_mask", "conversations")
 
 
 def read_json_object(raw: bytes, what: str) -> dict:
@@ -82,6 +87,9 @@ class ChatRequest:
     options: OpenAIOptions
     plan: ToolPlan | None = None  # the tools the model may call, and the grammar that holds it to them
     tool_prompt: str | None = None  # TGI's: the instruction appended with the tools (None: ours)
+    template_kwargs: dict | None = None  # chat_template_kwargs: more variables for the template
+    chat_format: ChatFormat | None = None  # the model's syntaxes (None: Hermes, no reasoning)
+    reasoning: ReasoningPlan | None = None  # set once the prompt is rendered (openai_routes.chat_prompt)
 
 
 @dataclass
@@ -230,7 +238,17 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingDefaults) -> ChatRequest:
+def _template_kwargs(body: dict) -> dict | None:
+    kwargs = _get(body, "chat_template_kwargs", "object")
+    for key in kwargs or ():
+        if key in _TEMPLATE_OWN or key.endswith("_token"):
+            raise validation_error(f"`chat_template_kwargs` may not set `{key}`", param="chat_template_kwargs")
+    return kwargs or None
+
+
+def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingDefaults,
+               chat_format: ChatFormat | None = None) -> ChatRequest:
+    """A chat request; ``chat_format``: the model's tool syntax (and its markers' tokens) for the plan."""
     refuse_unserved(body, OPENAI_CHAT)
     p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"), defaults)
     messages = _messages(body)
@@ -239,7 +257,10 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
     elif body.get("top_logprobs") is not None:
         raise validation_error("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
     tools = _get(body, "tools", "array")
-    plan = parse_tools(body, strict=limits.strict_schemas)
+    if chat_format is not None:
+        plan = parse_tools(body, strict=limits.strict_schemas, fmt=chat_format.tools, token_of=chat_format.token_of)
+    else:
+        plan = parse_tools(body, strict=limits.strict_schemas)
     response_format = _get(body, "response_format", "object")
     if plan is not None:
         if response_format and response_format.get("type") not in (None, "text"):
@@ -251,7 +272,8 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
         p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support,
                                                strict=limits.strict_schemas)
     return ChatRequest(messages=messages, tools=tools or None, params=p, options=options, plan=plan,
-                       tool_prompt=_get(body, "tool_prompt", "string"))
+                       tool_prompt=_get(body, "tool_prompt", "string"), template_kwargs=_template_kwargs(body),
+                       chat_format=chat_format)
 
 
 def parse_completion(body: dict, limits: Limits, max_client_batch_size: int,

@@ -5,6 +5,9 @@ interleaves their chunks as tokens arrive. Everything is validated and tokenized
 starts, so a bad request is an HTTP error the SDKs raise, never a broken stream; errors after that travel
 in-band as ``data: {"error": ...}`` before ``data: [DONE]``.
 
+A model's reasoning section (frontend/reasoning.py) comes back as ``message.reasoning_content`` (streamed as
+``delta.reasoning_content``), apart from ``content`` and ``tool_calls``, when its template has thinking markers.
+
 Text follows OpenAI, not TGI: a matched stop sequence is cut from the text (so a stream holds back the
 last characters that could still begin one), finish reasons are ``stop`` / ``length``, ids are unique.
 """
@@ -25,9 +28,11 @@ from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, r
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
                                              parse_completion, read_json_object)
+from llmbus.frontend.reasoning import ReasoningPlan, ReasoningStream, grammar_after_reasoning, opening, \
+    split_reasoning
 from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
-from llmbus.frontend.tools import ToolCallStream, parse_tool_output, prepare_messages, takes_tools
+from llmbus.frontend.tools import ToolCallStream, new_call_id, parse_tool_output, prepare_messages, takes_tools
 from llmbus.frontend.validation import GenerateParameters
 
 _FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -50,10 +55,13 @@ class Job:
 class Choice:
     """A generation seen through OpenAI's eyes: the text it may show so far, and its logprobs."""
 
-    def __init__(self, job: Job, gen: Generation):
+    def __init__(self, job: Job, gen: Generation, markers: frozenset[str] = frozenset()):
         self.job = job
         self.gen = gen
         self.sent = 0  # characters of visible_text() already streamed
+        # special tokens shown in the text after all: the chat format's markers (Mistral's [TOOL_CALLS]),
+        # which its parsers read
+        self._markers = markers
         stops = gen.prepared.params.stop
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
@@ -66,6 +74,8 @@ class Choice:
         """The generated text without a matched stop sequence; while running, minus the tail that might
         still turn into one."""
         text = self.gen.generated_text
+        if self._markers and any(t.special and t.text in self._markers for t in self.gen.tokens):
+            text = "".join(t.text for t in self.gen.tokens if not t.special or t.text in self._markers)
         if self.gen.finish_reason == "stop_sequence":
             cuts = [i for i in (text.find(s) for s in self._stops) if i != -1]
             return text[:min(cuts)] if cuts else text
@@ -157,10 +167,11 @@ def _choice_params(params: GenerateParameters, choice: int) -> GenerateParameter
     return dataclasses.replace(params, seed=(params.seed + choice) % 2**64)
 
 
-async def _prepare(state: FrontendState, jobs: list[Job], start: float, arrival: float) -> list[Choice]:
+async def _prepare(state: FrontendState, jobs: list[Job], start: float, arrival: float,
+                   markers: frozenset[str] = frozenset()) -> list[Choice]:
     gens = await state.generator.prepare_all([(j.text, j.params, j.add_special_tokens) for j in jobs],
                                              start, arrival)
-    return [Choice(job, gen) for job, gen in zip(jobs, gens)]
+    return [Choice(job, gen, markers) for job, gen in zip(jobs, gens)]
 
 
 async def _stream(request: web.Request, state: FrontendState, choices: list[Choice], options: OpenAIOptions,
@@ -271,10 +282,12 @@ class _Chunks:
 
 
 class _ChatChunks(_Chunks):
-    def __init__(self, header: dict, options: OpenAIOptions, tools: bool = False):
+    def __init__(self, header: dict, options: OpenAIOptions, chat: ChatRequest):
         super().__init__(header, options)
-        # with tools, each choice's text goes through a parser that turns calls into tool_calls deltas
-        self.parsers: dict[int, ToolCallStream] | None = {} if tools else None
+        # with tools, each choice's text goes through a parser that turns calls into tool_calls deltas;
+        # with a reasoning section, first through one that takes it apart
+        self.chat = chat
+        self.parsers: dict[int, ChoiceParser] | None = {} if chat.plan or chat.reasoning else None
 
     def _delta(self, c: Choice, delta: dict, logprobs, finish) -> dict:
         return self._chunk({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
@@ -286,13 +299,15 @@ class _ChatChunks(_Chunks):
         logprobs = _chat_logprobs(tokens, self.options)
         finish = c.finish_reason_of(tokens)
         if self.parsers is not None:
-            return self._tool_deltas(c, text, logprobs, finish)
+            return self._parsed_deltas(c, text, logprobs, finish)
         if not text and logprobs is None and finish is None:
             return []  # a token whose text is held back, or a special token
         return [self._delta(c, {"content": text} if text or finish is None else {}, logprobs, finish)]
 
-    def _tool_deltas(self, c: Choice, text: str, logprobs, finish) -> list[dict]:
-        parser = self.parsers.setdefault(c.index, ToolCallStream())
+    def _parsed_deltas(self, c: Choice, text: str, logprobs, finish) -> list[dict]:
+        parser = self.parsers.get(c.index)
+        if parser is None:
+            parser = self.parsers[c.index] = ChoiceParser(self.chat)
         deltas = parser.feed(text) if text else []
         if finish is not None:
             deltas += parser.finish()
@@ -306,6 +321,38 @@ class _ChatChunks(_Chunks):
         return chunks
 
 
+class ChoiceParser:
+    """A choice's text in, its OpenAI deltas out: ``reasoning_content`` of its reasoning section, then
+    ``content`` and ``tool_calls`` of the answer (calls in the model's syntax)."""
+
+    def __init__(self, chat: ChatRequest, new_id=None):
+        plan = chat.plan
+        self.reasoning: ReasoningStream | None = chat.reasoning.stream() if chat.reasoning else None
+        self.tools = ToolCallStream(new_id or new_call_id, plan.format) if plan is not None else None
+
+    @property
+    def has_calls(self) -> bool:
+        return self.tools is not None and self.tools.has_calls
+
+    def _deltas(self, pieces: list[tuple[str, str]]) -> list[dict]:
+        out: list[dict] = []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                out.append({"reasoning_content": piece})
+            elif self.tools is not None:
+                out += self.tools.feed(piece)
+            else:
+                out.append({"content": piece})
+        return out
+
+    def feed(self, text: str) -> list[dict]:
+        return self._deltas(self.reasoning.feed(text) if self.reasoning else [("content", text)])
+
+    def finish(self) -> list[dict]:
+        out = self._deltas(self.reasoning.finish()) if self.reasoning else []
+        return out + (self.tools.finish() if self.tools is not None else [])
+
+
 def _tool_finish_reason(finish: str, has_calls: bool) -> str:
     """OpenAI's "tool_calls" when the answer called tools and ended by itself (not cut by max_tokens)."""
     return "tool_calls" if has_calls and finish == "stop" else finish
@@ -313,41 +360,56 @@ def _tool_finish_reason(finish: str, has_calls: bool) -> str:
 
 def _chat_message(c: Choice, chat: ChatRequest) -> tuple[dict, str | None]:
     """The assistant message of a finished choice, and its finish reason."""
-    text = c.visible_text()
+    reasoning, text = split_reasoning(c.visible_text(), chat.reasoning)
+    head = {"role": "assistant"}
+    if chat.reasoning is not None:  # the template knows reasoning: say whether there was any
+        head["reasoning_content"] = reasoning
     if chat.plan is None:
-        return {"role": "assistant", "content": text}, c.finish_reason
-    content, calls = parse_tool_output(text)
+        return {**head, "content": text}, c.finish_reason
+    content, calls = parse_tool_output(text, fmt=chat.plan.format)
     if not calls:
-        return {"role": "assistant", "content": text}, c.finish_reason
-    return ({"role": "assistant", "content": content, "tool_calls": calls},
-            _tool_finish_reason(c.finish_reason, True))
+        return {**head, "content": text}, c.finish_reason
+    return {**head, "content": content, "tool_calls": calls}, _tool_finish_reason(c.finish_reason, True)
+
+
+def chat_format(state: FrontendState):
+    """The served model's ``ChatFormat`` (its tool syntax and thinking markers)."""
+    return state.chat_template.chat_format(state.config.tool_call_parser, state.tokenizer.tokenizer)
 
 
 def chat_prompt(state: FrontendState, chat: ChatRequest) -> str:
-    """The conversation through the model's template, tools shown to the model as the template allows."""
+    """The conversation through the model's template, tools shown to the model as the template allows.
+    Where the template has thinking markers, it also settles ``chat.reasoning`` (where the generation
+    starts) and lets the request's grammar begin after the reasoning section."""
     source = state.chat_template.source
     messages = prepare_messages(chat.messages, chat.plan, source, chat.tool_prompt)
     if chat.plan is not None:
         tools = chat.plan.template_tools(source)
     else:  # tool_choice "none": a template that declares tools still sees them
         tools = chat.tools if chat.tools and takes_tools(source) else None
-    return state.chat_template.render(messages, tools)
+    prompt = state.chat_template.render(messages, tools, chat.template_kwargs)
+    fmt = chat_format(state)
+    if fmt.reasoning is not None and chat.reasoning is None:  # (rendered once: the grammar is wrapped once)
+        chat.reasoning = ReasoningPlan(fmt.reasoning, opening(fmt.reasoning, prompt))
+        others = set(fmt.added_tokens.values()) - set(state.tokenizer.eos_token_ids)
+        chat.params.constraint = grammar_after_reasoning(chat.params.constraint, chat.reasoning, fmt.token_of,
+                                                         others)
+    return prompt
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     start, arrival = time.monotonic(), time.time()
     state = request.app[STATE]
     chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
-                      state.config.max_client_batch_size, state.sampling_defaults)
+                      state.config.max_client_batch_size, state.sampling_defaults, chat_format(state))
     prompt = chat_prompt(state, chat)
     # the rendered template already holds the BOS and other special tokens
     jobs = [Job(i, 0, prompt, _choice_params(chat.params, i), add_special_tokens=False)
             for i in range(chat.options.n)]
-    choices = await _prepare(state, jobs, start, arrival)
+    choices = await _prepare(state, jobs, start, arrival, chat_format(state).markers)
     header = _header(state, "chat.completion", _new_id("chatcmpl"), int(arrival))
     if chat.options.stream:
-        render = _ChatChunks({**header, "object": "chat.completion.chunk"}, chat.options,
-                             tools=chat.plan is not None)
+        render = _ChatChunks({**header, "object": "chat.completion.chunk"}, chat.options, chat)
         return await _stream(request, state, choices, chat.options, render)
     await run_all([c.gen for c in choices])
     answers = [(c, *_chat_message(c, chat)) for c in choices]

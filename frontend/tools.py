@@ -1,7 +1,9 @@
 """OpenAI tool calling: the request's ``tools`` read into a grammar, the conversation prepared for the chat
 template, and the generated text turned back into ``tool_calls`` (whole, or as stream deltas).
 
-One syntax for every model, Hermes' (Qwen2.5's templates and most tool-tuned open models use it)::
+Each family's own syntax (frontend/tool_formats.py: Hermes, Llama 3.1's JSON, Mistral's [TOOL_CALLS],
+Phi-4-mini's functools); described here in Hermes', which Qwen's templates and most tool-tuned open models
+use, and which any model whose template shows no syntax is taught::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"location": "Paris"}}
@@ -43,16 +45,12 @@ from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend.grammar import compile_error
 from llmbus.frontend.strict_schema import strict_schema
+from llmbus.frontend.tool_formats import HERMES, ToolFormat, detect_tool_format
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _CHOICE_WORDS = ("auto", "none", "required")
-# "text without <tool_call>"; (.|\n) is valid UTF-8 only, which the negation alone would not be
-_AUTO_RULES = ('TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n'
-               'lead[lazy]: /(.|\\n)*<tool_call>/\n')
-_LARK_CALL = 'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARGUMENTS_KEY = re.compile(r'\s*,\s*"arguments"\s*:')
+_ARGUMENTS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:')
 _JSON_VALUES = ("const", "enum", "default", "examples")  # keywords whose values are data, not schemas
 _BAD = object()  # what _loads gives for text that is not JSON
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -71,6 +69,7 @@ class ToolPlan:
     function: str | None  # the one function allowed, when choice == "function"
     parallel: bool  # more than one call per generation
     grammar: Grammar  # kind "lark"
+    format: ToolFormat = HERMES  # the syntax the model calls in
 
     @property
     def offered(self) -> list[dict]:
@@ -122,10 +121,12 @@ def _choice(value) -> tuple[str, str | None]:
                            '{"type": "function", "function": {"name": ...}}', param="tool_choice")
 
 
-def parse_tools(body: dict, *, strict: bool = False) -> ToolPlan | None:
+def parse_tools(body: dict, *, strict: bool = False, fmt: ToolFormat = HERMES,
+                token_of=lambda marker: None) -> ToolPlan | None:
     """The plan of a chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when the
     generation is not about tools (no tools, or ``tool_choice: "none"``). ``strict``: arguments hold to
-    what each function's parameters declare (frontend/strict_schema.py)."""
+    what each function's parameters declare (frontend/strict_schema.py). ``fmt``: the model's syntax;
+    ``token_of``: the id of a marker the tokenizer holds as one token (or None)."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise validation_error("`tools` must be an array of tools", param="tools")
@@ -149,12 +150,12 @@ def parse_tools(body: dict, *, strict: bool = False) -> ToolPlan | None:
     # a named function means exactly one call, as in OpenAI's API and vLLM: with more allowed, a small model
     # repeats the same call until max_tokens
     parallel = parallel is not False and choice != "function"
-    plan = ToolPlan(tools, choice, function, parallel, Grammar("lark", ""))
+    plan = ToolPlan(tools, choice, function, parallel, Grammar("lark", ""), fmt)
     offered = plan.offered
     if strict:
         offered = [{**t, "function": {**t["function"], "parameters": strict_schema(t["function"]["parameters"])}}
                    for t in offered]
-    plan.grammar = tool_grammar(offered, choice, plan.parallel)
+    plan.grammar = tool_grammar(offered, choice, plan.parallel, fmt, token_of)
     why = compile_error("lark", plan.grammar.source)
     if why is not None:  # name the culprit: compiling each schema alone gives llguidance's plain reason
         for tool in plan.offered:
@@ -187,24 +188,23 @@ def _rebase(schema, base: str):
     return out
 
 
-def call_schema(tools: list[dict]) -> dict:
-    """The JSON schema of one call's body: any of the functions, by name, with its arguments."""
+def call_schema(tools: list[dict], key: str = "arguments") -> dict:
+    """The JSON schema of one call's body: any of the functions, by name, with its arguments under
+    ``key`` ("parameters" in Llama's syntax)."""
     return {"anyOf": [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]},
-        "arguments": _rebase(t["function"]["parameters"], f"#/anyOf/{i}/properties/arguments")},
-        "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)],
+        key: _rebase(t["function"]["parameters"], f"#/anyOf/{i}/properties/{key}")},
+        "required": ["name", key], "additionalProperties": False} for i, t in enumerate(tools)],
         "x-guidance": JSON_OPTIONS}
 
 
-def tool_grammar(tools: list[dict], choice: str, parallel: bool) -> Grammar:
-    """The Lark grammar of a generation under ``choice``; the same tools give the same source (the engine
-    caches compiled grammars by source), as key order is kept, never sorted: it is the properties' order."""
-    more = ' ("\\n" call)*' if parallel else ""
-    if choice == "auto":
-        start = f'start: TEXT | lead "\\n" body "\\n</tool_call>"{more} "\\n"?\n' + _AUTO_RULES
-    else:
-        start = f'start: call{more} "\\n"?\n'
-    return Grammar("lark", start + _LARK_CALL + "body: %json " + json.dumps(call_schema(tools)) + "\n")
+def tool_grammar(tools: list[dict], choice: str, parallel: bool, fmt: ToolFormat = HERMES,
+                 token_of=lambda marker: None) -> Grammar:
+    """The Lark grammar of a generation under ``choice`` in ``fmt``'s syntax; the same tools give the same
+    source (the engine caches compiled grammars by source), as key order is kept, never sorted: it is the
+    properties' order."""
+    body = "%json " + json.dumps(call_schema(tools, fmt.arguments_key))
+    return Grammar("lark", fmt.grammar(body, choice, parallel, token_of))
 
 
 # --- the conversation -------------------------------------------------------------------------------
@@ -221,15 +221,8 @@ def _takes_tool_role(source: str) -> bool:
 
 
 def default_tool_prompt(plan: ToolPlan) -> str:
-    """Our instruction to call functions in the Hermes syntax, worded for the plan's choice."""
-    form = ('To call a function, answer with a block of exactly this form:\n<tool_call>\n{"name": '
-            '"<function name>", "arguments": {<the arguments as a JSON object>}}\n</tool_call>\n')
-    several = "To call several functions, write one such block per call, each on a new line.\n"
-    head = {"function": f"You must call the function {plan.function}. ",
-            "required": "You must call one of the functions listed above. "}.get(
-        plan.choice, "You can call the functions listed above. ")
-    tail = "Only call a function when it helps answer; otherwise answer normally, in plain text."
-    return head + form + (several if plan.parallel else "") + (tail if plan.choice == "auto" else "")
+    """Our instruction to call functions in the plan's syntax, worded for its choice."""
+    return plan.format.instruction(plan.choice, plan.function, plan.parallel)
 
 
 def _calls(message: dict, i: int) -> list[tuple[str | None, str, object]]:
@@ -247,27 +240,23 @@ def _calls(message: dict, i: int) -> list[tuple[str | None, str, object]]:
     return out
 
 
-def hermes_call(name: str, arguments) -> str:
-    """One call as the model writes it (the grammar's separators, UTF-8 unescaped as llguidance forces)."""
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
-
-
 def prepare_messages(messages: list[dict], plan: ToolPlan | None, template_source: str | None,
                      tool_prompt: str | None = None) -> list[dict]:
     """OpenAI messages (string or None contents) made renderable by the template, tools shown to the model.
 
     - assistant ``tool_calls``: kept for a template that reads them (arguments as a dict, as HF templates
-      expect), else written into the content in the Hermes syntax, so the model sees what it called;
+      expect), else written into the content in the model's syntax, so the model sees what it called;
     - ``role: "tool"``: kept for a template that names that role, else a user message
       ``<tool_response>\\n...\\n</tool_response>`` (consecutive results share one, for templates that insist
       on alternating roles);
     - tools (with ``plan``): a template that declares tools gets them from ``plan.template_tools``; it is
-      told our syntax (``"\\n---\\n" + prompt``) unless it writes "<tool_call>" itself (Hermes-native). A
+      told the syntax (``"\\n---\\n" + prompt``) unless it teaches the plan's syntax itself. A
       template without tools gets ``"\\n---\\n" + tools JSON + "\\n" + prompt`` (TGI's injection). Either goes
       at the end of the last message that is not an assistant's (which would be continued, not answered).
       ``tool_prompt`` None means ``default_tool_prompt``; a given one is always used.
     """
     source = template_source or ""
+    fmt = plan.format if plan is not None else detect_tool_format(source)
     keep_calls, keep_role = "tool_calls" in source, _takes_tool_role(source)
     out: list[dict] = []
     merged_tool = False  # out[-1] is a user message made of tool results
@@ -293,7 +282,7 @@ def prepare_messages(messages: list[dict], plan: ToolPlan | None, template_sourc
                 continue
             del m["tool_calls"]
             m["content"] = "\n".join(([m["content"]] if m.get("content") else [])
-                                     + [hermes_call(name, args) for _, name, args in calls])
+                                     + [fmt.calls_text([(name, args) for _, name, args in calls])])
         if m.get("content") is None:
             m["content"] = ""  # templates that concatenate content (SmolLM2's) fail on None
         out.append(m)
@@ -301,7 +290,7 @@ def prepare_messages(messages: list[dict], plan: ToolPlan | None, template_sourc
         prompt = tool_prompt if tool_prompt is not None else default_tool_prompt(plan)
         if not takes_tools(source):
             extra = "\n---\n" + json.dumps(plan.offered, ensure_ascii=False) + "\n" + prompt
-        elif tool_prompt is not None or OPEN not in source:
+        elif tool_prompt is not None or detect_tool_format(source) is not fmt or not fmt.shown_in(source):
             extra = "\n---\n" + prompt
         else:
             extra = ""
@@ -323,23 +312,28 @@ class _Call:
 
 
 class ToolCallStream:
-    """Generated text in (any fragments), OpenAI chat-completion deltas out.
+    """Generated text in (any fragments), OpenAI chat-completion deltas out, for calls in ``fmt``'s syntax.
 
     Content deltas come as the text arrives, less a held-back tail: trailing whitespace (dropped if a call
-    follows) and what could still begin "<tool_call>". A call is announced (id, name, empty arguments) as soon
-    as its name is known, then its arguments follow in fragments that join to exactly the generated JSON
-    text. Tags, the body's braces and anything between or after calls are never shown.
+    follows) and what could still begin the format's lead marker. (Llama's syntax has none: an answer is
+    calls when it begins with "{" or <|python_tag|>, so only its opening whitespace waits.) A call is
+    announced (id, name, empty arguments) as soon as its name is known, then its arguments follow in
+    fragments that join to exactly the generated JSON text. Markers, the body's braces and anything
+    between or after calls are never shown.
     """
 
-    def __init__(self, new_id: Callable[[], str] = new_call_id):
+    def __init__(self, new_id: Callable[[], str] = new_call_id, fmt: ToolFormat = HERMES):
         self._new_id = new_id
+        self._fmt = fmt
         self._text = ""
         self._pos = 0  # everything before is handled
         self._sent = 0  # the content before this index of _text is emitted
-        self._state = "text"  # text | name | key | arguments | between
+        # start (Llama: is the answer calls?) | text | plain (no calls ever) | name | key | arguments | between
+        self._state = "text" if fmt.lead is not None else "start"
         self._started = False  # the arguments value has begun (whitespace before it is skipped)
         self._depth, self._in_string, self._escape = 0, False, False
         self._calls: list[_Call] = []
+        self.content = ""  # every content delta, joined
 
     @property
     def has_calls(self) -> bool:
@@ -357,23 +351,33 @@ class ToolCallStream:
         while self._step(out):
             pass
         # keep only what is not handled yet, so a long generation costs linear time
-        cut = min(self._pos, self._sent) if self._state == "text" else self._pos
+        cut = min(self._pos, self._sent) if self._state in ("text", "start", "plain") else self._pos
         self._text, self._pos, self._sent = self._text[cut:], self._pos - cut, max(self._sent - cut, 0)
+        self.content += "".join(d.get("content", "") for d in out)
         return out
 
     def finish(self) -> list[dict]:
         """The held-back content, when no call began."""
-        if self._state != "text" or self._sent == len(self._text):
+        if self._state not in ("text", "start", "plain") or self._sent == len(self._text):
             return []
         delta, self._sent = self._text[self._sent:], len(self._text)
+        self.content += delta
         return [{"content": delta}]
 
     def _step(self, out: list[dict]) -> bool:
         """Handle what the text allows from ``_pos``; True when the state moved on (call again)."""
         text = self._text
+        if self._state == "start":
+            return self._start()
+        if self._state == "plain":
+            if len(text) > self._sent:
+                out.append({"content": text[self._sent:]})
+            self._pos = self._sent = len(text)
+            return False
         if self._state in ("text", "between"):
-            at = text.find(OPEN, self._pos)
-            end = at if at != -1 else len(text) - _open_prefix(text)
+            marker = self._fmt.lead if self._state == "text" else self._fmt.opener
+            at = text.find(marker, self._pos)
+            end = at if at != -1 else len(text) - _prefix_held(text, marker)
             if self._state == "text":
                 shown = end
                 while shown > self._sent and text[shown - 1].isspace():
@@ -384,7 +388,11 @@ class ToolCallStream:
             if at == -1:
                 self._pos = max(self._pos, end)
                 return False
-            self._pos, self._state = at + len(OPEN), "name"
+            if marker == "{":  # the JSON forms: the opener is the call's own brace
+                self._pos, self._state = at, "name"
+            else:
+                self._pos = at + len(marker)
+                self._state = "name" if marker == self._fmt.opener else "between"
             return True
         if self._state == "name":
             match = _NAME.match(text, self._pos)
@@ -404,6 +412,20 @@ class ToolCallStream:
             self._started, self._depth, self._in_string, self._escape = False, 0, False, False
             return True
         return self._arguments(out)
+
+    def _start(self) -> bool:
+        """Llama's syntax: the answer is calls when it begins (after whitespace) with "{" or the tag."""
+        text, i = self._text, self._pos
+        while i < len(text) and text[i].isspace():
+            i += 1
+        rest, tag = text[i:], self._fmt.optional_tag or "{"
+        if rest.startswith("{") or rest.startswith(tag):
+            self._pos, self._state = i, "between"
+            return True
+        if not rest or tag.startswith(rest):
+            return False  # may still become a call
+        self._state = "plain"
+        return True
 
     def _arguments(self, out: list[dict]) -> bool:
         """Scan the arguments value, string- and escape-aware, up to the "}" or "," that ends it."""
@@ -450,20 +472,21 @@ def _loads(text: str):
         return _BAD
 
 
-def _open_prefix(text: str) -> int:
-    """The length of the longest tail of ``text`` that begins "<tool_call>" (held back: it may become one)."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def _prefix_held(text: str, marker: str) -> int:
+    """The length of the longest tail of ``text`` that begins ``marker`` (held back: it may become one)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
             return n
     return 0
 
 
-def parse_tool_output(text: str, new_id: Callable[[], str] = new_call_id) -> tuple[str | None, list[dict]]:
+def parse_tool_output(text: str, new_id: Callable[[], str] = new_call_id,
+                      fmt: ToolFormat = HERMES) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a finished generation. Parsed by ``ToolCallStream``, so a stream and a whole
     answer agree. Without a whole call (say, cut by max_tokens) the text is all content."""
-    stream = ToolCallStream(new_id)
+    stream = ToolCallStream(new_id, fmt)
     stream.feed(text)
     calls = stream.tool_calls
     if not calls:
         return text, []
-    return text[:text.find(OPEN)].rstrip() or None, calls
+    return stream.content or None, calls
