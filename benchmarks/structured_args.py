@@ -1,22 +1,27 @@
 """Do SmolLM2's tool arguments and JSON outputs hold to their schemas? 20 tool and schema prompts (issue
-#37), greedy, on a server with strict schemas turned off (``--disable-strict-schemas``: JSON Schema's own
-meaning, undeclared keys allowed) and on one with the default (strict), in one run:
+#37), and 2 that invite long numbers, greedy, on a server with strict schemas turned off
+(``--disable-strict-schemas``: JSON Schema's own meaning, undeclared keys allowed) and on one with the
+default (strict), in one run; ``--against REV`` adds the default of another revision (a before/after):
 
-    python benchmarks/structured_args.py [--max-tokens 200]
+    python benchmarks/structured_args.py [--max-tokens 200] [--against REV]
 
 Per side, the answers that carry keys their schema does not declare, that ran to ``max_tokens``
-(finish_reason "length"), and that do not parse (arguments or content that are not JSON, or no call where
-``tool_choice`` forces one). None of the schemas sets ``additionalProperties``, as most clients' schemas
-(LangChain's, instructor's for nested models, hand-written tools) do not. A named ``tool_choice`` is one
-call on both sides (not a setting); the "calls" column counts the calls of the tool answers.
+(finish_reason "length"), that do not parse (arguments or content that are not JSON, or no call where
+``tool_choice`` forces one), and that hold a number of more than 17 significant digits (more than a float64
+keeps; rank 0 stops numbers there, workers/json_numbers.py). None of the schemas sets
+``additionalProperties``, as most clients' schemas (LangChain's, instructor's for nested models, hand-written
+tools) do not. A named ``tool_choice`` is one call on both sides (not a setting); the "calls" column counts
+the calls of the tool answers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
+from _revision import revision_package  # this folder, on the path of a script run from it
 from llmbus.testing import Server
 from llmbus.testing.http import post
 
@@ -86,6 +91,16 @@ SCHEMA_CASES = [
      {"type": "object", "properties": {"temperature": {"type": "number"}, "conditions": S},
       "required": ["temperature", "conditions"]}),
 ]
+# numbers: SmolLM2 wrote pi's digits until max_tokens, and an electron's mass with 18 significant digits
+NUMBER_CASES = [
+    ("Give the value of pi as JSON, with as many digits as you know.",
+     {"type": "object", "properties": {"pi": {"type": "number"}}, "required": ["pi"]}),
+    ("Give the mass of an electron in kilograms as JSON.",
+     {"type": "object", "properties": {"mass_kg": {"type": "number"}}, "required": ["mass_kg"]}),
+]
+CASES = TOOL_CASES + SCHEMA_CASES + NUMBER_CASES
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NUMBER = re.compile(r"-?[0-9][0-9.]*")
 
 
 def undeclared(value, schema: dict) -> bool:
@@ -96,6 +111,12 @@ def undeclared(value, schema: dict) -> bool:
     if isinstance(value, list) and isinstance(schema, dict) and isinstance(schema.get("items"), dict):
         return any(undeclared(v, schema["items"]) for v in value)
     return False
+
+
+def long_number(text: str | None) -> bool:
+    """Whether ``text`` holds a number (outside strings) of more than 17 significant digits."""
+    mantissas = _NUMBER.findall(_STRING.sub('""', text or ""))  # an exponent's digits are a match of their own
+    return any(len(m.lstrip("-").replace(".", "").lstrip("0")) > 17 for m in mantissas)
 
 
 def _loads(text):
@@ -118,12 +139,14 @@ def run_case(url: str, case: tuple, max_tokens: int) -> dict:
     if status != 200:
         raise SystemExit(f"{prompt!r}: {status} {answer}")
     choice = answer["choices"][0]
-    out = {"length": choice["finish_reason"] == "length", "extra": False, "bad": False, "calls": 0}
+    out = {"length": choice["finish_reason"] == "length", "extra": False, "bad": False, "calls": 0,
+           "long": False}
     if is_tool:
         calls = choice["message"].get("tool_calls") or []
         out["calls"] = len(calls)
         out["bad"] = spec != "auto" and not calls
         for call in calls:
+            out["long"] |= long_number(call["function"]["arguments"])
             args = _loads(call["function"]["arguments"])
             out["bad"] |= args is None
             out["extra"] |= undeclared(args, SCHEMAS[call["function"]["name"]])
@@ -132,16 +155,17 @@ def run_case(url: str, case: tuple, max_tokens: int) -> dict:
             out["text"] = choice["message"]["content"]
     else:
         value = _loads(choice["message"]["content"])
+        out["long"] = long_number(choice["message"]["content"])
         out["bad"], out["extra"] = value is None, undeclared(value, spec)
         out["text"] = choice["message"]["content"]
     return out
 
 
-def side(args, extra_flags: list[str]) -> list[dict]:
-    server = Server(["--max-total-tokens", "2048", *extra_flags])
+def side(args, extra_flags: list[str], env: dict[str, str] | None = None) -> list[dict]:
+    server = Server(["--max-total-tokens", "2048", *extra_flags], env=env)
     try:
-        with ThreadPoolExecutor(len(TOOL_CASES) + len(SCHEMA_CASES)) as pool:
-            return list(pool.map(lambda c: run_case(server.url, c, args.max_tokens), TOOL_CASES + SCHEMA_CASES))
+        with ThreadPoolExecutor(len(CASES)) as pool:
+            return list(pool.map(lambda c: run_case(server.url, c, args.max_tokens), CASES))
     finally:
         server.stop()
 
@@ -150,15 +174,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--verbose", action="store_true", help="print every answer")
+    parser.add_argument("--against", default=None, help="a git revision whose default (strict) side to add")
     args = parser.parse_args()
-    rows = [("strict off (--disable-strict-schemas)", side(args, ["--disable-strict-schemas"])),
-            ("strict (default)", side(args, []))]
-    print(f"{'':40} {'undeclared keys':>16} {'ran to max_tokens':>18} {'unparseable':>12} {'calls':>6}")
+    rows = [("strict off (--disable-strict-schemas)", side(args, ["--disable-strict-schemas"]))]
+    if args.against:
+        with revision_package(args.against, "structured_args.py") as package:
+            rows.append((f"strict, {args.against}"[:40], side(args, [], env={"PYTHONPATH": str(package)})))
+    rows.append(("strict (default)", side(args, [])))
+    n = len(CASES)
+    print(f"{'':40} {'undeclared keys':>16} {'ran to max_tokens':>18} {'unparseable':>12} "
+          f"{'over 17 digits':>15} {'calls':>6}")
     for name, results in rows:
-        print(f"{name:40} {sum(r['extra'] for r in results):>13}/20 {sum(r['length'] for r in results):>15}/20 "
-              f"{sum(r['bad'] for r in results):>9}/20 {sum(r['calls'] for r in results):>6}")
+        print(f"{name:40} {sum(r['extra'] for r in results):>13}/{n} {sum(r['length'] for r in results):>15}/{n} "
+              f"{sum(r['bad'] for r in results):>9}/{n} {sum(r['long'] for r in results):>12}/{n} "
+              f"{sum(r['calls'] for r in results):>6}")
         if args.verbose:
-            for case, r in zip(TOOL_CASES + SCHEMA_CASES, results):
+            for case, r in zip(CASES, results):
                 print(f"   {case[0][:40]!r:44} {r['text'][:160]}")
 
 

@@ -14,6 +14,9 @@ State is rebuilt, never shipped: a matcher consumes the request's generated toke
 request, or the last sampled token fed back in a decode step). So a preempted request that comes back as a
 new one recomputes its grammar state from the same tokens, and nothing about it survives ``drop``.
 
+Requests whose grammar writes JSON (a schema, or tool calls' ``%json``) have their numbers stopped at a
+float64's 17 significant digits in these masks (workers/json_numbers.py): llguidance bounds no number.
+
 The masks of a step are computed on a background thread while the forward pass runs (llguidance drops the
 GIL), then applied to the logits rows of the constrained requests; unconstrained rows are not touched.
 """
@@ -31,6 +34,7 @@ import torch
 from llmbus.bus.grammar import llguidance_grammar
 from llmbus.bus.messages import Grammar
 from llmbus.bus.model_files import eos_token_ids
+from llmbus.workers.json_numbers import JsonScanner, NumberCap, scanner_for
 
 COMPILED_CACHE_SIZE = 256  # distinct grammars kept compiled (a tool set or a schema is usually reused)
 
@@ -56,6 +60,8 @@ class _RequestGrammar:
     # "validation": the grammar itself is at fault (it named a special token this vocabulary lacks, which
     # only a tokenizer shows); "generation": it broke while generating (a parser limit, a lost token)
     error_type: str = "generation"
+    # where the output stands in JSON, for grammars that write JSON (numbers are capped: json_numbers.py)
+    json: JsonScanner | None = None
 
 
 @dataclass
@@ -73,6 +79,7 @@ class GrammarMasks:
     def __init__(self, model_dir: str | Path, vocab_size: int):
         self.tokenizer = load_llg_tokenizer(model_dir, vocab_size)
         self.eos_ids = [i for i in self.tokenizer.eos_tokens if i < vocab_size]
+        self.numbers = NumberCap([self.tokenizer.decode_bytes([i]) for i in range(vocab_size)])
         self.words = (vocab_size + 31) // 32
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.requests: dict[str, _RequestGrammar] = {}
@@ -107,7 +114,8 @@ class GrammarMasks:
         state = self.requests.get(rid)
         if state is None:
             matcher, error = self._matcher(grammar)
-            state = self.requests[rid] = _RequestGrammar(matcher=matcher, consumed=prompt_len)
+            state = self.requests[rid] = _RequestGrammar(matcher=matcher, consumed=prompt_len,
+                                                          json=scanner_for(grammar))
             if error is not None:
                 state.error, state.error_type = f"grammar is not valid: {error}", "validation"
             for position in range(prompt_len, len(cached_ids)):
@@ -143,10 +151,11 @@ class GrammarMasks:
                 state.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
                 if state.matcher.is_error():
                     state.error = state.matcher.get_error()
+                elif state.json is not None and state.json.number is not None:
+                    self.numbers.apply(row, state.json.number)
         return masks
 
-    @staticmethod
-    def _catch_up(state: _RequestGrammar, position: int) -> None:
+    def _catch_up(self, state: _RequestGrammar, position: int) -> None:
         """Consume the tokens before ``position`` that the matcher has not seen yet."""
         while state.error is None and state.consumed < position:
             token = state.pending.pop(state.consumed, None)
@@ -155,6 +164,8 @@ class GrammarMasks:
                 return
             if not state.matcher.consume_token(token):
                 state.error = state.matcher.get_error() or f"token {token} does not fit the grammar"
+            elif state.json is not None:
+                state.json.feed(self.numbers.token_bytes[token])
             state.consumed += 1
 
     def apply(self, logits: torch.Tensor, job: MaskJob) -> dict[str, tuple[str, str]]:

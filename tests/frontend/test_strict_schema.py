@@ -180,3 +180,14 @@ def test_smollm2_named_choice_is_one_call(smollm2_server):
                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
         assert choice["finish_reason"] == "tool_calls", choice
         assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"], choice
+
+
+def test_smollm2_numbers_end_at_a_float64s_precision(smollm2_server):
+    """Asked for pi, SmolLM2 wrote "3.14159265359873926536163363232111..." until max_tokens (issue #37);
+    rank 0 ends a number at 17 significant digits (workers/json_numbers.py)."""
+    schema = {"type": "object", "properties": {"pi": {"type": "number"}}, "required": ["pi"]}
+    choice = chat(smollm2_server, "Give the value of pi as JSON, with as many digits as you know.",
+                  response_format={"type": "json_schema", "json_schema": {"name": "pi", "schema": schema}})
+    assert choice["finish_reason"] == "stop", choice
+    literal = json.loads(choice["message"]["content"], parse_float=str)["pi"]
+    assert literal.startswith("3.14") and len(literal.replace(".", "")) == 17, literal
