@@ -146,3 +146,15 @@ def test_available_only_where_it_runs(monkeypatch):
             "not in sys.modules")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_decode_steps_that_leave_the_device_idle_split_their_keys():
+    """Flash-decoding's split, sized from the step's shape alone (a CUDA graph of a batch size keeps it):
+    about two programs per multiprocessor (the interpreter counts 8), powers of two up to MAX_SPLITS, and
+    none for steps with prompt tiles or enough programs already. Every decode-only step of the schedules
+    above with few sequences ran split (the comparisons with the portable backend cover the merge)."""
+    assert triton_kernels.key_splits(1, 2, 1, CPU) == 8
+    assert triton_kernels.key_splits(3, 2, 1, CPU) == 2
+    assert triton_kernels.key_splits(64, 8, 1, CPU) == 1
+    assert triton_kernels.key_splits(1, 2, 16, CPU) == 1
+    assert triton_kernels.key_splits(1, 1, 1, CPU) == triton_kernels.MAX_SPLITS

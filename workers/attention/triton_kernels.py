@@ -12,6 +12,10 @@ all the query heads that share that KV head (GQA): its ``BLOCK_Q * BLOCK_H`` row
 tile's K/V are read once for the whole GQA group. Which tile of which sequence each program takes comes
 from the host (``program_map``), so the grid has exactly as many programs as tiles.
 
+Decode-only steps with few sequences give too few programs to occupy a GPU (batch 1: one per KV head), so
+there the keys of each row are split between several programs (flash-decoding, ``key_splits``), each
+writing its running maximum, sum and unnormalised output, which ``_combine_splits_kernel`` merges.
+
 Numerics: scores, softmax and the output accumulate in float32; the probabilities are rounded to the
 compute dtype before they multiply V (as flash attention and the portable backend's bfloat16 path do).
 Float32 dot products stay IEEE unless torch allows TF32 (``torch.set_float32_matmul_precision``), so a
@@ -37,20 +41,26 @@ MIN_ROWS = 16
 # a padded row) keeps exp2(-inf - start) = 0 instead of exp2(-inf - -inf) = NaN.
 _NEG_START = -1.0e30
 LOG2E = 1.4426950408889634
+# Flash-decoding: at most this many programs share one decode row's keys (``key_splits``).
+MAX_SPLITS = 16
+# What ``key_splits`` takes the CPU for under the interpreter, so tests run split steps.
+INTERPRETER_PROCESSORS = 8
 
 
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, program_seq_ptr, program_row_ptr,
         query_starts_ptr, query_lens_ptr, num_computed_ptr,
+        partial_out_ptr, partial_ml_ptr,
         qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, stride_table,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr,
-        PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr):
+        PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(program_seq_ptr + program)
     first_row = tl.load(program_row_ptr + program)  # the tile's first row of the flat token batch
     seq_start = tl.load(query_starts_ptr + seq)
@@ -86,6 +96,10 @@ def _paged_attention_kernel(
     table = tables_ptr + seq.to(tl.int64) * stride_table
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if SPLITS > 1:  # this program's share of the keys: whole tiles, the last splits possibly none
+        span = tl.cdiv(tl.cdiv(kv_end - kv_start, SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = kv_start + split * span
+        kv_end = tl.minimum(kv_start + span, kv_end)
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
@@ -115,10 +129,36 @@ def _paged_attention_kernel(
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    # Every valid row sees at least its own key; padded rows (never stored) may have summed nothing.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    if SPLITS > 1:
+        # [T, Hq, SPLITS, BLOCK_D] unnormalised sums and [T, Hq, SPLITS, 2] (max, sum) for _combine_splits
+        at = (rows.to(tl.int64) * tl.num_programs(1) * QUERIES_PER_KV + heads) * SPLITS + split
+        tl.store(partial_out_ptr + at[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_valid[:, None])
+        tl.store(partial_ml_ptr + at * 2, m_i, mask=row_valid)
+        tl.store(partial_ml_ptr + at * 2 + 1, l_i, mask=row_valid)
+    else:
+        # Every valid row sees at least its own key; padded rows (never stored) may have summed nothing.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(partial_out_ptr, partial_ml_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    """One (token, head): the splits' online-softmax states merged, as one program over all keys would."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (token * num_heads + head) * SPLITS
+    splits = tl.arange(0, SPLITS)
+    maxima = tl.load(partial_ml_ptr + (base + splits) * 2)
+    sums = tl.load(partial_ml_ptr + (base + splits) * 2 + 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(partial_out_ptr + (base + splits)[:, None] * BLOCK_D + offs_d[None, :])
+    weight = tl.math.exp2(maxima - tl.max(maxima, 0))
+    total = tl.sum(sums * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 def interpreted() -> bool:
@@ -143,6 +183,19 @@ def program_map(query_lens: list[int], block_q: int, device: torch.device) -> to
             rows.append(first)
         start += length
     return torch.tensor([seqs, rows], dtype=torch.int32, device=device)
+
+
+def key_splits(programs: int, num_kv_heads: int, block_q: int, device: torch.device) -> int:
+    """How many programs share one tile's keys (flash-decoding's split): for decode-only steps (``block_q``
+    1) whose programs alone would leave most of the GPU's multiprocessors idle (a batch-1 step has one per
+    KV head), enough for about two per multiprocessor, at most ``MAX_SPLITS``. It depends on the step's
+    shape alone, so a CUDA graph of a batch size keeps it. Under the interpreter, as if there were 8."""
+    if block_q != 1:
+        return 1
+    processors = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+                  else INTERPRETER_PROCESSORS)
+    wanted = 2 * processors // max(1, programs * num_kv_heads)
+    return min(MAX_SPLITS, 1 << max(0, wanted.bit_length() - 1)) if wanted > 1 else 1
 
 
 def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
@@ -170,16 +223,26 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
     # Eight warps for big tiles: each thread holds its share of the [D, BLOCK_N] K tile and its 64-bit
     # addresses (every key finds its own block); with four, bfloat16 at head dim 128 spills on sm_90.
     rows = block_q * block_h
-    grid = (programs.shape[1], num_kv_heads)
+    splits = key_splits(programs.shape[1], num_kv_heads, block_q, query.device)
+    partial_out = partial_ml = out
+    if splits > 1:
+        partial_out = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32,
+                                  device=query.device)
+        partial_ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
+    grid = (programs.shape[1], num_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, key_blocks, value_blocks, out, tables, programs[0], programs[1],
-        query_starts, query_lens, num_computed,
+        query_starts, query_lens, num_computed, partial_out, partial_ml,
         scale * LOG2E, window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
         value_blocks.stride(0), value_blocks.stride(1), value_blocks.stride(2), tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, QUERIES_PER_KV=per_kv, BLOCK_H=block_h, BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SLIDING=window is not None, PRECISION=precision,
-        NEG_START=_NEG_START, UPCAST=query.dtype == torch.bfloat16 and interpreted(),
+        NEG_START=_NEG_START, UPCAST=query.dtype == torch.bfloat16 and interpreted(), SPLITS=splits,
         num_warps=8 if rows > 64 or block_d >= 128 else 4)
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](partial_out, partial_ml, out, out.stride(0), out.stride(1),
+                                                        num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                                                        SPLITS=splits, num_warps=4)
     return out
