@@ -29,7 +29,7 @@ from llmbus.frontend.generation import run_all
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import ChatRequest, read_json_object
 # the chat route's choice machinery: one choice, read directly from the engine as its streams are
-from llmbus.frontend.openai_routes import Choice, Job, _one_choice, _prepare, chat_prompt
+from llmbus.frontend.openai_routes import Choice, Job, chat_prompt, one_choice_events, prepare_choices
 from llmbus.frontend.responses import dumps, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
 from llmbus.frontend.tools import ToolCallStream, parse_tool_output
@@ -164,7 +164,7 @@ async def _stream(request: web.Request, state: FrontendState, c: Choice, chat: C
                   rid: str) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers=stream_headers(state.config.compute_type, len(c.job.text)))
     blocks = _Blocks(tools=chat.plan is not None)
-    next_event = _one_choice(c, state.config.keepalive_s)
+    next_event = one_choice_events(c, state.config.keepalive_s)
     started = False
 
     def opening() -> bytes:
@@ -214,7 +214,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     chat = _read(await request.read(), state)
     # the rendered template already holds the BOS and other special tokens
     job = Job(0, 0, chat_prompt(state, chat), chat.params, add_special_tokens=False)
-    (choice,) = await _prepare(state, [job], start, arrival)
+    (choice,) = await prepare_choices(state, [job], start, arrival)
     rid = _new_id("msg_")
     if chat.options.stream:
         return await _stream(request, state, choice, chat, rid)

@@ -167,8 +167,9 @@ def _choice_params(params: GenerateParameters, choice: int) -> GenerateParameter
     return dataclasses.replace(params, seed=(params.seed + choice) % 2**64)
 
 
-async def _prepare(state: FrontendState, jobs: list[Job], start: float, arrival: float,
-                   markers: frozenset[str] = frozenset()) -> list[Choice]:
+async def prepare_choices(state: FrontendState, jobs: list[Job], start: float, arrival: float,
+                          markers: frozenset[str] = frozenset()) -> list[Choice]:
+    """The jobs' generations, validated and tokenized (not started), as Choices."""
     gens = await state.generator.prepare_all([(j.text, j.params, j.add_special_tokens) for j in jobs],
                                              start, arrival)
     return [Choice(job, gen, markers) for job, gen in zip(jobs, gens)]
@@ -187,7 +188,7 @@ async def _stream(request: web.Request, state: FrontendState, choices: list[Choi
         if opening:
             await resp.write(b"".join(_event(chunk) for chunk in opening))
         if len(choices) == 1:
-            next_event = _one_choice(choices[0], state.config.keepalive_s)
+            next_event = one_choice_events(choices[0], state.config.keepalive_s)
         else:
             next_event, tasks = _many_choices(choices, state.config.keepalive_s)
         running = len(choices)
@@ -217,7 +218,7 @@ async def _stream(request: web.Request, state: FrontendState, choices: list[Choi
     return resp
 
 
-def _one_choice(c: Choice, keepalive_s: float):
+def one_choice_events(c: Choice, keepalive_s: float):
     """``next_event`` for a request of one choice, read directly: (choice, tokens), (choice, TIMED_OUT) when
     a keep-alive interval passed, (choice, ApiError) or, once done, (choice, None). No task or queue between
     engine and response: at one stream their hops were a fifth of the frontend's CPU a token."""
@@ -240,7 +241,7 @@ def _one_choice(c: Choice, keepalive_s: float):
 
 
 def _many_choices(choices: list[Choice], keepalive_s: float):
-    """``next_event`` (as ``_one_choice``'s) for several choices, each driven by a task of its own into
+    """``next_event`` (as ``one_choice_events``'s) for several choices, each driven by a task of its own into
     one mailbox, and the tasks."""
     events = Mailbox()
 
@@ -406,7 +407,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # the rendered template already holds the BOS and other special tokens
     jobs = [Job(i, 0, prompt, _choice_params(chat.params, i), add_special_tokens=False)
             for i in range(chat.options.n)]
-    choices = await _prepare(state, jobs, start, arrival, chat_format(state).markers)
+    choices = await prepare_choices(state, jobs, start, arrival, chat_format(state).markers)
     header = _header(state, "chat.completion", _new_id("chatcmpl"), int(arrival))
     if chat.options.stream:
         render = _ChatChunks({**header, "object": "chat.completion.chunk"}, chat.options, chat)
@@ -459,7 +460,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     jobs = [Job(p * n + i, p, prompt, _choice_params(params, i), add_special_tokens=True,
                 echo=prompt if req.echo else "")
             for p, prompt in enumerate(req.prompts) for i in range(n)]
-    choices = await _prepare(state, jobs, start, arrival)
+    choices = await prepare_choices(state, jobs, start, arrival)
     header = _header(state, "text_completion", _new_id("cmpl"), int(arrival))
     if req.options.stream:
         return await _stream(request, state, choices, req.options, _CompletionChunks(header, req.options))

@@ -4,7 +4,7 @@ Each rank reads only its own slices through ``safe_open(...).get_slice(name)[...
 rank never materialises a full sharded weight. Both a single ``model.safetensors`` and a sharded
 ``model.safetensors.index.json`` are handled. Which weights are sliced along which dimension is the
 model's business (see ``models/llama.py``, which serves the ``model_type``s llama, mistral, qwen2, qwen3,
-mixtral, qwen3_moe and phi3, and ``models/gemma3.py`` gemma3_text);
+mixtral, qwen3_moe and phi3, and ``models/gemma3.py`` gemma3_text and gemma3's text model);
 this module only reads.
 """
 
@@ -96,8 +96,10 @@ def native_builders() -> dict[str, type]:
     the fallback on the same checkpoints)."""
     from llmbus.workers.models import gemma3, llama
 
-    return {name: llama.LlamaForCausalLM for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                                                      "phi3")} | {"gemma3_text": gemma3.Gemma3ForCausalLM}
+    llama_family = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
+    gemma3_family = ("gemma3_text", "gemma3")  # gemma3: the text model of the multimodal checkpoint
+    return ({name: llama.LlamaForCausalLM for name in llama_family}
+            | {name: gemma3.Gemma3ForCausalLM for name in gemma3_family})
 
 
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,

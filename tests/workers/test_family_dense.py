@@ -9,17 +9,9 @@ transformers on the re-quantized weights."""
 from __future__ import annotations
 
 import pytest
-from llmbus.testing.families import (
-    assert_matches_reference,
-    family_runner,
-    make_prompts,
-    parametrized_family,
-    reference,
-    requantized_copy,
-    run_family,
-    run_family_tensor_parallel,
-    save_tiny_family,
-)
+from llmbus.testing.families import (assert_matches_reference, family_runner, make_prompts, parametrized_family,
+                                     reference, requantized_copy, run_family, run_family_tensor_parallel,
+                                     save_tiny_family, tiny_family)
 from llmbus.testing.runner_driver import Request, drive
 from llmbus.workers.kernels import bindings
 
@@ -112,3 +104,20 @@ def test_phi3_long_factors_and_partial_rotation_match_transformers(tmp_path):
         long_prompts += len(prompt) > original
         assert result.tokens[:compared] == ref.tokens[i][:compared], f"prompt {i} (length {len(prompt)})"
     assert long_prompts >= 2
+
+
+def test_multimodal_gemma3_serves_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (model_type gemma3, language_model.* weights beside a
+    vision tower): its text model serves text prompts as transformers' multimodal model answers them."""
+    text = {key: value for key, value in FAMILIES["gemma3"][1].items()}
+    text.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                vocab_size=509, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    path, prompts, ref = tiny_family(str(tmp_path / "gemma3"), "Gemma3Config", text_config=text,
+                                     vision_config=vision, mm_tokens_per_image=4, image_token_index=506,
+                                     boi_token_index=507, eoi_token_index=508)
+    runner = family_runner(path)
+    assert runner.model.config.model_type == "gemma3_text"
+    assert_matches_reference(ref, prompts, run_family(runner, prompts))
+

@@ -8,15 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llmbus.testing.families import (
-    assert_matches_reference,
-    family_runner,
-    parametrized_family,
-    reference,
-    requantized_copy,
-    run_family,
-    run_family_tensor_parallel,
-)
+from llmbus.testing.families import (assert_matches_reference, family_runner, parametrized_family, reference,
+                                     requantized_copy, run_family, run_family_tensor_parallel)
 from llmbus.workers.models.moe import SparseMoE
 
 NUM_EXPERTS = 4

@@ -1,4 +1,6 @@
-"""Gemma 3 text models (``model_type`` gemma3_text) on the native decoder of ``llama.py``.
+"""Gemma 3 text models (``model_type`` gemma3_text) on the native decoder of ``llama.py``, and the text
+model inside a multimodal Gemma 3 checkpoint (``model_type`` gemma3 with a ``text_config``: its
+``language_model.*`` weights; the vision tower is not loaded, so such a model serves text only).
 
 What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
 
@@ -26,6 +28,41 @@ import torch
 from llmbus.workers.models.llama import DecoderConfig, LlamaAttention, LlamaForCausalLM, LlamaMLP, TensorParallel
 from llmbus.workers.models.rotary import RotaryEmbedding
 from llmbus.workers.weight_builder import WeightBuilder
+
+
+class PrefixedReader:
+    """A checkpoint reader whose names are another's under ``prefix`` (``model.norm.weight`` read as
+    ``language_model.model.norm.weight``)."""
+
+    def __init__(self, reader, prefix: str):
+        self.reader, self.prefix = reader, prefix
+
+    def __enter__(self) -> "PrefixedReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass  # the wrapped reader is closed by whoever opened it
+
+    def names(self) -> list[str]:
+        return [n.removeprefix(self.prefix) for n in self.reader.names() if n.startswith(self.prefix)]
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(self.prefix + name)
+
+    def shape(self, name: str) -> list[int]:
+        return self.reader.shape(self.prefix + name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.reader.read(self.prefix + name)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.reader.read_rows(self.prefix + name, start, stop)
+
+    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.reader.read_cols(self.prefix + name, start, stop)
+
+
+MULTIMODAL_TEXT_PREFIX = "language_model."  # where a Gemma3ForConditionalGeneration checkpoint keeps its text model
 
 
 class GemmaRMSNorm:
@@ -74,6 +111,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                             config.max_position_embeddings, device)
         # transformers multiplies by sqrt(hidden) rounded to the embedding's dtype
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
+
+    @classmethod
+    def from_checkpoint(cls, hf_config: dict, reader, **kwargs) -> "Gemma3ForCausalLM":
+        if "text_config" in hf_config:  # multimodal: the text model's config and weights only
+            # transformers' Gemma3ForConditionalGeneration does not soft-cap its logits, whatever the text
+            # config says (Gemma 3's own configs set no cap)
+            text_config = {**hf_config["text_config"], "model_type": "gemma3_text", "final_logit_softcapping": None,
+                           "tie_word_embeddings": hf_config.get("tie_word_embeddings", True)}
+            if not reader.has(MULTIMODAL_TEXT_PREFIX + "model.embed_tokens.weight"):
+                raise ValueError(f"a multimodal Gemma 3 checkpoint without {MULTIMODAL_TEXT_PREFIX}model.* weights")
+            return super().from_checkpoint(text_config, PrefixedReader(reader, MULTIMODAL_TEXT_PREFIX), **kwargs)
+        return super().from_checkpoint(hf_config, reader, **kwargs)
 
     @classmethod
     def make_config(cls, hf_config: dict) -> DecoderConfig:
