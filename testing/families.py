@@ -125,12 +125,24 @@ def run_family(runner, prompts: list[list[int]]) -> dict[str, tuple[list[int], l
     return {rid: (r.tokens, r.logprobs) for rid, r in results.items()}
 
 
+def assert_speculation_matches_reference(runner, prompts: list[list[int]], ref: Reference) -> None:
+    """``family_requests`` with 3 guesses a decode step (every third one wrong, ``runner_driver.drive``):
+    kept and rejected guesses give transformers' greedy tokens."""
+    requests = family_requests(prompts)
+    for req in requests:
+        req.speculate, req.oracle = 3, ref.tokens[int(req.rid[1:]) if req.rid != "hit" else len(prompts) - 1]
+    results = drive(runner, requests)
+    for req in requests:
+        assert results[req.rid].tokens == req.oracle, req.rid
+    assert sum(r.kept_guesses for r in results.values()) > 0
+
+
 def run_family_tensor_parallel(path: str, prompts: list[list[int]], work_dir: str):
     """``family_requests`` over two gloo ranks: rank 0's {rid: (tokens, logprobs)}."""
     os.makedirs(work_dir, exist_ok=True)
     return drive_tensor_parallel(path, {"family": family_requests(prompts)}, work_dir)["family"]
 
 
-__all__ = ["TINY_SHAPE", "assert_matches_reference", "family_requests", "family_runner", "make_prompts",
-           "parametrized_family", "reference", "requantized_copy", "run_family", "run_family_tensor_parallel",
-           "save_tiny_family", "tiny_family"]
+__all__ = ["TINY_SHAPE", "assert_matches_reference", "assert_speculation_matches_reference", "family_requests",
+           "family_runner", "make_prompts", "parametrized_family", "reference", "requantized_copy", "run_family",
+           "run_family_tensor_parallel", "save_tiny_family", "tiny_family"]

@@ -9,9 +9,9 @@ transformers on the re-quantized weights."""
 from __future__ import annotations
 
 import pytest
-from llmbus.testing.families import (assert_matches_reference, family_runner, make_prompts, parametrized_family,
-                                     reference, requantized_copy, run_family, run_family_tensor_parallel,
-                                     save_tiny_family, tiny_family)
+from llmbus.testing.families import (assert_matches_reference, assert_speculation_matches_reference, family_runner,
+                                     make_prompts, parametrized_family, reference, requantized_copy, run_family,
+                                     run_family_tensor_parallel, save_tiny_family, tiny_family)
 from llmbus.testing.runner_driver import Request, drive
 from llmbus.workers.kernels import bindings
 
@@ -66,6 +66,11 @@ def test_matches_transformers_through_fused_and_torch_layers(family):
     runner.model.fused_decode = fused
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
     assert sum(ran) >= 5, "the fused layer took no step"
+
+
+def test_speculative_rows_match_transformers(family):
+    _, path, prompts, ref = family
+    assert_speculation_matches_reference(family_runner(path), prompts, ref)
 
 
 def test_tensor_parallel_2_matches_transformers(family, tmp_path):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llmbus.testing.families import (assert_matches_reference, family_runner, parametrized_family, reference,
-                                     requantized_copy, run_family, run_family_tensor_parallel)
+from llmbus.testing.families import (assert_matches_reference, assert_speculation_matches_reference, family_runner,
+                                     parametrized_family, reference, requantized_copy, run_family,
+                                     run_family_tensor_parallel)
 from llmbus.workers.models.moe import SparseMoE
 
 NUM_EXPERTS = 4
@@ -34,6 +35,11 @@ def test_moe_matches_transformers(family):
     assert kinds == (["SparseMoE", "LlamaMLP"] if name == "qwen3_moe" else ["SparseMoE", "SparseMoE"])
     assert runner.model.fused_decode is None  # routed experts keep the torch layers
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
+
+
+def test_speculative_rows_match_transformers(family):
+    _, path, prompts, ref = family
+    assert_speculation_matches_reference(family_runner(path), prompts, ref)
 
 
 def test_moe_tensor_parallel_2_matches_transformers(family, tmp_path):
