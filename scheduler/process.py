@@ -49,6 +49,7 @@ from llmbus.scheduler.batch_metrics import BatchMetrics
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, ScheduledBatch, Scheduler, SchedulerConfig
 from llmbus.scheduler.ranks import EngineFailure, RankGroup, ServiceHooks, WorkersLost
+from llmbus.scheduler.token_events import token_batches, trace_request
 
 HEARTBEAT_INTERVAL_S = 0.25  # SchedulerStats at least this often, busy or idle (frontend/engine_client.py)
 STATS_INTERVAL_S = 0.25  # SchedulerStats while steps run back to back
@@ -237,7 +238,7 @@ class SchedulerService:
             for req in self.policy.abort(rids):
                 self.log.debug("aborted", rid=req.rid)
                 if req.traceparent:
-                    _trace_request(req, "aborted")
+                    trace_request(req, "aborted")
         elif isinstance(msg, m.HealthCheck):
             if self.recovering:
                 self._to_frontend(msg.frontend_id, m.HealthReply(msg.check_id, False, self._recovering_text()))
@@ -417,7 +418,7 @@ class SchedulerService:
                          requests=len(batch.seqs))
         for req in failed:
             if req.traceparent:
-                _trace_request(req, "generation_error")
+                trace_request(req, "generation_error")
             self._to_frontend(req.frontend_id, m.RequestFailed(rid=req.rid, error_type="generation", message=why))
 
     def _step_timeout(self, num_tokens: int) -> float:
@@ -436,33 +437,7 @@ class SchedulerService:
             self._publish(events, top_tokens)
 
     def _publish(self, events, top_tokens: dict[str, list] | None = None) -> None:
-        per_frontend: dict[str, m.TokenBatch] = {}
-        for ev in events:
-            tb = per_frontend.get(ev.request.frontend_id)
-            if tb is None:
-                tb = per_frontend[ev.request.frontend_id] = m.TokenBatch([], [], [], [])
-            req = ev.request
-            # TGI's queue time: arrival to first admission, reported once, with the first token.
-            first = len(req.output_ids) == 1 and req.arrival_time > 0 and req.admitted_time is not None
-            tb.queue_times.append(max(req.admitted_time - req.arrival_time, 1e-6) if first else 0.0)
-            if first and req.cached_tokens:
-                tb.cached_tokens.append([req.rid, req.cached_tokens])
-            tb.rids.append(req.rid)
-            tb.token_ids.append(ev.token_id)
-            tb.logprobs.append(ev.logprob)
-            tb.finish_reasons.append(int(ev.finish_reason))
-            if ev.prompt_logprobs is not None:
-                tb.prompt_logprobs.append([ev.request.rid, ev.prompt_logprobs])
-            if top_tokens is not None:
-                tb.top_tokens.append(top_tokens.get(req.rid, []))
-            if ev.finish_reason != m.FinishReason.NONE:
-                if req.traceparent:
-                    _trace_request(req, ev.finish_reason.tgi_name)
-                if req.spec_proposed:
-                    tb.speculation.append([req.rid, req.spec_proposed, req.spec_accepted])
-        for frontend_id, tb in per_frontend.items():
-            if not any(tb.top_tokens):
-                tb.top_tokens = []  # none of this frontend's tokens asked: the list stays empty
+        for frontend_id, tb in token_batches(events, top_tokens).items():
             self._to_frontend(frontend_id, tb)
 
     def _stats(self) -> m.SchedulerStats:
@@ -576,18 +551,6 @@ def _sampled_by_rid(batch: ScheduledBatch, result: m.StepResult) -> dict:
         sampled[rid] = pairs[offset:offset + n] if rid in speculated else pairs[offset]
         offset += n
     return sampled
-
-
-def _trace_request(req: Request, finish_reason: str) -> None:
-    """The request's queue and inference spans, children of the frontend's span of it."""
-    now = time.time()
-    admitted = req.admitted_time if req.admitted_time is not None else now
-    attributes = {"rid": req.rid, "input_length": len(req.prompt_ids), "generated_tokens": len(req.output_ids),
-                  "finish_reason": finish_reason, "preemptions": req.num_preemptions}
-    tracing.record_span("queue", req.arrival_time or admitted, admitted, traceparent=req.traceparent,
-                        attributes={"rid": req.rid})
-    if req.admitted_time is not None:
-        tracing.record_span("inference", admitted, now, traceparent=req.traceparent, attributes=attributes)
 
 
 def run_scheduler(cfg: SchedulerProcessConfig) -> int:
