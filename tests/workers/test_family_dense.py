@@ -46,9 +46,13 @@ def family(request, tmp_path_factory):
     return parametrized_family(request, tmp_path_factory, FAMILIES)
 
 
-def test_matches_transformers_through_fused_and_torch_layers(family):
-    name, path, prompts, ref = family
-    runner = family_runner(path)
+@pytest.fixture(scope="module")
+def runner(family):
+    return family_runner(family[1])
+
+
+def test_matches_transformers_through_fused_and_torch_layers(family, runner):
+    name, _, prompts, ref = family
     if name in ("qwen3", "gemma3"):
         assert runner.model.layers[0].attention.q_norm is not None
     if name == "phi3":
@@ -68,9 +72,9 @@ def test_matches_transformers_through_fused_and_torch_layers(family):
     assert sum(ran) >= 5, "the fused layer took no step"
 
 
-def test_speculative_rows_match_transformers(family):
-    _, path, prompts, ref = family
-    assert_speculation_matches_reference(family_runner(path), prompts, ref)
+def test_speculative_rows_match_transformers(family, runner):
+    _, _, prompts, ref = family
+    assert_speculation_matches_reference(runner, prompts, ref)
 
 
 def test_tensor_parallel_2_matches_transformers(family, tmp_path):
@@ -78,10 +82,9 @@ def test_tensor_parallel_2_matches_transformers(family, tmp_path):
     assert_matches_reference(ref, prompts, run_family_tensor_parallel(path, prompts, str(tmp_path)))
 
 
+@pytest.mark.parametrize("family", ["qwen3"], indirect=True)  # int8 on Qwen3 here, on the MoEs in test_family_moe
 def test_qwen3_int8_matches_transformers_on_requantized_weights(family, tmp_path):
-    name, path, prompts, _ = family
-    if name != "qwen3":
-        pytest.skip("int8 is checked on Qwen3 (and the MoEs, test_family_moe.py)")
+    _, path, prompts, _ = family
     requantized = requantized_copy(path, str(tmp_path / "int8"), "int8")
     runner = family_runner(path, quantize="int8")
     assert "int8" in runner.model.weight_summary

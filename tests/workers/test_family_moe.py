@@ -28,18 +28,22 @@ def family(request, tmp_path_factory):
     return parametrized_family(request, tmp_path_factory, FAMILIES)
 
 
-def test_moe_matches_transformers(family):
-    name, path, prompts, ref = family
-    runner = family_runner(path)
+@pytest.fixture(scope="module")
+def runner(family):
+    return family_runner(family[1])
+
+
+def test_moe_matches_transformers(family, runner):
+    name, _, prompts, ref = family
     kinds = [type(layer.mlp).__name__ for layer in runner.model.layers]
     assert kinds == (["SparseMoE", "LlamaMLP"] if name == "qwen3_moe" else ["SparseMoE", "SparseMoE"])
     assert runner.model.fused_decode is None  # routed experts keep the torch layers
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
 
 
-def test_speculative_rows_match_transformers(family):
-    _, path, prompts, ref = family
-    assert_speculation_matches_reference(family_runner(path), prompts, ref)
+def test_speculative_rows_match_transformers(family, runner):
+    _, _, prompts, ref = family
+    assert_speculation_matches_reference(runner, prompts, ref)
 
 
 def test_moe_tensor_parallel_2_matches_transformers(family, tmp_path):
@@ -48,12 +52,12 @@ def test_moe_tensor_parallel_2_matches_transformers(family, tmp_path):
 
 
 @pytest.mark.parametrize("num_tokens", [64, 1])
-def test_moe_block_equals_transformers_with_busy_and_idle_experts(family, num_tokens):
+def test_moe_block_equals_transformers_with_busy_and_idle_experts(family, runner, num_tokens):
     """64 tokens reach every expert; one token (top-2 of 4) leaves two experts without any."""
     import transformers
 
     _, path, _, _ = family
-    ours = family_runner(path).model.layers[0].mlp
+    ours = runner.model.layers[0].mlp
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0].mlp
     hidden = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
     used = torch.unique(ours.route(hidden)[1]).numel()
