@@ -4,11 +4,12 @@ A Messages body becomes the chat route's request (``anthropic_requests.py``) and
 is: the same template rendering, tool grammar, sampling defaults, admission, limits and metrics. What is
 Anthropic's is the answer's shape:
 
-- a message with ``content`` blocks: ``text``, then ``tool_use`` (``input`` an object) for each call the
-  Hermes parser of ``tools.py`` finds; ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence`` (with
+- a message with ``content`` blocks: ``thinking`` (a reasoning model's section, frontend/reasoning.py; no
+  signature), ``text``, then ``tool_use`` (``input`` an object) for each call the chat path's parser finds
+  in the model's syntax; ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence`` (with
   the sequence) or ``tool_use``; ``usage`` with ``cache_read_input_tokens`` from the prefix cache;
 - with ``stream: true``, named SSE events: ``message_start``, ``ping``, per block ``content_block_start``,
-  ``content_block_delta`` (``text_delta``, ``input_json_delta``) and ``content_block_stop``, then
+  ``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta``) and ``content_block_stop``, then
   ``message_delta`` (stop reason, cumulative usage) and ``message_stop``; ``ping`` keeps an idle stream open;
 - errors in Anthropic's envelope (``errors.ANTHROPIC_ERRORS``): before the answer starts an HTTP error
   (middleware), after it an ``event: error``.
@@ -29,10 +30,11 @@ from llmbus.frontend.generation import run_all
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import ChatRequest, read_json_object
 # the chat route's choice machinery: one choice, read directly from the engine as its streams are
-from llmbus.frontend.openai_routes import Choice, Job, chat_prompt, one_choice_events, prepare_choices
+from llmbus.frontend.openai_routes import Choice, Job, answer_parser, chat_format, chat_prompt, one_choice_events, \
+    prepare_choices, tools_format
+from llmbus.frontend.reasoning import parse_answer
 from llmbus.frontend.responses import dumps, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
-from llmbus.frontend.tools import ToolCallStream, parse_tool_output
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -51,7 +53,7 @@ def _tool_use_id() -> str:
 
 def _read(request_body: bytes, state: FrontendState, *, count_only: bool = False) -> ChatRequest:
     return parse_messages(read_json_object(request_body, "a Messages request"), state.limits,
-                          state.sampling_defaults, count_only=count_only)
+                          state.sampling_defaults, count_only=count_only, chat_format=chat_format(state))
 
 
 def _matched_stop(c: Choice) -> str | None:
@@ -83,12 +85,10 @@ def _message(state: FrontendState, rid: str, content: list[dict], stop_reason, s
 
 def _content(c: Choice, chat: ChatRequest) -> tuple[list[dict], bool]:
     """A finished choice's content blocks, and whether it called tools."""
-    text = c.visible_text()
-    calls = []
-    if chat.plan is not None:
-        content, calls = parse_tool_output(text, _tool_use_id)
-        text = (content or "") if calls else text
-    blocks = [{"type": "text", "text": text}] if text or not calls else []
+    thought, text, calls = parse_answer(c.visible_text(), chat.reasoning, tools_format(chat), _tool_use_id)
+    text = text or ""
+    blocks = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+    blocks += [{"type": "text", "text": text}] if text or not calls else []
     blocks += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                 "input": json.loads(call["function"]["arguments"])} for call in calls]
     return blocks, bool(calls)
@@ -105,12 +105,13 @@ PING = _event({"type": "ping"})
 
 
 class _Blocks:
-    """A choice's text as Anthropic's block events: text goes into a text block, each tool call (from the
-    chat path's ``ToolCallStream`` deltas) into a tool_use block of its own; a block stops when the next
-    begins, or at the end."""
+    """A choice's text as Anthropic's block events: reasoning goes into a thinking block, text into a text
+    block, each tool call (from the chat path's ``AnswerParser`` deltas) into a tool_use block of its own; a
+    block stops when the next begins, or at the end."""
 
-    def __init__(self, tools: bool):
-        self.parser = ToolCallStream(_tool_use_id) if tools else None
+    def __init__(self, chat: ChatRequest):
+        self.parser = answer_parser(chat, _tool_use_id) if chat.plan or chat.reasoning else None
+        self.answered = False  # a text or tool_use block began
         self.index = -1
         self.open: str | None = None  # the type of the block being written
         self.called = False
@@ -130,16 +131,22 @@ class _Blocks:
     def _text(self, text: str) -> list[dict]:
         if not text:
             return []
+        self.answered = True
         events = [] if self.open == "text" else self._start({"type": "text", "text": ""})
         return events + [{"type": "content_block_delta", "index": self.index,
                           "delta": {"type": "text_delta", "text": text}}]
 
     def _delta(self, delta: dict) -> list[dict]:
+        if "reasoning_content" in delta:
+            events = [] if self.open == "thinking" else self._start({"type": "thinking", "thinking": "",
+                                                                       "signature": ""})
+            return events + [{"type": "content_block_delta", "index": self.index,
+                              "delta": {"type": "thinking_delta", "thinking": delta["reasoning_content"]}}]
         if "content" in delta:
             return self._text(delta["content"])
         call = delta["tool_calls"][0]
         if "id" in call:  # a call's first delta names it; its arguments follow
-            self.called = True
+            self.called = self.answered = True
             return self._start({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                                 "input": {}})
         return [{"type": "content_block_delta", "index": self.index,
@@ -154,7 +161,7 @@ class _Blocks:
                 deltas += self.parser.finish()
             events = [e for d in deltas for e in self._delta(d)]
         if finished:
-            if self.index < 0:  # nothing was said: one empty text block, as the whole answer has
+            if not self.answered:  # nothing was said: one empty text block, as the whole answer has
                 events += self._start({"type": "text", "text": ""})
             events += self.close()
         return events
@@ -163,7 +170,7 @@ class _Blocks:
 async def _stream(request: web.Request, state: FrontendState, c: Choice, chat: ChatRequest,
                   rid: str) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers=stream_headers(state.config.compute_type, len(c.job.text)))
-    blocks = _Blocks(tools=chat.plan is not None)
+    blocks = _Blocks(chat)
     next_event = one_choice_events(c, state.config.keepalive_s)
     started = False
 
@@ -214,7 +221,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     chat = _read(await request.read(), state)
     # the rendered template already holds the BOS and other special tokens
     job = Job(0, 0, chat_prompt(state, chat), chat.params, add_special_tokens=False)
-    (choice,) = await prepare_choices(state, [job], start, arrival)
+    (choice,) = await prepare_choices(state, [job], start, arrival, chat_format(state).markers)
     rid = _new_id("msg_")
     if chat.options.stream:
         return await _stream(request, state, choice, chat, rid)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 
+from llmbus.frontend.chat import ChatFormat
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import validation_error
 from llmbus.frontend.openai_requests import ChatRequest, parse_chat
@@ -273,6 +274,7 @@ def to_openai(body: dict, *, count_only: bool = False) -> dict:
 
 
 def parse_messages(body: dict, limits: Limits, defaults: SamplingDefaults, *,
-                   count_only: bool = False) -> ChatRequest:
-    """The chat route's request for an Anthropic body: one choice, no logprobs."""
-    return parse_chat(to_openai(body, count_only=count_only), limits, 1, defaults)
+                   count_only: bool = False, chat_format: ChatFormat | None = None) -> ChatRequest:
+    """The chat route's request for an Anthropic body: one choice, no logprobs; ``chat_format``: the
+    model's tool syntax."""
+    return parse_chat(to_openai(body, count_only=count_only), limits, 1, defaults, chat_format)

@@ -28,11 +28,10 @@ from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, r
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
                                              parse_completion, read_json_object)
-from llmbus.frontend.reasoning import ReasoningPlan, ReasoningStream, grammar_after_reasoning, opening, \
-    split_reasoning
+from llmbus.frontend.reasoning import AnswerParser, ReasoningPlan, grammar_after_reasoning, opening, parse_answer
 from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
-from llmbus.frontend.tools import ToolCallStream, new_call_id, parse_tool_output, prepare_messages, takes_tools
+from llmbus.frontend.tools import new_call_id, prepare_messages, takes_tools
 from llmbus.frontend.validation import GenerateParameters
 
 _FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -288,7 +287,7 @@ class _ChatChunks(_Chunks):
         # with tools, each choice's text goes through a parser that turns calls into tool_calls deltas;
         # with a reasoning section, first through one that takes it apart
         self.chat = chat
-        self.parsers: dict[int, ChoiceParser] | None = {} if chat.plan or chat.reasoning else None
+        self.parsers: dict[int, AnswerParser] | None = {} if chat.plan or chat.reasoning else None
 
     def _delta(self, c: Choice, delta: dict, logprobs, finish) -> dict:
         return self._chunk({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
@@ -308,7 +307,7 @@ class _ChatChunks(_Chunks):
     def _parsed_deltas(self, c: Choice, text: str, logprobs, finish) -> list[dict]:
         parser = self.parsers.get(c.index)
         if parser is None:
-            parser = self.parsers[c.index] = ChoiceParser(self.chat)
+            parser = self.parsers[c.index] = answer_parser(self.chat)
         deltas = parser.feed(text) if text else []
         if finish is not None:
             deltas += parser.finish()
@@ -322,38 +321,6 @@ class _ChatChunks(_Chunks):
         return chunks
 
 
-class ChoiceParser:
-    """A choice's text in, its OpenAI deltas out: ``reasoning_content`` of its reasoning section, then
-    ``content`` and ``tool_calls`` of the answer (calls in the model's syntax)."""
-
-    def __init__(self, chat: ChatRequest, new_id=None):
-        plan = chat.plan
-        self.reasoning: ReasoningStream | None = chat.reasoning.stream() if chat.reasoning else None
-        self.tools = ToolCallStream(new_id or new_call_id, plan.format) if plan is not None else None
-
-    @property
-    def has_calls(self) -> bool:
-        return self.tools is not None and self.tools.has_calls
-
-    def _deltas(self, pieces: list[tuple[str, str]]) -> list[dict]:
-        out: list[dict] = []
-        for kind, piece in pieces:
-            if kind == "reasoning":
-                out.append({"reasoning_content": piece})
-            elif self.tools is not None:
-                out += self.tools.feed(piece)
-            else:
-                out.append({"content": piece})
-        return out
-
-    def feed(self, text: str) -> list[dict]:
-        return self._deltas(self.reasoning.feed(text) if self.reasoning else [("content", text)])
-
-    def finish(self) -> list[dict]:
-        out = self._deltas(self.reasoning.finish()) if self.reasoning else []
-        return out + (self.tools.finish() if self.tools is not None else [])
-
-
 def _tool_finish_reason(finish: str, has_calls: bool) -> str:
     """OpenAI's "tool_calls" when the answer called tools and ended by itself (not cut by max_tokens)."""
     return "tool_calls" if has_calls and finish == "stop" else finish
@@ -361,16 +328,23 @@ def _tool_finish_reason(finish: str, has_calls: bool) -> str:
 
 def _chat_message(c: Choice, chat: ChatRequest) -> tuple[dict, str | None]:
     """The assistant message of a finished choice, and its finish reason."""
-    reasoning, text = split_reasoning(c.visible_text(), chat.reasoning)
+    reasoning, content, calls = parse_answer(c.visible_text(), chat.reasoning, tools_format(chat))
     head = {"role": "assistant"}
     if chat.reasoning is not None:  # the template knows reasoning: say whether there was any
         head["reasoning_content"] = reasoning
-    if chat.plan is None:
-        return {**head, "content": text}, c.finish_reason
-    content, calls = parse_tool_output(text, fmt=chat.plan.format)
     if not calls:
-        return {**head, "content": text}, c.finish_reason
+        return {**head, "content": content}, c.finish_reason
     return {**head, "content": content, "tool_calls": calls}, _tool_finish_reason(c.finish_reason, True)
+
+
+def tools_format(chat: ChatRequest):
+    """The syntax the request's answer may call tools in (None: no tools offered)."""
+    return chat.plan.format if chat.plan is not None else None
+
+
+def answer_parser(chat: ChatRequest, new_id=new_call_id) -> AnswerParser:
+    """The stream parser of one of the request's answers (reasoning, content, tool calls)."""
+    return AnswerParser(chat.reasoning, tools_format(chat), new_id)
 
 
 def chat_format(state: FrontendState):

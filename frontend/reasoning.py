@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from llmbus.bus.grammar import JSON_OPTIONS
 from llmbus.bus.messages import Grammar
+from llmbus.frontend.tool_formats import ToolFormat
+from llmbus.frontend.tools import ToolCallStream, new_call_id, parse_tool_output
 
 INSIDE, MAY_OPEN, CLOSED = "inside", "may_open", "closed"
 
@@ -141,6 +143,48 @@ def split_reasoning(text: str, plan: ReasoningPlan | None) -> tuple[str | None, 
     pieces = stream.feed(text) + stream.finish()
     reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
     return (reasoning if stream.reasoned else None), "".join(t for kind, t in pieces if kind == "content")
+
+
+class AnswerParser:
+    """A generation's text in (any fragments), chat-completion deltas out: ``reasoning_content`` of its
+    reasoning section, then ``content`` and ``tool_calls`` of the answer (calls in ``tools``' syntax, when
+    the request offered tools). The chat, Responses and Messages routes all read answers through it."""
+
+    def __init__(self, reasoning: ReasoningPlan | None, tools: ToolFormat | None, new_id=new_call_id):
+        self.reasoning = reasoning.stream() if reasoning is not None else None
+        self.tools = ToolCallStream(new_id, tools) if tools is not None else None
+
+    @property
+    def has_calls(self) -> bool:
+        return self.tools is not None and self.tools.has_calls
+
+    def _deltas(self, pieces: list[tuple[str, str]]) -> list[dict]:
+        out: list[dict] = []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                out.append({"reasoning_content": piece})
+            elif self.tools is not None:
+                out += self.tools.feed(piece)
+            else:
+                out.append({"content": piece})
+        return out
+
+    def feed(self, text: str) -> list[dict]:
+        return self._deltas(self.reasoning.feed(text) if self.reasoning else [("content", text)])
+
+    def finish(self) -> list[dict]:
+        out = self._deltas(self.reasoning.finish()) if self.reasoning else []
+        return out + (self.tools.finish() if self.tools is not None else [])
+
+
+def parse_answer(text: str, reasoning: ReasoningPlan | None, tools: ToolFormat | None,
+                 new_id=new_call_id) -> tuple[str | None, str | None, list[dict]]:
+    """(reasoning, content, tool_calls) of a finished generation; content None when calls took it all."""
+    thought, text = split_reasoning(text, reasoning)
+    if tools is None:
+        return thought, text, []
+    content, calls = parse_tool_output(text, new_id, tools)
+    return thought, content, calls
 
 
 # --- the grammar ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from llmbus.frontend.errors import ApiError, validation_error
 from llmbus.frontend.generation import run_all
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import ChatRequest, parse_chat, read_json_object
-from llmbus.frontend.openai_routes import Choice, Job, chat_prompt
+from llmbus.frontend.openai_routes import Choice, Job, answer_parser, chat_format, chat_prompt
 from llmbus.frontend.responses import KEEPALIVE, dumps, stream_headers
 from llmbus.frontend.responses_output import OutputBuilder
 from llmbus.frontend.responses_requests import ResponsesRequest, output_messages, parse_responses
@@ -98,12 +98,12 @@ async def _prepare(request: web.Request) -> _Answer:
         raise validation_error("`previous_response_id` must be a string", param="previous_response_id")
     previous = _store(request).get(previous_id).messages if previous_id is not None else None
     req = parse_responses(body, previous)
-    chat = parse_chat(req.chat_body, state.limits, 1, state.sampling_defaults)
+    chat = parse_chat(req.chat_body, state.limits, 1, state.sampling_defaults, chat_format(state))
     prompt = chat_prompt(state, chat)
     # the rendered template already holds the BOS and other special tokens
     job = Job(0, 0, prompt, chat.params, add_special_tokens=False)
     gen, = await state.generator.prepare_all([(prompt, chat.params, False)], start, arrival)
-    return _Answer(state, req, chat, Choice(job, gen), int(arrival))
+    return _Answer(state, req, chat, Choice(job, gen, chat_format(state).markers), int(arrival))
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -112,7 +112,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return await _stream(request, answer)
     choice = answer.choice
     await run_all([choice.gen])
-    builder = OutputBuilder(answer.chat.plan is not None)
+    builder = OutputBuilder(parser=answer_parser(answer.chat))
     builder.feed(choice.visible_text())
     builder.finish(answer.status())
     return json_response(answer.finished(request, builder.output))
@@ -125,7 +125,7 @@ def _sse(events: list[dict]) -> bytes:
 async def _stream(request: web.Request, answer: _Answer) -> web.StreamResponse:
     state, choice = answer.state, answer.choice
     resp = web.StreamResponse(status=200, headers=stream_headers(state.config.compute_type, len(choice.job.text)))
-    builder = OutputBuilder(answer.chat.plan is not None)
+    builder = OutputBuilder(parser=answer_parser(answer.chat))
     try:
         await resp.prepare(request)
         opening = answer.body("in_progress", [], usage=False)

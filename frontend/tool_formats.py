@@ -81,8 +81,10 @@ class ToolFormat:
         """How to call a function in this syntax, worded for the choice."""
         example = self.calls_text([("<function name>", {})]).replace(
             "{}", "{<the arguments as a JSON object>}")
-        form = f"To call a function, answer with exactly this form:\n{example}\n"
-        several = (f"To call several functions, write one call per function, separated by "
+        form = f"To call a function, answer with a block of exactly this form:\n{example}\n"
+        several = ("To call several functions, write one such block per call, each on a new line.\n"
+                   if self.separator == "\n" else
+                   f"To call several functions, write one call per function, separated by "
                    f"{json.dumps(self.separator)}.\n")
         head = {"function": f"You must call the function {function}. ",
                 "required": "You must call one of the functions listed above. "}.get(

@@ -122,3 +122,55 @@ def test_tool_and_regex_grammars_after_a_section(marker_tokenizer):
     recursive = Grammar("lark", 'start: "(" start ")" | "x"\n')
     assert grammar_after_reasoning(recursive, ReasoningPlan(THINK, INSIDE), added.get) is recursive
     assert json.loads(json_schema_grammar(SCHEMA).source) == SCHEMA
+
+
+# --- the Responses and Messages shapes of a section ------------------------------------------------------
+
+ANSWER_WITH_CALL = 'let me see</think>\n\nLooking.\n<tool_call>\n{"name": "f", "arguments": {"ok": true}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_responses_output_has_a_reasoning_item(size):
+    from llmbus.frontend.reasoning import AnswerParser
+    from llmbus.frontend.responses_output import OutputBuilder
+    from llmbus.frontend.tool_formats import HERMES
+
+    builder = OutputBuilder(parser=AnswerParser(ReasoningPlan(THINK, INSIDE), HERMES))
+    for i in range(0, len(ANSWER_WITH_CALL), size):
+        builder.feed(ANSWER_WITH_CALL[i:i + size])
+    builder.finish("completed")
+    reasoning, message, call = builder.output
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text",
+                                                                         "text": "let me see"}]
+    assert message["content"][0]["text"] == "Looking." and (call["name"], call["arguments"]) == ("f", '{"ok": true}')
+    events = builder.take_events()
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert deltas == "let me see" and [e["text"] for e in done] == ["let me see"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    # reasoning alone (cut short) still gets its empty message, as an answer with no output does
+    alone = OutputBuilder(parser=AnswerParser(ReasoningPlan(THINK, INSIDE), None))
+    alone.feed("cut short")
+    alone.finish("incomplete")
+    assert [item["type"] for item in alone.output] == ["reasoning", "message"]
+
+
+@pytest.mark.parametrize("size", [1, 4, 100])
+def test_messages_stream_has_a_thinking_block(size):
+    from types import SimpleNamespace
+
+    from llmbus.frontend.anthropic_messages import _Blocks
+    from llmbus.frontend.tool_formats import HERMES
+
+    plan = parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]})
+    chat = SimpleNamespace(plan=plan, reasoning=ReasoningPlan(THINK, INSIDE))
+    assert plan.format is HERMES
+    blocks, events = _Blocks(chat), []
+    pieces = [ANSWER_WITH_CALL[i:i + size] for i in range(0, len(ANSWER_WITH_CALL), size)]
+    for n, piece in enumerate(pieces):
+        events += blocks.feed(piece, n == len(pieces) - 1)
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"] and blocks.called
+    thinking = "".join(e["delta"]["thinking"] for e in events
+                       if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta")
+    assert thinking == "let me see"
