@@ -79,17 +79,19 @@ class ChatFormat:
     tools: ToolFormat
     reasoning: ReasoningMarkers | None
     added_tokens: dict[str, int]
+    special_ids: frozenset[int] = frozenset()  # the ids a generated text leaves out
 
     def token_of(self, marker: str) -> int | None:
         return self.added_tokens.get(marker)
 
     @property
     def markers(self) -> frozenset[str]:
-        """The markers the parsers read: kept in a chat answer's text even where they are special tokens."""
+        """The markers the parsers read that are special tokens, which a generated text leaves out: a chat
+        answer's text keeps them (Mistral's [TOOL_CALLS]). Usually none (Qwen's are plain added tokens)."""
         fmt, reasoning = self.tools, self.reasoning
         found = [fmt.lead, fmt.optional_tag, *(fmt.tags or ())]
         found += [reasoning.start, reasoning.end] if reasoning else []
-        return frozenset(m for m in found if m)
+        return frozenset(m for m in found if m and self.added_tokens.get(m) in self.special_ids)
 
 
 class ChatTemplate:
@@ -102,13 +104,13 @@ class ChatTemplate:
         self._render = None
         self._format: tuple[str, ChatFormat] | None = None
 
-    def chat_format(self, tool_call_parser: str, tokenizer) -> ChatFormat:
+    def chat_format(self, tool_call_parser: str, tokenizer, special_ids=frozenset()) -> ChatFormat:
         """The model's ``ChatFormat`` under ``--tool-call-parser`` (``auto``: the template's), worked out
-        once. ``tokenizer``: a ``tokenizers.Tokenizer``."""
+        once. ``tokenizer``: a ``tokenizers.Tokenizer``; ``special_ids``: the ids its texts leave out."""
         if self._format is None or self._format[0] != tool_call_parser:
             added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
             self._format = (tool_call_parser, ChatFormat(tool_format(tool_call_parser, self.source),
-                                                         find_markers(self.source), added))
+                                                         find_markers(self.source), added, frozenset(special_ids)))
         return self._format[1]
 
     @property

@@ -59,8 +59,9 @@ class Choice:
         self.gen = gen
         self.sent = 0  # characters of visible_text() already streamed
         # special tokens shown in the text after all: the chat format's markers (Mistral's [TOOL_CALLS]),
-        # which its parsers read
+        # which its parsers read; looked for once per token, and only while none has come
         self._markers = markers
+        self._marked, self._scanned = False, 0
         stops = gen.prepared.params.stop
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
@@ -73,7 +74,11 @@ class Choice:
         """The generated text without a matched stop sequence; while running, minus the tail that might
         still turn into one."""
         text = self.gen.generated_text
-        if self._markers and any(t.special and t.text in self._markers for t in self.gen.tokens):
+        if self._markers and not self._marked:
+            tokens = self.gen.tokens
+            self._marked = any(t.special and t.text in self._markers for t in tokens[self._scanned:])
+            self._scanned = len(tokens)
+        if self._marked:
             text = "".join(t.text for t in self.gen.tokens if not t.special or t.text in self._markers)
         if self.gen.finish_reason == "stop_sequence":
             cuts = [i for i in (text.find(s) for s in self._stops) if i != -1]
@@ -349,7 +354,8 @@ def answer_parser(chat: ChatRequest, new_id=new_call_id) -> AnswerParser:
 
 def chat_format(state: FrontendState):
     """The served model's ``ChatFormat`` (its tool syntax and thinking markers)."""
-    return state.chat_template.chat_format(state.config.tool_call_parser, state.tokenizer.tokenizer)
+    return state.chat_template.chat_format(state.config.tool_call_parser, state.tokenizer.tokenizer,
+                                           state.tokenizer.special_ids)
 
 
 def chat_prompt(state: FrontendState, chat: ChatRequest) -> str:

@@ -175,3 +175,19 @@ def test_grammars_take_their_formats_answers(marker_tokenizer, name, as_tokens):
     single = fmt.calls_text([("get_time", {})])
     assert accepts(llg, one.grammar, encode(tok, single, as_tokens))
     assert not accepts(llg, one.grammar, encode(tok, calls_only, as_tokens))  # a second call, another name
+
+
+def test_the_chat_format_follows_the_setting_and_keeps_special_markers(marker_tokenizer, tmp_path):
+    from llmbus.frontend.chat import ChatTemplate
+
+    tok, _, added = marker_tokenizer
+    special = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    (tmp_path / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    template = ChatTemplate(tmp_path)
+    fmt = template.chat_format("auto", tok, special)
+    assert fmt.tools is MISTRAL and fmt.reasoning is None and fmt.token_of("[TOOL_CALLS]") == added["[TOOL_CALLS]"]
+    assert fmt.markers == {"[TOOL_CALLS]"}  # a special token, which generated text leaves out
+    assert template.chat_format("hermes", tok, special).tools is HERMES  # --tool-call-parser wins
+    (tmp_path / "chat_template.jinja").write_text(QWEN3_TEMPLATE)
+    qwen = ChatTemplate(tmp_path).chat_format("auto", tok, special)
+    assert qwen.tools is HERMES and qwen.reasoning.end == "</think>" and qwen.markers == frozenset()
