@@ -360,6 +360,10 @@ def openai_schemas(model_id: str) -> dict:
                                                "\"json_schema\", \"json_schema\": {\"name\", \"schema\"}}`, "
                                                "or TGI's GrammarType shapes (with `value`).",
                                 "type": ["object", "null"]},
+            "chat_template_kwargs": {"description": "More variables for the chat template (vLLM's), e.g. "
+                                                    "`{\"enable_thinking\": false}`; not the renderer's own "
+                                                    "(`messages`, `tools`, `add_generation_prompt`, ... , "
+                                                    "special tokens).", "type": ["object", "null"]},
         }, ("messages",), example={"model": model_id, "max_tokens": 20,
                                    "messages": [{"role": "user", "content": "What is deep learning?"}]}),
         "CompletionRequest": _obj({
@@ -390,14 +394,17 @@ def openai_schemas(model_id: str) -> dict:
         "ChatCompletion": _openai_envelope("chat.completion", _obj({
             "index": _t("integer", minimum=0),
             "message": _obj({"role": _t("string", const="assistant"),
-                             "content": _t("string", nullable=True), "tool_calls": array(tool_call)},
+                             "content": _t("string", nullable=True), "tool_calls": array(tool_call),
+                             "reasoning_content": _t("string", "A reasoning model's thinking section (its "
+                                                     "template's markers), apart from the answer.",
+                                                     nullable=True)},
                             ("role", "content")),
             "logprobs": choice_logprobs, "finish_reason": finish},
             ("index", "message", "finish_reason")), usage_nullable=False),
         "ChatCompletionChunk": _openai_envelope("chat.completion.chunk", _obj({
             "index": _t("integer", minimum=0),
             "delta": _obj({"role": _t("string"), "content": _t("string", nullable=True),
-                           "tool_calls": array(tool_call_delta)}),
+                           "tool_calls": array(tool_call_delta), "reasoning_content": _t("string")}),
             "logprobs": choice_logprobs, "finish_reason": finish},
             ("index", "delta", "finish_reason")), usage_nullable=True),
         "Completion": _openai_envelope("text_completion",
