@@ -220,6 +220,12 @@ def _takes_tool_role(source: str) -> bool:
     return re.search(r"""['"]tool['"]""", source) is not None
 
 
+def _tools_in_system_message(source: str) -> bool:
+    # Phi-4-mini's template reads the tools from the system message (a JSON string between <|tool|> tags),
+    # not from its `tools` variable
+    return "<|tool|>" in source and re.search(r"""message\[['"]tools['"]\]|message\.tools\b""", source) is not None
+
+
 def default_tool_prompt(plan: ToolPlan) -> str:
     """Our instruction to call functions in the plan's syntax, worded for its choice."""
     return plan.format.instruction(plan.choice, plan.function, plan.parallel)
@@ -286,6 +292,10 @@ def prepare_messages(messages: list[dict], plan: ToolPlan | None, template_sourc
         if m.get("content") is None:
             m["content"] = ""  # templates that concatenate content (SmolLM2's) fail on None
         out.append(m)
+    if plan is not None and out and _tools_in_system_message(source):
+        system = out[0] if out[0].get("role") == "system" else {"role": "system", "content": ""}
+        system["tools"] = json.dumps(plan.offered, ensure_ascii=False)
+        out[:0] = [] if system is out[0] else [system]
     if plan is not None and out:
         prompt = tool_prompt if tool_prompt is not None else default_tool_prompt(plan)
         if not takes_tools(source):

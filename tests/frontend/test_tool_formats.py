@@ -191,3 +191,26 @@ def test_the_chat_format_follows_the_setting_and_keeps_special_markers(marker_to
     (tmp_path / "chat_template.jinja").write_text(QWEN3_TEMPLATE)
     qwen = ChatTemplate(tmp_path).chat_format("auto", tok, special)
     assert qwen.tools is HERMES and qwen.reasoning.end == "</think>" and qwen.markers == frozenset()
+
+
+PHI4_MINI_TEMPLATE = (  # the tool part of Phi-4-mini-instruct's template
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + "
+    "message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + "
+    "message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|assistant|>' }}{% endif %}")
+
+
+def test_phi4_mini_gets_its_tools_in_the_system_message(tmp_path):
+    from llmbus.frontend.chat import ChatTemplate
+
+    assert detect_tool_format(PHI4_MINI_TEMPLATE) is PHI4_MINI
+    plan = parse_tools({"tools": TOOLS}, fmt=PHI4_MINI)
+    (tmp_path / "chat_template.jinja").write_text(PHI4_MINI_TEMPLATE)
+    for messages in ([{"role": "user", "content": "hi"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]):
+        out = prepare_messages(messages, plan, PHI4_MINI_TEMPLATE)
+        prompt = ChatTemplate(tmp_path).render(out)
+        system = messages[0]["content"] if len(messages) == 2 else ""
+        assert prompt.startswith(f"<|system|>{system}<|tool|>{json.dumps(plan.offered)}<|/tool|><|end|>")
+        assert prompt.endswith("<|user|>hi<|end|><|assistant|>")  # the template teaches the rest
