@@ -31,9 +31,12 @@ def read_config(path: Path) -> dict:
 
 
 def config_max_positions(model_config: dict) -> int | None:
-    """The positions a model's ``config.json`` says it can embed, whatever its family calls them."""
-    return next((model_config[k] for k in _LENGTH_KEYS if isinstance(model_config.get(k), int)
-                 and not isinstance(model_config[k], bool) and model_config[k] > 0), None)
+    """The positions a model's ``config.json`` says it can embed, whatever its family calls them (a multimodal
+    checkpoint's, such as Gemma 3's, in its ``text_config``)."""
+    found = next((model_config[k] for k in _LENGTH_KEYS if isinstance(model_config.get(k), int)
+                  and not isinstance(model_config[k], bool) and model_config[k] > 0), None)
+    text_config = model_config.get("text_config")
+    return config_max_positions(text_config) if found is None and isinstance(text_config, dict) else found
 
 
 def token_content(value) -> str | None:

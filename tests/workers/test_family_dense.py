@@ -8,7 +8,10 @@ transformers on the re-quantized weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from llmbus.bus.model_files import config_max_positions, read_config
 from llmbus.testing.families import (assert_matches_reference, assert_speculation_matches_reference, family_runner,
                                      make_prompts, parametrized_family, reference, requantized_copy, run_family,
                                      run_family_tensor_parallel, save_tiny_family, tiny_family)
@@ -127,5 +130,7 @@ def test_multimodal_gemma3_serves_its_text_model(tmp_path):
                                      boi_token_index=507, eoi_token_index=508)
     runner = family_runner(path)
     assert runner.model.config.model_type == "gemma3_text"
+    # the context the server offers comes from the text config too (config.json has none at its top)
+    assert config_max_positions(read_config(Path(path) / "config.json")) == runner.max_position_embeddings == 256
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
 
