@@ -134,3 +134,23 @@ def test_multimodal_gemma3_serves_its_text_model(tmp_path):
     assert config_max_positions(read_config(Path(path) / "config.json")) == runner.max_position_embeddings == 256
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
 
+
+
+def test_gemma3_configs_before_layer_types_read_as_transformers_reads_them():
+    """Hub configs written before transformers 5: rope_theta and rope_scaling for the global layers,
+    rope_local_base_freq for the local ones, sliding_window_pattern instead of layer_types."""
+    import transformers
+
+    from llmbus.workers.models.gemma3 import Gemma3ForCausalLM
+
+    old = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=5, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=4, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=16,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=2, query_pre_attn_scalar=4)
+    expected = transformers.Gemma3TextConfig(**old)
+    ours = Gemma3ForCausalLM.make_config({"model_type": "gemma3_text", **old})
+    assert ours.sliding_windows == tuple(expected.sliding_window if kind == "sliding_attention" else None
+                                         for kind in expected.layer_types)
+    rope = expected.rope_parameters
+    assert ours.local_rope_theta == rope["sliding_attention"]["rope_theta"]
+    assert ours.rope_theta == rope["full_attention"]["rope_theta"]
+    assert ours.rope_scaling == {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
