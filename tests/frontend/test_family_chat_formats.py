@@ -41,22 +41,23 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    """family -> an SDK client of a server on the model with that family's template (started when asked)."""
+    """(family, more flags) -> an SDK client of a server on the model with that family's template (started
+    when first asked)."""
     from openai import OpenAI
 
     from llmbus.testing import Server
 
     started, clients = [], {}
 
-    def client(family: str):
-        if family not in clients:
+    def client(family: str, *flags: str):
+        if (family, flags) not in clients:
             folder = tmp_path_factory.mktemp(family) / "model"
             shutil.copytree(model_dir, folder)
             server = Server(["--model-id", str(set_template(folder, family)), "--dtype", "float32",
-                             "--max-total-tokens", "1024"])
+                             "--max-total-tokens", "1024", *flags])
             started.append(server)
-            clients[family] = OpenAI(base_url=f"{server.url}/v1", api_key="-")
-        return clients[family]
+            clients[family, flags] = OpenAI(base_url=f"{server.url}/v1", api_key="-")
+        return clients[family, flags]
 
     yield client
     for server in started:
@@ -123,6 +124,15 @@ def test_tool_calls_in_the_familys_syntax(servers, family, choice):
     reasoning, content, calls, finish = streamed(sdk, **kwargs)
     assert (reasoning, content, finish) == (None, "", "tool_calls")
     assert [(n, json.loads(a)) for n, a in calls.values()] == [(name, arguments)]
+
+
+def test_the_tool_call_parser_flag_overrides_the_template(servers):
+    sdk = servers("qwen3", "--tool-call-parser", "mistral")
+    kwargs = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+              "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    answer = ask(sdk, logprobs=True, **kwargs)
+    assert re.fullmatch(CALL_SHAPES["mistral"], raw_text(answer), re.S), raw_text(answer)
+    check_call(answer.choices[0].message.tool_calls)
 
 
 @pytest.mark.parametrize("family", ["llama3_1", "mistral"])
