@@ -369,6 +369,14 @@ class Scheduler:
                     batch.seqs.append(guessed)
                     continue
                 watched = guessed
+            is_decode = remaining == 1 and bool(req.output_ids or req.pending)
+            if remaining == 1 and not is_decode and not self.config.prefill_chunking:
+                # A one-token prompt (sent back by a step discarded with the one it was scheduled ahead of)
+                # is a prompt like any other against the budget of whole prompts: alone it may exceed it.
+                if budget < 1 and any(not q.is_decode for q in batch.seqs):
+                    i += 1
+                    continue
+                budget -= 1
             need = self.kv.blocks_for(computed + n) - len(req.block_table)
             blocks = self.kv.allocate(need) if need > 0 else []
             while blocks is None:
@@ -386,8 +394,7 @@ class Scheduler:
             if remaining > 1:
                 budget -= n
             batch.seqs.append(ScheduledSeq(req, req.feed(computed, computed + n), computed, n == remaining,
-                                           is_decode=remaining == 1 and bool(req.output_ids or req.pending),
-                                           watched_guess=watched))
+                                           is_decode=is_decode, watched_guess=watched))
             i += 1
         return preempted, budget
 
@@ -437,7 +444,9 @@ class Scheduler:
                 reason = "wait_exceeded"
             else:
                 min_size, reason = int(len(self.running) * cfg.waiting_served_ratio), "backpressure"
-        prefill_tokens = 0
+        # Prompt rows the running requests already put in the batch (whole prompts sent back by a discarded
+        # step): a prompt admitted beside them is not alone.
+        prefill_tokens = sum(len(q.token_ids) for q in batch.seqs if not q.is_decode)
         admitted: list[tuple[Request, ScheduledSeq]] = []
         while self.waiting:
             if cfg.max_batch_size is not None and len(self.running) >= cfg.max_batch_size:
