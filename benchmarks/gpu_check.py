@@ -57,7 +57,8 @@ from llmbus.testing import Server
 from llmbus.testing.fake_scheduler import byte_to_unicode
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
 from llmbus.workers.graph_sizes import parse_cuda_graphs
-from llmbus.workers.model_runner import TIMELINE_WINDOW_S, ModelRunner, SeqInput
+from llmbus.workers.model_runner import ModelRunner, SeqInput
+from llmbus.workers.step_clock import TIMELINE_WINDOW_S
 
 BLOCK_SIZE = 16  # what the scheduler uses on CUDA
 NUM_BLOCKS = 96

@@ -14,13 +14,10 @@ and the token history of a penalised request restarts from the step's tokens and
 
 from __future__ import annotations
 
-import dataclasses
 
 import itertools
-import time
 from dataclasses import dataclass, field
 
-import structlog
 import torch
 
 from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
@@ -33,6 +30,8 @@ from llmbus.workers.loader import load_model
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
                                           out_of_memory_reason)
 from llmbus.workers.sampling import has_penalties, sample
+from llmbus.workers.step_clock import DeviceTimeline, StepClock, tokens_and_logprobs
+from llmbus.workers.step_rows import PromptLogprobRows, TokenHistory, keep_verified, one_token_rows
 
 # The top alternatives each sampled row of warmup's sampling measurement asks for (TGI's default
 # --max-top-n-tokens).
@@ -89,78 +88,6 @@ class StepOutput:
     failed: str = ""  # not empty: the step ran out of memory and nothing of it counts (why; out_of_memory_step)
 
 
-class TokenHistory:
-    """Every token computed so far for one request, in a CPU long buffer grown by doubling."""
-
-    __slots__ = ("buffer", "length")
-
-    def __init__(self, capacity: int = 64):
-        self.buffer = torch.empty(capacity, dtype=torch.long)
-        self.length = 0
-
-    def write(self, start: int, token_ids: list[int]) -> None:
-        """Put ``token_ids`` at positions ``start..``; anything recorded past ``start`` is replaced."""
-        if start > self.length:
-            raise ValueError(f"token history has {self.length} tokens, cannot write at position {start}")
-        end = start + len(token_ids)
-        if end > len(self.buffer):
-            grown = torch.empty(max(end, 2 * len(self.buffer)), dtype=torch.long)
-            grown[:start] = self.buffer[:start]
-            self.buffer = grown
-        self.buffer[start:end] = torch.tensor(token_ids, dtype=torch.long)
-        self.length = end
-
-    def tokens(self) -> torch.Tensor:
-        return self.buffer[:self.length]
-
-
-@dataclass(slots=True)
-class _PromptLogprobRows:
-    """Which logits rows a step needs when some sequences want prompt logprobs: every row of their
-    prompt tokens, besides the last row of each sampled sequence."""
-
-    logits_index: torch.Tensor  # rows of the flat token batch to compute logits for
-    sample_rows: torch.Tensor  # positions in logits_index of the sampled sequences' last rows
-    spans: list[tuple[SeqInput, int, int]]  # (sequence, first position in logits_index, prompt tokens in it)
-
-    @classmethod
-    def plan(cls, seqs: list[SeqInput], device: torch.device) -> "_PromptLogprobRows | None":
-        if not any(s.prompt_logprobs and s.num_computed < s.prompt_len for s in seqs):
-            return None
-        pieces, sample_rows, spans = [], [], []
-        row, taken = 0, 0
-        for seq in seqs:
-            n = len(seq.token_ids)
-            if seq.prompt_logprobs and seq.num_computed < seq.prompt_len:
-                spans.append((seq, taken, min(n, seq.prompt_len - seq.num_computed)))
-                pieces.append(torch.arange(row, row + n))
-                taken += n
-                if seq.sample:
-                    sample_rows.append(taken - 1)
-            elif seq.sample:
-                pieces.append(torch.tensor([row + n - 1]))
-                sample_rows.append(taken)
-                taken += 1
-            row += n
-        return cls(torch.cat(pieces).to(device), torch.tensor(sample_rows, dtype=torch.long, device=device), spans)
-
-    def gather(self, logits: torch.Tensor, pending: dict[str, torch.Tensor]) -> list[list]:
-        """``[[rid, [logprobs]]]`` of the prompt tokens of this step; updates ``pending`` (see ModelRunner)."""
-        out = []
-        for seq, first, n in self.spans:
-            logprobs = torch.log_softmax(logits[first:first + n].float(), dim=-1)
-            tokens = torch.tensor(seq.token_ids[:n], dtype=torch.long, device=logits.device)
-            # Row i scores token i + 1 of this chunk; the previous chunk's last row scores token 0.
-            values = logprobs[:-1].gather(1, tokens[1:, None]).squeeze(1)
-            previous = pending.pop(seq.rid, None)
-            if previous is not None:
-                values = torch.cat((previous[tokens[0]].view(1), values))
-            if seq.num_computed + n < seq.prompt_len:
-                pending[seq.rid] = logprobs[-1]
-            out.append([seq.rid, values.tolist()])
-        return out
-
-
 def out_of_memory_step(reason: str, rank: int) -> StepOutput | None:
     """What a rank returns for a step that ran out of memory: the memory the step's tensors held goes back to
     the device (the caller has left its except block, so the traceback no longer keeps them), and rank 0
@@ -168,131 +95,6 @@ def out_of_memory_step(reason: str, rank: int) -> StepOutput | None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return StepOutput([], [], [], 0.0, 0.0, failed=reason) if rank == 0 else None
-
-
-def _one_token_rows(seqs: list[SeqInput]) -> list[SeqInput]:
-    """A speculating decode as 1 + num_spec one-token decodes of itself, one per position, sharing its
-    block table: each sees the K/V of the positions before it (every attention path writes a step's K/V
-    before it attends), so the forward pass and sampling treat each position as a step of its own, and
-    small steps keep the fused decode path."""
-    rows = []
-    for seq in seqs:
-        if not (seq.num_spec and seq.sample):
-            rows.append(seq)
-            continue
-        first = len(seq.token_ids) - 1 - seq.num_spec  # tokens before the last real one: a plain chunk
-        if first > 0:
-            rows.append(dataclasses.replace(seq, token_ids=seq.token_ids[:first], sample=False, num_spec=0))
-        rows += [dataclasses.replace(seq, token_ids=[token], num_computed=seq.num_computed + first + r, num_spec=0)
-                 for r, token in enumerate(seq.token_ids[first:])]
-        rows[-1 - seq.num_spec].num_spec = seq.num_spec  # the first sampled row says how many follow
-    return rows
-
-
-def _keep_verified(rows: list[SeqInput], tokens: list[int], logprobs: list[float],
-                   top_tokens: list) -> tuple[list[str], list[int], list[float], list, list[int]]:
-    """From one sample per row back to one entry per sequence: a speculating one keeps its guesses up to
-    the first its samples disagree with, then that sample (or the one after its last guess); the others
-    their one token. Also the rids, how many tokens each kept and one top_tokens entry per sequence."""
-    rids, kept_tokens, kept_logprobs, kept_top, num_tokens = [], [], [], [], []
-    i = 0
-    while i < len(rows):
-        seq = rows[i]
-        guesses = [r.token_ids[0] for r in rows[i + 1:i + 1 + seq.num_spec]]
-        n = 1
-        while n <= seq.num_spec and tokens[i + n - 1] == guesses[n - 1]:
-            n += 1
-        rids.append(seq.rid)
-        kept_tokens += tokens[i:i + n]
-        kept_logprobs += logprobs[i:i + n]
-        if top_tokens:
-            kept_top.append(top_tokens[i])
-        num_tokens.append(n)
-        i += 1 + seq.num_spec
-    return rids, kept_tokens, kept_logprobs, kept_top, num_tokens
-
-
-# Rank 0 on CUDA logs the device's busy and idle time between steps ("device timeline") once per this many
-# seconds in which steps ran.
-TIMELINE_WINDOW_S = 5.0
-# A longer wait between steps is the server having nothing to run, not the step loop's turnaround: not counted.
-IDLE_GAP_CAP_S = 0.05
-
-
-class StepClock:
-    """A step's forward and sampling times without waiting for the device: host time on the CPU; on CUDA,
-    events recorded in the stream and read once the step's results have come back to the host (the one
-    synchronisation a decode step makes), so the times are the device's. Given the previous step's clock,
-    also how long the device sat idle between that step's last op and this step's first (``idle_before``):
-    the start event runs as soon as the stream reaches it, at once where the device had nothing queued."""
-
-    def __init__(self, device: torch.device, previous: "StepClock | None" = None):
-        self.started = time.perf_counter()
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
-        self.previous_end = previous.events[2] if previous is not None and previous.events else None
-        self.idle_before = 0.0
-        if self.events:
-            self.events[0].record()
-
-    def forward_done(self) -> None:
-        if self.events:
-            self.events[1].record()
-        else:
-            self.forwarded = time.perf_counter()
-
-    def sampling_done(self) -> None:
-        """Recorded before the results are copied to the host: the copy waits for it."""
-        if self.events:
-            self.events[2].record()
-        else:
-            self.sampled = time.perf_counter()
-
-    def times(self, wait: bool = False) -> tuple[float, float]:
-        """(forward, sampling) seconds, once the results are on the host (``wait``: a step that returns none
-        waits for the device here)."""
-        if self.events:
-            start, forwarded, sampled = self.events
-            if wait:
-                sampled.synchronize()
-            if self.previous_end is not None:
-                self.idle_before = self.previous_end.elapsed_time(start) / 1e3
-            return start.elapsed_time(forwarded) / 1e3, forwarded.elapsed_time(sampled) / 1e3
-        return self.forwarded - self.started, self.sampled - self.forwarded
-
-
-class DeviceTimeline:
-    """Rank 0 on CUDA: the device's time in steps and idle between them, logged per window (issue #39's "GPU
-    idle between decode steps": the scheduler's turnaround, which overlap scheduling hides)."""
-
-    def __init__(self):
-        self.log = structlog.get_logger("llmbus.workers")
-        self._reset()
-
-    def _reset(self) -> None:
-        self.window_started = time.monotonic()
-        self.steps, self.rows, self.busy_s, self.idle_s = 0, 0, 0.0, 0.0
-
-    def add(self, clock: StepClock, busy_s: float, rows: int) -> None:
-        self.steps += 1
-        self.rows += rows
-        self.busy_s += busy_s
-        if clock.idle_before <= IDLE_GAP_CAP_S:
-            self.idle_s += clock.idle_before
-        if time.monotonic() - self.window_started >= TIMELINE_WINDOW_S:
-            total = self.busy_s + self.idle_s
-            self.log.info("device timeline", steps=self.steps, mean_rows=round(self.rows / self.steps, 1),
-                          busy_ms=round(self.busy_s * 1e3, 1), idle_ms=round(self.idle_s * 1e3, 1),
-                          idle_share=round(self.idle_s / total, 4) if total else 0.0)
-            self._reset()
-
-
-def tokens_and_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Sampled ids and their logprobs as host lists, in one device-to-host copy (float64 holds every id
-    exactly)."""
-    if token_ids.device.type == "cpu":
-        return token_ids.tolist(), logprobs.tolist()
-    ids, values = torch.stack((token_ids.double(), logprobs.double())).tolist()
-    return [int(i) for i in ids], values
 
 
 class ModelRunner:
@@ -467,13 +269,13 @@ class ModelRunner:
         if guesses_to_share:
             self._share_guesses(speculating)
         if speculating:
-            seqs = _one_token_rows(seqs)
+            seqs = one_token_rows(seqs)
         with torch.inference_mode():
             clock = StepClock(self.device, self._last_clock)
             self._last_clock = clock
             # Constrained requests' masks are computed on another thread while the forward pass runs.
             mask_job = self._start_masks(seqs) if self.rank == 0 else None
-            prompt_rows = _PromptLogprobRows.plan(seqs, self.device)
+            prompt_rows = PromptLogprobRows.plan(seqs, self.device)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None)
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
@@ -506,7 +308,7 @@ class ModelRunner:
                 self.timeline.add(clock, forward_time + sample_time, len(seqs))
             top_tokens, num_tokens = out.top_tokens, []
             if speculating:
-                rids, token_list, logprob_list, top_tokens, num_tokens = _keep_verified(
+                rids, token_list, logprob_list, top_tokens, num_tokens = keep_verified(
                     sampled, token_list, logprob_list, top_tokens)
             return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_time, sample_time=sample_time, prompt_logprobs=prompt_logprobs,

@@ -1,0 +1,96 @@
+"""A step's device time without waiting for the device, and what rank 0 logs of it (issue #39).
+
+``StepClock`` times a step's forward pass and sampling (CUDA events, read once the step's results are on the
+host), and the device's idle time before the step; ``DeviceTimeline`` adds those up and logs them per window;
+``tokens_and_logprobs`` brings a step's sampled ids and logprobs to the host in one copy, the one
+synchronisation a decode step makes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+# Rank 0 on CUDA logs the device's busy and idle time between steps ("device timeline") once per this many
+# seconds in which steps ran.
+TIMELINE_WINDOW_S = 5.0
+# A longer wait between steps is the server having nothing to run, not the step loop's turnaround: not counted.
+IDLE_GAP_CAP_S = 0.05
+
+
+class StepClock:
+    """A step's forward and sampling times without waiting for the device: host time on the CPU; on CUDA,
+    events recorded in the stream and read once the step's results have come back to the host (the one
+    synchronisation a decode step makes), so the times are the device's. Given the previous step's clock,
+    also how long the device sat idle between that step's last op and this step's first (``idle_before``):
+    the start event runs as soon as the stream reaches it, at once where the device had nothing queued."""
+
+    def __init__(self, device: torch.device, previous: "StepClock | None" = None):
+        self.started = time.perf_counter()
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
+        self.previous_end = previous.events[2] if previous is not None and previous.events else None
+        self.idle_before = 0.0
+        if self.events:
+            self.events[0].record()
+
+    def forward_done(self) -> None:
+        if self.events:
+            self.events[1].record()
+        else:
+            self.forwarded = time.perf_counter()
+
+    def sampling_done(self) -> None:
+        """Recorded before the results are copied to the host: the copy waits for it."""
+        if self.events:
+            self.events[2].record()
+        else:
+            self.sampled = time.perf_counter()
+
+    def times(self, wait: bool = False) -> tuple[float, float]:
+        """(forward, sampling) seconds, once the results are on the host (``wait``: a step that returns none
+        waits for the device here)."""
+        if self.events:
+            start, forwarded, sampled = self.events
+            if wait:
+                sampled.synchronize()
+            if self.previous_end is not None:
+                self.idle_before = self.previous_end.elapsed_time(start) / 1e3
+            return start.elapsed_time(forwarded) / 1e3, forwarded.elapsed_time(sampled) / 1e3
+        return self.forwarded - self.started, self.sampled - self.forwarded
+
+
+class DeviceTimeline:
+    """Rank 0 on CUDA: the device's time in steps and idle between them, logged per window (issue #39's "GPU
+    idle between decode steps": the scheduler's turnaround, which overlap scheduling hides)."""
+
+    def __init__(self):
+        self.log = structlog.get_logger("llmbus.workers")
+        self._reset()
+
+    def _reset(self) -> None:
+        self.window_started = time.monotonic()
+        self.steps, self.rows, self.busy_s, self.idle_s = 0, 0, 0.0, 0.0
+
+    def add(self, clock: StepClock, busy_s: float, rows: int) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.busy_s += busy_s
+        if clock.idle_before <= IDLE_GAP_CAP_S:
+            self.idle_s += clock.idle_before
+        if time.monotonic() - self.window_started >= TIMELINE_WINDOW_S:
+            total = self.busy_s + self.idle_s
+            self.log.info("device timeline", steps=self.steps, mean_rows=round(self.rows / self.steps, 1),
+                          busy_ms=round(self.busy_s * 1e3, 1), idle_ms=round(self.idle_s * 1e3, 1),
+                          idle_share=round(self.idle_s / total, 4) if total else 0.0)
+            self._reset()
+
+
+def tokens_and_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Sampled ids and their logprobs as host lists, in one device-to-host copy (float64 holds every id
+    exactly)."""
+    if token_ids.device.type == "cpu":
+        return token_ids.tolist(), logprobs.tolist()
+    ids, values = torch.stack((token_ids.double(), logprobs.double())).tolist()
+    return [int(i) for i in ids], values

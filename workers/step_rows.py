@@ -1,0 +1,128 @@
+"""How a step's rows map to what it returns, beside the forward pass (``model_runner.py``): a penalised
+request's token history, the logits rows of prompt logprobs, and speculative rows as one-token rows and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from llmbus.workers.model_runner import SeqInput
+
+
+class TokenHistory:
+    """Every token computed so far for one request, in a CPU long buffer grown by doubling."""
+
+    __slots__ = ("buffer", "length")
+
+    def __init__(self, capacity: int = 64):
+        self.buffer = torch.empty(capacity, dtype=torch.long)
+        self.length = 0
+
+    def write(self, start: int, token_ids: list[int]) -> None:
+        """Put ``token_ids`` at positions ``start..``; anything recorded past ``start`` is replaced."""
+        if start > self.length:
+            raise ValueError(f"token history has {self.length} tokens, cannot write at position {start}")
+        end = start + len(token_ids)
+        if end > len(self.buffer):
+            grown = torch.empty(max(end, 2 * len(self.buffer)), dtype=torch.long)
+            grown[:start] = self.buffer[:start]
+            self.buffer = grown
+        self.buffer[start:end] = torch.tensor(token_ids, dtype=torch.long)
+        self.length = end
+
+    def tokens(self) -> torch.Tensor:
+        return self.buffer[:self.length]
+
+
+@dataclass(slots=True)
+class PromptLogprobRows:
+    """Which logits rows a step needs when some sequences want prompt logprobs: every row of their
+    prompt tokens, besides the last row of each sampled sequence."""
+
+    logits_index: torch.Tensor  # rows of the flat token batch to compute logits for
+    sample_rows: torch.Tensor  # positions in logits_index of the sampled sequences' last rows
+    spans: list[tuple[SeqInput, int, int]]  # (sequence, first position in logits_index, prompt tokens in it)
+
+    @classmethod
+    def plan(cls, seqs: list[SeqInput], device: torch.device) -> "PromptLogprobRows | None":
+        if not any(s.prompt_logprobs and s.num_computed < s.prompt_len for s in seqs):
+            return None
+        pieces, sample_rows, spans = [], [], []
+        row, taken = 0, 0
+        for seq in seqs:
+            n = len(seq.token_ids)
+            if seq.prompt_logprobs and seq.num_computed < seq.prompt_len:
+                spans.append((seq, taken, min(n, seq.prompt_len - seq.num_computed)))
+                pieces.append(torch.arange(row, row + n))
+                taken += n
+                if seq.sample:
+                    sample_rows.append(taken - 1)
+            elif seq.sample:
+                pieces.append(torch.tensor([row + n - 1]))
+                sample_rows.append(taken)
+                taken += 1
+            row += n
+        return cls(torch.cat(pieces).to(device), torch.tensor(sample_rows, dtype=torch.long, device=device), spans)
+
+    def gather(self, logits: torch.Tensor, pending: dict[str, torch.Tensor]) -> list[list]:
+        """``[[rid, [logprobs]]]`` of the prompt tokens of this step; updates ``pending`` (see ModelRunner)."""
+        out = []
+        for seq, first, n in self.spans:
+            logprobs = torch.log_softmax(logits[first:first + n].float(), dim=-1)
+            tokens = torch.tensor(seq.token_ids[:n], dtype=torch.long, device=logits.device)
+            # Row i scores token i + 1 of this chunk; the previous chunk's last row scores token 0.
+            values = logprobs[:-1].gather(1, tokens[1:, None]).squeeze(1)
+            previous = pending.pop(seq.rid, None)
+            if previous is not None:
+                values = torch.cat((previous[tokens[0]].view(1), values))
+            if seq.num_computed + n < seq.prompt_len:
+                pending[seq.rid] = logprobs[-1]
+            out.append([seq.rid, values.tolist()])
+        return out
+
+
+def one_token_rows(seqs: list[SeqInput]) -> list[SeqInput]:
+    """A speculating decode as 1 + num_spec one-token decodes of itself, one per position, sharing its
+    block table: each sees the K/V of the positions before it (every attention path writes a step's K/V
+    before it attends), so the forward pass and sampling treat each position as a step of its own, and
+    small steps keep the fused decode path."""
+    rows = []
+    for seq in seqs:
+        if not (seq.num_spec and seq.sample):
+            rows.append(seq)
+            continue
+        first = len(seq.token_ids) - 1 - seq.num_spec  # tokens before the last real one: a plain chunk
+        if first > 0:
+            rows.append(dataclasses.replace(seq, token_ids=seq.token_ids[:first], sample=False, num_spec=0))
+        rows += [dataclasses.replace(seq, token_ids=[token], num_computed=seq.num_computed + first + r, num_spec=0)
+                 for r, token in enumerate(seq.token_ids[first:])]
+        rows[-1 - seq.num_spec].num_spec = seq.num_spec  # the first sampled row says how many follow
+    return rows
+
+
+def keep_verified(rows: list[SeqInput], tokens: list[int], logprobs: list[float],
+                   top_tokens: list) -> tuple[list[str], list[int], list[float], list, list[int]]:
+    """From one sample per row back to one entry per sequence: a speculating one keeps its guesses up to
+    the first its samples disagree with, then that sample (or the one after its last guess); the others
+    their one token. Also the rids, how many tokens each kept and one top_tokens entry per sequence."""
+    rids, kept_tokens, kept_logprobs, kept_top, num_tokens = [], [], [], [], []
+    i = 0
+    while i < len(rows):
+        seq = rows[i]
+        guesses = [r.token_ids[0] for r in rows[i + 1:i + 1 + seq.num_spec]]
+        n = 1
+        while n <= seq.num_spec and tokens[i + n - 1] == guesses[n - 1]:
+            n += 1
+        rids.append(seq.rid)
+        kept_tokens += tokens[i:i + n]
+        kept_logprobs += logprobs[i:i + n]
+        if top_tokens:
+            kept_top.append(top_tokens[i])
+        num_tokens.append(n)
+        i += 1 + seq.num_spec
+    return rids, kept_tokens, kept_logprobs, kept_top, num_tokens
