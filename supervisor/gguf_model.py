@@ -183,7 +183,8 @@ def _llama3_factors(wavelen: np.ndarray, params: dict) -> np.ndarray:
 
 def _causal_lm_class(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[model_type]
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}[model_type]
 
 
 def _eos_ids(summary: dict, config: dict, tokenizer) -> list[int]:

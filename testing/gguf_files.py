@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -22,6 +23,15 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
           "mlp.down_proj.weight": "ffn_down.weight",
           "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+# The families whose llama.cpp names differ from a Llama's (gguf.MODEL_TENSORS of each architecture)
+_FAMILY_LAYER = {
+    "qwen3moe": {"mlp.gate.weight": "ffn_gate_inp.weight"},
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "gemma3": {"pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_attention_layernorm.weight": "post_attention_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def interleave_heads(w: np.ndarray, heads: int) -> np.ndarray:
@@ -36,9 +46,13 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
     config = json.loads((hf_dir / "config.json").read_text())
     tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
     tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    weights = load_file(str(hf_dir / "model.safetensors"))
+    weights = _stack_experts(load_file(str(hf_dir / "model.safetensors")))
     writer = gguf.GGUFWriter(str(out), architecture)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base is the file's
+    theta = rope.get("rope_theta") or config.get("rope_theta") or 10000.0
     writer.add_name("llmbus test model")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -46,23 +60,31 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if config.get("num_local_experts"):
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if architecture == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer, tokenizer, tokenizer_config, config)
     types = overrides or {}
     for name, tensor in weights.items():
-        gguf_name = _gguf_name(name)
+        gguf_name = _gguf_name(name, architecture)
         tensor = tensor.astype(np.float32)
+        if architecture == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor + 1  # llama.cpp's Gemma 3 converter: its norm multiplies by the weight alone
         if name.endswith("q_proj.weight") and architecture == "llama":
             tensor = interleave_heads(tensor, heads)
         if name.endswith("k_proj.weight") and architecture == "llama":
             tensor = interleave_heads(tensor, kv_heads)
-        kind = types.get(gguf_name, matrix_type if tensor.ndim == 2 else "F32")
+        kind = types.get(gguf_name, matrix_type if tensor.ndim >= 2 else "F32")
         _add(writer, gguf_name, tensor, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -71,7 +93,25 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
     return out
 
 
-def _gguf_name(name: str) -> str:
+def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert matrices as llama.cpp stores them: one ``[experts, rows, cols]`` tensor per projection and
+    layer, named ``ffn_{gate,up,down}_exps``."""
+    out, experts = {}, {}
+    for name, tensor in weights.items():
+        match = _EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            layer, expert, projection = match.groups()
+            experts.setdefault(f"blk.{layer}.ffn_{projection}_exps.weight", {})[int(expert)] = tensor
+    for gguf_name, by_expert in experts.items():
+        out[gguf_name] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def _gguf_name(name: str, architecture: str = "llama") -> str:
+    if name.startswith("blk."):  # already a GGUF name (stacked experts)
+        return name
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "model.norm.weight":
@@ -79,7 +119,7 @@ def _gguf_name(name: str) -> str:
     if name == "lm_head.weight":
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)
-    return f"blk.{layer}.{_LAYER[rest]}"
+    return f"blk.{layer}.{_FAMILY_LAYER.get(architecture, {}).get(rest) or _LAYER[rest]}"
 
 
 def _add(writer, name: str, tensor: np.ndarray, kind: str) -> None:
@@ -113,6 +153,8 @@ def _add_tokenizer(writer, tokenizer: dict, tokenizer_config: dict, config: dict
         writer.add_bos_token_id(ids[tokenizer_config["bos_token"]])
     if tokenizer_config.get("eos_token") in ids:
         writer.add_eos_token_id(ids[tokenizer_config["eos_token"]])
+    if config.get("pad_token_id") is not None:  # else transformers takes the config class's (Phi-3's: 32000)
+        writer.add_pad_token_id(config["pad_token_id"])
     # the demo tokenizer's post-processor puts its BOS first, as llama.cpp's add_bos_token does
     writer.add_add_bos_token("TemplateProcessing" in json.dumps(tokenizer.get("post_processor"))
                              or tokenizer_config.get("add_bos_token", False))

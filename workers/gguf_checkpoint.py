@@ -6,6 +6,10 @@ it asks for. Quantized tensors come back dequantized to float32 by ``gguf.quants
 ``read_quantized``, as their raw blocks (``GGUFRaw``) for the types llmbus computes with directly (Q8_0,
 Q4_0, Q4_1: ``workers/quant.py``).
 
+Families whose llama.cpp layout differs from Hugging Face's are read into the names the native models load:
+Qwen3-MoE's stacked experts (``ffn_*_exps``, one 3-D tensor per layer) as one matrix per expert, Phi-3's
+fused ``attn_qkv``/``ffn_up`` as ``qkv_proj``/``gate_up_proj``, Gemma 3's norms less the one llama.cpp adds.
+
 llama.cpp's converter reorders the rows of each attention head's query and key projections for its RoPE
 layout (the two halves of a head interleaved) in Llama-architecture files; reading undoes it, per head, so
 the same row permutation serves float rows and raw quantized rows alike.
@@ -19,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")
 # Types with a dequantizer here. Q8_0/Q4_0/Q4_1 can also stay quantized (KEPT_TYPES).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -38,6 +42,22 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Where a family's llama.cpp names mean other Hugging Face tensors than a Llama's.
+_FAMILY_LAYER_NAMES = {
+    "qwen3moe": {"ffn_gate_inp.weight": "mlp.gate.weight"},  # the router
+    # Phi-3 keeps its fused projections: ffn_up holds gate_up_proj's gate rows then its up rows
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma3": {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
+# Mixture-of-experts files stack a layer's experts in one 3-D tensor; each expert reads as its own matrix.
+_STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                    "ffn_down_exps.weight": "down_proj"}
+MOE_ARCHITECTURES = ("qwen3moe",)
+# llama.cpp's Gemma 3 converter stores every RMSNorm weight plus one (its norm multiplies by the weight, the
+# Hugging Face one by 1 + weight); reading takes the one back off.
+_NORMS_PLUS_ONE = ("gemma3",)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 # Tensors the native model computes itself: llama3's per-frequency RoPE factors become config.json's
@@ -86,6 +106,11 @@ def check_servable(reader, path: str | Path) -> dict:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch not in MOE_ARCHITECTURES and any(t.name.endswith("_exps.weight") for t in reader.tensors):
+        # llama.cpp writes Mixtral as a llama file with stacked experts; transformers' GGUF reader (the
+        # reference for every file served here) does not read those
+        raise GGUFError(f"{path}: a {arch} file with routed experts (Mixtral-style) is not supported "
+                        f"(supported mixture-of-experts architectures: {', '.join(MOE_ARCHITECTURES)})")
     types: dict[str, int] = {}
     names = set()
     for t in reader.tensors:
@@ -109,14 +134,34 @@ def check_servable(reader, path: str | Path) -> dict:
             "file_type": file_type_name, "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id")}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor (a stacked-experts one: the prefix its experts' names share)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, layer, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+        names = {**_LAYER_NAMES, **_FAMILY_LAYER_NAMES.get(arch, {})}
+        if rest in names:
+            return f"model.layers.{layer}.{names[rest]}"
+        if rest in _STACKED_EXPERTS and arch in MOE_ARCHITECTURES:
+            return f"model.layers.{layer}.mlp.experts."
     return None
+
+
+@dataclass(frozen=True)
+class _ExpertMatrix:
+    """One expert's matrix of a stacked-experts tensor, with the attributes read here of a ReaderTensor."""
+
+    tensor_type: int
+    shape: tuple[int, ...]  # innermost first, as GGUF lists them
+    data: np.ndarray
+
+
+def _expert_matrices(t, prefix: str) -> dict[str, _ExpertMatrix]:
+    projection = _STACKED_EXPERTS[t.name.split(".", 2)[2]]
+    shape = tuple(int(d) for d in t.shape[:2])
+    return {f"{prefix}{e}.{projection}.weight": _ExpertMatrix(t.tensor_type, shape, t.data[e])
+            for e in range(int(t.shape[2]))}
 
 
 class GGUFCheckpointReader:
@@ -134,10 +179,13 @@ class GGUFCheckpointReader:
                        "k": field_value(self._reader, f"{arch}.attention.head_count_kv")}
         self._heads["k"] = self._heads["k"] or self._heads["q"]
         self._permuted = arch in PERMUTED_QK
+        self._norms_plus_one = arch in _NORMS_PLUS_ONE
         self._tensors = {}
         for t in self._reader.tensors:
-            name = hf_name(t.name)
-            if name is not None:
+            name = hf_name(t.name, arch)
+            if name is not None and len(t.shape) == 3 and name.endswith(".experts."):
+                self._tensors.update(_expert_matrices(t, name))
+            elif name is not None and len(t.shape) < 3:
                 self._tensors[name] = t
             elif t.name not in _IGNORED:
                 raise GGUFError(f"{path}: tensor {t.name} has no place in a {arch} model")
@@ -196,6 +244,8 @@ class GGUFCheckpointReader:
             values = data.astype(np.float32, copy=True)
         else:
             values = self._gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False)
+        if self._norms_plus_one and name.endswith("norm.weight"):
+            values = values - 1
         return torch.from_numpy(np.ascontiguousarray(values))
 
     def read(self, name: str) -> torch.Tensor:

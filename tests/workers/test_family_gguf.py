@@ -1,7 +1,14 @@
-"""A Qwen3 GGUF file (written with the ``gguf`` package's writer, llama.cpp's tensor names, QK-norm
-included) loads through the same path as a Llama one: the folder made from it names model_type qwen3,
-the native model reads its tensors, and its greedy tokens and logprobs equal transformers' own reading of
-the file, at TP=1 and TP=2, on the mixed batch of ``llmbus.testing.families``."""
+"""GGUF files of the native families (written with the ``gguf`` package's writer in llama.cpp's layout:
+Qwen3's QK-norm, Qwen3-MoE's stacked experts and router, Phi-3's fused projections, Gemma 3's norms stored
+plus one) load through the same path as a Llama one: the folder made from the file has the config
+transformers derives from it, our reader's tensors equal transformers' reading of the file, and the native
+model's greedy tokens and logprobs equal transformers' own reading of the file, at TP=1 (and TP=2 for
+Qwen3 and Qwen3-MoE), on the mixed batch of ``llmbus.testing.families``.
+
+Each tiny model takes the shapes transformers' GGUF reader can read back: it does not read a qwen3 file's
+head width (Qwen3Config's 128 stays), a qwen3moe file's expert width (Qwen3MoeConfig's 768 stays), nor Gemma
+3's local RoPE base, window pattern or query scale (Gemma3TextConfig's defaults stay; six layers give one
+global layer, and the file's window of 8 tokens is shorter than the prompts)."""
 
 from __future__ import annotations
 
@@ -16,45 +23,92 @@ from llmbus.supervisor.gguf_model import materialize
 from llmbus.testing.families import (assert_matches_reference, family_runner, make_prompts, reference, run_family,
                                      run_family_tensor_parallel, save_tiny_family)
 from llmbus.testing.gguf_files import transformers_reads_cached, write_gguf
+from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader
+
+# family: (config class, GGUF architecture, model_type transformers reads, tiny model's arguments)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "qwen3", "qwen3", dict(head_dim=128)),
+    "qwen3moe": ("Qwen3MoeConfig", "qwen3moe", "qwen3_moe",
+                 dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768, head_dim=32)),
+    "phi3": ("Phi3Config", "phi3", "phi3", dict(pad_token_id=0)),  # else Phi3Config's 32000, past the vocabulary
+    "gemma3": ("Gemma3TextConfig", "gemma3", "gemma3_text", dict(num_hidden_layers=6, sliding_window=8)),
+}
 
 
-@pytest.fixture(scope="module")
-def qwen3_gguf(tiny_model_dir, tmp_path_factory):
-    """(the folder made from the file, prompts, transformers' reference from the file)."""
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_gguf(request, tiny_model_dir, tmp_path_factory):
+    """(family, the folder made from the file, the file, prompts, transformers' model and reference)."""
     import transformers
 
-    hf_dir = tmp_path_factory.mktemp("qwen3-hf")
+    family = request.param
+    config_class, architecture, model_type, arguments = FAMILIES[family]
+    hf_dir = tmp_path_factory.mktemp(f"{family}-hf")
     vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
-    # transformers' GGUF reader does not read the head width of a qwen3 file: Qwen3Config's default, 128
-    save_tiny_family(str(hf_dir), "Qwen3Config", vocab_size=vocab_size, head_dim=128)
+    save_tiny_family(str(hf_dir), config_class, vocab_size=vocab_size, **arguments)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the writer puts the tokenizer in the file
         shutil.copy(tiny_model_dir / name, hf_dir / name)
-    gguf_path = write_gguf(hf_dir, tmp_path_factory.mktemp("qwen3-gguf") / "tiny-qwen3.gguf", "F32",
-                           architecture="qwen3")
+    gguf_path = write_gguf(hf_dir, tmp_path_factory.mktemp(f"{family}-gguf") / f"tiny-{family}.gguf", "F32",
+                           architecture=architecture)
     with transformers_reads_cached():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                                   dtype=torch.float32)
+    assert model.config.model_type == model_type
     # A GGUF-loaded model refuses save_pretrained: its weights and config as a plain folder instead.
-    transformers_dir = tmp_path_factory.mktemp("qwen3-as-transformers-reads-it")
+    transformers_dir = tmp_path_factory.mktemp(f"{family}-as-transformers-reads-it")
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (transformers_dir / "config.json").write_text(json.dumps(config))
-    weights = {name: t.contiguous() for name, t in model.state_dict().items()}
+    weights = {name: t.contiguous() for name, t in model.state_dict().items()
+               if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}  # Gemma 3's is tied
     save_file(weights, str(transformers_dir / "model.safetensors"), metadata={"format": "pt"})
-    assert model.config.model_type == "qwen3" and any("q_norm" in n for n, _ in model.named_parameters())
     prompts = make_prompts(vocab_size)
     folder = materialize(gguf_path, cache_root=tmp_path_factory.mktemp("gguf-cache"))
-    return str(folder), prompts, reference(str(transformers_dir), prompts)
+    return family, str(folder), gguf_path, prompts, model, reference(str(transformers_dir), prompts)
 
 
-def test_qwen3_gguf_serves_as_transformers_reads_it(qwen3_gguf):
-    folder, prompts, ref = qwen3_gguf
-    assert json.loads(open(f"{folder}/config.json").read())["model_type"] == "qwen3"
+def test_config_is_what_transformers_reads(family_gguf):
+    family, folder, _, _, model, _ = family_gguf
+    ours = json.loads(open(f"{folder}/config.json").read())
+    theirs = json.loads(json.dumps(model.config.to_dict()))  # as config.json has it (string keys)
+    theirs.pop("quantization_config"), theirs.pop("architectures")
+    ours.pop("architectures")
+    # _name_or_path: the folder transformers read the file from
+    assert ({k: v for k, v in ours.items() if k not in ("dtype", "_name_or_path")}
+            == {k: v for k, v in theirs.items() if k not in ("dtype", "_name_or_path")})
+
+
+def test_reader_tensors_are_what_transformers_reads(family_gguf):
+    """Every tensor transformers loads from the file, read by our reader under the name the native model
+    loads: Qwen3-MoE's experts from transformers' fused ``[experts, 2 * width, hidden]`` gate/up stack."""
+    family, _, gguf_path, _, model, _ = family_gguf
+    with GGUFCheckpointReader(gguf_path) as reader:
+        for name, theirs in model.state_dict().items():
+            if name.endswith("mlp.experts.gate_up_proj"):
+                prefix = name.removesuffix("gate_up_proj")
+                for e, fused in enumerate(theirs):
+                    gate, up = fused.chunk(2)
+                    assert torch.equal(reader.read(f"{prefix}{e}.gate_proj.weight"), gate)
+                    assert torch.equal(reader.read(f"{prefix}{e}.up_proj.weight"), up)
+            elif name.endswith("mlp.experts.down_proj"):
+                prefix = name.removesuffix("down_proj")
+                for e, down in enumerate(theirs):
+                    assert torch.equal(reader.read(f"{prefix}{e}.down_proj.weight"), down)
+            elif name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            else:
+                assert torch.equal(reader.read(name), theirs), name
+
+
+def test_gguf_serves_as_transformers_reads_it(family_gguf):
+    family, folder, _, prompts, _, ref = family_gguf
     runner = family_runner(folder)
-    assert runner.model.layers[0].attention.q_norm is not None
+    if family in ("qwen3", "qwen3moe", "gemma3"):
+        assert runner.model.layers[0].attention.q_norm is not None
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
 
 
-def test_qwen3_gguf_tensor_parallel_2(qwen3_gguf, tmp_path):
-    folder, prompts, ref = qwen3_gguf
+def test_gguf_tensor_parallel_2(family_gguf, tmp_path):
+    family, folder, _, prompts, _, ref = family_gguf
+    if family not in ("qwen3", "qwen3moe"):
+        pytest.skip("TP=2 of the dense families' GGUF reading is the same slicing as Qwen3's")
     assert_matches_reference(ref, prompts, run_family_tensor_parallel(folder, prompts, str(tmp_path)))
