@@ -85,10 +85,13 @@ def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
     config_dict["architectures"] = [_causal_lm_class(config_dict["model_type"])]
     if summary["tied"]:
         config_dict["tie_word_embeddings"] = True
+    _read_expert_width(reader, summary["architecture"], config_dict)
     scaling = _rope_scaling(reader, path, summary["architecture"], config_dict)
-    if scaling is not None:
+    rope = config_dict.get("rope_parameters") or {"rope_theta": config_dict.get("rope_theta", 10000.0)}
+    if scaling is not None and "full_attention" in rope:  # Gemma 3: the file's scaling is its global layers'
+        config_dict["rope_parameters"] = {**rope, "full_attention": {**rope["full_attention"], **scaling}}
+    elif scaling is not None:
         # llama.py reads rope_parameters first (transformers 5's key) and rope_scaling otherwise
-        rope = config_dict.get("rope_parameters") or {"rope_theta": config_dict.get("rope_theta", 10000.0)}
         config_dict["rope_parameters"] = {"rope_theta": rope.get("rope_theta", 10000.0), **scaling}
         config_dict["rope_scaling"] = scaling
     (out / "config.json").write_text(json.dumps(config_dict, indent=2))
@@ -123,9 +126,21 @@ def _parsed_once(path: Path, reader):
         gguf.GGUFReader = opens
 
 
+def _read_expert_width(reader, arch: str, config: dict) -> None:
+    """A Qwen3-MoE file's expert width, which transformers' reading leaves at Qwen3MoeConfig's 768 (right for
+    Qwen3-30B-A3B only; its own loading of another width then fails on the tensors' shapes)."""
+    width = field_value(reader, f"{arch}.expert_feed_forward_length") if arch == "qwen3moe" else None
+    if width:
+        config["moe_intermediate_size"] = int(width)
+
+
 def _rope_scaling(reader, path: Path, arch: str, config: dict) -> dict | None:
     """The file's RoPE frequency scaling as transformers' ``rope_parameters`` (without the theta), or None
     for plain RoPE. GGUFError for a scaling llmbus does not compute (YaRN, LongRoPE)."""
+    if any(t.name in ("rope_factors_long.weight", "rope_factors_short.weight") for t in reader.tensors):
+        # Phi-3's long-context files: transformers' reading drops the factors, so no reference runs them
+        raise GGUFError(f"{path}: RoPE scaling 'longrope' (rope_factors_long/short tensors) is not supported "
+                        f"(supported: linear, llama3)")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         rope = config.get("rope_parameters") or {}

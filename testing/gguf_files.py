@@ -40,9 +40,10 @@ def interleave_heads(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architecture: str = "llama",
-               overrides: dict | None = None) -> Path:
+               overrides: dict | None = None, extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """``hf_dir`` as a GGUF at ``out`` with every 2-D weight stored as ``matrix_type``; ``overrides`` maps a
-    GGUF tensor name to its type (to mix types, or to name one llmbus cannot read)."""
+    GGUF tensor name to its type (to mix types, or to name one llmbus cannot read); ``extra_tensors`` are
+    added as they are, by their GGUF names (tensors of layouts llmbus refuses)."""
     config = json.loads((hf_dir / "config.json").read_text())
     tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
     tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
@@ -71,10 +72,14 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if architecture == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer, tokenizer, tokenizer_config, config)
     types = overrides or {}
+    weights = {**weights, **(extra_tensors or {})}
     for name, tensor in weights.items():
         gguf_name = _gguf_name(name, architecture)
         tensor = tensor.astype(np.float32)
@@ -110,7 +115,7 @@ def _stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _gguf_name(name: str, architecture: str = "llama") -> str:
-    if name.startswith("blk."):  # already a GGUF name (stacked experts)
+    if not name.startswith(("model.", "lm_head.")):  # already a GGUF name (stacked experts, extra tensors)
         return name
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"

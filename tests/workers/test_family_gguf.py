@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -112,3 +113,58 @@ def test_gguf_tensor_parallel_2(family_gguf, tmp_path):
     if family not in ("qwen3", "qwen3moe"):
         pytest.skip("TP=2 of the dense families' GGUF reading is the same slicing as Qwen3's")
     assert_matches_reference(ref, prompts, run_family_tensor_parallel(folder, prompts, str(tmp_path)))
+
+
+# family: (config class, GGUF architecture, tiny model's arguments) where the file says what transformers'
+# reading leaves at the config class's default: served as llama.cpp reads it, so compared with the checkpoint
+# the file was written from
+FILE_OVER_DEFAULTS = {
+    "qwen3moe-expert-width": ("Qwen3MoeConfig", "qwen3moe",
+                              # llama.cpp always renormalizes the top-k (as Qwen3-MoE's own configs ask)
+                              dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32,
+                                   norm_topk_prob=True, seed=1)),  # seed 0: margins too thin
+    "gemma3-linear-rope": ("Gemma3TextConfig", "gemma3", dict(
+        num_hidden_layers=6, sliding_window=8,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+}
+
+
+@pytest.mark.parametrize("case", list(FILE_OVER_DEFAULTS))
+def test_gguf_serves_what_transformers_reading_drops(case, tiny_model_dir, tmp_path):
+    config_class, architecture, arguments = FILE_OVER_DEFAULTS[case]
+    hf_dir = tmp_path / "hf"
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    save_tiny_family(str(hf_dir), config_class, vocab_size=vocab_size, **arguments)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, hf_dir / name)
+    gguf_path = write_gguf(hf_dir, tmp_path / f"{case}.gguf", "F32", architecture=architecture)
+    folder = materialize(gguf_path, cache_root=tmp_path / "cache")
+    config = json.loads((folder / "config.json").read_text())
+    if architecture == "qwen3moe":
+        assert config["moe_intermediate_size"] == 96
+    else:
+        assert config["rope_parameters"]["full_attention"]["factor"] == 8.0
+        assert "factor" not in config["rope_parameters"]["sliding_attention"]
+    prompts = make_prompts(vocab_size)
+    assert_matches_reference(reference(str(hf_dir), prompts), prompts, run_family(family_runner(str(folder)), prompts))
+
+
+def test_layouts_without_a_reference_are_refused(tiny_model_dir, tmp_path):
+    """llama.cpp's Mixtral (a llama file with stacked experts) and Phi-3's LongRoPE factors: transformers'
+    reader does not read them, so they are refused in one line, before anything starts."""
+    from llmbus.workers.gguf_checkpoint import GGUFError
+
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    cases = {"llama": ("Qwen3Config", {"blk.0.ffn_gate_exps.weight": np.zeros((4, 128, 64), np.float32)},
+                       "routed experts"),
+             "phi3": ("Phi3Config", {"rope_factors_long.weight": np.ones(8, np.float32)}, "longrope")}
+    for architecture, (config_class, extra, message) in cases.items():
+        hf_dir = tmp_path / architecture
+        save_tiny_family(str(hf_dir), config_class, vocab_size=vocab_size, head_dim=16, pad_token_id=0)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny_model_dir / name, hf_dir / name)
+        gguf_path = write_gguf(hf_dir, tmp_path / f"{architecture}.gguf", "F32", architecture=architecture,
+                               extra_tensors=extra)
+        with pytest.raises(GGUFError, match=message):
+            materialize(gguf_path, cache_root=tmp_path / "cache")
