@@ -85,7 +85,7 @@ def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
     config_dict["architectures"] = [_causal_lm_class(config_dict["model_type"])]
     if summary["tied"]:
         config_dict["tie_word_embeddings"] = True
-    _read_expert_width(reader, summary["architecture"], config_dict)
+    _read_what_transformers_drops(reader, summary["architecture"], config_dict)
     scaling = _rope_scaling(reader, path, summary["architecture"], config_dict)
     rope = config_dict.get("rope_parameters") or {"rope_theta": config_dict.get("rope_theta", 10000.0)}
     if scaling is not None and "full_attention" in rope:  # Gemma 3: the file's scaling is its global layers'
@@ -126,12 +126,18 @@ def _parsed_once(path: Path, reader):
         gguf.GGUFReader = opens
 
 
-def _read_expert_width(reader, arch: str, config: dict) -> None:
-    """A Qwen3-MoE file's expert width, which transformers' reading leaves at Qwen3MoeConfig's 768 (right for
-    Qwen3-30B-A3B only; its own loading of another width then fails on the tensors' shapes)."""
+def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
+    """Hyperparameters transformers' reading leaves at its config class's default, as llama.cpp takes them.
+    Qwen3-MoE: the expert width (Qwen3MoeConfig's 768 is right for Qwen3-30B-A3B only; transformers' own
+    loading of another width fails on the tensors' shapes). Gemma 3: the query scale, 1/sqrt(head_dim) except
+    for the 62-layer 27B's hidden/heads (168, what its config.json says); Gemma3TextConfig's default is 256."""
     width = field_value(reader, f"{arch}.expert_feed_forward_length") if arch == "qwen3moe" else None
     if width:
         config["moe_intermediate_size"] = int(width)
+    if arch == "gemma3":
+        heads = config["num_attention_heads"]
+        config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == 62
+                                           else config["head_dim"])
 
 
 def _rope_scaling(reader, path: Path, arch: str, config: dict) -> dict | None:

@@ -123,8 +123,9 @@ FILE_OVER_DEFAULTS = {
                               # llama.cpp always renormalizes the top-k (as Qwen3-MoE's own configs ask)
                               dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32,
                                    norm_topk_prob=True, seed=1)),  # seed 0: margins too thin
+    # and the query scale llama.cpp takes from the head width (Gemma3TextConfig's default: 256)
     "gemma3-linear-rope": ("Gemma3TextConfig", "gemma3", dict(
-        num_hidden_layers=6, sliding_window=8,
+        num_hidden_layers=6, sliding_window=8, head_dim=32, query_pre_attn_scalar=32,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
 }
@@ -146,6 +147,7 @@ def test_gguf_serves_what_transformers_reading_drops(case, tiny_model_dir, tmp_p
     else:
         assert config["rope_parameters"]["full_attention"]["factor"] == 8.0
         assert "factor" not in config["rope_parameters"]["sliding_attention"]
+        assert config["query_pre_attn_scalar"] == 32
     prompts = make_prompts(vocab_size)
     assert_matches_reference(reference(str(hf_dir), prompts), prompts, run_family(family_runner(str(folder)), prompts))
 
@@ -168,3 +170,36 @@ def test_layouts_without_a_reference_are_refused(tiny_model_dir, tmp_path):
                                extra_tensors=extra)
         with pytest.raises(GGUFError, match=message):
             materialize(gguf_path, cache_root=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("kind", ("Q8_0", "Q4_1"))
+def test_stacked_experts_read_one_expert_at_a_time_quantized(kind, tiny_model_dir, tmp_path):
+    """A quantized qwen3moe file's stacked experts: each expert's matrix, its TP row and column slices and its
+    kept raw blocks are that expert's part of the whole stack as the ``gguf`` package dequantizes it."""
+    import gguf
+
+    from llmbus.workers import quant
+
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    save_tiny_family(str(tmp_path / "hf"), "Qwen3MoeConfig", vocab_size=vocab_size, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / "hf" / name)
+    path = write_gguf(tmp_path / "hf", tmp_path / "moe.gguf", kind, architecture="qwen3moe")
+    stacks = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors
+              if t.name.startswith("blk.1.ffn_") and t.name.endswith("_exps.weight")}
+    with GGUFCheckpointReader(path) as reader:
+        for e in range(4):
+            down = f"model.layers.1.mlp.experts.{e}.down_proj.weight"
+            gate = f"model.layers.1.mlp.experts.{e}.gate_proj.weight"
+            expected_down = torch.from_numpy(stacks["blk.1.ffn_down_exps.weight"][e].astype(np.float32))
+            expected_gate = torch.from_numpy(stacks["blk.1.ffn_gate_exps.weight"][e].astype(np.float32))
+            assert reader.shape(down) == [64, 96] and reader.qtype(down) == kind
+            assert torch.equal(reader.read(down), expected_down)
+            assert torch.equal(reader.read_cols(down, 32, 96), expected_down[:, 32:96])
+            assert torch.equal(reader.read_rows(gate, 48, 96), expected_gate[48:96])
+            raw = reader.read_quantized(down, cols=(32, 96))
+            assert raw.shape == (64, 64)
+            torch.testing.assert_close(quant.from_gguf(raw).dequantize(), expected_down[:, 32:96], rtol=0, atol=1e-6)
+            raw = reader.read_quantized(gate, rows=(48, 96))
+            torch.testing.assert_close(quant.from_gguf(raw).dequantize(), expected_gate[48:96], rtol=0, atol=1e-6)
