@@ -129,11 +129,18 @@ def _parsed_once(path: Path, reader):
 def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
     """Hyperparameters transformers' reading leaves at its config class's default, as llama.cpp takes them.
     Qwen3-MoE: the expert width (Qwen3MoeConfig's 768 is right for Qwen3-30B-A3B only; transformers' own
-    loading of another width fails on the tensors' shapes). Gemma 3: the query scale, 1/sqrt(head_dim) except
+    loading of another width fails on the tensors' shapes). Phi-3: the share of each head RoPE turns
+    (rope.dimension_count). Gemma 3: the query scale, 1/sqrt(head_dim) except
     for the 62-layer 27B's hidden/heads (168, what its config.json says); Gemma3TextConfig's default is 256."""
     width = field_value(reader, f"{arch}.expert_feed_forward_length") if arch == "qwen3moe" else None
     if width:
         config["moe_intermediate_size"] = int(width)
+    rotary = field_value(reader, f"{arch}.rope.dimension_count") if arch == "phi3" else None
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    if rotary and rotary != head_dim:  # Phi-4-mini's RoPE turns 3/4 of each head; transformers' reading, all
+        factor = rotary / head_dim
+        config["partial_rotary_factor"] = factor
+        config["rope_parameters"] = {**(config.get("rope_parameters") or {}), "partial_rotary_factor": factor}
     if arch == "gemma3":
         heads = config["num_attention_heads"]
         config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == 62

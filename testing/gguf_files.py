@@ -63,7 +63,7 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     if config.get("num_local_experts"):

@@ -123,6 +123,8 @@ FILE_OVER_DEFAULTS = {
                               # llama.cpp always renormalizes the top-k (as Qwen3-MoE's own configs ask)
                               dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32,
                                    norm_topk_prob=True, seed=1)),  # seed 0: margins too thin
+    "phi3-partial-rotary": ("Phi3Config", "phi3",  # seed 0: margins too thin
+                            dict(pad_token_id=0, partial_rotary_factor=0.5, seed=1)),
     # and the query scale llama.cpp takes from the head width (Gemma3TextConfig's default: 256)
     "gemma3-linear-rope": ("Gemma3TextConfig", "gemma3", dict(
         num_hidden_layers=6, sliding_window=8, head_dim=32, query_pre_attn_scalar=32,
@@ -144,6 +146,8 @@ def test_gguf_serves_what_transformers_reading_drops(case, tiny_model_dir, tmp_p
     config = json.loads((folder / "config.json").read_text())
     if architecture == "qwen3moe":
         assert config["moe_intermediate_size"] == 96
+    elif architecture == "phi3":
+        assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
     else:
         assert config["rope_parameters"]["full_attention"]["factor"] == 8.0
         assert "factor" not in config["rope_parameters"]["sliding_attention"]
