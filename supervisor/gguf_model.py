@@ -14,7 +14,9 @@ against. What transformers would accept but llmbus cannot run (another architect
 without a dequantizer here) is refused first, in one line naming it. One thing transformers' reading drops
 is taken from the file as llama.cpp takes it: RoPE frequency scaling (Llama 3.1/3.2's per-frequency
 factors in ``rope_freqs.weight``, or ``rope.scaling.*`` metadata), without which such a model would run
-with unscaled rotations.
+with unscaled rotations. So are the hyperparameters it leaves at its config classes' defaults for the
+newer families: Qwen3-MoE's expert width, Phi-3's rotated share of a head, Gemma 3's query scale
+(``_read_what_transformers_drops``).
 """
 
 from __future__ import annotations
