@@ -19,6 +19,11 @@ def add_comparison_arguments(p: argparse.ArgumentParser) -> None:
     """The flags every this-checkout-against-a-revision benchmark takes: the revision, and the model as
     both sides serve it."""
     p.add_argument("--against", default="HEAD", help="the git revision to compare this checkout with")
+    add_model_arguments(p)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model as both sides of a served comparison serve it."""
     p.add_argument("--model-id", default=None,
                    help="default: SmolLM2's bfloat16 folder (_smollm2.dense_folder), served in --dtype as "
                         "vs_llama_server.py serves it")

@@ -65,17 +65,18 @@ def show(label: str, r: dict) -> str:
             f"sent to result {r['step_ms']:.2f} ms; CPU ms a token: {cpu}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_comparison_arguments(p)
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """The served load both sides get, and more `llmbus up` flags for both."""
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--requests", type=int, default=4, help="measured requests per server and round")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("extra", nargs="*", help="more `llmbus up` flags (after --)")
-    a = p.parse_args()
-    exit_on_sigterm()
+
+
+def launch(a: argparse.Namespace):
+    """The model's tokenizer and the `llmbus up` arguments both sides start with."""
     from tokenizers import Tokenizer
 
     dense = comparison_model(a.model_id)
@@ -83,22 +84,39 @@ def main() -> None:
     args = ["--model-id", str(dense), "--dtype", a.dtype,
             "--kv-cache-memory", str(kv_bytes_for(dense, KV_TOKENS, a.dtype)),
             *(["--quantize", a.quantize] if a.quantize else []), *a.extra]
-    print(f"load average before: {load_average()}", flush=True)
+    return tokenizer, args
+
+
+def alternate(a: argparse.Namespace, tokenizer, first: tuple[str, Server], second: tuple[str, Server]) -> None:
+    """``a.rounds`` rounds measuring both servers in turn (which goes first alternates), each round on prompts
+    of its own; prints each side's breakdown and the tokens/s ratio first / second per round and their median."""
+    (name, _), (other, _) = first, second
     ratios = []
+    for k in range(a.rounds):
+        prompts = [exact_token_prompt(tokenizer, a.prompt_tokens, f"round {k} {i} {time.time_ns()}")
+                   for i in range(a.concurrency + a.requests)]
+        order = [first, second]
+        results = {n: measure(srv, prompts, a) for n, srv in (order if k % 2 else order[::-1])}
+        for n, r in results.items():
+            print(show(f"round {k + 1}, {n}", r), flush=True)
+        ratios.append(results[name]["tok_s"] / results[other]["tok_s"])
+        print(f"round {k + 1}: tokens/s ratio ({name} / {other}) {ratios[-1]:.3f}", flush=True)
+    print(f"median ratio ({name} / {other}): {statistics.median(ratios):.3f} "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f}); load average after: {load_average()}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_comparison_arguments(p)
+    add_load_arguments(p)
+    a = p.parse_args()
+    exit_on_sigterm()
+    tokenizer, args = launch(a)
+    print(f"load average before: {load_average()}", flush=True)
     with revision_package(a.against, "served_ab.py") as package, \
             Server(args, ready_timeout=READY_TIMEOUT_S) as this, \
                 Server(args, env={"PYTHONPATH": str(package)}, ready_timeout=READY_TIMEOUT_S) as other:
-        for k in range(a.rounds):
-            prompts = [exact_token_prompt(tokenizer, a.prompt_tokens, f"round {k} {i} {time.time_ns()}")
-                       for i in range(a.concurrency + a.requests)]
-            order = [("this checkout", this), (a.against, other)]
-            results = {name: measure(srv, prompts, a) for name, srv in (order if k % 2 else order[::-1])}
-            for name, r in results.items():
-                print(show(f"round {k + 1}, {name}", r), flush=True)
-            ratios.append(results["this checkout"]["tok_s"] / results[a.against]["tok_s"])
-            print(f"round {k + 1}: tokens/s ratio (this checkout / {a.against}) {ratios[-1]:.3f}", flush=True)
-    print(f"median ratio (this checkout / {a.against}): {statistics.median(ratios):.3f} "
-          f"(range {min(ratios):.3f}-{max(ratios):.3f}); load average after: {load_average()}")
+        alternate(a, tokenizer, ("this checkout", this), (a.against, other))
 
 
 if __name__ == "__main__":
