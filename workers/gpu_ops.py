@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
-
 import torch
+
+from llmbus.workers.attention.triton import interpreting
 
 
 @functools.cache
@@ -32,8 +32,7 @@ def _triton():
 
 def available(tensor: torch.Tensor) -> bool:
     """Whether the kernels take ``tensor``: on CUDA with triton installed, or anywhere under the interpreter."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return (tensor.is_cuda or interpreting) and _triton() is not None
+    return (tensor.is_cuda or interpreting()) and _triton() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

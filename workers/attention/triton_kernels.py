@@ -29,6 +29,8 @@ This module imports triton at import time and decorates its kernels then: ``trit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -185,6 +187,12 @@ def program_map(query_lens: list[int], block_q: int, device: torch.device) -> to
     return torch.tensor([seqs, rows], dtype=torch.int32, device=device)
 
 
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    """The GPU's multiprocessors, asked once (``key_splits`` runs at every layer of an eager step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def key_splits(programs: int, num_kv_heads: int, block_q: int, device: torch.device) -> int:
     """How many programs share one tile's keys (flash-decoding's split): for decode-only steps (``block_q``
     1) whose programs alone would leave most of the GPU's multiprocessors idle (a batch-1 step has one per
@@ -192,8 +200,7 @@ def key_splits(programs: int, num_kv_heads: int, block_q: int, device: torch.dev
     shape alone, so a CUDA graph of a batch size keeps it. Under the interpreter, as if there were 8."""
     if block_q != 1:
         return 1
-    processors = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-                  else INTERPRETER_PROCESSORS)
+    processors = _multiprocessors(device.index) if device.type == "cuda" else INTERPRETER_PROCESSORS
     wanted = 2 * processors // max(1, programs * num_kv_heads)
     return min(MAX_SPLITS, 1 << max(0, wanted.bit_length() - 1)) if wanted > 1 else 1
 
