@@ -10,12 +10,13 @@ is a string or blocks. Blocks map onto OpenAI's messages:
 - ``tool_use`` (assistant): one of the message's ``tool_calls``, ``input`` as the arguments;
 - ``tool_result`` (user): a ``role: "tool"`` message answering ``tool_use_id``, which the tool machinery
   renders as the template allows; text after results becomes a user message of its own;
-- ``thinking`` / ``redacted_thinking`` (assistant): dropped, as this model never wrote them;
+- ``thinking`` / ``redacted_thinking`` (assistant): dropped, as reasoning templates drop earlier turns' sections;
 - ``image``, ``document`` and anything else: refused, naming the block (the models served read text).
 
-Structured outputs (``output_config.format``) become the chat route's ``response_format``. Documented fields
-that are not served (extended ``thinking``, ``output_config.effort``, ...) are refused by name
-(refused_fields.py); unknown top-level keys are ignored, as on the OpenAI routes.
+Structured outputs (``output_config.format``) become the chat route's ``response_format``; ``thinking`` sets
+the template's thinking switch (thinking_controls.py) and ``chat_template_kwargs`` (vLLM's extension) passes
+as on the chat route. Documented fields that are not served (``output_config.effort``, ...) are refused by
+name (refused_fields.py); unknown top-level keys are ignored, as on the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from llmbus.frontend.errors import validation_error
 from llmbus.frontend.openai_requests import ChatRequest, parse_chat
 from llmbus.frontend.refused_fields import ANTHROPIC, ANTHROPIC_OUTPUT_CONFIG, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
+from llmbus.frontend.thinking_controls import anthropic_thinking
 
 _DROPPED_BLOCKS = ("thinking", "redacted_thinking")
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -234,6 +236,8 @@ def to_openai(body: dict, *, count_only: bool = False) -> dict:
     has no ``max_tokens`` and generates nothing)."""
     refuse_unserved(body, ANTHROPIC)
     openai: dict = {"messages": _messages(body)}
+    if body.get("chat_template_kwargs") is not None:
+        openai["chat_template_kwargs"] = body["chat_template_kwargs"]
     tools = _tools(body)
     if tools is not None:
         openai["tools"] = tools
@@ -276,5 +280,6 @@ def to_openai(body: dict, *, count_only: bool = False) -> dict:
 def parse_messages(body: dict, limits: Limits, defaults: SamplingDefaults, *,
                    count_only: bool = False, chat_format: ChatFormat | None = None) -> ChatRequest:
     """The chat route's request for an Anthropic body: one choice, no logprobs; ``chat_format``: the
-    model's tool syntax."""
-    return parse_chat(to_openai(body, count_only=count_only), limits, 1, defaults, chat_format)
+    model's tool syntax and thinking switch."""
+    return parse_chat(to_openai(body, count_only=count_only), limits, 1, defaults, chat_format,
+                      anthropic_thinking(body.get("thinking")))

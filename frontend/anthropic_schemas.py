@@ -4,7 +4,7 @@ the ``anthropic`` SDK's types (what clients parse); fields llmbus never sends ar
 
 from __future__ import annotations
 
-from llmbus.frontend.openapi_schemas import _obj, _t, array, ref
+from llmbus.frontend.openapi_schemas import CHAT_TEMPLATE_KWARGS, THINKING_SWITCH_NOTE, _obj, _t, array, ref
 
 STOP_REASONS = ["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 # the HTTP errors of the routes: (status, description); all in Anthropic's envelope
@@ -92,6 +92,11 @@ def anthropic_schemas(model_id: str) -> dict:
         "tools": array(tool, "Client tools the model may call; its calls always parse and their input "
                              "validates against `input_schema`."),
         "tool_choice": tool_choice,
+        "thinking": _obj({"type": _t("string", enum=["enabled", "adaptive", "disabled"]),
+                          "budget_tokens": _t("integer", "Required with `enabled`; not enforced (the model ends "
+                                                         "its section, within max_tokens).", minimum=1)},
+                         ("type",), "enabled and adaptive turn thinking on, disabled off: " + THINKING_SWITCH_NOTE),
+        "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
     }
     return {
         "AnthropicMessagesRequest": _obj({

@@ -5,9 +5,9 @@ Where to look, first hit wins (transformers 5 and TGI agree on the order): ``cha
 ``chat_template.json``, then ``tokenizer_config.json`` ``chat_template`` (a string, or a list of named
 templates of which ``default`` is used). The template sees ``messages``, ``add_generation_prompt``, the
 special tokens (``bos_token``, ``eos_token``, ...), ``tools`` when given and a request's
-``chat_template_kwargs`` (``enable_thinking``, ...). As in TGI, a conversation
-that ends with an assistant message is continued (the prompt stops right after that message's content)
-instead of being answered.
+``chat_template_kwargs`` (``enable_thinking``, ...), which each API's reasoning control sets too
+(thinking_controls.py). As in TGI, a conversation that ends with an assistant message is continued (the
+prompt stops right after that message's content) instead of being answered.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmbus.frontend.errors import ApiError, ErrorKind
-from llmbus.frontend.reasoning import ReasoningMarkers, find_markers
+from llmbus.frontend.reasoning import ReasoningMarkers, find_markers, find_thinking_switch
 from llmbus.frontend.tool_formats import ToolFormat, tool_format
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
@@ -73,13 +73,19 @@ def _special_tokens(model_dir: Path) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """How the model writes: its tool-call syntax, its thinking markers, and its added tokens by text
-    (a marker held as one token is allowed in grammars as that token too)."""
+    """How the model writes: its tool-call syntax, its thinking markers and switch, and its added tokens by
+    text (a marker held as one token is allowed in grammars as that token too)."""
 
     tools: ToolFormat
     reasoning: ReasoningMarkers | None
     added_tokens: dict[str, int]
     special_ids: frozenset[int] = frozenset()  # the ids a generated text leaves out
+    thinking_switch: str | None = None  # the template variable that turns thinking on and off
+
+    @property
+    def reasons(self) -> bool:
+        """Whether the model reasons: its template writes thinking markers or has a switch for thinking."""
+        return self.reasoning is not None or self.thinking_switch is not None
 
     def token_of(self, marker: str) -> int | None:
         return self.added_tokens.get(marker)
@@ -110,7 +116,8 @@ class ChatTemplate:
         if self._format is None or self._format[0] != tool_call_parser:
             added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
             self._format = (tool_call_parser, ChatFormat(tool_format(tool_call_parser, self.source),
-                                                         find_markers(self.source), added, frozenset(special_ids)))
+                                                         find_markers(self.source), added, frozenset(special_ids),
+                                                         find_thinking_switch(self.source)))
         return self._format[1]
 
     @property

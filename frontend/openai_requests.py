@@ -20,6 +20,7 @@ from llmbus.frontend.grammar import response_format_grammar
 from llmbus.frontend.reasoning import ReasoningPlan
 from llmbus.frontend.refused_fields import OPENAI_CHAT, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
+from llmbus.frontend.thinking_controls import ThinkingAsk, apply_thinking, openai_effort
 from llmbus.frontend.tools import ToolPlan, parse_tools
 from llmbus.frontend.validation import I32_MAX, GenerateParameters, load_json, to_f32
 
@@ -87,7 +88,7 @@ class ChatRequest:
     options: OpenAIOptions
     plan: ToolPlan | None = None  # the tools the model may call, and the grammar that holds it to them
     tool_prompt: str | None = None  # TGI's: the instruction appended with the tools (None: ours)
-    template_kwargs: dict | None = None  # chat_template_kwargs: more variables for the template
+    template_kwargs: dict | None = None  # chat_template_kwargs, and the thinking switch a reasoning control set
     chat_format: ChatFormat | None = None  # the model's syntaxes (None: Hermes, no reasoning)
     reasoning: ReasoningPlan | None = None  # set once the prompt is rendered (openai_routes.chat_prompt)
 
@@ -247,9 +248,14 @@ def _template_kwargs(body: dict) -> dict | None:
 
 
 def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingDefaults,
-               chat_format: ChatFormat | None = None) -> ChatRequest:
-    """A chat request; ``chat_format``: the model's tool syntax (and its markers' tokens) for the plan."""
+               chat_format: ChatFormat | None = None, thinking: ThinkingAsk | None = None) -> ChatRequest:
+    """A chat request; ``chat_format``: the model's tool syntax (and its markers' tokens) for the plan, and
+    its thinking switch, which ``reasoning_effort`` sets (or ``thinking``: the control of the API a
+    translated body came from, thinking_controls.py)."""
     refuse_unserved(body, OPENAI_CHAT)
+    if thinking is None:
+        thinking = openai_effort(body.get("reasoning_effort"))
+    template_kwargs = apply_thinking(thinking, chat_format, _template_kwargs(body))
     p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"), defaults)
     messages = _messages(body)
     if _get(body, "logprobs", "boolean", False):
@@ -272,7 +278,7 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
         p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support,
                                                strict=limits.strict_schemas)
     return ChatRequest(messages=messages, tools=tools or None, params=p, options=options, plan=plan,
-                       tool_prompt=_get(body, "tool_prompt", "string"), template_kwargs=_template_kwargs(body),
+                       tool_prompt=_get(body, "tool_prompt", "string"), template_kwargs=template_kwargs,
                        chat_format=chat_format)
 
 

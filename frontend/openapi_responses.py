@@ -4,7 +4,9 @@ that responses_requests.py reads; OpenAI's other fields are accepted and ignored
 
 from __future__ import annotations
 
-from llmbus.frontend.openapi_schemas import F32_TINY, array, ref
+from llmbus.frontend.openapi_schemas import CHAT_TEMPLATE_KWARGS, EFFORT_NOTE, F32_TINY, THINKING_SWITCH_NOTE, \
+    array, ref
+from llmbus.frontend.thinking_controls import EFFORTS, SUMMARIES
 
 _STR, _INT, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 
@@ -57,6 +59,12 @@ def _text_config() -> dict:
     return _obj({"format": fmt}, (), "The answer's format: text, any JSON object, or JSON of a schema.")
 
 
+def _reasoning() -> dict:
+    summary = _nullable({"type": "string", "enum": list(SUMMARIES)}, "Accepted; no summary is written.")
+    return _obj({"effort": _nullable({"type": "string", "enum": list(EFFORTS)}, "Thinking on or off."),
+                 "summary": summary, "generate_summary": summary})
+
+
 def _request() -> dict:
     tool_choice = {"anyOf": [{"type": "string", "enum": ["auto", "none", "required"]},
                              _obj({"type": _const("function"), "name": _STR}, ("type", "name"))]}
@@ -81,6 +89,10 @@ def _request() -> dict:
         "store": _nullable(_BOOL, "Keep the response for previous_response_id and GET (default true); in "
                                   "this server process's memory only."),
         "stream": _nullable(_BOOL, "Answer with Responses SSE events."),
+        "reasoning": _nullable(_reasoning(), "The reasoning controls: `effort` " + EFFORT_NOTE + THINKING_SWITCH_NOTE
+                               + " `summary` is accepted where the model reasons, and no summary is written: the "
+                                 "whole section comes back as a reasoning item's `reasoning_text`."),
+        "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
     }, ("input",))
 
 
@@ -110,6 +122,7 @@ def _response() -> dict:
         "instructions": _nullable(_STR, "As sent."), "max_output_tokens": _nullable(_INT, "As sent."),
         "model": _STR, "output": array(ref("ResponseOutputItem")), "parallel_tool_calls": _BOOL,
         "previous_response_id": _nullable(_STR, "As sent."), "store": _BOOL,
+        "reasoning": _obj({"effort": _nullable(_STR, "As sent."), "summary": _nullable(_STR, "As sent.")}),
         "temperature": _nullable({"type": "number"}, "As sent."), "top_p": _nullable({"type": "number"}, "As sent."),
         "text": {"type": "object"}, "tool_choice": {"anyOf": [_STR, {"type": "object"}]},
         "tools": array({"type": "object"}), "truncation": _STR,

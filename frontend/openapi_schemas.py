@@ -3,6 +3,19 @@ Schema builders the paths in openapi.py use too."""
 
 from __future__ import annotations
 
+from llmbus.frontend.thinking_controls import EFFORTS
+
+# words the chat, Responses and Messages request schemas share: the template's variables, the reasoning controls
+THINKING_SWITCH_NOTE = ("where the model reasons, its chat template's thinking switch (Qwen3's `enable_thinking`) "
+                        "is set; a `chat_template_kwargs` value of the switch that disagrees is an error. A model "
+                        "that does not reason refuses it (400) unless it asks for no thinking, and one whose "
+                        "template always reasons refuses thinking off.")
+EFFORT_NOTE = ('"none" and "minimal" turn thinking off, "low", "medium", "high" and "xhigh" turn it on (a switch has '
+               "no degrees): ")
+CHAT_TEMPLATE_KWARGS = {"description": "More variables for the chat template (vLLM's), e.g. `{\"enable_thinking\": "
+                                       "false}`; not the renderer's own (`messages`, `tools`, "
+                                       "`add_generation_prompt`, ... , special tokens).", "type": ["object", "null"]}
+
 # ------------------------------------------------------------------------------------------------
 # Schema building blocks
 # ------------------------------------------------------------------------------------------------
@@ -360,10 +373,9 @@ def openai_schemas(model_id: str) -> dict:
                                                "\"json_schema\", \"json_schema\": {\"name\", \"schema\"}}`, "
                                                "or TGI's GrammarType shapes (with `value`).",
                                 "type": ["object", "null"]},
-            "chat_template_kwargs": {"description": "More variables for the chat template (vLLM's), e.g. "
-                                                    "`{\"enable_thinking\": false}`; not the renderer's own "
-                                                    "(`messages`, `tools`, `add_generation_prompt`, ... , "
-                                                    "special tokens).", "type": ["object", "null"]},
+            "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
+            "reasoning_effort": _t("string", EFFORT_NOTE + THINKING_SWITCH_NOTE, nullable=True,
+                                   enum=[*EFFORTS, None]),
         }, ("messages",), example={"model": model_id, "max_tokens": 20,
                                    "messages": [{"role": "user", "content": "What is deep learning?"}]}),
         "CompletionRequest": _obj({

@@ -3,7 +3,9 @@ is returned apart from the answer, as OpenAI-style ``reasoning_content``, and th
 (``response_format``, tools) applies only after it.
 
 The markers are read from the chat template (``REASONING_MARKERS``, the pairs vLLM's reasoning parsers
-know). Where a generation starts depends on the rendered prompt, so it is decided per request:
+know), and so is its thinking switch (``THINKING_SWITCHES``: the variable that turns thinking on and off,
+which the APIs' reasoning controls set, thinking_controls.py). Where a generation starts depends on the
+rendered prompt, so it is decided per request:
 
 - ``inside``: the generation prompt opens a section (DeepSeek-R1's and Qwen3-Thinking-2507's templates end
   with ``<think>\\n``): the output is reasoning up to the end marker;
@@ -25,6 +27,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+
+import jinja2
+import jinja2.meta
 
 from llmbus.bus.grammar import JSON_OPTIONS
 from llmbus.bus.messages import Grammar
@@ -48,6 +53,25 @@ def find_markers(template_source: str | None) -> ReasoningMarkers | None:
     """The thinking markers a chat template writes, if any."""
     source = template_source or ""
     return next((m for m in REASONING_MARKERS if m.end in source), None)
+
+
+# the variables templates turn thinking on and off with: Qwen3's, GLM-4.5's and SmolLM3's; DeepSeek-V3.1's
+# and Granite 3.2's
+THINKING_SWITCHES = ("enable_thinking", "thinking")
+
+
+def find_thinking_switch(template_source: str | None) -> str | None:
+    """The thinking switch a chat template reads from its variables, if any. Read from the template's syntax
+    tree (a ``thinking`` the template sets itself, or a ``message.thinking``, is no switch); a template
+    Jinja cannot parse with the standard extensions is searched for the names as words."""
+    if not template_source:
+        return None
+    try:
+        environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        read = jinja2.meta.find_undeclared_variables(environment.parse(template_source))
+    except jinja2.TemplateSyntaxError:  # an extension tag of transformers' ({% generation %})
+        read = set(re.findall(r"\b(?:" + "|".join(THINKING_SWITCHES) + r")\b", template_source))
+    return next((name for name in THINKING_SWITCHES if name in read), None)
 
 
 def opening(markers: ReasoningMarkers, prompt: str) -> str:

@@ -1,7 +1,7 @@
 """Documented request fields llmbus does not serve, refused by name instead of silently ignored (issue #37).
 
 A client migrating to llmbus must not get the base model's answer to a question it asked of something else
-(TGI's ``adapter_id``), or a plain answer where it asked for reasoning, audio or a built-in tool. Each API's
+(TGI's ``adapter_id``), or a plain answer where it asked for audio or a built-in tool. Each API's
 documented fields are either honoured by its parser, accepted as documented no-ops (below, with why), or
 listed here: a request that sets one to anything but its "off" values gets 400 (``ErrorKind.UNSUPPORTED``)
 naming the field (TGI's ``adapter_id``: TGI's 422). Unknown keys stay ignored, as OpenAI's SDKs add new ones
@@ -11,6 +11,10 @@ Accepted as no-ops, since they change nothing a client sees in the answer: OpenA
 ``safety_identifier``, ``prompt_cache_key`` (prefix caching is automatic), ``metadata``, ``store`` on chat
 completions (OpenAI's own dashboard), ``service_tier``, ``prediction`` (a latency hint: the output is the
 same), ``stream_options.include_obfuscation``; Anthropic's ``metadata`` and ``service_tier``.
+
+The reasoning controls (OpenAI's ``reasoning_effort``, the Responses API's ``reasoning``, Anthropic's
+``thinking``) are not listed: they set the chat template's thinking switch where the model reasons, and are
+refused like these, by name, where it does not (thinking_controls.py).
 """
 
 from __future__ import annotations
@@ -31,28 +35,18 @@ def _text_only(value) -> bool:
     return value is None or value == ["text"]
 
 
-def _nothing_set(value) -> bool:
-    return value is None or isinstance(value, dict) and all(v is None for v in value.values())
-
-
-def _disabled(value) -> bool:
-    return value is None or isinstance(value, dict) and value.get("type") == "disabled"
-
-
 # field -> (why it is refused, what counts as off)
 OPENAI_CHAT: dict[str, tuple[str, _Off]] = {
     "functions": ("the deprecated `functions` are not supported: pass them as `tools`", _empty),
     "function_call": ("the deprecated `function_call` is not supported: use `tool_choice`", _empty),
     "audio": ("audio output is not supported", _empty),
     "modalities": ('only the "text" modality is served', _text_only),
-    "reasoning_effort": ("the served model does not reason: `reasoning_effort` is not supported", _empty),
     "verbosity": ("`verbosity` is not supported", _empty),
     "web_search_options": ("built-in web search is not supported", _empty),
 }
 RESPONSES: dict[str, tuple[str, _Off]] = {
     "include": ("`include` is not supported: no extra output data (logprobs, reasoning, tool results) is "
                 "served", _empty),
-    "reasoning": ("the served model does not reason: `reasoning` is not supported", _nothing_set),
     "truncation": ('only `truncation: "disabled"` is served: a too-long input is an error, never cut',
                    lambda v: v in (None, "disabled")),
     "top_logprobs": ("`top_logprobs` is not supported on /v1/responses (use /v1/chat/completions)", _empty),
@@ -62,7 +56,6 @@ RESPONSES: dict[str, tuple[str, _Off]] = {
     "max_tool_calls": ("`max_tool_calls` is not supported", lambda v: v is None),
 }
 ANTHROPIC: dict[str, tuple[str, _Off]] = {
-    "thinking": ("the served model does not think: extended thinking is not supported", _disabled),
     "container": ("containers are not supported", _empty),
     "mcp_servers": ("MCP servers are not supported", _empty),
     "context_management": ("`context_management` is not supported", _empty),

@@ -64,7 +64,7 @@ class _Answer:
             "model": self.state.config.model_id, "output": output,
             "parallel_tool_calls": chat.plan.parallel if chat.plan is not None
             else req.chat_body.get("parallel_tool_calls") is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": req.previous_response_id, "reasoning": req.echo["reasoning"],
             "store": req.store, "temperature": req.echo["temperature"], "text": req.echo["text"],
             "tool_choice": tool_choice,
             "tools": [{"type": "function", "name": t["name"], "description": t.get("description"),
@@ -98,7 +98,7 @@ async def _prepare(request: web.Request) -> _Answer:
         raise validation_error("`previous_response_id` must be a string", param="previous_response_id")
     previous = _store(request).get(previous_id).messages if previous_id is not None else None
     req = parse_responses(body, previous)
-    chat = parse_chat(req.chat_body, state.limits, 1, state.sampling_defaults, chat_format(state))
+    chat = parse_chat(req.chat_body, state.limits, 1, state.sampling_defaults, chat_format(state), req.thinking)
     prompt = chat_prompt(state, chat)
     # the rendered template already holds the BOS and other special tokens
     job = Job(0, 0, prompt, chat.params, add_special_tokens=False)

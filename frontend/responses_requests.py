@@ -11,7 +11,9 @@ grammar, ``response_format`` grammar, sampling defaults and limits. Only the sha
 - flat function tools (``{"type": "function", "name", "parameters"}``) become chat tools; a named
   ``tool_choice`` ``{"type": "function", "name"}`` the chat shape. Built-in tools (web search, file search,
   code interpreter, MCP, ...) are refused with a 400: nothing here can run them.
-- ``text.format`` becomes ``response_format``, ``max_output_tokens`` ``max_tokens``.
+- ``text.format`` becomes ``response_format``, ``max_output_tokens`` ``max_tokens``; ``chat_template_kwargs``
+  (vLLM's extension) passes as it is, and ``reasoning`` sets the template's thinking switch
+  (thinking_controls.py).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from dataclasses import dataclass, field
 
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend.refused_fields import RESPONSES, refuse_unserved
+from llmbus.frontend.thinking_controls import ThinkingAsk, responses_reasoning
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
-# sampling keys passed to the chat parser as they are (OpenAI's, and the extensions the chat route takes)
-_SAMPLING_KEYS = ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "repetition_penalty",
-                  "frequency_penalty", "presence_penalty", "model")
+# keys passed to the chat parser as they are: OpenAI's sampling keys, and the extensions the chat route takes
+_CHAT_KEYS = ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "repetition_penalty",
+              "frequency_penalty", "presence_penalty", "model", "chat_template_kwargs")
 
 
 def unsupported(detail: str, param: str) -> ApiError:
@@ -42,6 +45,7 @@ class ResponsesRequest:
     store: bool = True
     previous_response_id: str | None = None
     tools: list[dict] = field(default_factory=list)  # flat, as given
+    thinking: ThinkingAsk | None = None  # what `reasoning` asks of the template's thinking switch
 
 
 def _check(body: dict, name: str, kinds: tuple[type, ...], what: str):
@@ -172,6 +176,7 @@ def parse_responses(body: dict, previous: list[dict] | None) -> ResponsesRequest
     """The chat body and the echoed fields of a Responses request; ``previous`` is the stored conversation
     of ``previous_response_id`` (looked up by the caller), or None."""
     refuse_unserved(body, RESPONSES)
+    thinking = responses_reasoning(body.get("reasoning"))
     instructions = _check(body, "instructions", (str,), "a string")
     if "input" not in body or body["input"] is None:
         raise validation_error("`input` is required", param="input")
@@ -190,20 +195,24 @@ def parse_responses(body: dict, previous: list[dict] | None) -> ResponsesRequest
             raise validation_error(f"`max_output_tokens` must be >= 1. Given: {max_output}",
                                    param="max_output_tokens")
         chat["max_tokens"] = max_output
-    chat.update({k: body[k] for k in _SAMPLING_KEYS if k in body})
+    chat.update({k: body[k] for k in _CHAT_KEYS if k in body})
     metadata = _check(body, "metadata", (dict,), "an object") or {}
     if not all(isinstance(v, str) for v in metadata.values()):
         raise validation_error("`metadata` values must be strings", param="metadata")
     user = _check(body, "user", (str,), "a string")
     stream = _check(body, "stream", (bool,), "a boolean") or False
     store = _check(body, "store", (bool,), "a boolean")
+    reasoning = body.get("reasoning") or {}
     echo = {"instructions": instructions, "max_output_tokens": max_output, "metadata": metadata, "user": user,
+            "reasoning": {"effort": reasoning.get("effort"),
+                          "summary": reasoning.get("summary") or reasoning.get("generate_summary")},
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "text": {"format": body.get("text", {}).get("format") or {"type": "text"}}
             if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}}
     return ResponsesRequest(chat_body=chat, history=history, echo=echo, stream=stream,
                             store=True if store is None else store,
-                            previous_response_id=body.get("previous_response_id"), tools=tools)
+                            previous_response_id=body.get("previous_response_id"), tools=tools,
+                            thinking=thinking)
 
 
 def output_messages(output: list[dict]) -> list[dict]:

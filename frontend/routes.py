@@ -22,7 +22,7 @@ from llmbus.frontend.metrics import render
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openapi import add_openapi_routes
 from llmbus.frontend.openai_requests import parse_chat, read_json_object
-from llmbus.frontend.openai_routes import chat_completions, chat_prompt, completions, setup_openai_routes
+from llmbus.frontend.openai_routes import chat_completions, chat_format, chat_prompt, completions, setup_openai_routes
 from llmbus.frontend.responses_api import setup_responses_routes
 from llmbus.frontend.state import STATE, VERSION, FrontendState, json_response
 from llmbus.frontend.validation import GenerateRequest, parse_request, validate_best_of
@@ -167,7 +167,7 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     """What /v1/chat/completions would feed the model: the templated text and its tokens."""
     state = request.app[STATE]
     chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
-                      state.config.max_client_batch_size, state.sampling_defaults)
+                      state.config.max_client_batch_size, state.sampling_defaults, chat_format(state))
     text = chat_prompt(state, chat)
     spans = state.tokenizer.encode_with_offsets(text, add_special_tokens=False)
     return json_response({"tokenize_response": _token_spans(text, spans), "templated_text": text})

@@ -26,11 +26,12 @@ ASKED = [
     ("/v1/chat/completions", CHAT, "function_call", "auto", []),
     ("/v1/chat/completions", CHAT, "audio", {"voice": "alloy", "format": "wav"}, []),
     ("/v1/chat/completions", CHAT, "modalities", ["text", "audio"], [["text"]]),
-    ("/v1/chat/completions", CHAT, "reasoning_effort", "high", []),
+    ("/v1/chat/completions", CHAT, "reasoning_effort", "high", ["none", "minimal"]),
     ("/v1/chat/completions", CHAT, "verbosity", "low", []),
     ("/v1/chat/completions", CHAT, "web_search_options", {"search_context_size": "low"}, []),
     ("/v1/responses", RESPONSE, "include", ["message.output_text.logprobs"], [[]]),
-    ("/v1/responses", RESPONSE, "reasoning", {"effort": "low"}, [{"effort": None, "summary": None}]),
+    ("/v1/responses", RESPONSE, "reasoning", {"effort": "low"}, [{"effort": None, "summary": None},
+                                                                  {"effort": "none"}]),
     ("/v1/responses", RESPONSE, "truncation", "auto", ["disabled"]),
     ("/v1/responses", RESPONSE, "top_logprobs", 3, [0]),
     ("/v1/responses", RESPONSE, "background", True, [False]),
@@ -62,10 +63,16 @@ def ask(server, route, body):
     return post(server.url + route, body, headers=ANTHROPIC_HEADERS if route == "/v1/messages" else None)
 
 
+# the reasoning controls: refused here (the tiny model does not reason), mapped onto a reasoning model's
+# template (thinking_controls.py, tested in test_reasoning_controls.py)
+REASONING_CONTROLS = {("/v1/chat/completions", "reasoning_effort"), ("/v1/responses", "reasoning"),
+                      ("/v1/messages", "thinking")}
+
+
 def test_every_refused_field_is_covered():
     covered = {(route, name) for route, _, name, _, _ in ASKED}
     tables = {"/v1/chat/completions": OPENAI_CHAT, "/v1/responses": RESPONSES, "/v1/messages": ANTHROPIC}
-    assert covered == {(route, name) for route, table in tables.items() for name in table}
+    assert covered == {(route, name) for route, table in tables.items() for name in table} | REASONING_CONTROLS
 
 
 @pytest.mark.parametrize("route, body, name, value, off", ASKED, ids=[f"{a[0]}:{a[2]}" for a in ASKED])
