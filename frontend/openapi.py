@@ -91,6 +91,10 @@ def _components_responses() -> dict:
         out["OpenAI" + name] = _response(description, _json(ref("OpenAIError")))
     for name, (_, description) in _RESPONSES_ERRORS.items():
         out["OpenAI" + name] = _response(description, _json(ref("OpenAIError")))
+    # the TGI-enveloped routes that take a chat body (/chat_tokenize, /invocations) refuse what the chat route does
+    out["Unsupported"] = _response("A documented field this server does not serve, named (error_type "
+                                   "`unsupported`), e.g. a reasoning control that asks a model that does not "
+                                   "reason to think.", _json(ref("ErrorResponse")))
     for status, description in anthropic_schemas.ERRORS.items():
         out[f"Anthropic{status}"] = _response(description, _json(ref("AnthropicError")))
     return out
@@ -195,6 +199,7 @@ def _paths() -> dict:
         "/chat_tokenize": {"post": _op("chat_tokenize", TGI_TAG, "Apply the chat template and tokenize",
                                        {"200": _response("The templated prompt and its tokens.",
                                                          _json(ref("ChatTokenizeResponse"))),
+                                        "400": {"$ref": "#/components/responses/Unsupported"},
                                         **_errors(secured=False, engine=False)}, body=ref("ChatRequest"))},
         "/invocations": {"post": _op(
             "sagemaker_invocations", SAGEMAKER_TAG, "SageMaker entry point",
@@ -205,7 +210,7 @@ def _paths() -> dict:
                                **_sse({"anyOf": [ref(n) for n in (
                                    "StreamResponse", "ChatCompletionChunk", "CompletionChunk",
                                    "ErrorResponse", "OpenAIError")]}, done=True)}),
-             **_errors()},
+             "400": {"$ref": "#/components/responses/Unsupported"}, **_errors()},
             body={"anyOf": [ref("CompatGenerateRequest"), ref("ChatRequest"), ref("CompletionRequest")]},
             secured=True, description="The body is a CompatGenerateRequest (has `inputs`), a ChatRequest "
                                       "(has `messages`) or a CompletionRequest (has `prompt`). HTTP errors "
