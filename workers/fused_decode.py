@@ -12,7 +12,8 @@ kernel row of its own (``AttentionBackend.prompt_rows``). The layer takes a step
 metadata gives it as kernel rows (``AttentionMetadata.kernel_rows``); everything else keeps the torch path,
 which stays the reference.
 
-It applies to a native Llama-family model on CPU, float32 activations, one rank, an attention backend that
+It applies to a native Llama-family model (routed experts included: ``Experts``, decode_layer.c's
+``routed_experts``) on CPU, float32 activations, one rank, an attention backend that
 gives kernel rows (the CPU one), and projections it can read: plain float32 ones (the C layer reads weights
 as checkpoints store them, [out, in] row-major, so such a model's projections are kept plain,
 ``Linear.plain``, and also reordered for oneDNN's GEMMs where host memory allows a second copy:
@@ -36,9 +37,10 @@ from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers.attention import AttentionMetadata, attention_backend_class
 from llmbus.workers.attention.decode_kernel import score_slots
 from llmbus.workers.kernels import bindings
-from llmbus.workers.kernels.bindings import MAX_ROWS, LayerArgs, Proj, StepArgs
+from llmbus.workers.kernels.bindings import MAX_ROWS, Experts, LayerArgs, Proj, StepArgs
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.linear import Linear
+from llmbus.workers.models.moe import SparseMoE
 from llmbus.workers.quant import Int8Weight, _DensePack, _KernelPack, tiled_forms
 from llmbus.workers.weight_builder import SECOND_COPY_SHARE
 
@@ -127,6 +129,24 @@ def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> Pr
     return proj
 
 
+def _experts_args(moe: SparseMoE, keep: list, bf16: Bfloat16Copies | None) -> int | None:
+    """The address of a C ``Experts`` for a layer's routed experts (kept alive in ``keep``), or None if a
+    projection is one the C layer cannot read, or an expert has a gate/up bias (moe.py builds none)."""
+    if moe.tp.world_size != 1 or any(getattr(p, "bias", None) is not None for p in moe.gate_ups):
+        return None
+    gate_ups = [_proj_args(p, keep, bf16) for p in moe.gate_ups]
+    downs = [_proj_args(p, keep, bf16) for p in moe.downs]
+    if any(p is None for p in gate_ups + downs):
+        return None
+    router = moe.router.float().contiguous()
+    gate_ups, downs = (Proj * moe.num_experts)(*gate_ups), (Proj * moe.num_experts)(*downs)
+    experts = Experts(router=router.data_ptr(), gate_ups=ctypes.addressof(gate_ups), downs=ctypes.addressof(downs),
+                      num_experts=moe.num_experts, top_k=moe.top_k, renormalize=int(moe.renormalize),
+                      intermediate=moe.intermediate)
+    keep += [router, gate_ups, downs, experts]
+    return ctypes.addressof(experts)
+
+
 def _runs_on(device: torch.device, world_size: int, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and world_size == 1 and dtype == torch.float32
 
@@ -172,19 +192,25 @@ class FusedDecodeLayers:
         else:
             self._head = None
         config = model.config
-        self._hidden, self._intermediate = config.hidden_size, config.intermediate_size
+        self._experts = [Experts.from_address(layer.experts) for layer in layers if layer.experts]
+        self._hidden = config.hidden_size
+        self._intermediate = max([config.intermediate_size] + [e.intermediate for e in self._experts])
         first = model.layers[0].attention
         self._num_heads, self._num_kv_heads, self._head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self._eps, self._scale = config.rms_norm_eps, first.scale
         self._scratch: dict[str, torch.Tensor] = {}
-        projections = [p for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        projections = [p for layer in layers
+                       for p in (layer.qkv, layer.o_proj) + (() if layer.experts else (layer.gate_up, layer.down))]
+        for experts in self._experts:
+            for array in (experts.gate_ups, experts.downs):
+                projections += (Proj * experts.num_experts).from_address(array)
         # Tiled projections: every step through the same per-row arithmetic, any batch (what makes a row's
         # result independent of its batch); the widest input they prepare as bf16 pairs.
         self._tiled = all(p.tiled.values for p in projections)
         self._widest_tiled = max([p.tiled.k_padded for p in projections if p.tiled.values]
                                  + ([self._head.tiled.k_padded] if self._head is not None else [0]))
         # decode_layer.c's GEMMs (panels exist only where gemm.c runs) for float32 batches past MAX_ROWS
-        self._gemm_batches = (not self._tiled and all(p.dense for p in projections)
+        self._gemm_batches = (not self._tiled and not self._experts and all(p.dense for p in projections)
                               and library.decode_layer_panel_floats(MAX_ROWS + 1, 16) > 0)
         # Batches past MAX_ROWS and prompts: tiled projections, or float32 ones through gemm.c where it runs.
         # decode_layer.c can also run float32 ones as GEMVs in passes of MAX_ROWS rows, each row's sums the
@@ -199,15 +225,22 @@ class FusedDecodeLayers:
         layers = []
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.attention, layer.mlp
-            if not hasattr(mlp, "gate_up"):  # routed experts (models/moe.py): the torch layers run them
-                return None
-            projections = dict(qkv=attention.qkv, o_proj=attention.o_proj, gate_up=mlp.gate_up, down=mlp.down)
+            projections = dict(qkv=attention.qkv, o_proj=attention.o_proj)
+            experts = isinstance(mlp, SparseMoE)
+            if not experts:
+                projections |= dict(gate_up=mlp.gate_up, down=mlp.down)
             projections = {name: _proj_args(p, weights, bf16) for name, p in projections.items()}
             if any(p is None for p in projections.values()):
                 return None
+            if experts:
+                projections["experts"] = _experts_args(mlp, weights, bf16)
+                if projections["experts"] is None:
+                    return None
             vectors = dict(input_norm=layer.input_norm.weight, qkv_bias=attention.qkv.bias, o_bias=attention.o_bias,
-                           post_norm=layer.post_attention_norm.weight, gate_up_bias=mlp.gate_up.bias,
-                           down_bias=mlp.down_bias, q_norm=getattr(attention.q_norm, "weight", None),
+                           post_norm=layer.post_attention_norm.weight,
+                           gate_up_bias=None if experts else mlp.gate_up.bias,
+                           down_bias=None if experts else mlp.down_bias,
+                           q_norm=getattr(attention.q_norm, "weight", None),
                            k_norm=getattr(attention.k_norm, "weight", None))
             vectors = {k: None if t is None else t.float().contiguous() for k, t in vectors.items()}
             weights += [t for t in vectors.values() if t is not None]
@@ -285,6 +318,16 @@ class FusedDecodeLayers:
             raise ValueError("the fused LM head cannot take this shape")
         return logits
 
+    def _expert_scratch(self, step: StepArgs, batch: int) -> None:
+        """``step``'s scratch for layers with routed experts (llmbus_kernels.h's StepArgs)."""
+        most = max(e.num_experts for e in self._experts)
+        choices = batch * max(e.top_k for e in self._experts)
+        for name, numel in (("expert_probs", batch * most), ("expert_weights", 2 * choices),
+                            ("expert_in", batch * self._hidden), ("expert_out", batch * self._hidden),
+                            ("expert_sum", batch * self._hidden)):
+            setattr(step, name, self._buffer(name, numel).data_ptr())
+        step.expert_rows = self._buffer("expert_rows", 2 * choices + most + 1, torch.int64).data_ptr()
+
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,
             meta: AttentionMetadata) -> bool:
         """Every layer over ``hidden [B, H]`` (float32, updated in place) if this step is one the fused
@@ -300,7 +343,7 @@ class FusedDecodeLayers:
                    "attended": batch * self._num_heads * self._head_dim, "act": batch * self._intermediate,
                    "scores": score_slots(batch * self._num_kv_heads) * (self._num_heads // self._num_kv_heads)
                    * scores_stride}
-        if self._tiled:
+        if self._tiled or self._experts:
             buffers["gate_up_out"] = batch * 2 * self._intermediate
         elif batch > MAX_ROWS:
             widest_input = max(self._hidden, self._num_heads * self._head_dim, self._intermediate)
@@ -323,6 +366,8 @@ class FusedDecodeLayers:
         step.pool_layer_stride, step.starts = kv_cache.key.stride(0), ctypes.cast(starts, ctypes.c_void_p)
         step.pool_f16 = int(kv_cache.key.dtype == torch.float16)
         step.prepared, step.prepared_sums = self._prepared(batch)
+        if self._experts:
+            self._expert_scratch(step, batch)
         if self._function(ctypes.byref(step), self._layers, len(self._layers), hidden.data_ptr()) != 0:
             raise ValueError("the fused decode layer cannot take this shape")
         return True

@@ -2,7 +2,8 @@
 each expert's intermediate dimension split over TP ranks. Token-exact against transformers in float32 at
 TP=1 and TP=2 on a mixed batch with a chunked prefill, a preemption and a prefix hit; the MoE block itself
 against transformers' on a batch where every expert gets tokens and one where some get none; Mixtral under
-``--quantize int8`` against transformers on the re-quantized weights."""
+``--quantize int8`` against transformers on the re-quantized weights. Decode steps of one rank go through
+the fused decode layer's routed experts (decode_layer.c); in bf16 every step does, bitwise batch-invariant."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_moe_matches_transformers(family, runner):
     name, _, prompts, ref = family
     kinds = [type(layer.mlp).__name__ for layer in runner.model.layers]
     assert kinds == (["SparseMoE", "LlamaMLP"] if name == "qwen3_moe" else ["SparseMoE", "SparseMoE"])
-    assert runner.model.fused_decode is None  # routed experts keep the torch layers
+    assert runner.model.fused_decode is not None  # decode steps through decode_layer.c's routed experts
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
 
 
@@ -74,3 +75,22 @@ def test_moe_int8_matches_transformers_on_requantized_weights(family, tmp_path):
     requantized = requantized_copy(path, str(tmp_path / "int8"), "int8")
     assert_matches_reference(reference(requantized, prompts), prompts, run_family(runner, prompts),
                              logprob_atol=1e-3)
+
+
+def test_moe_rows_compute_the_same_bits_in_any_batch_through_the_tiled_layer(family):
+    """bf16 weights where the tiled kernel runs: every step (prompts too) goes through decode_layer.c's routed
+    experts, whose per-row arithmetic does not depend on the rows beside it. Each request of the mixed batch
+    (chunked prompt, prefix hit, preemption) gets bitwise the logprobs it gets alone."""
+    from llmbus.testing.runner_driver import Request, drive
+    from llmbus.workers.kernels import bindings
+
+    library = bindings.library()
+    if library is None or not library.tiled_kernel_isa():
+        pytest.skip("no tiled kernel on this CPU: bf16 runs torch's arithmetic")
+    _, path, prompts, _ = family
+    runner = family_runner(path, dtype=torch.bfloat16)
+    assert runner.model.fused_decode is not None and runner.model.fused_decode.invariance_gap is None
+    together = run_family(runner, prompts)
+    for i, prompt in enumerate(prompts):
+        alone = drive(runner, [Request(rid="alone", prompt=prompt)])["alone"]
+        assert (alone.tokens, alone.logprobs) == together[f"r{i}"], i

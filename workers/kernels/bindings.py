@@ -46,6 +46,13 @@ class Proj(ctypes.Structure):
     _fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64), ("bf16", _P), ("tiled", Tiled)]
 
 
+class Experts(ctypes.Structure):
+    """A layer's routed experts: the router, each expert's gate/up and down projections, and the routing."""
+
+    _fields_ = [("router", _P), ("gate_ups", _P), ("downs", _P), ("num_experts", _I64), ("top_k", _I64),
+                ("renormalize", _I64), ("intermediate", _I64)]
+
+
 class LayerArgs(ctypes.Structure):
     """One decoder layer's weights for ``decode_layers_f32``."""
 
@@ -53,7 +60,7 @@ class LayerArgs(ctypes.Structure):
                                          "down_bias")]
                 + [(name, Proj) for name in ("qkv", "o_proj", "gate_up", "down")]
                 + [("window", _I64)]
-                + [(name, _P) for name in ("q_norm", "k_norm")])
+                + [(name, _P) for name in ("q_norm", "k_norm", "experts")])
 
 
 class StepArgs(ctypes.Structure):
@@ -68,7 +75,9 @@ class StepArgs(ctypes.Structure):
                 + [("rows_share_sequences", _I64)]
                 + [(name, _P) for name in ("gate_up_out", "panels", "pool_key", "pool_value")]
                 + [("pool_layer_stride", _I64), ("starts", _P), ("pool_f16", _I64), ("prepared", _P),
-                   ("prepared_sums", _P)])
+                   ("prepared_sums", _P)]
+                + [(name, _P) for name in ("expert_probs", "expert_weights", "expert_in", "expert_out",
+                                           "expert_sum", "expert_rows")])
 
 
 _ATTENTION = [_P, _I64, _P, _I64, _P, _I64,  # query, new key, new value (+ row strides)
@@ -121,7 +130,8 @@ class KernelABIError(RuntimeError):
 def abi_expectations() -> dict[str, int]:
     """What ``llmbus_kernels_abi`` must answer for each name: these bindings' sizes and constants."""
     return {"sizeof(Tiled)": ctypes.sizeof(Tiled), "sizeof(Proj)": ctypes.sizeof(Proj),
-            "sizeof(LayerArgs)": ctypes.sizeof(LayerArgs), "sizeof(StepArgs)": ctypes.sizeof(StepArgs),
+            "sizeof(Experts)": ctypes.sizeof(Experts), "sizeof(LayerArgs)": ctypes.sizeof(LayerArgs),
+            "sizeof(StepArgs)": ctypes.sizeof(StepArgs),
             "MAX_ROWS": MAX_ROWS, "QUANT_TILE": QUANT_TILE, "TILED_INT8": TILED_INT8, "TILED_INT4": TILED_INT4,
             "TILED_BF16": TILED_BF16, "TILED_ISA_AVX2": TILED_ISA_AVX2,
             "TILED_ISA_AVX512_BF16": TILED_ISA_AVX512_BF16}

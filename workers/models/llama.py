@@ -360,9 +360,7 @@ class LlamaForCausalLM:
                              f"({config.intermediate_size}) divisible by {world_size}")
         tp = TensorParallel(rank, world_size)
         moe = MoEConfig.from_hf(hf_config)
-        # The fused decode layer runs dense SwiGLU MLPs only: a model with routed experts keeps the torch layers.
-        keep_plain = (cls.FUSED_DECODE and moe is None
-                      and fused_decode_applies(device, world_size, dtype, quantize, attention_backend))
+        keep_plain = cls.FUSED_DECODE and fused_decode_applies(device, world_size, dtype, quantize, attention_backend)
         build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
                               quantize=quantize, bf16_inputs=bf16_inputs, keep_plain=keep_plain)
         layers = [cls.build_layer(build, config, i, tp, moe) for i in range(config.num_layers)]

@@ -12,6 +12,11 @@ computes a partial sum for every routed token and one all-reduce after the block
 is replicated (every rank routes the same way). Each expert's projections come from the same
 ``WeightBuilder`` as dense ones, so ``--quantize`` covers them; the router stays dense (its logits decide
 which experts run, and it is small).
+
+On one CPU rank the fused decode layer computes these blocks for the steps it takes (``decode_layer.c``'s
+``routed_experts``: the same routing, grouping and order of sums, each expert's rows through the layer's
+GEMVs or tiled products), so a Mixtral or Qwen3-MoE step is one native call like a dense model's; this class
+is the reference and the path for everything else (GPUs, tensor parallelism, large float32 batches).
 """
 
 from __future__ import annotations
@@ -60,9 +65,11 @@ class MoEConfig:
 class SparseMoE:
     """Top-k routed SwiGLU experts over a flat ``[T, hidden]`` batch, with one all-reduce after."""
 
-    def __init__(self, *, router: torch.Tensor, gate_ups: list, downs: list, top_k: int, renormalize: bool, tp):
+    def __init__(self, *, router: torch.Tensor, gate_ups: list, downs: list, intermediate: int, top_k: int,
+                 renormalize: bool, tp):
         self.router = router  # [num_experts, hidden], replicated
         self.gate_ups, self.downs = gate_ups, downs  # per expert: this rank's fused gate/up and down slices
+        self.intermediate = intermediate  # each expert's width on this rank
         self.num_experts = len(gate_ups)
         self.top_k, self.renormalize = top_k, renormalize
         self.tp = tp
@@ -117,5 +124,5 @@ def build_sparse_moe(build, config: MoEConfig, layer_prefix: str, world_size: in
         if down_bias is not None:
             raise ValueError(f"{prefix + down_name}: expert biases are not supported")
         downs.append(down)
-    return SparseMoE(router=build.vector(f"{block}gate.weight"), gate_ups=gate_ups, downs=downs,
+    return SparseMoE(router=build.vector(f"{block}gate.weight"), gate_ups=gate_ups, downs=downs, intermediate=rows,
                      top_k=config.top_k, renormalize=config.renormalize, tp=tp)

@@ -14,6 +14,7 @@ typedef struct {
 static const AbiEntry ABI[] = {
     {"sizeof(Tiled)", sizeof(Tiled)},
     {"sizeof(Proj)", sizeof(Proj)},
+    {"sizeof(Experts)", sizeof(Experts)},
     {"sizeof(LayerArgs)", sizeof(LayerArgs)},
     {"sizeof(StepArgs)", sizeof(StepArgs)},
     {"MAX_ROWS", MAX_ROWS},

@@ -278,14 +278,20 @@ static inline void tiled_gemv(const Tiled *w, const float *bias, const float *x,
                                                       accumulate);
 }
 
-/* A projection of a step, through its tiled form where it has one. */
-static inline void project(const StepArgs *s, const Proj *p, const float *bias, const float *x, int64_t in,
-                           int64_t out_features, float *y, int64_t y_stride, int accumulate) {
+/* A projection of ``rows`` rows, through its tiled form where it has one. */
+static inline void project_rows(const StepArgs *s, const Proj *p, const float *bias, const float *x, int64_t in,
+                                int64_t out_features, int64_t rows, float *y, int64_t y_stride, int accumulate) {
     if (p->tiled.values != 0)
-        tiled_gemv(&p->tiled, bias, x, in, out_features, s->batch, y, y_stride, accumulate, s->prepared,
+        tiled_gemv(&p->tiled, bias, x, in, out_features, rows, y, y_stride, accumulate, s->prepared,
                    s->prepared_sums);
     else
-        gemv(p, bias, x, in, out_features, s->batch, y, y_stride, accumulate);
+        gemv(p, bias, x, in, out_features, rows, y, y_stride, accumulate);
+}
+
+/* A projection of every row of the step. */
+static inline void project(const StepArgs *s, const Proj *p, const float *bias, const float *x, int64_t in,
+                           int64_t out_features, float *y, int64_t y_stride, int accumulate) {
+    project_rows(s, p, bias, x, in, out_features, s->batch, y, y_stride, accumulate);
 }
 
 static inline void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -377,6 +383,84 @@ static inline void silu_rows(const StepArgs *s) {
     }
 }
 
+/* probs: a row's router logits in, its softmax out; then its top_k experts, most probable first (the lower
+ * index on a tie) and their probabilities, rescaled to sum to one where the model asks: moe.py's route. */
+static inline void route_row(const Experts *e, float *probs, int64_t *chosen, float *weights) {
+    const int64_t E = e->num_experts;
+    float maximum = probs[0], sum = 0.0f, total = 0.0f;
+    for (int64_t x = 1; x < E; x++) maximum = probs[x] > maximum ? probs[x] : maximum;
+    for (int64_t x = 0; x < E; x++) sum += probs[x] = expf(probs[x] - maximum);
+    for (int64_t x = 0; x < E; x++) probs[x] /= sum;
+    for (int64_t k = 0; k < e->top_k; k++) {
+        int64_t best = -1;
+        for (int64_t x = 0; x < E; x++) {
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= chosen[j] == x;
+            if (!taken && (best < 0 || probs[x] > probs[best])) best = x;
+        }
+        chosen[k] = best;
+        total += weights[k] = probs[best];
+    }
+    if (e->renormalize)
+        for (int64_t k = 0; k < e->top_k; k++) weights[k] /= total;
+}
+
+/* hidden += the routed experts' MLP of the normed rows: each row routed, the rows grouped by expert (in row
+ * order), each expert that has rows computing them together through the same projections as a dense MLP,
+ * and each row's weighted outputs summed in expert order, as moe.py's torch block does. A row's result does
+ * not depend on the rows beside it (each projection's per-row arithmetic does not). Called by every thread
+ * of the step's parallel region; ends on a barrier. */
+static void routed_experts(const StepArgs *s, const Experts *e, float *hidden) {
+    const int64_t B = s->batch, H = s->hidden, E = e->num_experts, K = e->top_k, I = e->intermediate;
+    int64_t *chosen = s->expert_rows, *order = chosen + B * K, *starts = order + B * K;
+    float *row_weights = s->expert_weights, *sorted_weights = row_weights + B * K;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        float *probs = s->expert_probs + b * E;
+        for (int64_t x = 0; x < E; x++) dot_rows(e->router + x * H, s->normed + b * H, H, 1, H, probs + x);
+        route_row(e, probs, chosen + b * K, row_weights + b * K);
+        memset(s->expert_sum + b * H, 0, (size_t)H * sizeof(float));
+    }
+#pragma omp single
+    { /* a stable sort of the (row, choice) pairs by expert */
+        int64_t next[E];
+        memset(starts, 0, (size_t)(E + 1) * sizeof *starts);
+        for (int64_t i = 0; i < B * K; i++) starts[chosen[i] + 1]++;
+        for (int64_t x = 0; x < E; x++) starts[x + 1] += starts[x];
+        for (int64_t x = 0; x < E; x++) next[x] = starts[x];
+        for (int64_t i = 0; i < B * K; i++) {
+            const int64_t at = next[chosen[i]]++;
+            order[at] = i / K;
+            sorted_weights[at] = row_weights[i];
+        }
+    }
+    for (int64_t x = 0; x < E; x++) {
+        const int64_t first = starts[x], count = starts[x + 1] - first;
+        if (count == 0) continue; /* every thread skips alike: they all read the same starts */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++)
+            memcpy(s->expert_in + i * H, s->normed + order[first + i] * H, (size_t)H * sizeof(float));
+        project_rows(s, &e->gate_ups[x], 0, s->expert_in, H, 2 * I, count, s->gate_up_out, 2 * I, 0);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) {
+            const float *gate = s->gate_up_out + i * 2 * I, *up = gate + I;
+            float *act = s->act + i * I;
+#pragma omp simd
+            for (int64_t j = 0; j < I; j++) act[j] = silu_times(gate[j], up[j]);
+        }
+        project_rows(s, &e->downs[x], 0, s->act, I, H, count, s->expert_out, H, 0);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++) { /* a row has each expert once: no two threads add to one row */
+            const float weight = sorted_weights[first + i], *out = s->expert_out + i * H;
+            float *sum = s->expert_sum + order[first + i] * H;
+            for (int64_t h = 0; h < H; h++) sum[h] += out[h] * weight;
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) hidden[b * H + h] += s->expert_sum[b * H + h];
+}
+
 #if GEMM_RUNS
 /* A batch past MAX_ROWS, float32 weights: the same stages, the projections as gemm.c's GEMMs (each weight
  * row used for every row of the batch from cache, not streamed per row as a GEMV would). Called by every
@@ -430,6 +514,10 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
     project(s, &l->o_proj, l->o_bias, s->attended, Hq * D, H, hidden, H, 1);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
+    if (l->experts != 0) {
+        routed_experts(s, l->experts, hidden);
+        return;
+    }
     if (l->gate_up.tiled.values != 0) { /* every row the same arithmetic, whatever the batch */
         project(s, &l->gate_up, l->gate_up_bias, s->normed, H, 2 * I, s->gate_up_out, 2 * I, 0);
         silu_rows(s);

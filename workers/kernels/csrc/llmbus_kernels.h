@@ -46,12 +46,22 @@ typedef struct {
     Tiled tiled;          /* values null, or the form every GEMV of this projection reads */
 } Proj;
 
+/* A layer's routed experts (Mixtral, Qwen3-MoE; workers/models/moe.py): a float32 router [num_experts,
+ * hidden], softmax over its logits, the top_k experts of each row (their probabilities rescaled to sum to one
+ * where ``renormalize``), each a SwiGLU MLP of ``intermediate`` with a fused gate/up projection. */
+typedef struct {
+    const float *router;
+    const Proj *gate_ups, *downs; /* [num_experts] each */
+    int64_t num_experts, top_k, renormalize, intermediate;
+} Experts;
+
 /* One decoder layer's weights for decode_layers_f32. */
 typedef struct {
     const float *input_norm, *qkv_bias, *o_bias, *post_norm, *gate_up_bias, *down_bias;
-    Proj qkv, o_proj, gate_up, down;
+    Proj qkv, o_proj, gate_up, down; /* gate_up and down empty where ``experts`` is set */
     int64_t window; /* which of StepArgs.starts this layer attends with (its sliding window, or none) */
     const float *q_norm, *k_norm; /* or null: per-head RMSNorm weights [head_dim] on queries and keys before RoPE (Qwen3) */
+    const Experts *experts;       /* or null: the dense MLP above */
 } LayerArgs;
 
 /* One step of decode_layers_f32: its shapes, its per-row inputs, scratch, and the paged pool. */
@@ -71,6 +81,12 @@ typedef struct {
     int64_t pool_f16;                          /* the pool holds float16 K/V (--kv-cache-dtype), else float32 */
     uint16_t *prepared;                        /* tiled projections' inputs as bf16 pairs: [2 B, widest k_padded] */
     float *prepared_sums;                      /* and their group sums (int4): [2 B, most groups] */
+    /* layers with experts (scratch; gate_up_out and act then hold the widest MLP of either kind):
+     * [B, most experts] router probabilities; [2 B top_k] routing weights, by row and then by expert; [B, H]
+     * each of the rows an expert takes, its outputs and the rows' weighted sums; [2 B top_k + most experts
+     * + 1] the chosen experts by row, the rows by expert, and where each expert's rows start */
+    float *expert_probs, *expert_weights, *expert_in, *expert_out, *expert_sum;
+    int64_t *expert_rows;
 } StepArgs;
 
 /* The library's side of the ABI check: the value of ``name`` (a constant above, or "sizeof(Proj)",
