@@ -485,6 +485,11 @@ class SchedulerService:
             except WorkersLost as e:
                 self.flush_events()
                 self.in_flight.clear()  # lost with the ranks: the policy's restart recomputes their tokens
+                if self.stopping:
+                    # the launcher stops the ranks with the scheduler: no restart is coming, so what is
+                    # left fails as at a second signal instead of waiting for one
+                    self.ctx.log.info("worker ranks left while stopping", reason=str(e))
+                    raise Terminate() from e
                 self.recover(str(e))
         self.flush_events()  # (a fatal error fails every request instead: EngineDead)
 
@@ -537,7 +542,8 @@ class SchedulerService:
         self.flush_events()
         self.publish_stats(force=True)
         # Idle: block until a request (or a rank's death notice) arrives, or a heartbeat is due.
-        self.ranks.wait_idle(HEARTBEAT_INTERVAL_S, departures_expected=self.stopping and not self.policy.has_work)
+        self.ranks.wait_idle(HEARTBEAT_INTERVAL_S,
+                             departures_expected=lambda: self.stopping and not self.policy.has_work)
 
 
 def _sampled_by_rid(batch: ScheduledBatch, result: m.StepResult) -> dict:

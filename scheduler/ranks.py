@@ -158,11 +158,13 @@ class RankGroup:
                     continue
                 return msg
 
-    def wait_idle(self, timeout_s: float, departures_expected: bool) -> None:
+    def wait_idle(self, timeout_s: float, departures_expected: Callable[[], bool]) -> None:
         """Between steps: until a request arrives or ``timeout_s`` passes, watch the ranks (WorkersLost
-        when one dies, unless ``departures_expected``: the scheduler is stopping with nothing left to do)."""
-        self._check(poll([self.hooks.intake, self.control, self.control_monitor], self._poll_ms(timeout_s)),
-                    departures_expected)
+        when one dies, unless ``departures_expected()``: the scheduler is stopping with nothing left to do).
+        Asked when a rank leaves, not before the wait: a stop signal arriving during it stops the ranks too,
+        and their leaving is then no loss."""
+        ready = poll([self.hooks.intake, self.control, self.control_monitor], self._poll_ms(timeout_s))
+        self._check(ready, departures_expected())
 
     # ------------------------------------------------------------------ health
 
