@@ -113,11 +113,11 @@ static inline float silu_times(float gate, float up) {
     return gate * (gate < 0.0f ? e : 1.0f) / (1.0f + e) * up;
 }
 
-/* act = SiLU(gate) * up for every row of gate_up_out; called inside the step's parallel region. */
-static inline void silu_rows(const StepArgs *s) {
-    const int64_t I = s->intermediate;
+/* act = SiLU(gate) * up for the first ``rows`` rows of gate_up_out ([rows, 2 I]); called inside the step's parallel
+ * region. */
+static inline void silu_rows(const StepArgs *s, int64_t rows, int64_t I) {
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < s->batch; b++) {
+    for (int64_t b = 0; b < rows; b++) {
         const float *gate = s->gate_up_out + b * 2 * I, *up = gate + I;
         float *act = s->act + b * I;
 #pragma omp simd
@@ -183,13 +183,7 @@ static void routed_experts(const StepArgs *s, const Experts *e, float *hidden) {
         for (int64_t i = 0; i < count; i++)
             memcpy(s->expert_in + i * H, s->normed + order[first + i] * H, (size_t)H * sizeof(float));
         project_rows(s, &e->gate_ups[x], 0, s->expert_in, H, 2 * I, count, s->gate_up_out, 2 * I, 0);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < count; i++) {
-            const float *gate = s->gate_up_out + i * 2 * I, *up = gate + I;
-            float *act = s->act + i * I;
-#pragma omp simd
-            for (int64_t j = 0; j < I; j++) act[j] = silu_times(gate[j], up[j]);
-        }
+        silu_rows(s, count, I);
         project_rows(s, &e->downs[x], 0, s->act, I, H, count, s->expert_out, H, 0);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) { /* a row has each expert once: no two threads add to one row */
@@ -218,7 +212,7 @@ static void layer_gemm(const StepArgs *s, const LayerArgs *l, const LayerPool *p
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
     gemm_team(s->normed, l->gate_up.dense, l->gate_up_bias, B, 2 * I, H, s->gate_up_out, 2 * I, 0, s->panels);
-    silu_rows(s);
+    silu_rows(s, B, I);
     gemm_team(s->act, l->down.dense, l->down_bias, B, H, I, hidden, H, 1, s->panels);
 }
 #endif
@@ -262,7 +256,7 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
     }
     if (l->gate_up.tiled.values != 0) { /* every row the same arithmetic, whatever the batch */
         project(s, &l->gate_up, l->gate_up_bias, s->normed, H, 2 * I, s->gate_up_out, 2 * I, 0);
-        silu_rows(s);
+        silu_rows(s, B, I);
         project(s, &l->down, l->down_bias, s->act, I, H, hidden, H, 1);
         return;
     }
