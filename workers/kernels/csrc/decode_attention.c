@@ -128,10 +128,52 @@ static inline __m256 load8(const void *pool, int64_t i, const int half) {
     return _mm256_loadu_ps((const float *)pool + i);
 }
 
+/* Dims a p.V pass holds in registers for each of its heads: 3 heads x 64 dims are 24 accumulators, which
+ * AVX-512's 32 vector registers hold and AVX2's 16 do not. */
+#if defined(__AVX512VL__)
+#define VALUE_DIMS 64
+#else
+#define VALUE_DIMS 32
+#endif
+
+/* out[h] = sum over the visible positions w of probs[h][w] * V[w], for ``heads`` (1-3, a constant where it
+ * is inlined) heads sharing the V rows, VALUE_DIMS dims at a time: each row is loaded once for every head.
+ * Each (head, dim) sums its terms in position order, one FMA a term, as a pass per head would. */
+static inline __attribute__((always_inline)) void weighted_values(
+        const float *probs, int64_t probs_stride, const void *values, const int64_t *table, int64_t block_size,
+        int64_t start, int64_t len, int64_t head_dim, float *out, const int half, const int heads) {
+    const int64_t block_elems = block_size * head_dim;
+    const int64_t first_block = start / block_size, last_block = (len - 1) / block_size;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += VALUE_DIMS) {
+        __m256 acc[3][VALUE_DIMS / 8];
+        for (int h = 0; h < heads; h++)
+            for (int c = 0; c < VALUE_DIMS / 8; c++) acc[h][c] = _mm256_setzero_ps();
+        for (int64_t i = first_block; i <= last_block; i++) {
+            const int64_t block = table[i] * block_elems + d0;
+            const int64_t base = i * block_size;
+            const int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size;
+            if (d0 == 0 && i < last_block) prefetch_bytes(element_at(values, table[i + 1] * block_elems, half),
+                                                          block_elems * (half ? 2 : 4));
+            for (int64_t w = lo; w < hi; w++) {
+                __m256 p[3];
+                for (int h = 0; h < heads; h++) p[h] = _mm256_set1_ps(probs[h * probs_stride + base + w]);
+                for (int c = 0; c < VALUE_DIMS / 8; c++) {
+                    const __m256 v = load8(values, block + w * head_dim + 8 * c, half);
+                    for (int h = 0; h < heads; h++) acc[h][c] = _mm256_fmadd_ps(p[h], v, acc[h][c]);
+                }
+            }
+        }
+        for (int h = 0; h < heads; h++)
+            for (int c = 0; c < VALUE_DIMS / 8; c++) _mm256_storeu_ps(out + h * head_dim + d0 + 8 * c, acc[h][c]);
+    }
+}
+
 /* float32 queries over a float32 pool, or (``half``) a float16 one widened as it is read (F16C), head_dim a
  * multiple of 64, AVX2: the portable pair's arithmetic with q.k for 8 keys at a time
- * (one horizontal reduction per 8 keys, not per key) and p.V into 64 dims of accumulators held in
- * registers (the portable loop loads and stores its accumulator array for every key). */
+ * (one horizontal reduction per 8 keys, not per key) and p.V into accumulators held in registers (the
+ * portable loop loads and stores its accumulator array for every key), each V row read once for up to 3
+ * heads of the group: reading V once per head, as before, cost 3-4% more decode-attention time
+ * (``benchmarks/decode_attention_ab.py --context 192 --tables served``). */
 static inline __attribute__((always_inline)) void avx2_pair(
         const float *query, const void *keys, const void *values, const int64_t *table, int64_t block_size,
         int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,
@@ -171,27 +213,18 @@ static inline __attribute__((always_inline)) void avx2_pair(
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *row = scores + g * scores_stride;
-        softmax_in_place(row, start, len);
-        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-            __m256 acc[8];
-            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t i = first_block; i <= last_block; i++) {
-                const int64_t block = table[i] * block_elems + d0;
-                const int64_t base = i * block_size;
-                const int64_t lo = start > base ? start - base : 0, hi = len - base < block_size ? len - base : block_size;
-                if (g == 0 && d0 == 0 && i < last_block)
-                    prefetch_bytes(element_at(values, table[i + 1] * block_elems, half), block_bytes);
-                for (int64_t w = lo; w < hi; w++) {
-                    const __m256 p = _mm256_set1_ps(row[base + w]);
-                    for (int c = 0; c < 8; c++)
-                        acc[c] = _mm256_fmadd_ps(p, load8(values, block + w * head_dim + 8 * c, half), acc[c]);
-                }
-            }
-            for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + g * head_dim + d0 + 8 * c, acc[c]);
-        }
-    }
+    for (int64_t g = 0; g < group; g++) softmax_in_place(scores + g * scores_stride, start, len);
+    /* p.V: up to 3 heads of the group at a time, each V row read once for all of them */
+    int64_t g0 = 0;
+    for (; g0 + 3 <= group; g0 += 3)
+        weighted_values(scores + g0 * scores_stride, scores_stride, values, table, block_size, start, len, head_dim,
+                        out + g0 * head_dim, half, 3);
+    if (group - g0 == 2)
+        weighted_values(scores + g0 * scores_stride, scores_stride, values, table, block_size, start, len, head_dim,
+                        out + g0 * head_dim, half, 2);
+    else if (group - g0 == 1)
+        weighted_values(scores + g0 * scores_stride, scores_stride, values, table, block_size, start, len, head_dim,
+                        out + g0 * head_dim, half, 1);
 }
 
 static void avx2_f32(const float *query, const float *keys, const float *values, const int64_t *table,
