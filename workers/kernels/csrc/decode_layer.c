@@ -78,7 +78,7 @@ static inline void attend_pair(const StepArgs *s, const LayerPool *l, int64_t pa
 static inline void rope_write_attend(const StepArgs *s, const LayerPool *l, const LayerArgs *w) {
     const int64_t B = s->batch, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads, group = Hq / Hkv;
     const int64_t qkv_width = (Hq + 2 * Hkv) * D, head_elems = s->pool_blocks * s->block_size * D;
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (int64_t pair = 0; pair < Hkv * B; pair++) {
         int64_t kv_head = pair / B, b = pair % B;
         float *row = s->qkv_out + b * qkv_width;
@@ -101,7 +101,7 @@ static inline void rope_write_attend(const StepArgs *s, const LayerPool *l, cons
     /* rows that are positions of one sequence (speculation) each attend to the ones before it: every
      * row's K/V is in the pool first (a barrier that one-row-per-sequence steps do without) */
     if (s->rows_share_sequences) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
         for (int64_t pair = 0; pair < Hkv * B; pair++) attend_pair(s, l, pair, head_elems, qkv_width, group);
     }
 }
@@ -261,7 +261,7 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
         return;
     }
     /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (int64_t i = 0; i < I; i++) {
         for (int64_t b0 = 0; b0 < B; b0 += MAX_ROWS) { /* passes of MAX_ROWS rows, as gemv's */
             const int64_t pass = B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS;

@@ -225,7 +225,7 @@ static inline void dot_proj(const Proj *p, int64_t o, int64_t in, const float *x
  * the next ones, each row by dot_proj's arithmetic, the same whatever the batch (issue #35 part 4). */
 static inline void gemv(const Proj *weight, const float *bias, const float *x, int64_t in, int64_t out_features,
                         int64_t rows, float *y, int64_t y_stride, int accumulate) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (int64_t o = 0; o < out_features; o++) {
         const float add = bias != 0 ? bias[o] : 0.0f;
         for (int64_t b0 = 0; b0 < rows; b0 += MAX_ROWS) {
@@ -251,7 +251,7 @@ static inline void tiled_gemv(const Tiled *w, const float *bias, const float *x,
     for (int64_t b = 0; b < rows; b++)
         tiled_prepare_row(w, x + b * in, in, prepared + b * per_input * w->k_padded,
                           sums == 0 ? 0 : sums + b * per_input * groups);
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (int64_t t = 0; t < tiles; t++) tiled_product(w, t, prepared, sums, rows, out_features, bias, y, y_stride,
                                                       accumulate);
 }
