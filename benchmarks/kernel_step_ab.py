@@ -6,13 +6,17 @@ process.
 
 NEW_CSRC defaults to this checkout's workers/kernels/csrc; OLD_CSRC is any other version of that folder (say
 ``mkdir /tmp/old && git archive HEAD~1 workers/kernels/csrc | tar -x -C /tmp/old``, then
-/tmp/old/workers/kernels/csrc). Each version is built and loaded as its own library, and a ModelRunner of
-the same checkpoint is built on each (its fused decode layer, decode attention and sampling entries bound to
-that library): two runners, two KV pools, the same prompts. Then the runners take decode steps in turn, the
-order alternating, so that both see the same minute of this noisy machine: step_ab.py's process pairs
-drift 10-15% between processes, where a change to a kernel is a few percent. Printed: each side's median
-step and the median (and quartiles) of the per-step ratios OLD/NEW, above 1 meaning NEW is faster; and
-whether the two sampled the same tokens at every step (greedy: a change of arithmetic shows there).
+/tmp/old/workers/kernels/csrc). Each version is built and loaded as its own library, and ModelRunners of the
+same checkpoint are built on each (their fused decode layer, decode attention and sampling entries bound to
+that library): four, built old, new, new, old, after a spare one that is not measured (the first runner of
+a process took 4% longer a step at batch 1 than the others, from the same sources), each with its own KV
+pool and the same prompts. They take decode steps in turn, in an order drawn anew every step (a fixed
+rotation favoured some places in it by a few percent), so that both sides see the same minute of this noisy
+machine: step_ab.py's process pairs drift 10-15% between processes, where a kernel change is a few
+percent. Printed: each side's median step and the median (and quartiles) of the per-step ratios OLD/NEW
+(each side's two runners' times added), above 1 meaning NEW is faster; and whether all four sampled the
+same tokens at every step (greedy: a change of arithmetic shows there). Giving the same folder twice
+measures the tool's own bias.
 
 As a rank does, the process puts its large blocks on 2 MB pages and spins OpenMP threads briefly
 (workers/group.py), and the pool has blocks of 64 positions (the CPU default). For a change on the serving
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import random
 import statistics
 from pathlib import Path
 
@@ -74,16 +79,23 @@ def main() -> None:
     model_id = a.model_id or str(dense_folder("bfloat16"))
     decode_step.BLOCK_SIZE = CPU_BLOCK_SIZE
     dtype = getattr(torch, a.dtype)
-    sides = {name: runner_on(Path(source).resolve(), model_id, dtype, a.batch, a.context, a.steps, a.quantize)
-             for name, source in (("old", a.old), ("new", a.new))}
-    last = {name: side.prefill(a.batch) for name, side in sides.items()}
-    same = last["old"] == last["new"]
-    times: dict[str, list[float]] = {name: [] for name in sides}
+    # the first runner a process builds takes 4% longer a step than any built after it, whatever its
+    # sources: one is built first and not measured
+    spare = runner_on(Path(a.new).resolve(), model_id, dtype, a.batch, a.context, a.steps, a.quantize)
+    builds = (("old", a.old), ("new", a.new), ("new", a.new), ("old", a.old))
+    runners = [(name, runner_on(Path(source).resolve(), model_id, dtype, a.batch, a.context, a.steps, a.quantize))
+               for name, source in builds]
+    last = [runner.prefill(a.batch) for _, runner in runners]
+    same = all(tokens == last[0] for tokens in last)
+    times: dict[str, list[float]] = {"old": [0.0] * a.steps, "new": [0.0] * a.steps}
+    order = random.Random(0)
     for k in range(a.steps):
-        for name in ("old", "new") if k % 2 == 0 else ("new", "old"):
-            seconds, last[name] = sides[name].decode(a.batch, last[name], a.context + k)
-            times[name].append(seconds)
-        same = same and last["old"] == last["new"]
+        for i in order.sample(range(len(runners)), len(runners)):
+            name, runner = runners[i]
+            seconds, last[i] = runner.decode(a.batch, last[i], a.context + k)
+            times[name][k] += seconds / 2
+        same = same and all(tokens == last[0] for tokens in last)
+    del spare
     warm = 3  # first steps of each side: caches, the allocator, page faults
     ratios = [o / n for o, n in zip(times["old"][warm:], times["new"][warm:])]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
