@@ -172,8 +172,8 @@ static inline __attribute__((always_inline)) void weighted_values(
  * multiple of 64, AVX2: the portable pair's arithmetic with q.k for 8 keys at a time
  * (one horizontal reduction per 8 keys, not per key) and p.V into accumulators held in registers (the
  * portable loop loads and stores its accumulator array for every key), each V row read once for up to 3
- * heads of the group: reading V once per head, as before, cost 3-4% more decode-attention time
- * (``benchmarks/decode_attention_ab.py --context 192 --tables served``). */
+ * heads of the group (once per head took 7-8% longer over SmolLM2's batch-64 attention:
+ * ``benchmarks/decode_attention_ab.py --context 192 --tables served``). */
 static inline __attribute__((always_inline)) void avx2_pair(
         const float *query, const void *keys, const void *values, const int64_t *table, int64_t block_size,
         int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,
