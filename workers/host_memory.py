@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 # oneDNN's GEMMs (workers/linear.py's packed projections: float32 prompts and steps past 8 rows, and any
 # projection the fused layer does not take) are built per input shape, i.e. per row count, and kept in two
@@ -17,6 +18,11 @@ ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+# madvise advice values (linux/mman.h); MADV_COLLAPSE is Linux 6.1's
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def keep_freed_memory() -> bool:
@@ -43,3 +49,38 @@ def bound_onednn_caches(capacity: int) -> dict[str, str]:
     for name in ONEDNN_CACHE_VARIABLES:
         os.environ.setdefault(name, str(capacity))
     return {name: os.environ[name] for name in ONEDNN_CACHE_VARIABLES}
+
+
+def heap_on_huge_pages() -> int | None:
+    """Ask the kernel to put this process's heap on 2 MB pages, once its weights are in place: returns the
+    bytes of the span asked for, or None where it cannot be asked (not Linux, no transparent huge pages, no
+    heap, no madvise).
+
+    With keep_freed_memory every block comes from glibc's heap, and torch's allocator (THP_MEM_ALLOC_ENABLE)
+    marks each block of 2 MB or more for huge pages on its own. A model's projections are many blocks of a
+    few MB, each with a tail short of a 2 MB boundary, and its smaller tensors are not marked at all: in a
+    rank that loaded SmolLM2, 108-125 of the fused layer's 268 MB of weights were on huge pages, and its
+    batch-1 decode steps took 5.5-6% longer than those of a second runner built in the same process, whose
+    weights reused freed blocks that were. Marking the heap's whole span (MADV_HUGEPAGE, which also merges
+    the many areas the per-block marks split it into) and collapsing it now (MADV_COLLAPSE, synchronous, on
+    Linux 6.1 and later; khugepaged does it in the background on older kernels) puts 255 of the 268 MB on
+    huge pages in half a second, for 2 MB more resident memory (design notes, "Large CPU blocks on 2 MB
+    pages"). Parts that cannot be collapsed stay as they are: the call's errors are not failures."""
+    if not THP_MODE.is_file() or "[never]" in THP_MODE.read_text():
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in maps if line.split()[-1] == "[heap]"]
+    if not spans:
+        return None
+    start = -(-min(a for a, _ in spans) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = max(b for _, b in spans) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end <= start:
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    madvise(start, end - start, _MADV_HUGEPAGE)
+    madvise(start, end - start, _MADV_COLLAPSE)
+    return end - start

@@ -27,7 +27,7 @@ from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
 from llmbus.workers.graph_sizes import cuda_graphs_problem, parse_cuda_graphs
-from llmbus.workers.host_memory import bound_onednn_caches, keep_freed_memory
+from llmbus.workers.host_memory import bound_onednn_caches, heap_on_huge_pages, keep_freed_memory
 
 if TYPE_CHECKING:
     import torch  # imported where a rank needs it, so the launcher can read WorkerConfig without torch
@@ -321,6 +321,8 @@ class Worker:
                 self.runner.attach_draft(draft)
             draft.warmup()
             self.log.info("draft model loaded", model=self.cfg.draft_model_dir)
+        if device.type == "cpu":
+            self._heap_on_huge_pages()
         paths = getattr(self.runner, "compute_paths", {})  # the attention backend's name, for the log and /info
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
                       device=str(device), load_s=round(load_s, 2),
@@ -336,6 +338,20 @@ class Worker:
                                          vocab_size=self.runner.vocab_size,
                                          attention_backend=paths.get("attention", ""),
                                          onednn_cache_capacity=self.onednn_cache_capacity))
+
+    def _heap_on_huge_pages(self) -> None:
+        """The loaded weights onto 2 MB pages (host_memory.heap_on_huge_pages), logged with what it gave."""
+        from llmbus.bus.procfs import anon_huge_pages_bytes
+
+        before, started = anon_huge_pages_bytes(os.getpid()), time.monotonic()
+        span = heap_on_huge_pages()
+        if span is None:
+            self.log.info("heap left on the pages it has: no transparent huge pages here")
+            return
+        after = anon_huge_pages_bytes(os.getpid())
+        self.log.info("heap on 2 MB pages", span_mb=span >> 20, seconds=round(time.monotonic() - started, 2),
+                      **({"huge_mb_before": before >> 20, "huge_mb_after": after >> 20}
+                         if before is not None and after is not None else {}))
 
     def _draft_runner(self, dtype, device, num_blocks: int | None):
         """The draft model's runner (--draft-model-id), with its own pool of the target's block size and
