@@ -25,7 +25,9 @@ import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch's first allocation, as workers/group.py does
+from llmbus.workers.group import THP_MEM_ALLOC_ENABLE
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", THP_MEM_ALLOC_ENABLE)  # before torch's first allocation, as a rank
 
 import torch
 

@@ -25,6 +25,11 @@ HUGE_PAGE_BYTES = 2 * 1024 * 1024
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def huge_pages_offered() -> bool:
+    """Whether this kernel gives transparent huge pages (mode ``always`` or ``madvise``)."""
+    return THP_MODE.is_file() and "[never]" not in THP_MODE.read_text()
+
+
 def keep_freed_memory() -> bool:
     """Have glibc's malloc serve every block from its heap and keep what is freed there, for this process.
 
@@ -66,7 +71,7 @@ def heap_on_huge_pages() -> int | None:
     Linux 6.1 and later; khugepaged does it in the background on older kernels) puts 255 of the 268 MB on
     huge pages in half a second, for 2 MB more resident memory (design notes, "Large CPU blocks on 2 MB
     pages"). Parts that cannot be collapsed stay as they are: the call's errors are not failures."""
-    if not THP_MODE.is_file() or "[never]" in THP_MODE.read_text():
+    if not huge_pages_offered():
         return None
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()

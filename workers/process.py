@@ -321,7 +321,7 @@ class Worker:
                 self.runner.attach_draft(draft)
             draft.warmup()
             self.log.info("draft model loaded", model=self.cfg.draft_model_dir)
-        if device.type == "cpu":
+        if device.type == "cpu" and runner_cls is ModelRunner:  # the fake runner has no weights to move
             self._heap_on_huge_pages()
         paths = getattr(self.runner, "compute_paths", {})  # the attention backend's name, for the log and /info
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmbus.workers.host_memory import THP_MODE
+from llmbus.workers.host_memory import huge_pages_offered
 
 FAULTS_OF_STEADY_ROUNDS = """
 import resource, sys, torch
@@ -46,8 +46,7 @@ def test_ranks_keep_their_large_tensors_on_huge_pages(smollm2_server):
     from llmbus.bus.procfs import anon_huge_pages_bytes
     from llmbus.testing import rank_pids
 
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.is_file() or "[never]" in mode.read_text():
+    if not huge_pages_offered():
         pytest.skip("this kernel gives no transparent huge pages")
     huge = anon_huge_pages_bytes(rank_pids(smollm2_server)[0])
     assert huge is not None and huge >= 256 * 1024 * 1024, huge  # 862 MB with the setting here, 106 MB without it
@@ -75,7 +74,7 @@ def test_a_ranks_heap_is_on_huge_pages_once_its_model_is_loaded(smollm2_server):
     tensors are not marked at all); a SmolLM2 bf16 rank just started: 0.99 against 0.71."""
     from llmbus.testing import rank_pids
 
-    if not THP_MODE.is_file() or "[never]" in THP_MODE.read_text():
+    if not huge_pages_offered():
         pytest.skip("this kernel gives no transparent huge pages")
     share = heap_huge_share(rank_pids(smollm2_server)[0])
     assert share >= 0.8, share
