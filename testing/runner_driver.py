@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
+from llmbus.bus.messages import DRAFT_GUESS, SAMPLED_LAST, Grammar, SamplingParams
 from llmbus.workers.model_runner import ModelRunner, SeqInput
+from llmbus.workers.sampling import has_penalties
 
 BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
 NUM_BLOCKS = 160
@@ -115,7 +116,8 @@ class Request:
         return len(self.tokens) >= self.max_new_tokens or bool(self.tokens and self.tokens[-1] in self.eos_ids)
 
 
-def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> dict[str, Request]:
+def drive(runner: ModelRunner, requests: list[Request], share_tokens=None,
+          feed_on_device: bool = False) -> dict[str, Request]:
     """Continuous batching by hand: arrivals mid-way, chunked prefills next to decodes, block tables
     grown on demand from a shuffled free list (so tables are never contiguous), blocks freed once no
     unfinished request holds them, prefix-cache hits and preemptions as the requests ask.
@@ -124,7 +126,11 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
     ``prefill_chunk``, and samples after the last one: the first prompt chunk, a decode token, or after
     a preemption its prompt and every token it generated, as the scheduler re-sends it.
 
-    ``share_tokens`` lets TP ranks other than 0 learn rank 0's sampled tokens (the scheduler's job)."""
+    ``share_tokens`` lets TP ranks other than 0 learn rank 0's sampled tokens (the scheduler's job).
+
+    ``feed_on_device``: as the worker does for a step sent ahead, a decode row whose token the step before
+    sampled is given ``SAMPLED_LAST`` and takes the token from that step's sampled ids on the device
+    (``ModelRunner.launch``'s ``feed``)."""
     held = {b for r in requests for b in r.blocks}
     free_blocks = [b for b in range(runner.num_blocks) if b not in held]
     random.Random(0).shuffle(free_blocks)
@@ -137,8 +143,10 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
         free_blocks.extend(b for b in blocks if b not in in_use)
 
     step = 0
+    last_launched = None
     while not all(r.done for r in requests):
         scheduled, seqs = [], []
+        fed_rows, fed_rids, flat = [], [], 0
         for req in requests:
             if req.done or max(req.arrival_step, req.resume_step) > step:
                 continue
@@ -157,12 +165,22 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None) -> di
             while len(req.blocks) < blocks_needed:
                 req.blocks.append(free_blocks.pop())
             sample = take - len(guesses) == remaining
+            # (the worker feeds the host's token to rows whose token the host reads: see _device_feed)
+            if (feed_on_device and last_launched is not None and remaining == 1 and not guesses
+                    and req.grammar is None and not has_penalties(req.sampling)
+                    and last_launched.can_feed([req.rid])):
+                new_tokens = [SAMPLED_LAST]
+                fed_rows.append(flat)
+                fed_rids.append(req.rid)
+            flat += len(new_tokens)
             scheduled.append((req, take, sample, len(guesses)))
             seqs.append(SeqInput(rid=req.rid, token_ids=new_tokens, num_computed=req.computed,
                                  block_table=list(req.blocks), sample=sample, sampling=req.sampling,
                                  prompt_len=len(req.prompt), cached_ids=req.cached_ids, grammar=req.grammar,
                                  num_spec=len(guesses)))
-        out = runner.step(seqs)
+        feed = last_launched.feed(fed_rows, fed_rids) if fed_rows else None
+        last_launched = runner.launch(seqs, feed)
+        out = last_launched.result()
         sampled = None
         if out is not None:  # rid -> [(token, logprob)]: one each, or what a speculating one kept
             counts = out.num_tokens or [1] * len(out.rids)

@@ -34,6 +34,7 @@ import torch
 
 from llmbus.workers.attention.base import AttentionMetadata, DecodeGraphInputs
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.launched_step import DeviceFeed
 
 if TYPE_CHECKING:
     from llmbus.workers.model_runner import SeqInput
@@ -120,12 +121,15 @@ class DecodeGraphs:
                 and all(len(s.token_ids) == 1 and s.sample and not s.num_spec for s in seqs)
                 and max(len(s.block_table) for s in seqs) <= self.max_blocks)
 
-    def forward(self, seqs: list[SeqInput]) -> torch.Tensor | None:
+    def forward(self, seqs: list[SeqInput], feed: DeviceFeed | None = None) -> torch.Tensor | None:
         """The float32 logits ``[len(seqs), vocab]`` of a step that ``applies`` (None off rank 0). They stay
-        valid until the next replay of the same size."""
+        valid until the next replay of the same size. ``feed`` writes ids of the step before (still on the
+        device) over their rows of the staged ones."""
         count = len(seqs)
         batch = self.sizes[bisect.bisect_left(self.sizes, count)]
         self._stage(seqs, batch)
+        if feed is not None:
+            feed.write(self.small[0])
         if self.captured:
             self.graphs[batch].replay()
             logits = self.outputs[batch]

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from llmbus.workers.launched_step import DeviceFeed, LaunchedStep
 from llmbus.workers.memory_budget import out_of_memory_reason
 from llmbus.workers.model_runner import SeqInput, StepOutput, out_of_memory_step
 
@@ -47,6 +48,20 @@ class FakeRunner:
 
     def next_token(self, last_token: int, position: int) -> int:
         return (last_token * 31 + position * 7 + 3) % self.vocab_size
+
+    def launch(self, seqs: list[SeqInput], feed: DeviceFeed | None = None) -> LaunchedStep:
+        """``step`` at once, its sampled ids offered to the next step as a model runner's are (the worker's
+        feed on the device, exercised here with tensors on the CPU)."""
+        if feed is not None:
+            flat = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
+            feed.write(flat)
+            ids, offset = flat.tolist(), 0
+            for s in seqs:
+                s.token_ids, offset = ids[offset:offset + len(s.token_ids)], offset + len(s.token_ids)
+        out = self.step(seqs)
+        if out is None or out.failed or out.num_tokens:
+            return LaunchedStep.finished(out)
+        return LaunchedStep(lambda: out, None, torch.tensor(out.token_ids, dtype=torch.long), out.rids)
 
     def step(self, seqs: list[SeqInput]) -> StepOutput | None:
         try:

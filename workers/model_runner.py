@@ -1,6 +1,7 @@
 """One rank's inference engine: weights, KV block pool, one forward pass per step, sampling on rank 0.
 
-No sockets and no processes here: the worker process feeds ``step`` from the scheduler's StepCommands.
+No sockets and no processes here: the worker process feeds ``launch`` (``step`` is a launch and its result)
+from the scheduler's StepCommands.
 Block ids come from the scheduler; this class trusts them (it only checks that a sequence's table
 covers its tokens, since a short table would silently write into the padding block).
 
@@ -30,7 +31,8 @@ from llmbus.workers.loader import load_model
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
                                           out_of_memory_reason)
 from llmbus.workers.sampling import has_penalties, sample
-from llmbus.workers.step_clock import DeviceTimeline, StepClock, tokens_and_logprobs
+from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, ResultCopy, StepOutput
+from llmbus.workers.step_clock import DeviceTimeline, StepClock
 from llmbus.workers.step_rows import PromptLogprobRows, TokenHistory, keep_verified, one_token_rows
 
 # The top alternatives each sampled row of warmup's sampling measurement asks for (TGI's default
@@ -66,26 +68,6 @@ class SeqInput:
     # positions is sampled, and the guesses are kept up to the first one its position's sample disagrees
     # with, then that sample (scheduler/speculation.py).
     num_spec: int = 0
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """Rank 0's result of a step: one token per sequence that sampled, in input order (several for one
-    that speculated: ``num_tokens``)."""
-
-    rids: list[str]
-    token_ids: list[int]
-    logprobs: list[float]
-    forward_time: float  # seconds
-    sample_time: float
-    # [[rid, [logprob of prompt tokens computed this step]]]; a request's lists over its chunks concatenate
-    # to its prompt tokens 1..n-1 (the first token has nothing to be predicted from).
-    prompt_logprobs: list[list] = field(default_factory=list)
-    # Per sampled sequence [[ids], [logprobs]] of its top_n_tokens ([] where none asked); [] if none did.
-    top_tokens: list[list] = field(default_factory=list)
-    errors: list[list] = field(default_factory=list)  # [[rid, error type, why]]: constrained requests that fail
-    num_tokens: list[int] = field(default_factory=list)  # tokens per sequence; [] when each has one
-    failed: str = ""  # not empty: the step ran out of memory and nothing of it counts (why; out_of_memory_step)
 
 
 def out_of_memory_step(reason: str, rank: int) -> StepOutput | None:
@@ -208,10 +190,10 @@ class ModelRunner:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def _forward(self, seqs: list[SeqInput], kv_cache: PagedKVCache,
-                 logits_index: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _forward(self, seqs: list[SeqInput], kv_cache: PagedKVCache, logits_index: torch.Tensor | None = None,
+                 feed: DeviceFeed | None = None) -> torch.Tensor | None:
         """Float32 logits of the rows ``logits_index`` of the flat token batch (default: the last row of
-        every sampled sequence) on rank 0, None elsewhere."""
+        every sampled sequence) on rank 0, None elsewhere; ``feed`` (``launch``) writes into the batch's ids."""
         query_lens = [len(s.token_ids) for s in seqs]
         num_computed = [s.num_computed for s in seqs]
         block_tables = [s.block_table for s in seqs]
@@ -222,9 +204,11 @@ class ModelRunner:
                 raise ValueError(f"{seq.rid}: {len(seq.block_table)} blocks of {self.block_size} cannot hold "
                                  f"{seq.num_computed + n} tokens")
         if logits_index is None and kv_cache is self.kv_cache and self.graphs is not None and self.graphs.applies(seqs):
-            return self.graphs.forward(seqs)
+            return self.graphs.forward(seqs, feed)
         input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
                                  dtype=torch.long, device=self.device)
+        if feed is not None:
+            feed.write(input_ids)
         meta = self.model.attention_backend.build_metadata(
             query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
             kv_cache=kv_cache, device=self.device)
@@ -240,27 +224,34 @@ class ModelRunner:
 
 
     def step(self, seqs: list[SeqInput]) -> StepOutput | None:
-        """One forward pass over every sequence's new tokens; rank 0 samples the ``sample=True`` ones.
+        """One forward pass over every sequence's new tokens; rank 0 samples the ``sample=True`` ones
+        (``launch``, then its result)."""
+        return self.launch(seqs).result()
 
-        A step that runs out of memory returns a failed StepOutput (``out_of_memory_step``) instead of
+    def launch(self, seqs: list[SeqInput], feed: DeviceFeed | None = None) -> LaunchedStep:
+        """Queue a step on the device: its forward pass, rank 0's sampling and the copy of its tokens to the
+        host (launched_step.py). ``feed`` writes tokens of the step launched before, still on the device,
+        into this one's input rows (where ``token_ids`` hold ``SAMPLED_LAST``).
+
+        A step that runs out of memory gives a failed StepOutput (``out_of_memory_step``) instead of
         raising, so the rank lives on. With tensor parallelism only once the forward pass is over: a rank
         that failed inside it leaves the others waiting in a collective it will never join, and a
         collective to agree on the failure would be matched against theirs, so that stays a group failure.
         """
         self._collectives_done = self.world_size == 1
         try:
-            return self._step(seqs)
+            return self._launch(seqs, feed)
         except torch.OutOfMemoryError as e:
             if not self._collectives_done:
                 raise
             reason = out_of_memory_reason(e, seqs)
-        return out_of_memory_step(reason, self.rank)
+        return LaunchedStep.finished(out_of_memory_step(reason, self.rank))
 
-    def _step(self, seqs: list[SeqInput]) -> StepOutput | None:
+    def _launch(self, seqs: list[SeqInput], feed: DeviceFeed | None) -> LaunchedStep:
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is sized by warmup() on CUDA: call it before step()")
         if not seqs:
-            return StepOutput([], [], [], 0.0, 0.0) if self.rank == 0 else None
+            return LaunchedStep.finished(StepOutput([], [], [], 0.0, 0.0) if self.rank == 0 else None)
         speculating = [s for s in seqs if s.num_spec and s.sample]
         # decided before rank 0 fills them in: every rank must take part in the broadcast
         guesses_to_share = self.world_size > 1 and any(DRAFT_GUESS in s.token_ids for s in speculating)
@@ -276,11 +267,11 @@ class ModelRunner:
             # Constrained requests' masks are computed on another thread while the forward pass runs.
             mask_job = self._start_masks(seqs) if self.rank == 0 else None
             prompt_rows = PromptLogprobRows.plan(seqs, self.device)
-            logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None)
+            logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None, feed)
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
             if self.rank != 0:
-                return None
+                return LaunchedStep.finished(None)
             prompt_logprobs = []
             if prompt_rows is not None:
                 prompt_logprobs = prompt_rows.gather(logits, self.pending_prompt_rows)
@@ -292,7 +283,7 @@ class ModelRunner:
                 forward_time, sample_time = clock.times(wait=True)
                 if self.timeline is not None:
                     self.timeline.add(clock, forward_time + sample_time, len(seqs))
-                return StepOutput([], [], [], forward_time, sample_time, prompt_logprobs)
+                return LaunchedStep.finished(StepOutput([], [], [], forward_time, sample_time, prompt_logprobs))
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled)
             rids = [s.rid for s in sampled]
@@ -302,19 +293,24 @@ class ModelRunner:
                          [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled],
                          watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
             clock.sampling_done()
-            token_list, logprob_list = tokens_and_logprobs(out.token_ids, out.logprobs)
+            copy = ResultCopy(out.token_ids, out.logprobs)
+
+        def finish() -> StepOutput:
+            token_list, logprob_list = copy.lists()
             forward_time, sample_time = clock.times()
             if self.timeline is not None:
                 self.timeline.add(clock, forward_time + sample_time, len(seqs))
-            top_tokens, num_tokens = out.top_tokens, []
+            out_rids, top_tokens, num_tokens = rids, out.top_tokens, []
             if speculating:
-                rids, token_list, logprob_list, top_tokens, num_tokens = keep_verified(
+                out_rids, token_list, logprob_list, top_tokens, num_tokens = keep_verified(
                     sampled, token_list, logprob_list, top_tokens)
-            return StepOutput(rids=rids, token_ids=token_list, logprobs=logprob_list,
+            return StepOutput(rids=out_rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_time, sample_time=sample_time, prompt_logprobs=prompt_logprobs,
                               top_tokens=top_tokens,
                               errors=[[rid, kind, why] for rid, (kind, why) in errors.items()],
                               num_tokens=num_tokens)
+        # A speculating step's rows are positions, not requests: its tokens are not fed on.
+        return LaunchedStep(finish, copy, None if speculating else out.token_ids, rids)
 
     def _start_masks(self, seqs: list[SeqInput]) -> MaskJob | None:
         """Hand this step's tokens of the constrained requests to their matchers and start computing the

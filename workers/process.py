@@ -9,6 +9,12 @@ A step the scheduler sent ahead (before it read the result of the step before) f
 a request's last token goes: rank 0 puts in the token it sampled for that request in the step before
 (the scheduler's overlap; scheduler/process.py). When that step failed, the one sent ahead of it is
 skipped: its diffs are applied, nothing is computed, and the scheduler drops its result.
+
+On a GPU the step sent ahead usually arrives while the step before is still computing: the rank launches it
+behind that step, its ``SAMPLED_LAST`` tokens written from the sampled ids still on the device
+(workers/launched_step.py), and only then waits for the step before's tokens and answers it, so the device
+never waits for the host's turnaround. Rows whose token the host must read first (a grammar, penalties, a
+watermark, a draft model) take the other way: answer first, then feed the token from the host.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ from llmbus.workers.host_memory import bound_onednn_caches, heap_on_huge_pages, 
 if TYPE_CHECKING:
     import torch  # imported where a rank needs it, so the launcher can read WorkerConfig without torch
 
+
+# How often a rank with a launched step looks for the next command and at the step's device work.
+LAUNCHED_POLL_S = 50e-6
+# --device-feed hold: how long a step's answer waits for the next command.
+HOLD_S = 0.02
 
 # --attention-backend's choices: auto, then workers.attention.BACKEND_CLASSES' names (a test keeps the two
 # equal; that module imports torch, which the launcher reading these settings must not).
@@ -106,6 +117,12 @@ class WorkerConfig(ServiceSettings):
                                             help="Share of the vocabulary in the watermark's green list (default 0.5).")
     watermark_delta: float | None = setting(None, env="WATERMARK_DELTA", user=False, hidden=True,
                                             help="Bias added to green-list logits (default 2.0).")
+    device_feed: str = setting(
+        "auto", env="LLMBUS_DEVICE_FEED", choices=("auto", "off", "hold"), hidden=True,
+        help="auto: a step sent ahead that arrives while the step before is still on the device is launched "
+             "behind it, its SAMPLED_LAST tokens taken from that step's sampled ids on the device (CUDA). off: "
+             "every step is answered before the next command is read. hold (tests): on the CPU too, each "
+             "step's answer waits for the next command (up to HOLD_S), so that path runs without a GPU.")
     dist_init: str | None = None  # torch.distributed init_method; default: a file in the run dir
 
 
@@ -241,6 +258,9 @@ class Worker:
         self.states: dict[str, _RequestState] = {}
         self.last_step = 0
         self.last_failed = False  # the last step ran out of memory: a step sent ahead of it is skipped
+        # The step launched and not yet answered: its command, LaunchedStep and launch time (device_feed).
+        self.launched: tuple | None = None
+        self.fed_on_device = False  # logged the first time a step is
         ep = Endpoints.in_dir(cfg.run_dir)
         z = ctx.zmq_ctx
         # Subscribe before saying hello: the scheduler counts subscriptions before its first step.
@@ -374,8 +394,12 @@ class Worker:
 
     def loop(self) -> None:
         while True:
-            msg = recv(self.steps)
+            msg = self._next_message()
+            if msg is None:  # the launched step is done before the next command came: answer it now
+                self._answer_launched()
+                continue
             if isinstance(msg, m.Shutdown):
+                self._answer_launched()
                 self.log.info("shutdown", reason=msg.reason)
                 return
             if isinstance(msg, m.HealthProbe):
@@ -388,19 +412,85 @@ class Worker:
                 raise StepGap(f"rank {self.cfg.rank} got step {msg.step_id} after step {self.last_step}")
             self.last_step = msg.step_id
             seqs = self.apply(msg)
-            if msg.ahead and self.last_failed:
-                out = self._skipped(msg)
-            else:
-                out = self.runner.step(seqs)
-                self._note_sampled(msg, out)
-            if self.results is not None:
-                send(self.results, m.StepResult(step_id=msg.step_id, rids=out.rids, token_ids=out.token_ids,
-                                                logprobs=out.logprobs, forward_time=out.forward_time,
-                                                sample_time=out.sample_time,
-                                                prompt_logprobs=out.prompt_logprobs,
-                                                top_tokens=out.top_tokens, errors=out.errors,
-                                                num_tokens=out.num_tokens, failed_error=out.failed,
-                                                request_state=sum(self.request_state().values())))
+            fed = [i for i, seq in enumerate(seqs) if m.SAMPLED_LAST in seq.token_ids]
+            feed = self._device_feed(seqs, fed) if fed else None
+            if feed is None:
+                self._answer_launched()  # its tokens are what SAMPLED_LAST takes here
+                for i in fed:
+                    seqs[i].token_ids = self._fed_forward(msg, self.states[seqs[i].rid], seqs[i].token_ids)
+            if msg.ahead and self.last_failed:  # (a step kept launched never failed: it was answered at once)
+                self._send_result(msg.step_id, self._skipped(msg))
+                continue
+            launched = self.runner.launch(seqs, feed)
+            self._answer_launched()
+            self.launched = (msg, launched, time.monotonic())
+            if self.cfg.device_feed == "off" or self._launched_ready():
+                self._answer_launched()
+
+    def _next_message(self):
+        """The next message from the scheduler; None if the step launched and not yet answered is done first
+        (its answer must not wait for a command that may only come after it)."""
+        if self.launched is None:
+            return recv(self.steps)
+        while not self.steps.poll(0):
+            if self._launched_ready():
+                return None
+            time.sleep(LAUNCHED_POLL_S)
+        return recv(self.steps)
+
+    def _launched_ready(self) -> bool:
+        _, launched, at = self.launched
+        if self.cfg.device_feed == "hold":
+            return time.monotonic() - at >= HOLD_S
+        return launched.ready()
+
+    def _device_feed(self, seqs: list, fed: list[int]):
+        """How the step's ``SAMPLED_LAST`` rows (``fed``: their indices) take their tokens from the launched
+        step on the device; None where the host must know them first: nothing launched, or a row whose
+        token the host reads in the step (its grammar, penalties' history, watermark, a draft model)."""
+        if self.launched is None or self.cfg.device_feed == "off" or getattr(self.runner, "draft", None):
+            return None
+        from llmbus.workers.sampling import has_penalties
+
+        starts = [0]
+        for seq in seqs:
+            starts.append(starts[-1] + len(seq.token_ids))
+        rows, rids = [], []
+        for i in fed:
+            seq = seqs[i]
+            if seq.grammar is not None or has_penalties(seq.sampling) or seq.sampling.watermark or seq.num_spec:
+                return None
+            for j, token in enumerate(seq.token_ids):
+                if token == m.SAMPLED_LAST:
+                    rows.append(starts[i] + j)
+                    rids.append(seq.rid)
+        launched = self.launched[1]
+        if not launched.can_feed(rids):
+            return None
+        if not self.fed_on_device:
+            self.fed_on_device = True
+            self.log.info("a step sent ahead launched behind the one before, its tokens fed on the device",
+                          step=self.last_step, rows=len(rows))
+        return launched.feed(rows, rids)
+
+    def _answer_launched(self) -> None:
+        """Rank 0 sends the launched step's result (waiting for its tokens); every rank then forgets it."""
+        if self.launched is None:
+            return
+        cmd, launched, _ = self.launched
+        self.launched = None
+        out = launched.result()
+        self._note_sampled(cmd, out)
+        self._send_result(cmd.step_id, out)
+
+    def _send_result(self, step_id: int, out) -> None:
+        if self.results is not None:
+            send(self.results, m.StepResult(step_id=step_id, rids=out.rids, token_ids=out.token_ids,
+                                            logprobs=out.logprobs, forward_time=out.forward_time,
+                                            sample_time=out.sample_time, prompt_logprobs=out.prompt_logprobs,
+                                            top_tokens=out.top_tokens, errors=out.errors,
+                                            num_tokens=out.num_tokens, failed_error=out.failed,
+                                            request_state=sum(self.request_state().values())))
 
     def _skipped(self, cmd: m.StepCommand):
         """What a step sent ahead of a failed one answers: it was built on tokens that step never sampled."""
@@ -455,9 +545,7 @@ class Worker:
         for rid, num_computed, num_new, sample, spec in zip(cmd.rids, cmd.num_computed, cmd.num_new, cmd.sample,
                                                              num_spec):
             state = self.states[rid]
-            token_ids = cmd.token_ids[offset:offset + num_new]
-            if m.SAMPLED_LAST in token_ids:
-                token_ids = self._fed_forward(cmd, state, token_ids)
+            token_ids = cmd.token_ids[offset:offset + num_new]  # SAMPLED_LAST is resolved by the loop
             seqs.append(SeqInput(rid=rid, token_ids=token_ids,
                                  num_computed=num_computed, block_table=state.block_table, sample=sample,
                                  sampling=state.sampling, prompt_len=state.prompt_len,

@@ -1,9 +1,8 @@
 """A step's device time without waiting for the device, and what rank 0 logs of it (issue #39).
 
 ``StepClock`` times a step's forward pass and sampling (CUDA events, read once the step's results are on the
-host), and the device's idle time before the step; ``DeviceTimeline`` adds those up and logs them per window;
-``tokens_and_logprobs`` brings a step's sampled ids and logprobs to the host in one copy, the one
-synchronisation a decode step makes.
+host: launched_step.py's ``ResultCopy``, the one synchronisation a decode step makes), and the device's idle
+time before the step; ``DeviceTimeline`` adds those up and logs them per window.
 """
 
 from __future__ import annotations
@@ -85,12 +84,3 @@ class DeviceTimeline:
                           busy_ms=round(self.busy_s * 1e3, 1), idle_ms=round(self.idle_s * 1e3, 1),
                           idle_share=round(self.idle_s / total, 4) if total else 0.0)
             self._reset()
-
-
-def tokens_and_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Sampled ids and their logprobs as host lists, in one device-to-host copy (float64 holds every id
-    exactly)."""
-    if token_ids.device.type == "cpu":
-        return token_ids.tolist(), logprobs.tolist()
-    ids, values = torch.stack((token_ids.double(), logprobs.double())).tolist()
-    return [int(i) for i in ids], values

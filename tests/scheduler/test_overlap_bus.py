@@ -6,7 +6,8 @@ frontend sends on a stop string), in steps that also carry prompt chunks (a smal
 rank group is killed and restarted at several points of a run: every stream equals the tokens the fake
 computes for it alone (its lock-step output), each token once, and every KV block is free at the end. The
 fake rank checks each token a step feeds where it sampled one (a step sent ahead feeds SAMPLED_LAST) and
-reports a mismatch as the request's failure.
+reports a mismatch as the request's failure. A third engine runs the overlap with the rank feeding those
+tokens from the step before's sampled ids, as it does on a GPU (``--device-feed hold``).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 
 class Engine:
-    def __init__(self, overlap: bool):
+    def __init__(self, overlap: bool, device_feed: str = "auto"):
         self.run_dir = RunDir()
         self.sup = SupervisorSocket(self.run_dir.path)
         self.env = dict(os.environ, **self.sup.env)
         common = ["--run-dir", str(self.run_dir.path)]
         self.workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none", "--gpus", "1",
-                             "--runner", "fake", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE)]
+                             "--runner", "fake", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+                             "--device-feed", device_feed]
         scheduler_argv = [sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", "1",
                           "--max-restarts", "10", "--max-batch-prefill-tokens", "24"]
         self.procs = [subprocess.Popen(scheduler_argv + ([] if overlap else ["--disable-overlap"]), env=self.env),
@@ -62,9 +64,11 @@ class Engine:
         self.run_dir.close()
 
 
-@pytest.fixture(scope="module", params=["overlap", "lockstep"])
+# "fed": the rank holds each step's answer until the next command comes and feeds SAMPLED_LAST from the
+# step's sampled ids as it does on a GPU (--device-feed hold), the answer going out after the next launch.
+@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed"])
 def engine(request):
-    eng = Engine(overlap=request.param == "overlap")
+    eng = Engine(overlap=request.param != "lockstep", device_feed="hold" if request.param == "fed" else "auto")
     yield eng
     eng.close()
 

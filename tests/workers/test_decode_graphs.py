@@ -7,7 +7,8 @@ are exactly the decode-only ones. The capture itself runs on a GPU (benchmarks/g
 import pytest
 import torch
 
-from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, make_prompts, mixed_requests,
+from llmbus.testing.families import family_requests
+from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts,
                                           reference, save_tiny_llama)
 from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers import gpu_ops
@@ -42,15 +43,17 @@ def _runner_with_graphs(model_dir: str, sizes: tuple[int, ...]) -> tuple[ModelRu
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, sizes, max_blocks, capture=False)
     replayed: list[int] = []
     forward = runner.graphs.forward
-    runner.graphs.forward = lambda seqs: replayed.append(len(seqs)) or forward(seqs)
+    runner.graphs.forward = lambda seqs, feed=None: replayed.append(len(seqs)) or forward(seqs, feed)
     return runner, replayed
 
 
-def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, monkeypatch):
+@pytest.mark.parametrize("feed_on_device", [False, True], ids=["host-fed", "device-fed"])
+def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, monkeypatch, feed_on_device):
     """Arrivals, a chunked prompt beside decodes, a prefix hit and a preemption: the decode-only steps take
     the buffers (at sizes that need padding: 3 rows in a graph of 4, 5 in 8), the rest run eagerly, and
     every request's tokens equal transformers' greedy ones. The layers' small ops run as the GPU runs them,
-    as gpu_ops' Triton kernels (here interpreted)."""
+    as gpu_ops' Triton kernels (here interpreted). Device-fed: the decode rows take their tokens from the
+    step before's sampled ids, written over the staged ones (as a step sent ahead does on a GPU)."""
     fused = []
     for name in ("rms_norm", "rotary", "silu_and_mul"):
         op = getattr(gpu_ops, name)
@@ -58,13 +61,7 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, 
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
     runner, replayed = _runner_with_graphs(llama_dir, (1, 2, 4, 8))
-    requests = mixed_requests(prompts)
-    requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
-    requests.append(Request(rid="hit", prompt=prompts[4], arrival_step=9, computed=2 * BLOCK_SIZE))
-    lender = requests[4]
-    lender.blocks = [NUM_BLOCKS - 1, NUM_BLOCKS - 2]  # r4's first two blocks, which "hit" starts from
-    requests[-1].blocks = list(lender.blocks)
-    results = drive(runner, requests)
+    results = drive(runner, family_requests(prompts), feed_on_device=feed_on_device)
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
     assert results["hit"].tokens == expected.tokens[4]

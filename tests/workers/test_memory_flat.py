@@ -64,21 +64,21 @@ def _requests(round_: int, vocab: int) -> list[Request]:
 
 def test_per_request_state_returns_to_idle(runner):
     peak = dict(IDLE)
-    step = runner.step
+    launch = runner.launch
 
-    def counted_step(seqs):
-        out = step(seqs)
+    def counted_launch(seqs, feed=None):
+        launched = launch(seqs, feed)
         for name, n in runner_request_state(runner).items():
             peak[name] = max(peak[name], n)
-        return out
+        return launched
 
-    runner.step = counted_step
+    runner.launch = counted_launch
     try:
         for round_ in range(2):
             drive(runner, _requests(round_, runner.vocab_size))
             assert runner_request_state(runner) == IDLE, f"after round {round_}"
     finally:
-        del runner.step
+        del runner.launch
     # the counter counts: penalised requests' histories and grammar matchers were held while they ran
     assert peak["histories"] > 0 and peak["grammar_matchers"] > 0, peak
 

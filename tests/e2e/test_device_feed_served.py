@@ -1,0 +1,48 @@
+"""The rank feeding a step sent ahead from the step before's sampled ids (issue #39; what it does on a GPU),
+through the whole stack on the CPU: `llmbus up` with ``LLMBUS_DEVICE_FEED=hold`` keeps each step's answer
+until the next command arrives, launches that one first, then answers. Greedy output equals transformers',
+concurrent greedy and seeded requests equal their solo runs, and the rank says it fed tokens so."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from llmbus.testing import Server
+from llmbus.testing.http import all_blocks_free, wait_for_metrics
+from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of
+
+FED_LOG = "its tokens fed on the device"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
+                  "--max-input-tokens", "128", "--num-blocks", "256", "--block-size", "16"],
+                 env={"LLMBUS_DEVICE_FEED": "hold"})
+    yield srv
+    assert srv.stop() == 0, srv.stderr.text[-3000:]
+
+
+def test_greedy_fed_on_the_device_matches_transformers(server, reference):
+    for prompt in PROMPTS:
+        body, _ = generate(server, prompt)
+        got = ids_of(body)
+        assert got == reference(prompt)[:len(got)], prompt
+        assert len(got) == MAX_NEW or body["details"]["finish_reason"] == "eos_token"
+    assert server.log_lines(FED_LOG), "no step was fed on the device"
+
+
+def test_concurrent_greedy_and_seeded_requests_equal_their_solo_runs(server):
+    jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i % 3), 4 + (i * 5) % 13, i if i % 2 else None) for i in range(12)]
+
+    def run(job):
+        prompt, n, seed = job
+        sampling = {} if seed is None else {"do_sample": True, "temperature": 0.8, "top_k": 40, "seed": seed}
+        return ids_of(generate(server, prompt, n, **sampling)[0])
+    solo = [run(job) for job in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(run, jobs))
+    assert together == solo
+    wait_for_metrics(server.url, all_blocks_free)

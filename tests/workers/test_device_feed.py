@@ -1,0 +1,90 @@
+"""Tokens fed on the device (issue #39, workers/launched_step.py): a step sent ahead takes each running
+request's last token (``SAMPLED_LAST``) from the sampled ids of the step launched before it, which the host
+has not read. Driven by hand on the CPU (the same tensors a GPU step keeps on the device): a continuous batch
+with arrivals, a chunked prompt, a prefix hit and a preemption stays token-exact with transformers, and seeded
+sampling over the warpers' grid draws the same tokens as when the host feeds them. A broken feed (a wrong
+row, a wrong source) changes the tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmbus.bus.messages import SamplingParams
+from llmbus.testing.families import family_requests
+from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, make_prompts,
+                                          reference, save_tiny_llama)
+from llmbus.workers.launched_step import LaunchedStep, StepOutput
+from llmbus.workers.model_runner import ModelRunner
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fed_llama")
+    save_tiny_llama(str(path), tied=False, vocab_size=VOCAB)
+    return str(path)
+
+
+def _counting_runner(model_dir: str) -> tuple[ModelRunner, list[int]]:
+    """A runner whose launches record how many rows each took from the step before on the device."""
+    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    fed: list[int] = []
+    launch = runner.launch
+    runner.launch = lambda seqs, feed=None: fed.append(len(feed.rows) if feed else 0) or launch(seqs, feed)
+    return runner, fed
+
+
+def test_a_continuous_batch_fed_on_the_device_is_token_exact(llama_dir):
+    prompts = make_prompts(VOCAB)
+    expected = reference(llama_dir, prompts)
+    runner, fed = _counting_runner(llama_dir)
+    results = drive(runner, family_requests(prompts), feed_on_device=True)
+    for i in range(len(prompts)):
+        assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
+        torch.testing.assert_close(torch.tensor(results[f"r{i}"].logprobs), expected.greedy_logprobs(i),
+                                   atol=1e-4, rtol=0)
+    assert results["hit"].tokens == expected.tokens[4]
+    assert results["r1"].preemptions == 1
+    # every decode after a request's first token is fed so: most rows of most steps
+    assert sum(fed) > 3 * len(prompts) and max(fed) >= 3, fed
+
+
+GRID = [SamplingParams(do_sample=True, temperature=0.7, seed=11),
+        SamplingParams(do_sample=True, temperature=1.3, top_k=20, seed=12),
+        SamplingParams(do_sample=True, top_p=0.8, seed=13),
+        SamplingParams(do_sample=True, typical_p=0.9, temperature=0.9, seed=14),
+        SamplingParams(do_sample=True, min_p=0.05, seed=15),
+        SamplingParams(top_n_tokens=3)]
+
+
+def test_seeded_sampling_fed_on_the_device_draws_what_the_host_fed_draws(llama_dir):
+    """Each parameter set on each prompt, beside the others in one batch: the same tokens and logprobs with
+    the tokens fed on the device as with the host feeding them."""
+    prompts = make_prompts(VOCAB)
+
+    def requests() -> list[Request]:
+        return [Request(rid=f"p{i}-{j}", prompt=prompt, sampling=params, arrival_step=j % 3)
+                for i, prompt in enumerate(prompts[:3]) for j, params in enumerate(GRID)]
+
+    runner, fed = _counting_runner(llama_dir)
+    on_device = drive(runner, requests(), feed_on_device=True)
+    on_host = drive(ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS), requests())
+    for rid, req in on_host.items():
+        assert on_device[rid].tokens == req.tokens, rid
+        assert on_device[rid].logprobs == pytest.approx(req.logprobs, abs=1e-5), rid
+    assert sum(fed) > len(GRID) * 3
+
+
+def test_a_step_offers_its_tokens_only_for_the_requests_it_sampled():
+    ids = torch.tensor([7, 9])
+    launched = LaunchedStep(lambda: None, None, ids, ["a", "b"])
+    assert launched.can_feed(["b", "a"]) and not launched.can_feed(["a", "c"])
+    feed = launched.feed([2, 0], ["a", "b"])
+    row = torch.tensor([-2, 5, -2])
+    feed.write(row)
+    assert row.tolist() == [9, 5, 7]
+    # nothing to offer: a step finished on the host, or one that speculated (no ids kept)
+    assert not LaunchedStep.finished(StepOutput(["a"], [7], [0.0], 0.0, 0.0)).can_feed(["a"])
+    assert not LaunchedStep(lambda: None, None, None, ["a"]).can_feed(["a"])

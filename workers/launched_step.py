@@ -1,0 +1,117 @@
+"""A step whose device work is queued but whose tokens are not yet on the host (issue #39: the GPU never waits
+for the scheduler).
+
+``ModelRunner.launch`` queues a step's forward pass, its sampling and the copy of its tokens to the host, and
+returns a ``LaunchedStep``; ``result()`` waits for that copy (the one synchronisation of a decode step) and
+builds the ``StepOutput``. Between the two, the worker can launch the next step, which the scheduler sent
+ahead with ``SAMPLED_LAST`` where each running request's last token goes: a ``DeviceFeed`` writes those tokens
+from this step's sampled ids, still on the device, into the next step's input, so the device runs one step
+after the other without the host's turnaround between them (vLLM v1's async scheduling and SGLang's overlap
+scheduler do the same). On the CPU a step's work is done when ``launch`` returns, so ``ready()`` is true at
+once and the worker answers before it reads the next command, as it did before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Rank 0's result of a step: one token per sequence that sampled, in input order (several for one
+    that speculated: ``num_tokens``)."""
+
+    rids: list[str]
+    token_ids: list[int]
+    logprobs: list[float]
+    forward_time: float  # seconds
+    sample_time: float
+    # [[rid, [logprob of prompt tokens computed this step]]]; a request's lists over its chunks concatenate
+    # to its prompt tokens 1..n-1 (the first token has nothing to be predicted from).
+    prompt_logprobs: list[list] = field(default_factory=list)
+    # Per sampled sequence [[ids], [logprobs]] of its top_n_tokens ([] where none asked); [] if none did.
+    top_tokens: list[list] = field(default_factory=list)
+    errors: list[list] = field(default_factory=list)  # [[rid, error type, why]]: constrained requests that fail
+    num_tokens: list[int] = field(default_factory=list)  # tokens per sequence; [] when each has one
+    failed: str = ""  # not empty: the step ran out of memory and nothing of it counts (why; out_of_memory_step)
+
+
+class ResultCopy:
+    """A step's sampled ids and their logprobs on their way to the host: one non-blocking copy into pinned
+    memory, queued when the step is launched (so it runs before any later step's work on the stream), and
+    waited for by ``lists()``. float64 holds every id exactly."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor):
+        self.event: torch.cuda.Event | None = None
+        if token_ids.device.type == "cpu":
+            self.ids, self.values = token_ids, logprobs
+            return
+        stacked = torch.stack((token_ids.double(), logprobs.double()))
+        self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        self.host.copy_(stacked, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def lists(self) -> tuple[list[int], list[float]]:
+        if self.event is None:
+            return self.ids.tolist(), self.values.tolist()
+        self.event.synchronize()
+        ids, values = self.host.tolist()
+        return [int(i) for i in ids], values
+
+
+class DeviceFeed:
+    """Tokens a step takes from the step launched before it: flat input row ``rows[i]`` gets
+    ``source[picks[i]]``, the id that step sampled for the request, without the host seeing it."""
+
+    def __init__(self, source: torch.Tensor, rows: list[int], picks: list[int]):
+        self.source = source
+        self.rows = rows
+        self.picks = picks
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        """Into ``input_ids`` (the step's flat token ids, on the device), queued behind the source's step."""
+        index = torch.tensor((self.rows, self.picks), dtype=torch.long)
+        if input_ids.device.type == "cuda":
+            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, index[0], self.source.index_select(0, index[1]))
+
+
+class LaunchedStep:
+    """A step launched on the device; ``result()`` is its StepOutput (None off rank 0)."""
+
+    def __init__(self, finish: Callable[[], StepOutput | None], copy: ResultCopy | None = None,
+                 sampled_ids: torch.Tensor | None = None, rids: list[str] | None = None):
+        """``finish``: builds the output once ``copy`` is on the host; ``sampled_ids``/``rids``: the ids the
+        step sampled, still on the device, and the requests they belong to, row for row (None where the
+        step's tokens cannot be fed on: a speculating step keeps a variable number per request)."""
+        self._finish = finish
+        self._output: StepOutput | None = None
+        self._copy = copy
+        self._sampled_ids = sampled_ids
+        self._row_of = {rid: row for row, rid in enumerate(rids)} if sampled_ids is not None and rids else {}
+
+    @classmethod
+    def finished(cls, output: StepOutput | None) -> "LaunchedStep":
+        """A step whose output is already known (nothing sampled, an off-zero rank, out of memory)."""
+        return cls(lambda: output)
+
+    def ready(self) -> bool:
+        """Whether ``result()`` would not wait for the device."""
+        return self._copy is None or self._copy.event is None or self._copy.event.query()
+
+    def result(self) -> StepOutput | None:
+        if self._finish is not None:
+            self._output, self._finish = self._finish(), None
+        return self._output
+
+    def can_feed(self, rids: list[str]) -> bool:
+        """Whether this step sampled a token, still on the device, for every one of ``rids``."""
+        return bool(self._row_of) and all(rid in self._row_of for rid in rids)
+
+    def feed(self, rows: list[int], rids: list[str]) -> DeviceFeed:
+        """The next step's flat input ``rows`` take the tokens this step sampled for ``rids`` (``can_feed``)."""
+        return DeviceFeed(self._sampled_ids, rows, [self._row_of[rid] for rid in rids])
