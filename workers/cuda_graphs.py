@@ -16,9 +16,12 @@ What a graph needs, and how a step provides it:
 - **Nothing on the host.** The attention backend gives metadata over the buffers whose shapes depend on
   the batch size alone (``AttentionBackend.decode_graph_metadata``); a backend that cannot (its kernels
   take host-side shapes from the contexts) gets no graphs, and its steps run eagerly.
-The step's inputs are written into pinned staging memory and copied in two non-blocking copies (ids,
-positions and slots in one; the block tables' used columns in the other). Steps with prompt rows,
-speculative rows or prompt logprobs, and decode steps larger than the largest size, run eagerly.
+**Persistent step state.** Each request's block table lives on the device between steps, in a slot of
+``slot_tables``: a step stages its rows' token ids, positions and slots, and the blocks appended to their
+tables since they were last uploaded (``added_blocks``' worth: one block a row every block_size tokens), into
+one pinned buffer and one non-blocking copy; the device grows the tables, gathers the rows' ones into the
+graph's buffer and computes each row's KV slot. The host's work is per row, not per block. Steps with prompt
+rows, speculative rows or prompt logprobs, and decode steps larger than the largest size, run eagerly.
 
 ``capture=False`` runs the same padded, buffer-fed forward without a graph: how CPU tests check that the
 padding and the buffers give every row exactly its eager logits.
@@ -57,18 +60,33 @@ class DecodeGraphs:
         device = kv_cache.key.device
         self.spare_block = kv_cache.num_blocks
         self.block_size = kv_cache.block_size
-        # Rows of one buffer: token ids, positions, slots; copied whole in one go.
+        # What a replay reads: token ids, positions and KV slots (rows of one buffer), and the block tables.
         self.small = torch.zeros(3, max_batch, dtype=torch.long, device=device)
         self.small[2].fill_(self.spare_block * self.block_size)
         self.inputs = DecodeGraphInputs(
             positions=self.small[1], slot_mapping=self.small[2],
             tables=torch.full((max_batch, max_blocks), self.spare_block, dtype=torch.long, device=device))
         self.logits_index = torch.arange(max_batch, dtype=torch.long, device=device)
+        # Each request's block table stays on the device between steps, in a slot of its own; the last slot
+        # is the padding rows' (all spare block). The scheduler only appends to a running request's table,
+        # and a request that restarts is dropped first (``forget``), so a step sends its rows' slots and the
+        # blocks appended since the step before, not the tables.
+        num_slots = 2 * max_batch
+        self.padding_slot = num_slots
+        self.slot_tables = torch.full((num_slots + 1, max_blocks), self.spare_block, dtype=torch.long, device=device)
+        self.slot_of: dict[str, int] = {}  # rid -> slot, least recently stepped first
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.uploaded = [0] * num_slots  # blocks of the slot's table on the device
+        self.last_block = [-1] * num_slots  # its last one, to notice a table that changed all the same
+        # One staging buffer (int32: ids, positions, slots and block ids all fit), copied to the device in
+        # one non-blocking copy: ids, positions and slots of the rows, then (flat index into slot_tables,
+        # block) of each appended block; a step can at most upload every row's whole table.
         pinned = device.type == "cuda"
-        self.stage_small = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=pinned)
-        self.stage_tables = torch.empty(max_batch * max_blocks, dtype=torch.long, pin_memory=pinned)
-        # Recorded after the copies out of staging: the next step waits on it before rewriting staging, which
-        # the last step's copies may still be reading if the host ran ahead of the device.
+        capacity = 3 * max_batch + 2 * max_batch * max_blocks
+        self.stage = torch.zeros(capacity, dtype=torch.int32, pin_memory=pinned)
+        self.staged_on_device = torch.zeros(capacity, dtype=torch.int32, device=device)
+        # Recorded after the copy out of staging: the next step waits on it before rewriting staging, which
+        # the last step's copy may still be reading if the host ran ahead of the device.
         self.staged = torch.cuda.Event() if pinned else None
         self.metadata: dict[int, AttentionMetadata] = {
             b: model.attention_backend.decode_graph_metadata(self.inputs, b) for b in self.sizes}
@@ -137,26 +155,59 @@ class DecodeGraphs:
             logits = self.model.forward(*self._args(batch))
         return None if logits is None else logits[:count]
 
+    def forget(self, rids: list[str]) -> None:
+        """Free the slots of requests that finished, were preempted or restart (their tables may change)."""
+        for rid in rids:
+            slot = self.slot_of.pop(rid, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+
+    def _slot(self, rid: str) -> int:
+        """``rid``'s slot, moved to the most recently stepped end; a new one (nothing uploaded) if it has
+        none, taken from the least recently stepped request when none is free (never one staged already in
+        this step: those are at the other end, and a step has at most half as many rows as there are slots)."""
+        slot = self.slot_of.pop(rid, None)
+        if slot is None:
+            if not self.free_slots:
+                self.free_slots.append(self.slot_of.pop(next(iter(self.slot_of))))
+            slot = self.free_slots.pop()
+            self.uploaded[slot] = 0
+        self.slot_of[rid] = slot
+        return slot
+
     def _stage(self, seqs: list[SeqInput], batch: int) -> None:
-        """Write the step's rows and padding into staging, then into the buffers (two non-blocking copies)."""
+        """Stage the step's rows and the blocks appended to their tables, copy them over in one go, then on
+        the device: grow the slots' tables, gather the rows' tables, compute each row's KV slot."""
         if self.staged is not None and not self.staged.query():  # done, unless the host ran a step ahead
             self.staged.synchronize()
-        block_size, spare = self.block_size, self.spare_block
-        width = max(len(s.block_table) for s in seqs)
-        padding = batch - len(seqs)
-        ids = [s.token_ids[0] for s in seqs] + [0] * padding
-        positions = [s.num_computed for s in seqs] + [0] * padding
-        slots = [s.block_table[s.num_computed // block_size] * block_size + s.num_computed % block_size
-                 for s in seqs] + [spare * block_size] * padding
-        flat = []
+        count, max_blocks = len(seqs), self.max_blocks
+        slots, flat, blocks = [], [], []
         for s in seqs:
-            flat += s.block_table
-            flat += [spare] * (width - len(s.block_table))
-        flat += [spare] * (width * padding)
-        self.stage_small[:, :batch] = torch.tensor((ids, positions, slots), dtype=torch.long)
-        self.stage_tables[:batch * width] = torch.tensor(flat, dtype=torch.long)
-        self.small.copy_(self.stage_small, non_blocking=True)
-        self.inputs.tables[:batch, :width].copy_(self.stage_tables[:batch * width].view(batch, width),
-                                                 non_blocking=True)
+            slot = self._slot(s.rid)
+            table, known = s.block_table, self.uploaded[slot]
+            if known and (len(table) < known or table[known - 1] != self.last_block[slot]):
+                known = 0  # not the table uploaded: upload it whole
+            if len(table) > known:
+                flat.extend(range(slot * max_blocks + known, slot * max_blocks + len(table)))
+                blocks.extend(table[known:])
+                self.uploaded[slot], self.last_block[slot] = len(table), table[-1]
+            slots.append(slot)
+        padding = batch - count
+        rows = ([s.token_ids[0] for s in seqs] + [0] * padding + [s.num_computed for s in seqs] + [0] * padding
+                + slots + [self.padding_slot] * padding)
+        used = 3 * batch + 2 * len(flat)
+        self.stage[:used] = torch.tensor(rows + flat + blocks, dtype=torch.int32)
+        staged = self.staged_on_device[:used]
+        staged.copy_(self.stage[:used], non_blocking=True)
         if self.staged is not None:
             self.staged.record()
+        if flat:
+            appended = staged[3 * batch:].view(2, len(flat)).long()
+            self.slot_tables.view(-1).index_copy_(0, appended[0], appended[1])
+        self.small[:2, :batch].copy_(staged[:2 * batch].view(2, batch))
+        width = max(len(s.block_table) for s in seqs)
+        tables = self.inputs.tables[:batch]
+        tables[:, :width].copy_(self.slot_tables.index_select(0, staged[2 * batch:3 * batch])[:, :width])
+        positions = self.small[1, :batch]
+        self.small[2, :batch] = (tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
+                                 * self.block_size + positions % self.block_size)

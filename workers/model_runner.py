@@ -383,6 +383,8 @@ class ModelRunner:
             self.draft.drop(rids)
         if self._grammar is not None:
             self._grammar.drop(rids)
+        if self.graphs is not None:
+            self.graphs.forget(rids)  # their tables on the device: a request that comes back may have others
 
     # -- warmup ----------------------------------------------------------------------------------
 

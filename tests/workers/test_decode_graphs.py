@@ -134,3 +134,53 @@ def test_a_mixture_of_experts_is_not_captured(tmp_path):
     save_tiny_family(str(tmp_path), "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
     runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=8, attention_backend="triton")
     assert not DecodeGraphs.supported(runner.model)
+
+
+def test_the_tables_kept_on_the_device_follow_every_request(llama_dir):
+    """Steps of 1-4 rows whose tables grow (a block appended now and then): after each staging, every row's
+    table, position and KV slot in the graph's buffers are the host's. Six requests first (their 8 slots
+    are enough): one is dropped and comes back with another table, and one's table changes without a drop
+    (the scheduler never does that) and is uploaded again; then 24, whose slots pass from request to request
+    (the least recently stepped one gives its up)."""
+    runner, _ = _runner_with_graphs(llama_dir, (1, 2, 4))
+    graphs = runner.graphs
+    assert graphs.padding_slot == 8
+    rng = torch.Generator().manual_seed(0)
+    tables = {f"q{i}": [int(b) for b in torch.randperm(NUM_BLOCKS - 1, generator=rng)[:1 + i % 3]]
+              for i in range(24)}
+    lengths = {rid: len(t) * BLOCK_SIZE - 1 for rid, t in tables.items()}  # room for one more token
+
+    def check(step_rids: list[str]) -> None:
+        for rid in step_rids:  # each grows: one token, and a block when the last one is full
+            lengths[rid] += 1
+            if lengths[rid] == len(tables[rid]) * BLOCK_SIZE:
+                tables[rid].append(int(torch.randint(NUM_BLOCKS - 1, (1,), generator=rng)))
+        seqs = [SeqInput(rid, [5 + k], lengths[rid], list(tables[rid]), True, SamplingParams())
+                for k, rid in enumerate(step_rids)]
+        batch = graphs.sizes[sum(s < len(seqs) for s in graphs.sizes)]
+        graphs._stage(seqs, batch)
+        for row, s in enumerate(seqs):
+            assert graphs.inputs.tables[row, :len(s.block_table)].tolist() == s.block_table, (s.rid, row)
+            assert graphs.small[:, row].tolist() == [
+                s.token_ids[0], s.num_computed,
+                s.block_table[s.num_computed // BLOCK_SIZE] * BLOCK_SIZE + s.num_computed % BLOCK_SIZE]
+        width = max(len(s.block_table) for s in seqs)  # (columns past it are never read)
+        for row in range(len(seqs), batch):  # padding: token 0 at position 0 in the spare block
+            assert graphs.small[:, row].tolist() == [0, 0, graphs.spare_block * BLOCK_SIZE]
+            assert set(graphs.inputs.tables[row, :width].tolist()) == {graphs.spare_block}
+
+    def steps(rids: list[str], count: int) -> None:
+        for step in range(count):
+            check([rids[int(i)] for i in torch.randperm(len(rids), generator=rng)[:1 + step % 4]])
+
+    few = list(tables)[:6]
+    steps(few, 20)
+    runner.drop(["q0"])  # preempted: back with a new table, from its first token
+    tables["q0"], lengths["q0"] = [NUM_BLOCKS - 2], 0
+    check(["q0", "q1"])
+    tables["q1"][-1] = NUM_BLOCKS - 3  # changed without a drop
+    check(["q1"])
+    steps(few, 20)
+    assert len(graphs.slot_of) == 6
+    steps(list(tables), 60)
+    assert len(graphs.slot_of) == 8 and not graphs.free_slots
