@@ -1,12 +1,13 @@
 """The device check of issue #34: is llmbus on one CUDA GPU correct, memory-safe and how fast, in one command.
 
-    python benchmarks/gpu_check.py --out report.json [--attention-backend NAME] [--parts 1,2,3,4]
+    python benchmarks/gpu_check.py --out report.json [--attention-backend NAME] [--parts 1,2,3,4,5,6]
     python benchmarks/gpu_check.py --dry-run --out report.json      # CPU, tiny shapes, seconds (CI)
 
 Sized for a lent H100 (at most 8 minutes with its setup; benchmarks/README.md has the `run` command and
-benchmarks/device_wheels.py the wheels it carries). Four parts, each a function that records rows; a part that
-raises records its error and the others still run; the JSON report is rewritten after every row, so a run
-stopped at its time limit keeps what it measured. Every row names the attention backend it ran on.
+benchmarks/device_wheels.py the wheels it carries). Six parts, each a method of ``Check`` that records rows
+(parts 3 and 6 in gpu_check_served.py and gpu_check_cpu.py beside this file); a part that raises records its
+error and the others still run; the JSON report is rewritten after every row, so a run stopped at its time limit
+keeps what it measured. Every row names the attention backend it ran on.
 
 1. float32, TF32 off: greedy tokens equal transformers' on the same device, for a mixed continuous batch
    (``llmbus.testing.runner_driver.drive``: arrivals mid-way, a chunked prompt beside decodes, a prefix-cache
@@ -17,12 +18,18 @@ stopped at its time limit keeps what it measured. Every row names the attention 
    llmbus's logit error against transformers float32 is at most ``BF16_SLACK`` times transformers' own bf16 error.
 3. served: ``llmbus up`` on a model of Llama-3.1-8B's width with 4 layers (random weights, a byte-level BPE
    tokenizer of its vocabulary built here): 16 concurrent streams, then one 32k-token prompt, then 64 concurrent
-   2k-token prompts; all answered, no restart (/metrics), the device's peak memory while serving.
+   2k-token prompts; all answered, no restart (/metrics), the device's peak memory while serving. Then issue
+   #39's c=64 128+128 wave: its tokens/s, the device's idle share between steps while 64 clients keep it full,
+   and the same wave through transformers' continuous batching.
 4. speed baseline: decode step time at batch 1/16/64 x context 512/2048 on a Llama-3.1-8B-shaped model with
    random weights made on the device (``ModelRunner`` directly), beside the floor that the measured
    device-to-device copy bandwidth gives for its bytes (weights plus the KV read).
 5. step profile (issue #39's baseline): per decode step at batch 1 and 64, the kernels launched, the
    host-device copies and synchronisations torch's profiler sees, and the CPU ops that take the most time.
+6. cpu overlap (issue #39's CPU row), on the host's CPU, not the GPU: c=1 decode tokens/s of ``llmbus up
+   --device cpu --dtype float32`` with the scheduler's overlap on against ``--disable-overlap``, two servers
+   side by side measured in alternating rounds (benchmarks/overlap_ab.py's method) on a random-weight model of
+   SmolLM2-135M's shapes; ok at a median ratio of at least 1.08 with every stream's 128 tokens decoded.
 
 With ``--dry-run`` every part runs on CPU with tiny shapes and short prompts: it tests this script, not llmbus.
 """
@@ -30,18 +37,14 @@ With ``--dry-run`` every part runs on CPU with tiny shapes and short prompts: it
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import gc
-import itertools
 import json
 import random
-import re
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -49,26 +52,20 @@ from pathlib import Path
 
 import torch
 
-from _random_llama import meta_llama, random_model_loader, random_weights
-from _server import client_session, exact_token_prompt, load_tokenizer, metrics, stream_tokens
+from _random_llama import meta_llama, random_model_loader
+from gpu_check_cpu import CpuOverlapPart
+from gpu_check_served import ServedPart
 
 from llmbus.bus.messages import SamplingParams
-from llmbus.testing import Server
-from llmbus.testing.fake_scheduler import byte_to_unicode
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
 from llmbus.workers.graph_sizes import parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
-from llmbus.workers.step_clock import TIMELINE_WINDOW_S
 
 BLOCK_SIZE = 16  # what the scheduler uses on CUDA
 NUM_BLOCKS = 96
 # Two bf16 computations of one function round in different orders: llmbus may be off by this factor of
 # transformers' own bf16 error and still count as "no larger" (a real bug is many times larger).
 BF16_SLACK = 1.25
-SERVED_RESTART_METRIC = "llmbus_worker_restarts_total"
-# A served wave or start that takes longer is a failure, not a wait: the whole check must fit 8 minutes.
-WAVE_TIMEOUT_S = 120
-READY_TIMEOUT_S = 180
 
 # Tiny families of part 1 (GQA 4:1, head_dim 32); windows shorter than the 52-token sequences. Each has the
 # weight seed that gives every reference token a top-1/top-2 margin above MIN_MARGIN (a match then means
@@ -116,11 +113,6 @@ class Sizes:
     throughput: tuple[int, int, int] = (64, 128, 128)
 
 
-# How long part 3 keeps the throughput wave's concurrency up to read the device's idle time: two of rank 0's
-# timeline windows and the one it starts in.
-SUSTAINED_S = 3 * TIMELINE_WINDOW_S
-
-
 FULL = Sizes(LLAMA_8B, 4, 16, 64, 32768, 64, 2048, LLAMA_8B, (1, 16, 64), (512, 2048), 20, 2**30)
 DRY = Sizes(LLAMA_DRY, 2, 4, 8, 300, 6, 64, LLAMA_DRY, (1, 4), (16, 48), 3, 2**22, (4, 16, 8))
 
@@ -141,7 +133,9 @@ class Report:
         print(f"[{mark}] {row['part']} {row['name']}: {row.get('summary') or row.get('error', '')}", flush=True)
 
 
-class Check:
+class Check(ServedPart, CpuOverlapPart):
+    """The parts (3 and 6 in their own modules, as base classes) and what they share."""
+
     def __init__(self, args, report: Report):
         self.args, self.report = args, report
         self.dry = args.dry_run
@@ -308,187 +302,7 @@ class Check:
                      seconds=round(time.perf_counter() - t0, 1))
             del runner
 
-    # -- part 3 ----------------------------------------------------------------------------------
-
-    def _served_model(self) -> Path:
-        """A Llama of ``served_shape`` with ``served_layers`` layers: N(0, 0.02) weights made on the device,
-        and a byte-level BPE of exactly its vocabulary (every byte pair, then pair + byte merges)."""
-        from safetensors.torch import save_file
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-        from llmbus.supervisor.demo_model import SPECIAL_TOKENS, _special_tokens_map, _tokenizer_config
-
-        shape = dict(self.sizes.served_shape, num_hidden_layers=self.sizes.served_layers)
-        out = self.work / "served"
-        out.mkdir()
-        chars = list(byte_to_unicode().values())
-        vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-        for c in chars:
-            vocab[c] = len(vocab)
-        merges = []
-        # Pairs that start with the space mark first: " a" is one token in any vocabulary, which
-        # exact_token_prompt relies on to add one token at a time.
-        space = byte_to_unicode()[ord(" ")]
-        pairs = sorted(((a, b) for a in chars for b in chars), key=lambda pair: pair[0] != space)
-        triples = ((a + b, c) for a, b in pairs for c in chars)
-        for left, right in itertools.chain(pairs, triples):
-            if len(vocab) >= shape["vocab_size"]:
-                break
-            vocab[left + right] = len(vocab)
-            merges.append((left, right))
-        tokenizer = Tokenizer(models.BPE(vocab, merges))
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        tokenizer.add_special_tokens(SPECIAL_TOKENS)
-        tokenizer.save(str(out / "tokenizer.json"))
-        (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(shape["max_position_embeddings"])))
-        (out / "special_tokens_map.json").write_text(json.dumps(_special_tokens_map()))
-        config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                      tie_word_embeddings=False, dtype="bfloat16", bos_token_id=0, eos_token_id=1, pad_token_id=2)
-        (out / "config.json").write_text(json.dumps(config, indent=1))
-        state = {name: t.cpu() for name, t in random_weights(config, self.device, torch.bfloat16, 0.02).items()}
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
-
-    def served(self) -> None:
-        t0 = time.perf_counter()
-        sizes = self.sizes
-        model_dir = self._served_model()
-        self.free()  # the weights were made on the device: their memory goes back before the server starts
-        built_s = time.perf_counter() - t0
-        longest = sizes.long_prompt + 16
-        args = ["--model-id", str(model_dir), "--max-input-tokens", str(sizes.long_prompt + 1),
-                "--max-total-tokens", str(longest), "--max-restarts", "0"]
-        args += ["--device", self.device.type]
-        if self.args.attention_backend:
-            args += ["--attention-backend", self.args.attention_backend]
-        if self.dry:
-            args += ["--dtype", "float32"]
-        peak = _DevicePeak(self.device)
-        with peak, Server(args, ready_timeout=READY_TIMEOUT_S) as server:
-            started_s = time.perf_counter() - t0
-            info = _get_json(f"{server.url}/info")
-            tokenizer = load_tokenizer(str(model_dir))
-            stages = {}
-
-            async def wave(n: int, prompt_tokens: int, new: int, tag: str) -> dict:
-                prompts = [exact_token_prompt(tokenizer, prompt_tokens, f"{tag}{i}") if prompt_tokens else
-                           f"stream {i} says" for i in range(n)]
-                params = {"max_new_tokens": new, "ignore_eos_token": True, "do_sample": False, "details": True}
-                w0 = time.perf_counter()
-                async with client_session() as session:
-                    try:
-                        streams = await asyncio.wait_for(asyncio.gather(
-                            *(stream_tokens(session, server.url, p, params) for p in prompts)), WAVE_TIMEOUT_S)
-                    except asyncio.TimeoutError:
-                        streams = []
-                answered = sum(1 for s in streams if s.error is None and len(s.times) == new)
-                errors = sorted({s.error for s in streams if s.error})[:3]
-                if not streams:
-                    errors = [f"not all answered within {WAVE_TIMEOUT_S} s"]
-                return dict(requests=n, answered=answered, prompt_tokens=prompt_tokens, new_tokens=new,
-                            seconds=round(time.perf_counter() - w0, 2), errors=errors)
-
-            stages["streams"] = asyncio.run(wave(sizes.streams, 0, sizes.stream_tokens, "s"))
-            stages["long_prompt"] = asyncio.run(wave(1, sizes.long_prompt, 8, "long"))
-            stages["burst"] = asyncio.run(wave(sizes.burst, sizes.burst_prompt, 8, "b"))
-            concurrent, prompt_tokens, new_tokens = sizes.throughput
-            asyncio.run(wave(concurrent, prompt_tokens, new_tokens, "w"))  # warms what the timed wave runs
-            stages["throughput"] = asyncio.run(wave(concurrent, prompt_tokens, new_tokens, "t"))
-
-            async def sustained(seconds: float) -> dict:
-                """``concurrent`` clients, each sending its next request as soon as its last one ends."""
-                params = {"max_new_tokens": new_tokens, "ignore_eos_token": True, "do_sample": False}
-                deadline = time.perf_counter() + seconds
-                done = []
-
-                async def client(session, i: int) -> None:
-                    k = 0
-                    while time.perf_counter() < deadline:
-                        prompt = exact_token_prompt(tokenizer, prompt_tokens, f"c{i}.{k}")
-                        done.append(await stream_tokens(session, server.url, prompt, params))
-                        k += 1
-                async with client_session() as session:
-                    await asyncio.gather(*(client(session, i) for i in range(concurrent)))
-                return dict(requests=len(done), answered=sum(1 for s in done if s.error is None),
-                            seconds=round(seconds, 1))
-            timeline_before = len(server.log_lines("device timeline"))
-            stages["sustained"] = asyncio.run(sustained(SUSTAINED_S if not self.dry else 1.0))
-            timeline = server.log_lines("device timeline")[timeline_before:]
-            restarts = metrics(server.url).get(SERVED_RESTART_METRIC)
-            restarts = None if restarts is None else int(restarts)
-            memory_lines = server.log_lines("memory", "activation", "kv cache", "blocks")[-6:]
-        ok = all(s["answered"] == s["requests"] for s in stages.values()) and restarts == 0
-        backend = {k: v for k, v in info.items() if any(w in k for w in ("attention", "device", "dtype"))}
-        answered = ", ".join(f"{k} {s['answered']}/{s['requests']}" for k, s in stages.items())
-        self.row("3 served", "llmbus up", ok,
-                 f"answered {answered}; "
-                 f"restarts {restarts}; device peak {_gib(peak.peak_bytes)} GiB over "
-                 f"{_gib(peak.baseline_bytes)} GiB in use before",
-                 backend=backend.get("attention_backend", backend), info=backend, command=server.command_line,
-                 stages=stages, restarts=restarts, device_peak_bytes=peak.peak_bytes,
-                 device_baseline_bytes=peak.baseline_bytes, memory_log=memory_lines,
-                 model_build_seconds=round(built_s, 1), ready_seconds=round(started_s - built_s, 1),
-                 seconds=round(time.perf_counter() - t0, 1))
-        self._device_idle(timeline, stages["sustained"])
-        self._against_transformers(model_dir, tokenizer, stages["throughput"])
-
-    def _device_idle(self, lines: list[str], sustained: dict) -> None:
-        """Issue #39's GPU idle between decode steps at c=64: rank 0's "device timeline" windows logged
-        while ``concurrent`` clients kept the server full, those whose steps averaged at least half that many
-        rows (a window that began before the load is left out)."""
-        concurrent = self.sizes.throughput[0]
-        windows = [{k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", line)} for line in lines]
-        loaded = [w for w in windows if w.get("mean_rows", 0) >= concurrent / 2]
-        busy = sum(w["busy_ms"] for w in loaded)
-        idle = sum(w["idle_ms"] for w in loaded)
-        share = idle / (busy + idle) if busy + idle else None
-        said = f"{share:.1%} of the device's time idle between steps" if share is not None else "no window logged"
-        self.row("3 served", f"c={concurrent} device idle", self.device.type != "cuda" or share is not None,
-                 f"{said} ({len(loaded)} windows of {len(windows)}, {sustained['answered']} requests)",
-                 device=str(self.device), idle_share=share, windows=windows, sustained=sustained)
-
-    def _against_transformers(self, model_dir: Path, tokenizer, served: dict) -> None:
-        """The throughput wave's prompts through transformers' own continuous batching (``generate_batch``,
-        paged attention, its CUDA graphs where it takes them), on the same card after the server stopped:
-        generated tokens per second, both sides timed from the first request to the last token."""
-        import transformers
-        from transformers.generation import ContinuousBatchingConfig, GenerationConfig
-
-        concurrent, prompt_tokens, new_tokens = self.sizes.throughput
-        inputs = [tokenizer.encode(exact_token_prompt(tokenizer, prompt_tokens, f"t{i}")).ids
-                  for i in range(concurrent)]
-        dtype = torch.float32 if self.dry else torch.bfloat16
-        for attention in ("paged|sdpa", "sdpa_paged"):  # the name of transformers >= 5.2x, then the older one
-            try:
-                model = transformers.AutoModelForCausalLM.from_pretrained(
-                    str(model_dir), attn_implementation=attention, dtype=dtype, device_map=str(self.device)).eval()
-                break
-            except ValueError:
-                if attention == "sdpa_paged":
-                    raise
-        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)
-        batching = ContinuousBatchingConfig(use_cuda_graph=self.device.type == "cuda")
-
-        def run(model) -> tuple[int, float]:
-            t0 = time.perf_counter()
-            outputs = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching,
-                                           progress_bar=False)
-            return sum(len(o.generated_tokens) for o in outputs.values()), time.perf_counter() - t0
-        if not self.dry:
-            run(model)  # its warmup and graph capture, then the timed run
-        generated, seconds = run(model)
-        del model
-        self.free()
-        ours = served["answered"] * new_tokens / served["seconds"] if served["seconds"] else 0.0
-        theirs = generated / seconds
-        ratio = ours / theirs if theirs else 0.0
-        self.row("3 served", f"c={concurrent} vs transformers", served["answered"] == concurrent,
-                 f"llmbus {ours:.0f} tokens/s, transformers generate_batch {theirs:.0f} tokens/s: {ratio:.2f}x "
-                 f"({prompt_tokens}+{new_tokens} tokens, {concurrent} at once)",
-                 backend=f"{attention} (transformers)", device=str(self.device), llmbus_tokens_per_s=ours,
-                 transformers_tokens_per_s=theirs, ratio=ratio, transformers_generated=generated,
-                 transformers_seconds=seconds, transformers=transformers.__version__)
+    # -- part 3: gpu_check_served.ServedPart; part 6: gpu_check_cpu.CpuOverlapPart -----------------
 
     # -- part 4 ----------------------------------------------------------------------------------
 
@@ -625,45 +439,6 @@ def _relative_error(x: torch.Tensor, truth: torch.Tensor) -> float:
     return float((x - truth).norm() / truth.norm())
 
 
-def _gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f}"
-
-
-def _get_json(url: str) -> dict:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-class _DevicePeak:
-    """The device's used memory (all processes: the server's ranks) sampled every 50 ms while the block
-    runs, and what was in use when it started; None on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.baseline_bytes, self.peak_bytes = device, None, None
-        self._stop = threading.Event()
-
-    def _used(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free
-
-    def _poll(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak_bytes = max(self.peak_bytes, self._used())
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            self.baseline_bytes = self.peak_bytes = self._used()
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self.device.type == "cuda":
-            self._thread.join()
-
 
 def _copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes read plus written per second by a device-to-device copy, best of 10 after a warm-up."""
@@ -697,7 +472,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: tests this script (CI)")
     parser.add_argument("--attention-backend", default="auto",
                         help="the backend every part runs on, as llmbus up takes it (auto: the device's default)")
-    parser.add_argument("--parts", default="1,2,3,4,5", help="which parts to run, comma-separated")
+    parser.add_argument("--parts", default="1,2,3,4,5,6", help="which parts to run, comma-separated")
     parser.add_argument("--cuda-graphs", default=None,
                         help="the runners' --cuda-graphs (default: llmbus's; 0: none); the served part takes "
                              "llmbus up's default")
@@ -724,7 +499,7 @@ def main() -> int:
     t0 = time.perf_counter()
     parts = {"1": ("1 float32 greedy", check.float32_greedy), "2": ("2 bfloat16 logits", check.bfloat16_logits),
              "3": ("3 served", check.served), "4": ("4 speed", check.speed),
-             "5": ("5 profile", check.step_profile)}
+             "5": ("5 profile", check.step_profile), "6": ("6 cpu overlap", check.cpu_overlap)}
     for key in args.parts.split(","):
         name, fn = parts[key.strip()]
         p0 = time.perf_counter()

@@ -11,6 +11,9 @@ prompts of its own (neither engine's prefix cache helps). Per server and round i
 breakdown (tokens/s, median time between tokens, the worker's forward pass a decode step, the scheduler's
 time from sending a step to its result, CPU milliseconds a token by service); then the tokens/s ratio
 (overlap / lock-step) per round and their median.
+
+On a 2-core machine the worker's two threads share the cores with the scheduler and the frontend, so the overlap
+has no idle core to use; gpu_check.py's part 6 measures the same on the lent GPU machine's host CPU.
 """
 
 from __future__ import annotations

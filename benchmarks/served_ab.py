@@ -39,7 +39,10 @@ DECODE = 'method="decode"'
 
 
 def measure(server: Server, prompts: list[str], a: argparse.Namespace) -> dict:
-    common = dict(url=server.url, api="openai", max_new_tokens=(a.new_tokens, a.new_tokens), timeout=600.0,
+    """One server's figures over ``a.requests`` requests at ``a.concurrency`` after a warm-up wave. Every
+    request ignores end-of-sequence tokens (``run_bench``'s default), so only ``a.new_tokens`` ends it;
+    ``output_tokens`` counts the tokens the streams really carried, and CPU time is shared out over them."""
+    common = dict(url=server.url, api=a.api, max_new_tokens=(a.new_tokens, a.new_tokens), timeout=600.0,
                   max_duration=2400.0)
     run_bench(BenchConfig(concurrency=[a.concurrency], requests=a.concurrency, warmup=0,
                           prompts=prompts[:a.concurrency], **common))
@@ -51,8 +54,9 @@ def measure(server: Server, prompts: list[str], a: argparse.Namespace) -> dict:
         print(f"warning: {level.stats['error_kinds']}", file=sys.stderr)
     delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
     steps = max(delta(f"tgi_batch_forward_duration_count{{{DECODE}}}"), 1.0)
-    tokens = max(a.requests * a.new_tokens, 1)
+    tokens = max(level.stats["output_tokens"], 1)
     return {"tok_s": level.stats["output_throughput"], "itl_ms": (level.stats["itl_s"]["p50"] or 0.0) * 1e3,
+            "output_tokens": level.stats["output_tokens"], "errors": level.stats["errors"],
             "forward_ms": delta(f"tgi_batch_forward_duration_sum{{{DECODE}}}") / steps * 1e3,
             "step_ms": delta(f"tgi_batch_inference_duration_sum{{{DECODE}}}") / steps * 1e3,
             "cpu_ms_a_token": {name: (cpu_after[name] - cpu_before.get(name, 0.0)) / tokens * 1e3
@@ -72,6 +76,8 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--api", choices=("openai", "tgi"), default="openai",
+                   help="the route the load streams from: OpenAI's /v1/completions or TGI's /generate_stream")
     p.add_argument("extra", nargs="*", help="more `llmbus up` flags (after --)")
 
 
@@ -87,11 +93,13 @@ def launch(a: argparse.Namespace):
     return tokenizer, args
 
 
-def alternate(a: argparse.Namespace, tokenizer, first: tuple[str, Server], second: tuple[str, Server]) -> None:
+def alternate(a: argparse.Namespace, tokenizer, first: tuple[str, Server], second: tuple[str, Server]) -> dict:
     """``a.rounds`` rounds measuring both servers in turn (which goes first alternates), each round on prompts
-    of its own; prints each side's breakdown and the tokens/s ratio first / second per round and their median."""
+    of its own; prints each side's breakdown and the tokens/s ratio first / second per round and their median,
+    and returns them: ``rounds`` (per round, each side's ``measure`` by name and the ``ratio``), ``ratios`` and
+    ``median``."""
     (name, _), (other, _) = first, second
-    ratios = []
+    rounds, ratios = [], []
     for k in range(a.rounds):
         prompts = [exact_token_prompt(tokenizer, a.prompt_tokens, f"round {k} {i} {time.time_ns()}")
                    for i in range(a.concurrency + a.requests)]
@@ -100,9 +108,12 @@ def alternate(a: argparse.Namespace, tokenizer, first: tuple[str, Server], secon
         for n, r in results.items():
             print(show(f"round {k + 1}, {n}", r), flush=True)
         ratios.append(results[name]["tok_s"] / results[other]["tok_s"])
+        rounds.append({**results, "ratio": ratios[-1]})
         print(f"round {k + 1}: tokens/s ratio ({name} / {other}) {ratios[-1]:.3f}", flush=True)
-    print(f"median ratio ({name} / {other}): {statistics.median(ratios):.3f} "
+    median = statistics.median(ratios)
+    print(f"median ratio ({name} / {other}): {median:.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f}); load average after: {load_average()}")
+    return {"rounds": rounds, "ratios": ratios, "median": median}
 
 
 def main() -> None:

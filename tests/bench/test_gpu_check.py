@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py, the device check of issue #34, in its CPU dry run: the script a lent GPU runs must
-not be first run there. Its four parts run with tiny shapes on CPU, as a user runs it, and the JSON report
+not be first run there. Its six parts run with tiny shapes on CPU, as a user runs it, and the JSON report
 must hold every row, each part's rows naming the attention backend they ran on."""
 
 from __future__ import annotations
@@ -38,5 +38,15 @@ def test_dry_run_writes_every_row(dry_run):
     # On CPU the default backend; whichever it is, every measured row names it.
     assert all(isinstance(r["backend"], str) and r["backend"] for r in by_part["1"] + by_part["2"] + decode)
     assert served["backend"] == served["info"].get("attention_backend", served["info"])
+    # Part 6 on the host CPU: both servers measured, every stream decoding all its tokens (the ratio compares
+    # equal work).
+    (overlap,) = by_part["6"]
+    assert overlap["name"] == "c=1 overlap on/off" and overlap["device"] == "cpu" and overlap["cpu_count"] > 0
+    assert overlap["short_streams"] == [] and len(overlap["ratios"]) == len(overlap["rounds"]) == 1
+    assert set(overlap["sides"]) == {"overlap", "lock-step"}
+    for side in overlap["sides"].values():
+        assert side["tok_s"] > 0 and side["output_tokens"] == overlap["tokens_a_side_and_round"] == 8
+        assert side["cpu_ms_a_token"]
+    assert overlap["median_ratio"] > 0 and overlap["backend"]
     # The table is printed last.
     assert "part" in done.stdout and "report:" in done.stdout.splitlines()[-1]
