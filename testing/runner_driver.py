@@ -19,7 +19,6 @@ import torch
 
 from llmbus.bus.messages import DRAFT_GUESS, SAMPLED_LAST, Grammar, SamplingParams
 from llmbus.workers.model_runner import ModelRunner, SeqInput
-from llmbus.workers.sampling import has_penalties
 
 BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
 NUM_BLOCKS = 160
@@ -167,8 +166,7 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None,
             sample = take - len(guesses) == remaining
             # (the worker feeds the host's token to rows whose token the host reads: see _device_feed)
             if (feed_on_device and last_launched is not None and remaining == 1 and not guesses
-                    and req.grammar is None and not has_penalties(req.sampling)
-                    and last_launched.can_feed([req.rid])):
+                    and req.grammar is None and not req.sampling.watermark and last_launched.can_feed([req.rid])):
                 new_tokens = [SAMPLED_LAST]
                 fed_rows.append(flat)
                 fed_rids.append(req.rid)

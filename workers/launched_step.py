@@ -63,6 +63,16 @@ class ResultCopy:
         return [int(i) for i in ids], values
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (a list, or a CPU tensor) as a tensor on ``device`` without waiting for it: on a GPU through
+    pinned memory and a non-blocking copy, queued behind the step's work (``torch.tensor(values,
+    device=cuda)`` copies from pageable memory, which first waits for everything queued on the stream)."""
+    tensor = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class DeviceFeed:
     """Tokens a step takes from the step launched before it: flat input row ``rows[i]`` gets
     ``source[picks[i]]``, the id that step sampled for the request, without the host seeing it."""
@@ -74,9 +84,7 @@ class DeviceFeed:
 
     def write(self, input_ids: torch.Tensor) -> None:
         """Into ``input_ids`` (the step's flat token ids, on the device), queued behind the source's step."""
-        index = torch.tensor((self.rows, self.picks), dtype=torch.long)
-        if input_ids.device.type == "cuda":
-            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        index = to_device((self.rows, self.picks), torch.long, input_ids.device)
         input_ids.index_copy_(0, index[0], self.source.index_select(0, index[1]))
 
 

@@ -31,7 +31,7 @@ from llmbus.workers.loader import load_model
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
                                           out_of_memory_reason)
 from llmbus.workers.sampling import has_penalties, sample
-from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, ResultCopy, StepOutput
+from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, ResultCopy, StepOutput, to_device
 from llmbus.workers.step_clock import DeviceTimeline, StepClock
 from llmbus.workers.step_rows import PromptLogprobRows, TokenHistory, keep_verified, one_token_rows
 
@@ -278,14 +278,14 @@ class ModelRunner:
                 logits = logits.index_select(0, prompt_rows.sample_rows)
             sampled = [s for s in seqs if s.sample]
             if not sampled:
-                self._record_histories(seqs, sampled)
+                self._record_histories(seqs, sampled, feed)
                 clock.sampling_done()
                 forward_time, sample_time = clock.times(wait=True)
                 if self.timeline is not None:
                     self.timeline.add(clock, forward_time + sample_time, len(seqs))
                 return LaunchedStep.finished(StepOutput([], [], [], forward_time, sample_time, prompt_logprobs))
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
-            histories = self._record_histories(seqs, sampled)
+            histories = self._record_histories(seqs, sampled, feed)
             rids = [s.rid for s in sampled]
             # The watermark seeds on the token before the sampled one: the last one fed this step.
             out = sample(logits, [s.sampling for s in sampled],
@@ -335,24 +335,27 @@ class ModelRunner:
         """Constrained requests whose matcher rank 0 holds (0 once every one was dropped)."""
         return self._grammar.active if self._grammar is not None else 0
 
-    def _record_histories(self, seqs: list[SeqInput],
-                          sampled: list[SeqInput]) -> list[torch.Tensor | None] | None:
-        """Append this step's tokens to the penalised requests' histories (chunks land at their
-        ``num_computed``; a new history starts with the sequence's ``cached_ids``); the histories of the
-        sampled sequences, None where not penalised."""
-        penalised = False
-        for seq in seqs:
-            if has_penalties(seq.sampling):
-                penalised = True
-                history = self.histories.get(seq.rid)
-                if history is None:
-                    history = self.histories[seq.rid] = TokenHistory()
-                    if seq.cached_ids:
-                        history.write(0, seq.cached_ids)
-                history.write(seq.num_computed, seq.token_ids)
+    def _record_histories(self, seqs: list[SeqInput], sampled: list[SeqInput],
+                          feed: DeviceFeed | None) -> list[TokenHistory | None] | None:
+        """Append this step's tokens to the penalised requests' histories on the device (chunks land at their
+        ``num_computed``; a new history starts with the sequence's ``cached_ids``; a token fed on the device
+        is taken from there); the histories of the sampled sequences, None where not penalised."""
+        penalised = [i for i, seq in enumerate(seqs) if has_penalties(seq.sampling)]
         if not penalised:
             return None
-        return [self.histories[s.rid].tokens() if has_penalties(s.sampling) else None for s in sampled]
+        starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
+        flat = to_device(list(itertools.chain.from_iterable(s.token_ids for s in seqs)), torch.long, self.device)
+        if feed is not None:
+            feed.write(flat)
+        for i in penalised:
+            seq = seqs[i]
+            history = self.histories.get(seq.rid)
+            if history is None:
+                history = self.histories[seq.rid] = TokenHistory(self.vocab_size, seq.prompt_len, self.device)
+                if seq.cached_ids:
+                    history.write(0, seq.cached_ids)
+            history.write(seq.num_computed, flat[starts[i]:starts[i + 1]])
+        return [self.histories[s.rid] if has_penalties(s.sampling) else None for s in sampled]
 
     def attach_draft(self, draft_runner: "ModelRunner") -> None:
         """Rank 0: a draft model (--draft-model-id) guesses for requests the scheduler left guesses open."""

@@ -13,8 +13,8 @@ skipped: its diffs are applied, nothing is computed, and the scheduler drops its
 On a GPU the step sent ahead usually arrives while the step before is still computing: the rank launches it
 behind that step, its ``SAMPLED_LAST`` tokens written from the sampled ids still on the device
 (workers/launched_step.py), and only then waits for the step before's tokens and answers it, so the device
-never waits for the host's turnaround. Rows whose token the host must read first (a grammar, penalties, a
-watermark, a draft model) take the other way: answer first, then feed the token from the host.
+never waits for the host's turnaround. Rows whose token the host must read first (a grammar, the watermark, a
+draft model) take the other way: answer first, then feed the token from the host.
 """
 
 from __future__ import annotations
@@ -447,18 +447,17 @@ class Worker:
     def _device_feed(self, seqs: list, fed: list[int]):
         """How the step's ``SAMPLED_LAST`` rows (``fed``: their indices) take their tokens from the launched
         step on the device; None where the host must know them first: nothing launched, or a row whose
-        token the host reads in the step (its grammar, penalties' history, watermark, a draft model)."""
+        token the host reads in the step (its grammar, watermark, a draft model; penalties count on the
+        device)."""
         if self.launched is None or self.cfg.device_feed == "off" or getattr(self.runner, "draft", None):
             return None
-        from llmbus.workers.sampling import has_penalties
-
         starts = [0]
         for seq in seqs:
             starts.append(starts[-1] + len(seq.token_ids))
         rows, rids = [], []
         for i in fed:
             seq = seqs[i]
-            if seq.grammar is not None or has_penalties(seq.sampling) or seq.sampling.watermark or seq.num_spec:
+            if seq.grammar is not None or seq.sampling.watermark or seq.num_spec:
                 return None
             for j, token in enumerate(seq.token_ids):
                 if token == m.SAMPLED_LAST:

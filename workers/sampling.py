@@ -40,6 +40,8 @@ import torch
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.workers.kernels import bindings
+from llmbus.workers.launched_step import to_device
+from llmbus.workers.step_rows import TokenHistory
 
 TOP_P_CANDIDATES = 256  # first guess at the nucleus size; a full sort when some row needs more
 
@@ -237,13 +239,13 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                    histories: list[torch.Tensor | None] | None,
+                    histories: list[TokenHistory | torch.Tensor | None] | None,
                     prompt_lens: list[int] | None = None) -> torch.Tensor:
     """Repetition, frequency then presence penalty on the raw ``logits [S, vocab]`` (float32) of the
     rows that ask.
 
-    The penalised rows' histories go into one ``[P, max_len]`` index padded with ``vocab``, which points
-    at an extra scratch column dropped at the end (as transformers does for ids beyond the logits).
+    ``histories[i]``: row i's ``TokenHistory`` (its token counts, kept on the device by the runner), or its
+    tokens as a 1-D long tensor (counted here, with ``prompt_lens[i]`` where its generated part starts).
 
     - repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``, CTRL): every token id
       present in the history gets ``logit * penalty`` if its logit is negative, else ``logit / penalty``.
@@ -256,55 +258,53 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     - presence penalty, OpenAI's: ``logit -= penalty`` for every token id present in the generated part
       of the history (from ``prompt_lens[i]`` on). Not the prompt: a chat prompt holds the template's
       role and end-of-turn markers, and penalising those would keep the model from ending its answer.
+
+    Nothing here waits for the device: the choices are made from ``params`` and the lengths on the host.
     """
     rows = [i for i, p in enumerate(params) if has_penalties(p)]
     if histories is None or any(histories[i] is None or len(histories[i]) == 0 for i in rows):
         raise ValueError("a penalised row has no token history")
     device = logits.device
     vocab = logits.shape[1]
-    seqs = [histories[i].to(device=device, dtype=torch.long) for i in rows]
-    index = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=vocab).clamp_(max=vocab)
-    row_index = torch.tensor(rows, device=device)
-    scores = torch.nn.functional.pad(logits.index_select(0, row_index), (0, 1))
-
-    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=torch.float32,
-                              device=device)[:, None]
-    if bool((repetition != 1.0).any()):  # a penalty of 1.0 leaves its row exactly as it was
-        picked = scores.gather(1, index)
-        # Duplicated ids write the same value twice, so scatter_ is deterministic here.
-        scores.scatter_(1, index, torch.where(picked < 0, picked * repetition, picked / repetition))
-
     frequency = [params[i].frequency_penalty for i in rows]
-    if any(frequency):
-        per_count = [params[i].frequency_per_count for i in rows]
-        if any(per_count) and prompt_lens is None:
+    per_count = [params[i].frequency_per_count and params[i].frequency_penalty != 0.0 for i in rows]
+    presence = [params[i].presence_penalty for i in rows]
+    if prompt_lens is None and any(not isinstance(histories[i], TokenHistory) for i in rows):
+        if any(per_count):
             raise ValueError("an OpenAI frequency penalty needs the prompt lengths")
-        # a per-count row counts its generated part only: its prompt ids are pointed at the scratch column
-        counted = index.clone()
-        for r, i in enumerate(rows):
-            if per_count[r]:
-                counted[r, :prompt_lens[i]] = vocab
-        lengths = torch.tensor([1.0 if per_count[r] else len(h) for r, h in enumerate(seqs)],
-                               dtype=torch.float32, device=device)
-        counts = torch.zeros_like(scores).scatter_add_(1, counted, torch.ones_like(index, dtype=torch.float32))
-        penalty = torch.tensor(frequency, dtype=torch.float32, device=device)
+        if any(presence):
+            raise ValueError("a presence penalty needs the prompt lengths")
+    counted = [h if isinstance(h, TokenHistory) else
+               TokenHistory.of(h, prompt_lens[i] if prompt_lens is not None else 0, vocab, device)
+               for i, h in ((i, histories[i]) for i in rows)]
+    row_index = to_device(rows, torch.long, device)
+    scores = logits.index_select(0, row_index)
+    seen = torch.stack([h.seen[:vocab] for h in counted])
+
+    repetition = [params[i].repetition_penalty for i in rows]
+    if any(r != 1.0 for r in repetition):  # a penalty of 1.0 leaves its row exactly as it was
+        factor = to_device(repetition, torch.float32, device)[:, None]
+        scores = torch.where(seen > 0, torch.where(scores < 0, scores * factor, scores / factor), scores)
+
+    if any(frequency):
+        # a per-count row counts its generated part only, and divides by 1
+        counts = seen
+        if any(per_count):
+            generated = torch.stack([h.generated[:vocab] for h in counted])
+            counts = torch.where(to_device(per_count, torch.bool, device)[:, None], generated, seen)
+        values = to_device([[1.0 if per_count[r] else float(len(h)) for r, h in enumerate(counted)], frequency],
+                           torch.float32, device)
         # TGI's order of operations: frequency = count / length, then times the penalty (OpenAI's rows divide
         # by 1). A 0.0 penalty subtracts exact zeros.
-        scores -= counts / lengths[:, None] * penalty[:, None]
+        scores -= counts / values[0][:, None] * values[1][:, None]
 
-    presence = [params[i].presence_penalty for i in rows]
-    if any(presence):
-        if prompt_lens is None:
-            raise ValueError("a presence penalty needs the prompt lengths")
-        generated = [seq[prompt_lens[i]:] for i, seq in zip(rows, seqs)]
-        if any(len(g) for g in generated):
-            gen_index = torch.nn.utils.rnn.pad_sequence(generated, batch_first=True, padding_value=vocab)
-            present = torch.zeros_like(scores).scatter_(1, gen_index.clamp_(max=vocab), 1.0)
-            scores -= present * torch.tensor(presence, dtype=torch.float32, device=device)[:, None]
+    if any(presence) and any(len(h) > h.prompt_len for h in counted):
+        present = (torch.stack([h.generated[:vocab] for h in counted]) > 0).float()
+        scores -= present * to_device(presence, torch.float32, device)[:, None]
 
     # A repetition penalty near 0 (TGI only asks for > 0) divides a positive logit past float32's range: kept
     # at the largest float, the row's argmax and its log-softmax stay numbers instead of inf and NaN.
-    scores = scores[:, :vocab].clamp_(max=torch.finfo(torch.float32).max)
+    scores = scores.clamp_(max=torch.finfo(torch.float32).max)
     return logits.index_copy(0, row_index, scores)
 
 

@@ -10,30 +10,68 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmbus.workers.launched_step import to_device
+
 if TYPE_CHECKING:
     from llmbus.workers.model_runner import SeqInput
 
 
 class TokenHistory:
-    """Every token computed so far for one request, in a CPU long buffer grown by doubling."""
+    """Every token computed so far for one penalised request, and how often each id occurs in it (all of it,
+    and its generated part: from ``prompt_len`` on), on the model's device and updated there, so that a step
+    whose token the host has not seen yet (fed on the device) records it all the same, and the penalties
+    read the counts without a copy from the host. Ids past the vocabulary count in a last, unread column."""
 
-    __slots__ = ("buffer", "length")
+    __slots__ = ("buffer", "length", "seen", "generated", "prompt_len", "vocab")
 
-    def __init__(self, capacity: int = 64):
-        self.buffer = torch.empty(capacity, dtype=torch.long)
+    def __init__(self, vocab: int, prompt_len: int, device: torch.device | str = "cpu", capacity: int = 64):
+        self.vocab = vocab
+        self.prompt_len = prompt_len
+        self.buffer = torch.empty(capacity, dtype=torch.long, device=device)
         self.length = 0
+        self.seen = torch.zeros(vocab + 1, dtype=torch.float32, device=device)
+        self.generated = torch.zeros(vocab + 1, dtype=torch.float32, device=device)
 
-    def write(self, start: int, token_ids: list[int]) -> None:
-        """Put ``token_ids`` at positions ``start..``; anything recorded past ``start`` is replaced."""
+    @classmethod
+    def of(cls, tokens: torch.Tensor, prompt_len: int, vocab: int, device: torch.device) -> "TokenHistory":
+        """The history of ``tokens`` (1-D, any device)."""
+        history = cls(vocab, prompt_len, device, capacity=max(len(tokens), 1))
+        history.write(0, tokens)
+        return history
+
+    def __len__(self) -> int:
+        return self.length
+
+    def write(self, start: int, token_ids: list[int] | torch.Tensor) -> None:
+        """Put ``token_ids`` (a list, or a long tensor on the device) at positions ``start..``; anything
+        recorded past ``start`` is replaced (a step computed again) and uncounted."""
         if start > self.length:
             raise ValueError(f"token history has {self.length} tokens, cannot write at position {start}")
-        end = start + len(token_ids)
+        device = self.buffer.device
+        tokens = to_device(token_ids, torch.long, device) if not isinstance(token_ids, torch.Tensor) \
+            else token_ids.to(device=device, dtype=torch.long)
+        if start < self.length:
+            self._count(self.buffer[start:self.length], start, -1.0)
+        end = start + len(tokens)
         if end > len(self.buffer):
-            grown = torch.empty(max(end, 2 * len(self.buffer)), dtype=torch.long)
+            grown = torch.empty(max(end, 2 * len(self.buffer)), dtype=torch.long, device=device)
             grown[:start] = self.buffer[:start]
             self.buffer = grown
-        self.buffer[start:end] = torch.tensor(token_ids, dtype=torch.long)
+        self.buffer[start:end] = tokens
+        self._count(tokens, start, 1.0)
         self.length = end
+
+    def _count(self, tokens: torch.Tensor, start: int, sign: float) -> None:
+        """Add ``sign`` per occurrence of ``tokens`` (at positions ``start..``) to the counts: float32 holds
+        every count exactly, in any order of the additions."""
+        if not len(tokens):
+            return
+        ids = tokens.clamp(max=self.vocab)
+        ones = torch.full(ids.shape, sign, dtype=torch.float32, device=ids.device)
+        self.seen.index_add_(0, ids, ones)
+        first_generated = max(0, self.prompt_len - start)
+        if first_generated < len(ids):
+            self.generated.index_add_(0, ids[first_generated:], ones[first_generated:])
 
     def tokens(self) -> torch.Tensor:
         return self.buffer[:self.length]

@@ -1,7 +1,7 @@
 """The rank feeding a step sent ahead from the step before's sampled ids (issue #39; what it does on a GPU),
 through the whole stack on the CPU: `llmbus up` with ``LLMBUS_DEVICE_FEED=hold`` keeps each step's answer
 until the next command arrives, launches that one first, then answers. Greedy output equals transformers',
-concurrent greedy and seeded requests equal their solo runs, and the rank says it fed tokens so."""
+concurrent greedy, seeded and penalised requests equal their solo runs, and the rank says it fed tokens so."""
 
 from __future__ import annotations
 
@@ -34,13 +34,14 @@ def test_greedy_fed_on_the_device_matches_transformers(server, reference):
     assert server.log_lines(FED_LOG), "no step was fed on the device"
 
 
-def test_concurrent_greedy_and_seeded_requests_equal_their_solo_runs(server):
-    jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i % 3), 4 + (i * 5) % 13, i if i % 2 else None) for i in range(12)]
+def test_concurrent_requests_of_every_kind_equal_their_solo_runs(server):
+    kinds = [{}, {"do_sample": True, "temperature": 0.8, "top_k": 40}, {"repetition_penalty": 1.3},
+             {"do_sample": True, "frequency_penalty": 0.5, "top_p": 0.9}]
+    jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i % 3), 4 + (i * 5) % 13, kinds[i % 4]) for i in range(12)]
 
     def run(job):
-        prompt, n, seed = job
-        sampling = {} if seed is None else {"do_sample": True, "temperature": 0.8, "top_k": 40, "seed": seed}
-        return ids_of(generate(server, prompt, n, **sampling)[0])
+        prompt, n, kind = job
+        return ids_of(generate(server, prompt, n, **kind, **({"seed": n} if kind.get("do_sample") else {}))[0])
     solo = [run(job) for job in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(run, jobs))

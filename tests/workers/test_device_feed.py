@@ -56,12 +56,16 @@ GRID = [SamplingParams(do_sample=True, temperature=0.7, seed=11),
         SamplingParams(do_sample=True, top_p=0.8, seed=13),
         SamplingParams(do_sample=True, typical_p=0.9, temperature=0.9, seed=14),
         SamplingParams(do_sample=True, min_p=0.05, seed=15),
-        SamplingParams(top_n_tokens=3)]
+        SamplingParams(top_n_tokens=3),
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4),  # counted on the device
+        SamplingParams(do_sample=True, seed=16, presence_penalty=0.8, frequency_penalty=0.3,
+                       frequency_per_count=True)]
 
 
 def test_seeded_sampling_fed_on_the_device_draws_what_the_host_fed_draws(llama_dir):
     """Each parameter set on each prompt, beside the others in one batch: the same tokens and logprobs with
-    the tokens fed on the device as with the host feeding them."""
+    the tokens fed on the device as with the host feeding them (penalties included: their token counts
+    are kept on the device, the fed token counted there)."""
     prompts = make_prompts(VOCAB)
 
     def requests() -> list[Request]:

@@ -95,13 +95,20 @@ def test_penalised_row_without_history_is_refused():
 
 
 def test_token_history_follows_chunks_and_grows():
-    history = TokenHistory(capacity=2)
+    """Positions and counts: all of it, and the generated part (from the prompt's length on); a position
+    computed again replaces what followed, and its old tokens are no longer counted."""
+    history = TokenHistory(vocab=10, prompt_len=3, capacity=2)
+
+    def counts(part: torch.Tensor) -> list[int]:
+        return [int(c) for c in part[:10].tolist()]
     history.write(0, [1, 2, 3])
     history.write(3, [4, 5])
-    history.write(5, [6])
-    assert history.tokens().tolist() == [1, 2, 3, 4, 5, 6]
-    history.write(4, [9])  # a recomputed position replaces what followed
-    assert history.tokens().tolist() == [1, 2, 3, 4, 9]
+    history.write(5, torch.tensor([6]))  # a token fed on the device
+    assert history.tokens().tolist() == [1, 2, 3, 4, 5, 6] and len(history) == 6
+    history.write(4, [9, 4])  # a recomputed position replaces what followed
+    assert history.tokens().tolist() == [1, 2, 3, 4, 9, 4]
+    assert counts(history.seen) == [0, 1, 1, 1, 2, 0, 0, 0, 0, 1]
+    assert counts(history.generated) == [0, 0, 0, 0, 2, 0, 0, 0, 0, 1]
     with pytest.raises(ValueError):
         history.write(7, [1])
 
