@@ -341,7 +341,7 @@ class FusedDecodeLayers:
         scores_stride = -(-group.max_context // 16) * 16 + 16
         buffers = {"normed": batch * self._hidden, "qkv_out": batch * qkv_width,
                    "attended": batch * self._num_heads * self._head_dim, "act": batch * self._intermediate,
-                   "scores": score_slots(batch * self._num_kv_heads) * (self._num_heads // self._num_kv_heads)
+                   "scores": score_slots() * (self._num_heads // self._num_kv_heads)
                    * scores_stride}
         if self._tiled or self._experts:
             buffers["gate_up_out"] = batch * 2 * self._intermediate

@@ -21,14 +21,12 @@ _ENTRIES = {torch.bfloat16: ("bf16", torch.bfloat16), torch.float32: ("f32", tor
             torch.float16: ("f16kv", torch.float32)}
 
 
-# internal.h's SCORE_SLOTS: the kernels attend on at most this many threads, each (kv head, row) pair's scores
-# in its thread's slot of the scratch, so the scratch does not grow with a step's rows.
-SCORE_SLOTS = 256
-
-
-def score_slots(pairs: int) -> int:
-    """The [group, scores_stride] slots of attention's scores scratch that ``pairs`` (kv head, row) pairs use."""
-    return min(pairs, SCORE_SLOTS)
+def score_slots() -> int:
+    """The [group, scores_stride] slots of attention's scores scratch: one a thread of the kernels' regions
+    that attend (at most internal.h's SCORE_SLOTS), each (kv head, row) pair's scores in the slot of the
+    thread that takes it, so the scratch does not grow with a step's rows. Not fewer when a step has fewer
+    pairs than threads: the pair loops give a pair to whichever thread is free."""
+    return bindings.library().attention_threads()
 
 
 def _check_activations(tensor: torch.Tensor, pool: torch.Tensor) -> None:
@@ -114,7 +112,7 @@ class DecodeAttentionKernel:
         key, value, slots = ((_packed_rows(new[0], head_dim), _packed_rows(new[1], head_dim), new[2])
                              if new is not None else (query, query, None))
         scores_stride = -(-max_len // 16) * 16 + 16
-        needed = score_slots(batch * num_kv_heads) * (num_heads // num_kv_heads) * scores_stride
+        needed = score_slots() * (num_heads // num_kv_heads) * scores_stride
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.float32)
         out = query.new_empty(batch, num_heads, head_dim)

@@ -103,6 +103,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # weight, x, in, out, rows, y, prepared scratch, their sums (tiled)
     "gemv_proj": ([ctypes.POINTER(Proj), _P, _I64, _I64, _I64, _P, _P, _P], _INT),
     "decode_layer_reads_bf16": ([], _INT),
+    "attention_threads": ([], _I64),
     "decode_layer_panel_floats": ([_I64, _I64], _I64),
     "gemm_f32_runs": ([], _INT),
     "gemm_f32": ([_P] * 3 + [_I64] * 3 + [_P], _INT),  # x, w, bias, m, n, k, y

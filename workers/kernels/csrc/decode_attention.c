@@ -411,7 +411,7 @@ static void pair_bf16(const uint16_t *query, const uint16_t *keys, const uint16_
  *   already holds them (written by write_kv beside other groups);
  *   tables [B, table_stride]: each sequence's blocks, in order; lens [B] its context with this token;
  *   starts [B] its first visible key (a sliding window); out [B, Hq, D];
- *   scratch float32 [min(Hkv * B, SCORE_SLOTS), group, scores_stride] (one slot a thread), scores_stride >=
+ *   scratch float32 [attention_threads(), group, scores_stride] (one slot a thread), scores_stride >=
  *   max(lens) rounded up to 16.
  * Returns 0, or -1 for a shape it cannot take. */
 #define DEFINE_ENTRY(NAME, A, P, WRITE, PAIR, BLOCK_MULTIPLE)                                               \
@@ -446,6 +446,10 @@ LLMBUS_DECODE_ATTENTION(NAME, A, P) {                                           
 DEFINE_ENTRY(decode_attention_bf16, uint16_t, uint16_t, write_bf16, pair_bf16, 16)
 DEFINE_ENTRY(decode_attention_f32, float, float, write_f32, pair_f32, 1)
 DEFINE_ENTRY(decode_attention_f16kv, float, uint16_t, write_f16kv, pair_f16kv, 1)
+
+/* How many slots attention's scores scratch must have: one a thread of the regions that attend (the pair
+ * loops hand pairs to whichever thread is free, so a slot per pair would not do when pairs < threads). */
+int64_t attention_threads(void) { return score_threads(); }
 
 /* Tokens' K/V [T, Hkv, D] (row strides as above) into one layer's pool at slots [T]: how every token of
  * a step that is not only decodes reaches the pool in the kernel's layout. */

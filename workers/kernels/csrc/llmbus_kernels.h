@@ -72,7 +72,7 @@ typedef struct {
     const float *cos, *sin;                    /* [B, D], sin signed as RotaryEmbedding.cos_sin gives it */
     const int64_t *slots, *tables, *lens;      /* [B], [B, table_stride], [B] */
     float *normed, *qkv_out, *attended, *act;  /* scratch: [B, H], [B, (Hq + 2 Hkv) D], [B, Hq D], [B, I] */
-    float *scores;                             /* [min(Hkv * B, SCORE_SLOTS), group, scores_stride] */
+    float *scores;                             /* [attention_threads(), group, scores_stride] */
     int64_t rows_share_sequences;              /* rows are positions of one sequence (speculation) */
     float *gate_up_out, *panels;               /* batches past MAX_ROWS: [B, 2 I], decode_layer_panel_floats */
     void *pool_key, *pool_value;               /* every layer's pool, one after the other */
@@ -106,6 +106,8 @@ LLMBUS_API int64_t llmbus_kernels_abi(const char *name);
 LLMBUS_DECODE_ATTENTION(decode_attention_bf16, uint16_t, uint16_t);
 LLMBUS_DECODE_ATTENTION(decode_attention_f32, float, float);
 LLMBUS_DECODE_ATTENTION(decode_attention_f16kv, float, uint16_t);
+/* The slots the attention scratch must have (its [slots, group, scores_stride]): one a thread that attends. */
+LLMBUS_API int64_t attention_threads(void);
 
 /* decode_attention.c: tokens' K/V [T, Hkv, D] into one layer's pool at slots [T], per pool dtype. */
 #define LLMBUS_WRITE_KV(NAME, A, P)                                                                          \
