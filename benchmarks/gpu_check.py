@@ -23,9 +23,12 @@ keeps what it measured. Every row names the attention backend it ran on.
    and the same wave through transformers' continuous batching.
 4. speed baseline: decode step time at batch 1/16/64 x context 512/2048 on a Llama-3.1-8B-shaped model with
    random weights made on the device (``ModelRunner`` directly), beside the floor that the measured
-   device-to-device copy bandwidth gives for its bytes (weights plus the KV read).
-5. step profile (issue #39's baseline): per decode step at batch 1 and 64, the kernels launched, the
-   host-device copies and synchronisations torch's profiler sees, and the CPU ops that take the most time.
+   device-to-device copy bandwidth gives for its bytes (weights plus the KV read). Each shape one step at a
+   time (the host's turnaround counted), then "pipelined": chained as the worker runs the steps the scheduler
+   sends ahead, each launched behind the one before with its tokens fed on the device.
+5. step profile (issue #39's baseline): per decode step at batch 1 and 64 (greedy), and at 64 with every row
+   drawing through a warper or penalised ("mixed sampling"), the kernels launched, the host-device copies and
+   synchronisations torch's profiler sees, and the CPU ops that take the most time.
 6. cpu overlap (issue #39's CPU row), on the host's CPU, not the GPU: c=1 decode tokens/s of ``llmbus up
    --device cpu --dtype float32`` with the scheduler's overlap on against ``--disable-overlap``, two servers
    side by side measured in alternating rounds (benchmarks/overlap_ab.py's method) on a random-weight model of
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import random
@@ -56,7 +60,7 @@ from _random_llama import meta_llama, random_model_loader
 from gpu_check_cpu import CpuOverlapPart
 from gpu_check_served import ServedPart
 
-from llmbus.bus.messages import SamplingParams
+from llmbus.bus.messages import SAMPLED_LAST, SamplingParams
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
 from llmbus.workers.graph_sizes import parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
@@ -347,15 +351,22 @@ class Check(ServedPart, CpuOverlapPart):
                         s0 = time.perf_counter()
                         runner.step(seqs)  # synchronizes before it returns (sampled ids on the host)
                         times.append(time.perf_counter() - s0)
-                    step = statistics.median(times)
                     # Each weight and KV byte read once, at the copy's rate (which counts a byte read or written)
                     floor = (weights + batch * context * kv_per_token) / bandwidth
-                    self.row("4 speed", f"decode b{batch} ctx{context}{suffix}", True,
-                             f"{step * 1e3:.2f} ms/step, {batch / step:.0f} tokens/s; floor {floor * 1e3:.2f} ms "
-                             f"({floor / step:.0%} of it)", backend=runner.compute_paths["attention"],
-                             device=str(self.device), dtype="bfloat16", batch=batch, context=context,
-                             cuda_graphs=graph_sizes, step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in times],
-                             floor_ms=floor * 1e3, weight_bytes=weights, kv_bytes=batch * context * kv_per_token)
+                    # One at a time (the host's turnaround between steps counted), then as the worker runs
+                    # the steps the scheduler sends ahead: each launched behind the one before, fed its
+                    # tokens on the device, before that one's tokens are read.
+                    pipelined = _pipelined_steps(runner, seqs, sizes.timed_steps)
+                    for mode, measured in (("", times), (" pipelined", pipelined)):
+                        step = statistics.median(measured)
+                        self.row("4 speed", f"decode b{batch} ctx{context}{suffix}{mode}", True,
+                                 f"{step * 1e3:.2f} ms/step, {batch / step:.0f} tokens/s; floor "
+                                 f"{floor * 1e3:.2f} ms ({floor / step:.0%} of it)",
+                                 backend=runner.compute_paths["attention"], device=str(self.device),
+                                 dtype="bfloat16", batch=batch, context=context, cuda_graphs=graph_sizes,
+                                 pipelined=bool(mode), step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in measured],
+                                 floor_ms=floor * 1e3, weight_bytes=weights,
+                                 kv_bytes=batch * context * kv_per_token)
         del runner
 
     def step_profile(self) -> None:
@@ -366,9 +377,16 @@ class Check(ServedPart, CpuOverlapPart):
         runner, config, per_seq = self._speed_runner("profile")
         rng = random.Random(0)
         context, steps = min(self.sizes.contexts), 5
-        for batch in (1, max(self.sizes.batches)):
+        # Greedy at batch 1 and the largest batch; then the largest batch with every row drawing (seeded,
+        # each warper) or penalised, half of them both: sampling on the device must not wait for it either.
+        mixes = [(batch, "", [SamplingParams()] * batch) for batch in (1, max(self.sizes.batches))]
+        mixes.append((max(self.sizes.batches), " mixed sampling",
+                      [MIXED_SAMPLING[i % len(MIXED_SAMPLING)] for i in range(max(self.sizes.batches))]))
+        for batch, mix, params in mixes:
+            # (a penalised request's history starts from what its first step found computed: cached_ids)
             seqs = [SeqInput(f"p{i}", [rng.randrange(3, config["vocab_size"])], context,
-                             list(range(i * per_seq, (i + 1) * per_seq)), True, SamplingParams(), context)
+                             list(range(i * per_seq, (i + 1) * per_seq)), True, params[i], context,
+                             cached_ids=[rng.randrange(3, config["vocab_size"]) for _ in range(context)])
                     for i in range(batch)]
             for suffix, graph_sizes in _graph_modes(runner):
                 for _ in range(3):
@@ -391,7 +409,7 @@ class Check(ServedPart, CpuOverlapPart):
                     if kind == "syncs" or kind == "copies":
                         syncs_by_name[name] = syncs_by_name.get(name, 0) + 1
                 per_step = {k: v / steps for k, v in counts.items()}
-                self.row("5 profile", f"decode b{batch} ctx{context}{suffix}", True,
+                self.row("5 profile", f"decode b{batch} ctx{context}{mix}{suffix}", True,
                          ", ".join(f"{v:.0f} {k}" for k, v in sorted(per_step.items())) + " per step",
                          device=str(self.device), batch=batch, context=context, per_step=per_step,
                          cuda_graphs=graph_sizes, sync_and_copy_calls={k: v / steps for k, v in syncs_by_name.items()},
@@ -415,6 +433,33 @@ def _graph_modes(runner: ModelRunner):
             yield " eager", []
         finally:
             runner.graphs = graphs
+
+
+# Part 5's mixed batch: seeded draws through each warper, TGI's and OpenAI's penalties, both together.
+MIXED_SAMPLING = [SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, seed=1),
+                  SamplingParams(do_sample=True, top_k=50, seed=2),
+                  SamplingParams(do_sample=True, typical_p=0.9, min_p=0.05, seed=3),
+                  SamplingParams(repetition_penalty=1.1),
+                  SamplingParams(do_sample=True, temperature=0.8, top_p=0.95, seed=4, frequency_penalty=0.3,
+                                 presence_penalty=0.2, frequency_per_count=True)]
+
+
+def _pipelined_steps(runner: ModelRunner, seqs: list[SeqInput], steps: int) -> list[float]:
+    """Seconds a step of ``seqs`` takes in a chain run as the worker runs steps sent ahead: each launched
+    with its tokens fed from the step before (still on the device), then the step before's tokens read."""
+    fed = [dataclasses.replace(s, token_ids=[SAMPLED_LAST]) for s in seqs]
+    rows, rids = list(range(len(seqs))), [s.rid for s in seqs]
+    launched = runner.launch(seqs)
+    launched.result()
+    times = []
+    for _ in range(steps):
+        s0 = time.perf_counter()
+        following = runner.launch(fed, launched.feed(rows, rids))
+        launched.result()
+        launched = following
+        times.append(time.perf_counter() - s0)
+    launched.result()
+    return times
 
 
 def _count_replays(runner: ModelRunner) -> list[int]:

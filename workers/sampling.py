@@ -223,13 +223,14 @@ def apply_watermark(logits: torch.Tensor, params: list[SamplingParams], last_tok
     if last_tokens is None or any(last_tokens[i] is None for i in rows):
         raise ValueError("a watermarked row has no previous token")
     device, vocab = logits.device, logits.shape[1]
-    green = torch.stack([watermark_greenlist(int(last_tokens[i]), vocab, gamma) for i in rows]).to(device)
+    green = to_device(torch.stack([watermark_greenlist(int(last_tokens[i]), vocab, gamma) for i in rows]),
+                      torch.bool, device)
     # x + delta * 1.0 on green tokens and x + 0.0 elsewhere: exactly transformers' scores, and several
     # times faster on CPU than torch.where over a bool mask.
     green = green.to(logits.dtype)
     if len(rows) == len(params):
         return logits.add(green, alpha=delta)
-    row_index = torch.tensor(rows, device=device)
+    row_index = to_device(rows, torch.long, device)
     return logits.index_copy(0, row_index, logits.index_select(0, row_index).add_(green, alpha=delta))
 
 
@@ -329,24 +330,28 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.T
     typical_p = [p.typical_p if p.do_sample else 1.0 for p in params]
 
     if any(top_k):
-        k = torch.tensor([k or vocab for k in top_k], device=device)
-        top_values = scores.topk(int(k.max()), dim=-1).values
+        k = [k or vocab for k in top_k]
+        top_values = scores.topk(max(k), dim=-1).values
+        k = to_device(k, torch.long, device)
         threshold = top_values.gather(1, (k - 1)[:, None])
         scores = scores.masked_fill(scores < threshold, float("-inf"))
 
     # top-p and typical-p sort the vocabulary, the costly part: only the rows that asked are sorted.
     top_p_rows = [i for i, p in enumerate(top_p) if p < 1.0]
     if top_p_rows:
-        rows = torch.tensor(top_p_rows, device=device)
-        top_p_t = torch.tensor([top_p[i] for i in top_p_rows], dtype=torch.float32, device=device)
+        rows = to_device(top_p_rows, torch.long, device)
+        top_p_t = to_device([top_p[i] for i in top_p_rows], torch.float32, device)
         subset = scores[rows]
         probs = subset.softmax(dim=-1)
         # A full sort of the vocabulary is slow on CPU, and the nucleus is usually a few dozen tokens:
         # take the top candidates, widening until they hold top_p of the mass in every row. Every token
-        # outside them is then dropped anyway, so this is exact.
-        sorted_probs, sorted_index = probs.topk(min(vocab, TOP_P_CANDIDATES), dim=-1)
+        # outside them is then dropped anyway, so this is exact. On a GPU the full sort is cheap, and the
+        # check would wait for the device.
+        width = min(vocab, TOP_P_CANDIDATES) if device.type == "cpu" else vocab
+        sorted_probs, sorted_index = probs.topk(width, dim=-1) if width < vocab else \
+            probs.sort(dim=-1, descending=True)
         cumulative = sorted_probs.cumsum(dim=-1)
-        if sorted_probs.shape[1] < vocab and not bool((cumulative[:, -1] >= top_p_t).all()):
+        if width < vocab and not bool((cumulative[:, -1] >= top_p_t).all()):
             sorted_probs, sorted_index = probs.sort(dim=-1, descending=True)
             cumulative = sorted_probs.cumsum(dim=-1)
         # Drop a token once the mass of the tokens strictly more likely than it reaches top_p: the token
@@ -361,8 +366,8 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.T
         # min-p (transformers' MinPLogitsWarper, as vLLM and llama.cpp define it): drop the tokens whose
         # probability is below min_p times the most likely token's. min_p <= 1 (validated), so that token
         # always stays: a float product by at most 1 never exceeds it.
-        rows = torch.tensor(min_p_rows, device=device)
-        min_p = torch.tensor([params[i].min_p for i in min_p_rows], dtype=torch.float32, device=device)
+        rows = to_device(min_p_rows, torch.long, device)
+        min_p = to_device([params[i].min_p for i in min_p_rows], torch.float32, device)
         subset = scores[rows]
         probs = subset.softmax(dim=-1)
         remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
@@ -370,8 +375,8 @@ def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
     typical_rows = [i for i, p in enumerate(typical_p) if p < 1.0]
     if typical_rows:
-        rows = torch.tensor(typical_rows, device=device)
-        mass = torch.tensor([typical_p[i] for i in typical_rows], dtype=torch.float32, device=device)
+        rows = to_device(typical_rows, torch.long, device)
+        mass = to_device([typical_p[i] for i in typical_rows], torch.float32, device)
         subset = scores[rows]
         log_probs = torch.log_softmax(subset, dim=-1)
         entropy = -(log_probs * log_probs.exp()).nansum(dim=-1, keepdim=True)

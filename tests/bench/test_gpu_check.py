@@ -33,8 +33,11 @@ def test_dry_run_writes_every_row(dry_run):
     speed = by_part["4"]
     assert speed[0]["name"] == "copy bandwidth" and speed[0]["bytes_per_s"] > 0
     decode = speed[1:]
-    assert {(r["batch"], r["context"]) for r in decode} == {(1, 16), (4, 16), (1, 48), (4, 48)}
+    # each shape one step at a time, and chained as the worker runs steps sent ahead (fed on the device)
+    assert sorted((r["batch"], r["context"], r["pipelined"]) for r in decode) == sorted(
+        (b, c, p) for b in (1, 4) for c in (16, 48) for p in (False, True))
     assert all(r["step_ms"] > 0 for r in decode)
+    assert [r["name"] for r in by_part["5"]] == ["decode b1 ctx16", "decode b4 ctx16", "decode b4 ctx16 mixed sampling"]
     # On CPU the default backend; whichever it is, every measured row names it.
     assert all(isinstance(r["backend"], str) and r["backend"] for r in by_part["1"] + by_part["2"] + decode)
     assert served["backend"] == served["info"].get("attention_backend", served["info"])
