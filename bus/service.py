@@ -160,8 +160,12 @@ class ServiceError(RuntimeError):
     traceback, which would only bury the message."""
 
 
-class Terminate(Exception):
-    """Raised in the main thread by SIGTERM/SIGINT when a service asks for it (see install_stop_signals)."""
+class Terminate(BaseException):
+    """Raised in the main thread by SIGTERM/SIGINT when a service asks for it (see install_stop_signals).
+
+    A BaseException, as KeyboardInterrupt is: a signal lands anywhere, and an ``except Exception`` it lands in
+    must not take it for an error (one in the bus's decoding turned it into a "malformed message", and a rank
+    told to stop by the scheduler and by the launcher at once dropped both and ran on until SIGKILL)."""
 
 
 def install_stop_signals(on_stop: Callable[[int], None]) -> None:

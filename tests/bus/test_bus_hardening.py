@@ -197,3 +197,16 @@ def test_a_stranger_leaving_the_control_channel_does_not_stop_the_server(server)
     _serves(srv)
     srv.stderr.wait_for("not a worker rank left the control channel", 30)
     assert srv.proc.poll() is None
+
+
+def test_a_stop_signal_during_decoding_is_not_a_malformed_message(monkeypatch):
+    """SIGTERM's Terminate raised while a message is decoded (the launcher and the scheduler stop a rank at
+    the same moment) reaches the service's loop; it used to be dropped with the message as undecodable."""
+    from llmbus.bus.service import Terminate
+
+    def interrupted(*args, **kwargs):
+        raise Terminate()
+
+    monkeypatch.setattr(msgpack, "unpackb", interrupted)
+    with pytest.raises(Terminate):
+        m.decode(m.encode(m.Shutdown(reason="stopping")))
