@@ -27,8 +27,9 @@ keeps what it measured. Every row names the attention backend it ran on.
    time (the host's turnaround counted), then "pipelined": chained as the worker runs the steps the scheduler
    sends ahead, each launched behind the one before with its tokens fed on the device.
 5. step profile (issue #39's baseline): per decode step at batch 1 and 64 (greedy), and at 64 with every row
-   drawing through a warper or penalised ("mixed sampling"), the kernels launched, the host-device copies and
-   synchronisations torch's profiler sees, and the CPU ops that take the most time.
+   drawing through a warper or penalised ("mixed sampling"), and at 64 with a 32-token prompt chunk among
+   them (an eager step), the kernels launched, the host-device copies and synchronisations torch's profiler
+   sees, and the CPU ops that take the most time.
 6. cpu overlap (issue #39's CPU row), on the host's CPU, not the GPU: c=1 decode tokens/s of ``llmbus up
    --device cpu --dtype float32`` with the scheduler's overlap on against ``--disable-overlap``, two servers
    side by side measured in alternating rounds (benchmarks/overlap_ab.py's method) on a random-weight model of
@@ -382,12 +383,16 @@ class Check(ServedPart, CpuOverlapPart):
         mixes = [(batch, "", [SamplingParams()] * batch) for batch in (1, max(self.sizes.batches))]
         mixes.append((max(self.sizes.batches), " mixed sampling",
                       [MIXED_SAMPLING[i % len(MIXED_SAMPLING)] for i in range(max(self.sizes.batches))]))
+        # and a step that runs eagerly: a 32-token prompt chunk beside the decodes (as arrivals make at c=64)
+        mixes.append((max(self.sizes.batches), " with a prompt chunk", [SamplingParams()] * max(self.sizes.batches)))
         for batch, mix, params in mixes:
             # (a penalised request's history starts from what its first step found computed: cached_ids)
             seqs = [SeqInput(f"p{i}", [rng.randrange(3, config["vocab_size"])], context,
                              list(range(i * per_seq, (i + 1) * per_seq)), True, params[i], context,
                              cached_ids=[rng.randrange(3, config["vocab_size"]) for _ in range(context)])
                     for i in range(batch)]
+            if mix == " with a prompt chunk":
+                seqs[0].token_ids = [rng.randrange(3, config["vocab_size"]) for _ in range(32)]
             for suffix, graph_sizes in _graph_modes(runner):
                 for _ in range(3):
                     runner.step(seqs)

@@ -205,8 +205,7 @@ class ModelRunner:
                                  f"{seq.num_computed + n} tokens")
         if logits_index is None and kv_cache is self.kv_cache and self.graphs is not None and self.graphs.applies(seqs):
             return self.graphs.forward(seqs, feed)
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
-                                 dtype=torch.long, device=self.device)
+        input_ids = to_device(list(itertools.chain.from_iterable(s.token_ids for s in seqs)), torch.long, self.device)
         if feed is not None:
             feed.write(input_ids)
         meta = self.model.attention_backend.build_metadata(
@@ -214,8 +213,8 @@ class ModelRunner:
             kv_cache=kv_cache, device=self.device)
         if logits_index is None:
             last_rows = list(itertools.accumulate(query_lens))
-            logits_index = torch.tensor([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample],
-                                        dtype=torch.long, device=self.device)
+            logits_index = to_device([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample], torch.long,
+                                     self.device)
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
 
     def _synchronize(self) -> None:

@@ -37,7 +37,8 @@ def test_dry_run_writes_every_row(dry_run):
     assert sorted((r["batch"], r["context"], r["pipelined"]) for r in decode) == sorted(
         (b, c, p) for b in (1, 4) for c in (16, 48) for p in (False, True))
     assert all(r["step_ms"] > 0 for r in decode)
-    assert [r["name"] for r in by_part["5"]] == ["decode b1 ctx16", "decode b4 ctx16", "decode b4 ctx16 mixed sampling"]
+    assert [r["name"] for r in by_part["5"]] == ["decode b1 ctx16", "decode b4 ctx16", "decode b4 ctx16 mixed sampling",
+                                                 "decode b4 ctx16 with a prompt chunk"]
     # On CPU the default backend; whichever it is, every measured row names it.
     assert all(isinstance(r["backend"], str) and r["backend"] for r in by_part["1"] + by_part["2"] + decode)
     assert served["backend"] == served["info"].get("attention_backend", served["info"])

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.launched_step import to_device
 
 
 @dataclass(slots=True)
@@ -85,15 +86,16 @@ def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
 
 def step_index(query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
                kv_cache: PagedKVCache, device: torch.device) -> StepIndex:
-    """Block tables, positions and slots of one step. The shapes come from the host lists, so nothing
-    here waits on the device."""
+    """Block tables, positions and slots of one step. The shapes come from the host lists and the lists go
+    over without waiting (``to_device``), so nothing here waits on the device."""
     block_size = kv_cache.block_size
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
     max_blocks = max(len(table) for table in block_tables)
-    query_lens_t = torch.tensor(query_lens, dtype=torch.long, device=device)
-    num_computed_t = torch.tensor(num_computed, dtype=torch.long, device=device)
-    blocks_per_seq = torch.tensor([len(table) for table in block_tables], dtype=torch.long, device=device)
-    flat_blocks = torch.tensor(list(itertools.chain.from_iterable(block_tables)), dtype=torch.long, device=device)
+    # one pinned, non-blocking copy for the per-sequence lists, one for the blocks (on a GPU a copy from
+    # pageable memory would wait for the step still computing)
+    per_seq = to_device((query_lens, num_computed, [len(table) for table in block_tables]), torch.long, device)
+    query_lens_t, num_computed_t, blocks_per_seq = per_seq[0], per_seq[1], per_seq[2]
+    flat_blocks = to_device(list(itertools.chain.from_iterable(block_tables)), torch.long, device)
     # Padded [N, max_blocks] block table, filled by scatter rather than by padding lists in Python.
     tables = torch.full((num_seqs, max_blocks), kv_cache.num_blocks, dtype=torch.long, device=device)
     table_rows = torch.repeat_interleave(torch.arange(num_seqs, device=device), blocks_per_seq,
@@ -115,7 +117,7 @@ def group_token_index(index: StepIndex, members: list[int], query_lens: list[int
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``members`` (sequence numbers, in the group's order) as a tensor, and the rows of the flat token
     batch that belong to them, in that order; None for the rows when they are every row, in order."""
-    members_t = torch.tensor(members, dtype=torch.long, device=device)
+    members_t = to_device(members, torch.long, device)
     if members == list(range(len(query_lens))):
         return members_t, None
     lens = index.query_lens[members_t]

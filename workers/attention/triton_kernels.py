@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmbus.workers.launched_step import to_device
+
 # Keys per tile of the softmax loop (independent of the pool's block size: each key finds its block).
 BLOCK_N = 64
 # A program's query rows (tokens x GQA heads) are at least this many: tl.dot's smallest M.
@@ -184,7 +186,7 @@ def program_map(query_lens: list[int], block_q: int, device: torch.device) -> to
             seqs.append(seq)
             rows.append(first)
         start += length
-    return torch.tensor([seqs, rows], dtype=torch.int32, device=device)
+    return to_device([seqs, rows], torch.int32, device)
 
 
 @functools.cache
