@@ -14,9 +14,12 @@ once and the worker answers before it reads the next command, as it did before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from llmbus.workers.sampling import TopTokens
 
 
 @dataclass(slots=True)
@@ -40,27 +43,50 @@ class StepOutput:
 
 
 class ResultCopy:
-    """A step's sampled ids and their logprobs on their way to the host: one non-blocking copy into pinned
-    memory, queued when the step is launched (so it runs before any later step's work on the stream), and
-    waited for by ``lists()``. float64 holds every id exactly."""
+    """A step's sampled ids, their logprobs and the top alternatives asked for, on their way to the host: one
+    non-blocking copy into pinned memory (``pack``), queued when the step is launched (so it runs before any
+    later step's work on the stream), and waited for by ``lists()`` (``unpack``)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor):
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor, top: "TopTokens | None" = None):
         self.event: torch.cuda.Event | None = None
+        self.top = top
         if token_ids.device.type == "cpu":
             self.ids, self.values = token_ids, logprobs
             return
-        stacked = torch.stack((token_ids.double(), logprobs.double()))
-        self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-        self.host.copy_(stacked, non_blocking=True)
+        flat = pack(token_ids, logprobs, top)
+        self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        self.host.copy_(flat, non_blocking=True)
+        self.rows = len(token_ids)
         self.event = torch.cuda.Event()
         self.event.record()
 
-    def lists(self) -> tuple[list[int], list[float]]:
+    def lists(self) -> tuple[list[int], list[float], list[list]]:
+        """(ids, logprobs, top tokens as ``Sampled.top_tokens`` gives them: [] when none was asked)."""
         if self.event is None:
-            return self.ids.tolist(), self.values.tolist()
+            return self.ids.tolist(), self.values.tolist(), self.top.lists() if self.top is not None else []
         self.event.synchronize()
-        ids, values = self.host.tolist()
-        return [int(i) for i in ids], values
+        return unpack(self.host.tolist(), self.rows, self.top)
+
+
+def pack(token_ids: torch.Tensor, logprobs: torch.Tensor, top: "TopTokens | None") -> torch.Tensor:
+    """One float64 vector of a step's results (float64 holds every id exactly): ids, logprobs, then the top
+    alternatives' ids and logprobs, row by row."""
+    parts = [token_ids.double(), logprobs.double()]
+    if top is not None:
+        parts += [top.ids.double().flatten(), top.values.double().flatten()]
+    return torch.cat(parts)
+
+
+def unpack(values: list[float], rows: int, top: "TopTokens | None") -> tuple[list[int], list[float], list[list]]:
+    """``pack``'s vector, read on the host, as ``ResultCopy.lists`` gives it."""
+    ids, logprobs = [int(i) for i in values[:rows]], values[rows:2 * rows]
+    if top is None:
+        return ids, logprobs, []
+    depth = top.ids.shape[1]
+    size = len(top.rows) * depth
+    top_ids, top_values = values[2 * rows:2 * rows + size], values[2 * rows + size:]
+    return ids, logprobs, top.lists([top_ids[r:r + depth] for r in range(0, size, depth)],
+                                    [top_values[r:r + depth] for r in range(0, size, depth)])
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

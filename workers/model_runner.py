@@ -292,14 +292,14 @@ class ModelRunner:
                          [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled],
                          watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
             clock.sampling_done()
-            copy = ResultCopy(out.token_ids, out.logprobs)
+            copy = ResultCopy(out.token_ids, out.logprobs, out.top)
 
         def finish() -> StepOutput:
-            token_list, logprob_list = copy.lists()
+            token_list, logprob_list, top_tokens = copy.lists()
             forward_time, sample_time = clock.times()
             if self.timeline is not None:
                 self.timeline.add(clock, forward_time + sample_time, len(seqs))
-            out_rids, top_tokens, num_tokens = rids, out.top_tokens, []
+            out_rids, num_tokens = rids, []
             if speculating:
                 out_rids, token_list, logprob_list, top_tokens, num_tokens = keep_verified(
                     sampled, token_list, logprob_list, top_tokens)

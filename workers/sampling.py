@@ -81,9 +81,13 @@ def seeded_uniform(seed: int, position: int) -> float:
 class Sampled(NamedTuple):
     token_ids: torch.Tensor  # [S] long
     logprobs: torch.Tensor  # [S] float32, of the processed distribution
-    # Per row, [[ids], [logprobs]] of its top_n_tokens most likely tokens ([] where it asked for none);
-    # an empty list when no row asked.
-    top_tokens: list[list]
+    top: TopTokens | None = None  # the rows' top_n_tokens alternatives, on the device; None when none asked
+
+    @property
+    def top_tokens(self) -> list[list]:
+        """Per row, [[ids], [logprobs]] of its top_n_tokens most likely tokens ([] where it asked for none);
+        an empty list when no row asked (read from the device here)."""
+        return self.top.lists() if self.top is not None else []
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
@@ -108,7 +112,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         logits = apply_penalties(logits, params, histories, prompt_lens)
     if not any(p.do_sample for p in params):
         if not any(p.top_n_tokens for p in params):
-            return Sampled(*greedy(logits), [])
+            return Sampled(*greedy(logits))
         greedy_ids = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
         return Sampled(greedy_ids, logprobs.gather(1, greedy_ids[:, None]).squeeze(1), top_tokens(logprobs, params))
@@ -128,8 +132,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         if any(_warps(p) for p in params):
             warped = apply_warpers(logits / temperature[:, None], params).contiguous()
             return Sampled(*kernels.sample(warped, do_sample, torch.ones_like(temperature), uniforms,
-                                           raw=logits.contiguous()), [])
-        return Sampled(*kernels.sample(logits, do_sample, temperature, uniforms), [])
+                                           raw=logits.contiguous()))
+        return Sampled(*kernels.sample(logits, do_sample, temperature, uniforms))
 
     greedy_ids = logits.argmax(dim=-1)
     warped = apply_warpers(logits / temperature[:, None], params)
@@ -175,28 +179,43 @@ def _kernels_for(logits: torch.Tensor) -> SamplingKernels | None:
     return sampling_kernels()
 
 
-def top_tokens(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[list]:
-    """``[[ids], [logprobs]]`` of the ``top_n_tokens`` most likely tokens of each row of the processed
-    ``logprobs [S, vocab]``, best first; ``[]`` for rows that asked for none, and ``[]`` altogether when no
-    row asked. One ``topk`` over the rows that ask, as deep as the largest n; masked tokens (``-inf``)
-    are left out."""
-    counts = [p.top_n_tokens for p in params]
-    if not any(counts):
-        return []
+class TopTokens:
+    """The ``top_n_tokens`` most likely tokens of the rows that asked (``rows``), best first, still on the
+    device (``ids``, ``values``: ``[R, depth]``), so that the step's one copy to the host brings them with
+    its tokens (launched_step.ResultCopy); ``lists`` reads them into ``Sampled.top_tokens``' form."""
+
+    __slots__ = ("ids", "values", "rows", "counts", "num_rows")
+
+    def __init__(self, ids: torch.Tensor, values: torch.Tensor, rows: list[int], counts: list[int], num_rows: int):
+        self.ids, self.values, self.rows, self.counts, self.num_rows = ids, values, rows, counts, num_rows
+
+    def lists(self, ids: list[list[int]] | None = None, values: list[list[float]] | None = None) -> list[list]:
+        """Per row ``[[ids], [logprobs]]`` (``[]`` where it asked for none), masked tokens (``-inf``) left
+        out; from the host copies ``ids``/``values`` of the tensors when given, else read here."""
+        if ids is None:
+            ids, values = self.ids.tolist(), self.values.tolist()
+        out: list[list] = [[] for _ in range(self.num_rows)]
+        minus_inf = float("-inf")
+        for row_ids, row_values, i in zip(ids, values, self.rows):
+            n = self.counts[i]
+            while n and row_values[n - 1] == minus_inf:  # sorted: the masked tokens come last
+                n -= 1
+            out[i] = [[int(t) for t in row_ids[:n]], row_values[:n]]
+        return out
+
+
+def top_tokens(logprobs: torch.Tensor, params: list[SamplingParams]) -> TopTokens | None:
+    """The ``top_n_tokens`` most likely tokens of each row of the processed ``logprobs [S, vocab]`` that asks;
+    None when no row asks. One ``topk`` over the rows that ask, as deep as the largest n."""
     vocab = logprobs.shape[1]
+    counts = [min(p.top_n_tokens, vocab) for p in params]
+    if not any(counts):
+        return None
     rows = [i for i, n in enumerate(counts) if n > 0]
     subset = logprobs if len(rows) == len(params) else logprobs.index_select(
-        0, torch.tensor(rows, device=logprobs.device))
-    best = subset.topk(min(max(counts), vocab), dim=-1)
-    ids, values = best.indices.tolist(), best.values.tolist()
-    out: list[list] = [[] for _ in params]
-    minus_inf = float("-inf")
-    for row_ids, row_values, i in zip(ids, values, rows):
-        n = min(counts[i], vocab)
-        while n and row_values[n - 1] == minus_inf:  # sorted: the masked tokens come last
-            n -= 1
-        out[i] = [row_ids[:n], row_values[:n]]
-    return out
+        0, to_device(rows, torch.long, logprobs.device))
+    best = subset.topk(max(counts), dim=-1)
+    return TopTokens(best.indices, best.values, rows, counts, len(params))
 
 
 @functools.lru_cache(maxsize=256)

@@ -92,3 +92,22 @@ def test_a_step_offers_its_tokens_only_for_the_requests_it_sampled():
     # nothing to offer: a step finished on the host, or one that speculated (no ids kept)
     assert not LaunchedStep.finished(StepOutput(["a"], [7], [0.0], 0.0, 0.0)).can_feed(["a"])
     assert not LaunchedStep(lambda: None, None, None, ["a"]).can_feed(["a"])
+
+
+def test_a_steps_tokens_logprobs_and_top_tokens_come_back_in_one_copy():
+    """What a GPU step copies to the host (launched_step.pack, one float64 vector) reads back (unpack) as the
+    CPU path's lists: ids, logprobs, and each asking row's top tokens with masked ones left out."""
+    from llmbus.workers.launched_step import pack, unpack
+    from llmbus.workers.sampling import sample
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(top_n_tokens=3), SamplingParams(),
+              SamplingParams(do_sample=True, top_k=2, top_n_tokens=5, seed=1), SamplingParams(top_n_tokens=1)]
+    out = sample(logits, params, [7] * 4)
+    expected = (out.token_ids.tolist(), out.logprobs.tolist(), out.top_tokens)
+    assert expected[2][1] == [] and len(expected[2][2][0]) == 2  # top_k=2 masks the rest
+    assert unpack(pack(out.token_ids, out.logprobs, out.top).tolist(), 4, out.top) == expected
+    greedy = sample(logits, [SamplingParams()] * 4, [7] * 4)
+    assert greedy.top is None
+    assert unpack(pack(greedy.token_ids, greedy.logprobs, None).tolist(), 4, None) == (
+        greedy.token_ids.tolist(), greedy.logprobs.tolist(), [])
