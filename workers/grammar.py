@@ -35,6 +35,7 @@ from llmbus.bus.grammar import llguidance_grammar
 from llmbus.bus.messages import Grammar
 from llmbus.bus.model_files import eos_token_ids
 from llmbus.workers.json_numbers import JsonScanner, NumberCap, scanner_for
+from llmbus.workers.launched_step import to_device
 
 COMPILED_CACHE_SIZE = 256  # distinct grammars kept compiled (a tool set or a schema is usually reused)
 
@@ -181,14 +182,27 @@ class GrammarMasks:
                 words[i] = 0
                 for token in self.eos_ids:
                     words[i, token // 32] |= np.uint32(1 << (token % 32))
-        # The bits of what is forbidden, unpacked to a bool per token: one pass over the rows' logits
-        # (masked_fill_ is most of the cost; design notes, "Structured output"), so only constrained rows
-        # are touched, in place when every row is constrained.
-        forbidden = np.unpackbits(np.invert(masks).view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]]
-        forbidden = torch.from_numpy(forbidden).to(device=logits.device, dtype=torch.bool)
+        # One pass over the rows' logits (masked_fill_ is most of the cost; design notes, "Structured
+        # output"), so only constrained rows are touched, in place when every row is constrained.
+        forbidden = forbidden_tokens(masks, logits.shape[1], logits.device,
+                                     unpack_on_device=logits.device.type != "cpu")
         if job.rows == list(range(logits.shape[0])):
             logits.masked_fill_(forbidden, float("-inf"))
         else:
-            rows = torch.tensor(job.rows, dtype=torch.long, device=logits.device)
+            rows = to_device(job.rows, torch.long, logits.device)
             logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(forbidden, float("-inf")))
         return errors
+
+
+def forbidden_tokens(masks: np.ndarray, vocab: int, device: torch.device, unpack_on_device: bool) -> torch.Tensor:
+    """``[R, vocab]`` bool: the tokens the rows' allowed-token bitmasks (``masks``, 32 tokens a word, token t
+    at bit t % 32 of word t // 32) leave out. On the CPU numpy unpacks the bits; for a GPU the bitmask
+    itself goes over (32 times fewer bytes, pinned and non-blocking: no wait for the step) and the device
+    unpacks it."""
+    if not unpack_on_device:
+        forbidden = np.unpackbits(np.invert(masks).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        return torch.from_numpy(forbidden).to(device=device, dtype=torch.bool)
+    words = to_device(torch.from_numpy(np.ascontiguousarray(masks).view(np.int32)), torch.int32, device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab]
+    return allowed == 0
