@@ -301,9 +301,10 @@ class StepCommand(Message):
     running one). Positions run from ``num_computed[i]`` for ``num_new[i]`` tokens. Every rank computes
     the same thing, so ranks other than 0 learn the sampled tokens from the next step's ``token_ids``.
 
-    A step sent ``ahead`` (before the result of the step before it was read; one rank only) may feed
-    ``SAMPLED_LAST`` as a running request's last token: the one rank 0 sampled for it in that step. If that
-    step failed, the rank skips this one (its result is dropped: the scheduler schedules it again).
+    A step sent ``ahead`` (before the result of the step before it was read) may feed ``SAMPLED_LAST`` as a
+    running request's last token: the one rank 0 sampled for it in that step (the other ranks take it from
+    rank 0's broadcast of its sampled ids). If that step failed, a one-rank group skips this one and a larger
+    group computes it on placeholders; either way its result is dropped and the scheduler schedules it again.
     """
 
     KIND: ClassVar[Kind] = Kind.STEP

@@ -59,7 +59,10 @@ class FakeRunner:
             for s in seqs:
                 s.token_ids, offset = ids[offset:offset + len(s.token_ids)], offset + len(s.token_ids)
         out = self.step(seqs)
-        if out is None or out.failed or out.num_tokens:
+        if self.rank != 0:  # as a model's rank: the ids rank 0 broadcast (placeholders: the fake needs none)
+            sampled = [s.rid for s in seqs if s.sample and not s.num_spec]
+            return LaunchedStep(lambda: None, None, torch.zeros(len(sampled), dtype=torch.long), sampled)
+        if out.failed or out.num_tokens:
             return LaunchedStep.finished(out)
         return LaunchedStep(lambda: out, None, torch.tensor(out.token_ids, dtype=torch.long), out.rids)
 

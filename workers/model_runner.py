@@ -238,12 +238,15 @@ class ModelRunner:
         collective to agree on the failure would be matched against theirs, so that stays a group failure.
         """
         self._collectives_done = self.world_size == 1
+        self._ids_owed = 0
         try:
             return self._launch(seqs, feed)
         except torch.OutOfMemoryError as e:
             if not self._collectives_done:
                 raise
             reason = out_of_memory_reason(e, seqs)
+        if self._ids_owed:  # the other ranks wait in the broadcast of the ids: give them placeholders
+            torch.distributed.broadcast(torch.zeros(self._ids_owed, dtype=torch.long, device=self.device), src=0)
         return LaunchedStep.finished(out_of_memory_step(reason, self.rank))
 
     def _launch(self, seqs: list[SeqInput], feed: DeviceFeed | None) -> LaunchedStep:
@@ -266,11 +269,20 @@ class ModelRunner:
             # Constrained requests' masks are computed on another thread while the forward pass runs.
             mask_job = self._start_masks(seqs) if self.rank == 0 else None
             prompt_rows = PromptLogprobRows.plan(seqs, self.device)
+            # With tensor parallelism rank 0 broadcasts the ids it samples, so every rank can feed them to a step
+            # sent ahead on the device (SAMPLED_LAST) as rank 0 does; a speculating step's are not fed on.
+            sampled_rids = [s.rid for s in seqs if s.sample] if self.world_size > 1 and not speculating else []
+            received = (torch.empty(len(sampled_rids), dtype=torch.long, device=self.device)
+                        if sampled_rids and self.rank != 0 else None)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None, feed)
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
             if self.rank != 0:
-                return LaunchedStep.finished(None)
+                if received is None:
+                    return LaunchedStep.finished(None)
+                torch.distributed.broadcast(received, src=0)
+                return LaunchedStep(lambda: None, None, received, sampled_rids)
+            self._ids_owed = len(sampled_rids)
             prompt_logprobs = []
             if prompt_rows is not None:
                 prompt_logprobs = prompt_rows.gather(logits, self.pending_prompt_rows)
@@ -291,6 +303,9 @@ class ModelRunner:
                          [s.num_computed + len(s.token_ids) for s in sampled], histories,
                          [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled],
                          watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
+            if self._ids_owed:
+                torch.distributed.broadcast(out.token_ids, src=0)
+                self._ids_owed = 0
             clock.sampling_done()
             copy = ResultCopy(out.token_ids, out.logprobs, out.top)
 

@@ -260,6 +260,7 @@ class Worker:
         self.last_failed = False  # the last step ran out of memory: a step sent ahead of it is skipped
         # The step launched and not yet answered: its command, LaunchedStep and launch time (device_feed).
         self.launched: tuple | None = None
+        self.last_launched = None  # the latest step launched, answered or not (what the next one may feed on)
         self.fed_on_device = False  # logged the first time a step is
         ep = Endpoints.in_dir(cfg.run_dir)
         z = ctx.zmq_ctx
@@ -418,12 +419,16 @@ class Worker:
                 self._answer_launched()  # its tokens are what SAMPLED_LAST takes here
                 for i in fed:
                     seqs[i].token_ids = self._fed_forward(msg, self.states[seqs[i].rid], seqs[i].token_ids)
-            if msg.ahead and self.last_failed:  # (a step kept launched never failed: it was answered at once)
+            # (a step kept launched never failed: it was answered at once.) A group computes it all the same
+            # on placeholder tokens, every rank alike, since only rank 0 knows the step before failed; the
+            # scheduler drops its result.
+            if msg.ahead and self.last_failed and self.cfg.world_size == 1:
                 self._send_result(msg.step_id, self._skipped(msg))
                 continue
             launched = self.runner.launch(seqs, feed)
             self._answer_launched()
             self.launched = (msg, launched, time.monotonic())
+            self.last_launched = launched
             if self.cfg.device_feed == "off" or self._launched_ready():
                 self._answer_launched()
 
@@ -449,22 +454,25 @@ class Worker:
         step on the device; None where the host must know them first: nothing launched, or a row whose
         token the host reads in the step (its grammar, watermark, a draft model; penalties count on the
         device)."""
-        if self.launched is None or self.cfg.device_feed == "off" or getattr(self.runner, "draft", None):
+        if self.cfg.rank != 0:  # it samples nothing: it feeds what rank 0 broadcast in the step before
+            launched = self.last_launched
+        elif self.launched is None or self.cfg.device_feed == "off" or getattr(self.runner, "draft", None):
             return None
+        else:
+            launched = self.launched[1]
         starts = [0]
         for seq in seqs:
             starts.append(starts[-1] + len(seq.token_ids))
         rows, rids = [], []
         for i in fed:
             seq = seqs[i]
-            if seq.grammar is not None or seq.sampling.watermark or seq.num_spec:
+            if self.cfg.rank == 0 and (seq.grammar is not None or seq.sampling.watermark or seq.num_spec):
                 return None
             for j, token in enumerate(seq.token_ids):
                 if token == m.SAMPLED_LAST:
                     rows.append(starts[i] + j)
                     rids.append(seq.rid)
-        launched = self.launched[1]
-        if not launched.can_feed(rids):
+        if launched is None or not launched.can_feed(rids):
             return None
         if not self.fed_on_device:
             self.fed_on_device = True
@@ -501,8 +509,7 @@ class Worker:
 
     def _note_sampled(self, cmd: m.StepCommand, out) -> None:
         """Rank 0 keeps each request's last sampled token (for SAMPLED_LAST in the next step) and whether the
-        step failed; the other ranks have no tokens (they are never sent ahead: tensor parallelism is
-        lock-step)."""
+        step failed; the other ranks have no tokens on the host (they feed on rank 0's broadcast ids)."""
         if out is None:
             return
         self.last_failed = bool(out.failed)

@@ -7,7 +7,8 @@ rank group is killed and restarted at several points of a run: every stream equa
 computes for it alone (its lock-step output), each token once, and every KV block is free at the end. The
 fake rank checks each token a step feeds where it sampled one (a step sent ahead feeds SAMPLED_LAST) and
 reports a mismatch as the request's failure. A third engine runs the overlap with the rank feeding those
-tokens from the step before's sampled ids, as it does on a GPU (``--device-feed hold``).
+tokens from the step before's sampled ids, as it does on a GPU (``--device-feed hold``); a fourth has two
+ranks (tensor parallelism), the second feeding on what rank 0 broadcast.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 
 class Engine:
-    def __init__(self, overlap: bool, device_feed: str = "auto"):
+    def __init__(self, overlap: bool, device_feed: str = "auto", ranks: int = 1):
         self.run_dir = RunDir()
         self.sup = SupervisorSocket(self.run_dir.path)
         self.env = dict(os.environ, **self.sup.env)
         common = ["--run-dir", str(self.run_dir.path)]
-        self.workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none", "--gpus", "1",
-                             "--runner", "fake", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-                             "--device-feed", device_feed]
-        scheduler_argv = [sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", "1",
+        self.workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none",
+                             "--gpus", str(ranks), "--runner", "fake", "--num-blocks", str(NUM_BLOCKS),
+                             "--block-size", str(BLOCK_SIZE), "--device-feed", device_feed]
+        scheduler_argv = [sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", str(ranks),
                           "--max-restarts", "10", "--max-batch-prefill-tokens", "24"]
         self.procs = [subprocess.Popen(scheduler_argv + ([] if overlap else ["--disable-overlap"]), env=self.env),
                       subprocess.Popen(self.workers_argv, env=self.env, start_new_session=True)]
@@ -66,9 +67,11 @@ class Engine:
 
 # "fed": the rank holds each step's answer until the next command comes and feeds SAMPLED_LAST from the
 # step's sampled ids as it does on a GPU (--device-feed hold), the answer going out after the next launch.
-@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed"])
+# "tp2": two ranks; rank 1 feeds SAMPLED_LAST from the ids rank 0 broadcast in the step before.
+@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed", "tp2"])
 def engine(request):
-    eng = Engine(overlap=request.param != "lockstep", device_feed="hold" if request.param == "fed" else "auto")
+    eng = Engine(overlap=request.param != "lockstep", device_feed="hold" if request.param == "fed" else "auto",
+                 ranks=2 if request.param == "tp2" else 1)
     yield eng
     eng.close()
 

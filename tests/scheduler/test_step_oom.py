@@ -84,15 +84,19 @@ def test_runner_reports_a_step_that_ran_out_of_memory_and_runs_the_next(runner, 
     monkeypatch.setattr(runner, "world_size", 2)
     with pytest.raises(torch.OutOfMemoryError):
         runner.step(seqs)
-    # ... but after it (rank 0's sampling, no collective left) the step fails alone
+    # ... but after it (rank 0's sampling) the step fails alone, once rank 0 has given the other ranks, which
+    # wait in the broadcast of its sampled ids (a step sent ahead feeds on them), placeholders
     monkeypatch.setattr(runner.model, "forward", real_forward)
 
     def sample_out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("out of memory in sampling")
 
+    broadcasts = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src: broadcasts.append((t.tolist(), src)))
     monkeypatch.setattr(mr, "sample", sample_out_of_memory)
     assert runner.step(seqs).failed.endswith("out of memory in sampling. Lower `--max-batch-prefill-tokens` or "
                                              "`--cuda-memory-fraction`")
+    assert broadcasts == [([0, 0], 0)]
     monkeypatch.undo()
     again = runner.step(seqs)
     assert (again.rids, again.token_ids) == (expected.rids, expected.token_ids)
