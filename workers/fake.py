@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from llmbus.workers.launched_step import DeviceFeed, LaunchedStep
+from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, fed_ids
 from llmbus.workers.memory_budget import out_of_memory_reason
 from llmbus.workers.model_runner import SeqInput, StepOutput, out_of_memory_step
 
@@ -53,9 +53,7 @@ class FakeRunner:
         """``step`` at once, its sampled ids offered to the next step as a model runner's are (the worker's
         feed on the device, exercised here with tensors on the CPU)."""
         if feed is not None:
-            flat = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
-            feed.write(flat)
-            ids, offset = flat.tolist(), 0
+            ids, offset = fed_ids((s.token_ids for s in seqs), feed, torch.device("cpu")).tolist(), 0
             for s in seqs:
                 s.token_ids, offset = ids[offset:offset + len(s.token_ids)], offset + len(s.token_ids)
         out = self.step(seqs)

@@ -90,13 +90,22 @@ def unpack(values: list[float], rows: int, top: "TopTokens | None") -> tuple[lis
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` (a list, or a CPU tensor) as a tensor on ``device`` without waiting for it: on a GPU through
-    pinned memory and a non-blocking copy, queued behind the step's work (``torch.tensor(values,
+    """``values`` (a list, or a tensor) as a tensor on ``device`` without waiting for it: from the host on a GPU
+    through pinned memory and a non-blocking copy, queued behind the step's work (``torch.tensor(values,
     device=cuda)`` copies from pageable memory, which first waits for everything queued on the stream)."""
     tensor = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def fed_ids(token_lists, feed: "DeviceFeed | None", device: torch.device) -> torch.Tensor:
+    """A step's flat token ids (``token_lists``: each row's, in order) on ``device``, the ``SAMPLED_LAST`` rows
+    written from ``feed`` where there is one."""
+    ids = to_device([t for tokens in token_lists for t in tokens], torch.long, device)
+    if feed is not None:
+        feed.write(ids)
+    return ids
 
 
 class DeviceFeed:

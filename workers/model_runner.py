@@ -31,7 +31,7 @@ from llmbus.workers.loader import load_model
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
                                           out_of_memory_reason)
 from llmbus.workers.sampling import has_penalties, sample
-from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, ResultCopy, StepOutput, to_device
+from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, ResultCopy, StepOutput, fed_ids, to_device
 from llmbus.workers.step_clock import DeviceTimeline, StepClock
 from llmbus.workers.step_rows import PromptLogprobRows, TokenHistory, keep_verified, one_token_rows
 
@@ -205,9 +205,7 @@ class ModelRunner:
                                  f"{seq.num_computed + n} tokens")
         if logits_index is None and kv_cache is self.kv_cache and self.graphs is not None and self.graphs.applies(seqs):
             return self.graphs.forward(seqs, feed)
-        input_ids = to_device(list(itertools.chain.from_iterable(s.token_ids for s in seqs)), torch.long, self.device)
-        if feed is not None:
-            feed.write(input_ids)
+        input_ids = fed_ids((s.token_ids for s in seqs), feed, self.device)
         meta = self.model.attention_backend.build_metadata(
             query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
             kv_cache=kv_cache, device=self.device)
@@ -269,11 +267,13 @@ class ModelRunner:
             # Constrained requests' masks are computed on another thread while the forward pass runs.
             mask_job = self._start_masks(seqs) if self.rank == 0 else None
             prompt_rows = PromptLogprobRows.plan(seqs, self.device)
+            sampled = [s for s in seqs if s.sample]
+            rids = [s.rid for s in sampled]
             # With tensor parallelism rank 0 broadcasts the ids it samples, so every rank can feed them to a step
             # sent ahead on the device (SAMPLED_LAST) as rank 0 does; a speculating step's are not fed on.
-            sampled_rids = [s.rid for s in seqs if s.sample] if self.world_size > 1 and not speculating else []
-            received = (torch.empty(len(sampled_rids), dtype=torch.long, device=self.device)
-                        if sampled_rids and self.rank != 0 else None)
+            broadcast = len(sampled) if self.world_size > 1 and not speculating else 0
+            received = (torch.empty(broadcast, dtype=torch.long, device=self.device)
+                        if broadcast and self.rank != 0 else None)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None, feed)
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
@@ -281,13 +281,12 @@ class ModelRunner:
                 if received is None:
                     return LaunchedStep.finished(None)
                 torch.distributed.broadcast(received, src=0)
-                return LaunchedStep(lambda: None, None, received, sampled_rids)
-            self._ids_owed = len(sampled_rids)
+                return LaunchedStep(lambda: None, None, received, rids)
+            self._ids_owed = broadcast
             prompt_logprobs = []
             if prompt_rows is not None:
                 prompt_logprobs = prompt_rows.gather(logits, self.pending_prompt_rows)
                 logits = logits.index_select(0, prompt_rows.sample_rows)
-            sampled = [s for s in seqs if s.sample]
             if not sampled:
                 self._record_histories(seqs, sampled, feed)
                 clock.sampling_done()
@@ -297,7 +296,6 @@ class ModelRunner:
                 return LaunchedStep.finished(StepOutput([], [], [], forward_time, sample_time, prompt_logprobs))
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled, feed)
-            rids = [s.rid for s in sampled]
             # The watermark seeds on the token before the sampled one: the last one fed this step.
             out = sample(logits, [s.sampling for s in sampled],
                          [s.num_computed + len(s.token_ids) for s in sampled], histories,
@@ -358,9 +356,7 @@ class ModelRunner:
         if not penalised:
             return None
         starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
-        flat = to_device(list(itertools.chain.from_iterable(s.token_ids for s in seqs)), torch.long, self.device)
-        if feed is not None:
-            feed.write(flat)
+        flat = fed_ids((s.token_ids for s in seqs), feed, self.device)
         for i in penalised:
             seq = seqs[i]
             history = self.histories.get(seq.rid)

@@ -294,12 +294,16 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
             raise ValueError("an OpenAI frequency penalty needs the prompt lengths")
         if any(presence):
             raise ValueError("a presence penalty needs the prompt lengths")
-    counted = [h if isinstance(h, TokenHistory) else
-               TokenHistory.of(h, prompt_lens[i] if prompt_lens is not None else 0, vocab, device)
-               for i, h in ((i, histories[i]) for i in rows)]
+    counted = [histories[i] if isinstance(histories[i], TokenHistory) else
+               TokenHistory.of(histories[i], prompt_lens[i] if prompt_lens is not None else 0, vocab, device)
+               for i in rows]
     row_index = to_device(rows, torch.long, device)
     scores = logits.index_select(0, row_index)
     seen = torch.stack([h.seen[:vocab] for h in counted])
+
+    # the generated parts' counts, read by OpenAI's frequency penalty and the presence penalty
+    wants_generated = any(per_count) or (any(presence) and any(len(h) > h.prompt_len for h in counted))
+    generated = torch.stack([h.generated[:vocab] for h in counted]) if wants_generated else None
 
     repetition = [params[i].repetition_penalty for i in rows]
     if any(r != 1.0 for r in repetition):  # a penalty of 1.0 leaves its row exactly as it was
@@ -310,7 +314,6 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         # a per-count row counts its generated part only, and divides by 1
         counts = seen
         if any(per_count):
-            generated = torch.stack([h.generated[:vocab] for h in counted])
             counts = torch.where(to_device(per_count, torch.bool, device)[:, None], generated, seen)
         values = to_device([[1.0 if per_count[r] else float(len(h)) for r, h in enumerate(counted)], frequency],
                            torch.float32, device)
@@ -319,7 +322,7 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         scores -= counts / values[0][:, None] * values[1][:, None]
 
     if any(presence) and any(len(h) > h.prompt_len for h in counted):
-        present = (torch.stack([h.generated[:vocab] for h in counted]) > 0).float()
+        present = (generated > 0).float()
         scores -= present * to_device(presence, torch.float32, device)[:, None]
 
     # A repetition penalty near 0 (TGI only asks for > 0) divides a positive logit past float32's range: kept

@@ -48,8 +48,7 @@ class TokenHistory:
         if start > self.length:
             raise ValueError(f"token history has {self.length} tokens, cannot write at position {start}")
         device = self.buffer.device
-        tokens = to_device(token_ids, torch.long, device) if not isinstance(token_ids, torch.Tensor) \
-            else token_ids.to(device=device, dtype=torch.long)
+        tokens = to_device(token_ids, torch.long, device)
         if start < self.length:
             self._count(self.buffer[start:self.length], start, -1.0)
         end = start + len(tokens)
