@@ -379,20 +379,20 @@ class Check(ServedPart, CpuOverlapPart):
         rng = random.Random(0)
         context, steps = min(self.sizes.contexts), 5
         # Greedy at batch 1 and the largest batch; then the largest batch with every row drawing (seeded,
-        # each warper) or penalised, half of them both: sampling on the device must not wait for it either.
-        mixes = [(batch, "", [SamplingParams()] * batch) for batch in (1, max(self.sizes.batches))]
-        mixes.append((max(self.sizes.batches), " mixed sampling",
-                      [MIXED_SAMPLING[i % len(MIXED_SAMPLING)] for i in range(max(self.sizes.batches))]))
-        # and a step that runs eagerly: a 32-token prompt chunk beside the decodes (as arrivals make at c=64)
-        mixes.append((max(self.sizes.batches), " with a prompt chunk", [SamplingParams()] * max(self.sizes.batches)))
-        for batch, mix, params in mixes:
+        # each warper) or penalised (MIXED_SAMPLING): sampling on the device must not wait for it either; and
+        # a step that runs eagerly, a 32-token prompt chunk beside the decodes (as arrivals make at c=64).
+        largest = max(self.sizes.batches)
+        mixes = [(1, "", [SamplingParams()], 0), (largest, "", [SamplingParams()] * largest, 0),
+                 (largest, " mixed sampling", [MIXED_SAMPLING[i % len(MIXED_SAMPLING)] for i in range(largest)], 0),
+                 (largest, " with a prompt chunk", [SamplingParams()] * largest, 32)]
+        for batch, mix, params, chunk in mixes:
             # (a penalised request's history starts from what its first step found computed: cached_ids)
             seqs = [SeqInput(f"p{i}", [rng.randrange(3, config["vocab_size"])], context,
                              list(range(i * per_seq, (i + 1) * per_seq)), True, params[i], context,
                              cached_ids=[rng.randrange(3, config["vocab_size"]) for _ in range(context)])
                     for i in range(batch)]
-            if mix == " with a prompt chunk":
-                seqs[0].token_ids = [rng.randrange(3, config["vocab_size"]) for _ in range(32)]
+            if chunk:
+                seqs[0].token_ids = [rng.randrange(3, config["vocab_size"]) for _ in range(chunk)]
             for suffix, graph_sizes in _graph_modes(runner):
                 for _ in range(3):
                     runner.step(seqs)

@@ -15,6 +15,13 @@ PROMPTS = [
 ]
 MAX_NEW = 12
 
+
+def tiny_server_args(model_dir) -> list[str]:
+    """`llmbus up`'s arguments for the whole-stack tests of the demo model: float32 (so greedy output equals
+    transformers'), a 128-token prompt and 256 tokens in all, a pool of 256 blocks of 16."""
+    return ["--model-id", str(model_dir), "--dtype", "float32", "--max-total-tokens", "256",
+            "--max-input-tokens", "128", "--num-blocks", "256", "--block-size", "16"]
+
 SYSTEM = "You are a helpful assistant. Answer briefly, precisely and politely. "
 QUESTIONS = ["What is two plus two?", "Name a colour.", "Why is the sky blue?", "Count to five.",
              "Say hello in French.", "What is a prime number?", "Tell me a joke.", "Spell cat.",

@@ -11,16 +11,14 @@ import pytest
 
 from llmbus.testing import Server
 from llmbus.testing.http import all_blocks_free, wait_for_metrics
-from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of
+from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of, tiny_server_args
 
 FED_LOG = "its tokens fed on the device"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
-                  "--max-input-tokens", "128", "--num-blocks", "256", "--block-size", "16"],
-                 env={"LLMBUS_DEVICE_FEED": "hold"})
+    srv = Server(tiny_server_args(tiny_model_dir), env={"LLMBUS_DEVICE_FEED": "hold"})
     yield srv
     assert srv.stop() == 0, srv.stderr.text[-3000:]
 

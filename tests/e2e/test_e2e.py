@@ -18,14 +18,12 @@ import torch
 
 from llmbus.testing import Server
 from llmbus.testing.http import all_blocks_free, get, post, sse_events, stream, wait_for_metrics
-from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of
+from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of, tiny_server_args
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
-                  "--max-input-tokens", "128", "--num-blocks", "256", "--block-size", "16",
-                  "--enable-prefill-logprobs"])
+    srv = Server([*tiny_server_args(tiny_model_dir), "--enable-prefill-logprobs"])
     yield srv
     assert srv.stop() == 0, srv.stderr.text[-3000:]
 
