@@ -36,22 +36,31 @@ def launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
 
 
 @triton.jit
+def rotate_halves(x_rows, cos_row, sin_row, valid, offs, HALF: tl.constexpr):
+    """The rows at ``x_rows`` (``[BLOCK_H, 1]`` pointers) rotated in float32, as their first and second halves:
+    one definition for every kernel that rotates (``attention/triton_kernels.py`` too), so they store the
+    same bits."""
+    first = tl.load(x_rows + offs[None, :], mask=valid, other=0.0).to(tl.float32)
+    second = tl.load(x_rows + HALF + offs[None, :], mask=valid, other=0.0).to(tl.float32)
+    cos_first = tl.load(cos_row + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    cos_second = tl.load(cos_row + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    sin_first = tl.load(sin_row + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    sin_second = tl.load(sin_row + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    # out = x * cos + rotate(x) * signed_sin, rotate(x) = cat(second half, first half)
+    return (first * cos_first[None, :] + second * sin_first[None, :],
+            second * cos_second[None, :] + first * sin_second[None, :])
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, stride_ot,
                    stride_oh, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_D)
     valid = (heads[:, None] < num_heads) & (offs[None, :] < HALF)
-    x_row = x_ptr + token * stride_xt + heads[:, None] * stride_xh
-    first = tl.load(x_row + offs[None, :], mask=valid, other=0.0).to(tl.float32)
-    second = tl.load(x_row + HALF + offs[None, :], mask=valid, other=0.0).to(tl.float32)
-    cos_first = tl.load(cos_ptr + token * stride_ct + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-    cos_second = tl.load(cos_ptr + token * stride_ct + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-    sin_first = tl.load(sin_ptr + token * stride_st + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-    sin_second = tl.load(sin_ptr + token * stride_st + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-    # out = x * cos + rotate(x) * signed_sin, rotate(x) = cat(second half, first half)
-    out_first = first * cos_first[None, :] + second * sin_first[None, :]
-    out_second = second * cos_second[None, :] + first * sin_second[None, :]
+    out_first, out_second = rotate_halves(x_ptr + token * stride_xt + heads[:, None] * stride_xh,
+                                          cos_ptr + token * stride_ct, sin_ptr + token * stride_st, valid, offs,
+                                          HALF)
     out_row = out_ptr + token * stride_ot + heads[:, None] * stride_oh
     tl.store(out_row + offs[None, :], out_first.to(out_ptr.dtype.element_ty), mask=valid)
     tl.store(out_row + HALF + offs[None, :], out_second.to(out_ptr.dtype.element_ty), mask=valid)

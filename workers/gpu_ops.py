@@ -10,16 +10,25 @@ results may differ from torch's in the last bit, towards the exact value; float3
 reduction order of the mean).
 
 ``available(tensor)``: the kernels run where the tensor is on CUDA and triton imports, or on any device under
-``TRITON_INTERPRET=1`` (how CI tests them). Callers keep the torch path for everything else.
+``TRITON_INTERPRET=1`` (how CI tests them). Callers keep the torch path for everything else, but for RoPE:
+``apply_rotary`` holds both here, where the attention backends find it without importing the models
+(``AttentionBackend.forward_rotary`` rotates for the decoder). The Triton backend instead rotates the keys as
+it writes them to the pool (``attention/triton_kernels.py``), with this module's kernel code for the
+rotation, so both paths store the same bits.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
+
 import torch
 
-from llmbus.workers.attention.triton import interpreting
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its interpreter (``TRITON_INTERPRET=1``): on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -51,9 +60,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with ``signed_sin`` from ``RotaryEmbedding.cos_sin`` (the sign of rotate-half folded in); where
+    ``cos`` is narrower than the head (partial rotation), the rest of the head passes through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1] and x.stride(-1) == 1 and available(x):
+        return rotary(x, cos, signed_sin)  # one kernel instead of four
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]), dim=-1)
+    half = rotary_dim // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as ``llama.apply_rotary``: ``x [T, H, D]``, ``cos``/``signed_sin [T, 1, D]`` (rotate-half's sign in
-    the sine) -> ``[T, H, D]`` in ``x``'s dtype."""
+    """RoPE as ``apply_rotary``'s torch path: ``x [T, H, D]``, ``cos``/``signed_sin [T, 1, D]`` (rotate-half's
+    sign in the sine) -> ``[T, H, D]`` in ``x``'s dtype."""
     kernels = _triton()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     kernels.launch_rotary(x, cos, signed_sin, out)

@@ -1,7 +1,10 @@
 """``workers/gpu_ops.py``'s Triton kernels, run on the CPU by Triton's interpreter, against the torch ops they
 replace in the decoder layer (``models/llama.py``): float32 to rounding, bfloat16 to two roundings of the
 output (the kernels round once, at the end, torch after every op; and where a float32 intermediate differs in
-its last bit, a bfloat16 rounding of it may fall the other way)."""
+its last bit, a bfloat16 rounding of it may fall the other way). The torch ops are run with ``available`` false:
+under the interpreter, the layer's own calls would take the kernels too."""
+
+import contextlib
 
 import pytest
 import torch
@@ -10,7 +13,6 @@ import torch.nn.functional as F
 from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers import gpu_ops
 from llmbus.workers.models.llama import RMSNorm
-from llmbus.workers.models.rotary import apply_rotary
 
 interpreted_triton_kernels()
 
@@ -19,6 +21,14 @@ interpreted_triton_kernels()
 def interpret():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+@contextlib.contextmanager
+def torch_ops():
+    """The callers' torch path, as off the GPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpu_ops, "available", lambda tensor: False)
         yield
 
 
@@ -38,11 +48,13 @@ def test_rms_norm_and_the_residual_add_before_it(dtype, width):
     residual = torch.randn(5, width) * 3
     update = torch.randn(5, width).to(dtype)
     assert gpu_ops.available(residual)
-    _close(gpu_ops.rms_norm(update, norm.weight, norm.eps), norm(update))
+    with torch_ops():
+        want, want_summed = norm(update), norm(residual + update)
+    _close(gpu_ops.rms_norm(update, norm.weight, norm.eps), want)
     expected_sum = residual + update
     normed, summed = gpu_ops.rms_norm(update, norm.weight, norm.eps, residual=residual)
     assert summed is residual and torch.equal(residual, expected_sum)
-    _close(normed, norm(expected_sum))
+    _close(normed, want_summed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,7 +74,8 @@ def test_rotary_on_queries_and_keys(dtype, heads):
 def _close_rotated(got, x, cos, sin) -> None:
     """``x * cos + rotate(x) * sin`` cancels where its two terms nearly meet, so a bfloat16 result is held to
     roundings of the terms, not of itself."""
-    want = apply_rotary(x, cos, sin)
+    with torch_ops():
+        want = gpu_ops.apply_rotary(x, cos, sin)
     if x.dtype == torch.float32:
         return _close(got, want)
     half = x.shape[-1] // 2

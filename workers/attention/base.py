@@ -8,7 +8,10 @@ its block table) into attention over the paged KV cache, in two calls:
   ``gives_kernel_rows``, the step as ``KernelRows`` where it can be one: what a native layer that attends
   by itself (``fused_decode.py``) reads;
 - ``forward``, once per layer: write the step's new K/V into their slots, then attend every query over
-  its own sequence's context, causally, within the layer's sliding window if it has one.
+  its own sequence's context, causally, within the layer's sliding window if it has one;
+  ``forward_rotary``, what the native decoder calls instead, takes the queries and keys before RoPE, so a
+  backend may rotate them as it writes the keys (the Triton one does, in one kernel); by default it
+  rotates, then calls ``forward``.
 
 A backend owns how K/V sit inside a block (``PagedKVCache`` fixes only the pool's shape, ``[layers, Hkv,
 blocks + 1, block_size, D]``): the CPU backend keeps bf16 blocks in its kernel's layout, so only the
@@ -29,6 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from llmbus.workers.gpu_ops import apply_rotary
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.launched_step import to_device
 
@@ -175,3 +179,13 @@ class AttentionBackend(ABC):
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """``query [T, Hq, D]``, ``key``/``value [T, Hkv, D]`` of the step's new tokens -> ``[T, Hq, D]``,
         after writing ``key``/``value`` into ``meta.slot_mapping`` of ``layer``."""
+
+    def forward_rotary(self, layer: int, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                       signed_sin: torch.Tensor, num_heads: int, kv_cache: PagedKVCache, meta: AttentionMetadata,
+                       scale: float) -> torch.Tensor:
+        """``forward`` on queries and keys before RoPE: ``qk [T, num_heads + Hkv, D]`` (the queries, then the
+        keys), rotated by ``cos``/``signed_sin`` (``RotaryEmbedding.cos_sin``). Here: side by side in one
+        rotary application (``gpu_ops.apply_rotary``), then ``forward``; a backend that writes the keys
+        itself may rotate them on the way."""
+        qk = apply_rotary(qk, cos, signed_sin)
+        return self.forward(layer, qk[:, :num_heads], qk[:, num_heads:], value, kv_cache, meta, scale)

@@ -9,8 +9,10 @@ boolean mask with GQA) are what ran a GPU out of memory on long prompts.
 
 The pool keeps torch's layout (``PagedKVCache``: ``[layers, Hkv, blocks + 1, block_size, D]``, each block's
 keys contiguous rows of D), so it holds exactly what the portable backend's pool holds. The step's new K/V
-are written by ``index_copy_`` through the slot mapping before the kernel reads them, since a chunk's later
-tokens attend its earlier ones and the kernel's programs run in no order.
+are written through the slot mapping before the kernel reads them, since a chunk's later tokens attend its
+earlier ones and the kernel's programs run in no order: by ``index_copy_`` in ``forward``, and in
+``forward_rotary`` (the native decoder's call) by the kernel that rotates the queries and keys, one launch
+for what took the rotary kernel and the write's copies.
 
 Runs on CUDA (triton ships inside torch's CUDA wheels), or on any device under ``TRITON_INTERPRET=1``,
 where Triton's interpreter runs the same kernels on the CPU, slowly: how CI tests their numerics. triton is
@@ -28,6 +30,7 @@ from types import ModuleType
 import torch
 
 from llmbus.workers.attention.base import AttentionBackend, AttentionMetadata, DecodeGraphInputs, step_index
+from llmbus.workers.gpu_ops import interpreting
 from llmbus.workers.kv_cache import PagedKVCache
 
 
@@ -41,11 +44,6 @@ class TritonStep:
     query_starts: torch.Tensor  # [N] int64 each sequence's first row of the flat token batch
     query_lens: torch.Tensor  # [N] int64
     num_computed: torch.Tensor  # [N] int64 tokens already in the cache before this step's
-
-
-def interpreting() -> bool:
-    """Whether Triton runs its kernels in its interpreter (``TRITON_INTERPRET=1``): on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -115,6 +113,23 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kv_cache.write(layer, meta.slot_mapping, key, value)
+        return self._attend(layer, query, kv_cache, meta, scale)
+
+    def forward_rotary(self, layer: int, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                       signed_sin: torch.Tensor, num_heads: int, kv_cache: PagedKVCache, meta: AttentionMetadata,
+                       scale: float) -> torch.Tensor:
+        """RoPE and the K/V write in one kernel (``triton_kernels.rotary_kv_write``) where the whole head is
+        rotated and the heads are contiguous rows; partial rotation takes the base class's path."""
+        if cos.shape[-1] != qk.shape[-1] or qk.stride(-1) != 1 or value.stride(-1) != 1:
+            return super().forward_rotary(layer, qk, value, cos, signed_sin, num_heads, kv_cache, meta, scale)
+        key_slots, value_slots = kv_cache.layer_slots(layer)
+        query = self.kernels.rotary_kv_write(qk, value, cos, signed_sin, num_heads, meta.slot_mapping, key_slots,
+                                             value_slots)
+        return self._attend(layer, query, kv_cache, meta, scale)
+
+    def _attend(self, layer: int, query: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """The step's queries over ``layer``'s pool, its new K/V already written."""
         step: TritonStep = meta.groups[0]
         key_blocks, value_blocks = kv_cache.layer_blocks(layer)
         return self.kernels.paged_attention(

@@ -23,6 +23,12 @@ float32 model's tokens match transformers'. Triton's interpreter multiplies bflo
 wrongly (triton 3.7: products of the raw bits), so there the operands, rounded to bfloat16 first, are
 widened to float32 for the product: the same values, each product exact in float32 as on the GPU.
 
+``rotary_kv_write`` comes before it in a layer (``TritonAttentionBackend.forward_rotary``): RoPE on the
+queries and keys (straight from the QKV projection's output) and the write of keys and values into their
+pool slots, one launch instead of the rotary kernel and the write's copies. It rotates with ``gpu_ops``'
+own rotation (``_gpu_ops_kernels.rotate_halves``), rounds to the activations' dtype and then to the pool's,
+so the pool holds the bits the separate rotary kernel and ``PagedKVCache.write`` would have stored.
+
 This module imports triton at import time and decorates its kernels then: ``triton.jit`` reads
 ``TRITON_INTERPRET`` at that moment, so the interpreter (CPU) must be asked for before the first import.
 """
@@ -35,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llmbus.workers._gpu_ops_kernels import rotate_halves
 from llmbus.workers.launched_step import to_device
 
 # Keys per tile of the softmax loop (independent of the pool's block size: each key finds its block).
@@ -165,6 +172,50 @@ def _combine_splits_kernel(partial_out_ptr, partial_ml_ptr, out_ptr, stride_ot, 
              mask=offs_d < HEAD_DIM)
 
 
+@triton.jit
+def _rotary_kv_write_kernel(qk_ptr, value_ptr, cos_ptr, sin_ptr, slots_ptr, query_ptr, key_slots_ptr,
+                            value_slots_ptr, stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
+                            stride_slots, stride_qt, stride_qh, stride_kh, stride_ks, stride_pvh, stride_pvs,
+                            num_heads, num_kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+    """One token's rows, ``BLOCK_H`` at a time: its query heads, then its key heads, then its value heads,
+    so a GQA layer's few K/V heads share programs with its queries rather than taking launches of their own."""
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_D)
+    in_half = offs[None, :] < HALF
+    is_query = rows < num_heads
+    rotated = rows < num_heads + num_kv_heads
+    is_key = rotated & ~is_query
+    is_value = ~rotated & (rows < num_heads + 2 * num_kv_heads)
+    slot = tl.load(slots_ptr + token * stride_slots).to(tl.int64)
+
+    first, second = rotate_halves(qk_ptr + token * stride_qkt + rows[:, None] * stride_qkh,
+                                  cos_ptr + token * stride_ct, sin_ptr + token * stride_st,
+                                  rotated[:, None] & in_half, offs, HALF)
+    # Rounded to the activations' dtype first, as the rotary kernel's output is before the write casts it.
+    first = first.to(qk_ptr.dtype.element_ty)
+    second = second.to(qk_ptr.dtype.element_ty)
+    query_rows = query_ptr + token * stride_qt + rows[:, None] * stride_qh
+    tl.store(query_rows + offs[None, :], first, mask=is_query[:, None] & in_half)
+    tl.store(query_rows + HALF + offs[None, :], second, mask=is_query[:, None] & in_half)
+    # 64-bit head offsets, as in paged attention: a large pool's layer can pass 2^31 elements
+    key_rows = key_slots_ptr + (rows - num_heads).to(tl.int64)[:, None] * stride_kh + slot * stride_ks
+    pool_dtype = key_slots_ptr.dtype.element_ty
+    tl.store(key_rows + offs[None, :], first.to(pool_dtype), mask=is_key[:, None] & in_half)
+    tl.store(key_rows + HALF + offs[None, :], second.to(pool_dtype), mask=is_key[:, None] & in_half)
+
+    value_heads = (rows - num_heads - num_kv_heads).to(tl.int64)
+    value_rows = value_ptr + token * stride_vt + value_heads[:, None] * stride_vh
+    value_mask = is_value[:, None] & in_half
+    pool_rows = value_slots_ptr + value_heads[:, None] * stride_pvh + slot * stride_pvs
+    pool_dtype = value_slots_ptr.dtype.element_ty
+    tl.store(pool_rows + offs[None, :],
+             tl.load(value_rows + offs[None, :], mask=value_mask, other=0.0).to(pool_dtype), mask=value_mask)
+    tl.store(pool_rows + HALF + offs[None, :],
+             tl.load(value_rows + HALF + offs[None, :], mask=value_mask, other=0.0).to(pool_dtype), mask=value_mask)
+
+
 def interpreted() -> bool:
     """Whether this module's kernels were decorated for Triton's interpreter (``TRITON_INTERPRET=1`` when it
     was imported)."""
@@ -255,3 +306,27 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
                                                         num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
                                                         SPLITS=splits, num_warps=4)
     return out
+
+
+def rotary_kv_write(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                    num_heads: int, slot_mapping: torch.Tensor, key_slots: torch.Tensor,
+                    value_slots: torch.Tensor) -> torch.Tensor:
+    """``qk [T, Hq + Hkv, D]`` (queries, then keys, unrotated), ``value [T, Hkv, D]``, ``cos``/``signed_sin
+    [T, 1, D]`` (``RotaryEmbedding.cos_sin``: the whole head rotated) -> the rotated queries ``[T, Hq, D]``,
+    with the rotated keys and the values written to ``key_slots``/``value_slots [Hkv, slots, D]`` (a layer's
+    ``PagedKVCache.layer_slots``) at ``slot_mapping [T]``, in the pool's dtype."""
+    num_tokens, _, head_dim = qk.shape
+    num_kv_heads = value.shape[1]
+    if any(t.stride(-1) != 1 for t in (qk, value, cos, signed_sin, key_slots, value_slots)):
+        raise ValueError("rotary_kv_write needs contiguous head dimensions")
+    query = torch.empty((num_tokens, num_heads, head_dim), dtype=qk.dtype, device=qk.device)
+    rows = num_heads + 2 * num_kv_heads
+    block_h = min(16, triton.next_power_of_2(rows))
+    half = head_dim // 2
+    _rotary_kv_write_kernel[(num_tokens, triton.cdiv(rows, block_h))](
+        qk, value, cos, signed_sin, slot_mapping, query, key_slots, value_slots,
+        qk.stride(0), qk.stride(1), value.stride(0), value.stride(1), cos.stride(0), signed_sin.stride(0),
+        slot_mapping.stride(0), query.stride(0), query.stride(1), key_slots.stride(0), key_slots.stride(1),
+        value_slots.stride(0), value_slots.stride(1), num_heads, num_kv_heads,
+        HALF=half, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), num_warps=4)
+    return query

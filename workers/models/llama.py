@@ -33,7 +33,7 @@ from llmbus.workers.attention import AttentionMetadata, make_attention_backend
 from llmbus.workers.fused_decode import FusedDecodeLayers, fused_decode_applies
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.models.moe import MoEConfig, build_sparse_moe
-from llmbus.workers.models.rotary import RotaryEmbedding, apply_rotary
+from llmbus.workers.models.rotary import RotaryEmbedding
 from llmbus.workers.weight_builder import WeightBuilder
 
 
@@ -211,11 +211,10 @@ class LlamaAttention:
         qk = qkv[:, :self.qk_width].view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        # Queries and keys side by side get one rotary application instead of two.
-        qk = apply_rotary(qk, cos, sin)
-        query, key = qk[:, :self.num_heads], qk[:, self.num_heads:]
         value = qkv[:, self.qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attended = backend.forward(self.layer, query, key, value, kv_cache, meta, self.scale)
+        # RoPE is the backend's: the Triton one rotates the keys as it writes them to the pool.
+        attended = backend.forward_rotary(self.layer, qk, value, cos, sin, self.num_heads, kv_cache, meta,
+                                          self.scale)
         out = self.tp.all_reduce(self.o_proj(attended.reshape(num_tokens, -1)))
         # The bias of a row-parallel layer is added once, after the reduction.
         return out + self.o_bias if self.o_bias is not None else out

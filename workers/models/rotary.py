@@ -1,6 +1,7 @@
 """Rotary position embeddings for the native decoder (``llama.py``): the frequency schemes of the
 families served natively, and partial rotation (``partial_rotary_factor``: only the first part of each
-head is rotated, the rest passes through).
+head is rotated, the rest passes through). The rotation itself is ``gpu_ops.apply_rotary``, which the
+attention backends apply (``AttentionBackend.forward_rotary``).
 
 Schemes: default, ``linear``, ``dynamic`` (NTK), ``llama3``, and Phi-3's ``longrope`` (configs may say
 ``su``, or ``yarn`` for Phi-3, which Phi3Config reads as longrope): per-dimension ``short_factor`` or
@@ -21,8 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from llmbus.workers import gpu_ops
 
 
 class RotaryEmbedding:
@@ -108,15 +107,3 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE with ``signed_sin`` from ``RotaryEmbedding.cos_sin`` (the sign of rotate-half folded in); where
-    ``cos`` is narrower than the head (partial rotation), the rest of the head passes through."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1] and x.stride(-1) == 1 and gpu_ops.available(x):
-        return gpu_ops.rotary(x, cos, signed_sin)  # one kernel instead of four (workers/gpu_ops.py)
-    if rotary_dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]), dim=-1)
-    half = rotary_dim // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
