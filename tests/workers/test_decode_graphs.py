@@ -52,12 +52,13 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, 
     """Arrivals, a chunked prompt beside decodes, a prefix hit and a preemption: the decode-only steps take
     the buffers (at sizes that need padding: 3 rows in a graph of 4, 5 in 8), the rest run eagerly, and
     every request's tokens equal transformers' greedy ones. The layers' small ops run as the GPU runs them,
-    as gpu_ops' Triton kernels (here interpreted). Device-fed: the decode rows take their tokens from the
-    step before's sampled ids, written over the staged ones (as a step sent ahead does on a GPU)."""
+    as gpu_ops' Triton kernels and the backend's fused RoPE and K/V write (here interpreted). Device-fed: the
+    decode rows take their tokens from the step before's sampled ids, written over the staged ones (as a step
+    sent ahead does on a GPU)."""
     fused = []
-    for name in ("rms_norm", "rotary", "silu_and_mul"):
-        op = getattr(gpu_ops, name)
-        monkeypatch.setattr(gpu_ops, name, lambda *a, op=op, name=name, **k: fused.append(name) or op(*a, **k))
+    for module, name in ((gpu_ops, "rms_norm"), (triton_kernels, "rotary_kv_write"), (gpu_ops, "silu_and_mul")):
+        op = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, op=op, name=name, **k: fused.append(name) or op(*a, **k))
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
     runner, replayed = _runner_with_graphs(llama_dir, (1, 2, 4, 8))
@@ -67,7 +68,7 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, 
     assert results["hit"].tokens == expected.tokens[4]
     assert results["r1"].preemptions == 1
     assert replayed and set(replayed) - {1, 2, 4, 8}, f"no step needed padding: {replayed}"
-    assert set(fused) == {"rms_norm", "rotary", "silu_and_mul"}
+    assert set(fused) == {"rms_norm", "rotary_kv_write", "silu_and_mul"}
 
 
 def test_only_decode_only_steps_within_the_sizes_replay(llama_dir):
