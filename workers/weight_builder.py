@@ -115,12 +115,15 @@ class WeightBuilder:
         self.report["dense projections kept plain" + (" and packed" if pack else " only")] += 1
         return Linear(weight, bias, pack=pack, keep_plain=True)
 
-    def column_parallel(self, parts: list[tuple[str, int] | tuple[str, int, int]]) -> object:
-        """One projection fusing ``parts`` (``(prefix, rows_per_rank[, first_row])``: ``prefix.weight`` and
-        optional ``prefix.bias``, from row ``first_row`` on: one part of a tensor that is already fused in the
-        checkpoint, as Phi-3's ``qkv_proj``), each cut to this rank's rows and stacked in order."""
-        spans = [(part[0], offset + self.rank * part[1], offset + (self.rank + 1) * part[1])
-                 for part in parts for offset in [part[2] if len(part) > 2 else 0]]
+    def column_parallel(self, parts: list[tuple]) -> object:
+        """One projection fusing ``parts`` (``(prefix, rows_per_shard[, first_row[, ranks_per_shard]])``:
+        ``prefix.weight`` and optional ``prefix.bias``, from row ``first_row`` on: one part of a tensor that is
+        already fused in the checkpoint, as Phi-3's ``qkv_proj``), each cut to this rank's shard and stacked in
+        order. A shard is one rank's unless ``ranks_per_shard`` ranks hold it alike: the key/value heads of a
+        model with fewer of them than ranks (multi-query) are replicated, as vLLM does."""
+        spans = [(part[0], offset + shard * part[1], offset + (shard + 1) * part[1])
+                 for part in parts for offset, shard in [(part[2] if len(part) > 2 else 0,
+                                                          self.rank // (part[3] if len(part) > 3 else 1))]]
         names = [f"{p}.weight" for p, _, _ in spans]
         kept = None
         if self.keep_quantized:

@@ -3,8 +3,8 @@ in the torch layers and in the fused CPU decode layer), Phi-3/Phi-4 (the checkpo
 ``qkv_proj``/``gate_up_proj`` split per TP rank, LongRoPE, partial rotation), Gemma 3 text (interleaved
 local/global layers with their two RoPE bases, QK-norm, (1 + weight) norms around attention and MLP, GeGLU,
 scaled embeddings, soft-capped logits). Each is token- and logprob-exact against transformers in float32 at
-TP=1 and TP=2 on a mixed batch with a chunked prefill, a preemption and a prefix hit (the multi-query Llama
-refuses TP=2, its one K/V head not split); Qwen3 also under ``--quantize int8`` against transformers on the
+TP=1 and TP=2 on a mixed batch with a chunked prefill, a preemption and a prefix hit (the multi-query Llama's
+one K/V head replicated on both ranks); Qwen3 also under ``--quantize int8`` against transformers on the
 re-quantized weights."""
 
 from __future__ import annotations
@@ -85,12 +85,38 @@ def test_speculative_rows_match_transformers(family, runner):
 
 
 def test_tensor_parallel_2_matches_transformers(family, tmp_path):
+    """The multi-query Llama's one K/V head is on both ranks (replicated), each rank's query heads reading it."""
     name, path, prompts, ref = family
-    if name == "llama_mqa":  # its one K/V head is not replicated across ranks: the load says so
-        with pytest.raises(Exception, match="key/value heads \\(1\\) to be divisible by 2"):
-            run_family_tensor_parallel(path, prompts, str(tmp_path))
-        return
     assert_matches_reference(ref, prompts, run_family_tensor_parallel(path, prompts, str(tmp_path)))
+
+
+def test_key_value_heads_are_replicated_where_ranks_outnumber_them(tmp_path):
+    """Two K/V heads over four ranks: ranks 0 and 1 hold head 0, ranks 2 and 3 head 1, each beside the query
+    heads that read it (rank r's two of the eight); three K/V heads over two ranks neither split nor
+    replicate evenly, and the load says so."""
+    import torch
+    import transformers
+    from llmbus.workers.loader import CheckpointReader, read_config
+    from llmbus.workers.models.llama import LlamaForCausalLM
+
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=8,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    hf_config, reader = read_config(str(tmp_path)), CheckpointReader(str(tmp_path))
+    head_dim = 8
+    for rank in range(4):
+        model = LlamaForCausalLM.from_checkpoint(hf_config, reader, rank=rank, world_size=4, dtype=torch.float32,
+                                                 device=torch.device("cpu"))
+        assert model.num_local_kv_heads == 1
+        qkv = model.layers[0].attention.qkv(torch.eye(64)).T  # the fused projection's rows, however packed
+        queries, keys, values = qkv.split((2 * head_dim, head_dim, head_dim))
+        kv_rows = slice(rank // 2 * head_dim, (rank // 2 + 1) * head_dim)
+        assert torch.equal(queries, reader.read("model.layers.0.self_attn.q_proj.weight")[rank * 16:(rank + 1) * 16])
+        assert torch.equal(keys, reader.read("model.layers.0.self_attn.k_proj.weight")[kv_rows])
+        assert torch.equal(values, reader.read("model.layers.0.self_attn.v_proj.weight")[kv_rows])
+    with pytest.raises(ValueError, match=r"key/value heads \(3\) to divide it or be divisible by it"):
+        LlamaForCausalLM.from_checkpoint({**hf_config, "num_key_value_heads": 3, "num_attention_heads": 6}, reader,
+                                         rank=0, world_size=2, dtype=torch.float32, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("family", ["qwen3"], indirect=True)  # int8 on Qwen3 here, on the MoEs in test_family_moe

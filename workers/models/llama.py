@@ -277,7 +277,7 @@ class LlamaForCausalLM:
         self.vocab_per_rank = vocab_per_rank
         self.vocab_start = tp.rank * self.vocab_per_rank
         self.num_local_heads = config.num_heads // tp.world_size
-        self.num_local_kv_heads = config.num_kv_heads // tp.world_size
+        self.num_local_kv_heads = kv_heads_per_rank(config.num_kv_heads, tp.world_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings, device, config.partial_rotary_factor)
         self.max_position_embeddings = self.rotary.max_positions
@@ -349,11 +349,11 @@ class LlamaForCausalLM:
         fuse them; ``quantize`` (a form of ``quant.WEIGHT_FORMS``) and ``bf16_inputs`` as
         ``quant.compute_plan`` gives them (``weight_builder.py``)."""
         config = cls.make_config(hf_config)
-        if config.num_heads % world_size or config.num_kv_heads % world_size:
+        if config.num_heads % world_size or (config.num_kv_heads % world_size and world_size % config.num_kv_heads):
             raise ValueError(
                 f"tensor parallelism over {world_size} ranks needs the number of attention heads "
-                f"({config.num_heads}) and of key/value heads ({config.num_kv_heads}) to be divisible by "
-                f"{world_size}")
+                f"({config.num_heads}) to be divisible by {world_size}, and the number of key/value heads "
+                f"({config.num_kv_heads}) to divide it or be divisible by it")
         if config.intermediate_size % world_size:
             raise ValueError(f"tensor parallelism over {world_size} ranks needs intermediate_size "
                              f"({config.intermediate_size}) divisible by {world_size}")
@@ -384,7 +384,7 @@ class LlamaForCausalLM:
         return LlamaAttention(
             layer=i, qkv=build.column_parallel(_qkv_parts(build.reader, attn, config, world_size)),
             o_proj=o_proj, o_bias=o_bias,
-            num_heads=config.num_heads // world_size, num_kv_heads=config.num_kv_heads // world_size,
+            num_heads=config.num_heads // world_size, num_kv_heads=kv_heads_per_rank(config.num_kv_heads, world_size),
             head_dim=config.head_dim, tp=tp, q_norm=q_norm, k_norm=k_norm, scale=scale)
 
     @staticmethod
@@ -408,15 +408,26 @@ class LlamaForCausalLM:
             mlp=mlp_block)
 
 
-def _qkv_parts(reader, attn: str, config: DecoderConfig, world_size: int) -> list[tuple[str, int, int]]:
+def kv_heads_per_rank(num_kv_heads: int, world_size: int) -> int:
+    """Key/value heads each rank holds: its share, or one where there are fewer heads than ranks (each then
+    replicated on ``world_size // num_kv_heads`` ranks, whose query heads all read it)."""
+    return max(num_kv_heads // world_size, 1)
+
+
+def _qkv_parts(reader, attn: str, config: DecoderConfig, world_size: int) -> list[tuple[str, int, int, int]]:
     """This rank's query, key and value rows as ``WeightBuilder.column_parallel`` parts: from separate
-    q/k/v projections, or from the thirds of Phi-3's fused ``qkv_proj`` (query heads, then key, then value)."""
+    q/k/v projections, or from the thirds of Phi-3's fused ``qkv_proj`` (query heads, then key, then value).
+    Rank r's query heads all share key/value head ``r // ranks_per_kv_head`` when heads are replicated."""
     q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    q_rows, kv_rows = q_width // world_size, kv_width // world_size
+    kv_heads = kv_heads_per_rank(config.num_kv_heads, world_size)
+    q_rows, kv_rows = q_width // world_size, kv_heads * config.head_dim
+    ranks_per_kv_head = max(world_size // config.num_kv_heads, 1)
     if reader.has(attn + "qkv_proj.weight"):
         fused = attn + "qkv_proj"
-        return [(fused, q_rows, 0), (fused, kv_rows, q_width), (fused, kv_rows, q_width + kv_width)]
-    return [(attn + "q_proj", q_rows, 0), (attn + "k_proj", kv_rows, 0), (attn + "v_proj", kv_rows, 0)]
+        return [(fused, q_rows, 0, 1), (fused, kv_rows, q_width, ranks_per_kv_head),
+                (fused, kv_rows, q_width + kv_width, ranks_per_kv_head)]
+    return [(attn + "q_proj", q_rows, 0, 1), (attn + "k_proj", kv_rows, 0, ranks_per_kv_head),
+            (attn + "v_proj", kv_rows, 0, ranks_per_kv_head)]
 
 
 def _gate_up_parts(reader, mlp: str, intermediate_size: int, world_size: int) -> list[tuple[str, int, int]]:
