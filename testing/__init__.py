@@ -17,8 +17,8 @@ message, for the golden bytes).
 
 from llmbus.testing.http import (all_blocks_free, get, metrics, parse_exposition, post, sse_events, stream,
                                  wait_for_metrics)
-from llmbus.testing.server import LineReader, Server, free_port, rank_pids
+from llmbus.testing.server import LineReader, Server, free_port, rank_pids, stop_all
 from llmbus.testing.supervisor_socket import SupervisorSocket
 
 __all__ = ["LineReader", "Server", "SupervisorSocket", "all_blocks_free", "free_port", "get", "metrics",
-           "parse_exposition", "post", "rank_pids", "sse_events", "stream", "wait_for_metrics"]
+           "parse_exposition", "post", "rank_pids", "sse_events", "stop_all", "stream", "wait_for_metrics"]

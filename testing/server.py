@@ -90,6 +90,7 @@ class Server:
         self.stop_timeout = stop_timeout
         self.pids: list[int] = []
         self.leftover: list[int] = []
+        self.terminated = False
         print(f"server: {self.command_line}", flush=True)
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE,
@@ -116,10 +117,16 @@ class Server:
         if exc_type is not None:  # the server's side of the story
             print("last server log lines:\n" + "\n".join(self.stderr.lines[-25:]), file=sys.stderr)
 
+    def terminate(self) -> None:
+        """SIGTERM, without waiting (``stop`` waits): what ``stop_all`` sends every server first."""
+        if self.proc.poll() is None and not self.terminated:
+            self.pids = list(dict.fromkeys([*self.pids, self.proc.pid, *descendants(self.proc.pid)]))
+            self.proc.send_signal(signal.SIGTERM)  # once: a second would be an impatient user's
+            self.terminated = True
+
     def stop(self, timeout: float | None = None) -> int:
-        self.pids = list(dict.fromkeys([*self.pids, self.proc.pid, *descendants(self.proc.pid)]))
+        self.terminate()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(self.stop_timeout if timeout is None else timeout)
             except subprocess.TimeoutExpired:
@@ -135,6 +142,14 @@ class Server:
     def log_lines(self, *needles: str) -> list[str]:
         """Server stderr lines containing any of ``needles`` (case-insensitive)."""
         return [line for line in self.stderr.lines if any(n.lower() in line.lower() for n in needles)]
+
+
+def stop_all(servers) -> list[int]:
+    """Each server's exit status, the servers stopping side by side rather than one after another."""
+    servers = list(servers)
+    for server in servers:
+        server.terminate()
+    return [server.stop() for server in servers]
 
 
 def rank_pids(server: Server) -> list[int]:

@@ -45,7 +45,7 @@ def servers(model_dir, tmp_path_factory):
     when first asked)."""
     from openai import OpenAI
 
-    from llmbus.testing import Server
+    from llmbus.testing import Server, stop_all
 
     started, clients = [], {}
 
@@ -60,8 +60,8 @@ def servers(model_dir, tmp_path_factory):
         return clients[family, flags]
 
     yield client
-    for server in started:
-        assert server.stop() == 0, server.stderr.text[-3000:]
+    for server, status in zip(started, stop_all(started)):
+        assert status == 0, server.stderr.text[-3000:]
 
 
 def ask(sdk, **kwargs):

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 
-from llmbus.testing import Server
+from llmbus.testing import Server, stop_all
 from llmbus.testing.http import all_blocks_free, get, metrics, post, wait_for_metrics
 from llmbus.testing.tiny_prompts import QUESTIONS, SYSTEM
 
@@ -37,8 +37,8 @@ def servers(tiny_model_dir):
             started[name] = Server(["--model-id", str(tiny_model_dir), *COMMON, *args])
         yield started
     finally:
-        for srv in started.values():
-            assert srv.stop() == 0, srv.stderr.text[-3000:]
+        for srv, status in zip(started.values(), stop_all(started.values())):
+            assert status == 0, srv.stderr.text[-3000:]
 
 
 def generate(server, prompt: str, max_new_tokens: int = MAX_NEW, **params) -> dict:
