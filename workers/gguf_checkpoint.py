@@ -1,10 +1,10 @@
 """Reading a GGUF file's weights by their Hugging Face names, a tensor-parallel slice at a time.
 
 The same interface as ``loader.CheckpointReader`` (``names``, ``has``, ``shape``, ``read``, ``read_rows``,
-``read_cols``), over ``gguf.GGUFReader``'s memory map: a rank touches only the rows or the column blocks
-it asks for. Quantized tensors come back dequantized to float32 by ``gguf.quants.dequantize``, or, through
-``read_quantized``, as their raw blocks (``GGUFRaw``) for the types llmbus computes with directly (Q8_0,
-Q4_0, Q4_1: ``workers/quant.py``).
+``read_cols``), over the file's memory map (``gguf_index.py``: GGUFReader's layout without its eager
+metadata): a rank touches only the rows or the column blocks it asks for. Quantized tensors come back
+dequantized to float32 by ``gguf.quants.dequantize``, or, through ``read_quantized``, as their raw blocks
+(``GGUFRaw``) for the types llmbus computes with directly (Q8_0, Q4_0, Q4_1: ``workers/quant.py``).
 
 Families whose llama.cpp layout differs from Hugging Face's are read into the names the native models load:
 Qwen3-MoE's stacked experts (``ffn_*_exps``, one 3-D tensor per layer) as one matrix per expert, Phi-3's
@@ -90,6 +90,19 @@ def open_gguf(path: str | Path):
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
+def open_gguf_index(path: str | Path):
+    """The file's header as a rank reads it: ``gguf_index.GGUFIndex`` (values decoded when read), or
+    GGUFReader for the files the index leaves to it. Both give ``fields`` and ``tensors`` alike."""
+    from llmbus.workers.gguf_index import GGUFHeaderError, GGUFIndex, readable_here
+
+    try:
+        if not readable_here(path):
+            return open_gguf(path)
+        return GGUFIndex(path)
+    except (GGUFHeaderError, OSError) as e:
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
 def field_value(reader, key: str, default=None):
     """A metadata value of the file (a number, a string, a list), or ``default`` when it has none."""
     field = reader.fields.get(key)
@@ -171,7 +184,7 @@ class GGUFCheckpointReader:
         import gguf
 
         self.path = str(path)
-        self._reader = open_gguf(path)
+        self._reader = open_gguf_index(path)
         self.summary = check_servable(self._reader, path)
         self._gguf = gguf
         arch = self.summary["architecture"]

@@ -245,3 +245,41 @@ def test_rope_scaling_metadata(tiny_model_dir, tmp_path):
         "llama.rope.scaling.type": ("yarn", string), "llama.rope.scaling.factor": (4.0, number)})
     with pytest.raises(ModelNotFound, match=r"yarn.gguf: RoPE scaling 'yarn' is not supported"):
         resolve_model(str(yarn))
+
+
+def _same_as_gguf_reader(path: Path) -> int:
+    """GGUFIndex against gguf.GGUFReader on one file: every metadata value, the tensor table, and each
+    tensor's data view (dtype, shape, bytes); returns the number of tensors compared."""
+    from llmbus.workers.gguf_index import GGUFIndex
+
+    index, reader = GGUFIndex(path), gguf.GGUFReader(path)
+    keys = [k for k in reader.fields if not k.startswith("GGUF.")]  # GGUFReader's own header entries
+    assert list(index.fields) == keys
+    assert all(index.fields[k].contents() == reader.fields[k].contents() for k in keys)
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert (ours.tensor_type, list(ours.shape), ours.n_elements, ours.n_bytes) == (
+            theirs.tensor_type, list(theirs.shape), theirs.n_elements, theirs.n_bytes), ours.name
+        assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape, ours.name
+        assert np.array_equal(ours.data, theirs.data), ours.name
+    return len(index.tensors)
+
+
+def test_the_ranks_header_index_reads_what_gguf_reads(gguf_dir):
+    """Every tensor type's file, the K-quant fixture and SmolLM2's (49k-token tokenizer arrays of strings
+    and numbers, a Q8_0 embedding beside Q4_1 matrices)."""
+    from llmbus.supervisor.weights import smollm2_gguf
+
+    files = [gguf_dir / f"tiny-{kind}.gguf" for kind in TYPES] + [K_QUANT_FIXTURE]
+    if smollm2_gguf() is not None:
+        files.append(Path(smollm2_gguf()))
+    assert all(_same_as_gguf_reader(path) > 0 for path in files)
+
+
+def test_a_rank_given_a_damaged_file_names_it(gguf_dir, tmp_path):
+    whole = (gguf_dir / "tiny-Q8_0.gguf").read_bytes()
+    for name, data in (("truncated.gguf", whole[: len(whole) - 100]), ("header-cut.gguf", whole[:300]),
+                       ("corrupt.gguf", b"GGUF\x03\x00\x00\x00" + os.urandom(4096))):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(GGUFError, match=f"{name}: not a readable GGUF file"):
+            GGUFCheckpointReader(tmp_path / name)
