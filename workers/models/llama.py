@@ -247,10 +247,17 @@ class LlamaDecoderLayer:
         self.input_norm, self.attention = input_norm, attention
         self.post_attention_norm, self.mlp = post_attention_norm, mlp
 
-    def __call__(self, hidden, cos, sin, backend, kv_cache, meta):
-        attended = self.attention(self.input_norm(hidden), cos, sin, backend, kv_cache, meta)
-        normed, hidden = self.post_attention_norm.add_and_norm(hidden, attended)
-        return hidden + self.mlp(normed)
+    def __call__(self, residual, pending, cos, sin, backend, kv_cache, meta):
+        """(the residual stream, this layer's MLP output not yet added to it). The add is left to the next
+        layer's input norm, which on a GPU does it in the norm's own kernel (``RMSNorm.add_and_norm``), as
+        the post-attention norm does the attention's; ``pending`` is the layer before's (None: the first)."""
+        if pending is None:
+            normed = self.input_norm(residual)
+        else:
+            normed, residual = self.input_norm.add_and_norm(residual, pending)
+        attended = self.attention(normed, cos, sin, backend, kv_cache, meta)
+        normed, residual = self.post_attention_norm.add_and_norm(residual, attended)
+        return residual, self.mlp(normed)
 
 
 class LlamaForCausalLM:
@@ -330,9 +337,10 @@ class LlamaForCausalLM:
         return self.finish_logits(logits[:, : self.config.vocab_size].float())
 
     def run_layers(self, hidden, positions, cos, sin, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        pending = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, self.attention_backend, kv_cache, meta)
-        return hidden
+            hidden, pending = layer(hidden, pending, cos, sin, self.attention_backend, kv_cache, meta)
+        return hidden if pending is None else hidden + pending
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
