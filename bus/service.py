@@ -210,5 +210,5 @@ def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int 
         code = 1
     finally:
         ignore_stop_signals()
-        zmq_ctx.destroy(linger=2000)
+        zmq_ctx.destroy()  # each socket's own LINGER: long only where a last message must get out
     return code

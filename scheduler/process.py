@@ -474,7 +474,15 @@ class SchedulerService:
                 send(sock, m.EngineDead(reason=reason), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            sock.setsockopt(zmq.LINGER, 2000)
+        self.let_last_events_out()
+
+    def let_last_events_out(self) -> None:
+        """Before the sockets close: a running frontend's last events (final tokens, a death notice) get two
+        seconds to leave, a frontend that has exited none: the heartbeats queued for it would only hold the
+        close for the whole linger (2 s of every stop, the frontend stopping first)."""
+        for frontend_id, sock in self.frontends.items():
+            pid = self.frontend_pids.get(frontend_id)
+            sock.setsockopt(zmq.LINGER, 0 if pid is not None and not process_alive(pid) else 2000)
 
     # ------------------------------------------------------------------ main loop
 
@@ -576,6 +584,7 @@ def run_scheduler(cfg: SchedulerProcessConfig) -> int:
             service.wait_for_workers()
             ctx.ready(f"{service.kv_info[0]} KV blocks of {service.kv_info[1]} tokens")
             service.loop()
+            service.let_last_events_out()
             service.ranks.shutdown("scheduler stopped")
         except EngineFailure as e:
             service.fail_everything(str(e))

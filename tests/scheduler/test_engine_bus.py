@@ -192,3 +192,25 @@ def test_lost_ranks_are_restarted_and_requests_resume_until_a_crash_loop(engine)
     assert isinstance(ev, m.EngineDead) and "giving up" in ev.reason and "worker rank 0" in ev.reason, ev
     assert procs[0].wait(30) == 1  # the scheduler exits non-zero so a supervisor tears everything down
     fe.close()
+
+
+def test_events_for_a_frontend_that_exited_do_not_hold_the_schedulers_exit():
+    """At exit a running frontend's sockets linger (its last tokens must get out), an exited one's do not: the
+    heartbeats queued for it would hold the scheduler's close for the whole linger, at every stop."""
+    from types import SimpleNamespace
+
+    import zmq
+
+    from llmbus.scheduler.process import SchedulerService
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    ctx = zmq.Context()
+    try:
+        sockets = {name: ctx.socket(zmq.PUSH) for name in ("running", "exited", "remote")}
+        service = SimpleNamespace(frontends=sockets, frontend_pids={"running": os.getpid(), "exited": exited.pid})
+        SchedulerService.let_last_events_out(service)  # "remote": over tcp, no pid known
+        assert {name: sock.getsockopt(zmq.LINGER) for name, sock in sockets.items()} == {
+            "running": 2000, "exited": 0, "remote": 2000}
+    finally:
+        ctx.destroy(linger=0)
