@@ -13,8 +13,8 @@ from llmbus.testing import Server
 from llmbus.testing.http import metrics, post, wait_for_metrics
 
 POEM = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
-NEW_TOKENS = 240
-FREE, REPEATING = slice(0, 60), slice(120, NEW_TOKENS)  # where the output is free, and where it repeats
+NEW_TOKENS = 180
+FREE, REPEATING = slice(0, 60), slice(100, NEW_TOKENS)  # where the output is free, and where it repeats
 OLD_BRAKE = 24 + 4  # the most a request guessed under the old rule (it stopped for good after 24 guesses)
 
 
