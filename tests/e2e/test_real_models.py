@@ -26,11 +26,18 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "Numbers: 1 2
 MAX_NEW = 10
 
 
-def serve(args: list[str]) -> Server:
-    return Server([*args, "--max-total-tokens", "256", "--max-input-tokens", "128", "--num-blocks", "128"])
+def serve(args: list[str], env: dict[str, str] | None = None) -> Server:
+    return Server([*args, "--max-total-tokens", "256", "--max-input-tokens", "128", "--num-blocks", "128"], env=env)
 
 
 # -- a GGUF written by the gguf package --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory) -> dict[str, str]:
+    """A server's environment that keeps the model folder it builds from this module's GGUF (a new file, so a
+    new folder, every run) among the test's temporary files rather than in the user's cache."""
+    return {"LLMBUS_CACHE": str(tmp_path_factory.mktemp("llmbus-cache"))}
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +46,13 @@ def q4_gguf(tiny_model_dir, tmp_path_factory) -> Path:
                       overrides={"token_embd.weight": "Q8_0", "blk.0.attn_v.weight": "F16"})
 
 
-def test_gguf_served_in_float32_equals_transformers_on_the_file(q4_gguf):
+def test_gguf_served_in_float32_equals_transformers_on_the_file(q4_gguf, gguf_cache):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with transformers_reads_cached():
         model = AutoModelForCausalLM.from_pretrained(str(q4_gguf.parent), gguf_file=q4_gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(q4_gguf.parent), gguf_file=q4_gguf.name)
-    server = serve(["--model-id", str(q4_gguf), "--dtype", "float32"])
+    server = serve(["--model-id", str(q4_gguf), "--dtype", "float32"], gguf_cache)
     try:
         for prompt in PROMPTS:
             assert served_greedy(server, prompt, MAX_NEW) == greedy_reference(model, tokenizer, prompt, MAX_NEW), prompt
@@ -58,8 +65,8 @@ def test_gguf_served_in_float32_equals_transformers_on_the_file(q4_gguf):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_gguf_kept_quantized_in_bf16_serves_and_streams(q4_gguf, ranks):
-    server = serve(["--model-id", str(q4_gguf), "--dtype", "bfloat16", "--gpus", str(ranks)])
+def test_gguf_kept_quantized_in_bf16_serves_and_streams(q4_gguf, gguf_cache, ranks):
+    server = serve(["--model-id", str(q4_gguf), "--dtype", "bfloat16", "--gpus", str(ranks)], gguf_cache)
     try:
         body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 8, "ignore_eos_token": True}}
         status, _, whole = post(f"{server.url}/generate", {**body, "parameters": {**body["parameters"],
