@@ -149,7 +149,7 @@ class SchedulerConfig:
     speculate_max_batch: int = 16  # speculate only in steps with at most this many decodes
     speculate_method: str = "ngram"  # "draft": guesses left to the ranks' draft model (DRAFT_GUESS)
     # The bounds of these values are checked where they are set: the scheduler's declared settings
-    # (scheduler/process.py, SchedulerProcessConfig).
+    # (scheduler/config.py, SchedulerProcessConfig).
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from llmbus.bus.rundir import Endpoints
 from llmbus.bus.settings import declared_setting, problems
 from llmbus.frontend.config import FrontendConfig, input_total_problem
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
-from llmbus.scheduler.process import SchedulerProcessConfig
+from llmbus.scheduler.config import SchedulerProcessConfig
 from llmbus.supervisor.plan import LaunchPlan, ResolvedLaunch, build_plan
 from llmbus.supervisor.settings import service_settings, up_options, up_settings
 from llmbus.supervisor.weights import served_model_id

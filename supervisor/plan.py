@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from llmbus.bus.rundir import Endpoints
 from llmbus.bus.service import ENV_JSON_LOGS
 from llmbus.frontend.config import FrontendConfig
-from llmbus.scheduler.process import SchedulerProcessConfig
+from llmbus.scheduler.config import SchedulerProcessConfig
 from llmbus.supervisor.launcher import STARTUP_TIMEOUT_S, ProcessSpec
 from llmbus.workers.process import WorkerConfig
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from llmbus.bus.rundir import ENV_RUN_DIR
 from llmbus.bus.settings import Declared, click_options, declared, offered, setting
 from llmbus.frontend.config import FrontendConfig
-from llmbus.scheduler.process import SchedulerProcessConfig
+from llmbus.scheduler.config import SchedulerProcessConfig
 from llmbus.workers.process import WorkerConfig
 
 SERVICES = (SchedulerProcessConfig, WorkerConfig, FrontendConfig)

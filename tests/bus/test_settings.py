@@ -15,7 +15,7 @@ from llmbus.bus.service import ENV_JSON_LOGS
 from llmbus.bus.settings import SettingsError, declared
 from llmbus.frontend.__main__ import from_args as frontend_from_args
 from llmbus.frontend.config import FrontendConfig
-from llmbus.scheduler.process import SchedulerProcessConfig
+from llmbus.scheduler.config import SchedulerProcessConfig
 from llmbus.supervisor import cli, weights
 from llmbus.supervisor.plan import build_plan
 from llmbus.supervisor.settings import SERVICES
