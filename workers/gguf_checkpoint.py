@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmbus.workers import gguf_dequant
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")
 # Types with a dequantizer here. Q8_0/Q4_0/Q4_1 can also stay quantized (KEPT_TYPES).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
@@ -253,13 +255,14 @@ class GGUFCheckpointReader:
     def _dequantize(self, name: str, data: np.ndarray) -> torch.Tensor:
         t = self._tensor(name)
         qtype = self._gguf.GGMLQuantizationType(t.tensor_type)
-        if qtype == self._gguf.GGMLQuantizationType.F32:
-            values = data.astype(np.float32, copy=True)
-        else:
-            values = self._gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False)
+        if qtype.name in ("F32", "F16") or qtype.name in gguf_dequant.IMPLEMENTED:
+            values = gguf_dequant.dequantize(data, qtype.name)
+        else:  # a type llmbus has no torch dequantizer for: gguf-py's numpy one
+            values = torch.from_numpy(np.ascontiguousarray(
+                self._gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False)))
         if self._norms_plus_one and name.endswith("norm.weight"):
             values = values - 1
-        return torch.from_numpy(np.ascontiguousarray(values))
+        return values
 
     def read(self, name: str) -> torch.Tensor:
         return self.read_rows(name, 0, self.shape(name)[0])
