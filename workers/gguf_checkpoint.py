@@ -3,8 +3,9 @@
 The same interface as ``loader.CheckpointReader`` (``names``, ``has``, ``shape``, ``read``, ``read_rows``,
 ``read_cols``), over the file's memory map (``gguf_index.py``: GGUFReader's layout without its eager
 metadata): a rank touches only the rows or the column blocks it asks for. Quantized tensors come back
-dequantized to float32 by ``gguf.quants.dequantize``, or, through ``read_quantized``, as their raw blocks
-(``GGUFRaw``) for the types llmbus computes with directly (Q8_0, Q4_0, Q4_1: ``workers/quant.py``).
+dequantized to float32 (``gguf_dequant.py``: gguf's numpy arithmetic, in torch), or, through
+``read_quantized``, as their raw blocks (``GGUFRaw``) for the types llmbus computes with directly (Q8_0, Q4_0,
+Q4_1: ``workers/quant.py``).
 
 Families whose llama.cpp layout differs from Hugging Face's are read into the names the native models load:
 Qwen3-MoE's stacked experts (``ffn_*_exps``, one 3-D tensor per layer) as one matrix per expert, Phi-3's
