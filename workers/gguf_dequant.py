@@ -17,9 +17,6 @@ import torch
 
 QK_K = 256  # weights in a K-quant super-block
 _CHUNK_WEIGHTS = 1 << 21
-# GGMLQuantizationType name -> (weights per block, bytes per block), as gguf.GGML_QUANT_SIZES has them
-_SIZES = {"BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
-          "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -122,7 +119,9 @@ def dequantize(data: np.ndarray, qtype_name: str) -> torch.Tensor:
         return torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
     if qtype_name == "F16":
         return torch.from_numpy(np.asarray(data, dtype=np.float16).astype(np.float32))
-    block_size, type_size = _SIZES[qtype_name]
+    import gguf  # on use, as gguf_checkpoint imports it: 0.13 s that a safetensors model never needs
+
+    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype_name]]
     shape = data.shape[:-1] + (data.shape[-1] // type_size * block_size,)
     # the file's memory map is read-only and torch warns on read-only arrays; a copy of the blocks costs a
     # fraction of the float32 output they become
