@@ -37,3 +37,16 @@ def generate(server, prompt: str, max_new_tokens: int = MAX_NEW, **params):
 
 def ids_of(body) -> list[int]:
     return [t["id"] for t in body["details"]["tokens"]]
+
+
+def greedy_matches_reference(server, reference) -> list[tuple[dict, dict]]:
+    """Each of PROMPTS served greedily: its tokens are ``reference``'s (transformers') up to where it stopped,
+    a short answer ended by EOS and a whole one by the length. Returns each answer's (body, headers)."""
+    answers = []
+    for prompt in PROMPTS:
+        body, headers = generate(server, prompt)
+        got = ids_of(body)
+        assert got == reference(prompt)[:len(got)], prompt
+        assert body["details"]["finish_reason"] == ("length" if len(got) == MAX_NEW else "eos_token"), prompt
+        answers.append((body, headers))
+    return answers

@@ -11,7 +11,7 @@ import pytest
 
 from llmbus.testing import Server
 from llmbus.testing.http import all_blocks_free, wait_for_metrics
-from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of, tiny_server_args
+from llmbus.testing.tiny_prompts import PROMPTS, generate, greedy_matches_reference, ids_of, tiny_server_args
 
 FED_LOG = "its tokens fed on the device"
 
@@ -24,11 +24,7 @@ def server(tiny_model_dir):
 
 
 def test_greedy_fed_on_the_device_matches_transformers(server, reference):
-    for prompt in PROMPTS:
-        body, _ = generate(server, prompt)
-        got = ids_of(body)
-        assert got == reference(prompt)[:len(got)], prompt
-        assert len(got) == MAX_NEW or body["details"]["finish_reason"] == "eos_token"
+    greedy_matches_reference(server, reference)
     assert server.log_lines(FED_LOG), "no step was fed on the device"
 
 
