@@ -256,7 +256,7 @@ class GGUFCheckpointReader:
     def _dequantize(self, name: str, data: np.ndarray) -> torch.Tensor:
         t = self._tensor(name)
         qtype = self._gguf.GGMLQuantizationType(t.tensor_type)
-        if qtype.name in ("F32", "F16") or qtype.name in gguf_dequant.IMPLEMENTED:
+        if qtype.name in gguf_dequant.IMPLEMENTED:
             values = gguf_dequant.dequantize(data, qtype.name)
         else:  # a type llmbus has no torch dequantizer for: gguf-py's numpy one
             values = torch.from_numpy(np.ascontiguousarray(

@@ -109,7 +109,7 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 _DEQUANTIZE = {"BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
                "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
-IMPLEMENTED = tuple(_DEQUANTIZE)
+IMPLEMENTED = ("F32", "F16", *_DEQUANTIZE)  # what ``dequantize`` takes
 
 
 def dequantize(data: np.ndarray, qtype_name: str) -> torch.Tensor:
