@@ -19,6 +19,7 @@ draft model) take the other way: answer first, then feed the token from the host
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -460,9 +461,7 @@ class Worker:
             return None
         else:
             launched = self.launched[1]
-        starts = [0]
-        for seq in seqs:
-            starts.append(starts[-1] + len(seq.token_ids))
+        starts = list(itertools.accumulate((len(seq.token_ids) for seq in seqs), initial=0))
         rows, rids = [], []
         for i in fed:
             seq = seqs[i]
