@@ -28,6 +28,7 @@ from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
+from llmbus.workers.lora import StepAdapters, attach_adapters
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
                                           out_of_memory_reason)
 from llmbus.workers.sampling import has_penalties, sample
@@ -68,6 +69,7 @@ class SeqInput:
     # positions is sampled, and the guesses are kept up to the first one its position's sample disagrees
     # with, then that sample (scheduler/speculation.py).
     num_spec: int = 0
+    adapter: str = ""  # the LoRA adapter this sequence runs with (a name of lora_names); "": the base model
 
 
 def out_of_memory_step(reason: str, rank: int) -> StepOutput | None:
@@ -97,10 +99,11 @@ class ModelRunner:
                  quantize: str | None = None, kv_cache_dtype: torch.dtype | None = None,
                  trust_remote_code: bool = False, watermark_gamma: float | None = None,
                  watermark_delta: float | None = None, attention_backend: str = "auto",
-                 cuda_graphs: tuple[int, ...] = ()):
+                 cuda_graphs: tuple[int, ...] = (), lora_adapters: tuple[tuple[str, str], ...] = ()):
         """``cuda_graphs``: decode batch sizes to capture as CUDA graphs at warmup (``cuda_graphs.py``; on
         CUDA, with an attention backend that can be captured; sizes above ``max_batch_prefill_tokens`` are
-        left out)."""
+        left out). ``lora_adapters``: (name, local PEFT LoRA folder) each, loaded on every rank, this rank's
+        slice of each (``lora.py``; ``lora.LoraError`` for one that cannot be served)."""
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
@@ -115,6 +118,7 @@ class ModelRunner:
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
                                 attention_backend=attention_backend)
+        self._adapter_index = attach_adapters(self.model, lora_adapters)  # name -> index
         # What the model computes in: the weights' ``dtype``, or float32 over bfloat16 weights
         # (quant.compute_plan).
         self.dtype = self.model.dtype
@@ -181,6 +185,11 @@ class ModelRunner:
         return PagedKVCache(num_blocks=num_blocks, device=self.device, compute_dtype=self.dtype, **self._kv_layout)
 
     @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters loaded, in the order given."""
+        return list(self._adapter_index)
+
+    @property
     def compute_paths(self) -> dict:
         """Which attention backend runs, and whether small decode steps take the fused C layer (for the log)."""
         backend = getattr(self.model, "attention_backend", None)
@@ -203,7 +212,10 @@ class ModelRunner:
             if seq.num_computed + n > len(seq.block_table) * self.block_size:
                 raise ValueError(f"{seq.rid}: {len(seq.block_table)} blocks of {self.block_size} cannot hold "
                                  f"{seq.num_computed + n} tokens")
-        if logits_index is None and kv_cache is self.kv_cache and self.graphs is not None and self.graphs.applies(seqs):
+        adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device)
+        # A graph replays the base weights' kernels only: a step with adapter rows runs eagerly.
+        if (adapters is None and logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
+                and self.graphs.applies(seqs)):
             return self.graphs.forward(seqs, feed)
         input_ids = fed_ids((s.token_ids for s in seqs), feed, self.device)
         meta = self.model.attention_backend.build_metadata(
@@ -213,7 +225,9 @@ class ModelRunner:
             last_rows = list(itertools.accumulate(query_lens))
             logits_index = to_device([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample], torch.long,
                                      self.device)
-        return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
+        if adapters is None:
+            return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
+        return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -121,9 +121,7 @@ class WeightBuilder:
         already fused in the checkpoint, as Phi-3's ``qkv_proj``), each cut to this rank's shard and stacked in
         order. A shard is one rank's unless ``ranks_per_shard`` ranks hold it alike: the key/value heads of a
         model with fewer of them than ranks (multi-query) are replicated, as vLLM does."""
-        spans = [(part[0], offset + shard * part[1], offset + (shard + 1) * part[1])
-                 for part in parts for offset, shard in [(part[2] if len(part) > 2 else 0,
-                                                          self.rank // (part[3] if len(part) > 3 else 1))]]
+        spans = self.row_spans(parts)
         names = [f"{p}.weight" for p, _, _ in spans]
         kept = None
         if self.keep_quantized:
@@ -138,9 +136,21 @@ class WeightBuilder:
                             lambda: torch.cat([self.reader.read_rows(n, a, b) for n, (_, a, b) in zip(names, spans)]),
                             bias)
 
+    def row_spans(self, parts: list[tuple]) -> list[tuple[str, int, int]]:
+        """``(prefix, first row, stop row)`` of each of ``column_parallel``'s ``parts`` on this rank, in the order
+        they are stacked (a LoRA adapter's B matrices are cut alike, workers/lora.py)."""
+        return [(part[0], offset + shard * part[1], offset + (shard + 1) * part[1])
+                for part in parts for offset, shard in [(part[2] if len(part) > 2 else 0,
+                                                         self.rank // (part[3] if len(part) > 3 else 1))]]
+
+    def column_span(self, prefix: str, per_rank: int) -> tuple[str, int, int]:
+        """``(prefix, first column, stop column)`` of ``row_parallel``'s slice of ``prefix`` on this rank."""
+        return prefix, self.rank * per_rank, (self.rank + 1) * per_rank
+
     def row_parallel(self, prefix: str, per_rank: int) -> tuple[object, torch.Tensor | None]:
         """(projection over this rank's input columns, the bias to add once after the all-reduce)."""
-        name, start, stop = f"{prefix}.weight", self.rank * per_rank, (self.rank + 1) * per_rank
+        _, start, stop = self.column_span(prefix, per_rank)
+        name = f"{prefix}.weight"
         kept = None
         # A rank's columns that are not whole blocks of the file's quantization are expanded instead (the
         # tiny test model's 352-wide MLP over 2 ranks: 176 columns each, blocks of 32).

@@ -15,7 +15,8 @@ What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
   (``gelu_pytorch_tanh``); logits are soft-capped (``tanh(x / cap) * cap``) when
   ``final_logit_softcapping`` is set.
 
-The fused CPU decode layer (decode_layer.c) computes Llama's layer, so Gemma 3 runs the torch layers.
+The fused CPU decode layer (decode_layer.c) computes Llama's layer, so Gemma 3 runs the torch layers. Its
+attention and MLP are Llama's classes, so LoRA adapters reach them as they reach Llama's (``lora.py``).
 Attention-logit soft-capping and bidirectional attention (not used by Gemma 3's text models) are refused.
 """
 

@@ -18,6 +18,9 @@ routed mixture of experts (``moe.py``); and each layer's sliding window (Mistral
 Qwen2's and Qwen3's ``layer_types`` or ``use_sliding_window``/``max_window_layers``) is a mask term in
 the attention backend. Keys that slide out of a window keep their KV blocks until the request ends (the
 scheduler owns the blocks); they are only masked.
+
+LoRA adapters (``workers/lora.py``) add their deltas at the four projections' call sites, a row-parallel
+one's before its all-reduce; a step with adapter rows runs these torch layers, never the fused decode layer.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from llmbus.workers import gpu_ops
 from llmbus.workers.attention import AttentionMetadata, make_attention_backend
 from llmbus.workers.fused_decode import FusedDecodeLayers, fused_decode_applies
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.lora import ActiveAdapters, StepAdapters
 from llmbus.workers.models.moe import MoEConfig, build_sparse_moe
 from llmbus.workers.models.rotary import RotaryEmbedding
 from llmbus.workers.weight_builder import WeightBuilder
@@ -190,14 +194,20 @@ class RMSNorm:
 
 class LlamaAttention:
     """Fused column-parallel QKV, RoPE, paged attention, row-parallel output projection; optionally an
-    RMSNorm over each query and key head before RoPE (Qwen3's QK-norm)."""
+    RMSNorm over each query and key head before RoPE (Qwen3's QK-norm).
+
+    ``lora_sites``: for each projection (qkv, o_proj), the checkpoint parts this rank holds, as LoRA adapters
+    are cut to match (``workers/lora.py``, which sets ``qkv_lora``/``o_proj_lora`` where an adapter adds to
+    them)."""
 
     def __init__(self, *, layer: int, qkv, o_proj, o_bias, num_heads: int, num_kv_heads: int,
                  head_dim: int, tp: TensorParallel, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                 scale: float | None = None):
+                 scale: float | None = None, lora_sites: dict[str, list[tuple[str, int, int]]] | None = None):
         self.layer = layer
         self.qkv = qkv  # a Linear or a quant.QuantizedLinear: the projections only need __call__
         self.o_proj = o_proj
+        self.lora_sites = lora_sites or {}
+        self.qkv_lora = self.o_proj_lora = None
         self.o_bias = o_bias
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_width = (num_heads + num_kv_heads) * head_dim
@@ -208,6 +218,8 @@ class LlamaAttention:
     def __call__(self, hidden, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
         qkv = self.qkv(hidden)
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora(hidden, qkv)
         qk = qkv[:, :self.qk_width].view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
@@ -215,29 +227,42 @@ class LlamaAttention:
         # RoPE is the backend's: the Triton one rotates the keys as it writes them to the pool.
         attended = backend.forward_rotary(self.layer, qk, value, cos, sin, self.num_heads, kv_cache, meta,
                                           self.scale)
-        out = self.tp.all_reduce(self.o_proj(attended.reshape(num_tokens, -1)))
+        attended = attended.reshape(num_tokens, -1)
+        out = self.o_proj(attended)
+        if self.o_proj_lora is not None:  # this rank's partial delta, summed by the all-reduce as the base's is
+            out = self.o_proj_lora(attended, out)
+        out = self.tp.all_reduce(out)
         # The bias of a row-parallel layer is added once, after the reduction.
         return out + self.o_bias if self.o_bias is not None else out
 
 
 class LlamaMLP:
-    """SwiGLU (or GeGLU) with a fused column-parallel gate/up projection and a row-parallel down projection."""
+    """SwiGLU (or GeGLU) with a fused column-parallel gate/up projection and a row-parallel down projection.
+    ``lora_sites`` as ``LlamaAttention``'s, for gate_up and down."""
 
-    def __init__(self, *, gate_up, down, down_bias, tp: TensorParallel, hidden_act: str = "silu"):
+    def __init__(self, *, gate_up, down, down_bias, tp: TensorParallel, hidden_act: str = "silu",
+                 lora_sites: dict[str, list[tuple[str, int, int]]] | None = None):
         self.hidden_act, self.activation = hidden_act, ACTIVATIONS[hidden_act]
         self.gate_up = gate_up
         self.down = down
         self.down_bias = down_bias
         self.tp = tp
+        self.lora_sites = lora_sites or {}
+        self.gate_up_lora = self.down_lora = None
 
     def __call__(self, hidden):
         gate_up = self.gate_up(hidden)
+        if self.gate_up_lora is not None:
+            gate_up = self.gate_up_lora(hidden, gate_up)
         if self.hidden_act == "silu" and gpu_ops.available(gate_up):
             activated = gpu_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             activated = self.activation(gate).mul_(up)
-        out = self.tp.all_reduce(self.down(activated))
+        out = self.down(activated)
+        if self.down_lora is not None:  # before the all-reduce, as o_proj's
+            out = self.down_lora(activated, out)
+        out = self.tp.all_reduce(out)
         return out + self.down_bias if self.down_bias is not None else out
 
 
@@ -292,6 +317,7 @@ class LlamaForCausalLM:
         self.dtype = dtype
         self.device = device
         self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
+        self.active_adapters = ActiveAdapters()  # the step's LoRA rows, read by adapted projections (lora.py)
         # Small decode-only steps in one native call for all layers, where it applies (fused_decode.py).
         self.fused_decode = FusedDecodeLayers.for_model(self) if self.FUSED_DECODE else None
         if self.fused_decode is not None and self.fused_decode.takes_large_batches:
@@ -316,15 +342,23 @@ class LlamaForCausalLM:
         return self.tp.all_reduce(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor | None:
+                meta: AttentionMetadata, logits_index: torch.Tensor,
+                adapters: StepAdapters | None = None) -> torch.Tensor | None:
         """Run the flat batch ``input_ids [T]`` at ``positions [T]``; return float32 logits
-        ``[len(logits_index), vocab]`` of the rows ``logits_index`` on rank 0, None elsewhere.
+        ``[len(logits_index), vocab]`` of the rows ``logits_index`` on rank 0, None elsewhere. ``adapters``:
+        which rows get which LoRA adapter's deltas (lora.py).
 
         Every rank must call this with the same shapes (the collectives pair up)."""
         hidden = self.embed(input_ids).to(RESIDUAL_DTYPE)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        fused = self.fused_decode is not None and self.fused_decode.run(hidden, cos, sin, kv_cache, meta)
-        if not fused:
+        # The fused C layer reads the base weights directly and knows nothing of adapters: a step with adapter
+        # rows runs the torch layers, whose projections add the deltas.
+        fused = adapters is None and self.fused_decode is not None and self.fused_decode.run(hidden, cos, sin,
+                                                                                             kv_cache, meta)
+        if adapters is not None:
+            with self.active_adapters.serving(adapters):
+                hidden = self.run_layers(hidden, positions, cos, sin, kv_cache, meta)
+        elif not fused:
             hidden = self.run_layers(hidden, positions, cos, sin, kv_cache, meta)
         if logits_index.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32) if self.tp.rank == 0 else None
@@ -384,24 +418,28 @@ class LlamaForCausalLM:
     def build_attention(cls, build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel,
                         scale: float | None = None) -> LlamaAttention:
         attn, world_size = f"model.layers.{i}.self_attn.", tp.world_size
-        o_proj, o_bias = build.row_parallel(attn + "o_proj", config.num_heads // world_size * config.head_dim)
+        o_width = config.num_heads // world_size * config.head_dim
+        o_proj, o_bias = build.row_parallel(attn + "o_proj", o_width)
+        qkv_parts = _qkv_parts(build.reader, attn, config, world_size)
         q_norm, k_norm = (
             (cls.norm_class(build.vector(attn + "q_norm.weight"), config.rms_norm_eps),
              cls.norm_class(build.vector(attn + "k_norm.weight"), config.rms_norm_eps))
             if build.reader.has(attn + "q_norm.weight") else (None, None))
         return LlamaAttention(
-            layer=i, qkv=build.column_parallel(_qkv_parts(build.reader, attn, config, world_size)),
-            o_proj=o_proj, o_bias=o_bias,
+            layer=i, qkv=build.column_parallel(qkv_parts), o_proj=o_proj, o_bias=o_bias,
+            lora_sites={"qkv": build.row_spans(qkv_parts), "o_proj": [build.column_span(attn + "o_proj", o_width)]},
             num_heads=config.num_heads // world_size, num_kv_heads=kv_heads_per_rank(config.num_kv_heads, world_size),
             head_dim=config.head_dim, tp=tp, q_norm=q_norm, k_norm=k_norm, scale=scale)
 
     @staticmethod
     def build_dense_mlp(build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel) -> LlamaMLP:
-        mlp = f"model.layers.{i}.mlp."
-        down, down_bias = build.row_parallel(mlp + "down_proj", config.intermediate_size // tp.world_size)
+        mlp, width = f"model.layers.{i}.mlp.", config.intermediate_size // tp.world_size
+        down, down_bias = build.row_parallel(mlp + "down_proj", width)
+        gate_up_parts = _gate_up_parts(build.reader, mlp, config.intermediate_size, tp.world_size)
         return LlamaMLP(
-            gate_up=build.column_parallel(_gate_up_parts(build.reader, mlp, config.intermediate_size, tp.world_size)),
-            down=down, down_bias=down_bias, tp=tp, hidden_act=config.hidden_act)
+            gate_up=build.column_parallel(gate_up_parts), down=down, down_bias=down_bias, tp=tp,
+            hidden_act=config.hidden_act, lora_sites={"gate_up": build.row_spans(gate_up_parts),
+                                                      "down": [build.column_span(mlp + "down_proj", width)]})
 
     @classmethod
     def build_layer(cls, build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel,

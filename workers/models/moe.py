@@ -17,6 +17,9 @@ On one CPU rank the fused decode layer computes these blocks for the steps it ta
 ``routed_experts``: the same routing, grouping and order of sums, each expert's rows through the layer's
 GEMVs or tiled products), so a Mixtral or Qwen3-MoE step is one native call like a dense model's; this class
 is the reference and the path for everything else (GPUs, tensor parallelism, large float32 batches).
+
+LoRA adapters reach a MoE model's attention, and the dense MLP of a layer without experts, never the experts:
+``lora.py`` refuses an adapter of an expert's projections (this block has no ``lora_sites``).
 """
 
 from __future__ import annotations
