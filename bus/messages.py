@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 14  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 15  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -46,6 +46,8 @@ WIRE_VERSION = 14  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 # 13: WorkerReady.onednn_cache_capacity, StepResult.request_state, SchedulerStats' memory gauges (issue #36)
 # 14: steps scheduled ahead (overlap): SAMPLED_LAST in StepCommand.token_ids, StepCommand.ahead; a rank that
 #     took SAMPLED_LAST for a token id would compute garbage
+# 15: LoRA adapters (AddRequest.adapter, NewRequestData.adapter, WorkerReady/SchedulerHello.lora_adapters): a
+#     rank that ignored NewRequestData.adapter would answer with the base model
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -183,12 +185,12 @@ class AddRequest(Message):
     arrival_time: float = 0.0  # time.time() when the HTTP request arrived
     traceparent: str = ""  # W3C trace context of the request's span (tracing on), so the scheduler's span joins it
     grammar: Grammar | None = None  # constrained decoding; None: any token may follow
+    adapter: str = ""  # the LoRA adapter that computes this request (--lora-adapters' name); "": the base model
 
-
-    def problem(self, vocab_size: int) -> str | None:
+    def problem(self, vocab_size: int, lora_adapters: tuple[str, ...] | list[str] = ()) -> str | None:
         """What makes this request unsafe to take, or None: a rid outside its frontend's ids, or anything the
         ranks (which trust what they are given) cannot run. The frontend never sends such a request; any
-        other local process might. ``vocab_size`` 0: unknown."""
+        other local process might. ``vocab_size`` 0: unknown; ``lora_adapters``: the adapters the ranks hold."""
         if not self.rid.startswith(f"{self.frontend_id}-"):
             # rids are unique across frontends only through their prefix: one outside it could take the id
             # another frontend's next request will have, which would then fail as a duplicate
@@ -211,6 +213,8 @@ class AddRequest(Message):
             return "max_new_tokens must be >= 1 and stop token ids >= 0"
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
             return f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}"
+        if self.adapter and self.adapter not in lora_adapters:
+            return f"adapter {self.adapter!r} is not loaded (loaded: {', '.join(lora_adapters) or 'none'})"
         return None
 
 
@@ -286,6 +290,7 @@ class NewRequestData(Message):
     # AddRequest.grammar. Rank 0 rebuilds the grammar's state from the tokens after ``prompt_len`` that
     # it is given (cached_ids and prompt chunks), so a preempted request resumes where it was.
     grammar: Grammar | None = None
+    adapter: str = ""  # AddRequest.adapter: every rank adds this LoRA adapter's deltas to the request's rows
 
 
 register_nested("NewRequestData", "sampling", SamplingParams)
@@ -409,6 +414,7 @@ class WorkerReady(Message):
     attention_backend: str = ""  # the attention backend's name (workers.attention.BACKEND_CLASSES; "": none)
     # Entries each of oneDNN's two shape-keyed kernel caches may hold (--onednn-cache-capacity; 0: not a CPU rank)
     onednn_cache_capacity: int = 0
+    lora_adapters: list[str] = field(default_factory=list)  # names of the LoRA adapters loaded, in order
 
 
 @dataclass(slots=True)
@@ -446,6 +452,7 @@ class SchedulerHello(Message):
     dtype: str = ""
     attention_backend: str = ""
     devices: list[str] = field(default_factory=list)
+    lora_adapters: list[str] = field(default_factory=list)  # what AddRequest.adapter may name (/v1/models)
 
 
 @dataclass(slots=True)

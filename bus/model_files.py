@@ -82,3 +82,23 @@ def is_gguf_folder(model_dir: str | Path) -> bool:
 def gguf_source(model_dir: str | Path) -> dict:
     """The manifest of a folder made from a GGUF: ``path`` of the file, its ``file_type``, tensor types."""
     return json.loads((Path(model_dir) / GGUF_MANIFEST).read_text())
+
+
+def lora_entries(text: str | None) -> list[tuple[str, str]]:
+    """``--lora-adapters`` (TGI's form, comma-separated: ``id[@revision]`` or ``name=path``) as ``(name,
+    source)`` pairs: a ``name=path`` entry is served as ``name``, an ``id[@revision]`` as its id, and its
+    source keeps the revision. The workers get the resolved form, ``name=folder``, which reads the same
+    way. ValueError names a malformed entry (TGI's message) or a name given twice."""
+    entries: list[tuple[str, str]] = []
+    for raw in (text or "").split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        name, eq, source = entry.partition("=")
+        name, source = (name.strip(), source.strip()) if eq else (entry.split("@", 1)[0], entry)
+        if not name or not source or entry.count("@") > 1:
+            raise ValueError(f"Invalid LoRA adapter format: {entry}")
+        if any(name == seen for seen, _ in entries):
+            raise ValueError(f"LoRA adapter name `{name}` is given twice in --lora-adapters")
+        entries.append((name, source))
+    return entries

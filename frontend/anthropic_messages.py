@@ -77,9 +77,9 @@ def _usage(c: Choice) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _message(state: FrontendState, rid: str, content: list[dict], stop_reason, stop_sequence,
+def _message(state: FrontendState, c: Choice, rid: str, content: list[dict], stop_reason, stop_sequence,
              usage: dict) -> dict:
-    return {"id": rid, "type": "message", "role": "assistant", "model": state.config.model_id,
+    return {"id": rid, "type": "message", "role": "assistant", "model": state.answering_model(c.gen),
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
 
@@ -180,7 +180,7 @@ async def _stream(request: web.Request, state: FrontendState, c: Choice, chat: C
         nonlocal started
         started = True
         usage = _usage(c) | {"output_tokens": 0}
-        return _event({"type": "message_start", "message": _message(state, rid, [], None, None, usage)}) + PING
+        return _event({"type": "message_start", "message": _message(state, c, rid, [], None, None, usage)}) + PING
 
     try:
         await resp.prepare(request)
@@ -227,7 +227,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         return await _stream(request, state, choice, chat, rid)
     await run_all([choice.gen])
     content, called = _content(choice, chat)
-    return json_response(_message(state, rid, content, _stop_reason(choice, called), _matched_stop(choice),
+    return json_response(_message(state, choice, rid, content, _stop_reason(choice, called), _matched_stop(choice),
                                   _usage(choice)))
 
 

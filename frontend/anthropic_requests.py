@@ -273,6 +273,8 @@ def to_openai(body: dict, *, count_only: bool = False) -> dict:
         raise _bad("metadata", f"must be an object, not {_kind(metadata)}", "metadata")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise _bad("model", f"must be a string, not {_kind(body['model'])}", "model")
+    if body.get("model") is not None:
+        openai["model"] = body["model"]  # a LoRA adapter's name selects it, as on the OpenAI routes
     _output_format(body, openai)
     return openai
 

@@ -139,6 +139,11 @@ class EngineClient:
         self._health_check: asyncio.Future | None = None  # the check in flight, shared by concurrent callers
         self._next_check_id = 0
 
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters the ranks hold (SchedulerHello), by the names requests select them with."""
+        return self.hello.lora_adapters if self.hello is not None else []
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self, timeout_s: float) -> m.SchedulerHello:

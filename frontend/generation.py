@@ -139,7 +139,7 @@ class Generator:
         ``add_special_tokens=False`` for text that already carries them (a rendered chat template)."""
         self.acquire()
         try:
-            params = validate_parameters(inputs, parameters, self.limits)
+            params = validate_parameters(inputs, parameters, self.limits, adapters=self.engine.lora_adapters)
             ids = await self.tokenize(inputs, add_special_tokens)
             input_length, max_new = validate_lengths(len(ids), params.truncate, params.max_new_tokens,
                                                      self.limits)
@@ -250,7 +250,7 @@ class Generation:
                                       stop_token_ids=list(self.generator.tokenizer.eos_token_ids),
                                       ignore_eos=p.params.ignore_eos),
             prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time,
-            traceparent=tracing.current_traceparent(), grammar=p.params.grammar)
+            traceparent=tracing.current_traceparent(), grammar=p.params.grammar, adapter=p.params.adapter)
         self.timings.queued = time.monotonic()
         self._mailbox = await engine.submit(request)
 

@@ -185,7 +185,8 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
     stream = _get(body, "stream", "boolean", False)
     stream_options = _get(body, "stream_options", "object") or {}
     include_usage = _get(stream_options, "include_usage", "boolean", False)
-    _get(body, "model", "string")  # checked, not used: the served model answers whatever is named (as TGI)
+    # A loaded LoRA adapter's name selects it; any other name gets the base model (as TGI answers any)
+    p.model = _get(body, "model", "string")
     options = OpenAIOptions(n=n, stream=stream, include_usage=stream and include_usage, top_logprobs=None)
     return p, options
 

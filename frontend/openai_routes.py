@@ -108,8 +108,9 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _header(state: FrontendState, object_name: str, rid: str, created: int) -> dict:
-    return {"id": rid, "object": object_name, "created": created, "model": state.config.model_id,
+def _header(state: FrontendState, object_name: str, rid: str, created: int, choices: list[Choice]) -> dict:
+    """An answer's fields before its choices; ``model`` names the LoRA adapter that answered, if one did."""
+    return {"id": rid, "object": object_name, "created": created, "model": state.answering_model(choices[0].gen),
             "system_fingerprint": state.system_fingerprint}
 
 
@@ -388,7 +389,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     jobs = [Job(i, 0, prompt, _choice_params(chat.params, i), add_special_tokens=False)
             for i in range(chat.options.n)]
     choices = await prepare_choices(state, jobs, start, arrival, chat_format(state).markers)
-    header = _header(state, "chat.completion", _new_id("chatcmpl"), int(arrival))
+    header = _header(state, "chat.completion", _new_id("chatcmpl"), int(arrival), choices)
     if chat.options.stream:
         render = _ChatChunks({**header, "object": "chat.completion.chunk"}, chat.options, chat)
         return await _stream(request, state, choices, chat.options, render)
@@ -441,7 +442,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 echo=prompt if req.echo else "")
             for p, prompt in enumerate(req.prompts) for i in range(n)]
     choices = await prepare_choices(state, jobs, start, arrival)
-    header = _header(state, "text_completion", _new_id("cmpl"), int(arrival))
+    header = _header(state, "text_completion", _new_id("cmpl"), int(arrival), choices)
     if req.options.stream:
         return await _stream(request, state, choices, req.options, _CompletionChunks(header, req.options))
     await run_all([c.gen for c in choices])
@@ -450,9 +451,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    model_id = request.app[STATE].config.model_id
+    """The served model, then each LoRA adapter with the base as its ``parent`` (as vLLM lists them): a
+    client selects one by naming it as ``model``."""
+    state = request.app[STATE]
+    model_id = state.config.model_id
+    adapters = state.engine.lora_adapters if state.engine is not None else []
     return json_response({"object": "list", "data": [
-        {"id": model_id, "object": "model", "created": 0, "owned_by": model_id}]})
+        {"id": model_id, "object": "model", "created": 0, "owned_by": model_id},
+        *({"id": name, "object": "model", "created": 0, "owned_by": model_id, "parent": model_id}
+          for name in adapters)]})
 
 
 def setup_openai_routes(app: web.Application) -> None:

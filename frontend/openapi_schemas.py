@@ -160,7 +160,8 @@ def _generate_parameters() -> dict:
         "top_n_tokens": _t("integer", "Also return the n most likely alternatives at each step (at most "
                            "--max-top-n-tokens, default 5).", nullable=True, minimum=0, maximum=U32_MAX),
         "grammar": _maybe(ref("GrammarType")),
-        "adapter_id": _t("string", "LoRA adapter to use: none is served, so a non-empty one is refused (422).",
+        "adapter_id": _t("string", "LoRA adapter to compute with: a name from --lora-adapters (/v1/models "
+                         "lists them); one that is not loaded is refused (422). Unset: the base model.",
                          nullable=True),
         "ignore_eos_token": _t("boolean", "llmbus extension: do not stop at end-of-sequence tokens, so "
                                "every request generates exactly max_new_tokens (fixed-length benchmarks).",
@@ -269,8 +270,9 @@ def tgi_schemas() -> dict:
 def _openai_common(model_id: str) -> dict:
     """Fields /v1/chat/completions and /v1/completions share."""
     return {
-        "model": _t("string", f"Model name; echoed back. This server serves `{model_id}`.", nullable=True,
-                    example=model_id),
+        "model": _t("string", f"Model name. This server serves `{model_id}`; a LoRA adapter's name (from "
+                    "/v1/models) computes with that adapter and is echoed back, any other name gets the base "
+                    "model.", nullable=True, example=model_id),
         "max_tokens": _t("integer", "Most tokens to generate.", nullable=True, minimum=1),
         "temperature": _t("number", "Sampling temperature; 0 means greedy decoding. Unset: the server's "
                           "default (/info `sampling_defaults`: --default-temperature, else the model's "
@@ -425,7 +427,8 @@ def openai_schemas(model_id: str) -> dict:
         "CompletionChunk": _openai_envelope("text_completion", _obj(text_choice, ("index", "text")),
                                             usage_nullable=True),
         "Model": _obj({"id": _t("string"), "object": _t("string", const="model"),
-                       "created": _t("integer"), "owned_by": _t("string")},
+                       "created": _t("integer"), "owned_by": _t("string"),
+                       "parent": _t("string", "A LoRA adapter's base model.")},
                       ("id", "object", "created", "owned_by")),
         "ModelList": _obj({"object": _t("string", const="list"), "data": array(ref("Model"))},
                           ("object", "data")),

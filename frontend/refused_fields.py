@@ -1,11 +1,10 @@
 """Documented request fields llmbus does not serve, refused by name instead of silently ignored (issue #37).
 
-A client migrating to llmbus must not get the base model's answer to a question it asked of something else
-(TGI's ``adapter_id``), or a plain answer where it asked for audio or a built-in tool. Each API's
-documented fields are either honoured by its parser, accepted as documented no-ops (below, with why), or
-listed here: a request that sets one to anything but its "off" values gets 400 (``ErrorKind.UNSUPPORTED``)
-naming the field (TGI's ``adapter_id``: TGI's 422). Unknown keys stay ignored, as OpenAI's SDKs add new ones
-freely.
+A client migrating to llmbus must not get a plain answer where it asked for audio or a built-in tool (nor
+the base model's answer where it named a LoRA adapter that is not loaded: validation.served_adapter). Each
+API's documented fields are either honoured by its parser, accepted as documented no-ops (below, with why),
+or listed here: a request that sets one to anything but its "off" values gets 400 (``ErrorKind.UNSUPPORTED``)
+naming the field. Unknown keys stay ignored, as OpenAI's SDKs add new ones freely.
 
 Accepted as no-ops, since they change nothing a client sees in the answer: OpenAI's ``user``,
 ``safety_identifier``, ``prompt_cache_key`` (prefix caching is automatic), ``metadata``, ``store`` on chat
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+from llmbus.frontend.errors import ApiError, ErrorKind
 
 # a field's value that asks for nothing: None always, and per field the values that mean "off"
 _Off = Callable[[object], bool]
@@ -72,11 +71,3 @@ def refuse_unserved(body: dict, table: dict[str, tuple[str, _Off]], prefix: str 
         if name in body and not off(body[name]):
             raise ApiError(ErrorKind.UNSUPPORTED, f"`{prefix}{name}`: {why}", param=prefix + name)
 
-
-def refuse_adapter(adapter_id) -> None:
-    """TGI's ``parameters.adapter_id``: llmbus serves no LoRA adapters, so naming one is refused rather than
-    answered by the base model. Unset or empty means the base model, as in TGI. A validation error (422,
-    TGI's status for a parameter its routes refuse), so TGI's clients raise their usual error type."""
-    if adapter_id:
-        raise validation_error(f"adapter `{adapter_id}` is not served: llmbus serves the base model only (LoRA "
-                               f"adapters are not supported)", param="adapter_id")

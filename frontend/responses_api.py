@@ -61,7 +61,7 @@ class _Answer:
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "background": False, "error": None, "incomplete_details": incomplete,
             "instructions": req.echo["instructions"], "max_output_tokens": req.echo["max_output_tokens"],
-            "model": self.state.config.model_id, "output": output,
+            "model": self.state.answering_model(gen), "output": output,
             "parallel_tool_calls": chat.plan.parallel if chat.plan is not None
             else req.chat_body.get("parallel_tool_calls") is not False,
             "previous_response_id": req.previous_response_id, "reasoning": req.echo["reasoning"],

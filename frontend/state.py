@@ -49,6 +49,10 @@ class FrontendState:
             "temperature": c.default_temperature, "top_k": c.default_top_k, "top_p": c.default_top_p,
             "min_p": c.default_min_p, "repetition_penalty": c.default_repetition_penalty})
 
+    def answering_model(self, gen) -> str:
+        """The ``model`` an answer names: the LoRA adapter a generation computed with, else the served model."""
+        return gen.prepared.params.adapter or self.config.model_id
+
     @property
     def system_fingerprint(self) -> str:
         return f"{VERSION}-native"  # TGI's form: version, then the docker label or "native"

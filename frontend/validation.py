@@ -11,6 +11,7 @@ import json
 import math
 import random
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmbus.bus.messages import Grammar, SamplingParams
@@ -18,7 +19,6 @@ from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import body_parse_error, body_type_error, validation_error
 from llmbus.frontend.grammar import GRAMMAR_TYPES
 from llmbus.frontend.grammar import tgi_grammar
-from llmbus.frontend.refused_fields import refuse_adapter
 
 _F32 = struct.Struct("<f")
 
@@ -52,7 +52,7 @@ class GenerateParameters:
     seed: int | None = None
     top_n_tokens: int | None = None
     grammar: dict | None = None
-    adapter_id: str | None = None
+    adapter_id: str | None = None  # a LoRA adapter of --lora-adapters; None or "": the base model
     ignore_eos_token: bool = False  # benchmarks: only max_new_tokens ends the request (vLLM's TGI client sends it)
     presence_penalty: float | None = None  # OpenAI's, also accepted here (TGI has none): -2.0 to 2.0
     min_p: float | None = None  # llama.cpp's and vLLM's, also accepted here (TGI has none): 0.0 to 1.0
@@ -60,6 +60,8 @@ class GenerateParameters:
     frequency_per_count: bool = field(default=False, metadata={"body": False})
     # Not read from a body: a grammar the OpenAI routes built already checked (response_format, tools)
     constraint: Grammar | None = field(default=None, metadata={"body": False})
+    # Not read from a body: the OpenAI routes' ``model``, which selects a LoRA adapter where it names one
+    model: str | None = field(default=None, metadata={"body": False})
 
 
 # field -> (serde type, nullable)
@@ -259,6 +261,7 @@ class ValidParameters:
     stop: list[str]
     ignore_eos: bool = False
     grammar: Grammar | None = None  # constrained decoding
+    adapter: str = ""  # the LoRA adapter that answers (served_adapter); "": the base model
 
 
 def validate_best_of(best_of: int, limits: Limits) -> int:
@@ -271,10 +274,25 @@ def validate_best_of(best_of: int, limits: Limits) -> int:
     return best_of
 
 
+def served_adapter(p: GenerateParameters, adapters: Sequence[str]) -> str:
+    """The LoRA adapter that answers, "" for the base model: TGI's ``adapter_id``, else an OpenAI body's
+    ``model`` where it names a loaded adapter (any other name gets the base model, as TGI answers whatever
+    is named). An ``adapter_id`` that is not loaded is refused (422), where TGI falls back to the base
+    model: a client that asked for an adapter must not get another model's answer."""
+    if p.adapter_id:
+        if p.adapter_id not in adapters:
+            served = ", ".join(f"`{a}`" for a in adapters) if adapters else "none (start with --lora-adapters)"
+            raise validation_error(f"adapter `{p.adapter_id}` is not loaded; loaded adapters: {served}",
+                                   param="adapter_id")
+        return p.adapter_id
+    return p.model if p.model and p.model in adapters else ""
+
+
 def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
-                        rng: random.Random | None = None) -> ValidParameters:
-    """validation.rs ``validate`` up to tokenization, in TGI's order."""
-    refuse_adapter(p.adapter_id)  # before all: the base model's answer would be the wrong model's
+                        rng: random.Random | None = None, adapters: Sequence[str] = ()) -> ValidParameters:
+    """validation.rs ``validate`` up to tokenization, in TGI's order; ``adapters``: the LoRA adapters the
+    ranks hold."""
+    adapter = served_adapter(p, adapters)  # before all: the base model's answer would be the wrong model's
     best_of = 1 if p.best_of is None else p.best_of
     sampling_requested = (p.do_sample or p.temperature is not None or p.top_k is not None
                           or p.top_p is not None or p.typical_p is not None or p.min_p is not None)
@@ -347,7 +365,7 @@ def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
         frequency_per_count=p.frequency_per_count and frequency_penalty != 0.0)
     return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
                            truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop),
-                           ignore_eos=p.ignore_eos_token, grammar=grammar)
+                           ignore_eos=p.ignore_eos_token, grammar=grammar, adapter=adapter)
 
 
 def validate_lengths(num_tokens: int, truncate: int | None, max_new_tokens: int | None,

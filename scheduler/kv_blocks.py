@@ -14,6 +14,10 @@ While a request runs, only blocks it holds are inserted below a path it holds, w
 invariant: every ancestor of a node some request holds is held by that request too. Hence every
 evictable node has only evictable descendants, the evictable count is simply the number of cached
 blocks with reference count 1, and all of them can be freed by repeatedly evicting leaves.
+
+Each LoRA adapter has a tree of its own (``namespace``): the same tokens have other K/V under another
+adapter's projections, so a prefix is only shared between requests of the same adapter (as vLLM keys its
+block hashes by the LoRA id).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class KVBlockManager:
         self._hash = hash_fn
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
         self.refcount = [0] * num_blocks
-        self._root = _Node((), -1, None)
+        self._roots: dict[str, _Node] = {}  # namespace ("": the base model, else a LoRA adapter) -> its tree
         self._node_of_block: dict[int, _Node] = {}
         self._num_evictable = 0
         self._clock = itertools.count(1)
@@ -142,12 +146,18 @@ class KVBlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match(self, tokens: Sequence[int], max_blocks: int) -> list[int]:
-        """Blocks caching the longest prefix of ``tokens`` made of whole chunks, at most ``max_blocks``.
-        Nothing is taken: pass the result to ``acquire`` to use it."""
+    def _root(self, namespace: str) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node((), -1, None)
+        return root
+
+    def match(self, tokens: Sequence[int], max_blocks: int, namespace: str = "") -> list[int]:
+        """Blocks caching the longest prefix of ``tokens`` made of whole chunks, at most ``max_blocks``, in
+        ``namespace``'s tree. Nothing is taken: pass the result to ``acquire`` to use it."""
         if not self.prefix_caching:
             return []
-        blocks, node, bs = [], self._root, self.block_size
+        blocks, node, bs = [], self._root(namespace), self.block_size
         for i in range(min(max_blocks, len(tokens) // bs)):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             node = node.child(self._hash(chunk), chunk)
@@ -156,8 +166,9 @@ class KVBlockManager:
             blocks.append(node.block)
         return blocks
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], releasing: bool) -> None:
-        """Cache the full chunks of ``tokens`` whose K/V are in ``blocks`` (a request's table).
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], releasing: bool, namespace: str = "") -> None:
+        """Cache the full chunks of ``tokens`` whose K/V are in ``blocks`` (a request's table), in
+        ``namespace``'s tree.
 
         Where a chunk is cached already in another block, a running request stops there (see the module
         docstring); one about to ``release`` its blocks goes on below the other block, and its own copy
@@ -165,7 +176,7 @@ class KVBlockManager:
         """
         if not self.prefix_caching:
             return
-        node, bs = self._root, self.block_size
+        node, bs = self._root(namespace), self.block_size
         for i in range(min(len(tokens) // bs, len(blocks))):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             key = self._hash(chunk)
@@ -203,7 +214,7 @@ class KVBlockManager:
             self._num_evictable -= 1
             self._free.append(block)
             freed += 1
-            if parent is not self._root and not parent.children and self.refcount[parent.block] == 1:
+            if parent.parent is not None and not parent.children and self.refcount[parent.block] == 1:
                 heapq.heappush(self._lru, (parent.last_use, next(self._tiebreak), parent))
 
     def clear_cache(self) -> None:

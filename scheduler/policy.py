@@ -79,6 +79,7 @@ class Request:
     arrival_time: float = 0.0
     traceparent: str = ""  # the frontend's span of this request, when tracing (bus/tracing.py)
     grammar: Grammar | None = None  # passed to the ranks with the request; the policy never reads it
+    adapter: str = ""  # its LoRA adapter ("": the base model); prefixes are shared within one adapter only
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -456,7 +457,8 @@ class Scheduler:
             req = self.waiting[0]
             total = req.num_tokens
             all_tokens = req.tokens(0, total)
-            cached_blocks = [] if req.wants_prompt_logprobs else kv.match(all_tokens, (total - 1) // kv.block_size)
+            cached_blocks = [] if req.wants_prompt_logprobs else kv.match(all_tokens, (total - 1) // kv.block_size,
+                                                                               req.adapter)
             cached = len(cached_blocks) * kv.block_size
             todo = total - cached
             if chunking:
@@ -521,7 +523,7 @@ class Scheduler:
             prompt_len = len(req.prompt_ids)
             if seq.num_computed < prompt_len <= req.num_computed:
                 # The prompt is in the cache now: later requests sharing it can skip it at once.
-                self.kv.insert(req.prompt_ids, req.block_table, releasing=False)
+                self.kv.insert(req.prompt_ids, req.block_table, releasing=False, namespace=req.adapter)
             if not seq.sample:
                 continue
             kept = sampled[req.rid] if seq.num_spec else [sampled[req.rid]]
@@ -561,7 +563,8 @@ class Scheduler:
 
     def _release_blocks(self, req: Request) -> None:
         """Cache the request's computed full chunks, then drop its references."""
-        self.kv.insert(req.tokens(0, req.num_computed), req.block_table, releasing=True)
+        self.kv.insert(req.tokens(0, req.num_computed), req.block_table, releasing=True,
+                       namespace=req.adapter)
         self.kv.release(req.block_table)
         req.block_table = []
         self._dropped_rids.append(req.rid)

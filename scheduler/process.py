@@ -120,7 +120,8 @@ class SchedulerService:
                                 f"{self.cfg.max_batch_prefill_tokens} and {capacity}")
         self.kv_info = (num_blocks, block_size)
         self.compute = dict(dtype=ready[0].dtype, attention_backend=ready[0].attention_backend,
-                            devices=[ready[rank].device for rank in sorted(ready)])
+                            devices=[ready[rank].device for rank in sorted(ready)],
+                            lora_adapters=list(ready[0].lora_adapters))
         slowest = max(ready.values(), key=lambda r: r.warmup_step_s)
         self.warmup_step_tokens = max(slowest.warmup_step_tokens, 1)
         self.warmup_s_per_token = slowest.warmup_step_s / self.warmup_step_tokens
@@ -232,7 +233,7 @@ class SchedulerService:
         self.log.info("frontend connected", frontend=msg.frontend_id)
 
     def _add(self, msg: m.AddRequest) -> None:
-        problem = msg.problem(self.vocab_size)
+        problem = msg.problem(self.vocab_size, self.compute.get("lora_adapters", ()))
         if problem is not None:
             log_dropped("AddRequest", "request the ranks cannot take; failed", rid=msg.rid, reason=problem)
             self._to_frontend(msg.frontend_id, m.RequestFailed(rid=msg.rid, error_type="validation",
@@ -240,7 +241,8 @@ class SchedulerService:
             return
         req = Request(rid=msg.rid, frontend_id=msg.frontend_id, prompt_ids=list(msg.input_ids),
                       sampling=msg.sampling, stopping=msg.stopping, prompt_logprobs=msg.prompt_logprobs,
-                      arrival_time=msg.arrival_time, traceparent=msg.traceparent, grammar=msg.grammar)
+                      arrival_time=msg.arrival_time, traceparent=msg.traceparent, grammar=msg.grammar,
+                      adapter=msg.adapter)
         try:
             if self.stopping:
                 raise ValueError("the server is shutting down")
@@ -282,7 +284,8 @@ class SchedulerService:
             step_id=self.step_id,
             new_requests=[m.NewRequestData(rid=r.rid, sampling=r.sampling, block_table=list(r.block_table),
                                            prompt_len=len(r.prompt_ids), prompt_logprobs=r.wants_prompt_logprobs,
-                                           cached_ids=r.tokens(0, r.num_computed), grammar=r.grammar)
+                                           cached_ids=r.tokens(0, r.num_computed), grammar=r.grammar,
+                                           adapter=r.adapter)
                           for r in batch.new_requests],
             rids=[s.request.rid for s in batch.seqs],
             num_computed=[s.num_computed for s in batch.seqs],

@@ -87,7 +87,7 @@ DEFAULT_DRAFT_GUESSES = 4  # --draft-model-id without --speculate
 def _resolve(kw: dict) -> ResolvedLaunch:
     """Validate the flags and resolve the model and the token limits (what both up and procfile need)."""
     from llmbus.frontend.tokenizer import config_max_positions
-    from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_model
+    from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_lora_adapters, resolve_model
 
     num_shard, max_input_tokens = _check_static(kw)
     try:
@@ -119,10 +119,14 @@ def _resolve(kw: dict) -> ResolvedLaunch:
         if vocab != draft_vocab:
             raise InvalidArgument(f"the draft model's vocabulary ({draft_vocab} tokens) is not the model's "
                                   f"({vocab}): a draft must share the model's tokenizer")
+    try:
+        lora_adapters = resolve_lora_adapters(kw["lora_adapters"], cache_dir=kw["huggingface_hub_cache"])
+    except ModelNotFound as e:
+        raise click.ClickException(f"--lora-adapters: {e}") from None
     return ResolvedLaunch(model_dir=str(model_dir), num_shard=num_shard, max_total_tokens=max_total,
                           max_input_tokens=max_input, max_batch_prefill_tokens=max_prefill,
                           prefill_explicit=explicit_prefill is not None,
-                          draft_dir=None if draft_dir is None else str(draft_dir))
+                          draft_dir=None if draft_dir is None else str(draft_dir), lora_adapters=lora_adapters)
 
 
 def _launch_plan(kw: dict, r: ResolvedLaunch, run_dir: str) -> LaunchPlan:
@@ -131,6 +135,7 @@ def _launch_plan(kw: dict, r: ResolvedLaunch, run_dir: str) -> LaunchPlan:
     if num_blocks is None and kw["max_batch_total_tokens"] is not None:
         num_blocks = -(-kw["max_batch_total_tokens"] // (kw["block_size"] or default_block_size(kw["device"])))
     values = {**kw, "max_total_tokens": r.max_total_tokens, "max_input_tokens": r.max_input_tokens,
+              "lora_adapters": r.lora_adapters,
               "max_batch_prefill_tokens": r.max_batch_prefill_tokens, "api_key": kw["api_key"] or None}
     if r.draft_dir is not None:
         values.update(speculate=kw["speculate"] or DEFAULT_DRAFT_GUESSES, speculate_method="draft",

@@ -31,6 +31,7 @@ class ResolvedLaunch:
     max_batch_prefill_tokens: int
     prefill_explicit: bool  # given by the user: checked against the KV capacity, never lowered to it
     draft_dir: str | None = None
+    lora_adapters: str | None = None  # the workers' --lora-adapters: name=folder, comma-separated
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,11 @@ class LaunchSettings:
         None, env="DRAFT_MODEL_ID",
         help="A small causal LM with the same tokenizer (hub id, folder or .gguf) that guesses --speculate tokens "
              "per decode (default 4) on rank 0, in place of n-gram lookup; output stays the model's own.")
+    lora_adapters: str | None = setting(
+        None, env="LORA_ADAPTERS",
+        help="LoRA adapters to serve beside the base model, comma-separated: a hub id (id[@revision]) or "
+             "name=path to a PEFT adapter folder. A request selects one with adapter_id (TGI's routes) or by "
+             "naming it as model (OpenAI's); /v1/models lists them.")
     gguf_file: str | None = setting(None, env="GGUF_FILE",
                                     help="GGUF file to serve inside the --model-id hub repository or folder.")
     num_shard: int | None = setting(None, flag="--gpus", aliases=("--num-shard",), env="NUM_SHARD",

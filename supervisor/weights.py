@@ -149,6 +149,33 @@ def download(model_id: str, *, revision: str | None = None, cache_dir: str | Non
     return folder
 
 
+LORA_PATTERNS = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def resolve_lora_adapters(text: str | None, cache_dir: str | None = None) -> str | None:
+    """``--lora-adapters`` as the workers take it, ``name=folder,...``: a ``name=path`` entry's folder, an
+    ``id[@revision]`` a local folder of that name or the hub's adapter (downloaded). Each folder must hold a
+    PEFT adapter (``adapter_config.json`` and ``adapter_model.safetensors``); what it holds is checked by the
+    workers, against the model. ModelNotFound says which entry and why."""
+    from llmbus.bus.model_files import lora_entries
+
+    try:
+        entries = lora_entries(text)
+    except ValueError as e:
+        raise ModelNotFound(str(e)) from None
+    resolved = []
+    for name, source in entries:
+        path = Path(source).expanduser()
+        if not path.exists() and "=" not in source and not source.startswith((".", "/", "~")):
+            repo, _, revision = source.partition("@")
+            path = _snapshot(repo, revision or None, cache_dir, LORA_PATTERNS)
+        if not (path / "adapter_config.json").is_file():
+            raise ModelNotFound(f"LoRA adapter `{name}`: {path} is not a PEFT adapter folder (no "
+                                f"adapter_config.json)")
+        resolved.append(f"{name}={path.resolve()}")
+    return ",".join(resolved) or None
+
+
 def _snapshot(model_id: str, revision: str | None, cache_dir: str | None, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 

@@ -23,9 +23,11 @@ _GREEDY = SamplingParams()
 
 def _draft_row(seq, token_ids: list[int], num_computed: int, sample: bool):
     """``seq`` (a SeqInput) as the draft computes it: ``token_ids`` after ``num_computed`` cached ones,
-    greedy, and none of the target's own sampling work (guesses, grammar, prompt logprobs)."""
+    greedy, and none of the target's own sampling work (guesses, grammar, prompt logprobs). The draft has
+    no LoRA adapters: it guesses with its own weights, and the target's verification keeps the adapter's
+    tokens."""
     return dataclasses.replace(seq, token_ids=token_ids, num_computed=num_computed, sample=sample,
-                               sampling=_GREEDY, num_spec=0, grammar=None, prompt_logprobs=False)
+                               sampling=_GREEDY, num_spec=0, grammar=None, prompt_logprobs=False, adapter="")
 
 
 def _checked(out):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmbus.bus.service import ServiceError
 from llmbus.workers.launched_step import to_device
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -62,8 +63,9 @@ _VARIANTS = ("use_dora", "lora_bias", "use_qalora", "use_bdlora", "kasa_config",
              "target_parameters")
 
 
-class LoraError(ValueError):
-    """An adapter that cannot be served, and why (said to whoever started the server)."""
+class LoraError(ServiceError, ValueError):
+    """An adapter that cannot be served, and why: said to whoever started the server, in one line (a
+    ServiceError, which the rank reports without a traceback)."""
 
 
 @dataclass(frozen=True, slots=True)

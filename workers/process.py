@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from llmbus.bus import messages as m
+from llmbus.bus.model_files import lora_entries
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
 from llmbus.bus.settings import ServiceSettings, setting
@@ -108,6 +109,8 @@ class WorkerConfig(ServiceSettings):
              "row counts). ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY, where set, win for their cache.")
     runner: str = setting("model", env="LLMBUS_RUNNER", choices=("model", "fake"), hidden=True,
                           help="fake: workers return tokens without computing (to measure the stack alone).")
+    lora_adapters: str | None = setting(None, user=False,
+                                        help="LoRA adapters to load, name=folder, comma-separated (--lora-adapters)")
     draft_model_dir: str | None = setting(None, user=False,
                                           help="a draft model's folder (--draft-model-id): rank 0 guesses with it")
     # `llmbus up` offers these among its own flags (supervisor/settings.py) and hands them over; hidden here,
@@ -135,6 +138,7 @@ class _RequestState:
     prompt_logprobs: bool
     cached_ids: list[int]  # NewRequestData.cached_ids: the prefix its first step found already computed
     grammar: m.Grammar | None = None
+    adapter: str = ""
     last_sampled: int | None = None  # rank 0: the last token sampled for it, for a step's SAMPLED_LAST
 
 
@@ -324,7 +328,7 @@ class Worker:
                                   cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize,
                                   kv_cache_dtype=kv_dtype, trust_remote_code=self.cfg.trust_remote_code,
                                   watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
-                                  **self._attention())
+                                  **self._model_arguments())
         load_s = time.monotonic() - t0
         wants_draft = bool(self.cfg.draft_model_dir) and self.cfg.rank == 0 and runner_cls is ModelRunner
         draft = None
@@ -359,7 +363,8 @@ class Worker:
                                          warmup_step_s=warmup_step_s, warmup_step_tokens=warmup_tokens,
                                          vocab_size=self.runner.vocab_size,
                                          attention_backend=paths.get("attention", ""),
-                                         onednn_cache_capacity=self.onednn_cache_capacity))
+                                         onednn_cache_capacity=self.onednn_cache_capacity,
+                                         lora_adapters=list(getattr(self.runner, "lora_names", []))))
 
     def _heap_on_huge_pages(self) -> None:
         """The loaded weights onto 2 MB pages (host_memory.heap_on_huge_pages), logged with what it gave."""
@@ -388,11 +393,12 @@ class Worker:
                            watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
                            attention_backend=self.cfg.attention_backend)
 
-    def _attention(self) -> dict:
-        """The runner's attention and graph arguments: the fake runner attends to nothing."""
+    def _model_arguments(self) -> dict:
+        """The runner's attention, graph and LoRA arguments: the fake runner computes nothing."""
         if self.cfg.runner != "model":
             return {}
-        return {"attention_backend": self.cfg.attention_backend, "cuda_graphs": parse_cuda_graphs(self.cfg.cuda_graphs)}
+        return {"attention_backend": self.cfg.attention_backend, "cuda_graphs": parse_cuda_graphs(self.cfg.cuda_graphs),
+                "lora_adapters": tuple(lora_entries(self.cfg.lora_adapters))}
 
     def loop(self) -> None:
         while True:
@@ -542,7 +548,7 @@ class Worker:
             self.runner.drop(restarted)
         for new in cmd.new_requests:
             self.states[new.rid] = _RequestState(new.sampling, list(new.block_table), new.prompt_len,
-                                                   new.prompt_logprobs, new.cached_ids, new.grammar)
+                                                   new.prompt_logprobs, new.cached_ids, new.grammar, new.adapter)
         for rid, blocks in cmd.added_blocks:
             self.states[rid].block_table.extend(blocks)
         seqs, offset = [], 0
@@ -555,7 +561,7 @@ class Worker:
                                  num_computed=num_computed, block_table=state.block_table, sample=sample,
                                  sampling=state.sampling, prompt_len=state.prompt_len,
                                  prompt_logprobs=state.prompt_logprobs, cached_ids=state.cached_ids,
-                                 grammar=state.grammar, num_spec=spec))
+                                 grammar=state.grammar, num_spec=spec, adapter=state.adapter))
             offset += num_new
         return seqs
 

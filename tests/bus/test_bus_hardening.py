@@ -123,7 +123,8 @@ def test_wrong_field_types_on_the_intake_never_stop_the_server(server):
 
 def test_requests_the_ranks_cannot_take_fail_alone(server):
     """A process that says hello as a frontend of its own gets a validation failure for an out-of-vocabulary
-    id, an impossible sampling parameter or an unknown grammar kind; its good request still runs."""
+    id, an impossible sampling parameter, an unknown grammar kind or a LoRA adapter the ranks do not hold;
+    its good request still runs."""
     srv, run_dir = server
     peer = RawPeer(run_dir, "chaos")
     peer.push("requests.sock", m.FrontendHello("chaos", peer.endpoint))
@@ -137,6 +138,7 @@ def test_requests_the_ranks_cannot_take_fail_alone(server):
         "chaos-topk": dataclasses.replace(good, rid="chaos-topk", sampling=m.SamplingParams(top_k=-5)),
         "chaos-grammar": dataclasses.replace(good, rid="chaos-grammar", grammar=m.Grammar("yaml", "a: 1")),
         "chaos-len": dataclasses.replace(good, rid="chaos-len", stopping=m.StoppingParams(0)),
+        "chaos-adapter": dataclasses.replace(good, rid="chaos-adapter", adapter="never-loaded"),
         # an id of the real frontend's: taken, it would make that frontend's own request a duplicate
         "f0-1": dataclasses.replace(good, rid="f0-1"),
     }

@@ -126,6 +126,9 @@ LAUNCH_FLAGS = {
     "draft_model_id": (["--draft-model-id", "org/draft"], {},
                        {"resolve_model.model_id": "org/draft", "workers.draft_model_dir": ANY,
                         "scheduler.speculate": 4, "scheduler.speculate_method": "draft"}),
+    # resolved to folders (the fixture's resolver marks what it resolved), which only the workers load
+    "lora_adapters": (["--lora-adapters", "sql=/adapters/sql"], {},
+                      {"workers.lora_adapters": "resolved:sql=/adapters/sql"}),
 }
 
 
@@ -141,6 +144,7 @@ def observe(tiny_model_dir, monkeypatch):
         return tiny_model_dir
 
     monkeypatch.setattr(weights, "resolve_model", resolve_model)
+    monkeypatch.setattr(weights, "resolve_lora_adapters", lambda text, cache_dir=None: text and f"resolved:{text}")
 
     def observe(args: list[str]) -> dict:
         services = started(plan_for(["--model-id", BASE_ID, *args]))

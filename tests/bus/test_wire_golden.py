@@ -54,11 +54,13 @@ def test_older_versions_still_decode(path):
         assert all(new.grammar is None or version >= 5 for new in msg.new_requests)
         assert all(new.sampling.presence_penalty == 0.0 or version >= 3 for new in msg.new_requests)
         assert all(new.sampling.min_p == 0.0 or version >= 9 for new in msg.new_requests)
+        assert all(new.adapter == "" or version >= 15 for new in msg.new_requests)
     if isinstance(msg, m.AddRequest):
         assert msg.sampling.presence_penalty == 0.0 or version >= 3
         assert msg.sampling.min_p == 0.0 or version >= 9
         assert msg.traceparent == "" or version >= 4
         assert msg.grammar is None or version >= 5
+        assert msg.adapter == "" or version >= 15
     if isinstance(msg, m.SchedulerStats) and version == 1:
         assert msg.kv_blocks_cached == 0 and msg.prefill_forward is None
 

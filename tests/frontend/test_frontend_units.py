@@ -73,6 +73,19 @@ def test_sampling_decision_and_seed():
     assert v.seed == 2**64 - 1
 
 
+def test_the_adapter_that_answers():
+    adapters = ["sql", "poet"]
+    for params, adapter in ((GenerateParameters(), ""), (GenerateParameters(adapter_id=""), ""),
+                            (GenerateParameters(adapter_id="sql"), "sql"),
+                            (GenerateParameters(model="poet"), "poet"),  # an OpenAI body's model
+                            (GenerateParameters(model="gpt-4o"), ""),  # any other name: the base model
+                            (GenerateParameters(adapter_id="sql", model="poet"), "sql")):
+        assert validate_parameters("x", params, LIMITS, adapters=adapters).adapter == adapter, params
+    with pytest.raises(ApiError, match="adapter `chef` is not loaded; loaded adapters: `sql`, `poet`") as e:
+        validate_parameters("x", GenerateParameters(adapter_id="chef"), LIMITS, adapters=adapters)
+    assert e.value.kind is ErrorKind.VALIDATION
+
+
 def test_best_of_limits():
     assert validate_best_of(2, LIMITS) == 2
     with pytest.raises(ApiError, match=r"`best_of` must be > 0 and <= 2. Given: 3"):

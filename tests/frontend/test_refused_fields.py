@@ -1,8 +1,8 @@
 """Nothing a client asks for is silently ignored (issue #37): on a real server (the tiny model), TGI's
-``adapter_id`` (422, TGI's validation status) and every documented field of the OpenAI, Responses and
-Anthropic APIs that llmbus does not serve (400) are refused naming the field, while their "off" values and
-the documented no-op fields are answered; Anthropic's ``output_config.format`` is honoured (a JSON answer
-valid under the schema)."""
+``adapter_id`` naming an adapter that is not loaded (422, TGI's validation status) and every documented
+field of the OpenAI, Responses and Anthropic APIs that llmbus does not serve (400) are refused naming the
+field, while their "off" values and the documented no-op fields are answered; Anthropic's
+``output_config.format`` is honoured (a JSON answer valid under the schema)."""
 
 from __future__ import annotations
 
@@ -91,16 +91,17 @@ def test_documented_no_op_fields_are_accepted(server, route, body):
     assert status == 200, answer
 
 
-def test_tgi_adapter_is_refused_naming_it(server):
+def test_tgi_adapter_that_is_not_loaded_is_refused_naming_it(server):
     status, _, answer = post(server.url + "/generate", {"inputs": "hi", "parameters": {"adapter_id": "my-lora"}})
     assert status == 422 and "my-lora" in answer["error"] and answer["error_type"] == "validation", answer
+    assert "--lora-adapters" in answer["error"], answer  # none is loaded: the message says how to load one
     for base in ("", None):  # TGI's base model
         status, _, answer = post(server.url + "/generate", {"inputs": "hi", "parameters": {
             "adapter_id": base, "max_new_tokens": 2}})
         assert status == 200, answer
     # a stream carries it in-band, as TGI's streams carry every validation error
     _, _, answer = post(server.url + "/generate_stream", {"inputs": "hi", "parameters": {"adapter_id": "x"}})
-    assert "adapter `x` is not served" in str(answer) and '"error_type":"validation"' in str(answer), answer
+    assert "adapter `x` is not loaded" in str(answer) and '"error_type":"validation"' in str(answer), answer
 
 
 def test_anthropic_effort_is_refused_and_output_format_honoured(server):

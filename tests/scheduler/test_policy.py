@@ -257,6 +257,28 @@ def test_prompt_logprobs_requests_do_not_reuse_the_cache():
     assert s.schedule().seqs[0].num_computed == 0
 
 
+def test_a_prefix_is_shared_within_one_lora_adapter_only():
+    """The same tokens have other K/V under an adapter's projections: a cached prefix serves requests of the
+    adapter (or base model) that computed it, and no other."""
+    s = make_scheduler(block_size=4)
+    worker = SimWorker(4)
+    prompt = list(range(100, 112)) + [1]
+    for rid, adapter in (("base", ""), ("sql", "sql")):
+        s.add(make_request(rid, prompt=prompt, max_new_tokens=1))
+        s.waiting[-1].adapter = adapter
+        drive(s, worker)
+    for rid, adapter, computed in (("base2", "", 12), ("sql2", "sql", 12), ("poet", "poet", 0)):
+        request = make_request(rid, prompt=prompt, max_new_tokens=1)
+        request.adapter = adapter
+        s.add(request)
+        batch = s.schedule()
+        assert batch.seqs[0].num_computed == computed, rid
+        s.update(batch, worker.run(batch))
+        drive(s, worker)
+    s.kv.clear_cache()
+    assert s.kv.num_free == s.kv.num_blocks  # every adapter's tree is evicted alike
+
+
 def test_prefix_caching_off():
     s = make_scheduler(block_size=4, caching=False)
     worker = SimWorker(4)

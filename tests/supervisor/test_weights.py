@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from llmbus.bus.model_files import lora_entries
+from llmbus.supervisor import weights
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -81,7 +85,7 @@ def test_safetensors_repository_and_missing_ones_offline(tiny_model_dir, tmp_pat
 
 
 def test_default_model_is_smollm2_when_installed_else_the_demo_with_a_notice(monkeypatch, capsys, tmp_path):
-    from llmbus.supervisor import demo_model, weights
+    from llmbus.supervisor import demo_model
 
     monkeypatch.setattr(demo_model, "demo_model_dir", lambda size: tmp_path / f"demo-{size}")
     monkeypatch.setattr(weights, "smollm2_gguf", lambda: None)
@@ -100,3 +104,26 @@ def test_a_folder_of_gguf_files_names_them(tmp_path):
     (tmp_path / "model.Q4_K_M.gguf").write_bytes(b"")
     with pytest.raises(ModelNotFound, match=r"pass one with --gguf-file: model\.Q4_K_M\.gguf"):
         resolve_model(str(tmp_path))
+
+
+def test_lora_adapters_resolve_to_folders_from_paths_and_the_hub_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    adapter = tmp_path / "sql-lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    cache = tmp_path / "hub"
+    _cache_repo(cache, "org/poet-lora", adapter)
+    resolved = weights.resolve_lora_adapters(f"sql={adapter}, org/poet-lora", cache_dir=str(cache))
+    assert resolved == f"sql={adapter},org/poet-lora={cache}/models--org--poet-lora/snapshots/{SHA}"
+    # the workers read the resolved form the same way
+    assert [name for name, _ in lora_entries(resolved)] == ["sql", "org/poet-lora"]
+    assert weights.resolve_lora_adapters(None) is None and weights.resolve_lora_adapters("") is None
+    for text, message in ((f"a={tmp_path}", "a PEFT adapter folder (no adapter_config.json)"),
+                          ("org/missing-lora", "not in the local cache and the hub is unreachable or offline"),
+                          ("org/x@v1@v2", "Invalid LoRA adapter format: org/x@v1@v2"),
+                          (f"sql={adapter},sql={adapter}", "`sql` is given twice"),
+                          ("=path", "Invalid LoRA adapter format: =path")):
+        with pytest.raises(weights.ModelNotFound, match=re.escape(message)):
+            weights.resolve_lora_adapters(text, cache_dir=str(cache))
