@@ -18,7 +18,8 @@ Each variant changes one thing, so a failure points at one cause:
 - ``speculate``: ``SPECULATE`` guesses per decode, from the request's own tokens alone with every third one
   wrong (so steps keep some and reject others), verified as one-token rows of one sequence;
 - ``preempted``: dropped halfway and recomputed from its prompt and generated tokens (one prompt step);
-- ``beside_long_context``: its prompt in the same step as a request with a context of 1760 tokens.
+- ``beside_long_context``: its prompt in the same step as a request with a context of 1760 tokens;
+- ``beside_adapters``: among 16 requests on a LoRA adapter (their rows add the adapter's deltas).
 
 Alone, every target runs by itself; in a variant the 16 run together in one continuous batch (a server's
 case, and a sixteenth of the steps), or, with ``together=False`` (for finding a cause), each by itself too.
@@ -48,6 +49,8 @@ CHUNK = 16
 SPECULATE = 4
 CROWD = 63
 LONG_CONTEXT = 1760  # beside the targets' 632 prompt tokens: a step of 648 tokens x 1760 keys, past 2**20
+ADAPTER = "beside"  # beside_adapters' LoRA adapter: a runner the variants run on loads it under this name
+ADAPTER_CROWD = 16
 EOS = (2, 0)  # SmolLM2's <|im_end|> and <|endoftext|> (not an end here: every request runs its tokens)
 
 # The chat template's default system prompt, so every prompt is 35-55 tokens: 2-3 full blocks for a
@@ -207,8 +210,26 @@ def beside_long_context(runner, prompt_ids: list[list[int]], expected: dict[str,
     return {req.rid: drive(runner, [long, req])[req.rid] for req in requests}
 
 
+def beside_adapters(runner, prompt_ids: list[list[int]], expected: dict[str, Request],
+                    together: bool = True) -> dict[str, Request]:
+    """The targets (on the base model) in one continuous batch with ``ADAPTER_CROWD`` random requests on the LoRA
+    adapter ``ADAPTER`` (which the runner must have loaded), arriving over the first steps: steps whose other rows
+    add an adapter's deltas. (Always together: being together is the variant.)"""
+    from llmbus.testing.lora import AdapterRequests
+
+    rng = random.Random(37)
+    others = [Request(f"lora{n}", [rng.randrange(runner.vocab_size) for _ in range(rng.randrange(1, 33))],
+                      arrival_step=rng.randrange(8), max_new_tokens=rng.randrange(1, 13))
+              for n in range(ADAPTER_CROWD)]
+    mine = targets(prompt_ids)
+    requests = others + mine
+    rng.shuffle(requests)
+    out = drive(AdapterRequests(runner, {req.rid: ADAPTER for req in others}), requests)
+    return {req.rid: out[req.rid] for req in mine}
+
+
 VARIANTS = {"crowd": crowd, "prefix_hit": prefix_hit, "chunked": chunked, "speculate": speculate,
-            "preempted": preempted, "beside_long_context": beside_long_context}
+            "preempted": preempted, "beside_long_context": beside_long_context, "beside_adapters": beside_adapters}
 
 
 def mismatches(expected: dict[str, Request], got: dict[str, Request]) -> dict[str, int]:

@@ -23,13 +23,17 @@ A step's rows are grouped by adapter once (``StepAdapters``, built by the runner
 whole step takes no index ops; several gather their rows (``index_select``) and add back (``index_add_``).
 A step with no adapter row runs exactly the code it ran before adapters existed: the layers' deltas return at
 once, and the fused CPU decode layer and CUDA graphs (which compute from the base weights alone) take it as
-before; a step with adapter rows runs the torch layers eagerly.
+before; a step with adapter rows runs the torch layers eagerly. Where the fused layer runs (CPU), a step that
+mixes base and adapter rows is two forward passes (``forward_apart``): the base rows keep the fused layer's
+arithmetic, which does not depend on what shares the step (batch invariance), and only the adapter rows take
+the torch layers.
 
 What cannot be served is refused at load with ``LoraError``, naming the adapter and the problem.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -201,6 +205,31 @@ class StepAdapters:
             start += count
         return cls([(adapter, None if len(taken) == start else to_device(taken, torch.long, device))
                     for adapter, taken in rows.items()])
+
+
+def forward_apart(seqs: list, input_ids: torch.Tensor, logits_index: torch.Tensor, index: dict[str, int],
+                  device: torch.device, run) -> torch.Tensor | None:
+    """The logits rows ``logits_index`` of a step (``seqs``, SeqInputs, with their flat ``input_ids``) whose
+    base-model sequences and adapter sequences ``run(part, part_ids, part_logits_index, StepAdapters | None)``
+    as two forward passes (None off rank 0). A sequence reads and writes only its own KV blocks, so the two
+    passes are the step. On CPU only, where the fused layer runs: reading ``logits_index`` costs nothing."""
+    starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
+    wanted = logits_index.tolist()
+    logits = None
+    for part in ([i for i, s in enumerate(seqs) if not s.adapter], [i for i, s in enumerate(seqs) if s.adapter]):
+        rows = [row for i in part for row in range(starts[i], starts[i + 1])]
+        local = {row: j for j, row in enumerate(rows)}
+        picks = [k for k, row in enumerate(wanted) if row in local]
+        part_seqs = [seqs[i] for i in part]
+        step = StepAdapters.of([s.adapter for s in part_seqs], [len(s.token_ids) for s in part_seqs], index, device)
+        part_logits = run(part_seqs, input_ids[rows], to_device([local[wanted[k]] for k in picks], torch.long, device),
+                          step)
+        if part_logits is None:
+            continue
+        if logits is None:
+            logits = part_logits.new_empty(len(wanted), part_logits.shape[1])
+        logits[picks] = part_logits
+    return logits
 
 
 class ActiveAdapters:

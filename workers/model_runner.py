@@ -28,7 +28,7 @@ from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
-from llmbus.workers.lora import StepAdapters, attach_adapters
+from llmbus.workers.lora import StepAdapters, attach_adapters, forward_apart
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
                                           out_of_memory_reason)
 from llmbus.workers.sampling import has_penalties, sample
@@ -204,8 +204,6 @@ class ModelRunner:
         """Float32 logits of the rows ``logits_index`` of the flat token batch (default: the last row of
         every sampled sequence) on rank 0, None elsewhere; ``feed`` (``launch``) writes into the batch's ids."""
         query_lens = [len(s.token_ids) for s in seqs]
-        num_computed = [s.num_computed for s in seqs]
-        block_tables = [s.block_table for s in seqs]
         for seq, n in zip(seqs, query_lens):
             if n == 0:
                 raise ValueError(f"{seq.rid}: no tokens to compute")
@@ -218,13 +216,23 @@ class ModelRunner:
                 and self.graphs.applies(seqs)):
             return self.graphs.forward(seqs, feed)
         input_ids = fed_ids((s.token_ids for s in seqs), feed, self.device)
-        meta = self.model.attention_backend.build_metadata(
-            query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
-            kv_cache=kv_cache, device=self.device)
         if logits_index is None:
             last_rows = list(itertools.accumulate(query_lens))
             logits_index = to_device([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample], torch.long,
                                      self.device)
+        if adapters is not None and getattr(self.model, "fused_decode", None) is not None and not all(
+                s.adapter for s in seqs):
+            # Base rows as one forward pass, adapter rows as another: a base row computes what it computes beside
+            # other base rows (the fused layer's batch-invariant arithmetic), not the torch layers'.
+            return forward_apart(seqs, input_ids, logits_index, self._adapter_index, self.device,
+                                 lambda part, ids, index, step: self._run_model(part, kv_cache, ids, index, step))
+        return self._run_model(seqs, kv_cache, input_ids, logits_index, adapters)
+
+    def _run_model(self, seqs: list[SeqInput], kv_cache: PagedKVCache, input_ids: torch.Tensor,
+                   logits_index: torch.Tensor, adapters: StepAdapters | None) -> torch.Tensor | None:
+        meta = self.model.attention_backend.build_metadata(
+            query_lens=[len(s.token_ids) for s in seqs], num_computed=[s.num_computed for s in seqs],
+            block_tables=[s.block_table for s in seqs], kv_cache=kv_cache, device=self.device)
         if adapters is None:
             return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters)

@@ -1,7 +1,7 @@
 """Batch invariance inside one rank (issue #35 part 4): SmolLM2's 8 chat prompts, greedy and seeded, alone
 and then among 63 random requests, after a prefix-cache hit, prefilled in chunks of 16, speculating 4 tokens a
-step, and preempted and recomputed (``llmbus.testing.invariance``), in float32, bfloat16 and --quantize
-int8. Every variant must return exactly the tokens of the request alone.
+step, preempted and recomputed, and among requests on a LoRA adapter (``llmbus.testing.invariance``), in
+float32, bfloat16 and --quantize int8. Every variant must return exactly the tokens of the request alone.
 
 Tokens flip only where two candidates are close, so a second test asks for more: the sampled tokens'
 logprobs bitwise equal, which holds exactly when every step computed the same logits for the request
@@ -48,9 +48,14 @@ CASES = [(form, variant) for form in FORMS for variant in invariance.VARIANTS]
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     from llmbus.supervisor.gguf_model import materialize
+    from llmbus.testing.lora import save_lora_adapter
 
     gguf = materialize(smollm2_gguf())
-    return {"gguf": gguf, "bf16": invariance.write_bf16_folder(gguf, tmp_path_factory.mktemp("smollm2") / "bf16")}
+    root = tmp_path_factory.mktemp("smollm2")
+    bf16 = invariance.write_bf16_folder(gguf, root / "bf16")
+    adapter = save_lora_adapter(str(bf16), str(root / "adapter"), ["q_proj", "v_proj", "o_proj", "gate_proj",
+                                                                     "down_proj"], r=8, b_std=0.05)
+    return {"gguf": gguf, "bf16": bf16, "adapter": adapter}
 
 
 class Forms:
@@ -72,7 +77,8 @@ class Forms:
             self.runner = None  # the previous form's weights and pool go before the next one's are read
             form = invariance.FORMS[name]
             self.runner = ModelRunner(str(self.folders[form.folder]), dtype=form.dtype, quantize=form.quantize,
-                                      block_size=invariance.BLOCK_SIZE, num_blocks=invariance.NUM_BLOCKS)
+                                      block_size=invariance.BLOCK_SIZE, num_blocks=invariance.NUM_BLOCKS,
+                                      lora_adapters=((invariance.ADAPTER, str(self.folders["adapter"])),))
             self.name = name
         return self.runner
 
