@@ -23,10 +23,11 @@ A step's rows are grouped by adapter once (``StepAdapters``, built by the runner
 whole step takes no index ops; several gather their rows (``index_select``) and add back (``index_add_``).
 A step with no adapter row runs exactly the code it ran before adapters existed: the layers' deltas return at
 once, and the fused CPU decode layer and CUDA graphs (which compute from the base weights alone) take it as
-before; a step with adapter rows runs the torch layers eagerly. Where the fused layer runs (CPU), a step that
-mixes base and adapter rows is two forward passes (``forward_apart``): the base rows keep the fused layer's
-arithmetic, which does not depend on what shares the step (batch invariance), and only the adapter rows take
-the torch layers.
+before; a step with adapter rows runs the torch layers eagerly. Where the fused layer promises batch
+invariance (CPU: bfloat16, int8 and int4 weights, ``FusedDecodeLayers.invariance_gap``), a step that mixes
+base and adapter rows is two forward passes (``forward_apart``): the base rows keep the fused layer's
+arithmetic, which does not depend on what shares the step, and only the adapter rows take the torch layers.
+Elsewhere (float32, whose prompts already take other GEMMs) it is one pass, which reads the weights once.
 
 What cannot be served is refused at load with ``LoraError``, naming the adapter and the problem.
 """

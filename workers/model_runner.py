@@ -220,10 +220,12 @@ class ModelRunner:
             last_rows = list(itertools.accumulate(query_lens))
             logits_index = to_device([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample], torch.long,
                                      self.device)
-        if adapters is not None and getattr(self.model, "fused_decode", None) is not None and not all(
+        fused = getattr(self.model, "fused_decode", None)
+        if adapters is not None and fused is not None and fused.invariance_gap is None and not all(
                 s.adapter for s in seqs):
-            # Base rows as one forward pass, adapter rows as another: a base row computes what it computes beside
-            # other base rows (the fused layer's batch-invariant arithmetic), not the torch layers'.
+            # Where batch invariance is promised, base rows as one forward pass and adapter rows as another: a
+            # base row computes what it computes beside other base rows (the fused layer's arithmetic), not the
+            # torch layers'. Elsewhere one pass, which reads the weights once (benchmarks/lora_cost.py).
             return forward_apart(seqs, input_ids, logits_index, self._adapter_index, self.device,
                                  lambda part, ids, index, step: self._run_model(part, kv_cache, ids, index, step))
         return self._run_model(seqs, kv_cache, input_ids, logits_index, adapters)

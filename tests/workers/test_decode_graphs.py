@@ -35,15 +35,16 @@ def llama_dir(tmp_path_factory):
     return str(path)
 
 
-def _runner_with_graphs(model_dir: str, sizes: tuple[int, ...]) -> tuple[ModelRunner, list[int]]:
-    """A Triton-backend runner whose decode steps go through uncaptured graphs; and the batch sizes
-    (before padding) of the steps that did."""
-    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton")
+def _runner_with_graphs(model_dir: str, sizes: tuple[int, ...], **kwargs) -> tuple[ModelRunner, list[list]]:
+    """A Triton-backend runner (``kwargs``: more of ModelRunner's) whose decode steps go through uncaptured
+    graphs; and the sequences of each step that did."""
+    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton",
+                         **kwargs)
     max_blocks = -(-runner.max_position_embeddings // BLOCK_SIZE)
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, sizes, max_blocks, capture=False)
-    replayed: list[int] = []
+    replayed: list[list] = []
     forward = runner.graphs.forward
-    runner.graphs.forward = lambda seqs, feed=None: replayed.append(len(seqs)) or forward(seqs, feed)
+    runner.graphs.forward = lambda seqs, feed=None: replayed.append(list(seqs)) or forward(seqs, feed)
     return runner, replayed
 
 
@@ -67,8 +68,31 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, 
         assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
     assert results["hit"].tokens == expected.tokens[4]
     assert results["r1"].preemptions == 1
-    assert replayed and set(replayed) - {1, 2, 4, 8}, f"no step needed padding: {replayed}"
+    sizes = [len(seqs) for seqs in replayed]
+    assert sizes and set(sizes) - {1, 2, 4, 8}, f"no step needed padding: {sizes}"
     assert set(fused) == {"rms_norm", "rotary_kv_write", "silu_and_mul"}
+
+
+def test_lora_adapter_rows_run_eagerly_beside_replayed_base_steps(llama_dir, tmp_path):
+    """A GPU's path for LoRA, on the CPU: requests on an adapter arrive while base requests decode through the
+    graph buffers; their steps run eagerly (a graph replays the base weights only), before and after them the
+    base decodes replay again, and every request's tokens equal PEFT's with its adapter or transformers'."""
+    from llmbus.testing.lora import AdapterRequests, lora_reference, save_lora_adapter
+    from llmbus.testing.runner_driver import Request
+
+    adapter = save_lora_adapter(llama_dir, str(tmp_path / "adapter"), ["q_proj", "v_proj", "o_proj", "down_proj"],
+                                seed=3)
+    prompts = make_prompts(VOCAB)[:3]
+    base, adapted = reference(llama_dir, prompts), lora_reference(llama_dir, adapter, prompts)
+    runner, replayed = _runner_with_graphs(llama_dir, (1, 2, 4, 8), lora_adapters=(("a", adapter),))
+    requests = ([Request(f"b{i}", p) for i, p in enumerate(prompts)]
+                + [Request(f"a{i}", p, arrival_step=3, max_new_tokens=4) for i, p in enumerate(prompts)])
+    results = drive(AdapterRequests(runner, {f"a{i}": "a" for i in range(len(prompts))}), requests)
+    for i in range(len(prompts)):
+        assert results[f"b{i}"].tokens == base.tokens[i], f"b{i}"
+        assert results[f"a{i}"].tokens == adapted.tokens[i][:4], f"a{i}"
+    assert replayed and all(not s.adapter for seqs in replayed for s in seqs)
+    assert any(s.rid.startswith("b") for s in replayed[-1])  # base decodes replay again after the adapter's
 
 
 def test_only_decode_only_steps_within_the_sizes_replay(llama_dir):
@@ -117,7 +141,7 @@ def test_a_padded_step_writes_only_its_rows_slots_and_the_spare_block(llama_dir)
     before = key.clone()
     with torch.inference_mode():
         logits = runner._forward(seqs, runner.kv_cache).clone()
-        assert replayed == [3]
+        assert [len(seqs) for seqs in replayed] == [3]
         changed = (key != before).any(dim=-1).any(dim=1)  # [layers, blocks + 1, block_size]
         spare = runner.kv_cache.num_blocks
         written = {(int(b), int(o)) for b, o in changed.any(dim=0).nonzero()}
