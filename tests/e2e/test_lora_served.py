@@ -89,6 +89,15 @@ def test_openai_model_names_an_adapter_and_is_echoed(server, expected):
     assert [(m["id"], m.get("parent")) for m in listed["data"]] == [(base, None), ("sql", base), ("poet", base)]
 
 
+def test_huggingface_hub_selects_an_adapter_as_it_does_on_tgi(server):
+    from huggingface_hub import InferenceClient
+
+    prompt = ASKED[2]
+    answer = InferenceClient(base_url=server.url).text_generation(prompt, adapter_id="sql", max_new_tokens=MAX_NEW,
+                                                                  details=True)
+    assert [t.id for t in answer.details.tokens] == served(server, prompt, "sql") != served(server, prompt, "")
+
+
 def test_an_adapter_that_is_not_loaded_is_refused_naming_the_loaded_ones(server):
     status, _, answer = post(server.url + "/generate", {"inputs": "hi", "parameters": {"adapter_id": "chef"}})
     assert status == 422 and answer["error_type"] == "validation", answer
