@@ -98,12 +98,20 @@ def read_adapter(name: str, path: str) -> list[AdapterModule]:
             raise refuse("only adapter_model.bin (a pickle) is there: convert it to adapter_model.safetensors "
                          "(PeftModel.from_pretrained(...).save_pretrained(..., safe_serialization=True))")
         raise refuse(f"no {ADAPTER_WEIGHTS}")
-    with open(config_path) as f:
-        config = json.load(f)
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise refuse(f"{ADAPTER_CONFIG} cannot be read: {e}") from None
+    if not isinstance(config, dict):
+        raise refuse(f"{ADAPTER_CONFIG} is not a JSON object")
     _check_config(config, refuse)
     from safetensors.torch import load_file
 
-    tensors = load_file(weights_path)
+    try:
+        tensors = load_file(weights_path)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types, said in one line
+        raise refuse(f"{ADAPTER_WEIGHTS} cannot be read: {type(e).__name__}: {e}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, matrix = _split_key(key, refuse)

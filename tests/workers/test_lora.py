@@ -235,6 +235,10 @@ REFUSALS = {
     "unknown module": (_edit_tensors(_rename("mlp.gate_proj", "mlp.fc_in")), "LoRA cannot be applied"),
     "shape": (_edit_tensors(_narrow_b), "an adapter for another model"),
     "layer": (_edit_tensors(_rename("layers.1.", "layers.7.")), "the model has 2 layers"),
+    "broken config": (lambda folder: open(os.path.join(folder, "adapter_config.json"), "w").write("{"),
+                      "adapter_config.json cannot be read"),
+    "broken weights": (lambda folder: open(os.path.join(folder, "adapter_model.safetensors"), "wb").write(b"x" * 9),
+                       "adapter_model.safetensors cannot be read"),
 }
 
 
