@@ -92,3 +92,34 @@ def random_model_loader(device: torch.device):
         yield
     finally:
         model_runner_module.load_model = original
+
+
+LORA_MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def write_random_lora(path, config: dict, rank: int, std: float = 0.01) -> str:
+    """A PEFT LoRA folder for ``LlamaForCausalLM(config)`` on every projection of every layer, rank ``rank``,
+    N(0, std) matrices (what an adapter costs a step does not depend on its values), written without peft
+    or the model's weights: ``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT saves them."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    shapes = {name: tuple(t.shape) for name, t in meta_llama(config).state_dict().items()}
+    generator = torch.Generator().manual_seed(1)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for block, names in LORA_MODULES.items():
+            for name in names:
+                out_features, in_features = shapes[f"model.layers.{layer}.{block}.{name}.weight"]
+                key = f"base_model.model.model.layers.{layer}.{block}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+        "target_modules": [n for names in LORA_MODULES.values() for n in names]}))
+    return str(folder)

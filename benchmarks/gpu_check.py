@@ -14,6 +14,8 @@ keeps what it measured. Every row names the attention backend it ran on.
    hit on a running request's blocks, a preemption resumed from one cached block) on a 4-layer GQA Llama with
    llama3 RoPE, a Mistral with a window shorter than the sequences, a Qwen2 (q/k/v biases), a Qwen3 (QK-norm)
    and a Mixtral (routed experts). Each runs with the decode CUDA graphs and again eagerly ("... eager").
+   Then the Llama with two LoRA adapters (every projection; queries and values), three of the batch's six
+   sequences on them: every sequence's tokens equal PEFT's (CPU, float32) with its adapter or transformers'.
 2. bfloat16 teacher-forced on part 1's float32 tokens (prompt rows, then one decode row per sequence per step):
    llmbus's logit error against transformers float32 is at most ``BF16_SLACK`` times transformers' own bf16 error.
 3. served: ``llmbus up`` on a model of Llama-3.1-8B's width with 4 layers (random weights, a byte-level BPE
@@ -25,7 +27,10 @@ keeps what it measured. Every row names the attention backend it ran on.
    random weights made on the device (``ModelRunner`` directly), beside the floor that the measured
    device-to-device copy bandwidth gives for its bytes (weights plus the KV read). Each shape one step at a
    time (the host's turnaround counted), then "pipelined": chained as the worker runs the steps the scheduler
-   sends ahead, each launched behind the one before with its tokens fed on the device.
+   sends ahead, each launched behind the one before with its tokens fed on the device. Then at the shortest
+   context, batch 1 and the largest, the step with a rank-16 LoRA adapter on every projection, on every row and
+   on half of them (steps with adapter rows run eagerly: ``workers/lora.py``), against the graph step of the
+   base model.
 5. step profile (issue #39's baseline): per decode step at batch 1 and 64 (greedy), and at 64 with every row
    drawing through a warper or penalised ("mixed sampling"), and at 64 with a 32-token prompt chunk among
    them (an eager step), the kernels launched, the host-device copies and synchronisations torch's profiler
@@ -57,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from _random_llama import meta_llama, random_model_loader
+from _random_llama import meta_llama, random_model_loader, write_random_lora
 from gpu_check_cpu import CpuOverlapPart
 from gpu_check_served import ServedPart
 
@@ -67,6 +72,7 @@ from llmbus.workers.graph_sizes import parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 16  # what the scheduler uses on CUDA
+LORA_RANK = 16  # part 4's adapter, on every projection
 NUM_BLOCKS = 96
 # Two bf16 computations of one function round in different orders: llmbus may be off by this factor of
 # transformers' own bf16 error and still count as "no larger" (a real bug is many times larger).
@@ -253,6 +259,41 @@ class Check(ServedPart, CpuOverlapPart):
                          cuda_graphs=graph_sizes, graph_replays=replays[0],
                          seconds=round(time.perf_counter() - t0, 1))
             del runner
+        self._lora_greedy()
+
+    def _lora_greedy(self) -> None:
+        """The Llama of part 1 with two PEFT adapters, r1 and r3 (r3 preempted) on one, r2 on the other, the
+        rest (the prefix hit's donor and borrower among them) on the base model."""
+        from llmbus.testing.lora import AdapterRequests, lora_reference, save_lora_adapter
+
+        t0 = time.perf_counter()
+        ref, template = self._reference("llama3_gqa")
+        path, prompts = ref["path"], ref["prompts"]
+        adapters = {"all": save_lora_adapter(path, str(self.work / "lora-all"), ["q_proj", "k_proj", "v_proj",
+                                             "o_proj", "gate_proj", "up_proj", "down_proj"], seed=1),
+                    "qv": save_lora_adapter(path, str(self.work / "lora-qv"), ["q_proj", "v_proj"], seed=2)}
+        adapter_of = {"r1": "all", "r3": "all", "r2": "qv"}
+        index = {r.rid: i for i, r in enumerate(template)}
+        expected = {rid: ref["tokens"][i] for rid, i in index.items()}
+        for name, folder in adapters.items():
+            wanted = [rid for rid, a in adapter_of.items() if a == name]
+            tokens = lora_reference(path, folder, [prompts[index[rid]] for rid in wanted]).tokens
+            expected.update(zip(wanted, tokens))
+        runner = self.runner(path, torch.float32, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256,
+                             lora_adapters=tuple(adapters.items()))
+        for suffix, graph_sizes in _graph_modes(runner):
+            requests = copy.deepcopy(template)
+            replays = _count_replays(runner)
+            results = drive(AdapterRequests(runner, adapter_of), requests)
+            mismatched = [r.rid for r in requests if results[r.rid].tokens != expected[r.rid]]
+            replayed = replays[0] > 0 or not graph_sizes  # base steps replay; adapter steps run eagerly
+            self.row("1 float32 greedy", "llama3_gqa lora" + suffix, not mismatched and replayed,
+                     f"{len(requests) - len(mismatched)}/{len(requests)} sequences token-exact, 3 on two LoRA "
+                     f"adapters against PEFT's ({replays[0]} steps replayed CUDA graphs)",
+                     backend=runner.compute_paths["attention"], device=str(self.device), mismatched=mismatched,
+                     adapters=adapter_of, cuda_graphs=graph_sizes, graph_replays=replays[0],
+                     seconds=round(time.perf_counter() - t0, 1))
+        del runner
 
     # -- part 2 ----------------------------------------------------------------------------------
 
@@ -311,18 +352,20 @@ class Check(ServedPart, CpuOverlapPart):
 
     # -- part 4 ----------------------------------------------------------------------------------
 
-    def _speed_runner(self, name: str) -> tuple[ModelRunner, dict, int]:
-        """(a runner of random bf16 weights of the speed shape made on the device, its config, blocks per
-        sequence of the longest context)."""
+    def _speed_runner(self, name: str, lora_rank: int = 0) -> tuple[ModelRunner, dict, int]:
+        """(a runner of random bf16 weights of the speed shape made on the device, with a LoRA adapter of
+        ``lora_rank`` on every projection named "lora" if not 0; its config, blocks per sequence of the longest
+        context)."""
         sizes = self.sizes
         config = dict(sizes.speed_shape, model_type="llama", hidden_act="silu", tie_word_embeddings=False)
         path = self.work / name
         path.mkdir()
         (path / "config.json").write_text(json.dumps(config))
         per_seq = -(-(max(sizes.contexts) + 1) // BLOCK_SIZE)
+        lora = (("lora", write_random_lora(self.work / f"{name}-lora", config, lora_rank)),) if lora_rank else ()
         with random_model_loader(self.device):
             runner = self.runner(str(path), torch.bfloat16, num_blocks=max(sizes.batches) * per_seq + 1,
-                                 max_batch_prefill_tokens=2048)
+                                 max_batch_prefill_tokens=2048, lora_adapters=lora)
         return runner, config, per_seq
 
     def speed(self) -> None:
@@ -331,7 +374,8 @@ class Check(ServedPart, CpuOverlapPart):
         self.row("4 speed", "copy bandwidth", True, f"{bandwidth / 1e12:.3f} TB/s device-to-device "
                  "(bytes read + written)", bytes_per_s=bandwidth, device=str(self.device))
         dtype = torch.bfloat16
-        runner, config, per_seq = self._speed_runner("speed")
+        runner, config, per_seq = self._speed_runner("speed", lora_rank=LORA_RANK)
+        graph_step: dict[tuple[int, int], float] = {}
         # What a decode step reads: every weight but the embedding, of which it reads one row per sequence
         weights = sum(t.numel() for name, t in meta_llama(config).state_dict().items()
                       if name != "model.embed_tokens.weight") * dtype.itemsize
@@ -358,6 +402,8 @@ class Check(ServedPart, CpuOverlapPart):
                     # the steps the scheduler sends ahead: each launched behind the one before, fed its
                     # tokens on the device, before that one's tokens are read.
                     pipelined = _pipelined_steps(runner, seqs, sizes.timed_steps)
+                    if not suffix:
+                        graph_step[batch, context] = statistics.median(times)
                     for mode, measured in (("", times), (" pipelined", pipelined)):
                         step = statistics.median(measured)
                         self.row("4 speed", f"decode b{batch} ctx{context}{suffix}{mode}", True,
@@ -368,6 +414,27 @@ class Check(ServedPart, CpuOverlapPart):
                                  pipelined=bool(mode), step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in measured],
                                  floor_ms=floor * 1e3, weight_bytes=weights,
                                  kv_bytes=batch * context * kv_per_token)
+        context = min(sizes.contexts)
+        for batch in (1, max(sizes.batches)):
+            for share, on_adapter in (("every row", batch), ("half the rows", batch // 2)):
+                if not on_adapter:
+                    continue
+                seqs = [SeqInput(f"l{i}", [rng.randrange(3, config["vocab_size"])], context,
+                                 blocks[i * per_seq:(i + 1) * per_seq], True, SamplingParams(), context,
+                                 adapter="lora" if i < on_adapter else "") for i in range(batch)]
+                for _ in range(3):
+                    runner.step(seqs)
+                times = []
+                for _ in range(sizes.timed_steps):
+                    s0 = time.perf_counter()
+                    runner.step(seqs)
+                    times.append(time.perf_counter() - s0)
+                step, base = statistics.median(times), graph_step[batch, context]
+                self.row("4 speed", f"decode b{batch} ctx{context} lora r{LORA_RANK} on {share}", True,
+                         f"{step * 1e3:.2f} ms/step ({step / base:.2f}x the base model's step, {base * 1e3:.2f} ms)",
+                         backend=runner.compute_paths["attention"], device=str(self.device), dtype="bfloat16",
+                         batch=batch, context=context, lora_rows=on_adapter, step_ms=step * 1e3,
+                         step_ms_all=[t * 1e3 for t in times], base_step_ms=base * 1e3)
         del runner
 
     def step_profile(self) -> None:

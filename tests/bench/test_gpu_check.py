@@ -17,9 +17,12 @@ def test_dry_run_writes_every_row(dry_run):
     by_part: dict[str, list[dict]] = {}
     for row in rows:
         by_part.setdefault(row["part"].split()[0], []).append(row)
-    assert {r["name"] for r in by_part["1"]} == FAMILIES
+    families, lora = by_part["1"][:-1], by_part["1"][-1]
+    assert {r["name"] for r in families} == FAMILIES
     assert {r["name"] for r in by_part["2"]} == FAMILIES
-    assert all(r["mismatched"] == [] and r["min_margin"] > 0 for r in by_part["1"])
+    assert all(r["mismatched"] == [] and r["min_margin"] > 0 for r in families)
+    # the Llama again with three of its sequences on two LoRA adapters, against PEFT
+    assert lora["name"] == "llama3_gqa lora" and lora["mismatched"] == [] and len(lora["adapters"]) == 3
     assert all(r["llmbus_error"] <= 1.25 * r["transformers_bf16_error"] for r in by_part["2"])
     served, idle, against = by_part["3"]
     assert served["restarts"] == 0
@@ -32,11 +35,15 @@ def test_dry_run_writes_every_row(dry_run):
     assert against["ratio"] > 0
     speed = by_part["4"]
     assert speed[0]["name"] == "copy bandwidth" and speed[0]["bytes_per_s"] > 0
-    decode = speed[1:]
+    decode = [r for r in speed[1:] if "lora_rows" not in r]
     # each shape one step at a time, and chained as the worker runs steps sent ahead (fed on the device)
     assert sorted((r["batch"], r["context"], r["pipelined"]) for r in decode) == sorted(
         (b, c, p) for b in (1, 4) for c in (16, 48) for p in (False, True))
     assert all(r["step_ms"] > 0 for r in decode)
+    # then steps with a LoRA adapter on every row and on half of them, beside the base model's step
+    lora_steps = [r for r in speed[1:] if "lora_rows" in r]
+    assert [(r["batch"], r["lora_rows"]) for r in lora_steps] == [(1, 1), (4, 4), (4, 2)]
+    assert all(r["step_ms"] > 0 and r["base_step_ms"] > 0 for r in lora_steps)
     assert [r["name"] for r in by_part["5"]] == ["decode b1 ctx16", "decode b4 ctx16", "decode b4 ctx16 mixed sampling",
                                                  "decode b4 ctx16 with a prompt chunk"]
     # On CPU the default backend; whichever it is, every measured row names it.
