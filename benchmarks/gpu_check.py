@@ -29,8 +29,8 @@ keeps what it measured. Every row names the attention backend it ran on.
    time (the host's turnaround counted), then "pipelined": chained as the worker runs the steps the scheduler
    sends ahead, each launched behind the one before with its tokens fed on the device. Then at the shortest
    context, batch 1 and the largest, the step with a rank-16 LoRA adapter on every projection, on every row and
-   on half of them (steps with adapter rows run eagerly: ``workers/lora.py``), against the graph step of the
-   base model.
+   on half of them (their graphs hold the adapters' Triton kernels: ``workers/cuda_graphs.py``), against the
+   graph step of the base model.
 5. step profile (issue #39's baseline): per decode step at batch 1 and 64 (greedy), and at 64 with every row
    drawing through a warper or penalised ("mixed sampling"), and at 64 with a 32-token prompt chunk among
    them (an eager step), the kernels launched, the host-device copies and synchronisations torch's profiler

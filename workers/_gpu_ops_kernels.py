@@ -93,3 +93,52 @@ def launch_silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     block = min(1024, triton.next_power_of_2(width))
     _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0), width,
                                                             BLOCK=block, num_warps=4)
+
+
+@triton.jit
+def _lora_shrink_kernel(x_ptr, a_ptr, slot_ptr, s_ptr, stride_x, stride_a_slot, stride_a_rank, stride_s, width, rank,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    live = slot > 0  # slot 0: the base model's row, whose delta is nothing: nothing is read for it
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for start in range(0, width, BLOCK_K):
+        offs = start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=live & (offs < width), other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + slot * stride_a_slot + ranks[:, None] * stride_a_rank + offs[None, :],
+                    mask=live & (ranks[:, None] < rank) & (offs[None, :] < width), other=0.0).to(tl.float32)
+        acc += tl.sum(a * x[None, :], axis=1)
+    tl.store(s_ptr + row * stride_s + ranks, acc, mask=ranks < rank)
+
+
+@triton.jit
+def _lora_expand_kernel(s_ptr, b_ptr, slot_ptr, y_ptr, stride_s, stride_b_slot, stride_b_out, stride_y, out_features,
+                        rank, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    outs = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    ranks = tl.arange(0, BLOCK_R)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    live = slot > 0
+    s = tl.load(s_ptr + row * stride_s + ranks, mask=live & (ranks < rank), other=0.0)
+    b = tl.load(b_ptr + slot * stride_b_slot + outs[:, None] * stride_b_out + ranks[None, :],
+                mask=live & (outs[:, None] < out_features) & (ranks[None, :] < rank), other=0.0).to(tl.float32)
+    delta = tl.sum(b * s[None, :], axis=1)
+    kept = live & (outs < out_features)
+    y = tl.load(y_ptr + row * stride_y + outs, mask=kept, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + outs, (y + delta).to(y_ptr.dtype.element_ty), mask=kept)
+
+
+def launch_lora(x: torch.Tensor, y: torch.Tensor, shrink: torch.Tensor, expand: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    rows, width = x.shape
+    rank, out_features = shrink.shape[1], expand.shape[1]
+    s = torch.empty((rows, rank), dtype=torch.float32, device=x.device)
+    block_r = min(16, triton.next_power_of_2(rank))
+    _lora_shrink_kernel[(rows, triton.cdiv(rank, block_r))](
+        x, shrink, slots, s, x.stride(0), shrink.stride(0), shrink.stride(1), s.stride(0), width, rank,
+        BLOCK_R=block_r, BLOCK_K=128, num_warps=4)
+    block_o = 64
+    _lora_expand_kernel[(rows, triton.cdiv(out_features, block_o))](
+        s, expand, slots, y, s.stride(0), expand.stride(0), expand.stride(1), y.stride(0), out_features, rank,
+        BLOCK_O=block_o, BLOCK_R=triton.next_power_of_2(rank), num_warps=4)

@@ -23,6 +23,10 @@ one pinned buffer and one non-blocking copy; the device grows the tables, gather
 graph's buffer and computes each row's KV slot. The host's work is per row, not per block. Steps with prompt
 rows, speculative rows or prompt logprobs, and decode steps larger than the largest size, run eagerly.
 
+**LoRA adapters** (``workers/lora.py``): with adapters loaded each size is captured twice, without them and
+with their Triton kernels reading each row's adapter from the buffers (``StepAdapters.slots``: staged with the
+ids). A step with an adapter row replays the second, any other the first, so base traffic pays nothing.
+
 ``capture=False`` runs the same padded, buffer-fed forward without a graph: how CPU tests check that the
 padding and the buffers give every row exactly its eager logits.
 """
@@ -38,6 +42,7 @@ import torch
 from llmbus.workers.attention.base import AttentionMetadata, DecodeGraphInputs
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.launched_step import DeviceFeed
+from llmbus.workers.lora import StepAdapters
 
 if TYPE_CHECKING:
     from llmbus.workers.model_runner import SeqInput
@@ -47,10 +52,11 @@ class DecodeGraphs:
     """Captured decode forwards of one model over one KV pool, by batch size."""
 
     def __init__(self, model, kv_cache: PagedKVCache, sizes: tuple[int, ...], max_blocks: int, *,
-                 capture: bool = True):
+                 capture: bool = True, adapter_index: dict[str, int] | None = None):
         """``model``: its ``forward`` and ``attention_backend`` (which must give graph metadata, see
         ``supported``); ``sizes``: the batch sizes to capture; ``max_blocks``: the longest block table a
-        replayed step may have (the model's context in blocks)."""
+        replayed step may have (the model's context in blocks); ``adapter_index``: the LoRA adapters the model
+        holds, by name (their steps replay too where the model adds their deltas with kernels)."""
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = sorted(set(sizes))
@@ -60,8 +66,13 @@ class DecodeGraphs:
         device = kv_cache.key.device
         self.spare_block = kv_cache.num_blocks
         self.block_size = kv_cache.block_size
-        # What a replay reads: token ids, positions and KV slots (rows of one buffer), and the block tables.
-        self.small = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        active = getattr(model, "active_adapters", None)
+        self.adapter_index = adapter_index if adapter_index and active is not None and active.kernels else {}
+        # What a replay reads: token ids, positions and KV slots (rows of one buffer), each row's adapter slot
+        # where adapters replay, and the block tables.
+        self.row_fields = 4 if self.adapter_index else 3
+        self.small = torch.zeros(self.row_fields, max_batch, dtype=torch.long, device=device)
+        self.adapter_rows = StepAdapters(None, self.small[3]) if self.adapter_index else None
         self.small[2].fill_(self.spare_block * self.block_size)
         self.inputs = DecodeGraphInputs(
             positions=self.small[1], slot_mapping=self.small[2],
@@ -82,7 +93,7 @@ class DecodeGraphs:
         # one non-blocking copy: ids, positions and slots of the rows, then (flat index into slot_tables,
         # block) of each appended block; a step can at most upload every row's whole table.
         pinned = device.type == "cuda"
-        capacity = 3 * max_batch + 2 * max_batch * max_blocks
+        capacity = self.row_fields * max_batch + 2 * max_batch * max_blocks
         self.stage = torch.zeros(capacity, dtype=torch.int32, pin_memory=pinned)
         self.staged_on_device = torch.zeros(capacity, dtype=torch.int32, device=device)
         # Recorded after the copy out of staging: the next step waits on it before rewriting staging, which
@@ -90,8 +101,8 @@ class DecodeGraphs:
         self.staged = torch.cuda.Event() if pinned else None
         self.metadata: dict[int, AttentionMetadata] = {
             b: model.attention_backend.decode_graph_metadata(self.inputs, b) for b in self.sizes}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor | None] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with adapters)
+        self.outputs: dict[tuple[int, bool], torch.Tensor | None] = {}
         self.capture_seconds = 0.0
         if capture:
             self._capture()
@@ -113,30 +124,38 @@ class DecodeGraphs:
                                   tables=torch.zeros(1, 1, dtype=torch.long))
         return backend.decode_graph_metadata(probe, 1) is not None
 
-    def _args(self, batch: int) -> tuple:
+    @property
+    def lora(self) -> bool:
+        """Whether steps with LoRA adapter rows replay too."""
+        return self.adapter_rows is not None
+
+    def _run(self, batch: int, adapters: bool) -> torch.Tensor | None:
         meta = self.metadata[batch]
-        return (self.small[0, :batch], meta.positions, self.kv_cache, meta, self.logits_index[:batch])
+        return self.model.forward(self.small[0, :batch], meta.positions, self.kv_cache, meta,
+                                  self.logits_index[:batch], **({"adapters": self.adapter_rows} if adapters else {}))
 
     def _capture(self) -> None:
         """Largest first, sharing one memory pool: a smaller graph's activations fit in the larger's."""
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.sizes):
-            args = self._args(batch)
-            self.model.forward(*args)  # compiles the kernels and settles the allocator outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch] = self.model.forward(*args)
-            self.graphs[batch] = graph
+            for adapters in (False, True) if self.lora else (False,):
+                self._run(batch, adapters)  # compiles the kernels and settles the allocator outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[batch, adapters] = self._run(batch, adapters)
+                self.graphs[batch, adapters] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
 
     def applies(self, seqs: list[SeqInput]) -> bool:
-        """Whether a step of ``seqs`` replays a graph: every row one sampled token, no more rows than the
-        largest size, no table longer than the buffers'."""
+        """Whether a step of ``seqs`` replays a graph: every row one sampled token (on the base model, or on
+        an adapter where those replay), no more rows than the largest size, no table longer than the
+        buffers'."""
         return (len(seqs) <= self.sizes[-1]
-                and all(len(s.token_ids) == 1 and s.sample and not s.num_spec for s in seqs)
+                and all(len(s.token_ids) == 1 and s.sample and not s.num_spec
+                        and (not s.adapter or s.adapter in self.adapter_index) for s in seqs)
                 and max(len(s.block_table) for s in seqs) <= self.max_blocks)
 
     def forward(self, seqs: list[SeqInput], feed: DeviceFeed | None = None) -> torch.Tensor | None:
@@ -145,14 +164,15 @@ class DecodeGraphs:
         device) over their rows of the staged ones."""
         count = len(seqs)
         batch = self.sizes[bisect.bisect_left(self.sizes, count)]
+        adapters = self.lora and any(s.adapter for s in seqs)
         self._stage(seqs, batch)
         if feed is not None:
             feed.write(self.small[0])
         if self.captured:
-            self.graphs[batch].replay()
-            logits = self.outputs[batch]
+            self.graphs[batch, adapters].replay()
+            logits = self.outputs[batch, adapters]
         else:
-            logits = self.model.forward(*self._args(batch))
+            logits = self._run(batch, adapters)
         return None if logits is None else logits[:count]
 
     def forget(self, rids: list[str]) -> None:
@@ -195,16 +215,21 @@ class DecodeGraphs:
         padding = batch - count
         rows = ([s.token_ids[0] for s in seqs] + [0] * padding + [s.num_computed for s in seqs] + [0] * padding
                 + slots + [self.padding_slot] * padding)
-        used = 3 * batch + 2 * len(flat)
+        if self.lora:
+            rows += [self.adapter_index[s.adapter] + 1 if s.adapter else 0 for s in seqs] + [0] * padding
+        fields = self.row_fields * batch
+        used = fields + 2 * len(flat)
         self.stage[:used] = torch.tensor(rows + flat + blocks, dtype=torch.int32)
         staged = self.staged_on_device[:used]
         staged.copy_(self.stage[:used], non_blocking=True)
         if self.staged is not None:
             self.staged.record()
         if flat:
-            appended = staged[3 * batch:].view(2, len(flat)).long()
+            appended = staged[fields:].view(2, len(flat)).long()
             self.slot_tables.view(-1).index_copy_(0, appended[0], appended[1])
         self.small[:2, :batch].copy_(staged[:2 * batch].view(2, batch))
+        if self.lora:
+            self.small[3, :batch].copy_(staged[3 * batch:4 * batch])
         width = max(len(s.block_table) for s in seqs)
         tables = self.inputs.tables[:batch]
         tables[:, :width].copy_(self.slot_tables.index_select(0, staged[2 * batch:3 * batch])[:, :width])

@@ -1,5 +1,6 @@
 """The decoder layer's small ops as one Triton kernel each, for CUDA: RMSNorm (and the residual add before
-it), RoPE on queries and keys together, and SiLU-and-multiply.
+it), RoPE on queries and keys together, SiLU-and-multiply, and a projection's LoRA deltas (each row its own
+adapter's, in two kernels whatever the mix of adapters).
 
 In torch each of these is several kernels (RMSNorm alone: a cast, a square, a mean, an add and a reciprocal
 root, a multiply, a cast and the weight's multiply), each reading and writing the whole activation: the H100
@@ -91,3 +92,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
     kernels.launch_silu_and_mul(gate_up, out)
     return out
+
+
+def lora_delta(x: torch.Tensor, y: torch.Tensor, shrink: torch.Tensor, expand: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """``y [T, out] += B_a (A_a x)`` in place, row by row, ``a = slots[t]`` (0: the base model's row, left as it
+    is), with every adapter's ``A`` in ``shrink [adapters + 1, R, in]`` and ``B`` in ``expand [adapters + 1,
+    out, R]`` (zero-padded to the largest rank R; slot 0 unused): one kernel shrinks every row to its rank
+    (float32), one adds the expansion. Nothing depends on the host, so a CUDA graph may hold them with
+    ``slots`` in its buffers."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if y.stride(-1) != 1:
+        raise ValueError("the projection's output must have contiguous rows: the delta is added in place")
+    _triton().launch_lora(x, y, shrink, expand, slots)
+    return y

@@ -21,9 +21,12 @@ The native decoder fuses its projections (``models/llama.py``): one QKV and one 
 
 A step's rows are grouped by adapter once (``StepAdapters``, built by the runner): one adapter covering the
 whole step takes no index ops; several gather their rows (``index_select``) and add back (``index_add_``).
+Where the layers' small ops are Triton kernels (CUDA) the deltas are too (``gpu_ops.lora_delta``): every
+adapter stacked, each row reading its own from a per-row slot, so a CUDA graph holds them
+(``cuda_graphs.py`` captures each size again with them).
 A step with no adapter row runs exactly the code it ran before adapters existed: the layers' deltas return at
-once, and the fused CPU decode layer and CUDA graphs (which compute from the base weights alone) take it as
-before; a step with adapter rows runs the torch layers eagerly. Where the fused layer promises batch
+once, and the fused CPU decode layer and the plain CUDA graphs take it as before. The fused layer computes
+from the base weights alone, so a step with adapter rows runs the torch layers. Where the fused layer promises batch
 invariance (CPU: bfloat16, int8 and int4 weights, ``FusedDecodeLayers.invariance_gap``), a step that mixes
 base and adapter rows is two forward passes (``forward_apart``): the base rows keep the fused layer's
 arithmetic, which does not depend on what shares the step, and only the adapter rows take the torch layers.
@@ -46,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from llmbus.bus.service import ServiceError
+from llmbus.workers import gpu_ops
 from llmbus.workers.launched_step import to_device
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -189,13 +193,15 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 class StepAdapters:
-    """A step's token rows grouped by adapter: ``(adapter index, rows)`` per adapter present, rows None when
-    it covers every row of the step (its delta then needs no index op)."""
+    """A step's token rows by adapter, in the two forms the deltas take them: grouped, ``(adapter index,
+    rows)`` per adapter present, rows None when it covers every row of the step (its delta then needs no index
+    op); and ``slots``, each row's adapter index + 1 (0: the base model) on the device, which the Triton
+    kernels read (``gpu_ops.lora_delta``). A CUDA graph's step has only ``slots``, in the graph's buffers."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "slots")
 
-    def __init__(self, groups: list[tuple[int, torch.Tensor | None]]):
-        self.groups = groups
+    def __init__(self, groups: list[tuple[int, torch.Tensor | None]] | None, slots: torch.Tensor | None = None):
+        self.groups, self.slots = groups, slots
 
     @classmethod
     def of(cls, adapters: list[str], query_lens: list[int], index: dict[str, int],
@@ -205,15 +211,17 @@ class StepAdapters:
         if not any(adapters):
             return None
         rows: dict[int, list[int]] = {}
+        slots: list[int] = []
         start = 0
         for name, count in zip(adapters, query_lens):
             if name:
                 if name not in index:
                     raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(index) or 'none'})")
                 rows.setdefault(index[name], []).extend(range(start, start + count))
+            slots.extend([index[name] + 1 if name else 0] * count)
             start += count
         return cls([(adapter, None if len(taken) == start else to_device(taken, torch.long, device))
-                    for adapter, taken in rows.items()])
+                    for adapter, taken in rows.items()], to_device(slots, torch.int32, device))
 
 
 def forward_apart(seqs: list, input_ids: torch.Tensor, logits_index: torch.Tensor, index: dict[str, int],
@@ -242,12 +250,15 @@ def forward_apart(seqs: list, input_ids: torch.Tensor, logits_index: torch.Tenso
 
 
 class ActiveAdapters:
-    """What the model's adapted projections read while a step with adapter rows runs its layers."""
+    """What the model's adapted projections read while a step with adapter rows runs its layers; ``kernels``:
+    whether they add their deltas with the Triton kernels (by ``StepAdapters.slots``, so a CUDA graph can hold
+    them), decided where the adapters are loaded."""
 
-    __slots__ = ("step",)
+    __slots__ = ("step", "kernels")
 
     def __init__(self):
         self.step: StepAdapters | None = None
+        self.kernels = False
 
     @contextmanager
     def serving(self, step: StepAdapters):
@@ -260,12 +271,15 @@ class ActiveAdapters:
 
 class LoraProjection:
     """The adapters of one of a layer's projections on this rank: per adapter index, ``(A, B)`` to add as
-    ``(x @ A.T) @ B.T`` to its output, or None where that adapter leaves it alone."""
+    ``(x @ A.T) @ B.T`` to its output, or None where that adapter leaves it alone; where the kernels run, all of
+    them stacked instead (``stacked``: every ``A`` in ``[adapters + 1, R, in]``, every ``B`` in ``[adapters + 1,
+    out, R]``, zero-padded to the largest rank R, index 0 the base model's, never read)."""
 
-    __slots__ = ("active", "pairs")
+    __slots__ = ("active", "pairs", "stacked")
 
     def __init__(self, active: ActiveAdapters, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]):
-        self.active, self.pairs = active, pairs
+        self.active = active
+        self.pairs, self.stacked = (None, _stacked(pairs)) if active.kernels else (pairs, None)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base projection of ``x``, a tensor of its own) with each of the step's rows' adapter delta
@@ -273,6 +287,8 @@ class LoraProjection:
         step = self.active.step
         if step is None:
             return y
+        if self.stacked is not None:  # every row's own delta in two kernels, whatever the mix
+            return gpu_ops.lora_delta(x, y, *self.stacked, step.slots)
         for adapter, rows in step.groups:
             pair = self.pairs[adapter]
             if pair is None:
@@ -283,6 +299,20 @@ class LoraProjection:
             else:
                 y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), shrink), expand).to(y.dtype))
         return y
+
+
+def _stacked(pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``LoraProjection.stacked`` of ``pairs`` (on the model's device, in its dtype)."""
+    live = [pair for pair in pairs if pair is not None]
+    rank = max(shrink.shape[0] for shrink, _ in live)
+    like = live[0][0]
+    shrink = like.new_zeros(len(pairs) + 1, rank, like.shape[1])
+    expand = like.new_zeros(len(pairs) + 1, live[0][1].shape[0], rank)
+    for slot, pair in enumerate(pairs, start=1):
+        if pair is not None:
+            shrink[slot, :pair[0].shape[0]] = pair[0]
+            expand[slot, :, :pair[1].shape[1]] = pair[1]
+    return shrink, expand
 
 
 def _base_shapes(config) -> dict[str, tuple[int, int]]:
@@ -359,6 +389,9 @@ def attach_adapters(model, adapters: tuple[tuple[str, str], ...]) -> dict[str, i
             wanted.setdefault((module.layer, site), {})[module.name] = module
         by_adapter.append(wanted)
     active = model.active_adapters
+    # Where the layers' small ops run as Triton kernels (CUDA), so do the deltas: graph-capturable, one pair
+    # of launches a projection whatever the step's adapters.
+    active.kernels = gpu_ops.available(torch.empty(0, device=model.device))
     for i, layer in enumerate(layers):
         for block in (layer.attention, layer.mlp):
             for site, spans in getattr(block, "lora_sites", {}).items():

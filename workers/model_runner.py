@@ -211,8 +211,8 @@ class ModelRunner:
                 raise ValueError(f"{seq.rid}: {len(seq.block_table)} blocks of {self.block_size} cannot hold "
                                  f"{seq.num_computed + n} tokens")
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device)
-        # A graph replays the base weights' kernels only: a step with adapter rows runs eagerly.
-        if (adapters is None and logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
+        # A step with adapter rows replays too where the graphs hold the adapters' kernels (CUDA), else eagerly.
+        if (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
                 and self.graphs.applies(seqs)):
             return self.graphs.forward(seqs, feed)
         input_ids = fed_ids((s.token_ids for s in seqs), feed, self.device)
@@ -514,18 +514,22 @@ class ModelRunner:
     def _measure_graph_bytes(self, cache: PagedKVCache) -> int:
         """What the captured graphs will hold, measured before the pool is sized: the allocation peak of an
         eager decode step of the largest size (the graphs share one pool, and a smaller one's activations fit
-        in the largest's)."""
+        in the largest's), its rows on a LoRA adapter where adapters replay too, and then twice that: every
+        size is captured again with the adapters' kernels, and each graph keeps its logits."""
         if not self._graphs_wanted():
             return 0
+        active = getattr(self.model, "active_adapters", None)
+        adapter = next(iter(self._adapter_index), "") if active is not None and active.kernels else ""
         rows = [SeqInput(rid=f"{WARMUP_RID_PREFIX}graph{i}", token_ids=[0], num_computed=0, block_table=[0],
-                         sample=True, sampling=SamplingParams()) for i in range(max(self.graph_sizes))]
+                         sample=True, sampling=SamplingParams(), adapter=adapter)
+                for i in range(max(self.graph_sizes))]
         self._synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         allocated_before = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             self._forward(rows, cache)
         self._synchronize()
-        return torch.cuda.max_memory_allocated(self.device) - allocated_before
+        return (torch.cuda.max_memory_allocated(self.device) - allocated_before) * (2 if adapter else 1)
 
     def _capture_graphs(self) -> None:
         """Capture the decode graphs over the pool, once it exists (``--cuda-graphs``)."""
@@ -533,7 +537,8 @@ class ModelRunner:
             return
         max_blocks = -(-self.max_position_embeddings // self.block_size)
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.graph_sizes, max_blocks)
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.graph_sizes, max_blocks,
+                                       adapter_index=self._adapter_index)
 
     def allocate_pool(self, num_blocks: int) -> None:
         """The KV pool of a runner whose pool was left to be sized (on CUDA, by its own warmup, or by the

@@ -41,7 +41,8 @@ def _runner_with_graphs(model_dir: str, sizes: tuple[int, ...], **kwargs) -> tup
     runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton",
                          **kwargs)
     max_blocks = -(-runner.max_position_embeddings // BLOCK_SIZE)
-    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, sizes, max_blocks, capture=False)
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, sizes, max_blocks, capture=False,
+                                 adapter_index=runner._adapter_index)
     replayed: list[list] = []
     forward = runner.graphs.forward
     runner.graphs.forward = lambda seqs, feed=None: replayed.append(list(seqs)) or forward(seqs, feed)
@@ -73,26 +74,35 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, 
     assert set(fused) == {"rms_norm", "rotary_kv_write", "silu_and_mul"}
 
 
-def test_lora_adapter_rows_run_eagerly_beside_replayed_base_steps(llama_dir, tmp_path):
-    """A GPU's path for LoRA, on the CPU: requests on an adapter arrive while base requests decode through the
-    graph buffers; their steps run eagerly (a graph replays the base weights only), before and after them the
-    base decodes replay again, and every request's tokens equal PEFT's with its adapter or transformers'."""
+def test_lora_adapter_rows_replay_the_graphs_with_each_rows_own_adapter(llama_dir, tmp_path):
+    """A GPU's path for LoRA, on the CPU: base requests and requests on two adapters decode together through
+    the graph buffers, each row's adapter staged with its token (the deltas as Triton kernels, interpreted);
+    steps with adapter rows take the graphs holding the adapters' kernels, steps without them the plain ones,
+    and every request's tokens equal PEFT's with its adapter or transformers'."""
     from llmbus.testing.lora import AdapterRequests, lora_reference, save_lora_adapter
     from llmbus.testing.runner_driver import Request
 
-    adapter = save_lora_adapter(llama_dir, str(tmp_path / "adapter"), ["q_proj", "v_proj", "o_proj", "down_proj"],
-                                seed=3)
+    adapters = {"a": save_lora_adapter(llama_dir, str(tmp_path / "a"), ["q_proj", "v_proj", "o_proj", "down_proj"],
+                                       seed=3),
+                "b": save_lora_adapter(llama_dir, str(tmp_path / "b"), ["k_proj", "gate_proj", "up_proj"], r=8,
+                                       seed=9)}
     prompts = make_prompts(VOCAB)[:3]
-    base, adapted = reference(llama_dir, prompts), lora_reference(llama_dir, adapter, prompts)
-    runner, replayed = _runner_with_graphs(llama_dir, (1, 2, 4, 8), lora_adapters=(("a", adapter),))
-    requests = ([Request(f"b{i}", p) for i, p in enumerate(prompts)]
-                + [Request(f"a{i}", p, arrival_step=3, max_new_tokens=4) for i, p in enumerate(prompts)])
-    results = drive(AdapterRequests(runner, {f"a{i}": "a" for i in range(len(prompts))}), requests)
-    for i in range(len(prompts)):
-        assert results[f"b{i}"].tokens == base.tokens[i], f"b{i}"
-        assert results[f"a{i}"].tokens == adapted.tokens[i][:4], f"a{i}"
-    assert replayed and all(not s.adapter for seqs in replayed for s in seqs)
-    assert any(s.rid.startswith("b") for s in replayed[-1])  # base decodes replay again after the adapter's
+    expected = {"": reference(llama_dir, prompts).tokens,
+                **{name: lora_reference(llama_dir, folder, prompts).tokens for name, folder in adapters.items()}}
+    runner, replayed = _runner_with_graphs(llama_dir, (1, 2, 4, 8), lora_adapters=tuple(adapters.items()))
+    adapter_of = {f"{name}{i}": name for name in adapters for i in range(2)}  # 7 rows: within the graph of 8
+    requests = ([Request(f"base{i}", p) for i, p in enumerate(prompts)]
+                + [Request(f"{name}{i}", p, arrival_step=2, max_new_tokens=5) for name in adapters
+                   for i, p in enumerate(prompts[:2])])
+    results = drive(AdapterRequests(runner, adapter_of), requests)
+    for rid, request in results.items():
+        adapter, i = adapter_of.get(rid, ""), int(rid[-1])
+        assert request.tokens == expected[adapter][i][:len(request.tokens)], rid
+        assert len(request.tokens) == (5 if adapter else len(expected[""][i])), rid
+    kinds = [{s.adapter for s in seqs} for seqs in replayed]
+    assert {"", "a", "b"} in kinds  # base rows and both adapters in one replayed step
+    assert {""} in kinds  # and base-only steps, before the adapters' requests came and after they ended
+    assert runner.graphs.lora
 
 
 def test_only_decode_only_steps_within_the_sizes_replay(llama_dir):

@@ -91,3 +91,31 @@ def test_silu_and_mul(dtype):
     gate_up = (torch.randn(3, 2 * 1100) * 4).to(dtype)  # two column tiles, the second masked
     gate, up = gate_up.chunk(2, dim=-1)
     _close(gpu_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_delta_gives_each_row_its_own_adapters_delta(dtype):
+    """Rows of the base model (slot 0: untouched, even where slot 0's matrices are not zero), of adapters of
+    ranks 3 and 8 (zero-padded to 8), in any order, on widths that are not multiples of the kernels' tiles."""
+    rows, width, out_features = 7, 200, 150
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=generator).to(dtype)
+    y = torch.randn(rows, out_features, generator=generator).to(dtype)
+    ranks = {1: 3, 2: 8}
+    shrink = torch.randn(3, 8, width, generator=generator).to(dtype)
+    expand = torch.randn(3, out_features, 8, generator=generator).to(dtype)
+    for slot, rank in ranks.items():  # what padding holds: zeros past each adapter's rank
+        shrink[slot, rank:] = 0
+        expand[slot, :, rank:] = 0
+    slots = torch.tensor([1, 0, 2, 2, 0, 1, 2], dtype=torch.int32)
+    want = y.clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot:
+            a, b = shrink[slot, :ranks[slot]].float(), expand[slot, :, :ranks[slot]].float()
+            want[row] = (y[row].float() + b @ (a @ x[row].float())).to(dtype)
+    got = gpu_ops.lora_delta(x, y.clone(), shrink, expand, slots)
+    assert torch.equal(got[slots == 0], y[slots == 0])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # the kernel adds in float32 and rounds once
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
