@@ -19,7 +19,7 @@ Each variant changes one thing, so a failure points at one cause:
   wrong (so steps keep some and reject others), verified as one-token rows of one sequence;
 - ``preempted``: dropped halfway and recomputed from its prompt and generated tokens (one prompt step);
 - ``beside_long_context``: its prompt in the same step as a request with a context of 1760 tokens;
-- ``beside_adapters``: among 16 requests on a LoRA adapter (their rows add the adapter's deltas).
+- ``beside_adapters``: among 8 requests on a LoRA adapter (their rows add the adapter's deltas).
 
 Alone, every target runs by itself; in a variant the 16 run together in one continuous batch (a server's
 case, and a sixteenth of the steps), or, with ``together=False`` (for finding a cause), each by itself too.
@@ -50,7 +50,7 @@ SPECULATE = 4
 CROWD = 63
 LONG_CONTEXT = 1760  # beside the targets' 632 prompt tokens: a step of 648 tokens x 1760 keys, past 2**20
 ADAPTER = "beside"  # beside_adapters' LoRA adapter: a runner the variants run on loads it under this name
-ADAPTER_CROWD = 16
+ADAPTER_CROWD = 8
 EOS = (2, 0)  # SmolLM2's <|im_end|> and <|endoftext|> (not an end here: every request runs its tokens)
 
 # The chat template's default system prompt, so every prompt is 35-55 tokens: 2-3 full blocks for a
