@@ -13,8 +13,9 @@ model's, on one `llmbus up --lora-adapters` (the same server, the same run, roun
 - Default model: SmolLM2-135M-Instruct's dense float32 folder (``_smollm2.dense_folder``), else
   ``--model-id``.
 
-What it says: on CPU, base-model steps take the fused C decode layer while a step with adapter rows runs
-the torch layers (workers/lora.py), so the ratio is that path's cost plus the deltas' matmuls.
+What it says: on CPU the fused decode layer adds an adapter row's deltas beside the base projections
+(decode_layer.c's lora_add), so the ratio is the deltas' cost (their float32 matrices, two barriers a
+projection); on CUDA the adapters' Triton kernels inside the graphs.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers.attention import AttentionMetadata, attention_backend_class
 from llmbus.workers.attention.decode_kernel import score_slots
 from llmbus.workers.kernels import bindings
-from llmbus.workers.kernels.bindings import MAX_ROWS, Experts, LayerArgs, Proj, StepArgs
+from llmbus.workers.kernels.bindings import MAX_ROWS, Experts, LayerArgs, LayerLora, LoraSite, Proj, StepArgs
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.linear import Linear
 from llmbus.workers.models.moe import SparseMoE
@@ -217,6 +217,31 @@ class FusedDecodeLayers:
         # same whatever the batch, but at batch 64 that measured 1.62x slower than oneDNN's GEMMs (design
         # notes, "Batch-invariant numerics on CPU"): float32 on AVX-512 keeps the torch layers there.
         self._large_batches = self._tiled or self._gemm_batches
+        self._lora: list | None = None  # attach_lora: each layer's LayerLora and what it points into
+        self._lora_rank = 0  # the largest rank of any adapted projection
+
+    def attach_lora(self, model) -> None:
+        """Point each layer at its LoRA adapters (``workers/lora.py``, after ``attach_adapters``): every
+        adapted projection's adapters stacked in float32, so a step with adapter rows runs here too, each
+        row adding its own adapter's deltas and base rows computing exactly as without them."""
+        from llmbus.workers.lora import stacked_for_native
+
+        keep = []
+        for layer, args in zip(model.layers, self._layers):
+            sites = {}
+            for name, block in (("qkv", layer.attention), ("o_proj", layer.attention), ("gate_up", layer.mlp),
+                                ("down", layer.mlp)):
+                stacked = stacked_for_native(getattr(block, f"{name}_lora", None))
+                if stacked is not None:
+                    keep += stacked
+                    sites[name] = LoraSite(shrink=_ptr(stacked[0]), expand_t=_ptr(stacked[1]),
+                                           rank=stacked[0].shape[1])
+                    self._lora_rank = max(self._lora_rank, stacked[0].shape[1])
+            if sites:
+                lora = LayerLora(**sites)
+                keep.append(lora)
+                args.lora = ctypes.addressof(lora)
+        self._lora = keep
 
     @staticmethod
     def _layer_args(model, weights: list, bf16: Bfloat16Copies | None = None) -> list[LayerArgs] | None:
@@ -329,12 +354,14 @@ class FusedDecodeLayers:
         step.expert_rows = self._buffer("expert_rows", 2 * choices + most + 1, torch.int64).data_ptr()
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,
-            meta: AttentionMetadata) -> bool:
+            meta: AttentionMetadata, adapters=None) -> bool:
         """Every layer over ``hidden [B, H]`` (float32, updated in place) if this step is one the fused
-        path takes; False (nothing done) otherwise."""
+        path takes; False (nothing done) otherwise. ``adapters``: the step's LoRA rows (``lora.StepAdapters``),
+        whose deltas it adds where ``attach_lora`` gave it the adapters."""
         group = meta.kernel_rows
         if (group is None or (hidden.shape[0] > MAX_ROWS and not self._large_batches)
-                or kv_cache.key.dtype not in (torch.float32, torch.float16)):
+                or kv_cache.key.dtype not in (torch.float32, torch.float16)
+                or (adapters is not None and self._lora is None)):
             return False
         batch = hidden.shape[0]
         qkv_width = (self._num_heads + 2 * self._num_kv_heads) * self._head_dim
@@ -349,6 +376,8 @@ class FusedDecodeLayers:
             widest_input = max(self._hidden, self._num_heads * self._head_dim, self._intermediate)
             buffers |= {"gate_up_out": batch * 2 * self._intermediate,
                         "panels": self._panel_floats(batch, widest_input)}
+        if adapters is not None:  # an adapted gate/up adds its delta before SiLU, in this buffer
+            buffers["gate_up_out"] = batch * 2 * self._intermediate
         cos, sin = cos.reshape(batch, -1).contiguous(), sin.reshape(batch, -1).contiguous()
         step = StepArgs(batch=batch, hidden=self._hidden, intermediate=self._intermediate,
                          num_heads=self._num_heads, num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
@@ -368,6 +397,9 @@ class FusedDecodeLayers:
         step.prepared, step.prepared_sums = self._prepared(batch)
         if self._experts:
             self._expert_scratch(step, batch)
+        if adapters is not None:
+            step.adapter_slots = adapters.slots.data_ptr()
+            step.lora_scratch = self._buffer("lora", batch * self._lora_rank).data_ptr()
         if self._function(ctypes.byref(step), self._layers, len(self._layers), hidden.data_ptr()) != 0:
             raise ValueError("the fused decode layer cannot take this shape")
         return True

@@ -24,20 +24,17 @@ whole step takes no index ops; several gather their rows (``index_select``) and 
 Where the layers' small ops are Triton kernels (CUDA) the deltas are too (``gpu_ops.lora_delta``): every
 adapter stacked, each row reading its own from a per-row slot, so a CUDA graph holds them
 (``cuda_graphs.py`` captures each size again with them).
+On CPU the fused decode layer adds them itself (``FusedDecodeLayers.attach_lora``: the stacked float32 form,
+``B`` transposed; decode_layer.c's ``lora_add``), only to adapter rows, so a base row computes exactly what it
+computes without adapter rows beside it (batch invariance).
 A step with no adapter row runs exactly the code it ran before adapters existed: the layers' deltas return at
-once, and the fused CPU decode layer and the plain CUDA graphs take it as before. The fused layer computes
-from the base weights alone, so a step with adapter rows runs the torch layers. Where the fused layer promises batch
-invariance (CPU: bfloat16, int8 and int4 weights, ``FusedDecodeLayers.invariance_gap``), a step that mixes
-base and adapter rows is two forward passes (``forward_apart``): the base rows keep the fused layer's
-arithmetic, which does not depend on what shares the step, and only the adapter rows take the torch layers.
-Elsewhere (float32, whose prompts already take other GEMMs) it is one pass, which reads the weights once.
+once, and the fused CPU decode layer and the plain CUDA graphs take it as before.
 
 What cannot be served is refused at load with ``LoraError``, naming the adapter and the problem.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -224,31 +221,6 @@ class StepAdapters:
                     for adapter, taken in rows.items()], to_device(slots, torch.int32, device))
 
 
-def forward_apart(seqs: list, input_ids: torch.Tensor, logits_index: torch.Tensor, index: dict[str, int],
-                  device: torch.device, run) -> torch.Tensor | None:
-    """The logits rows ``logits_index`` of a step (``seqs``, SeqInputs, with their flat ``input_ids``) whose
-    base-model sequences and adapter sequences ``run(part, part_ids, part_logits_index, StepAdapters | None)``
-    as two forward passes (None off rank 0). A sequence reads and writes only its own KV blocks, so the two
-    passes are the step. On CPU only, where the fused layer runs: reading ``logits_index`` costs nothing."""
-    starts = list(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
-    wanted = logits_index.tolist()
-    logits = None
-    for part in ([i for i, s in enumerate(seqs) if not s.adapter], [i for i, s in enumerate(seqs) if s.adapter]):
-        rows = [row for i in part for row in range(starts[i], starts[i + 1])]
-        local = {row: j for j, row in enumerate(rows)}
-        picks = [k for k, row in enumerate(wanted) if row in local]
-        part_seqs = [seqs[i] for i in part]
-        step = StepAdapters.of([s.adapter for s in part_seqs], [len(s.token_ids) for s in part_seqs], index, device)
-        part_logits = run(part_seqs, input_ids[rows], to_device([local[wanted[k]] for k in picks], torch.long, device),
-                          step)
-        if part_logits is None:
-            continue
-        if logits is None:
-            logits = part_logits.new_empty(len(wanted), part_logits.shape[1])
-        logits[picks] = part_logits
-    return logits
-
-
 class ActiveAdapters:
     """What the model's adapted projections read while a step with adapter rows runs its layers; ``kernels``:
     whether they add their deltas with the Triton kernels (by ``StepAdapters.slots``, so a CUDA graph can hold
@@ -299,6 +271,16 @@ class LoraProjection:
             else:
                 y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), shrink), expand).to(y.dtype))
         return y
+
+
+def stacked_for_native(projection: "LoraProjection | None") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A projection's adapters stacked as ``LoraProjection.stacked``, float32, ``B`` transposed to ``[slots,
+    R, out]`` (each rank's column contiguous over the outputs), for the fused CPU layer (decode_layer.c's
+    LoraSite); None where no adapter adapts it."""
+    if projection is None:
+        return None
+    shrink, expand = projection.stacked if projection.stacked is not None else _stacked(projection.pairs)
+    return shrink.float().contiguous(), expand.float().transpose(1, 2).contiguous()
 
 
 def _stacked(pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,6 +381,8 @@ def attach_adapters(model, adapters: tuple[tuple[str, str], ...]) -> dict[str, i
                 if any(pair is not None for pair in pairs):
                     setattr(block, f"{site}_lora", LoraProjection(active, [
                         None if pair is None else tuple(_on_model(t, model) for t in pair) for pair in pairs]))
+    if getattr(model, "fused_decode", None) is not None:
+        model.fused_decode.attach_lora(model)
     return {name: i for i, name in enumerate(names)}
 
 

@@ -28,7 +28,7 @@ from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
-from llmbus.workers.lora import StepAdapters, attach_adapters, forward_apart
+from llmbus.workers.lora import StepAdapters, attach_adapters
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
                                           out_of_memory_reason)
 from llmbus.workers.sampling import has_penalties, sample
@@ -220,20 +220,8 @@ class ModelRunner:
             last_rows = list(itertools.accumulate(query_lens))
             logits_index = to_device([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample], torch.long,
                                      self.device)
-        fused = getattr(self.model, "fused_decode", None)
-        if adapters is not None and fused is not None and fused.invariance_gap is None and not all(
-                s.adapter for s in seqs):
-            # Where batch invariance is promised, base rows as one forward pass and adapter rows as another: a
-            # base row computes what it computes beside other base rows (the fused layer's arithmetic), not the
-            # torch layers'. Elsewhere one pass, which reads the weights once (benchmarks/lora_cost.py).
-            return forward_apart(seqs, input_ids, logits_index, self._adapter_index, self.device,
-                                 lambda part, ids, index, step: self._run_model(part, kv_cache, ids, index, step))
-        return self._run_model(seqs, kv_cache, input_ids, logits_index, adapters)
-
-    def _run_model(self, seqs: list[SeqInput], kv_cache: PagedKVCache, input_ids: torch.Tensor,
-                   logits_index: torch.Tensor, adapters: StepAdapters | None) -> torch.Tensor | None:
         meta = self.model.attention_backend.build_metadata(
-            query_lens=[len(s.token_ids) for s in seqs], num_computed=[s.num_computed for s in seqs],
+            query_lens=query_lens, num_computed=[s.num_computed for s in seqs],
             block_tables=[s.block_table for s in seqs], kv_cache=kv_cache, device=self.device)
         if adapters is None:
             return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)

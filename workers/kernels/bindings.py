@@ -53,6 +53,18 @@ class Experts(ctypes.Structure):
                 ("renormalize", _I64), ("intermediate", _I64)]
 
 
+class LoraSite(ctypes.Structure):
+    """One projection's LoRA adapters, stacked (``workers/lora.py``); shrink null: none adapts it."""
+
+    _fields_ = [("shrink", _P), ("expand_t", _P), ("rank", _I64)]
+
+
+class LayerLora(ctypes.Structure):
+    """A layer's LoRA adapters, by projection."""
+
+    _fields_ = [(name, LoraSite) for name in ("qkv", "o_proj", "gate_up", "down")]
+
+
 class LayerArgs(ctypes.Structure):
     """One decoder layer's weights for ``decode_layers_f32``."""
 
@@ -60,7 +72,7 @@ class LayerArgs(ctypes.Structure):
                                          "down_bias")]
                 + [(name, Proj) for name in ("qkv", "o_proj", "gate_up", "down")]
                 + [("window", _I64)]
-                + [(name, _P) for name in ("q_norm", "k_norm", "experts")])
+                + [(name, _P) for name in ("q_norm", "k_norm", "experts", "lora")])
 
 
 class StepArgs(ctypes.Structure):
@@ -77,7 +89,7 @@ class StepArgs(ctypes.Structure):
                 + [("pool_layer_stride", _I64), ("starts", _P), ("pool_f16", _I64), ("prepared", _P),
                    ("prepared_sums", _P)]
                 + [(name, _P) for name in ("expert_probs", "expert_weights", "expert_in", "expert_out",
-                                           "expert_sum", "expert_rows")])
+                                           "expert_sum", "expert_rows", "adapter_slots", "lora_scratch")])
 
 
 _ATTENTION = [_P, _I64, _P, _I64, _P, _I64,  # query, new key, new value (+ row strides)
@@ -132,7 +144,8 @@ def abi_expectations() -> dict[str, int]:
     """What ``llmbus_kernels_abi`` must answer for each name: these bindings' sizes and constants."""
     return {"sizeof(Tiled)": ctypes.sizeof(Tiled), "sizeof(Proj)": ctypes.sizeof(Proj),
             "sizeof(Experts)": ctypes.sizeof(Experts), "sizeof(LayerArgs)": ctypes.sizeof(LayerArgs),
-            "sizeof(StepArgs)": ctypes.sizeof(StepArgs),
+            "sizeof(StepArgs)": ctypes.sizeof(StepArgs), "sizeof(LoraSite)": ctypes.sizeof(LoraSite),
+            "sizeof(LayerLora)": ctypes.sizeof(LayerLora),
             "MAX_ROWS": MAX_ROWS, "QUANT_TILE": QUANT_TILE, "TILED_INT8": TILED_INT8, "TILED_INT4": TILED_INT4,
             "TILED_BF16": TILED_BF16, "TILED_ISA_AVX2": TILED_ISA_AVX2,
             "TILED_ISA_AVX512_BF16": TILED_ISA_AVX512_BF16}

@@ -20,7 +20,7 @@ the attention backend. Keys that slide out of a window keep their KV blocks unti
 scheduler owns the blocks); they are only masked.
 
 LoRA adapters (``workers/lora.py``) add their deltas at the four projections' call sites, a row-parallel
-one's before its all-reduce; a step with adapter rows runs these torch layers, never the fused decode layer.
+one's before its all-reduce; the fused decode layer adds them in its own projections.
 """
 
 from __future__ import annotations
@@ -351,11 +351,10 @@ class LlamaForCausalLM:
         Every rank must call this with the same shapes (the collectives pair up)."""
         hidden = self.embed(input_ids).to(RESIDUAL_DTYPE)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        # The fused C layer reads the base weights directly and knows nothing of adapters: a step with adapter
-        # rows runs the torch layers, whose projections add the deltas.
-        fused = adapters is None and self.fused_decode is not None and self.fused_decode.run(hidden, cos, sin,
-                                                                                             kv_cache, meta)
-        if adapters is not None:
+        # The fused C layer adds the adapter rows' deltas itself (lora.py hands it the adapters); elsewhere the
+        # torch layers' projections do, while the step's rows are being served.
+        fused = self.fused_decode is not None and self.fused_decode.run(hidden, cos, sin, kv_cache, meta, adapters)
+        if not fused and adapters is not None:
             with self.active_adapters.serving(adapters):
                 hidden = self.run_layers(hidden, positions, cos, sin, kv_cache, meta)
         elif not fused:

@@ -17,6 +17,8 @@ static const AbiEntry ABI[] = {
     {"sizeof(Experts)", sizeof(Experts)},
     {"sizeof(LayerArgs)", sizeof(LayerArgs)},
     {"sizeof(StepArgs)", sizeof(StepArgs)},
+    {"sizeof(LoraSite)", sizeof(LoraSite)},
+    {"sizeof(LayerLora)", sizeof(LayerLora)},
     {"MAX_ROWS", MAX_ROWS},
     {"QUANT_TILE", QUANT_TILE},
     {"TILED_INT8", TILED_INT8},

@@ -197,6 +197,50 @@ static void routed_experts(const StepArgs *s, const Experts *e, float *hidden) {
         for (int64_t h = 0; h < H; h++) hidden[b * H + h] += s->expert_sum[b * H + h];
 }
 
+#define LORA_OUT_BLOCK 256
+
+/* y[b] += B_a (A_a x[b]) for each row b on an adapter a (StepArgs.adapter_slots; base rows untouched, so their
+ * arithmetic is the same with or without adapter rows beside them): each row's shrunk input (a dot product per
+ * rank), then its expansion added output block by output block (B^T's rows are contiguous over the outputs,
+ * so each rank's share is one vector FMA pass). Called by every thread of the step's parallel region; ends on
+ * a barrier. */
+static void lora_add(const StepArgs *s, const LayerArgs *l, const LoraSite *site, const float *x, int64_t in,
+                     int64_t out_features, float *y, int64_t y_stride) {
+    if (l->lora == 0 || site->shrink == 0 || s->adapter_slots == 0) return;
+    const int64_t B = s->batch, R = site->rank;
+    float *shrunk = s->lora_scratch;
+#pragma omp for schedule(static)
+    for (int64_t br = 0; br < B * R; br++) {
+        const int64_t b = br / R, slot = s->adapter_slots[b];
+        if (slot == 0) continue;
+        const float *a = site->shrink + (slot * R + br % R) * in, *row = x + b * in;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < in; k++) sum += a[k] * row[k];
+        shrunk[br] = sum;
+    }
+    const int64_t blocks = (out_features + LORA_OUT_BLOCK - 1) / LORA_OUT_BLOCK;
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        const int64_t first = block * LORA_OUT_BLOCK;
+        const int64_t last = first + LORA_OUT_BLOCK < out_features ? first + LORA_OUT_BLOCK : out_features;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t slot = s->adapter_slots[b];
+            if (slot == 0) continue;
+            float *out = y + b * y_stride;
+            for (int64_t r = 0; r < R; r++) {
+                const float t = shrunk[b * R + r], *e = site->expand_t + (slot * R + r) * out_features;
+#pragma omp simd
+                for (int64_t o = first; o < last; o++) out[o] += t * e[o];
+            }
+        }
+    }
+}
+
+static inline int lora_adapts(const StepArgs *s, const LayerArgs *l, const LoraSite *site) {
+    return s->adapter_slots != 0 && l->lora != 0 && site->shrink != 0;
+}
+
 #if GEMM_RUNS
 /* A batch past MAX_ROWS, float32 weights: the same stages, the projections as gemm.c's GEMMs (each weight
  * row used for every row of the batch from cache, not streamed per row as a GEMV would). Called by every
@@ -207,13 +251,17 @@ static void layer_gemm(const StepArgs *s, const LayerArgs *l, const LayerPool *p
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
     gemm_team(s->normed, l->qkv.dense, l->qkv_bias, B, qkv_width, H, s->qkv_out, qkv_width, 0, s->panels);
+    if (l->lora != 0) lora_add(s, l, &l->lora->qkv, s->normed, H, qkv_width, s->qkv_out, qkv_width);
     rope_write_attend(s, pool, l);
     gemm_team(s->attended, l->o_proj.dense, l->o_bias, B, H, Hq * D, hidden, H, 1, s->panels);
+    if (l->lora != 0) lora_add(s, l, &l->lora->o_proj, s->attended, Hq * D, H, hidden, H);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
     gemm_team(s->normed, l->gate_up.dense, l->gate_up_bias, B, 2 * I, H, s->gate_up_out, 2 * I, 0, s->panels);
+    if (l->lora != 0) lora_add(s, l, &l->lora->gate_up, s->normed, H, 2 * I, s->gate_up_out, 2 * I);
     silu_rows(s, B, I);
     gemm_team(s->act, l->down.dense, l->down_bias, B, H, I, hidden, H, 1, s->panels);
+    if (l->lora != 0) lora_add(s, l, &l->lora->down, s->act, I, H, hidden, H);
 }
 #endif
 
@@ -246,18 +294,24 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->input_norm, H, s->eps, s->normed + b * H);
     project(s, &l->qkv, l->qkv_bias, s->normed, H, qkv_width, s->qkv_out, qkv_width, 0);
+    if (l->lora != 0) lora_add(s, l, &l->lora->qkv, s->normed, H, qkv_width, s->qkv_out, qkv_width);
     rope_write_attend(s, pool, l);
     project(s, &l->o_proj, l->o_bias, s->attended, Hq * D, H, hidden, H, 1);
+    if (l->lora != 0) lora_add(s, l, &l->lora->o_proj, s->attended, Hq * D, H, hidden, H);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) rms_norm(hidden + b * H, l->post_norm, H, s->eps, s->normed + b * H);
     if (l->experts != 0) {
         routed_experts(s, l->experts, hidden);
         return;
     }
-    if (l->gate_up.tiled.values != 0) { /* every row the same arithmetic, whatever the batch */
+    /* every row the same arithmetic, whatever the batch; and where an adapter adapts gate/up, its delta goes
+     * in before SiLU */
+    if (l->gate_up.tiled.values != 0 || (l->lora != 0 && lora_adapts(s, l, &l->lora->gate_up))) {
         project(s, &l->gate_up, l->gate_up_bias, s->normed, H, 2 * I, s->gate_up_out, 2 * I, 0);
+        if (l->lora != 0) lora_add(s, l, &l->lora->gate_up, s->normed, H, 2 * I, s->gate_up_out, 2 * I);
         silu_rows(s, B, I);
         project(s, &l->down, l->down_bias, s->act, I, H, hidden, H, 1);
+        if (l->lora != 0) lora_add(s, l, &l->lora->down, s->act, I, H, hidden, H);
         return;
     }
     /* gate row i and up row I + i together: SiLU(gate) * up needs no second pass */
@@ -276,6 +330,7 @@ static void layer_gemv(const StepArgs *s, const LayerArgs *l, const LayerPool *p
         }
     }
     project(s, &l->down, l->down_bias, s->act, I, H, hidden, H, 1);
+    if (l->lora != 0) lora_add(s, l, &l->lora->down, s->act, I, H, hidden, H);
 }
 
 static inline int all_tiled(const LayerArgs *l) {

@@ -55,6 +55,19 @@ typedef struct {
     int64_t num_experts, top_k, renormalize, intermediate;
 } Experts;
 
+/* One projection's LoRA adapters (workers/lora.py): every adapter's A [slots, rank, in] and B transposed
+ * [slots, rank, out], float32, zero-padded to the largest rank; slot 0 (the base model) is never read. shrink
+ * null: no adapter adapts this projection. */
+typedef struct {
+    const float *shrink, *expand_t;
+    int64_t rank;
+} LoraSite;
+
+/* A layer's LoRA adapters, by projection. */
+typedef struct {
+    LoraSite qkv, o_proj, gate_up, down;
+} LayerLora;
+
 /* One decoder layer's weights for decode_layers_f32. */
 typedef struct {
     const float *input_norm, *qkv_bias, *o_bias, *post_norm, *gate_up_bias, *down_bias;
@@ -62,6 +75,7 @@ typedef struct {
     int64_t window; /* which of StepArgs.starts this layer attends with (its sliding window, or none) */
     const float *q_norm, *k_norm; /* or null: per-head RMSNorm weights [head_dim] on queries and keys before RoPE (Qwen3) */
     const Experts *experts;       /* or null: the dense MLP above */
+    const LayerLora *lora;        /* or null: no LoRA adapter adapts this layer */
 } LayerArgs;
 
 /* One step of decode_layers_f32: its shapes, its per-row inputs, scratch, and the paged pool. */
@@ -87,6 +101,10 @@ typedef struct {
      * + 1] the chosen experts by row, the rows by expert, and where each expert's rows start */
     float *expert_probs, *expert_weights, *expert_in, *expert_out, *expert_sum;
     int64_t *expert_rows;
+    /* LoRA: each row's adapter slot (0: the base model), or null when no row has one; and scratch
+     * [B, the largest rank of any projection] for the rows' shrunk inputs */
+    const int32_t *adapter_slots;
+    float *lora_scratch;
 } StepArgs;
 
 /* The library's side of the ABI check: the value of ``name`` (a constant above, or "sizeof(Proj)",
