@@ -229,7 +229,7 @@ def runner_logprobs(folder: Path, dtype: str, kv_dtype: str, ids: list[int], pre
     from llmbus.bus.messages import SamplingParams
     from llmbus.workers.host_memory import keep_freed_memory
     from llmbus.workers.model_runner import ModelRunner, SeqInput
-    from llmbus.workers.process import default_block_size
+    from llmbus.workers.placement import default_block_size
 
     keep_freed_memory()  # as the worker process does on CPU
     block_size = default_block_size("cpu")

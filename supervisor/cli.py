@@ -17,7 +17,8 @@ from llmbus.scheduler.config import SchedulerProcessConfig
 from llmbus.supervisor.plan import LaunchPlan, ResolvedLaunch, build_plan
 from llmbus.supervisor.settings import service_settings, up_options, up_settings
 from llmbus.supervisor.weights import served_model_id
-from llmbus.workers.process import WorkerConfig, default_block_size, gpu_shortage
+from llmbus.workers.placement import default_block_size, gpu_shortage
+from llmbus.workers.process import WorkerConfig
 
 
 class InvalidArgument(click.ClickException):

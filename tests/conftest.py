@@ -6,7 +6,7 @@ import pytest
 # pytest-xdist (pyproject's addopts run two workers) runs tests side by side: each worker's own torch and
 # the servers its tests start get a share of the cores rather than all of them each. OpenMP threads
 # oversubscribing the cores wait on a preempted partner at every barrier. Set before anything imports
-# torch; ranks read it (workers/process.py cpu_threads).
+# torch; ranks read it (workers/placement.py cpu_threads).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(
         1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))

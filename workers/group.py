@@ -20,7 +20,8 @@ import structlog
 
 from llmbus.bus.rundir import ensure_run_dir_or_exit
 from llmbus.bus.service import die_with_parent, setup_logging, terminate_all
-from llmbus.workers.process import WorkerConfig, default_dist_init_file, gpu_shortage, run_worker
+from llmbus.workers.placement import gpu_shortage
+from llmbus.workers.process import WorkerConfig, default_dist_init_file, run_worker
 
 GRACE_S = 5.0
 

@@ -19,7 +19,8 @@ from llmbus.scheduler.config import SchedulerProcessConfig
 from llmbus.supervisor import cli, weights
 from llmbus.supervisor.plan import build_plan
 from llmbus.supervisor.settings import SERVICES
-from llmbus.workers.process import WorkerConfig, default_block_size
+from llmbus.workers.placement import default_block_size
+from llmbus.workers.process import WorkerConfig
 
 RUN_DIR = "/tmp/llmbus-settings-test"
 # Values that pass every cross-flag rule (the model's 256 positions, input < total, ...).
@@ -271,7 +272,7 @@ def test_frontend_settings_round_trip(monkeypatch):
 def test_cpu_rank_threads(env, cores, world_size, threads, monkeypatch):
     import os
 
-    from llmbus.workers.process import cpu_threads
+    from llmbus.workers.placement import cpu_threads
 
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

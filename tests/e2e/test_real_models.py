@@ -170,7 +170,7 @@ def test_default_model_is_smollm2_and_knows_paris(smollm2_server):
     info = get(f"{server.url}/info")[1]
     assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["quantize"] == "gguf:Q4_1"
     # bf16 keeps the file's Q4_1 as int4; float32 (dtype auto on a CPU without native bf16) expands it
-    from llmbus.workers.process import resolve_dtype
+    from llmbus.workers.placement import resolve_dtype
 
     kept = resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     expected = "Q4_1 -> int4 (kept)" if kept else "Q4_1 -> float32"
@@ -179,7 +179,7 @@ def test_default_model_is_smollm2_and_knows_paris(smollm2_server):
 
 @smollm2
 def test_smollm2_float32_equals_transformers_on_the_same_weights(smollm2_server, smollm2_transformers):
-    from llmbus.workers.process import resolve_dtype
+    from llmbus.workers.placement import resolve_dtype
 
     path = smollm2_gguf()
     model, tokenizer = smollm2_transformers

@@ -211,7 +211,7 @@ def test_smollm2_speculating_server_keeps_transformers_greedy_tokens(smollm2_ser
 
     from llmbus.testing.greedy import greedy_reference, served_greedy
     from llmbus.testing.http import all_blocks_free, metrics, wait_for_metrics
-    from llmbus.workers.process import resolve_dtype
+    from llmbus.workers.placement import resolve_dtype
 
     if resolve_dtype("auto", torch.device("cpu")) != torch.float32:
         pytest.skip("the shared server computes in bf16 here; exactness is checked in float32")

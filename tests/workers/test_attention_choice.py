@@ -16,8 +16,8 @@ from llmbus.testing.server import free_port
 from llmbus.workers import attention, weight_builder
 from llmbus.workers.attention import (BACKEND_CLASSES, AttentionBackendUnavailable, CPUKernelBackend,
                                       TorchSDPABackend, attention_backend_class, make_attention_backend)
-from llmbus.workers.process import (ATTENTION_BACKENDS, WorkerConfig, cuda_float32_math, process_group_backend,
-                                    resolve_dtype)
+from llmbus.workers.placement import cuda_float32_math, process_group_backend, resolve_dtype
+from llmbus.workers.process import ATTENTION_BACKENDS, WorkerConfig
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

@@ -12,7 +12,7 @@ import torch
 from llmbus.workers.kv_cache import bytes_per_block
 from llmbus.workers.memory_budget import CUDA_KV_HEADROOM, WarmupOutOfMemory
 from llmbus.workers.model_runner import ModelRunner
-from llmbus.workers.process import gpu_shortage
+from llmbus.workers.placement import gpu_shortage
 
 
 @pytest.fixture
