@@ -5,7 +5,8 @@
 
 Sized for a lent H100 (at most 8 minutes with its setup; benchmarks/README.md has the `run` command and
 benchmarks/device_wheels.py the wheels it carries). Six parts, each a method of ``Check`` that records rows
-(parts 3 and 6 in gpu_check_served.py and gpu_check_cpu.py beside this file); a part that raises records its
+(parts 3 and 6 in gpu_check_served.py and gpu_check_cpu.py beside this file, LoRA's rows of parts 1 and 4 in
+gpu_check_lora.py, the step drivers in _runner_steps.py); a part that raises records its
 error and the others still run; the JSON report is rewritten after every row, so a run stopped at its time limit
 keeps what it measured. Every row names the attention backend it ran on.
 
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import gc
 import json
 import random
@@ -64,15 +64,16 @@ import torch
 
 from _random_llama import meta_llama, random_model_loader, write_random_lora
 from gpu_check_cpu import CpuOverlapPart
+from gpu_check_lora import LORA_RANK, LoraPart
 from gpu_check_served import ServedPart
+from _runner_steps import count_replays, graph_modes, pipelined_steps, timed_steps
 
-from llmbus.bus.messages import SAMPLED_LAST, SamplingParams
+from llmbus.bus.messages import SamplingParams
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
 from llmbus.workers.graph_sizes import parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 16  # what the scheduler uses on CUDA
-LORA_RANK = 16  # part 4's adapter, on every projection
 NUM_BLOCKS = 96
 # Two bf16 computations of one function round in different orders: llmbus may be off by this factor of
 # transformers' own bf16 error and still count as "no larger" (a real bug is many times larger).
@@ -144,8 +145,11 @@ class Report:
         print(f"[{mark}] {row['part']} {row['name']}: {row.get('summary') or row.get('error', '')}", flush=True)
 
 
-class Check(ServedPart, CpuOverlapPart):
-    """The parts (3 and 6 in their own modules, as base classes) and what they share."""
+class Check(ServedPart, CpuOverlapPart, LoraPart):
+    """The parts (3 and 6 in their own modules, as base classes, and LoRA's rows of 1 and 4) and what they
+    share."""
+
+    tiny_blocks = NUM_BLOCKS  # part 1's pool, which its requests' blocks address
 
     def __init__(self, args, report: Report):
         self.args, self.report = args, report
@@ -240,9 +244,9 @@ class Check(ServedPart, CpuOverlapPart):
             ref, template = self._reference(name)
             path, expected, margin = ref["path"], ref["tokens"], ref["margin"]
             runner = self.runner(path, torch.float32, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
-            for suffix, graph_sizes in _graph_modes(runner):
+            for suffix, graph_sizes in graph_modes(runner):
                 requests = copy.deepcopy(template)
-                replays = _count_replays(runner)
+                replays = count_replays(runner)
                 results = drive(runner, requests)
                 got = [results[r.rid].tokens for r in requests]
                 mismatched = [r.rid for r, g, e in zip(requests, got, expected) if g != e]
@@ -259,41 +263,7 @@ class Check(ServedPart, CpuOverlapPart):
                          cuda_graphs=graph_sizes, graph_replays=replays[0],
                          seconds=round(time.perf_counter() - t0, 1))
             del runner
-        self._lora_greedy()
-
-    def _lora_greedy(self) -> None:
-        """The Llama of part 1 with two PEFT adapters, r1 and r3 (r3 preempted) on one, r2 on the other, the
-        rest (the prefix hit's donor and borrower among them) on the base model."""
-        from llmbus.testing.lora import AdapterRequests, lora_reference, save_lora_adapter
-
-        t0 = time.perf_counter()
-        ref, template = self._reference("llama3_gqa")
-        path, prompts = ref["path"], ref["prompts"]
-        adapters = {"all": save_lora_adapter(path, str(self.work / "lora-all"), ["q_proj", "k_proj", "v_proj",
-                                             "o_proj", "gate_proj", "up_proj", "down_proj"], seed=1),
-                    "qv": save_lora_adapter(path, str(self.work / "lora-qv"), ["q_proj", "v_proj"], seed=2)}
-        adapter_of = {"r1": "all", "r3": "all", "r2": "qv"}
-        index = {r.rid: i for i, r in enumerate(template)}
-        expected = {rid: ref["tokens"][i] for rid, i in index.items()}
-        for name, folder in adapters.items():
-            wanted = [rid for rid, a in adapter_of.items() if a == name]
-            tokens = lora_reference(path, folder, [prompts[index[rid]] for rid in wanted]).tokens
-            expected.update(zip(wanted, tokens))
-        runner = self.runner(path, torch.float32, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256,
-                             lora_adapters=tuple(adapters.items()))
-        for suffix, graph_sizes in _graph_modes(runner):
-            requests = copy.deepcopy(template)
-            replays = _count_replays(runner)
-            results = drive(AdapterRequests(runner, adapter_of), requests)
-            mismatched = [r.rid for r in requests if results[r.rid].tokens != expected[r.rid]]
-            replayed = replays[0] > 0 or not graph_sizes  # base steps replay; adapter steps run eagerly
-            self.row("1 float32 greedy", "llama3_gqa lora" + suffix, not mismatched and replayed,
-                     f"{len(requests) - len(mismatched)}/{len(requests)} sequences token-exact, 3 on two LoRA "
-                     f"adapters against PEFT's ({replays[0]} steps replayed CUDA graphs)",
-                     backend=runner.compute_paths["attention"], device=str(self.device), mismatched=mismatched,
-                     adapters=adapter_of, cuda_graphs=graph_sizes, graph_replays=replays[0],
-                     seconds=round(time.perf_counter() - t0, 1))
-        del runner
+        self.lora_greedy()
 
     # -- part 2 ----------------------------------------------------------------------------------
 
@@ -388,20 +358,14 @@ class Check(ServedPart, CpuOverlapPart):
                 seqs = [SeqInput(f"d{i}", [rng.randrange(3, config["vocab_size"])], context,
                                  blocks[i * per_seq:(i + 1) * per_seq], True, SamplingParams(), context)
                         for i in range(batch)]
-                for suffix, graph_sizes in _graph_modes(runner):
-                    for _ in range(3):
-                        runner.step(seqs)  # compiles and warms what this shape runs
-                    times = []
-                    for _ in range(sizes.timed_steps):
-                        s0 = time.perf_counter()
-                        runner.step(seqs)  # synchronizes before it returns (sampled ids on the host)
-                        times.append(time.perf_counter() - s0)
+                for suffix, graph_sizes in graph_modes(runner):
+                    times = timed_steps(runner, seqs, 3, sizes.timed_steps)
                     # Each weight and KV byte read once, at the copy's rate (which counts a byte read or written)
                     floor = (weights + batch * context * kv_per_token) / bandwidth
                     # One at a time (the host's turnaround between steps counted), then as the worker runs
                     # the steps the scheduler sends ahead: each launched behind the one before, fed its
                     # tokens on the device, before that one's tokens are read.
-                    pipelined = _pipelined_steps(runner, seqs, sizes.timed_steps)
+                    pipelined = pipelined_steps(runner, seqs, sizes.timed_steps)
                     if not suffix:
                         graph_step[batch, context] = statistics.median(times)
                     for mode, measured in (("", times), (" pipelined", pipelined)):
@@ -414,27 +378,7 @@ class Check(ServedPart, CpuOverlapPart):
                                  pipelined=bool(mode), step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in measured],
                                  floor_ms=floor * 1e3, weight_bytes=weights,
                                  kv_bytes=batch * context * kv_per_token)
-        context = min(sizes.contexts)
-        for batch in (1, max(sizes.batches)):
-            for share, on_adapter in (("every row", batch), ("half the rows", batch // 2)):
-                if not on_adapter:
-                    continue
-                seqs = [SeqInput(f"l{i}", [rng.randrange(3, config["vocab_size"])], context,
-                                 blocks[i * per_seq:(i + 1) * per_seq], True, SamplingParams(), context,
-                                 adapter="lora" if i < on_adapter else "") for i in range(batch)]
-                for _ in range(3):
-                    runner.step(seqs)
-                times = []
-                for _ in range(sizes.timed_steps):
-                    s0 = time.perf_counter()
-                    runner.step(seqs)
-                    times.append(time.perf_counter() - s0)
-                step, base = statistics.median(times), graph_step[batch, context]
-                self.row("4 speed", f"decode b{batch} ctx{context} lora r{LORA_RANK} on {share}", True,
-                         f"{step * 1e3:.2f} ms/step ({step / base:.2f}x the base model's step, {base * 1e3:.2f} ms)",
-                         backend=runner.compute_paths["attention"], device=str(self.device), dtype="bfloat16",
-                         batch=batch, context=context, lora_rows=on_adapter, step_ms=step * 1e3,
-                         step_ms_all=[t * 1e3 for t in times], base_step_ms=base * 1e3)
+        self.lora_steps(runner, config, per_seq, blocks, graph_step, rng)
         del runner
 
     def step_profile(self) -> None:
@@ -460,7 +404,7 @@ class Check(ServedPart, CpuOverlapPart):
                     for i in range(batch)]
             if chunk:
                 seqs[0].token_ids = [rng.randrange(3, config["vocab_size"]) for _ in range(chunk)]
-            for suffix, graph_sizes in _graph_modes(runner):
+            for suffix, graph_sizes in graph_modes(runner):
                 for _ in range(3):
                     runner.step(seqs)
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -494,19 +438,6 @@ class Check(ServedPart, CpuOverlapPart):
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _graph_modes(runner: ModelRunner):
-    """Run the caller's body with the runner's decode graphs (name suffix ""), then, where it captured any,
-    again without them (" eager"): both in one run, on one card. Each yield says the graph sizes in use."""
-    graphs = runner.graphs
-    yield "", list(graphs.sizes) if graphs is not None else []
-    if graphs is not None:
-        runner.graphs = None
-        try:
-            yield " eager", []
-        finally:
-            runner.graphs = graphs
-
-
 # Part 5's mixed batch: seeded draws through each warper, TGI's and OpenAI's penalties, both together.
 MIXED_SAMPLING = [SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, seed=1),
                   SamplingParams(do_sample=True, top_k=50, seed=2),
@@ -514,37 +445,6 @@ MIXED_SAMPLING = [SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, see
                   SamplingParams(repetition_penalty=1.1),
                   SamplingParams(do_sample=True, temperature=0.8, top_p=0.95, seed=4, frequency_penalty=0.3,
                                  presence_penalty=0.2, frequency_per_count=True)]
-
-
-def _pipelined_steps(runner: ModelRunner, seqs: list[SeqInput], steps: int) -> list[float]:
-    """Seconds a step of ``seqs`` takes in a chain run as the worker runs steps sent ahead: each launched
-    with its tokens fed from the step before (still on the device), then the step before's tokens read."""
-    fed = [dataclasses.replace(s, token_ids=[SAMPLED_LAST]) for s in seqs]
-    rows, rids = list(range(len(seqs))), [s.rid for s in seqs]
-    launched = runner.launch(seqs)
-    launched.result()
-    times = []
-    for _ in range(steps):
-        s0 = time.perf_counter()
-        following = runner.launch(fed, launched.feed(rows, rids))
-        launched.result()
-        launched = following
-        times.append(time.perf_counter() - s0)
-    launched.result()
-    return times
-
-
-def _count_replays(runner: ModelRunner) -> list[int]:
-    """A one-item list counting the decode steps that replay the runner's graphs from now on."""
-    count = [0]
-    if runner.graphs is not None:
-        replay = runner.graphs.forward
-
-        def counted(seqs):
-            count[0] += 1
-            return replay(seqs)
-        runner.graphs.forward = counted
-    return count
 
 
 def _generated_rows(logits: list[torch.Tensor], prompt_lens: list[int]) -> torch.Tensor:
