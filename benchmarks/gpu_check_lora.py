@@ -31,7 +31,7 @@ class LoraPart:
     def lora_greedy(self) -> None:
         """The Llama of part 1 with two PEFT adapters, r1 and r3 (r3 preempted) on one, r2 on the other, the
         rest (the prefix hit's donor and borrower among them) on the base model."""
-        from llmbus.testing.lora import AdapterRequests, lora_reference, save_lora_adapter
+        from llmbus.testing.lora import lora_reference, on_adapters, save_lora_adapter
 
         t0 = time.perf_counter()
         ref, template = self._reference("llama3_gqa")
@@ -51,7 +51,7 @@ class LoraPart:
         for suffix, graph_sizes in graph_modes(runner):
             requests = copy.deepcopy(template)
             replays = count_replays(runner)
-            results = drive(AdapterRequests(runner, adapter_of), requests)
+            results = drive(runner, on_adapters(requests, adapter_of))
             mismatched = [r.rid for r in requests if results[r.rid].tokens != expected[r.rid]]
             replayed = replays[0] > 0 or not graph_sizes  # decode steps replay, the adapters' among them
             self.row("1 float32 greedy", "llama3_gqa lora" + suffix, not mismatched and replayed,

@@ -215,16 +215,14 @@ def beside_adapters(runner, prompt_ids: list[list[int]], expected: dict[str, Req
     """The targets (on the base model) in one continuous batch with ``ADAPTER_CROWD`` random requests on the LoRA
     adapter ``ADAPTER`` (which the runner must have loaded), arriving over the first steps: steps whose other rows
     add an adapter's deltas. (Always together: being together is the variant.)"""
-    from llmbus.testing.lora import AdapterRequests
-
     rng = random.Random(37)
     others = [Request(f"lora{n}", [rng.randrange(runner.vocab_size) for _ in range(rng.randrange(1, 33))],
-                      arrival_step=rng.randrange(8), max_new_tokens=rng.randrange(1, 13))
+                      arrival_step=rng.randrange(8), max_new_tokens=rng.randrange(1, 13), adapter=ADAPTER)
               for n in range(ADAPTER_CROWD)]
     mine = targets(prompt_ids)
     requests = others + mine
     rng.shuffle(requests)
-    out = drive(AdapterRequests(runner, {req.rid: ADAPTER for req in others}), requests)
+    out = drive(runner, requests)
     return {req.rid: out[req.rid] for req in mine}
 
 

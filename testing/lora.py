@@ -1,5 +1,5 @@
-"""LoRA adapters for tests: PEFT adapters of a local tiny checkpoint, PEFT's greedy reference, and driving a
-``ModelRunner`` (one rank or two) whose requests name adapters.
+"""LoRA adapters for tests: PEFT adapters of a local tiny checkpoint, PEFT's greedy reference, and requests of
+``runner_driver`` put on adapters.
 
 PEFT initialises ``lora_B`` to zero (an untrained adapter changes nothing), so ``save_lora_adapter`` draws it
 from a normal wide enough that an adapter changes greedy output decisively: a delta dropped from one
@@ -8,13 +8,10 @@ projection, or one cut wrongly over ranks, shows as other tokens.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from llmbus.testing import runner_driver
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Reference, Request
-from llmbus.workers.model_runner import ModelRunner
 
 LORA_B_STD = 0.5  # the base projections' outputs are about as wide (runner_driver.WEIGHT_STD, 64 inputs)
 
@@ -62,44 +59,9 @@ def lora_reference(model_dir: str, adapter_dir: str | None, prompts: list[list[i
     return Reference(tokens, logits)
 
 
-class AdapterRequests:
-    """A ``ModelRunner`` for ``runner_driver.drive`` whose sequences run with ``adapter_of[rid]`` (the
-    scheduler's job: each request's adapter on every one of its rows)."""
-
-    def __init__(self, runner: ModelRunner, adapter_of: dict[str, str]):
-        self.runner, self.adapter_of = runner, adapter_of
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
-
-    def launch(self, seqs, feed=None):
-        for seq in seqs:
-            seq.adapter = self.adapter_of.get(seq.rid, "")
-        return self.runner.launch(seqs, feed)
-
-
-def _runner_with_adapters(adapters: tuple[tuple[str, str], ...], adapter_of: dict[str, str]):
-    def make(model_dir: str, **kwargs) -> AdapterRequests:
-        return AdapterRequests(ModelRunner(model_dir, lora_adapters=adapters, **kwargs), adapter_of)
-    return make
-
-
-def _tp_worker_with_adapters(rank: int, adapters, adapter_of, *args) -> None:
-    # The spawned rank builds its runner through runner_driver's module global: one tensor-parallel driver
-    # serves every test, this one's runners loading the adapters and naming them on their rows.
-    runner_driver.ModelRunner = _runner_with_adapters(adapters, adapter_of)
-    runner_driver._tp_worker(rank, *args)
-
-
-def drive_lora_tensor_parallel(model_dir: str, adapters: tuple[tuple[str, str], ...], adapter_of: dict[str, str],
-                               requests: list[Request], work_dir: str,
-                               world_size: int = 2) -> dict[str, tuple[list[int], list[float]]]:
-    """``requests`` over ``world_size`` gloo ranks each loading ``adapters``, request ``rid`` running with
-    ``adapter_of[rid]``: rank 0's {rid: (tokens, logprobs)}."""
-    os.makedirs(work_dir, exist_ok=True)
-    out_file, init_file = os.path.join(work_dir, "tp_out.json"), os.path.join(work_dir, "tp_init")
-    torch.multiprocessing.spawn(_tp_worker_with_adapters, nprocs=world_size,
-                                args=(adapters, adapter_of, world_size, model_dir, init_file, out_file,
-                                      {"lora": requests}))
-    with open(out_file) as f:
-        return {rid: (tokens, logprobs) for rid, (tokens, logprobs) in json.load(f)["lora"].items()}
+def on_adapters(requests: list[Request], adapter_of: dict[str, str]) -> list[Request]:
+    """``requests`` with ``adapter_of[rid]``'s adapter set where it names one (the others on the base model),
+    as the scheduler hands each request's adapter to the ranks."""
+    for request in requests:
+        request.adapter = adapter_of.get(request.rid, "")
+    return requests

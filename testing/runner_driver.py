@@ -99,6 +99,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cached_ids: list[int] = field(default_factory=list)  # what NewRequestData.cached_ids would carry
+    adapter: str = ""  # the LoRA adapter its sequence runs with (NewRequestData.adapter); "": the base model
     resume_step: int = 0
     preemptions: int = 0
     grammar: Grammar | None = None
@@ -175,7 +176,7 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None,
             seqs.append(SeqInput(rid=req.rid, token_ids=new_tokens, num_computed=req.computed,
                                  block_table=list(req.blocks), sample=sample, sampling=req.sampling,
                                  prompt_len=len(req.prompt), cached_ids=req.cached_ids, grammar=req.grammar,
-                                 num_spec=len(guesses)))
+                                 num_spec=len(guesses), adapter=req.adapter))
         feed = last_launched.feed(fed_rows, fed_rids) if fed_rows else None
         last_launched = runner.launch(seqs, feed)
         out = last_launched.result()
@@ -230,13 +231,13 @@ def mixed_requests(prompts: list[list[int]]) -> list[Request]:
 
 
 def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_file: str,
-               batches: dict[str, list[Request]]) -> None:
+               batches: dict[str, list[Request]], lora_adapters: tuple[tuple[str, str], ...] = ()) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                          world_size=world_size)
     try:
         tp_runner = ModelRunner(model_dir, rank=rank, world_size=world_size, block_size=BLOCK_SIZE,
-                                num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+                                num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, lora_adapters=lora_adapters)
         tp_runner.warmup()
 
         def share_tokens(sampled):
@@ -255,13 +256,14 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
 
 
 def drive_tensor_parallel(model_dir: str, batches: dict[str, list[Request]], work_dir: str,
-                          world_size: int = 2) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
-    """``drive`` each batch in turn on ``world_size`` gloo ranks (one spawn for all of them); per batch
-    name, rank 0's ``{rid: (tokens, logprobs)}``."""
+                          world_size: int = 2, lora_adapters: tuple[tuple[str, str], ...] = ()
+                          ) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """``drive`` each batch in turn on ``world_size`` gloo ranks (one spawn for all of them), each rank loading
+    ``lora_adapters`` (ModelRunner's); per batch name, rank 0's ``{rid: (tokens, logprobs)}``."""
     out_file = os.path.join(work_dir, "tp_out.json")
     init_file = os.path.join(work_dir, "tp_init")
-    torch.multiprocessing.spawn(_tp_worker, args=(world_size, model_dir, init_file, out_file, batches),
-                                nprocs=world_size)
+    torch.multiprocessing.spawn(_tp_worker, args=(world_size, model_dir, init_file, out_file, batches,
+                                                  lora_adapters), nprocs=world_size)
     with open(out_file) as f:
         return {name: {rid: (tokens, logprobs) for rid, (tokens, logprobs) in results.items()}
                 for name, results in json.load(f).items()}

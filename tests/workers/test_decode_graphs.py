@@ -79,7 +79,7 @@ def test_lora_adapter_rows_replay_the_graphs_with_each_rows_own_adapter(llama_di
     the graph buffers, each row's adapter staged with its token (the deltas as Triton kernels, interpreted);
     steps with adapter rows take the graphs holding the adapters' kernels, steps without them the plain ones,
     and every request's tokens equal PEFT's with its adapter or transformers'."""
-    from llmbus.testing.lora import AdapterRequests, lora_reference, save_lora_adapter
+    from llmbus.testing.lora import lora_reference, on_adapters, save_lora_adapter
     from llmbus.testing.runner_driver import Request
 
     adapters = {"a": save_lora_adapter(llama_dir, str(tmp_path / "a"), ["q_proj", "v_proj", "o_proj", "down_proj"],
@@ -94,7 +94,7 @@ def test_lora_adapter_rows_replay_the_graphs_with_each_rows_own_adapter(llama_di
     requests = ([Request(f"base{i}", p, max_new_tokens=8) for i, p in enumerate(prompts)]
                 + [Request(f"{name}{i}", p, arrival_step=2, max_new_tokens=4) for name in adapters
                    for i, p in enumerate(prompts)])
-    results = drive(AdapterRequests(runner, adapter_of), requests)
+    results = drive(runner, on_adapters(requests, adapter_of))
     for rid, request in results.items():
         adapter, i = adapter_of.get(rid, ""), int(rid[-1])
         assert request.tokens == expected[adapter][i][:len(request.tokens)], rid

@@ -14,8 +14,8 @@ import pytest
 import torch
 from llmbus.bus.messages import SamplingParams
 from llmbus.testing.families import family_requests, family_runner, make_prompts, requantized_copy, save_tiny_family
-from llmbus.testing.lora import AdapterRequests, drive_lora_tensor_parallel, lora_reference, save_lora_adapter
-from llmbus.testing.runner_driver import BLOCK_SIZE, drive
+from llmbus.testing.lora import lora_reference, on_adapters, save_lora_adapter
+from llmbus.testing.runner_driver import BLOCK_SIZE, drive, drive_tensor_parallel
 from llmbus.workers.loader import read_config
 from llmbus.workers.lora import LoraError, StepAdapters
 from llmbus.workers.model_runner import ModelRunner, SeqInput
@@ -53,8 +53,7 @@ class Adapted:
 
 
 def _run(runner, prompts, adapter_of: dict[str, str]) -> dict:
-    requests = family_requests(prompts)
-    results = drive(AdapterRequests(runner, adapter_of), requests)
+    results = drive(runner, on_adapters(family_requests(prompts), adapter_of))
     assert results["r1"].preemptions == 1
     return {rid: (r.tokens, r.logprobs) for rid, r in results.items()}
 
@@ -129,7 +128,7 @@ def test_quantized_base_weights_keep_the_delta_exact(llama, tmp_path):
     assert "int8" in runner.model.weight_summary
     adapter_of = {"r0": "all", "r3": "attn"}
     requests = [r for r in family_requests(llama.prompts) if r.rid in adapter_of]
-    results = drive(AdapterRequests(runner, adapter_of), requests)
+    results = drive(runner, on_adapters(requests, adapter_of))
     for rid, adapter in adapter_of.items():
         i = int(rid[1:])
         ref = lora_reference(requantized, llama.adapters[adapter], [llama.prompts[i]])
@@ -156,7 +155,7 @@ def test_other_families_match_peft(family, tmp_path):
     adapted = Adapted(path, {"all": save_lora_adapter(path, str(tmp_path / "a"), targets, seed=3)})
     adapter_of = {"r0": "", "r2": "all", "r3": "all", "r4": ""}
     requests = [r for r in family_requests(adapted.prompts) if r.rid in adapter_of]
-    results = drive(AdapterRequests(adapted.runner(), adapter_of), requests)
+    results = drive(adapted.runner(), on_adapters(requests, adapter_of))
     adapted.check({rid: (r.tokens, r.logprobs) for rid, r in results.items()}, adapter_of)
 
 
@@ -180,9 +179,9 @@ def test_tensor_parallel_2_matches_peft(phi3, tmp_path):
     """Over two ranks: qkv_proj's B cut into each rank's query rows and the replicated K/V head's rows, gate_up's
     into both halves' shares; o_proj's and down's A cut by columns, their partial deltas summed by the
     all-reduce."""
-    results = drive_lora_tensor_parallel(phi3.path, phi3.lora_adapters, MIXED, family_requests(phi3.prompts),
-                                         str(tmp_path))
-    phi3.check(results, MIXED)
+    results = drive_tensor_parallel(phi3.path, {"lora": on_adapters(family_requests(phi3.prompts), MIXED)},
+                                    str(tmp_path), lora_adapters=phi3.lora_adapters)
+    phi3.check(results["lora"], MIXED)
 
 
 # -- refusals ----------------------------------------------------------------------------------------
