@@ -117,13 +117,16 @@ def _lora_expand_kernel(s_ptr, b_ptr, slot_ptr, y_ptr, stride_s, stride_b_slot, 
                         rank, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     outs = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-    ranks = tl.arange(0, BLOCK_R)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     live = slot > 0
-    s = tl.load(s_ptr + row * stride_s + ranks, mask=live & (ranks < rank), other=0.0)
-    b = tl.load(b_ptr + slot * stride_b_slot + outs[:, None] * stride_b_out + ranks[None, :],
-                mask=live & (outs[:, None] < out_features) & (ranks[None, :] < rank), other=0.0).to(tl.float32)
-    delta = tl.sum(b * s[None, :], axis=1)
+    delta = tl.zeros((BLOCK_O,), dtype=tl.float32)
+    # ranks in chunks: q, k and v stacked can reach 3 x 64, more than a tile should hold
+    for start in range(0, rank, BLOCK_R):
+        ranks = start + tl.arange(0, BLOCK_R)
+        s = tl.load(s_ptr + row * stride_s + ranks, mask=live & (ranks < rank), other=0.0)
+        b = tl.load(b_ptr + slot * stride_b_slot + outs[:, None] * stride_b_out + ranks[None, :],
+                    mask=live & (outs[:, None] < out_features) & (ranks[None, :] < rank), other=0.0).to(tl.float32)
+        delta += tl.sum(b * s[None, :], axis=1)
     kept = live & (outs < out_features)
     y = tl.load(y_ptr + row * stride_y + outs, mask=kept, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + outs, (y + delta).to(y_ptr.dtype.element_ty), mask=kept)
@@ -141,4 +144,4 @@ def launch_lora(x: torch.Tensor, y: torch.Tensor, shrink: torch.Tensor, expand: 
     block_o = 64
     _lora_expand_kernel[(rows, triton.cdiv(out_features, block_o))](
         s, expand, slots, y, s.stride(0), expand.stride(0), expand.stride(1), y.stride(0), out_features, rank,
-        BLOCK_O=block_o, BLOCK_R=triton.next_power_of_2(rank), num_warps=4)
+        BLOCK_O=block_o, BLOCK_R=min(32, triton.next_power_of_2(rank)), num_warps=4)
