@@ -235,7 +235,8 @@ class FusedDecodeLayers:
                 if stacked is not None:
                     keep += stacked
                     sites[name] = LoraSite(shrink=_ptr(stacked[0]), expand_t=_ptr(stacked[1]),
-                                           rank=stacked[0].shape[1])
+                                           rank=stacked[0].shape[1], out_first=_ptr(stacked[2]),
+                                           out_last=_ptr(stacked[3]))
                     self._lora_rank = max(self._lora_rank, stacked[0].shape[1])
             if sites:
                 lora = LayerLora(**sites)

@@ -273,14 +273,21 @@ class LoraProjection:
         return y
 
 
-def stacked_for_native(projection: "LoraProjection | None") -> tuple[torch.Tensor, torch.Tensor] | None:
+def stacked_for_native(projection: "LoraProjection | None") -> tuple[torch.Tensor, ...] | None:
     """A projection's adapters stacked as ``LoraProjection.stacked``, float32, ``B`` transposed to ``[slots,
-    R, out]`` (each rank's column contiguous over the outputs), for the fused CPU layer (decode_layer.c's
-    LoraSite); None where no adapter adapts it."""
+    R, out]`` (each rank's column contiguous over the outputs), and per (slot, rank) the first and past-last
+    output its column reaches (int64; equal where it reaches none: a padded rank), for the fused CPU layer
+    (decode_layer.c's LoraSite); None where no adapter adapts it."""
     if projection is None:
         return None
     shrink, expand = projection.stacked if projection.stacked is not None else _stacked(projection.pairs)
-    return shrink.float().contiguous(), expand.float().transpose(1, 2).contiguous()
+    expand_t = expand.float().transpose(1, 2).contiguous()
+    reached = expand_t != 0
+    some = reached.any(dim=-1)
+    width = expand_t.shape[-1]
+    first = torch.where(some, reached.int().argmax(dim=-1), 0)
+    last = torch.where(some, width - reached.flip(-1).int().argmax(dim=-1), 0)
+    return shrink.float().contiguous(), expand_t, first.long().contiguous(), last.long().contiguous()
 
 
 def _stacked(pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,7 +56,7 @@ class Experts(ctypes.Structure):
 class LoraSite(ctypes.Structure):
     """One projection's LoRA adapters, stacked (``workers/lora.py``); shrink null: none adapts it."""
 
-    _fields_ = [("shrink", _P), ("expand_t", _P), ("rank", _I64)]
+    _fields_ = [("shrink", _P), ("expand_t", _P), ("rank", _I64), ("out_first", _P), ("out_last", _P)]
 
 
 class LayerLora(ctypes.Structure):

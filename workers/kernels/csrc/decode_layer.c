@@ -200,24 +200,25 @@ static void routed_experts(const StepArgs *s, const Experts *e, float *hidden) {
 #define LORA_OUT_BLOCK 256
 
 /* y[b] += B_a (A_a x[b]) for each row b on an adapter a (StepArgs.adapter_slots; base rows untouched, so their
- * arithmetic is the same with or without adapter rows beside them): each row's shrunk input (a dot product per
- * rank), then its expansion added output block by output block (B^T's rows are contiguous over the outputs,
- * so each rank's share is one vector FMA pass). Called by every thread of the step's parallel region; ends on
- * a barrier. */
+ * arithmetic is the same with or without adapter rows beside them): the rows' shrunk inputs, rank by rank (each
+ * of A's rows read once for all the rows, from cache after the first), then their expansions block of outputs
+ * by block (B^T's rows contiguous over the outputs: a vector FMA pass per rank, the block's share of B^T read
+ * once for all the rows), each rank only over the outputs its row of B^T reaches (LoraSite.out_first/out_last:
+ * the q, k and v adapters' block-diagonal stack is two thirds zeros). Called by every thread of the step's parallel region; ends on a barrier. */
 static void lora_add(const StepArgs *s, const LayerArgs *l, const LoraSite *site, const float *x, int64_t in,
                      int64_t out_features, float *y, int64_t y_stride) {
     if (l->lora == 0 || site->shrink == 0 || s->adapter_slots == 0) return;
     const int64_t B = s->batch, R = site->rank;
     float *shrunk = s->lora_scratch;
 #pragma omp for schedule(static)
-    for (int64_t br = 0; br < B * R; br++) {
-        const int64_t b = br / R, slot = s->adapter_slots[b];
-        if (slot == 0) continue;
-        const float *a = site->shrink + (slot * R + br % R) * in, *row = x + b * in;
+    for (int64_t rb = 0; rb < R * B; rb++) {
+        const int64_t r = rb / B, b = rb % B, slot = s->adapter_slots[b];
+        if (slot == 0 || site->out_first[slot * R + r] >= site->out_last[slot * R + r]) continue;
+        const float *a = site->shrink + (slot * R + r) * in, *row = x + b * in;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t k = 0; k < in; k++) sum += a[k] * row[k];
-        shrunk[br] = sum;
+        shrunk[b * R + r] = sum;
     }
     const int64_t blocks = (out_features + LORA_OUT_BLOCK - 1) / LORA_OUT_BLOCK;
 #pragma omp for schedule(static)
@@ -229,9 +230,11 @@ static void lora_add(const StepArgs *s, const LayerArgs *l, const LoraSite *site
             if (slot == 0) continue;
             float *out = y + b * y_stride;
             for (int64_t r = 0; r < R; r++) {
+                const int64_t from = site->out_first[slot * R + r] > first ? site->out_first[slot * R + r] : first;
+                const int64_t to = site->out_last[slot * R + r] < last ? site->out_last[slot * R + r] : last;
                 const float t = shrunk[b * R + r], *e = site->expand_t + (slot * R + r) * out_features;
 #pragma omp simd
-                for (int64_t o = first; o < last; o++) out[o] += t * e[o];
+                for (int64_t o = from; o < to; o++) out[o] += t * e[o];
             }
         }
     }

@@ -56,11 +56,13 @@ typedef struct {
 } Experts;
 
 /* One projection's LoRA adapters (workers/lora.py): every adapter's A [slots, rank, in] and B transposed
- * [slots, rank, out], float32, zero-padded to the largest rank; slot 0 (the base model) is never read. shrink
- * null: no adapter adapts this projection. */
+ * [slots, rank, out], float32, zero-padded to the largest rank; slot 0 (the base model) is never read; and per
+ * (slot, rank) the outputs its row of B^T reaches, [out_first, out_last) (empty: a padded rank; one part of a
+ * fused projection: the q, k and v adapters stacked block-diagonally). shrink null: no adapter adapts it. */
 typedef struct {
     const float *shrink, *expand_t;
     int64_t rank;
+    const int64_t *out_first, *out_last;
 } LoraSite;
 
 /* A layer's LoRA adapters, by projection. */
