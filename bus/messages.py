@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 15  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 16  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -48,6 +48,7 @@ WIRE_VERSION = 15  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 #     took SAMPLED_LAST for a token id would compute garbage
 # 15: LoRA adapters (AddRequest.adapter, NewRequestData.adapter, WorkerReady/SchedulerHello.lora_adapters): a
 #     rank that ignored NewRequestData.adapter would answer with the base model
+# 16: FrontendStats.adapter_names/adapter_counts (llmbus_generation_adapter_count)
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -267,6 +268,8 @@ class FrontendStats(Message):
     histograms: list[Histogram]  # ... and its histogram
     route_names: list[str] = field(default_factory=list)  # the HTTP route of each request counter ...
     route_counts: list[int] = field(default_factory=list)  # ... and its count (llmbus_request_route_count)
+    adapter_names: list[str] = field(default_factory=list)  # the LoRA adapter of finished generations ("": base) ...
+    adapter_counts: list[int] = field(default_factory=list)  # ... and their count (llmbus_generation_adapter_count)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class RequestMetrics(Collector):
         self.success = 0
         self.failures: dict[str, int] = {}
         self.routes: dict[str, int] = {}  # requests by HTTP route (TGI has no such counter; llmbus's)
+        self.adapters: dict[str, int] = {}  # finished generations by LoRA adapter ("": the base model)
         self._durations = {name: HistogramCounts(DURATION_BUCKETS) for name in (
             "duration", "validation_duration", "queue_duration", "inference_duration",
             "mean_time_per_token_duration")}
@@ -107,6 +108,8 @@ class RequestMetrics(Collector):
                                      inference_time=inference, time_per_token=inference / max(generated, 1),
                                      seed=gen.seed if gen.seed is not None else -1)
         self.version += 1
+        adapter = gen.prepared.params.adapter
+        self.adapters[adapter] = self.adapters.get(adapter, 0) + 1
         d = self._durations
         d["duration"].observe(total)
         d["validation_duration"].observe(validation)
@@ -126,7 +129,7 @@ class RequestMetrics(Collector):
         return m.FrontendStats(frontend_id, self.count, self.success, list(self.failures),
                                list(self.failures.values()), list(histograms),
                                [h.snapshot() for h in histograms.values()], list(self.routes),
-                               list(self.routes.values()))
+                               list(self.routes.values()), list(self.adapters), list(self.adapters.values()))
 
     def collect(self) -> Iterator:
         total = self.snapshot("")
@@ -139,6 +142,9 @@ class RequestMetrics(Collector):
                       ("err",))
         yield counter("llmbus_request_route_count", "Generation requests received, by HTTP route",
                       {(route,): n for route, n in sorted(zip(total.route_names, total.route_counts))}, ("route",))
+        yield counter("llmbus_generation_adapter_count",
+                      "Generations finished, by the LoRA adapter that computed them (\"\": the base model)",
+                      {(name,): n for name, n in sorted(zip(total.adapter_names, total.adapter_counts))}, ("adapter",))
         for name, counts in zip(total.histogram_names, total.histograms):
             unit = " (seconds)" if name.endswith("duration") else ""
             yield histogram(f"tgi_request_{name}", name.replace("_", " ").capitalize() + unit, counts)
@@ -147,6 +153,7 @@ class RequestMetrics(Collector):
 def _add(a: m.FrontendStats, b: m.FrontendStats) -> m.FrontendStats:
     failures = _add_counts(a.failure_labels, a.failure_counts, b.failure_labels, b.failure_counts)
     routes = _add_counts(a.route_names, a.route_counts, b.route_names, b.route_counts)
+    adapters = _add_counts(a.adapter_names, a.adapter_counts, b.adapter_names, b.adapter_counts)
     histograms = dict(zip(a.histogram_names, a.histograms))
     for name, h in zip(b.histogram_names, b.histograms):
         mine = histograms.get(name)
@@ -157,7 +164,8 @@ def _add(a: m.FrontendStats, b: m.FrontendStats) -> m.FrontendStats:
                                            mine.sum + h.sum)
     return m.FrontendStats(a.frontend_id, a.request_count + b.request_count,
                            a.request_success + b.request_success, list(failures), list(failures.values()),
-                           list(histograms), list(histograms.values()), list(routes), list(routes.values()))
+                           list(histograms), list(histograms.values()), list(routes), list(routes.values()),
+                           list(adapters), list(adapters.values()))
 
 
 def _add_counts(names: list[str], counts: list[int], more_names: list[str], more: list[int]) -> dict[str, int]:

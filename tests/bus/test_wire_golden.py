@@ -61,6 +61,8 @@ def test_older_versions_still_decode(path):
         assert msg.traceparent == "" or version >= 4
         assert msg.grammar is None or version >= 5
         assert msg.adapter == "" or version >= 15
+    if isinstance(msg, m.FrontendStats):
+        assert msg.adapter_names == [] or version >= 16
     if isinstance(msg, m.SchedulerStats) and version == 1:
         assert msg.kv_blocks_cached == 0 and msg.prefill_forward is None
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from llmbus.testing import Server
-from llmbus.testing.http import get, post
+from llmbus.testing.http import get, metrics, post
 from llmbus.testing.lora import lora_reference, save_lora_adapter
 from llmbus.testing.tiny_prompts import MAX_NEW, PROMPTS, generate, ids_of, tiny_server_args
 
@@ -96,6 +97,22 @@ def test_huggingface_hub_selects_an_adapter_as_it_does_on_tgi(server):
     answer = InferenceClient(base_url=server.url).text_generation(prompt, adapter_id="sql", max_new_tokens=MAX_NEW,
                                                                   details=True)
     assert [t.id for t in answer.details.tokens] == served(server, prompt, "sql") != served(server, prompt, "")
+
+
+def test_metrics_count_generations_by_adapter(server):
+    def counts() -> dict[str, float]:
+        samples = metrics(server.url, labels=True)
+        return {adapter: samples.get(f'llmbus_generation_adapter_count{{adapter="{adapter}"}}', 0.0)
+                for adapter in ("", "sql", "poet")}
+
+    before = counts()
+    for adapter in ("sql", "sql", "poet", ""):
+        served(server, ASKED[0], adapter)
+    want = {"": before[""] + 1, "sql": before["sql"] + 2, "poet": before["poet"] + 1}
+    deadline = time.monotonic() + 10
+    while counts() != want:  # each generation is counted as it is closed, beside its answer
+        assert time.monotonic() < deadline, (counts(), want)
+        time.sleep(0.05)
 
 
 def test_an_adapter_that_is_not_loaded_is_refused_naming_the_loaded_ones(server):
