@@ -51,7 +51,8 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
     async def engine_ctx(app: web.Application):
         # the chat template's renderer loads while the scheduler answers
         template_loaded = asyncio.get_running_loop().run_in_executor(None, state.chat_template.load)
-        engine = EngineClient(config.requests_endpoint, config.events_endpoint, config.frontend_id, zmq_ctx)
+        engine = EngineClient(config.requests_endpoint, config.events_endpoint, config.frontend_id, zmq_ctx,
+                              hang_timeout_s=config.scheduler_hang_timeout_s)
         hello = await engine.start(config.scheduler_timeout_s)
         await template_loaded
         try:

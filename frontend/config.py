@@ -92,6 +92,10 @@ class FrontendConfig(ServiceSettings):
                                         env="GRACEFUL_TERMINATION_TIMEOUT",
                                         help="Seconds in-flight requests get to finish on SIGTERM.")
     # /health waits this long for every rank to answer a probe (a rank answers after the step it computes)
+    scheduler_hang_timeout_s: float = setting(
+        10.0, flag="--scheduler-hang-timeout", env="LLMBUS_SCHEDULER_HANG_TIMEOUT", gt=0, hidden=True,
+        help="Seconds a scheduler whose process still runs may send nothing before the frontend fails the "
+             "requests in flight as hung (one whose process is gone: after 1 s).")
     health_check_timeout_s: float = setting(10.0, flag="--health-check-timeout", env="HEALTH_CHECK_TIMEOUT", gt=0,
                                             help="Seconds /health waits for every worker rank to answer a probe "
                                                  "before answering 503.")

@@ -10,12 +10,16 @@ above float32 noise) — so a mismatch here is a real bug, never a coin flip.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from llmbus.bus.procfs import command_words, descendants
 from llmbus.testing import Server
 from llmbus.testing.http import all_blocks_free, get, post, sse_events, stream, wait_for_metrics
 from llmbus.testing.tiny_prompts import (MAX_NEW, PROMPTS, generate, greedy_matches_reference, ids_of,
@@ -149,3 +153,21 @@ def test_memory_gauges_stay_bounded(server):
     assert samples["llmbus_onednn_cache_capacity"] == 64  # --onednn-cache-capacity's default
     assert 1 <= samples["llmbus_worker_request_state"] <= 4  # its state and token history, no one else's
     assert 0 < samples["llmbus_prefix_cache_heap_entries"] <= 2 * 256 + 64  # the bound release() keeps
+
+
+def test_a_stalled_scheduler_is_waited_for_not_declared_dead(server, reference):
+    """A scheduler that sends nothing for longer than a dead one gets (1 s) but whose process runs was only
+    starved or stopped: its requests carry on once it runs again (a loaded machine held a live scheduler's
+    heartbeat past a second now and then, which failed every stream in flight)."""
+    scheduler = next(pid for pid in descendants(server.proc.pid) if "llmbus.scheduler" in command_words(pid))
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(generate, server, PROMPTS[1])
+            time.sleep(2.5)  # the stall under test, past the 1 s a dead scheduler is given
+            os.kill(scheduler, signal.SIGCONT)
+            body, _ = answer.result(timeout=60)
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    got = ids_of(body)
+    assert got == reference(PROMPTS[1])[:len(got)]
