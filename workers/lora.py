@@ -201,10 +201,11 @@ class StepAdapters:
         self.groups, self.slots = groups, slots
 
     @classmethod
-    def of(cls, adapters: list[str], query_lens: list[int], index: dict[str, int],
-           device: torch.device) -> "StepAdapters | None":
-        """The grouping of a step whose sequence ``i`` names ``adapters[i]`` ("" for the base model) and has
-        ``query_lens[i]`` rows; None when no row has an adapter."""
+    def of(cls, adapters: list[str], query_lens: list[int], index: dict[str, int], device: torch.device,
+           grouped: bool = True) -> "StepAdapters | None":
+        """The rows of a step whose sequence ``i`` names ``adapters[i]`` ("" for the base model) and has
+        ``query_lens[i]`` rows; None when no row has an adapter. ``grouped=False``: ``slots`` only (the kernels
+        read nothing else), no index tensors to upload."""
         if not any(adapters):
             return None
         rows: dict[int, list[int]] = {}
@@ -217,8 +218,9 @@ class StepAdapters:
                 rows.setdefault(index[name], []).extend(range(start, start + count))
             slots.extend([index[name] + 1 if name else 0] * count)
             start += count
-        return cls([(adapter, None if len(taken) == start else to_device(taken, torch.long, device))
-                    for adapter, taken in rows.items()], to_device(slots, torch.int32, device))
+        groups = ([(adapter, None if len(taken) == start else to_device(taken, torch.long, device))
+                   for adapter, taken in rows.items()] if grouped else None)
+        return cls(groups, to_device(slots, torch.int32, device))
 
 
 class ActiveAdapters:
@@ -233,7 +235,7 @@ class ActiveAdapters:
         self.kernels = False
 
     @contextmanager
-    def serving(self, step: StepAdapters):
+    def serving(self, step: StepAdapters | None):
         self.step = step
         try:
             yield

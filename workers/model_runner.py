@@ -119,6 +119,8 @@ class ModelRunner:
                                 quantize=quantize, trust_remote_code=trust_remote_code,
                                 attention_backend=attention_backend)
         self._adapter_index = attach_adapters(self.model, lora_adapters)  # name -> index
+        # whether the adapters' deltas are Triton kernels, which read each row's slot and no grouping of rows
+        self._lora_kernels = bool(self._adapter_index) and self.model.active_adapters.kernels
         # What the model computes in: the weights' ``dtype``, or float32 over bfloat16 weights
         # (quant.compute_plan).
         self.dtype = self.model.dtype
@@ -210,11 +212,13 @@ class ModelRunner:
             if seq.num_computed + n > len(seq.block_table) * self.block_size:
                 raise ValueError(f"{seq.rid}: {len(seq.block_table)} blocks of {self.block_size} cannot hold "
                                  f"{seq.num_computed + n} tokens")
-        adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device)
-        # A step with adapter rows replays too where the graphs hold the adapters' kernels (CUDA), else eagerly.
+        # A step with adapter rows replays too where the graphs hold the adapters' kernels (CUDA), else eagerly;
+        # a graph stages its rows' adapters itself.
         if (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
                 and self.graphs.applies(seqs)):
             return self.graphs.forward(seqs, feed)
+        adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,
+                                   grouped=not self._lora_kernels)
         input_ids = fed_ids((s.token_ids for s in seqs), feed, self.device)
         if logits_index is None:
             last_rows = list(itertools.accumulate(query_lens))

@@ -99,7 +99,8 @@ def test_batch_mixing_base_rows_and_two_adapters_matches_peft(llama, llama_runne
 
 def test_one_adapter_over_every_row_matches_peft(llama, llama_runner, monkeypatch):
     groups = []
-    monkeypatch.setattr(StepAdapters, "of", lambda *a, of=StepAdapters.of: groups.append(of(*a)) or groups[-1])
+    monkeypatch.setattr(StepAdapters, "of",
+                        lambda *a, of=StepAdapters.of, **k: groups.append(of(*a, **k)) or groups[-1])
     every = {rid: "all" for rid in MIXED}
     llama.check(_run(llama_runner, llama.prompts, every), every)
     assert all(rows is None for step in groups for _, rows in step.groups)  # no index ops

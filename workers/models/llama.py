@@ -354,11 +354,9 @@ class LlamaForCausalLM:
         # The fused C layer adds the adapter rows' deltas itself (lora.py hands it the adapters); elsewhere the
         # torch layers' projections do, while the step's rows are being served.
         fused = self.fused_decode is not None and self.fused_decode.run(hidden, cos, sin, kv_cache, meta, adapters)
-        if not fused and adapters is not None:
-            with self.active_adapters.serving(adapters):
+        if not fused:
+            with self.active_adapters.serving(adapters):  # None: no row has an adapter, no delta is added
                 hidden = self.run_layers(hidden, positions, cos, sin, kv_cache, meta)
-        elif not fused:
-            hidden = self.run_layers(hidden, positions, cos, sin, kv_cache, meta)
         if logits_index.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32) if self.tp.rank == 0 else None
         # The final norm is per token, so it only runs on the rows that need logits.
