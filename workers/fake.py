@@ -18,7 +18,9 @@ feeds forward, ``SAMPLED_LAST``): a mismatch is reported as the request's error.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,7 +38,9 @@ class FakeRunner:
     def __init__(self, model_dir: str | None = None, *, rank: int = 0, world_size: int = 1, vocab_size: int = 1000,
                  block_size: int = 16, num_blocks: int | None = None, **_ignored):
         self.rank = rank
-        self.vocab_size = vocab_size
+        # Served beside a real tokenizer (`llmbus up --runner fake`), the frontend takes only ids below the
+        # vocabulary the ranks report: the model's own, or every prompt past the first ids is refused.
+        self.vocab_size = max(vocab_size, _configured_vocab_size(model_dir))
         self.block_size = block_size
         self.num_blocks = num_blocks or 4096
         self.max_position_embeddings = 1 << 20
@@ -125,3 +129,11 @@ class FakeRunner:
     def drop(self, rids: list[str]) -> None:
         for rid in rids:
             self.last_sampled.pop(rid, None)
+
+
+def _configured_vocab_size(model_dir: str | None) -> int:
+    config = Path(model_dir or "none") / "config.json"
+    if not config.is_file():
+        return 0
+    settings = json.loads(config.read_text())
+    return int(settings.get("vocab_size") or settings.get("text_config", {}).get("vocab_size") or 0)
