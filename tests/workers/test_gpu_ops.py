@@ -97,8 +97,8 @@ def test_silu_and_mul(dtype):
 def test_lora_delta_gives_each_row_its_own_adapters_delta(dtype, largest):
     """Rows of the base model (slot 0: untouched, even where slot 0's matrices are not zero), of adapters of
     rank 3 and ``largest`` (the others zero-padded to it; 40 takes the kernels more than one tile of ranks),
-    in any order, on widths that are not multiples of the kernels' tiles."""
-    rows, width, out_features = 7, 200, 150
+    in any order, on widths that are not multiples of the kernels' tiles (1100 inputs: three partial sums)."""
+    rows, width, out_features = 7, 1100, 150
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, width, generator=generator).to(dtype)
     y = torch.randn(rows, out_features, generator=generator).to(dtype)
