@@ -77,6 +77,7 @@ class SchedulerService:
         self.compute: dict = {}  # SchedulerHello's dtype, attention_backend and devices, from the ranks
         self._stats_dirty = True
         self._stats_sent_at = 0.0
+        self._stats_force = False  # a request joined or left in the last step: its gauges go out next
         self._unpublished: tuple[list, dict | None] | None = None  # the last step's events: flush_events
         self.metrics = BatchMetrics()
         self.frontend_stats: dict[str, m.FrontendStats] = {}  # the latest of each, relayed to the others
@@ -474,10 +475,13 @@ class SchedulerService:
             head = self.in_flight[0].batch
             running_before = len(self.policy.running) - len(head.new_requests)
             self._schedule_ahead()
-            self.flush_events()  # the last step's tokens go out while the ranks compute
+            # the last step's tokens and gauges go out while the ranks compute, not between its result and the
+            # next command
+            self.flush_events()
+            self.publish_stats(force=self._stats_force)
             self.finish_step()
             self._stats_dirty = True
-            self.publish_stats(force=bool(head.new_requests) or len(self.policy.running) != running_before)
+            self._stats_force = bool(head.new_requests) or len(self.policy.running) != running_before
             return
         self.flush_events()
         self.publish_stats(force=True)

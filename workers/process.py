@@ -180,6 +180,8 @@ class Worker:
         # The step launched and not yet answered: its command, LaunchedStep and launch time (device_feed).
         self.launched: tuple | None = None
         self.last_launched = None  # the latest step launched, answered or not (what the next one may feed on)
+        self.answered_at = 0.0  # perf_counter when the last result left (the turnaround's start)
+        self.waited_s = 0.0  # the last answer's wait for its step's results
         self.fed_on_device = False  # logged the first time a step is
         ep = Endpoints.in_dir(cfg.run_dir)
         z = ctx.zmq_ctx
@@ -329,6 +331,7 @@ class Worker:
                 continue
             if not isinstance(msg, m.StepCommand):
                 continue
+            received = time.perf_counter()
             # A rank started to replace a lost group joins at whatever step the scheduler is at.
             if self.last_step and msg.step_id != self.last_step + 1:
                 raise StepGap(f"rank {self.cfg.rank} got step {msg.step_id} after step {self.last_step}")
@@ -347,7 +350,11 @@ class Worker:
                 self._send_result(msg.step_id, self._skipped(msg))
                 continue
             launched = self.runner.launch(seqs, feed)
+            launch_s = time.perf_counter() - received
             self._answer_launched()
+            timeline = getattr(self.runner, "timeline", None)
+            if timeline is not None:
+                timeline.add_host(launch_s, self.waited_s, received - self.answered_at)
             self.launched = (msg, launched, time.monotonic())
             self.last_launched = launched
             if self.cfg.device_feed == "off" or self._launched_ready():
@@ -401,13 +408,17 @@ class Worker:
 
     def _answer_launched(self) -> None:
         """Rank 0 sends the launched step's result (waiting for its tokens); every rank then forgets it."""
+        self.waited_s = 0.0
         if self.launched is None:
             return
         cmd, launched, _ = self.launched
         self.launched = None
+        started = time.perf_counter()
         out = launched.result()
+        self.waited_s = time.perf_counter() - started
         self._note_sampled(cmd, out)
         self._send_result(cmd.step_id, out)
+        self.answered_at = time.perf_counter()
 
     def _send_result(self, step_id: int, out) -> None:
         if self.results is not None:

@@ -2,7 +2,9 @@
 
 ``StepClock`` times a step's forward pass and sampling (CUDA events, read once the step's results are on the
 host: launched_step.py's ``ResultCopy``, the one synchronisation a decode step makes), and the device's idle
-time before the step; ``DeviceTimeline`` adds those up and logs them per window.
+time before the step; ``DeviceTimeline`` adds those up and logs them per window, with the host's side of
+each step, which the idle time is made of: building and launching it, waiting for the step before, and the
+turnaround from sending a result to the next command's arrival (the bus and the scheduler).
 """
 
 from __future__ import annotations
@@ -71,6 +73,18 @@ class DeviceTimeline:
     def _reset(self) -> None:
         self.window_started = time.monotonic()
         self.steps, self.rows, self.busy_s, self.idle_s = 0, 0, 0.0, 0.0
+        self.host_steps, self.launch_s, self.wait_s = 0, 0.0, 0.0
+        self.turnarounds, self.turnaround_s = 0, 0.0
+
+    def add_host(self, launch_s: float, wait_s: float, turnaround_s: float) -> None:
+        """The worker's side of a step: receiving its command to its launch returning, the wait for the step
+        before's results, and the time from sending the last result to this command's arrival."""
+        self.host_steps += 1
+        self.launch_s += launch_s
+        self.wait_s += wait_s
+        if turnaround_s <= IDLE_GAP_CAP_S:
+            self.turnarounds += 1
+            self.turnaround_s += turnaround_s
 
     def add(self, clock: StepClock, busy_s: float, rows: int) -> None:
         self.steps += 1
@@ -80,7 +94,12 @@ class DeviceTimeline:
             self.idle_s += clock.idle_before
         if time.monotonic() - self.window_started >= TIMELINE_WINDOW_S:
             total = self.busy_s + self.idle_s
+            host = max(self.host_steps, 1)
             self.log.info("device timeline", steps=self.steps, mean_rows=round(self.rows / self.steps, 1),
                           busy_ms=round(self.busy_s * 1e3, 1), idle_ms=round(self.idle_s * 1e3, 1),
-                          idle_share=round(self.idle_s / total, 4) if total else 0.0)
+                          idle_share=round(self.idle_s / total, 4) if total else 0.0,
+                          step_busy_ms=round(self.busy_s * 1e3 / self.steps, 3),
+                          host_launch_ms=round(self.launch_s * 1e3 / host, 3),
+                          host_wait_ms=round(self.wait_s * 1e3 / host, 3),
+                          turnaround_ms=round(self.turnaround_s * 1e3 / max(self.turnarounds, 1), 3))
             self._reset()

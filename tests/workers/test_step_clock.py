@@ -1,0 +1,21 @@
+"""Rank 0's device timeline: the device's idle time between steps, and the host's side of each step."""
+
+import structlog
+import torch
+
+from llmbus.workers import step_clock
+from llmbus.workers.step_clock import DeviceTimeline, StepClock
+
+
+def test_a_window_says_what_the_host_spent_per_step(monkeypatch):
+    monkeypatch.setattr(step_clock, "TIMELINE_WINDOW_S", 0.0)  # every step closes a window
+    timeline = DeviceTimeline()
+    timeline.add_host(launch_s=0.0004, wait_s=0.001, turnaround_s=0.0006)
+    timeline.add_host(launch_s=0.0002, wait_s=0.003, turnaround_s=1.0)  # a server with nothing to run
+    clock = StepClock(torch.device("cpu"))
+    with structlog.testing.capture_logs() as logs:
+        timeline.add(clock, busy_s=0.002, rows=64)
+    (window,) = [entry for entry in logs if entry["event"] == "device timeline"]
+    assert window["steps"] == 1 and window["step_busy_ms"] == 2.0
+    assert window["host_launch_ms"] == 0.3 and window["host_wait_ms"] == 2.0
+    assert window["turnaround_ms"] == 0.6  # the idle gap past IDLE_GAP_CAP_S is not a turnaround
