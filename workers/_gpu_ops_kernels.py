@@ -159,3 +159,51 @@ def launch_lora(x: torch.Tensor, y: torch.Tensor, shrink: torch.Tensor, expand: 
         s, expand, slots, y, s.stride(0), s.stride(1), expand.stride(0), expand.stride(1), y.stride(0), out_features,
         rank, splits, BLOCK_O=block_o, BLOCK_R=min(32, triton.next_power_of_2(rank)),
         BLOCK_SPLITS=triton.next_power_of_2(splits), num_warps=4)
+
+
+# A row of logits in chunks of this many: a vocabulary of 128k is 32 programs per row, where torch's argmax
+# and log-softmax each took one block per row and about 28 us apiece at batch 1 (run 5, H200).
+GREEDY_CHUNK = 4096
+
+
+@triton.jit
+def _greedy_chunk_kernel(logits_ptr, max_ptr, index_ptr, sum_ptr, stride_logits, vocab, chunks,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * stride_logits + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, axis=0)
+    first = tl.argmax(x, axis=0, tie_break_left=True)
+    # a chunk of -inf only (masked tokens) adds nothing, rather than exp(-inf - -inf) = NaN
+    total = tl.where(top == float("-inf"), 0.0, tl.sum(tl.exp(x - top), axis=0))
+    tl.store(max_ptr + row * chunks + chunk, top)
+    tl.store(index_ptr + row * chunks + chunk, chunk * BLOCK + first)
+    tl.store(sum_ptr + row * chunks + chunk, total)
+
+
+@triton.jit
+def _greedy_combine_kernel(max_ptr, index_ptr, sum_ptr, ids_ptr, logprobs_ptr, chunks, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, BLOCK_C)
+    valid = parts < chunks
+    tops = tl.load(max_ptr + row * chunks + parts, mask=valid, other=float("-inf"))
+    top = tl.max(tops, axis=0)
+    # the first chunk holding the row's maximum holds its first argmax, as torch.argmax picks
+    index = tl.load(index_ptr + row * chunks + parts, mask=valid, other=0)
+    first = tl.min(tl.where(valid & (tops == top), index, 2147483647), axis=0)
+    scaled = tl.load(sum_ptr + row * chunks + parts, mask=valid, other=0.0) * tl.exp(tops - top)
+    total = tl.sum(tl.where(tops == float("-inf"), 0.0, scaled), axis=0)
+    tl.store(ids_ptr + row, first.to(tl.int64))
+    tl.store(logprobs_ptr + row, -tl.log(total))  # the maximum's own term: top - (top + log(total))
+
+
+def launch_greedy(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> None:
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, GREEDY_CHUNK)
+    partial = torch.empty((2, rows, chunks), dtype=torch.float32, device=logits.device)  # maxima, sums
+    index = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    _greedy_chunk_kernel[(rows, chunks)](logits, partial[0], index, partial[1], logits.stride(0), vocab, chunks,
+                                         BLOCK=GREEDY_CHUNK, num_warps=8)
+    _greedy_combine_kernel[(rows,)](partial[0], index, partial[1], ids, logprobs, chunks,
+                                    BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1)

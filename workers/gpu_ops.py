@@ -1,6 +1,7 @@
 """The decoder layer's small ops as one Triton kernel each, for CUDA: RMSNorm (and the residual add before
 it), RoPE on queries and keys together, SiLU-and-multiply, and a projection's LoRA deltas (each row its own
-adapter's, in two kernels whatever the mix of adapters).
+adapter's, in two kernels whatever the mix of adapters); and the greedy choice with its log-probability, in
+two kernels over chunks of the vocabulary.
 
 In torch each of these is several kernels (RMSNorm alone: a cast, a square, a mean, an add and a reciprocal
 root, a multiply, a cast and the weight's multiply), each reading and writing the whole activation: the H100
@@ -107,3 +108,16 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, shrink: torch.Tensor, expand: t
         raise ValueError("the projection's output must have contiguous rows: the delta is added in place")
     _triton().launch_lora(x, y, shrink, expand, slots)
     return y
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first argmax (int64) and its log-softmax (float32), for ``logits [S, vocab]``, without the
+    softmax ever written out: each chunk of a row keeps its maximum, first argmax and sum of exponentials, and
+    one program per row combines them."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows = logits.shape[0]
+    ids = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _triton().launch_greedy(logits, ids, logprobs)
+    return ids, logprobs

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from llmbus.bus.messages import SamplingParams
+from llmbus.workers import gpu_ops
 from llmbus.workers.kernels import bindings
 from llmbus.workers.launched_step import to_device
 from llmbus.workers.step_rows import TokenHistory
@@ -164,10 +165,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax (the first, on ties) and its log-softmax, for float32 ``logits [S, vocab]``: one C
-    pass per row on CPU where the kernels build (``sampling.c``), torch's ops elsewhere."""
+    pass per row on CPU where the kernels build (``sampling.c``), two Triton kernels on CUDA
+    (``gpu_ops.greedy``), torch's ops elsewhere."""
     kernels = _kernels_for(logits)
     if kernels is not None:
         return kernels.greedy(logits)
+    if logits.is_cuda and gpu_ops.available(logits):
+        return gpu_ops.greedy(logits)
     ids = logits.argmax(dim=-1)
     return ids, torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
 

@@ -120,3 +120,17 @@ def test_lora_delta_gives_each_row_its_own_adapters_delta(dtype, largest):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-4)
     else:  # the kernel adds in float32 and rounds once
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+
+
+def test_greedy_takes_the_first_argmax_and_its_log_softmax():
+    """Over a vocabulary of three chunks (the last partial): a row whose maximum is tied across two chunks
+    (the first wins, as torch.argmax), one whose first chunk is all -inf (a grammar's mask), one of noise."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 9000, generator=generator) * 4
+    logits[0, 5000] = logits[0, 8999] = logits[0, 10] = 30.0  # tied in chunks 0, 1 and 2: index 10 wins
+    logits[1, :4096] = float("-inf")
+    ids, logprobs = gpu_ops.greedy(logits)
+    assert ids.dtype == torch.long and ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert ids[0] == 10
+    want = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, want, rtol=1e-5, atol=1e-5)
