@@ -29,6 +29,8 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
              "manylinux_2_35_x86_64")
 CARRY_LIMIT = 64 * 2**20
+# Not llmbus's dependencies: what gpu_check uses there when present (py-spy: where a served step's host time goes).
+CHECK_TOOLS = ["py-spy==0.4.3"]
 
 # What the device image holds (the device docs' package list, read on such a machine on 2026-11-17).
 DEVICE_HAS = set("""
@@ -73,7 +75,7 @@ def download() -> int:
     WHEELS.mkdir(exist_ok=True)
     for old in WHEELS.glob("*.whl"):
         old.unlink()
-    wanted = missing_requirements()
+    wanted = missing_requirements() + CHECK_TOOLS
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary", ":all:",
            "--python-version", PYTHON_VERSION, "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
            "--abi", "none", *(a for p in PLATFORMS for a in ("--platform", p)), "--platform", "any",

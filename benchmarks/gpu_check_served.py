@@ -10,6 +10,9 @@ import asyncio
 import itertools
 import json
 import re
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ import torch
 
 from _random_llama import random_weights
 from _server import client_session, exact_token_prompt, load_tokenizer, metrics, stream_tokens
+from stack_overhead import roles, summarize_profile
 
 from llmbus.testing import Server
 from llmbus.testing.fake_scheduler import byte_to_unicode
@@ -144,8 +148,10 @@ class ServedPart:
                 return dict(requests=len(done), answered=sum(1 for s in done if s.error is None),
                             seconds=round(seconds, 1))
             timeline_before = len(server.log_lines("device timeline"))
+            spies = self._start_host_profiles(server, SUSTAINED_S)
             stages["sustained"] = asyncio.run(sustained(SUSTAINED_S if not self.dry else 1.0))
             timeline = server.log_lines("device timeline")[timeline_before:]
+            host_profiles = self._host_profiles(spies)
             restarts = metrics(server.url).get(SERVED_RESTART_METRIC)
             restarts = None if restarts is None else int(restarts)
             memory_lines = server.log_lines("memory", "activation", "kv cache", "blocks")[-6:]
@@ -161,10 +167,40 @@ class ServedPart:
                  device_baseline_bytes=peak.baseline_bytes, memory_log=memory_lines,
                  model_build_seconds=round(built_s, 1), ready_seconds=round(started_s - built_s, 1),
                  seconds=round(time.perf_counter() - t0, 1))
-        self._device_idle(timeline, stages["sustained"])
+        self._device_idle(timeline, stages["sustained"], host_profiles)
         self._against_transformers(model_dir, tokenizer, stages["throughput"])
 
-    def _device_idle(self, lines: list[str], sustained: dict) -> None:
+    def _start_host_profiles(self, server: Server, seconds: float) -> list:
+        """Where py-spy is installed (device_wheels.py carries it) and the device is a GPU: py-spy samples the
+        scheduler and rank 0 through the sustained wave, without stopping them, so the row can say where a
+        step's host time goes."""
+        found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+        if found is None or self.device.type != "cuda":
+            return []
+        pids = roles(server)
+        spies = []
+        for role in ("scheduler", "workers"):
+            if role in pids:
+                out = self.args.out.parent / f"pyspy_{role}.txt"
+                spies.append((role, out, subprocess.Popen(
+                    [found, "record", "--pid", str(pids[role]), "--format", "raw", "--rate", "250", "--duration",
+                     str(int(seconds) - 1), "--nonblocking", "--output", str(out)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+        return spies
+
+    @staticmethod
+    def _host_profiles(spies: list) -> dict[str, str]:
+        profiles = {}
+        for role, out, spy in spies:
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+            profiles[role] = (summarize_profile(out, top=16) if out.exists()
+                              else f"py-spy wrote nothing: {spy.stderr.read().decode()[-300:]}")
+        return profiles
+
+    def _device_idle(self, lines: list[str], sustained: dict, host_profiles: dict[str, str]) -> None:
         """Issue #39's GPU idle between decode steps at c=64: rank 0's "device timeline" windows logged
         while ``concurrent`` clients kept the server full, those whose steps averaged at least half that many
         rows (a window that began before the load is left out)."""
@@ -184,7 +220,8 @@ class ServedPart:
                      f"{mean['turnaround_ms']:.2f} ms")
         self.row("3 served", f"c={concurrent} device idle", self.device.type != "cuda" or share is not None,
                  f"{said} ({len(loaded)} windows of {len(windows)}, {sustained['answered']} requests)",
-                 device=str(self.device), idle_share=share, windows=windows, sustained=sustained)
+                 device=str(self.device), idle_share=share, windows=windows, sustained=sustained,
+                 host_profiles=host_profiles)
 
     def _against_transformers(self, model_dir: Path, tokenizer, served: dict) -> None:
         """The throughput wave's prompts through transformers' own continuous batching (``generate_batch``,
