@@ -47,6 +47,9 @@ WARMUP_RID_PREFIX = "__warmup__"
 # against available memory instead), and a full-budget float32 prefill was most of a start's time on a
 # small CPU (design notes, "Every service starts at once").
 CPU_WARMUP_TOKENS = 256
+# The query lengths whose steps tile their queries as no prefill or decode does (triton_kernels.query_tile):
+# warmup runs one step of each on CUDA.
+SHORT_QUERY_LENGTHS = (2, 4, 8)
 
 
 @dataclass(slots=True)
@@ -452,6 +455,15 @@ class ModelRunner:
             next_block += num_blocks
         return seqs
 
+    def _compile_short_queries(self, cache: PagedKVCache) -> None:
+        """A step whose longest query is 2 to 8 tokens (short prompts alone, speculation) tiles its queries
+        smaller than a prefill's, which compiles the attention kernel again: one small eager step per tile
+        here, so that happens at start, not in the middle of serving."""
+        for length in SHORT_QUERY_LENGTHS:
+            self._forward([SeqInput(rid=f"{WARMUP_RID_PREFIX}q{length}", token_ids=[0] * length, num_computed=0,
+                                    block_table=list(range(-(-length // self.block_size))), sample=True,
+                                    sampling=SamplingParams())], cache)
+
     def warmup(self) -> int:
         """A real worst-case prefill (all ``max_batch_prefill_tokens`` at once; a short one on CPU, see
         ``CPU_WARMUP_TOKENS``), results discarded; returns the tokens it computed.
@@ -485,6 +497,8 @@ class ModelRunner:
                     sample(logits, [s.sampling for s in seqs], [len(s.token_ids) for s in seqs],
                            last_tokens=[s.token_ids[-1] for s in seqs],
                            watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
+                if self.device.type == "cuda":
+                    self._compile_short_queries(cache)
         except torch.OutOfMemoryError as e:
             raise WarmupOutOfMemory(
                 f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "

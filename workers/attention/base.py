@@ -34,7 +34,7 @@ import torch
 
 from llmbus.workers.gpu_ops import apply_rotary
 from llmbus.workers.kv_cache import PagedKVCache
-from llmbus.workers.launched_step import to_device
+from llmbus.workers.launched_step import rows_to_device, to_device
 
 
 @dataclass(slots=True)
@@ -97,7 +97,8 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
     max_blocks = max(len(table) for table in block_tables)
     # one pinned, non-blocking copy for the per-sequence lists, one for the blocks (on a GPU a copy from
     # pageable memory would wait for the step still computing)
-    per_seq = to_device((query_lens, num_computed, [len(table) for table in block_tables]), torch.long, device)
+    per_seq = rows_to_device((query_lens, num_computed, [len(table) for table in block_tables]), torch.long,
+                             device)
     query_lens_t, num_computed_t, blocks_per_seq = per_seq[0], per_seq[1], per_seq[2]
     flat_blocks = to_device(list(itertools.chain.from_iterable(block_tables)), torch.long, device)
     # Padded [N, max_blocks] block table, filled by scatter rather than by padding lists in Python.

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from llmbus.workers._gpu_ops_kernels import rotate_halves
-from llmbus.workers.launched_step import to_device
+from llmbus.workers.launched_step import rows_to_device
 
 # Keys per tile of the softmax loop (independent of the pool's block size: each key finds its block).
 BLOCK_N = 64
@@ -58,7 +58,9 @@ MAX_SPLITS = 16
 INTERPRETER_PROCESSORS = 8
 
 
-@triton.jit
+# A step's padded block table is as wide as its longest sequence's blocks: its stride changes with the step,
+# and a kernel specialised on it (1, or a multiple of 16) would compile again mid-serving.
+@triton.jit(do_not_specialize=["stride_table"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, program_seq_ptr, program_row_ptr,
         query_starts_ptr, query_lens_ptr, num_computed_ptr,
@@ -237,7 +239,7 @@ def program_map(query_lens: list[int], block_q: int, device: torch.device) -> to
             seqs.append(seq)
             rows.append(first)
         start += length
-    return to_device([seqs, rows], torch.int32, device)
+    return rows_to_device([seqs, rows], torch.int32, device)
 
 
 @functools.cache
