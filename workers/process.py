@@ -332,6 +332,7 @@ class Worker:
             if not isinstance(msg, m.StepCommand):
                 continue
             received = time.perf_counter()
+            turnaround_s = received - self.answered_at  # from the last result sent to this command
             # A rank started to replace a lost group joins at whatever step the scheduler is at.
             if self.last_step and msg.step_id != self.last_step + 1:
                 raise StepGap(f"rank {self.cfg.rank} got step {msg.step_id} after step {self.last_step}")
@@ -354,7 +355,7 @@ class Worker:
             self._answer_launched()
             timeline = getattr(self.runner, "timeline", None)
             if timeline is not None:
-                timeline.add_host(launch_s, self.waited_s, received - self.answered_at)
+                timeline.add_host(launch_s, self.waited_s, turnaround_s)
             self.launched = (msg, launched, time.monotonic())
             self.last_launched = launched
             if self.cfg.device_feed == "off" or self._launched_ready():
