@@ -201,11 +201,14 @@ def _greedy_combine_kernel(max_ptr, index_ptr, sum_ptr, ids_ptr, logprobs_ptr, c
 def launch_greedy(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> None:
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, GREEDY_CHUNK)
-    partial = torch.empty((2, rows, chunks), dtype=torch.float32, device=logits.device)  # maxima, sums
+    # three tensors, not views of one: a view's alignment would follow the rows, and Triton compiles again
+    # for each alignment it meets
+    maxima = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    sums = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     index = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
-    _greedy_chunk_kernel[(rows, chunks)](logits, partial[0], index, partial[1], logits.stride(0), vocab, chunks,
+    _greedy_chunk_kernel[(rows, chunks)](logits, maxima, index, sums, logits.stride(0), vocab, chunks,
                                          BLOCK=GREEDY_CHUNK, num_warps=8)
-    _greedy_combine_kernel[(rows,)](partial[0], index, partial[1], ids, logprobs, chunks,
+    _greedy_combine_kernel[(rows,)](maxima, index, sums, ids, logprobs, chunks,
                                     BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1)
 
 
