@@ -377,7 +377,6 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
                                  dtype="bfloat16", batch=batch, context=context, cuda_graphs=graph_sizes,
                                  pipelined=bool(mode), step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in measured],
                                  floor_ms=floor * 1e3, weight_bytes=weights,
-                                 one_row_gemv=runner.compute_paths.get("one_row_gemv"),
                                  kv_bytes=batch * context * kv_per_token)
         self.lora_steps(runner, config, per_seq, blocks, graph_step, rng)
         del runner

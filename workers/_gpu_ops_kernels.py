@@ -210,23 +210,3 @@ def launch_greedy(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tenso
                                          BLOCK=GREEDY_CHUNK, num_warps=8)
     _greedy_combine_kernel[(rows,)](maxima, index, sums, ids, logprobs, chunks,
                                     BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, width, out_features, stride_w, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, width, BLOCK_K):
-        offs = start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs, mask=offs < width, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + outs[:, None].to(tl.int64) * stride_w + offs[None, :],
-                    mask=(outs[:, None] < out_features) & (offs[None, :] < width), other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + outs, acc.to(out_ptr.dtype.element_ty), mask=outs < out_features)
-
-
-def launch_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int) -> None:
-    out_features, width = weight.shape
-    _gemv_kernel[(triton.cdiv(out_features, block_n),)](x, weight, out, width, out_features, weight.stride(0),
-                                                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)

@@ -1,8 +1,7 @@
 """The decoder layer's small ops as one Triton kernel each, for CUDA: RMSNorm (and the residual add before
 it), RoPE on queries and keys together, SiLU-and-multiply, and a projection's LoRA deltas (each row its own
-adapter's, in two kernels whatever the mix of adapters); the greedy choice with its log-probability, in
-two kernels over chunks of the vocabulary; and a one-row projection (``gemv``), which ``Linear`` takes where
-``tune_gemv`` measured it faster than cuBLAS for that weight.
+adapter's, in two kernels whatever the mix of adapters); and the greedy choice with its log-probability, in
+two kernels over chunks of the vocabulary.
 
 In torch each of these is several kernels (RMSNorm alone: a cast, a square, a mean, an add and a reciprocal
 root, a multiply, a cast and the weight's multiply), each reading and writing the whole activation: the H100
@@ -122,49 +121,3 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     _triton().launch_greedy(logits, ids, logprobs)
     return ids, logprobs
-
-
-# The one-row projection's tiles tried against cuBLAS: (outputs, inputs) per program and iteration. Few
-# outputs per program give a decode step's skinny GEMM thousands of programs, each with a wide load in flight.
-GEMV_TILES = ((4, 1024), (8, 512), (4, 512), (2, 1024))
-GEMV_AGREEMENT = 1e-2  # relative to the result's norm: bfloat16 rounding is 2^-8 per element
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
-    """``x [1, in] @ weight.T`` (``weight [out, in]``, rows contiguous) in float32, rounded to ``x``'s dtype."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _triton().launch_gemv(x, weight, out, *tile)
-    return out
-
-
-def tune_gemv(weight: torch.Tensor, repeats: int = 20) -> tuple[int, int] | None:
-    """The tile of ``gemv`` that computes one row of ``weight``'s projection fastest, where one beats cuBLAS
-    (``F.linear``) by at least 3% on this device; None otherwise. CUDA events, each candidate run
-    ``repeats`` times after one warm run (which also compiles it); not during a graph capture."""
-    if not weight.is_cuda or _triton() is None or weight.dtype not in (torch.bfloat16, torch.float16) \
-            or weight.stride(-1) != 1:
-        return None
-    x = torch.randn((1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-
-    def timed(run) -> float:
-        run()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    want = torch.nn.functional.linear(x, weight).float()
-    best, best_ms = None, 0.97 * timed(lambda: torch.nn.functional.linear(x, weight))
-    for tile in GEMV_TILES:
-        # a tile whose sums are not cuBLAS's within rounding is not taken, however fast
-        if (gemv(x, weight, tile).float() - want).norm() > GEMV_AGREEMENT * want.norm():
-            continue
-        ms = timed(lambda tile=tile: gemv(x, weight, tile))
-        if ms < best_ms:
-            best, best_ms = tile, ms
-    return best

@@ -6,10 +6,7 @@ call, and for the few-row inputs of decode steps runs a GEMV that reads a bf16 w
 the memory bandwidth. oneDNN's linear with a weight reordered once at load time
 (``mkldnn._reorder_linear_weight``, what inductor's freezing pass uses) gives the same results faster, at
 few rows and at 64 (design notes, "Dense projections on CPU: the weight reordered once for oneDNN").
-Elsewhere (CUDA, or a torch without oneDNN) it is F.linear, but for one row on CUDA where warmup measured
-``gpu_ops.gemv`` faster for the weight (``tune_one_row``): cuBLAS splits a decode step's skinny GEMMs over the
-inputs and adds a reduction kernel, reading qkv's and o_proj's weights at about 3.1-3.3 TB/s of an H200's 4.1
-(run 5's b1 profile).
+Elsewhere (CUDA, or a torch without oneDNN) it is F.linear.
 
 On AVX2 machines without AVX-512, float32 goes through ``gemm.c`` instead, on the plain weight: faster
 than the packed oneDNN GEMM at the row counts measured (design notes, "float32 GEMMs: our own register
@@ -19,12 +16,10 @@ tile on AVX2"), and one copy of the weight serves both it and the fused decode l
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
 
-from llmbus.workers import gpu_ops
 from llmbus.workers.kernels import bindings
 
 # The batch size the packed layout is tuned for: 64 is as fast as 1 at 1 row and faster from 4 rows on,
@@ -61,7 +56,7 @@ class Linear:
     ``gemm.c``, the fused decode layer); ``packed`` is oneDNN's reordered copy (None where it does not pack,
     or ``pack=False``)."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "gemm", "one_row", "__weakref__")
+    __slots__ = ("weight", "bias", "packed", "out_features", "gemm")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
                  keep_plain: bool = False):
@@ -74,9 +69,6 @@ class Linear:
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
                        if pack and onednn_packs(weight) else None)
         self.weight = weight if self.packed is None or keep_plain else None
-        self.one_row: tuple[int, int] | None = None  # gpu_ops.gemv's tile for a one-row input, once tuned
-        if weight.is_cuda:
-            _CUDA_LINEARS.add(self)
 
     @property
     def plain(self) -> bool:
@@ -84,9 +76,6 @@ class Linear:
         return self.weight is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == self.weight.dtype:
-            y = gpu_ops.gemv(x, self.weight, self.one_row)
-            return y if self.bias is None else y + self.bias
         if self.gemm is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] > 0:
             x = x.contiguous()
             y = x.new_empty(x.shape[0], self.out_features)
@@ -97,21 +86,3 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-
-_CUDA_LINEARS: "weakref.WeakSet[Linear]" = weakref.WeakSet()
-
-
-def tune_one_row(device: torch.device) -> dict[tuple[int, int], tuple[int, int] | None]:
-    """Each projection on ``device`` takes ``gpu_ops.gemv`` for one-row inputs where it measured faster than
-    cuBLAS, once per weight shape; call before CUDA graphs are captured. Returns each shape's choice."""
-    chosen: dict[tuple, tuple[int, int] | None] = {}
-    for linear in list(_CUDA_LINEARS):
-        weight = linear.weight
-        if weight is None or weight.device != device:
-            continue
-        key = (*weight.shape, weight.dtype)
-        if key not in chosen:
-            chosen[key] = gpu_ops.tune_gemv(weight)
-        linear.one_row = chosen[key]
-    return {key[:2]: tile for key, tile in chosen.items()}

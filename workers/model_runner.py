@@ -27,7 +27,6 @@ from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
-from llmbus.workers.linear import tune_one_row
 from llmbus.workers.loader import load_model
 from llmbus.workers.lora import StepAdapters, attach_adapters
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
@@ -118,7 +117,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured by warmup
         self._last_clock: StepClock | None = None
         self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
-        self.one_row_gemv: list[str] = []  # the projections (out x in) that take gpu_ops.gemv for one row
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
@@ -202,8 +200,7 @@ class ModelRunner:
         backend = getattr(self.model, "attention_backend", None)
         return {"attention": getattr(backend, "name", "model's own"),
                 "fused_decode": getattr(self.model, "fused_decode", None) is not None,
-                "cuda_graphs": list(self.graphs.sizes) if self.graphs is not None else [],
-                **({"one_row_gemv": self.one_row_gemv} if self.device.type == "cuda" else {})}
+                "cuda_graphs": list(self.graphs.sizes) if self.graphs is not None else []}
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -472,9 +469,6 @@ class ModelRunner:
         explicit budget it sizes the KV pool (and an attached draft model's) from what is free once the
         activation peak of that step, at full context, and sampling's peak over the largest batch are known.
         """
-        if self.device.type == "cuda":  # before any graph is captured: the graphs hold the kernels chosen
-            chosen = tune_one_row(self.device)
-            self.one_row_gemv = [f"{out}x{width}" for (out, width), tile in chosen.items() if tile is not None]
         seqs = self._warmup_batch()
         blocks_needed = max(max(s.block_table) for s in seqs) + 1
         size_from_free_memory = self.kv_cache is None

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers import gpu_ops
-from llmbus.workers.linear import Linear
 from llmbus.workers.models.llama import RMSNorm
 
 interpreted_triton_kernels()
@@ -135,25 +134,3 @@ def test_greedy_takes_the_first_argmax_and_its_log_softmax():
     assert ids[0] == 10
     want = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tile", gpu_ops.GEMV_TILES)
-def test_gemv_is_one_rows_projection(dtype, tile):
-    """Every tile warmup may choose, on a weight whose outputs and inputs are no multiple of it (the last
-    program's outputs and the last iteration's inputs masked)."""
-    generator = torch.Generator().manual_seed(4)
-    x = torch.randn(1, 1300, generator=generator).to(dtype)
-    weight = torch.randn(37, 1300, generator=generator).to(dtype)
-    got, want = gpu_ops.gemv(x, weight, tile), F.linear(x.float(), weight.float())
-    assert got.dtype == dtype and got.shape == (1, 37)
-    if dtype == torch.float32:  # the sum's order differs from the GEMM's
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    else:  # one rounding of the float32 sum
-        torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=2 ** -7, atol=1e-2)
-
-
-def test_a_projection_off_cuda_keeps_its_gemm():
-    assert gpu_ops.tune_gemv(torch.randn(64, 64, dtype=torch.bfloat16)) is None
-    linear = Linear(torch.randn(64, 64))
-    assert linear.one_row is None
