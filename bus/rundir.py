@@ -128,10 +128,16 @@ class RunDir:
             parent = os.environ.get("TMPDIR", "/tmp")
             remove_stale_run_dirs(parent)
             self.path = Path(tempfile.mkdtemp(prefix="llmbus-", dir=parent))
+            # The lock file appears already locked: created under another name, locked, then renamed. A
+            # launch starting beside this one (remove_stale_run_dirs) would otherwise find "lock" unlocked
+            # in the moment between its creation and its flock, and remove this dir before its sockets bind.
+            self._lock_fd = os.open(self.path / "lock.new", os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(self.path / "lock.new", self.path / "lock")
         else:
             self.path = Path(path)
             _claim(self.path)
-        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+            self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

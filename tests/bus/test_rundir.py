@@ -90,3 +90,23 @@ def test_a_killed_launch_leaves_nothing_the_next_launch_keeps(tmp_path, monkeypa
         assert remove_stale_run_dirs(parent) == []
     finally:
         os.close(holder)
+
+
+def test_a_launch_starting_beside_another_never_removes_its_dir(tmp_path, monkeypatch):
+    """Another launch's sweep (remove_stale_run_dirs) run in the moment before this launch locks its dir
+    leaves the dir alone: a "lock" file that exists is always held. Two launches side by side lost a run
+    dir this way ("No such file or directory for ipc path ... supervisor.sock")."""
+    from llmbus.bus import rundir
+
+    parent = Path(tempfile.mkdtemp(dir=tmp_path))
+    monkeypatch.setenv("TMPDIR", str(parent))
+    real_flock, swept = fcntl.flock, []
+
+    def flock_after_a_sweep(fd, operation):
+        monkeypatch.setattr(rundir.fcntl, "flock", real_flock)  # the sweep's own locks are real ones
+        swept.extend(remove_stale_run_dirs(parent))  # the other launch, just before this one locks
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(rundir.fcntl, "flock", flock_after_a_sweep)
+    with RunDir() as run_dir:
+        assert run_dir.path.is_dir() and swept == []
