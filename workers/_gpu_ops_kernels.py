@@ -183,7 +183,8 @@ def _greedy_chunk_kernel(logits_ptr, max_ptr, index_ptr, sum_ptr, stride_logits,
 
 
 @triton.jit
-def _greedy_combine_kernel(max_ptr, index_ptr, sum_ptr, ids_ptr, logprobs_ptr, chunks, BLOCK_C: tl.constexpr):
+def _greedy_combine_kernel(max_ptr, index_ptr, sum_ptr, ids_ptr, logprobs_ptr, chunks, vocab,
+                           BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, BLOCK_C)
     valid = parts < chunks
@@ -192,6 +193,9 @@ def _greedy_combine_kernel(max_ptr, index_ptr, sum_ptr, ids_ptr, logprobs_ptr, c
     # the first chunk holding the row's maximum holds its first argmax, as torch.argmax picks
     index = tl.load(index_ptr + row * chunks + parts, mask=valid, other=0)
     first = tl.min(tl.where(valid & (tops == top), index, 2147483647), axis=0)
+    # a row of NaNs matches no chunk: its id is still one the vocabulary has, or the next step's embedding
+    # lookup would fault the device
+    first = tl.where(first < vocab, first, 0)
     scaled = tl.load(sum_ptr + row * chunks + parts, mask=valid, other=0.0) * tl.exp(tops - top)
     total = tl.sum(tl.where(tops == float("-inf"), 0.0, scaled), axis=0)
     tl.store(ids_ptr + row, first.to(tl.int64))
@@ -208,5 +212,5 @@ def launch_greedy(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tenso
     index = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     _greedy_chunk_kernel[(rows, chunks)](logits, maxima, index, sums, logits.stride(0), vocab, chunks,
                                          BLOCK=GREEDY_CHUNK, num_warps=8)
-    _greedy_combine_kernel[(rows,)](maxima, index, sums, ids, logprobs, chunks,
+    _greedy_combine_kernel[(rows,)](maxima, index, sums, ids, logprobs, chunks, vocab,
                                     BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1)
