@@ -124,6 +124,9 @@ def test_lora_adapters_resolve_to_folders_from_paths_and_the_hub_cache(tmp_path,
                           ("org/missing-lora", "not in the local cache and the hub is unreachable or offline"),
                           ("org/x@v1@v2", "Invalid LoRA adapter format: org/x@v1@v2"),
                           (f"sql={adapter},sql={adapter}", "`sql` is given twice"),
-                          ("=path", "Invalid LoRA adapter format: =path")):
+                          ("=path", "Invalid LoRA adapter format: =path"),
+                          # a name=path entry is a folder: a missing one is not looked up on the hub
+                          ("mine=adapters/gone", "LoRA adapter `mine`: no folder adapters/gone"),
+                          ("./gone", "LoRA adapter `./gone`: no folder gone")):
         with pytest.raises(weights.ModelNotFound, match=re.escape(message)):
             weights.resolve_lora_adapters(text, cache_dir=str(cache))
