@@ -18,7 +18,8 @@ a watchdog task takes SCHEDULER_SILENCE_S without any message for a dead schedul
 flight with an in-band error instead of leaving clients waiting. Where the scheduler's process is known (ipc)
 and still runs, it was only starved or is stuck: the watchdog gives it ``hang_timeout_s`` (--scheduler-hang-
 timeout) before failing the requests as hung, since a loaded machine can hold a live scheduler's heartbeat
-past a second (the full test suite on 2 cores did, now and then). Any message that arrives
+past a second (the full test suite on 2 cores did, now and then). Over tcp its process cannot be asked, and a
+network adds its own pauses: the watchdog waits ``hang_timeout_s`` there too. Any message that arrives
 later (a scheduler that was only slow, or a forged EngineDead followed by the real scheduler's heartbeat)
 makes the engine healthy again.
 """
@@ -388,13 +389,13 @@ class EngineClient:
                 self._drain()
                 continue
             pid = self._scheduler_pid
-            if pid is not None and process_alive(pid):
-                if silent < self.hang_timeout_s:
-                    continue  # starved or stuck, not dead: its heartbeat may yet come
-                self._engine_dead(f"the scheduler sent nothing for {self.hang_timeout_s:g} s: it hangs")
+            if pid is not None and not process_alive(pid):
+                self._engine_dead(f"the scheduler sent nothing for {SCHEDULER_SILENCE_S:g} s: it exited")
                 continue
-            self._engine_dead(f"the scheduler sent nothing for {SCHEDULER_SILENCE_S:g} s: "
-                              + ("it exited" if pid is not None else "it died or hangs"))
+            if silent < self.hang_timeout_s:
+                continue  # alive but starved or stuck, or over tcp where its process is unknown: not dead yet
+            self._engine_dead(f"the scheduler sent nothing for {self.hang_timeout_s:g} s: "
+                              + ("it hangs" if pid is not None else "it died or hangs"))
 
     def _on_tokens(self, batch: m.TokenBatch) -> None:
         now = asyncio.get_running_loop().time()

@@ -221,12 +221,18 @@ class FakeScheduler:
 
 
 class Frontend:
-    def __init__(self, model_dir: Path, **overrides):
+    def __init__(self, model_dir: Path, transport: str = "ipc", **overrides):
+        """``transport``: the bus's, ``ipc`` (the scheduler's pid is known to the frontend) or ``tcp``."""
         self.dir = tempfile.mkdtemp(prefix="llmbus-fe-", dir="/tmp")
-        requests = f"ipc://{self.dir}/requests.sock"
+        if transport == "tcp":
+            from llmbus.testing.server import free_port
+
+            requests, events = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+        else:
+            requests, events = f"ipc://{self.dir}/requests.sock", f"ipc://{self.dir}/events-fe1.sock"
         self.sched = FakeScheduler(requests, model_dir)
         cfg = dict(model_dir=str(model_dir), model_id="tiny-test", hostname="127.0.0.1", port=0,
-                   requests_endpoint=requests, events_endpoint=f"ipc://{self.dir}/events-fe1.sock",
+                   requests_endpoint=requests, events_endpoint=events,
                    frontend_id="fe1", max_input_tokens=40, max_total_tokens=64, scheduler_timeout_s=WAIT,
                    shutdown_timeout_s=1.0, enable_prefill_logprobs=True)
         cfg.update(overrides)

@@ -518,6 +518,18 @@ def test_a_silent_scheduler_fails_requests_in_band_and_its_next_heartbeat_heals(
     assert status == 200 and body["generated_text"] == REPLY
 
 
+def test_over_tcp_a_silent_scheduler_gets_the_hang_timeout_not_a_second(make_frontend):
+    """Over tcp the scheduler's process cannot be asked whether it runs: a silence is a hang after
+    --scheduler-hang-timeout, as for a live one, not a death after one second."""
+    fe = make_frontend(transport="tcp", scheduler_hang_timeout_s=2.5)
+    streaming = Background(fe, "/generate_stream", {"inputs": "HOLD", "parameters": {"max_new_tokens": 5}})
+    fe.sched.wait_for(lambda: len(fe.sched.adds) == 1, "a request in flight")
+    fe.sched.heartbeat = False
+    status, _, raw = streaming.result()
+    events = parse_sse(raw)
+    assert status == 200 and "the scheduler sent nothing for 2.5 s: it died or hangs" in events[-1]["error"]
+
+
 def test_a_forged_engine_dead_lasts_until_the_next_heartbeat(make_frontend):
     fe = make_frontend()
     fe.sched.heartbeat = False  # held back until the forged message has taken effect
