@@ -107,7 +107,8 @@ def test_avx2_tiled_products_equal_avx512s_bit_for_bit(form, avx2_library, avx51
 # layer's large batches through it against transformers.
 GEMM_TESTS = ["tests/workers/test_linear.py",
               "tests/workers/test_model_runner.py::test_fused_decode_layer_takes_large_batches_through_gemm_and_"
-              "matches_transformers"]
+              "matches_transformers",
+              "tests/workers/test_lora.py::test_large_adapter_batches_through_gemm_match_peft"]
 
 
 def test_the_gemm_tests_pass_on_the_avx2_build(avx2_library):

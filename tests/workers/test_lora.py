@@ -121,6 +121,34 @@ def test_base_only_steps_take_the_base_paths(llama, llama_runner):
     assert fused is None or sum(ran) >= 5
 
 
+def test_large_adapter_batches_through_gemm_match_peft(llama, llama_runner, monkeypatch):
+    """Past MAX_ROWS decode rows in float32, where gemm.c runs (AVX2 without AVX-512; test_avx2_build.py runs
+    this on that build), the fused layer computes its projections as GEMMs and adds each row's delta after
+    them: three copies of every prompt, on both adapters and the base model, equal PEFT's tokens."""
+    from llmbus.testing.runner_driver import Request
+    from llmbus.workers.kernels.bindings import MAX_ROWS
+
+    fused = llama_runner.model.fused_decode
+    if fused is None or not fused._large_batches:
+        pytest.skip("no C compiler, or gemm.c does not run on this CPU: large batches take the torch layers")
+    fused_rows = []
+
+    def run(hidden, *args, run=fused.run):
+        took = run(hidden, *args)
+        fused_rows.extend([hidden.shape[0]] if took and args[-1] is not None else [])
+        return took
+
+    monkeypatch.setattr(fused, "run", run)
+    adapters = ["all", "attn", ""]
+    requests = [Request(rid=f"{adapter or 'base'}-{i}", prompt=prompt, adapter=adapter)
+                for adapter in adapters for i, prompt in enumerate(llama.prompts)]
+    results = drive(llama_runner, requests)
+    for adapter in adapters:
+        for i in range(len(llama.prompts)):
+            assert results[f"{adapter or 'base'}-{i}"].tokens == llama.refs[adapter].tokens[i], (adapter, i)
+    assert len(requests) > MAX_ROWS and max(fused_rows) > MAX_ROWS  # adapter steps of GEMM size took it
+
+
 def test_quantized_base_weights_keep_the_delta_exact(llama, tmp_path):
     """``--quantize int8``: the delta is added in float beside the int8 projections; PEFT over the requantized
     weights is the reference."""
