@@ -1,0 +1,70 @@
+"""Host time a replayed decode step spends staging its rows (``DecodeGraphs._stage``), per step.
+
+    python benchmarks/graph_staging.py [--rows 64] [--device cpu|cuda]
+
+What is timed: the rows' slots and the blocks appended to their tables packed into the pinned buffer, the
+one copy, and the device work after it (the tables grown, the rows' tables gathered, each row's KV slot), as
+``DecodeGraphs.forward`` runs it before a replay. On the CPU the buffers are host tensors: the figure is the
+Python and torch dispatch alone; on a GPU it adds each operation's launch, which is what a served step at
+c=64 waits for on the host (design notes, "What a served GPU step is made of"). Rows decode one token a step
+from staggered positions, so some cross a block boundary every step and append a block, as in serving. The
+last step's staged ids, positions and KV slots are checked against the block tables.
+
+Compare two revisions by running this in each checkout, interleaved (../.library's farm-bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args()
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # the Triton backend's graph metadata, off a GPU
+    from llmbus.bus.messages import SamplingParams
+    from llmbus.testing.runner_driver import BLOCK_SIZE, save_tiny_llama
+    from llmbus.workers.cuda_graphs import DecodeGraphs
+    from llmbus.workers.model_runner import ModelRunner, SeqInput
+
+    folder = tempfile.mkdtemp(prefix="graph-staging-")
+    save_tiny_llama(folder, tied=False, vocab_size=256)  # 256 positions: 200 steps from 16 to 31 fit
+    context, steps = 256, 200
+    runner = ModelRunner(folder, block_size=BLOCK_SIZE, num_blocks=args.rows * (context // BLOCK_SIZE + 1),
+                         attention_backend="triton", device=torch.device(args.device))
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, (args.rows,), context // BLOCK_SIZE, capture=False)
+    torch.set_num_threads(1)
+    per_row = context // BLOCK_SIZE
+    tables = [[i * per_row, i * per_row + 1] for i in range(args.rows)]
+    times = []
+    for step in range(steps):
+        seqs = []
+        for i, table in enumerate(tables):
+            position = BLOCK_SIZE + i % BLOCK_SIZE + step
+            while len(table) <= position // BLOCK_SIZE:
+                table.append(table[-1] + 1)
+            seqs.append(SeqInput(rid=f"r{i}", token_ids=[5], num_computed=position, block_table=table, sample=True,
+                                 sampling=SamplingParams()))
+        started = time.perf_counter()
+        graphs._stage(seqs, args.rows)
+        times.append(time.perf_counter() - started)
+    small = graphs.small.cpu()
+    for i, seq in enumerate(seqs):
+        p = seq.num_computed
+        assert small[0, i] == 5 and small[1, i] == p, f"row {i}: ids or positions staged wrongly"
+        assert small[2, i] == seq.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE, f"row {i}: KV slot"
+    print(f"staging {args.rows} rows on {args.device}: median {statistics.median(times[20:]) * 1e6:.1f} us a step "
+          f"(of {steps - 20} steps)")
+
+
+if __name__ == "__main__":
+    main()
