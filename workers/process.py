@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
     pass  # imported where a rank needs it, so the launcher can read WorkerConfig without torch
 
 
-# How often a rank with a launched step looks for the next command and at the step's device work.
+# How often a rank with a launched step looks at the step's device work; a command arriving meanwhile wakes it
+# at once (it waits on the socket's descriptor, not in a sleep).
 LAUNCHED_POLL_S = 50e-6
 # --device-feed hold: how long a step's answer waits for the next command.
 HOLD_S = 0.02
@@ -366,10 +368,14 @@ class Worker:
         (its answer must not wait for a command that may only come after it)."""
         if self.launched is None:
             return recv(self.steps)
-        while not self.steps.poll(0):
+        # ZeroMQ's descriptor signals a change, not a message: EVENTS says whether one is queued. A sleep here
+        # made a command that came during it wait out the rest (about 55 us a step on average, of a served
+        # step's turnaround on the GPU's host).
+        descriptor = self.steps.getsockopt(zmq.FD)
+        while not self.steps.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             if self._launched_ready():
                 return None
-            time.sleep(LAUNCHED_POLL_S)
+            select.select([descriptor], [], [], LAUNCHED_POLL_S)
         return recv(self.steps)
 
     def _launched_ready(self) -> bool:
