@@ -129,8 +129,7 @@ def up(*args: str) -> subprocess.CompletedProcess:
 def test_an_adapter_that_cannot_be_served_stops_the_launch_with_why(tiny_model_dir, tmp_path):
     missing = up("--model-id", str(tiny_model_dir), "--lora-adapters", f"sql={tmp_path / 'missing'}")
     assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr
-    assert f"--lora-adapters: LoRA adapter `sql`: {tmp_path / 'missing'} is not a PEFT adapter folder" \
-        in missing.stderr, missing.stderr
+    assert f"--lora-adapters: LoRA adapter `sql`: no folder {tmp_path / 'missing'}" in missing.stderr, missing.stderr
     # the head is not a projection the decoder adapts: the rank refuses the adapter as it loads, in one line
     head = save_lora_adapter(str(tiny_model_dir), str(tmp_path / "head"), ["q_proj", "lm_head"])
     refused = up("--model-id", str(tiny_model_dir), "--dtype", "float32", "--lora-adapters", f"head={head}")
