@@ -493,6 +493,9 @@ def main() -> int:
     parser.add_argument("--cuda-graphs", default=None,
                         help="the runners' --cuda-graphs (default: llmbus's; 0: none); the served part takes "
                              "llmbus up's default")
+    parser.add_argument("--steps-ahead", type=int, default=None,
+                        help="the served part's llmbus up --steps-ahead (default: llmbus's): 2 sends the ranks "
+                             "their next command before the last result reaches the scheduler")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or pass --dry-run")

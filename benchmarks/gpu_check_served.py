@@ -97,6 +97,8 @@ class ServedPart:
         args += ["--device", self.device.type]
         if self.args.attention_backend:
             args += ["--attention-backend", self.args.attention_backend]
+        if getattr(self.args, "steps_ahead", None):
+            args += ["--steps-ahead", str(self.args.steps_ahead)]
         if self.dry:
             args += ["--dtype", "float32"]
         peak = _DevicePeak(self.device)

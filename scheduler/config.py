@@ -72,6 +72,11 @@ class SchedulerProcessConfig(ServiceSettings):
         help="Schedule each step only once the last one's tokens are back (lock-step), so the ranks wait for "
              "the scheduler between steps; by default the next step is sent while one computes. For debugging "
              "and measuring.")
+    steps_ahead: int = setting(
+        _POLICY.steps_ahead, ge=1, le=2, hidden=True,
+        help="With overlap, how many steps are sent past the one whose result is awaited: 2 hands the ranks their "
+             "next command before the last result reaches the scheduler, so its turnaround leaves the device's "
+             "path (not measured on a GPU yet).")
     max_restarts: int = setting(
         3, env="MAX_RESTARTS",
         help=f"Restart worker ranks that crashed or hung, resuming every request where it was, at most this many "

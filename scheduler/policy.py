@@ -27,9 +27,11 @@ step so the workers drop their state.
    batch's ``update``: the next step is then built as if every request of the step in flight goes on. A
    request that samples in the step in flight has one *pending* token nobody knows yet; its next decode
    feeds ``SAMPLED_LAST`` in its place (the rank puts in the token it sampled) and reserves the KV slot
-   for it. ``ahead`` counts the tokens of steps not yet applied, so a request's next step starts after
-   them; ``update`` turns them into computed tokens, or drops a step's result for a request that finished,
-   was aborted or was preempted since it was scheduled (``generation``): the step scheduled ahead of its
+   for it. With ``steps_ahead`` 2 a second step may follow before the first result: a request then has up
+   to two pending tokens (each step's ``SAMPLED_LAST`` is the token the step just before it sampled).
+   ``ahead`` counts the tokens of steps not yet applied, so a request's next step starts after them;
+   ``update`` turns them into computed tokens, or drops a step's result for a request that finished, was
+   aborted or was preempted since it was scheduled (``generation``): the step scheduled ahead of its
    end computed a token nobody sees, and a preempted one recomputes its tokens. A request is not scheduled
    ahead past ``max_new_tokens``, nor given guesses (the guess follows the token that is not known yet).
    Blocks go back to the pool at once even while a step in flight still writes to them: the ranks run
@@ -149,6 +151,7 @@ class SchedulerConfig:
     speculate: int = 0  # guessed tokens per decode (n-gram prompt lookup); 0 = off
     speculate_max_batch: int = 16  # speculate only in steps with at most this many decodes
     speculate_method: str = "ngram"  # "draft": guesses left to the ranks' draft model (DRAFT_GUESS)
+    steps_ahead: int = 1  # steps scheduled past the one whose result is awaited (overlap; process.py)
     # The bounds of these values are checked where they are set: the scheduler's declared settings
     # (scheduler/config.py, SchedulerProcessConfig).
 
@@ -357,8 +360,10 @@ class Scheduler:
             computed = req.scheduled_computed
             remaining = req.scheduled_tokens - computed
             n = 1 if remaining == 1 else min(remaining, budget)
-            if n <= 0 or req.pending > 1 or len(req.output_ids) + req.pending >= req.stopping.max_new_tokens:
-                # (scheduled ahead: its pending token is its last; a second pending one is never fed)
+            if (n <= 0 or req.pending > self.config.steps_ahead
+                    or len(req.output_ids) + req.pending >= req.stopping.max_new_tokens):
+                # (scheduled ahead: each pending token but the newest is fed already, and the newest is the
+                # one this step would feed; none is fed past steps_ahead, nor past max_new_tokens)
                 i += 1
                 continue
             watched = None

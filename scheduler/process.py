@@ -140,7 +140,7 @@ class SchedulerService:
             SchedulerConfig(cfg.max_batch_prefill_tokens, cfg.max_batch_size, prefill_chunking=cfg.prefill_chunking,
                             waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens,
                             speculate=cfg.speculate, speculate_max_batch=cfg.speculate_max_batch,
-                            speculate_method=cfg.speculate_method),
+                            speculate_method=cfg.speculate_method, steps_ahead=cfg.steps_ahead),
             kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,
@@ -302,14 +302,16 @@ class SchedulerService:
         self.in_flight.append(_InFlight(batch, cmd))
 
     def _schedule_ahead(self) -> None:
-        """With one step in flight, send the next one now if it may be (see the module's docstring)."""
-        if not self.overlap or len(self.in_flight) != 1:
+        """With steps in flight, send the next ones now, up to --steps-ahead past the oldest, where they may be
+        (see the module's docstring)."""
+        if not self.overlap:
             return
-        head = self.in_flight[0]
-        if head.void or not self.policy.may_schedule_ahead(head.batch):
-            return
-        batch = self.policy.schedule(time.time())
-        if batch is not None:
+        while 0 < len(self.in_flight) <= self.cfg.steps_ahead:
+            if any(f.void or not self.policy.may_schedule_ahead(f.batch) for f in self.in_flight):
+                return
+            batch = self.policy.schedule(time.time())
+            if batch is None:
+                return
             self.send_step(batch, ahead=True)
 
     def finish_step(self) -> None:

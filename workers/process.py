@@ -437,11 +437,11 @@ class Worker:
                                             request_state=sum(self.request_state().values())))
 
     def _skipped(self, cmd: m.StepCommand):
-        """What a step sent ahead of a failed one answers: it was built on tokens that step never sampled."""
+        """What a step sent ahead of a failed one answers: it was built on tokens that step never sampled. So
+        was a step sent ahead of this one (--steps-ahead 2): ``last_failed`` stays until a step runs."""
         from llmbus.workers.model_runner import StepOutput
 
-        self.last_failed = False
-        why = f"step {cmd.step_id} skipped: it was sent ahead of step {cmd.step_id - 1}, which failed"
+        why = f"step {cmd.step_id} skipped: it was sent ahead of a step that failed"
         return StepOutput([], [], [], 0.0, 0.0, failed=why) if self.cfg.rank == 0 else None
 
     def _note_sampled(self, cmd: m.StepCommand, out) -> None:

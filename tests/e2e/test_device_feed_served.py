@@ -1,7 +1,8 @@
 """The rank feeding a step sent ahead from the step before's sampled ids (issue #39; what it does on a GPU),
 through the whole stack on the CPU: `llmbus up` with ``LLMBUS_DEVICE_FEED=hold`` keeps each step's answer
 until the next command arrives, launches that one first, then answers. Greedy output equals transformers',
-concurrent greedy, seeded and penalised requests equal their solo runs, and the rank says it fed tokens so."""
+concurrent greedy, seeded and penalised requests equal their solo runs, and the rank says it fed tokens so; one
+step ahead (the default) and two (``--steps-ahead 2``)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from llmbus.testing.tiny_prompts import PROMPTS, generate, greedy_matches_refere
 FED_LOG = "its tokens fed on the device"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = Server(tiny_server_args(tiny_model_dir), env={"LLMBUS_DEVICE_FEED": "hold"})
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-ahead", "two-ahead"])
+def server(tiny_model_dir, request):
+    """Overlap as by default, and with two steps sent past the one awaited (--steps-ahead 2)."""
+    srv = Server(tiny_server_args(tiny_model_dir) + ["--steps-ahead", str(request.param)],
+                 env={"LLMBUS_DEVICE_FEED": "hold"})
     yield srv
     assert srv.stop() == 0, srv.stderr.text[-3000:]
 

@@ -8,7 +8,8 @@ computes for it alone (its lock-step output), each token once, and every KV bloc
 fake rank checks each token a step feeds where it sampled one (a step sent ahead feeds SAMPLED_LAST) and
 reports a mismatch as the request's failure. A third engine runs the overlap with the rank feeding those
 tokens from the step before's sampled ids, as it does on a GPU (``--device-feed hold``); a fourth has two
-ranks (tensor parallelism), the second feeding on what rank 0 broadcast.
+ranks (tensor parallelism), the second feeding on what rank 0 broadcast; a fifth feeds on the device with two
+steps sent past the one awaited (``--steps-ahead 2``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 
 class Engine:
-    def __init__(self, overlap: bool, device_feed: str = "auto", ranks: int = 1):
+    def __init__(self, overlap: bool, device_feed: str = "auto", ranks: int = 1, steps_ahead: int = 1):
         self.run_dir = RunDir()
         self.sup = SupervisorSocket(self.run_dir.path)
         self.env = dict(os.environ, **self.sup.env)
@@ -42,7 +43,7 @@ class Engine:
                              "--gpus", str(ranks), "--runner", "fake", "--num-blocks", str(NUM_BLOCKS),
                              "--block-size", str(BLOCK_SIZE), "--device-feed", device_feed]
         scheduler_argv = [sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", str(ranks),
-                          "--max-restarts", "10", "--max-batch-prefill-tokens", "24"]
+                          "--max-restarts", "10", "--max-batch-prefill-tokens", "24", "--steps-ahead", str(steps_ahead)]
         self.procs = [subprocess.Popen(scheduler_argv + ([] if overlap else ["--disable-overlap"]), env=self.env),
                       subprocess.Popen(self.workers_argv, env=self.env, start_new_session=True)]
         self.sup.wait_ready("scheduler", timeout=120)
@@ -68,10 +69,12 @@ class Engine:
 # "fed": the rank holds each step's answer until the next command comes and feeds SAMPLED_LAST from the
 # step's sampled ids as it does on a GPU (--device-feed hold), the answer going out after the next launch.
 # "tp2": two ranks; rank 1 feeds SAMPLED_LAST from the ids rank 0 broadcast in the step before.
-@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed", "tp2"])
+# "fed2": as "fed", with two steps sent past the one awaited (--steps-ahead 2).
+@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed", "tp2", "fed2"])
 def engine(request):
-    eng = Engine(overlap=request.param != "lockstep", device_feed="hold" if request.param == "fed" else "auto",
-                 ranks=2 if request.param == "tp2" else 1)
+    eng = Engine(overlap=request.param != "lockstep",
+                 device_feed="hold" if request.param in ("fed", "fed2") else "auto",
+                 ranks=2 if request.param == "tp2" else 1, steps_ahead=2 if request.param == "fed2" else 1)
     yield eng
     eng.close()
 

@@ -7,7 +7,7 @@ position a step relies on holds K/V of that very prefix, and samples a function 
 
 Over random workloads (arrivals, aborts, EOS and max_new_tokens anywhere, preemptions in a small pool,
 prefix hits, chunked prompts, a failed step, a lost rank group) every request's tokens reach the client
-exactly once and equal those it produces alone, in lock-step and overlapped alike.
+exactly once and equal those it produces alone, in lock-step and overlapped alike, one step ahead or two.
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ class Ranks:
             self.last_sampled.pop(rid, None)
         for rid, blocks in cmd.added:
             self.tables[rid].extend(blocks)
-        if cmd.ahead and self.last_failed:
-            self.last_failed = False
+        if cmd.ahead and self.last_failed:  # so is a step sent ahead of this one: it stays failed until one runs
             return None
         if fail:
             self.last_failed = True
@@ -105,14 +104,15 @@ class InFlight:
     void: bool = False
 
 
-def run_workload(config: dict, specs: list[dict], overlap: bool):
-    """Drive the policy as scheduler/process.py does; the events each request's client got."""
+def run_workload(config: dict, specs: list[dict], overlap: bool, steps_ahead: int = 1):
+    """Drive the policy as scheduler/process.py does (``steps_ahead`` steps sent past the one awaited); the
+    events each request's client got."""
     def new_pool():
         return KVBlockManager(config["num_blocks"], config["block_size"], prefix_caching=config["caching"])
 
     policy = Scheduler(SchedulerConfig(config["prefill"], config["max_batch_size"],
                                        prefill_chunking=config["chunking"], waiting_served_ratio=0.5,
-                                       max_waiting_tokens=3), new_pool())
+                                       max_waiting_tokens=3, steps_ahead=steps_ahead), new_pool())
     ranks = Ranks(config["block_size"])
     requests = [Request(rid=f"r{i}", frontend_id="f", prompt_ids=spec["prompt"], sampling=SamplingParams(),
                         stopping=StoppingParams(spec["max_new_tokens"], [EOS])) for i, spec in enumerate(specs)]
@@ -143,11 +143,12 @@ def run_workload(config: dict, specs: list[dict], overlap: bool):
                 break
             tick += 1
             continue
-        head = in_flight[0]
-        if overlap and len(in_flight) == 1 and not head.void and policy.may_schedule_ahead(head.batch):
+        while (overlap and len(in_flight) <= steps_ahead
+               and not any(f.void or not policy.may_schedule_ahead(f.batch) for f in in_flight)):
             batch = policy.schedule()
-            if batch is not None:
-                send(batch, ahead=True)
+            if batch is None:
+                break
+            send(batch, ahead=True)
         for spec, req in zip(specs, requests):  # aborts arrive while the ranks compute
             if spec["abort_at"] == tick and policy.abort([req.rid]):
                 aborted.add(req.rid)
@@ -199,8 +200,8 @@ config_st = st.fixed_dictionaries({
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=config_st, specs=st.lists(request_st, min_size=1, max_size=10))
 def test_overlapped_streams_equal_lock_step_exactly_once(config, specs):
-    for overlap in (False, True):
-        requests, events, cut_short, refused = run_workload(config, specs, overlap)
+    for overlap, steps_ahead in ((False, 1), (True, 1), (True, 2)):
+        requests, events, cut_short, refused = run_workload(config, specs, overlap, steps_ahead)
         for spec, req in zip(specs, requests):
             if req.rid in refused:
                 continue
@@ -212,7 +213,7 @@ def test_overlapped_streams_equal_lock_step_exactly_once(config, specs):
                 assert tokens == solo[:len(tokens)] and FinishReason.NONE == (reasons[-1] if reasons else 0)
                 continue
             assert req.status is RequestStatus.FINISHED
-            assert tokens == solo, (overlap, req.rid)
+            assert tokens == solo, (overlap, steps_ahead, req.rid)
             assert all(r is FinishReason.NONE for r in reasons[:-1]) and reasons[-1] is not FinishReason.NONE
 
 
