@@ -43,6 +43,7 @@ from llmbus.workers.attention.base import AttentionMetadata, DecodeGraphInputs
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.launched_step import DeviceFeed
 from llmbus.workers.lora import StepAdapters
+from llmbus.workers.sampling import greedy
 
 if TYPE_CHECKING:
     from llmbus.workers.model_runner import SeqInput
@@ -103,7 +104,9 @@ class DecodeGraphs:
         self.metadata: dict[int, AttentionMetadata] = {
             b: model.attention_backend.decode_graph_metadata(self.inputs, b) for b in self.sizes}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with adapters)
-        self.outputs: dict[tuple[int, bool], torch.Tensor | None] = {}
+        self.outputs: dict[tuple[int, bool], tuple | None] = {}  # _run's, of each graph
+        # The last replay's rows' greedy ids and logprobs (rank 0), valid until the next replay of its size.
+        self.greedy: tuple[torch.Tensor, torch.Tensor] | None = None
         self.capture_seconds = 0.0
         if capture:
             self._capture()
@@ -130,10 +133,13 @@ class DecodeGraphs:
         """Whether steps with LoRA adapter rows replay too."""
         return self.adapter_rows is not None
 
-    def _run(self, batch: int, adapters: bool) -> torch.Tensor | None:
+    def _run(self, batch: int, adapters: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The step's logits, and every row's greedy choice with its logprob: a step whose rows all sample
+        greedily takes those (``greedy``) and launches no sampling of its own (None off rank 0)."""
         meta = self.metadata[batch]
-        return self.model.forward(self.small[0, :batch], meta.positions, self.kv_cache, meta,
-                                  self.logits_index[:batch], **({"adapters": self.adapter_rows} if adapters else {}))
+        logits = self.model.forward(self.small[0, :batch], meta.positions, self.kv_cache, meta,
+                                    self.logits_index[:batch], **({"adapters": self.adapter_rows} if adapters else {}))
+        return None if logits is None else (logits, *greedy(logits))
 
     def _capture(self) -> None:
         """Largest first, sharing one memory pool: a smaller graph's activations fit in the larger's."""
@@ -171,10 +177,15 @@ class DecodeGraphs:
             feed.write(self.small[0])
         if self.captured:
             self.graphs[batch, adapters].replay()
-            logits = self.outputs[batch, adapters]
+            out = self.outputs[batch, adapters]
         else:
-            logits = self._run(batch, adapters)
-        return None if logits is None else logits[:count]
+            out = self._run(batch, adapters)
+        if out is None:
+            self.greedy = None
+            return None
+        logits, ids, logprobs = out
+        self.greedy = ids[:count], logprobs[:count]
+        return logits[:count]
 
     def forget(self, rids: list[str]) -> None:
         """Free the slots of requests that finished, were preempted or restart (their tables may change)."""

@@ -31,7 +31,7 @@ from llmbus.workers.loader import load_model
 from llmbus.workers.lora import StepAdapters, attach_adapters
 from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
                                           out_of_memory_reason)
-from llmbus.workers.sampling import has_penalties, sample
+from llmbus.workers.sampling import Sampled, has_penalties, plain_greedy, sample
 from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, ResultCopy, StepOutput, fed_ids, to_device
 from llmbus.workers.step_clock import DeviceTimeline, StepClock
 from llmbus.workers.step_rows import PromptLogprobRows, TokenHistory, keep_verified, one_token_rows
@@ -117,6 +117,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured by warmup
         self._last_clock: StepClock | None = None
         self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
+        self._graph_greedy: tuple | None = None  # the replayed graph's greedy ids and logprobs (_forward)
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
@@ -217,9 +218,12 @@ class ModelRunner:
                                  f"{seq.num_computed + n} tokens")
         # A step with adapter rows replays too where the graphs hold the adapters' kernels (CUDA), else eagerly;
         # a graph stages its rows' adapters itself.
+        self._graph_greedy = None
         if (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
                 and self.graphs.applies(seqs)):
-            return self.graphs.forward(seqs, feed)
+            logits = self.graphs.forward(seqs, feed)
+            self._graph_greedy = self.graphs.greedy
+            return logits
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,
                                    grouped=not self._lora_kernels)
         input_ids = fed_ids((s.token_ids for s in seqs), feed, self.device)
@@ -315,11 +319,15 @@ class ModelRunner:
                 return LaunchedStep.finished(StepOutput([], [], [], forward_time, sample_time, prompt_logprobs))
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled, feed)
-            # The watermark seeds on the token before the sampled one: the last one fed this step.
-            out = sample(logits, [s.sampling for s in sampled],
-                         [s.num_computed + len(s.token_ids) for s in sampled], histories,
-                         [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled],
-                         watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
+            if (self._graph_greedy is not None and mask_job is None
+                    and all(plain_greedy(s.sampling) for s in sampled)):
+                out = Sampled(*self._graph_greedy)  # the graph's own choice: no sampling launched here
+            else:
+                # The watermark seeds on the token before the sampled one: the last one fed this step.
+                out = sample(logits, [s.sampling for s in sampled],
+                             [s.num_computed + len(s.token_ids) for s in sampled], histories,
+                             [s.token_ids[-1] for s in sampled], [s.prompt_len for s in sampled],
+                             watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
             if self._ids_owed:
                 torch.distributed.broadcast(out.token_ids, src=0)
                 self._ids_owed = 0

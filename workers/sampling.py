@@ -257,6 +257,12 @@ def apply_watermark(logits: torch.Tensor, params: list[SamplingParams], last_tok
     return logits.index_copy(0, row_index, logits.index_select(0, row_index).add_(green, alpha=delta))
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether ``sample`` takes ``greedy``'s choice for this row as it is: no draw, no top-n alternatives, no
+    watermark and no penalty (what a decode graph computes beside its logits)."""
+    return not (params.do_sample or params.top_n_tokens or params.watermark or has_penalties(params))
+
+
 def has_penalties(params: SamplingParams) -> bool:
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0)

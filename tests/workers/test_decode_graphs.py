@@ -14,7 +14,9 @@ from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers import gpu_ops
 from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.graph_sizes import DEFAULT_CUDA_GRAPHS, cuda_graphs_problem, parse_cuda_graphs
+from llmbus.workers import model_runner
 from llmbus.workers.model_runner import ModelRunner, SeqInput
+from llmbus.workers.sampling import sample
 from llmbus.bus.messages import SamplingParams
 
 triton_kernels = interpreted_triton_kernels()
@@ -56,7 +58,7 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, 
     every request's tokens equal transformers' greedy ones. The layers' small ops run as the GPU runs them,
     as gpu_ops' Triton kernels and the backend's fused RoPE and K/V write (here interpreted). Device-fed: the
     decode rows take their tokens from the step before's sampled ids, written over the staged ones (as a step
-    sent ahead does on a GPU)."""
+    sent ahead does on a GPU). A replayed step's greedy rows take the graph's own choice, sampled nowhere else."""
     fused = []
     for module, name in ((gpu_ops, "rms_norm"), (triton_kernels, "rotary_kv_write"), (gpu_ops, "silu_and_mul")):
         op = getattr(module, name)
@@ -64,7 +66,13 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, 
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
     runner, replayed = _runner_with_graphs(llama_dir, (1, 2, 4, 8))
+    steps: list[set] = []  # what each step did: a replayed step's greedy rows take the graph's own choice
+    launch, forward = runner.launch, runner.graphs.forward
+    monkeypatch.setattr(runner, "launch", lambda *a, **k: steps.append(set()) or launch(*a, **k))
+    monkeypatch.setattr(runner.graphs, "forward", lambda *a, **k: steps[-1].add("replay") or forward(*a, **k))
+    monkeypatch.setattr(model_runner, "sample", lambda *a, **k: steps[-1].add("sample") or sample(*a, **k))
     results = drive(runner, family_requests(prompts), feed_on_device=feed_on_device)
+    assert {"replay"} in steps and {"sample"} in steps and {"replay", "sample"} not in steps
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
     assert results["hit"].tokens == expected.tokens[4]
