@@ -477,16 +477,16 @@ class SchedulerService:
             head = self.in_flight[0].batch
             running_before = len(self.policy.running) - len(head.new_requests)
             self._schedule_ahead()
-            # the last step's tokens and gauges go out while the ranks compute, not between its result and the
-            # next command
-            self.flush_events()
+            # the last step's gauges and tokens go out while the ranks compute, not between its result and the
+            # next command; the gauges first, so a client whose request just ended reads them up to date
             self.publish_stats(force=self._stats_force)
+            self.flush_events()
             self.finish_step()
             self._stats_dirty = True
             self._stats_force = bool(head.new_requests) or len(self.policy.running) != running_before
             return
-        self.flush_events()
         self.publish_stats(force=True)
+        self.flush_events()
         # Idle: block until a request (or a rank's death notice) arrives, or a heartbeat is due.
         self.ranks.wait_idle(HEARTBEAT_INTERVAL_S,
                              departures_expected=lambda: self.stopping and not self.policy.has_work)
