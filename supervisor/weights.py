@@ -166,12 +166,11 @@ def resolve_lora_adapters(text: str | None, cache_dir: str | None = None) -> str
     resolved = []
     for name, source in entries:
         path = Path(source).expanduser()
-        # an `id[@revision]` entry is served under its id; a `name=path` entry names a folder, never the hub
-        from_hub = name == source.partition("@")[0] and not source.startswith((".", "/", "~"))
-        if not path.exists() and not from_hub:
-            raise ModelNotFound(f"LoRA adapter `{name}`: no folder {path}")
         if not path.exists():
             repo, _, revision = source.partition("@")
+            # an `id[@revision]` entry is served under its id; a `name=path` entry names a folder, never the hub
+            if name != repo or source.startswith((".", "/", "~")):
+                raise ModelNotFound(f"LoRA adapter `{name}`: no folder {path}")
             path = _snapshot(repo, revision or None, cache_dir, LORA_PATTERNS)
         if not (path / "adapter_config.json").is_file():
             raise ModelNotFound(f"LoRA adapter `{name}`: {path} is not a PEFT adapter folder (no "

@@ -18,13 +18,13 @@ feeds forward, ``SAMPLED_LAST``): a mismatch is reported as the request's error.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, fed_ids
+from llmbus.workers.loader import read_config
 from llmbus.workers.memory_budget import out_of_memory_reason
 from llmbus.workers.model_runner import SeqInput, StepOutput, out_of_memory_step
 
@@ -132,8 +132,7 @@ class FakeRunner:
 
 
 def _configured_vocab_size(model_dir: str | None) -> int:
-    config = Path(model_dir or "none") / "config.json"
-    if not config.is_file():
+    if not (Path(model_dir or "none") / "config.json").is_file():
         return 0
-    settings = json.loads(config.read_text())
+    settings = read_config(model_dir)
     return int(settings.get("vocab_size") or settings.get("text_config", {}).get("vocab_size") or 0)

@@ -24,7 +24,6 @@ import os
 import select
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import zmq
 
@@ -39,9 +38,6 @@ from llmbus.workers.graph_sizes import cuda_graphs_problem, parse_cuda_graphs
 from llmbus.workers.host_memory import bound_onednn_caches, heap_on_huge_pages, keep_freed_memory
 from llmbus.workers.placement import (cpu_threads, cuda_float32_math, default_block_size, process_group_backend,
                                       resolve_device, resolve_dtype)
-
-if TYPE_CHECKING:
-    pass  # imported where a rank needs it, so the launcher can read WorkerConfig without torch
 
 
 # How often a rank with a launched step looks at the step's device work; a command arriving meanwhile wakes it
