@@ -45,7 +45,12 @@ from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, i
 from llmbus.bus.sockets import log_dropped, open_socket, recv_from, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.batch_metrics import BatchMetrics
-from llmbus.scheduler.config import STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_WARMUP_FACTOR, SchedulerProcessConfig
+from llmbus.scheduler.config import (
+    STEP_TIMEOUT_FLOOR_S,
+    STEP_TIMEOUT_WARMUP_FACTOR,
+    SchedulerProcessConfig,
+    default_steps_ahead,
+)
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, ScheduledBatch, Scheduler, SchedulerConfig
 from llmbus.scheduler.ranks import EngineFailure, RankGroup, ServiceHooks, WorkersLost
@@ -91,6 +96,7 @@ class SchedulerService:
         self.vocab_size = 0  # 0: unknown (ranks of an older version)
         self.in_flight: deque[_InFlight] = deque()  # sent, oldest first: at most one step ahead of the ranks
         self.overlap = not cfg.disable_overlap
+        self.steps_ahead = cfg.steps_ahead or 1  # until the ranks say which device they run on
         self.requests = open_socket(ctx.zmq_ctx, zmq.PULL, cfg.endpoints.requests)
         self.ranks = RankGroup(cfg.endpoints, cfg.world_size, cfg.worker_start_timeout_s, ctx.zmq_ctx, ctx.log,
                                ServiceHooks(intake=self.requests, drain_intake=self.drain_intake,
@@ -129,6 +135,7 @@ class SchedulerService:
         self.vocab_size = ready[0].vocab_size
         self.onednn_cache_capacity = ready[0].onednn_cache_capacity
         cfg = self.cfg
+        self.steps_ahead = cfg.steps_ahead or default_steps_ahead(ready[0].device)
         kv = KVBlockManager(num_blocks, block_size, prefix_caching=cfg.prefix_caching)
         if self.policy is not None:  # new ranks after a restart
             for req in self.policy.restart(kv):
@@ -140,11 +147,11 @@ class SchedulerService:
             SchedulerConfig(cfg.max_batch_prefill_tokens, cfg.max_batch_size, prefill_chunking=cfg.prefill_chunking,
                             waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens,
                             speculate=cfg.speculate, speculate_max_batch=cfg.speculate_max_batch,
-                            speculate_method=cfg.speculate_method, steps_ahead=cfg.steps_ahead),
+                            speculate_method=cfg.speculate_method, steps_ahead=self.steps_ahead),
             kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,
-                      attention_backend=ready[0].attention_backend,
+                      attention_backend=ready[0].attention_backend, steps_ahead=self.steps_ahead if self.overlap else 0,
                       prefix_caching=cfg.prefix_caching, prefill_chunking=cfg.prefill_chunking)
 
     # ------------------------------------------------------------------ intake
@@ -306,7 +313,7 @@ class SchedulerService:
         (see the module's docstring)."""
         if not self.overlap:
             return
-        while 0 < len(self.in_flight) <= self.cfg.steps_ahead:
+        while 0 < len(self.in_flight) <= self.steps_ahead:
             if any(f.void or not self.policy.may_schedule_ahead(f.batch) for f in self.in_flight):
                 return
             batch = self.policy.schedule(time.time())

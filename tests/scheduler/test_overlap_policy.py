@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmbus.bus.messages import SAMPLED_LAST, FinishReason, SamplingParams, StoppingParams
+from llmbus.scheduler.config import SchedulerProcessConfig, default_steps_ahead
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.policy import Request, RequestStatus, ScheduledBatch, Scheduler, SchedulerConfig
 from llmbus.testing.policy_sim import check_budgets, next_token, solo_output
@@ -253,3 +254,9 @@ def test_a_request_that_ended_drops_the_token_of_the_step_scheduled_ahead():
     assert kv.num_available == kv.num_blocks, "its blocks went back at once"
     assert policy.update(second, {"a": (30, -1.0)}) == [], "the token computed ahead reaches nobody"
     assert not policy.has_work and req.output_ids == [EOS]
+
+
+def test_ranks_on_a_gpu_get_two_steps_ahead_by_default_and_cpu_ranks_one():
+    assert SchedulerProcessConfig.__dataclass_fields__["steps_ahead"].default is None  # decided by the ranks
+    assert default_steps_ahead("cuda:0") == default_steps_ahead("cuda") == 2
+    assert default_steps_ahead("cpu") == 1
