@@ -214,3 +214,47 @@ def launch_greedy(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tenso
                                          BLOCK=GREEDY_CHUNK, num_warps=8)
     _greedy_combine_kernel[(rows,)](maxima, index, sums, ids, logprobs, chunks, vocab,
                                     BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+
+
+@triton.jit
+def _unpack_decode_rows_kernel(staged_ptr, fed_ptr, small_ptr, tables_ptr, slot_tables_ptr, batch, stride_small,
+                               max_blocks, block_size, ROW_FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    fields = staged_ptr + row
+    token = tl.load(fields).to(tl.int64)
+    position = tl.load(fields + batch).to(tl.int64)
+    slot = tl.load(fields + 2 * batch).to(tl.int64)
+    known = tl.load(fields + ROW_FIELDS * batch)
+    length = tl.load(fields + (ROW_FIELDS + 1) * batch)
+    offset = tl.load(fields + (ROW_FIELDS + 2) * batch)
+    pick = tl.load(fields + (ROW_FIELDS + 3) * batch)
+    if pick > 0:  # the id the step before sampled, still on the device
+        token = tl.load(fed_ptr + pick - 1)
+    tl.store(small_ptr + row, token)
+    tl.store(small_ptr + stride_small + row, position)
+    if ROW_FIELDS == 4:
+        tl.store(small_ptr + 3 * stride_small + row, tl.load(fields + 3 * batch).to(tl.int64))
+    # The row's table: the slot's first ``known`` blocks (on the device since earlier steps), then the ones
+    # staged for it, which the slot keeps for the next steps. Only this row's program touches its slot.
+    blocks = staged_ptr + (ROW_FIELDS + 4) * batch + offset - known
+    slot_table = slot_tables_ptr + slot * max_blocks
+    wanted = position // block_size
+    kv_block = tl.zeros((), dtype=tl.int64)
+    for start in range(0, length, BLOCK):
+        k = start + tl.arange(0, BLOCK)
+        inside = k < length
+        new = inside & (k >= known)
+        table = tl.where(new, tl.load(blocks + k, mask=new, other=0).to(tl.int64),
+                         tl.load(slot_table + k, mask=inside & (k < known), other=0))
+        tl.store(slot_table + k, table, mask=new)
+        tl.store(tables_ptr + row.to(tl.int64) * max_blocks + k, table, mask=inside)
+        kv_block += tl.sum(tl.where(k == wanted, table, 0), axis=0)
+    tl.store(small_ptr + 2 * stride_small + row, kv_block * block_size + position % block_size)
+
+
+def launch_unpack_decode_rows(staged: torch.Tensor, fed: torch.Tensor, small: torch.Tensor, tables: torch.Tensor,
+                              slot_tables: torch.Tensor, batch: int, block_size: int) -> None:
+    row_fields = small.shape[0]
+    _unpack_decode_rows_kernel[(batch,)](staged, fed, small, tables, slot_tables, batch, small.stride(0),
+                                         slot_tables.shape[1], block_size, ROW_FIELDS=row_fields, BLOCK=128,
+                                         num_warps=1)

@@ -19,8 +19,11 @@ What a graph needs, and how a step provides it:
 **Persistent step state.** Each request's block table lives on the device between steps, in a slot of
 ``slot_tables``: a step stages its rows' token ids, positions and slots, and the blocks appended to their
 tables since they were last uploaded (``added_blocks``' worth: one block a row every block_size tokens), into
-one pinned buffer and one non-blocking copy; the device grows the tables, gathers the rows' ones into the
-graph's buffer and computes each row's KV slot. The host's work is per row, not per block. Steps with prompt
+one pinned buffer and one non-blocking copy. The graph itself begins with one kernel
+(``gpu_ops.unpack_decode_rows``) that grows the tables, gathers the rows' ones into the graph's buffers, takes
+the ids a step sent ahead feeds from the step before, and computes each row's KV slot: the host's work is per
+row, not per block, and a replayed step launches two copies and the graph (on run 8's host, an H100 serving
+c=64, the same work as nine torch operations after the copy took 0.37 ms of host time a step). Steps with prompt
 rows, speculative rows or prompt logprobs, and decode steps larger than the largest size, run eagerly.
 
 **LoRA adapters** (``workers/lora.py``): with adapters loaded each size is captured twice, without them and
@@ -39,9 +42,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmbus.workers import gpu_ops
 from llmbus.workers.attention.base import AttentionMetadata, DecodeGraphInputs
 from llmbus.workers.kv_cache import PagedKVCache
-from llmbus.workers.launched_step import DeviceFeed
+from llmbus.workers.launched_step import DeviceFeed, pack
 from llmbus.workers.lora import StepAdapters
 from llmbus.workers.sampling import greedy
 
@@ -91,22 +95,28 @@ class DecodeGraphs:
         self.uploaded = [0] * num_slots  # blocks of the slot's table on the device
         self.last_block = [-1] * num_slots  # its last one, to notice a table that changed all the same
         # One staging buffer (int32: ids, positions, slots and block ids all fit), copied to the device in
-        # one non-blocking copy: ids, positions and slots of the rows, then (flat index into slot_tables,
-        # block) of each appended block; a step can at most upload every row's whole table.
+        # one non-blocking copy: for a graph of b rows, b of each of the fields (ids, positions, table slots,
+        # adapter slots where adapters replay; then of the row's table: the blocks its slot holds already, its
+        # length, where its appended blocks start, and the 1-based pick of a fed id, 0 for none), then the
+        # blocks appended to the rows' tables, row after row; a step can at most upload every row's whole table.
         pinned = device.type == "cuda"
-        capacity = self.row_fields * max_batch + 2 * max_batch * max_blocks
+        capacity = (self.row_fields + 4) * max_batch + max_batch * max_blocks
         self.stage = torch.zeros(capacity, dtype=torch.int32, pin_memory=pinned)
         self.stage_values = self.stage.numpy()  # the same memory: a list goes in without a tensor made of it
         self.staged_on_device = torch.zeros(capacity, dtype=torch.int32, device=device)
         # Recorded after the copy out of staging: the next step waits on it before rewriting staging, which
         # the last step's copy may still be reading if the host ran ahead of the device.
         self.staged = torch.cuda.Event() if pinned else None
+        # The ids a step sent ahead takes from the step before (``DeviceFeed.gather_into``): a fixed address
+        # the graphs read; a source of more rows than this is gathered down first.
+        self.fed = torch.zeros(max(4 * max_batch, 1024), dtype=torch.long, device=device)
         self.metadata: dict[int, AttentionMetadata] = {
             b: model.attention_backend.decode_graph_metadata(self.inputs, b) for b in self.sizes}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with adapters)
         self.outputs: dict[tuple[int, bool], tuple | None] = {}  # _run's, of each graph
         # The last replay's rows' greedy ids and logprobs (rank 0), valid until the next replay of its size.
         self.greedy: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.greedy_packed: torch.Tensor | None = None  # and its rows' as ResultCopy takes them, made in the graph
         self.capture_seconds = 0.0
         if capture:
             self._capture()
@@ -136,10 +146,14 @@ class DecodeGraphs:
     def _run(self, batch: int, adapters: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The step's logits, and every row's greedy choice with its logprob: a step whose rows all sample
         greedily takes those (``greedy``) and launches no sampling of its own (None off rank 0)."""
+        self._unpack(batch)
         meta = self.metadata[batch]
         logits = self.model.forward(self.small[0, :batch], meta.positions, self.kv_cache, meta,
                                     self.logits_index[:batch], **({"adapters": self.adapter_rows} if adapters else {}))
-        return None if logits is None else (logits, *greedy(logits))
+        if logits is None:
+            return None
+        ids, logprobs = greedy(logits)
+        return logits, ids, logprobs, pack(ids, logprobs, None)
 
     def _capture(self) -> None:
         """Largest first, sharing one memory pool: a smaller graph's activations fit in the larger's."""
@@ -147,6 +161,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.sizes):
             for adapters in (False, True) if self.lora else (False,):
+                self._stage([], batch)  # all padding: the capture writes the spare block only
                 self._run(batch, adapters)  # compiles the kernels and settles the allocator outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -172,9 +187,7 @@ class DecodeGraphs:
         count = len(seqs)
         batch = self.sizes[bisect.bisect_left(self.sizes, count)]
         adapters = self.lora and any(s.adapter for s in seqs)
-        self._stage(seqs, batch)
-        if feed is not None:
-            feed.write(self.small[0])
+        self._stage(seqs, batch, feed)
         if self.captured:
             self.graphs[batch, adapters].replay()
             out = self.outputs[batch, adapters]
@@ -183,7 +196,7 @@ class DecodeGraphs:
         if out is None:
             self.greedy = None
             return None
-        logits, ids, logprobs = out
+        logits, ids, logprobs, self.greedy_packed = out
         self.greedy = ids[:count], logprobs[:count]
         return logits[:count]
 
@@ -207,45 +220,45 @@ class DecodeGraphs:
         self.slot_of[rid] = slot
         return slot
 
-    def _stage(self, seqs: list[SeqInput], batch: int) -> None:
-        """Stage the step's rows and the blocks appended to their tables, copy them over in one go, then on
-        the device: grow the slots' tables, gather the rows' tables, compute each row's KV slot."""
+    def _stage(self, seqs: list[SeqInput], batch: int, feed: DeviceFeed | None = None) -> None:
+        """Stage the step's rows (each field of each row, padding rows after them) and the blocks appended
+        to their tables, and copy them over in one go for ``_unpack``. ``feed``: ids of the step before (still
+        on the device) for some rows, gathered where the graphs read them."""
         if self.staged is not None and not self.staged.query():  # done, unless the host ran a step ahead
             self.staged.synchronize()
-        count, max_blocks = len(seqs), self.max_blocks
-        slots, flat, blocks = [], [], []
+        count = len(seqs)
+        slots, known_blocks, lengths, offsets, blocks = [], [], [], [], []
         for s in seqs:
             slot = self._slot(s.rid)
             table, known = s.block_table, self.uploaded[slot]
             if known and (len(table) < known or table[known - 1] != self.last_block[slot]):
                 known = 0  # not the table uploaded: upload it whole
+            offsets.append(len(blocks))
             if len(table) > known:
-                flat.extend(range(slot * max_blocks + known, slot * max_blocks + len(table)))
-                blocks.extend(table[known:])
+                blocks += table[known:]
                 self.uploaded[slot], self.last_block[slot] = len(table), table[-1]
             slots.append(slot)
-        padding = batch - count
-        rows = ([s.token_ids[0] for s in seqs] + [0] * padding + [s.num_computed for s in seqs] + [0] * padding
-                + slots + [self.padding_slot] * padding)
+            known_blocks.append(known)
+            lengths.append(len(table))
+        picks = [0] * count
+        if feed is not None:
+            for row, pick in zip(feed.rows, feed.gather_into(self.fed)):
+                picks[row] = pick + 1
+        padding = [0] * (batch - count)
+        ones = [1] * (batch - count)  # a padding row's table: the padding slot's first block, the spare one
+        rows = ([s.token_ids[0] for s in seqs] + padding + [s.num_computed for s in seqs] + padding
+                + slots + [self.padding_slot] * (batch - count))
         if self.lora:
-            rows += [self.adapter_index[s.adapter] + 1 if s.adapter else 0 for s in seqs] + [0] * padding
-        fields = self.row_fields * batch
-        used = fields + 2 * len(flat)
-        # Few operations, each a launch on a GPU: on run 7's host (H200, c=64) this method was 0.33 ms of a
-        # replayed step's host time, which the device waits for once steps are shorter than the host's loop.
-        self.stage_values[:used] = rows + flat + blocks
-        staged = self.staged_on_device[:used]
-        staged.copy_(self.stage[:used], non_blocking=True)
+            rows += [self.adapter_index[s.adapter] + 1 if s.adapter else 0 for s in seqs] + padding
+        rows += known_blocks + ones + lengths + ones + offsets + padding + picks + padding
+        used = len(rows) + len(blocks)
+        self.stage_values[:used] = rows + blocks
+        self.staged_on_device[:used].copy_(self.stage[:used], non_blocking=True)
         if self.staged is not None:
             self.staged.record()
-        if flat:
-            appended = staged[fields:].view(2, len(flat)).long()
-            self.slot_tables.view(-1).index_copy_(0, appended[0], appended[1])
-        # ids, positions, (slots: row 2 is the KV slots' below), adapter slots: one copy
-        self.small[:, :batch].copy_(staged[:fields].view(self.row_fields, batch))
-        # whole rows: past a table's end they hold what the slot held before, which no step reads
-        tables = self.inputs.tables[:batch]
-        torch.index_select(self.slot_tables, 0, staged[2 * batch:3 * batch], out=tables)
-        positions = self.small[1, :batch]
-        first = tables.gather(1, (positions // self.block_size)[:, None]).squeeze(1)
-        torch.add(positions % self.block_size, first, alpha=self.block_size, out=self.small[2, :batch])
+
+    def _unpack(self, batch: int) -> None:
+        """What the graph of ``batch`` rows reads, from the rows ``_stage`` copied over (the graph's first
+        kernel)."""
+        gpu_ops.unpack_decode_rows(self.staged_on_device, self.fed, self.small, self.inputs.tables,
+                                   self.slot_tables, batch, self.block_size)

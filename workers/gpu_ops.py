@@ -121,3 +121,13 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     _triton().launch_greedy(logits, ids, logprobs)
     return ids, logprobs
+
+
+def unpack_decode_rows(staged: torch.Tensor, fed: torch.Tensor, small: torch.Tensor, tables: torch.Tensor,
+                       slot_tables: torch.Tensor, batch: int, block_size: int) -> None:
+    """A replayed decode step's inputs from its staged rows (``cuda_graphs.DecodeGraphs``' layout, int32), in one
+    kernel inside the graph: each of the ``batch`` rows' id (or, where its pick is ``p > 0``, ``fed[p - 1]``:
+    a token the step before sampled), position and adapter slot into ``small``'s columns, its blocks staged
+    since its last step appended to its slot's row of ``slot_tables``, its whole table into its row of
+    ``tables``, and its KV slot (``small[2]``) from the table's block at its position."""
+    _triton().launch_unpack_decode_rows(staged, fed, small, tables, slot_tables, batch, block_size)

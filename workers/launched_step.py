@@ -47,16 +47,20 @@ class ResultCopy:
     non-blocking copy into pinned memory (``pack``), queued when the step is launched (so it runs before any
     later step's work on the stream), and waited for by ``lists()`` (``unpack``)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor, top: "TopTokens | None" = None):
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor, top: "TopTokens | None" = None,
+                 packed: torch.Tensor | None = None):
+        """``packed``: ``pack``'s vector made already (a replayed graph's, of its ``b`` rows: ids, then
+        logprobs from ``b`` on), of which ``token_ids`` and ``logprobs`` are the first rows."""
         self.event: torch.cuda.Event | None = None
         self.top = top
         if token_ids.device.type == "cpu":
             self.ids, self.values = token_ids, logprobs
             return
-        flat = pack(token_ids, logprobs, top)
+        flat = pack(token_ids, logprobs, top) if packed is None else packed
         self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         self.host.copy_(flat, non_blocking=True)
         self.rows = len(token_ids)
+        self.logprobs_at = self.rows if packed is None else packed.shape[0] // 2
         self.event = torch.cuda.Event()
         self.event.record()
 
@@ -65,7 +69,7 @@ class ResultCopy:
         if self.event is None:
             return self.ids.tolist(), self.values.tolist(), self.top.lists() if self.top is not None else []
         self.event.synchronize()
-        return unpack(self.host.tolist(), self.rows, self.top)
+        return unpack(self.host.tolist(), self.rows, self.top, self.logprobs_at)
 
 
 def pack(token_ids: torch.Tensor, logprobs: torch.Tensor, top: "TopTokens | None") -> torch.Tensor:
@@ -77,9 +81,12 @@ def pack(token_ids: torch.Tensor, logprobs: torch.Tensor, top: "TopTokens | None
     return torch.cat(parts)
 
 
-def unpack(values: list[float], rows: int, top: "TopTokens | None") -> tuple[list[int], list[float], list[list]]:
-    """``pack``'s vector, read on the host, as ``ResultCopy.lists`` gives it."""
-    ids, logprobs = [int(i) for i in values[:rows]], values[rows:2 * rows]
+def unpack(values: list[float], rows: int, top: "TopTokens | None",
+           logprobs_at: int | None = None) -> tuple[list[int], list[float], list[list]]:
+    """``pack``'s vector, read on the host, as ``ResultCopy.lists`` gives it (``logprobs_at``: where the
+    logprobs start, if not right after the ``rows`` ids)."""
+    at = rows if logprobs_at is None else logprobs_at
+    ids, logprobs = [int(i) for i in values[:rows]], values[at:at + rows]
     if top is None:
         return ids, logprobs, []
     depth = top.ids.shape[1]
@@ -129,6 +136,16 @@ class DeviceFeed:
         self.source = source
         self.rows = rows
         self.picks = picks
+
+    def gather_into(self, buffer: torch.Tensor) -> list[int]:
+        """The source's ids into ``buffer`` (int64, on the device: a CUDA graph's fixed input) in one copy,
+        and each of ``rows``' index in it; a source longer than ``buffer`` is gathered down to the picks."""
+        if self.source.shape[0] <= buffer.shape[0]:
+            buffer[:self.source.shape[0]].copy_(self.source)
+            return self.picks
+        index = to_device(self.picks, torch.long, buffer.device)
+        buffer[:len(self.picks)].copy_(self.source.index_select(0, index))
+        return list(range(len(self.picks)))
 
     def write(self, input_ids: torch.Tensor) -> None:
         """Into ``input_ids`` (the step's flat token ids, on the device), queued behind the source's step."""

@@ -117,7 +117,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured by warmup
         self._last_clock: StepClock | None = None
         self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
-        self._graph_greedy: tuple | None = None  # the replayed graph's greedy ids and logprobs (_forward)
+        # the replayed graph's greedy ids and logprobs, and their vector for the result copy (_forward)
+        self._graph_greedy: tuple | None = None
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
@@ -222,7 +223,7 @@ class ModelRunner:
         if (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
                 and self.graphs.applies(seqs)):
             logits = self.graphs.forward(seqs, feed)
-            self._graph_greedy = self.graphs.greedy
+            self._graph_greedy = self.graphs.greedy, self.graphs.greedy_packed
             return logits
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,
                                    grouped=not self._lora_kernels)
@@ -321,8 +322,10 @@ class ModelRunner:
             histories = self._record_histories(seqs, sampled, feed)
             if (self._graph_greedy is not None and mask_job is None
                     and all(plain_greedy(s.sampling) for s in sampled)):
-                out = Sampled(*self._graph_greedy)  # the graph's own choice: no sampling launched here
+                out = Sampled(*self._graph_greedy[0])  # the graph's own choice: no sampling launched here
+                packed = self._graph_greedy[1]
             else:
+                packed = None
                 # The watermark seeds on the token before the sampled one: the last one fed this step.
                 out = sample(logits, [s.sampling for s in sampled],
                              [s.num_computed + len(s.token_ids) for s in sampled], histories,
@@ -332,7 +335,7 @@ class ModelRunner:
                 torch.distributed.broadcast(out.token_ids, src=0)
                 self._ids_owed = 0
             clock.sampling_done()
-            copy = ResultCopy(out.token_ids, out.logprobs, out.top)
+            copy = ResultCopy(out.token_ids, out.logprobs, out.top, packed)
 
         def finish() -> StepOutput:
             token_list, logprob_list, top_tokens = copy.lists()

@@ -111,6 +111,9 @@ def test_a_steps_tokens_logprobs_and_top_tokens_come_back_in_one_copy():
     assert greedy.top is None
     assert unpack(pack(greedy.token_ids, greedy.logprobs, None).tolist(), 4, None) == (
         greedy.token_ids.tolist(), greedy.logprobs.tolist(), [])
+    # a replayed graph packs all of its 4 rows (cuda_graphs.DecodeGraphs.greedy_packed); a step of 3 reads its own
+    assert unpack(pack(greedy.token_ids, greedy.logprobs, None).tolist(), 3, None, logprobs_at=4) == (
+        greedy.token_ids[:3].tolist(), greedy.logprobs[:3].tolist(), [])
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.long])
@@ -122,3 +125,16 @@ def test_each_row_of_a_step_list_starts_aligned(dtype, width):
     tensor = rows_to_device(lists, dtype, torch.device("cpu"))
     assert tensor.shape == (3, width) and tensor.tolist() == lists
     assert all(row.data_ptr() % 16 == 0 and row.is_contiguous() for row in tensor)
+
+
+@pytest.mark.parametrize("source_rows", [3, 9], ids=["fits", "longer than the buffer"])
+def test_a_feed_gathers_its_ids_where_a_graph_reads_them(source_rows):
+    """``DeviceFeed.gather_into``: a CUDA graph reads fed ids at a fixed address. Each row's index into the
+    buffer picks the id the step before sampled for it, whether the source is copied whole or, longer than
+    the buffer, gathered down to the picks first."""
+    sampled = torch.arange(100, 100 + source_rows)
+    step = LaunchedStep(lambda: None, sampled_ids=sampled, rids=[f"r{i}" for i in range(source_rows)])
+    feed = step.feed([0, 1, 2], ["r2", "r0", "r1"])
+    buffer = torch.full((4,), -1, dtype=torch.long)
+    picks = feed.gather_into(buffer)
+    assert [int(buffer[p]) for p in picks] == [102, 100, 101]
