@@ -220,6 +220,10 @@ class ServedPart:
             said += (f"; per step: device {mean['step_busy_ms']:.2f} ms, host launch {mean['host_launch_ms']:.2f} "
                      f"ms, result wait {mean['host_wait_ms']:.2f} ms, turnaround (bus + scheduler) "
                      f"{mean['turnaround_ms']:.2f} ms")
+        if loaded and "eager_steps" in loaded[0] and idle:  # which steps the device waited for
+            eager = sum(w["eager_steps"] for w in loaded) / sum(w["steps"] for w in loaded)
+            said += (f"; {sum(w['eager_idle_ms'] for w in loaded) / idle:.0%} of the idle before the {eager:.0%} "
+                     f"of steps launched eagerly")
         self.row("3 served", f"c={concurrent} device idle", self.device.type != "cuda" or share is not None,
                  f"{said} ({len(loaded)} windows of {len(windows)}, {sustained['answered']} requests)",
                  device=str(self.device), idle_share=share, windows=windows, sustained=sustained,

@@ -52,8 +52,6 @@ from llmbus.workers.sampling import greedy
 if TYPE_CHECKING:
     from llmbus.workers.model_runner import SeqInput
 
-STAGING_BUFFERS = 3
-
 
 class DecodeGraphs:
     """Captured decode forwards of one model over one KV pool, by batch size."""
@@ -103,16 +101,12 @@ class DecodeGraphs:
         # blocks appended to the rows' tables, row after row; a step can at most upload every row's whole table.
         pinned = device.type == "cuda"
         capacity = (self.row_fields + 4) * max_batch + max_batch * max_blocks
-        # Staging buffers in turn, each with an event recorded after the copy out of it: a step waits on its
-        # buffer's before rewriting it, which a copy may still be reading while the host runs ahead of the device.
-        # A rank keeps up to two steps launched ahead of the one running (process.LAUNCHED_DEPTH), so with
-        # three buffers that wait is already over; with one it would wait for the device to reach the step
-        # before, and the launch could no longer run ahead.
-        self.stages = [torch.zeros(capacity, dtype=torch.int32, pin_memory=pinned) for _ in range(STAGING_BUFFERS)]
-        self.stage_values = [stage.numpy() for stage in self.stages]  # lists go in without a tensor made of them
-        self.staged_events = [torch.cuda.Event() if pinned else None for _ in self.stages]
-        self.next_stage = 0
+        self.stage = torch.zeros(capacity, dtype=torch.int32, pin_memory=pinned)
+        self.stage_values = self.stage.numpy()  # the same memory: a list goes in without a tensor made of it
         self.staged_on_device = torch.zeros(capacity, dtype=torch.int32, device=device)
+        # Recorded after the copy out of staging: the next step waits on it before rewriting staging, which
+        # the last step's copy may still be reading if the host ran ahead of the device.
+        self.staged = torch.cuda.Event() if pinned else None
         # The ids a step sent ahead takes from the step before (``DeviceFeed.gather_into``): a fixed address
         # the graphs read; a source of more rows than this is gathered down first.
         self.fed = torch.zeros(max(4 * max_batch, 1024), dtype=torch.long, device=device)
@@ -230,11 +224,8 @@ class DecodeGraphs:
         """Stage the step's rows (each field of each row, padding rows after them) and the blocks appended
         to their tables, and copy them over in one go for ``_unpack``. ``feed``: ids of the step before (still
         on the device) for some rows, gathered where the graphs read them."""
-        turn = self.next_stage
-        self.next_stage = (turn + 1) % STAGING_BUFFERS
-        staged = self.staged_events[turn]
-        if staged is not None and not staged.query():  # done, unless the host ran far ahead
-            staged.synchronize()
+        if self.staged is not None and not self.staged.query():  # done, unless the host ran a step ahead
+            self.staged.synchronize()
         count = len(seqs)
         slots, known_blocks, lengths, offsets, blocks = [], [], [], [], []
         for s in seqs:
@@ -261,10 +252,10 @@ class DecodeGraphs:
             rows += [self.adapter_index[s.adapter] + 1 if s.adapter else 0 for s in seqs] + padding
         rows += known_blocks + ones + lengths + ones + offsets + padding + picks + padding
         used = len(rows) + len(blocks)
-        self.stage_values[turn][:used] = rows + blocks
-        self.staged_on_device[:used].copy_(self.stages[turn][:used], non_blocking=True)
-        if staged is not None:
-            staged.record()
+        self.stage_values[:used] = rows + blocks
+        self.staged_on_device[:used].copy_(self.stage[:used], non_blocking=True)
+        if self.staged is not None:
+            self.staged.record()
 
     def _unpack(self, batch: int) -> None:
         """What the graph of ``batch`` rows reads, from the rows ``_stage`` copied over (the graph's first

@@ -299,6 +299,7 @@ class ModelRunner:
             received = (torch.empty(broadcast, dtype=torch.long, device=self.device)
                         if broadcast and self.rank != 0 else None)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None, feed)
+            replayed = self._graph_greedy is not None
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
             if self.rank != 0:
@@ -316,7 +317,7 @@ class ModelRunner:
                 clock.sampling_done()
                 forward_time, sample_time = clock.times(wait=True)
                 if self.timeline is not None:
-                    self.timeline.add(clock, forward_time + sample_time, len(seqs))
+                    self.timeline.add(clock, forward_time + sample_time, len(seqs), replayed)
                 return LaunchedStep.finished(StepOutput([], [], [], forward_time, sample_time, prompt_logprobs))
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled, feed)
@@ -341,7 +342,7 @@ class ModelRunner:
             token_list, logprob_list, top_tokens = copy.lists()
             forward_time, sample_time = clock.times()
             if self.timeline is not None:
-                self.timeline.add(clock, forward_time + sample_time, len(seqs))
+                self.timeline.add(clock, forward_time + sample_time, len(seqs), replayed)
             out_rids, num_tokens = rids, []
             if speculating:
                 out_rids, token_list, logprob_list, top_tokens, num_tokens = keep_verified(

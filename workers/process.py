@@ -20,7 +20,6 @@ draft model) take the other way: answer first, then feed the token from the host
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import os
 import select
 import time
@@ -46,10 +45,6 @@ from llmbus.workers.placement import (cpu_threads, cuda_float32_math, default_bl
 LAUNCHED_POLL_S = 50e-6
 # --device-feed hold: how long a step's answer waits for the next command.
 HOLD_S = 0.02
-# Steps a rank keeps launched and unanswered after launching one: with two steps sent ahead (the GPU
-# default) the device then holds a step behind the one it runs while the host launches the next, so a step
-# whose launch is longer than a step of the device (an eager one, with a prompt chunk) does not leave it idle.
-LAUNCHED_DEPTH = 2
 
 # --attention-backend's choices: auto, then workers.attention.BACKEND_CLASSES' names (a test keeps the two
 # equal; that module imports torch, which the launcher reading these settings must not).
@@ -180,8 +175,8 @@ class Worker:
         self.states: dict[str, _RequestState] = {}
         self.last_step = 0
         self.last_failed = False  # the last step ran out of memory: a step sent ahead of it is skipped
-        # The steps launched and not yet answered, oldest first: command, LaunchedStep and launch time.
-        self.launched: deque[tuple] = deque()
+        # The step launched and not yet answered: its command, LaunchedStep and launch time (device_feed).
+        self.launched: tuple | None = None
         self.last_launched = None  # the latest step launched, answered or not (what the next one may feed on)
         self.answered_at = 0.0  # perf_counter when the last result left (the turnaround's start)
         self.waited_s = 0.0  # the last answer's wait for its step's results
@@ -326,7 +321,7 @@ class Worker:
                 self._answer_launched()
                 continue
             if isinstance(msg, m.Shutdown):
-                self._answer_all()
+                self._answer_launched()
                 self.log.info("shutdown", reason=msg.reason)
                 return
             if isinstance(msg, m.HealthProbe):
@@ -344,7 +339,7 @@ class Worker:
             fed = [i for i, seq in enumerate(seqs) if m.SAMPLED_LAST in seq.token_ids]
             feed = self._device_feed(seqs, fed) if fed else None
             if feed is None:
-                self._answer_all()  # their tokens are what SAMPLED_LAST takes here
+                self._answer_launched()  # its tokens are what SAMPLED_LAST takes here
                 for i in fed:
                     seqs[i].token_ids = self._fed_forward(msg, self.states[seqs[i].rid], seqs[i].token_ids)
             # (a step kept launched never failed: it was answered at once.) A group computes it all the same
@@ -355,22 +350,19 @@ class Worker:
                 continue
             launched = self.runner.launch(seqs, feed)
             launch_s = time.perf_counter() - received
-            self.launched.append((msg, launched, time.monotonic()))
-            self.last_launched = launched
-            self.waited_s = 0.0
-            waited_s = 0.0
-            while len(self.launched) > LAUNCHED_DEPTH or self.launched and (
-                    self.cfg.device_feed == "off" or self._launched_ready()):
-                self._answer_launched()
-                waited_s += self.waited_s
+            self._answer_launched()
             timeline = getattr(self.runner, "timeline", None)
             if timeline is not None:
-                timeline.add_host(launch_s, waited_s, turnaround_s)
+                timeline.add_host(launch_s, self.waited_s, turnaround_s)
+            self.launched = (msg, launched, time.monotonic())
+            self.last_launched = launched
+            if self.cfg.device_feed == "off" or self._launched_ready():
+                self._answer_launched()
 
     def _next_message(self):
         """The next message from the scheduler; None if the step launched and not yet answered is done first
         (its answer must not wait for a command that may only come after it)."""
-        if not self.launched:
+        if self.launched is None:
             return recv(self.steps)
         # ZeroMQ's descriptor signals a change, not a message: EVENTS says whether one is queued. A sleep here
         # made a command that came during it wait out the rest (about 55 us a step on average, of a served
@@ -383,7 +375,7 @@ class Worker:
         return recv(self.steps)
 
     def _launched_ready(self) -> bool:
-        _, launched, at = self.launched[0]
+        _, launched, at = self.launched
         if self.cfg.device_feed == "hold":
             return time.monotonic() - at >= HOLD_S
         return launched.ready()
@@ -395,10 +387,10 @@ class Worker:
         device)."""
         if self.cfg.rank != 0:  # it samples nothing: it feeds what rank 0 broadcast in the step before
             launched = self.last_launched
-        elif not self.launched or self.cfg.device_feed == "off" or getattr(self.runner, "draft", None):
+        elif self.launched is None or self.cfg.device_feed == "off" or getattr(self.runner, "draft", None):
             return None
         else:
-            launched = self.launched[-1][1]
+            launched = self.launched[1]
         starts = list(itertools.accumulate((len(seq.token_ids) for seq in seqs), initial=0))
         rows, rids = [], []
         for i in fed:
@@ -417,16 +409,13 @@ class Worker:
                           step=self.last_step, rows=len(rows))
         return launched.feed(rows, rids)
 
-    def _answer_all(self) -> None:
-        while self.launched:
-            self._answer_launched()
-
     def _answer_launched(self) -> None:
-        """Rank 0 sends the oldest launched step's result (waiting for its tokens); every rank then forgets it."""
+        """Rank 0 sends the launched step's result (waiting for its tokens); every rank then forgets it."""
         self.waited_s = 0.0
-        if not self.launched:
+        if self.launched is None:
             return
-        cmd, launched, _ = self.launched.popleft()
+        cmd, launched, _ = self.launched
+        self.launched = None
         started = time.perf_counter()
         out = launched.result()
         self.waited_s = time.perf_counter() - started

@@ -73,6 +73,7 @@ class DeviceTimeline:
     def _reset(self) -> None:
         self.window_started = time.monotonic()
         self.steps, self.rows, self.busy_s, self.idle_s = 0, 0, 0.0, 0.0
+        self.eager_steps, self.eager_idle_s = 0, 0.0
         self.host_steps, self.launch_s, self.wait_s = 0, 0.0, 0.0
         self.turnarounds, self.turnaround_s = 0, 0.0
 
@@ -86,18 +87,24 @@ class DeviceTimeline:
             self.turnarounds += 1
             self.turnaround_s += turnaround_s
 
-    def add(self, clock: StepClock, busy_s: float, rows: int) -> None:
+    def add(self, clock: StepClock, busy_s: float, rows: int, replayed: bool = False) -> None:
+        """A step's device time; ``replayed``: a CUDA graph's (the idle before a step launched eagerly, a
+        prompt chunk's say, is counted apart too: its launch is several times a replay's)."""
         self.steps += 1
         self.rows += rows
         self.busy_s += busy_s
+        self.eager_steps += not replayed
         if clock.idle_before <= IDLE_GAP_CAP_S:
             self.idle_s += clock.idle_before
+            if not replayed:
+                self.eager_idle_s += clock.idle_before
         if time.monotonic() - self.window_started >= TIMELINE_WINDOW_S:
             total = self.busy_s + self.idle_s
             host = max(self.host_steps, 1)
             self.log.info("device timeline", steps=self.steps, mean_rows=round(self.rows / self.steps, 1),
                           busy_ms=round(self.busy_s * 1e3, 1), idle_ms=round(self.idle_s * 1e3, 1),
                           idle_share=round(self.idle_s / total, 4) if total else 0.0,
+                          eager_steps=self.eager_steps, eager_idle_ms=round(self.eager_idle_s * 1e3, 1),
                           step_busy_ms=round(self.busy_s * 1e3 / self.steps, 3),
                           host_launch_ms=round(self.launch_s * 1e3 / host, 3),
                           host_wait_ms=round(self.wait_s * 1e3 / host, 3),

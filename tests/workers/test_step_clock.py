@@ -19,3 +19,21 @@ def test_a_window_says_what_the_host_spent_per_step(monkeypatch):
     assert window["steps"] == 1 and window["step_busy_ms"] == 2.0
     assert window["host_launch_ms"] == 0.3 and window["host_wait_ms"] == 2.0
     assert window["turnaround_ms"] == 0.6  # the idle gap past IDLE_GAP_CAP_S is not a turnaround
+    assert window["eager_steps"] == 1 and window["eager_idle_ms"] == 0.0
+
+
+def test_the_idle_before_eager_steps_is_counted_apart(monkeypatch):
+    """Which steps the device waited for: a replayed step's launch is a few copies and the graph, an eager
+    step's (a prompt chunk) several hundred launches."""
+    monkeypatch.setattr(step_clock, "TIMELINE_WINDOW_S", 3600.0)
+    timeline = DeviceTimeline()
+    for replayed, idle in ((True, 0.0001), (False, 0.0005), (True, 0.0), (False, 0.0002)):
+        clock = StepClock(torch.device("cpu"))
+        clock.idle_before = idle
+        timeline.add(clock, busy_s=0.002, rows=64, replayed=replayed)
+    monkeypatch.setattr(step_clock, "TIMELINE_WINDOW_S", 0.0)
+    with structlog.testing.capture_logs() as logs:
+        timeline.add(StepClock(torch.device("cpu")), busy_s=0.002, rows=64, replayed=True)
+    (window,) = [entry for entry in logs if entry["event"] == "device timeline"]
+    assert window["steps"] == 5 and window["eager_steps"] == 2
+    assert window["idle_ms"] == 0.8 and window["eager_idle_ms"] == 0.7
