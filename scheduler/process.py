@@ -94,7 +94,7 @@ class SchedulerService:
         self.warmup_s_per_token = 0.0
         self.warmup_step_tokens = 1
         self.vocab_size = 0  # 0: unknown (ranks of an older version)
-        self.in_flight: deque[_InFlight] = deque()  # sent, oldest first: at most one step ahead of the ranks
+        self.in_flight: deque[_InFlight] = deque()  # sent, oldest first: at most steps_ahead past the awaited one
         self.overlap = not cfg.disable_overlap
         self.steps_ahead = cfg.steps_ahead or 1  # until the ranks say which device they run on
         self.requests = open_socket(ctx.zmq_ctx, zmq.PULL, cfg.endpoints.requests)

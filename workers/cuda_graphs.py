@@ -143,9 +143,10 @@ class DecodeGraphs:
         """Whether steps with LoRA adapter rows replay too."""
         return self.adapter_rows is not None
 
-    def _run(self, batch: int, adapters: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The step's logits, and every row's greedy choice with its logprob: a step whose rows all sample
-        greedily takes those (``greedy``) and launches no sampling of its own (None off rank 0)."""
+    def _run(self, batch: int, adapters: bool) -> tuple[torch.Tensor, ...] | None:
+        """The step's logits, every row's greedy choice with its logprob, and those two as the result copy takes
+        them (``launched_step.pack``): a step whose rows all sample greedily takes those (``greedy``) and
+        launches no sampling or packing of its own (None off rank 0)."""
         self._unpack(batch)
         meta = self.metadata[batch]
         logits = self.model.forward(self.small[0, :batch], meta.positions, self.kv_cache, meta,
