@@ -14,16 +14,17 @@ from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 
 def graph_modes(runner: ModelRunner):
-    """Run the caller's body with the runner's decode graphs (name suffix ""), then, where it captured any,
-    again without them (" eager"): both in one run, on one card. Each yield says the graph sizes in use."""
-    graphs = runner.graphs
+    """Run the caller's body with the runner's decode graphs and piecewise graphs (name suffix ""), then,
+    where it captured any, again without them (" eager"): both in one run, on one card. Each yield says the
+    decode graph sizes in use."""
+    graphs, piecewise = runner.graphs, runner.piecewise
     yield "", list(graphs.sizes) if graphs is not None else []
-    if graphs is not None:
-        runner.graphs = None
+    if graphs is not None or piecewise is not None:
+        runner.graphs = runner.piecewise = None
         try:
             yield " eager", []
         finally:
-            runner.graphs = graphs
+            runner.graphs, runner.piecewise = graphs, piecewise
 
 
 def pipelined_steps(runner: ModelRunner, seqs: list[SeqInput], steps: int) -> list[float]:
@@ -45,8 +46,9 @@ def pipelined_steps(runner: ModelRunner, seqs: list[SeqInput], steps: int) -> li
 
 
 def count_replays(runner: ModelRunner) -> list[int]:
-    """A one-item list counting the decode steps that replay the runner's graphs from now on."""
-    count = [0]
+    """[decode steps that replay the runner's decode graphs, steps that run its piecewise graphs], counted from
+    now on."""
+    count = [0, 0]
     if runner.graphs is not None:
         replay = runner.graphs.forward
 
@@ -54,6 +56,13 @@ def count_replays(runner: ModelRunner) -> list[int]:
             count[0] += 1
             return replay(seqs, feed)
         runner.graphs.forward = counted
+    if runner.piecewise is not None:
+        pieces = runner.piecewise.forward
+
+        def counted_pieces(*args):
+            count[1] += 1
+            return pieces(*args)
+        runner.piecewise.forward = counted_pieces
     return count
 
 

@@ -182,7 +182,9 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
         """A ModelRunner on the check's device and ``--attention-backend``, warmed up."""
         runner = ModelRunner(path, dtype=dtype, device=self.device, block_size=BLOCK_SIZE,
                              attention_backend=self.args.attention_backend,
-                             cuda_graphs=parse_cuda_graphs(self.args.cuda_graphs), **kwargs)
+                             cuda_graphs=parse_cuda_graphs(self.args.cuda_graphs),
+                             piecewise_graphs=parse_cuda_graphs(getattr(self.args, "piecewise_graphs", None),
+                                                                default=()), **kwargs)
         runner.warmup()
         return runner
 
@@ -246,6 +248,7 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
             runner = self.runner(path, torch.float32, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
             for suffix, graph_sizes in graph_modes(runner):
                 requests = copy.deepcopy(template)
+                piecewise = runner.piecewise is not None
                 replays = count_replays(runner)
                 results = drive(runner, requests)
                 got = [results[r.rid].tokens for r in requests]
@@ -253,8 +256,9 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
                 preempted = results["r3"].preemptions
                 thin = " (under MIN_MARGIN: a mismatch may be a tie)" if margin < MIN_MARGIN else ""
                 graphs_said = f", {replays[0]} steps replayed CUDA graphs" if graph_sizes else ""
+                graphs_said += f", {replays[1]} piecewise" if piecewise else ""
                 self.row("1 float32 greedy", name + suffix, not mismatched and preempted == 1
-                         and (replays[0] > 0 or not graph_sizes),
+                         and (replays[0] > 0 or not graph_sizes) and (replays[1] > 0 or not piecewise),
                          f"{len(requests) - len(mismatched)}/{len(requests)} sequences token-exact (min margin "
                          f"{margin:.3g}{thin}, {preempted} preemption, prefix hit of 2 blocks{graphs_said})",
                          backend=runner.compute_paths["attention"], device=str(self.device), dtype="float32",
@@ -493,6 +497,9 @@ def main() -> int:
     parser.add_argument("--cuda-graphs", default=None,
                         help="the runners' --cuda-graphs (default: llmbus's; 0: none); the served part takes "
                              "llmbus up's default")
+    parser.add_argument("--piecewise-graphs", default=None,
+                        help="the runners' and the served part's --piecewise-graphs (token counts, e.g. "
+                             "16,32,64,128,256,512; default: llmbus's, none)")
     parser.add_argument("--steps-ahead", type=int, default=None,
                         help="the served part's llmbus up --steps-ahead (default: llmbus's): 2 sends the ranks "
                              "their next command before the last result reaches the scheduler")

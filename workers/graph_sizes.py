@@ -8,18 +8,19 @@ from __future__ import annotations
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def parse_cuda_graphs(text: str | None) -> tuple[int, ...]:
-    """``"1,2,4"`` -> (1, 2, 4); None -> the default list; ``"0"`` (TGI's way to turn them off) or an empty
-    text -> (). Raises ValueError with the reason for anything else."""
+def parse_cuda_graphs(text: str | None, default: tuple[int, ...] = DEFAULT_CUDA_GRAPHS,
+                      what: str = "batch sizes") -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); None -> ``default``; ``"0"`` (TGI's way to turn them off) or an empty text ->
+    (). Raises ValueError with the reason for anything else (``--piecewise-graphs`` reads the same way)."""
     if text is None:
-        return DEFAULT_CUDA_GRAPHS
+        return default
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if parts == ["0"] or not parts:
         return ()
     sizes = []
     for part in parts:
         if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"must list batch sizes >= 1 separated by commas (or be 0 to disable them), "
+            raise ValueError(f"must list {what} >= 1 separated by commas (or be 0 to disable them), "
                              f"not {text!r}")
         sizes.append(int(part))
     return tuple(sorted(set(sizes)))
@@ -27,8 +28,17 @@ def parse_cuda_graphs(text: str | None) -> tuple[int, ...]:
 
 def cuda_graphs_problem(text: str) -> str | None:
     """The settings check: what is wrong with a ``--cuda-graphs`` value, None if nothing."""
+    return _problem(text, "batch sizes")
+
+
+def piecewise_graphs_problem(text: str) -> str | None:
+    """The settings check of ``--piecewise-graphs`` (token counts, read as ``--cuda-graphs``)."""
+    return _problem(text, "token counts")
+
+
+def _problem(text: str, what: str) -> str | None:
     try:
-        parse_cuda_graphs(text)
+        parse_cuda_graphs(text, what=what)
     except ValueError as e:
         return str(e)
     return None

@@ -24,6 +24,7 @@ import torch
 from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
 from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers.cuda_graphs import DecodeGraphs
+from llmbus.workers.piecewise_graphs import PiecewiseGraphs
 from llmbus.workers.draft import DraftProposer
 from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
@@ -102,11 +103,14 @@ class ModelRunner:
                  quantize: str | None = None, kv_cache_dtype: torch.dtype | None = None,
                  trust_remote_code: bool = False, watermark_gamma: float | None = None,
                  watermark_delta: float | None = None, attention_backend: str = "auto",
-                 cuda_graphs: tuple[int, ...] = (), lora_adapters: tuple[tuple[str, str], ...] = ()):
+                 cuda_graphs: tuple[int, ...] = (), lora_adapters: tuple[tuple[str, str], ...] = (),
+                 piecewise_graphs: tuple[int, ...] = ()):
         """``cuda_graphs``: decode batch sizes to capture as CUDA graphs at warmup (``cuda_graphs.py``; on
         CUDA, with an attention backend that can be captured; sizes above ``max_batch_prefill_tokens`` are
         left out). ``lora_adapters``: (name, local PEFT LoRA folder) each, loaded on every rank, this rank's
-        slice of each (``lora.py``; ``lora.LoraError`` for one that cannot be served)."""
+        slice of each (``lora.py``; ``lora.LoraError`` for one that cannot be served). ``piecewise_graphs``:
+        token counts for which the layers between attention calls are captured (``piecewise_graphs.py``; on
+        CUDA, where the decode steps are captured too)."""
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
@@ -115,6 +119,8 @@ class ModelRunner:
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.graph_sizes = tuple(b for b in cuda_graphs if b <= max_batch_prefill_tokens)
         self.graphs: DecodeGraphs | None = None  # captured by warmup
+        self.piecewise_sizes = tuple(t for t in piecewise_graphs if t <= max_batch_prefill_tokens)
+        self.piecewise: PiecewiseGraphs | None = None  # captured by warmup
         self._last_clock: StepClock | None = None
         self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
         # the replayed graph's greedy ids and logprobs, and their vector for the result copy (_forward)
@@ -202,7 +208,8 @@ class ModelRunner:
         backend = getattr(self.model, "attention_backend", None)
         return {"attention": getattr(backend, "name", "model's own"),
                 "fused_decode": getattr(self.model, "fused_decode", None) is not None,
-                "cuda_graphs": list(self.graphs.sizes) if self.graphs is not None else []}
+                "cuda_graphs": list(self.graphs.sizes) if self.graphs is not None else [],
+                **({"piecewise_graphs": self.piecewise.sizes} if self.piecewise is not None else {})}
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -236,6 +243,8 @@ class ModelRunner:
             query_lens=query_lens, num_computed=[s.num_computed for s in seqs],
             block_tables=[s.block_table for s in seqs], kv_cache=kv_cache, device=self.device)
         if adapters is None:
+            if self.piecewise is not None and self.piecewise.applies(len(input_ids), adapters):
+                return self.piecewise.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
             return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters)
 
@@ -512,12 +521,14 @@ class ModelRunner:
         self._synchronize()
         warmup_tokens = sum(len(s.token_ids) for s in seqs)
         if not size_from_free_memory:
+            self._capture_piecewise()
             self._capture_graphs()
             return warmup_tokens
         scratch_bytes = cache.nbytes
         peak_allocated = torch.cuda.max_memory_allocated(self.device)  # before the graphs' measurement resets it
         graph_bytes = self._measure_graph_bytes(cache)
         del cache, logits
+        self._capture_piecewise()  # before the pool is sized from what is free: its graphs' memory is not
         num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes, sampling_bytes, graph_bytes,
                                                       peak_allocated)
         self.allocate_pool(num_blocks)
@@ -557,6 +568,11 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.graph_sizes, max_blocks,
                                        adapter_index=self._adapter_index)
+
+    def _capture_piecewise(self) -> None:
+        """Capture the layers between attention calls (``--piecewise-graphs``); they read no KV pool."""
+        if self.piecewise_sizes and self.device.type == "cuda" and PiecewiseGraphs.supported(self.model):
+            self.piecewise = PiecewiseGraphs(self.model, self.piecewise_sizes)
 
     def allocate_pool(self, num_blocks: int) -> None:
         """The KV pool of a runner whose pool was left to be sized (on CUDA, by its own warmup, or by the

@@ -9,7 +9,7 @@ import torch
 
 from llmbus.testing.families import family_requests
 from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts,
-                                          reference, save_tiny_llama)
+                                          reference)
 from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers import gpu_ops
 from llmbus.workers.cuda_graphs import DecodeGraphs
@@ -23,18 +23,7 @@ triton_kernels = interpreted_triton_kernels()
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def interpret():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        yield
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("graphs_llama")
-    save_tiny_llama(str(path), tied=False, vocab_size=VOCAB)
-    return str(path)
+pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
 
 def _runner_with_graphs(model_dir: str, sizes: tuple[int, ...], **kwargs) -> tuple[ModelRunner, list[list]]:

@@ -216,6 +216,11 @@ class LlamaAttention:
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def __call__(self, hidden, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        qk, value = self.project(hidden)
+        return self.output(self.attend(qk, value, cos, sin, backend, kv_cache, meta))
+
+    def project(self, hidden):
+        """(query and key heads, QK-normed where the model does; value heads) of ``hidden``'s rows."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv(hidden)
         if self.qkv_lora is not None:
@@ -223,11 +228,17 @@ class LlamaAttention:
         qk = qkv[:, :self.qk_width].view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        value = qkv[:, self.qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return qk, qkv[:, self.qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
+
+    def attend(self, qk, value, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata):
+        """The heads' attention over the pool, this step's keys and values written to it first: the one part
+        of a layer that reads the step's metadata (piecewise_graphs.py runs it between captured parts)."""
         # RoPE is the backend's: the Triton one rotates the keys as it writes them to the pool.
-        attended = backend.forward_rotary(self.layer, qk, value, cos, sin, self.num_heads, kv_cache, meta,
-                                          self.scale)
-        attended = attended.reshape(num_tokens, -1)
+        return backend.forward_rotary(self.layer, qk, value, cos, sin, self.num_heads, kv_cache, meta, self.scale)
+
+    def output(self, attended):
+        """The output projection of ``attend``'s heads, summed over the ranks."""
+        attended = attended.reshape(attended.shape[0], -1)
         out = self.o_proj(attended)
         if self.o_proj_lora is not None:  # this rank's partial delta, summed by the all-reduce as the base's is
             out = self.o_proj_lora(attended, out)
@@ -276,12 +287,20 @@ class LlamaDecoderLayer:
         """(the residual stream, this layer's MLP output not yet added to it). The add is left to the next
         layer's input norm, which on a GPU does it in the norm's own kernel (``RMSNorm.add_and_norm``), as
         the post-attention norm does the attention's; ``pending`` is the layer before's (None: the first)."""
+        residual, qk, value = self.before_attention(residual, pending)
+        return self.after_attention(residual, self.attention.attend(qk, value, cos, sin, backend, kv_cache, meta))
+
+    def before_attention(self, residual, pending):
+        """(the residual stream, the query-key and value heads): the layer up to its attention."""
         if pending is None:
             normed = self.input_norm(residual)
         else:
             normed, residual = self.input_norm.add_and_norm(residual, pending)
-        attended = self.attention(normed, cos, sin, backend, kv_cache, meta)
-        normed, residual = self.post_attention_norm.add_and_norm(residual, attended)
+        return (residual, *self.attention.project(normed))
+
+    def after_attention(self, residual, attended):
+        """(the residual stream, the MLP's output not yet added to it): the layer from its attention's heads."""
+        normed, residual = self.post_attention_norm.add_and_norm(residual, self.attention.output(attended))
         return residual, self.mlp(normed)
 
 
@@ -357,6 +376,11 @@ class LlamaForCausalLM:
         if not fused:
             with self.active_adapters.serving(adapters):  # None: no row has an adapter, no delta is added
                 hidden = self.run_layers(hidden, positions, cos, sin, kv_cache, meta)
+        return self.logits_of(hidden, logits_index, fused)
+
+    def logits_of(self, hidden: torch.Tensor, logits_index: torch.Tensor, fused: bool = False) -> torch.Tensor | None:
+        """``forward``'s logits from the last layer's output ``hidden [T, hidden]`` (``fused``: the fused C
+        layer's, whose head computes them too)."""
         if logits_index.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32) if self.tp.rank == 0 else None
         # The final norm is per token, so it only runs on the rows that need logits.

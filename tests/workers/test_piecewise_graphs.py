@@ -1,0 +1,102 @@
+"""Piecewise CUDA graphs (``workers/piecewise_graphs.py``), checked on the CPU: ``PiecewiseGraphs`` with
+``capture=False`` runs the parts a bucket's graphs would replay (ids and positions through the persistent
+buffers, the step padded to the bucket, each layer's attention between the parts on the real rows, the heads
+through the one buffer every part reads), with the Triton backend's kernels under Triton's interpreter. A
+continuous batch whose prompt-chunk steps take it stays token-exact with transformers, beside decode steps
+through the decode graphs' buffers. The capture itself runs on a GPU (benchmarks/gpu_check.py)."""
+
+import pytest
+import torch
+
+from llmbus.bus.messages import SamplingParams
+from llmbus.testing.families import family_requests
+from llmbus.testing.runner_driver import BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts, reference
+from llmbus.workers.cuda_graphs import DecodeGraphs
+from llmbus.workers.graph_sizes import parse_cuda_graphs
+from llmbus.workers.model_runner import ModelRunner, SeqInput
+from llmbus.workers.piecewise_graphs import PiecewiseGraphs
+
+VOCAB = 256
+
+
+pytestmark = pytest.mark.usefixtures("interpreted_triton")
+
+
+def _runner(model_dir: str, sizes: tuple[int, ...], decode_sizes: tuple[int, ...] = ()) -> tuple[ModelRunner, list]:
+    """A Triton-backend runner whose eager steps within ``sizes`` go through uncaptured piecewise graphs (and
+    its decode steps through uncaptured decode graphs of ``decode_sizes``); and each piecewise step's token
+    count."""
+    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton")
+    runner.piecewise = PiecewiseGraphs(runner.model, sizes, capture=False)
+    if decode_sizes:
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, decode_sizes,
+                                     -(-runner.max_position_embeddings // BLOCK_SIZE), capture=False)
+    counts: list[int] = []
+    forward = runner.piecewise.forward
+    runner.piecewise.forward = lambda ids, *a: counts.append(len(ids)) or forward(ids, *a)
+    return runner, counts
+
+
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["alone", "beside decode graphs"])
+def test_a_continuous_batch_through_the_piecewise_parts_is_token_exact(llama_dir, decode_graphs):
+    """Arrivals, chunked prompts beside decodes, a prefix hit and a preemption: the steps within the buckets
+    take the parts, padded (token counts between buckets), and every request's tokens equal transformers'."""
+    prompts = make_prompts(VOCAB)
+    expected = reference(llama_dir, prompts)
+    runner, counts = _runner(llama_dir, (4, 8, 16, 32), (1, 2, 4, 8) if decode_graphs else ())
+    replayed = []
+    if decode_graphs:
+        replay = runner.graphs.forward
+        runner.graphs.forward = lambda seqs, feed=None: replayed.append(len(seqs)) or replay(seqs, feed)
+    results = drive(runner, family_requests(prompts))
+    for i in range(len(prompts)):
+        assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
+    assert results["hit"].tokens == expected.tokens[4]
+    assert results["r1"].preemptions == 1
+    assert counts and set(counts) - {4, 8, 16, 32}, f"no step needed padding: {counts}"
+    if decode_graphs:  # the decode-only steps replayed the decode graphs instead
+        assert replayed
+
+
+def test_a_padded_piecewise_step_gives_each_row_its_eager_logits_and_writes_only_its_slots(llama_dir):
+    """A prompt chunk of 5 beside 2 decodes, 7 tokens in the bucket of 8: the pool changes at the 7 tokens'
+    slots only (the padding row's attention never runs), and the logits equal the eager step's."""
+    runner, counts = _runner(llama_dir, (8,))
+    seqs = [SeqInput(rid="p", token_ids=[3, 4, 5, 6, 7], num_computed=0, block_table=[0, 1], sample=True,
+                     sampling=SamplingParams()),
+            SeqInput(rid="d0", token_ids=[9], num_computed=5, block_table=[2, 3], sample=True,
+                     sampling=SamplingParams()),
+            SeqInput(rid="d1", token_ids=[11], num_computed=2, block_table=[4], sample=True,
+                     sampling=SamplingParams())]
+    key = runner.kv_cache.key
+    before = key.clone()
+    with torch.inference_mode():
+        logits = runner._forward(seqs, runner.kv_cache).clone()
+        assert counts == [7]
+        changed = (key != before).any(dim=-1).any(dim=1).any(dim=0)  # [blocks + 1, block_size]
+        written = {(int(b), int(o)) for b, o in changed.nonzero()}
+        assert written == {(0, o) for o in range(BLOCK_SIZE)} | {(1, 0)} | {(3, 1), (4, 2)}
+        runner.piecewise = None
+        eager = runner._forward(seqs, runner.kv_cache)
+    torch.testing.assert_close(logits, eager)
+
+
+def test_only_llama_layers_split_and_steps_within_the_buckets_without_adapters_take_them(llama_dir, tmp_path):
+    from llmbus.testing.families import save_tiny_family
+
+    runner, _ = _runner(llama_dir, (4, 8))
+    assert PiecewiseGraphs.supported(runner.model)
+    pieces = runner.piecewise
+    assert pieces.applies(1, None) and pieces.applies(8, None)
+    assert not pieces.applies(9, None)  # above the largest bucket: eager
+    assert not pieces.applies(4, object())  # a step with LoRA adapter rows: eager
+    save_tiny_family(str(tmp_path / "moe"), "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
+    moe = ModelRunner(str(tmp_path / "moe"), block_size=BLOCK_SIZE, num_blocks=8, attention_backend="triton")
+    assert not PiecewiseGraphs.supported(moe.model)  # its routing reads token counts on the host
+    torch_backend = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=8, attention_backend="torch_sdpa")
+    assert not PiecewiseGraphs.supported(torch_backend.model)
+
+
+def test_the_setting_is_off_unless_given():
+    assert parse_cuda_graphs("0", default=()) == () and parse_cuda_graphs(None, default=()) == ()
+    assert parse_cuda_graphs("16,32", default=()) == (16, 32)

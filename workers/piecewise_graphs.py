@@ -1,0 +1,167 @@
+"""Piecewise CUDA graphs (``--piecewise-graphs``): a step that ``cuda_graphs.py`` cannot replay (a new request's
+prompt chunk beside the running decodes) launches each layer's work between two attention calls as one graph,
+and only the attention itself eagerly.
+
+Why: such a step runs the layers eagerly, several hundred launches, and on an H100's host each GEMM alone costs
+38-56 us of CPU before its launch (design notes, "What a served GPU step is made of"); at c=64 those steps were
+29% of rank 0's host time against 9.5% for the replayed ones, and they are where the device waits for the host.
+The attention is what a graph cannot hold: its launch grid and the pool's layout come from the step's contexts
+(``AttentionMetadata``, built on the host). Everything else in a Llama layer is row by row, so it is captured
+once per bucket of token counts and replayed on the step's rows padded to the bucket (vLLM's piecewise
+compilation splits its graphs at the attention op the same way).
+
+A bucket's plan, for a model of L layers: part 0 embeds the ids, computes RoPE's cos/sin and runs layer 0 up to
+its attention (``LlamaDecoderLayer.before_attention``); part i (1..L-1) runs layer i-1 from its attention's heads
+(``after_attention``) and layer i up to its own; part L finishes layer L-1. Between parts, ``LlamaAttention.attend``
+runs eagerly on the step's real rows of the part's query, key and value heads, and its heads go into one buffer
+every part reads. The final norm and LM head run eagerly on the rows that need logits (``logits_of``), as the
+eager path does. Padding rows (ids and positions left from earlier steps, always valid) never reach the pool or
+the real rows: every captured op is row by row.
+
+``capture=False`` runs the same parts, buffers and padding without graphs: how CPU tests check that the parts
+compose to the eager forward, token for token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+from llmbus.workers.attention.base import AttentionMetadata
+from llmbus.workers.cuda_graphs import DecodeGraphs
+from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.models.llama import RESIDUAL_DTYPE, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class PiecewiseGraphs:
+    """A model's layers between attention calls, captured per bucket of token counts."""
+
+    def __init__(self, model, sizes: tuple[int, ...], *, capture: bool = True):
+        self.model = model
+        self.sizes = sorted(set(sizes))
+        largest, attention = self.sizes[-1], model.layers[0].attention
+        self.ids = torch.zeros(largest, dtype=torch.long, device=model.device)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=model.device)
+        # The attention's heads, which every part after one reads (``_attend``); their dtype is the projections'.
+        with torch.inference_mode(), model.active_adapters.serving(None):
+            probe = attention.project(model.layers[0].input_norm(
+                torch.zeros(1, model.config.hidden_size, dtype=RESIDUAL_DTYPE, device=model.device)))[0]
+        self.heads = torch.zeros(largest, attention.num_heads * attention.head_dim, dtype=probe.dtype,
+                                 device=model.device)
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        # largest first, sharing one pool: a smaller bucket's activations fit in the largest's
+        self.plans = {size: _Plan(self, size, pool) for size in reversed(self.sizes)}
+        if capture:
+            torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - started
+
+    @staticmethod
+    def supported(model) -> bool:
+        """Whether ``model``'s layers split at their attention: Llama's layers as they are (a family that runs
+        them otherwise, Gemma 3's, does not), and what a decode graph needs too (no fused C layer, no block a
+        graph cannot hold, an attention backend with graph metadata)."""
+        layers = getattr(model, "layers", None)
+        return (bool(layers) and isinstance(model, LlamaForCausalLM)
+                and type(model).run_layers is LlamaForCausalLM.run_layers
+                and all(type(layer).__call__ is LlamaDecoderLayer.__call__ for layer in layers)
+                and DecodeGraphs.supported(model))
+
+    def applies(self, num_tokens: int, adapters) -> bool:
+        """Whether a step of ``num_tokens`` flat tokens runs piecewise: no more than the largest bucket, and no
+        row on a LoRA adapter (the parts were captured serving none)."""
+        return adapters is None and 0 < num_tokens <= self.sizes[-1]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor | None:
+        """The model's ``forward``, for a step that ``applies``."""
+        count = input_ids.shape[0]
+        size = self.sizes[bisect.bisect_left(self.sizes, count)]
+        self.ids[:count].copy_(input_ids)
+        self.positions[:count].copy_(positions)
+        hidden = self.plans[size].run(count, kv_cache, meta)
+        return self.model.logits_of(hidden[:count], logits_index)
+
+    def _attend(self, layer: int, qk, value, cos, sin, count: int, kv_cache: PagedKVCache,
+                meta: AttentionMetadata) -> None:
+        """Layer ``layer``'s attention over the step's ``count`` real rows, its heads into ``heads``."""
+        heads = self.model.layers[layer].attention.attend(qk[:count], value[:count], cos[:count], sin[:count],
+                                                          self.model.attention_backend, kv_cache, meta)
+        self.heads[:count].copy_(heads.reshape(count, -1))
+
+
+class _Plan:
+    """One bucket's parts: graphs captured from ``first``, ``middle`` and ``last``, or (uncaptured) those
+    functions called each step, and the tensors the attention between parts reads."""
+
+    def __init__(self, owner: PiecewiseGraphs, size: int, pool):
+        self.owner, self.size, self.pool = owner, size, pool
+        self.layers = owner.model.layers
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.stream = torch.cuda.Stream() if pool is not None else None
+        if pool is None:
+            return
+        with torch.inference_mode(), owner.model.active_adapters.serving(None):
+            # Each part reads what the one before made, where the graphs keep it: the capture runs no attention
+            # (the heads buffer's rows are whatever they are; the heads computed are not attended).
+            residual, cos, sin, qk, value = self._capture(self.first)
+            self.rotary = cos, sin
+            self.inputs = [(qk, value)]
+            for layer in range(1, len(self.layers)):
+                residual, qk, value = self._capture(lambda layer=layer, residual=residual: self.middle(layer, residual))
+                self.inputs.append((qk, value))
+            self.out = self._capture(lambda residual=residual: self.last(residual))
+
+    def _capture(self, part):
+        """``part()``'s outputs, its work captured as the next graph (run once uncaptured first: Triton compiles
+        and cuBLAS settles outside the capture)."""
+        part()
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = part()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.graphs.append(graph)
+        return out
+
+    def first(self):
+        """(residual stream, cos, sin, query-key heads, value heads): the ids embedded, layer 0 up to its
+        attention."""
+        model, owner = self.owner.model, self.owner
+        hidden = model.embed(owner.ids[:self.size]).to(RESIDUAL_DTYPE)
+        cos, sin = model.rotary.cos_sin(owner.positions[:self.size], model.dtype)
+        residual, qk, value = self.layers[0].before_attention(hidden, None)
+        return residual, cos, sin, qk, value
+
+    def middle(self, layer: int, residual):
+        """Layer ``layer - 1`` from its attention's heads, layer ``layer`` up to its attention."""
+        return self.layers[layer].before_attention(
+            *self.layers[layer - 1].after_attention(residual, self.owner.heads[:self.size]))
+
+    def last(self, residual):
+        """The last layer from its attention's heads: the layers' output."""
+        residual, pending = self.layers[-1].after_attention(residual, self.owner.heads[:self.size])
+        return residual + pending
+
+    def run(self, count: int, kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """The layers' output for the step's ``count`` rows (and the bucket's padding rows after them)."""
+        owner = self.owner
+        if self.pool is None:
+            residual, cos, sin, qk, value = self.first()
+            for layer in range(1, len(self.layers)):
+                owner._attend(layer - 1, qk, value, cos, sin, count, kv_cache, meta)
+                residual, qk, value = self.middle(layer, residual)
+            owner._attend(len(self.layers) - 1, qk, value, cos, sin, count, kv_cache, meta)
+            return self.last(residual)
+        cos, sin = self.rotary
+        for layer, (graph, (qk, value)) in enumerate(zip(self.graphs, self.inputs)):
+            graph.replay()
+            owner._attend(layer, qk, value, cos, sin, count, kv_cache, meta)
+        self.graphs[-1].replay()
+        return self.out
