@@ -28,8 +28,10 @@ keeps what it measured. Every row names the attention backend it ran on.
    random weights made on the device (``ModelRunner`` directly), beside the floor that the measured
    device-to-device copy bandwidth gives for its bytes (weights plus the KV read). Each shape one step at a
    time (the host's turnaround counted), then "pipelined": chained as the worker runs the steps the scheduler
-   sends ahead, each launched behind the one before with its tokens fed on the device. Then at the shortest
-   context, batch 1 and the largest, the step with a rank-16 LoRA adapter on every projection, on every row and
+   sends ahead, each launched behind the one before with its tokens fed on the device. Then a step of the
+   largest batch at the shortest context with a 128-token prompt chunk among its rows (what an arrival makes
+   at c=64), with the piecewise graphs where ``--piecewise-graphs`` asks for them and eagerly. Then at the
+   shortest context, batch 1 and the largest, the step with a rank-16 LoRA adapter on every projection, on every row and
    on half of them (their graphs hold the adapters' Triton kernels: ``workers/cuda_graphs.py``), against the
    graph step of the base model.
 5. step profile (issue #39's baseline): per decode step at batch 1 and 64 (greedy), and at 64 with every row
@@ -382,8 +384,28 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
                                  pipelined=bool(mode), step_ms=step * 1e3, step_ms_all=[t * 1e3 for t in measured],
                                  floor_ms=floor * 1e3, weight_bytes=weights,
                                  kv_bytes=batch * context * kv_per_token)
+        self._chunk_steps(runner, config, per_seq, blocks, rng)
         self.lora_steps(runner, config, per_seq, blocks, graph_step, rng)
         del runner
+
+    def _chunk_steps(self, runner: ModelRunner, config: dict, per_seq: int, blocks: list[int], rng) -> None:
+        """A step the decode graphs cannot replay: a prompt chunk of up to 128 tokens beside the largest batch's
+        decodes (what an arrival makes at c=64), with the runner's piecewise graphs where it captured them
+        (--piecewise-graphs), then eagerly."""
+        sizes = self.sizes
+        batch, context = max(sizes.batches), min(sizes.contexts)
+        chunk = min(128, max(sizes.contexts) - context)
+        seqs = [SeqInput(f"c{i}", [rng.randrange(3, config["vocab_size"])], context,
+                         blocks[i * per_seq:(i + 1) * per_seq], True, SamplingParams(), context)
+                for i in range(batch)]
+        seqs[0].token_ids = [rng.randrange(3, config["vocab_size"]) for _ in range(chunk)]
+        for suffix, _ in graph_modes(runner):
+            piecewise = runner.piecewise is not None
+            step = statistics.median(timed_steps(runner, seqs, 3, sizes.timed_steps))
+            self.row("4 speed", f"b{batch} ctx{context} + {chunk}-token chunk{suffix}", True,
+                     f"{step * 1e3:.2f} ms/step ({'piecewise graphs' if piecewise else 'eager'})",
+                     backend=runner.compute_paths["attention"], device=str(self.device), dtype="bfloat16",
+                     batch=batch, context=context, chunk=chunk, piecewise=piecewise, step_ms=step * 1e3)
 
     def step_profile(self) -> None:
         """What a decode step is made of on the device (issue #39's baseline): per step, the kernels

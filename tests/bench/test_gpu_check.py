@@ -35,11 +35,14 @@ def test_dry_run_writes_every_row(dry_run):
     assert against["ratio"] > 0
     speed = by_part["4"]
     assert speed[0]["name"] == "copy bandwidth" and speed[0]["bytes_per_s"] > 0
-    decode = [r for r in speed[1:] if "lora_rows" not in r]
+    decode = [r for r in speed[1:] if "lora_rows" not in r and "chunk" not in r]
     # each shape one step at a time, and chained as the worker runs steps sent ahead (fed on the device)
     assert sorted((r["batch"], r["context"], r["pipelined"]) for r in decode) == sorted(
         (b, c, p) for b in (1, 4) for c in (16, 48) for p in (False, True))
     assert all(r["step_ms"] > 0 for r in decode)
+    # then a step with a prompt chunk beside the largest batch's decodes (eager on CPU: no piecewise graphs)
+    (chunk,) = [r for r in speed[1:] if "chunk" in r]
+    assert chunk["name"] == "b4 ctx16 + 32-token chunk" and chunk["step_ms"] > 0 and not chunk["piecewise"]
     # then steps with a LoRA adapter on every row and on half of them, beside the base model's step
     lora_steps = [r for r in speed[1:] if "lora_rows" in r]
     assert [(r["batch"], r["lora_rows"]) for r in lora_steps] == [(1, 1), (4, 4), (4, 2)]
