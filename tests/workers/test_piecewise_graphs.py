@@ -100,3 +100,45 @@ def test_only_llama_layers_split_and_steps_within_the_buckets_without_adapters_t
 def test_the_setting_is_off_unless_given():
     assert parse_cuda_graphs("0", default=()) == () and parse_cuda_graphs(None, default=()) == ()
     assert parse_cuda_graphs("16,32", default=()) == (16, 32)
+
+
+def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, monkeypatch):
+    """The captured path's wiring, on the CPU: each part's "graph" is a stand-in whose replay runs the part
+    again and writes its outputs over the tensors the capture made (where a CUDA graph's kernels write), so a
+    step reads only what the capture kept (the heads each attention takes, cos/sin, the last part's output)
+    and what each replay left there. The continuous batch stays token-exact with transformers."""
+    from llmbus.workers import piecewise_graphs
+
+    class Replayed:
+        def __init__(self, part, out):
+            self.part, self.out = part, out
+
+        def replay(self):
+            made = self.part()
+            for kept, new in zip(*((self.out, made) if isinstance(made, tuple) else ((self.out,), (made,)))):
+                kept.copy_(new)
+
+    def capture(plan, part):
+        part()  # the warm call before a capture
+        out = part()
+        plan.graphs.append(Replayed(part, out))
+        return out
+
+    monkeypatch.setattr(piecewise_graphs._Plan, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    prompts = make_prompts(VOCAB)
+    expected = reference(llama_dir, prompts)
+    runner = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton")
+    runner.piecewise = PiecewiseGraphs(runner.model, (8, 32))
+    plan = runner.piecewise.plans[8]
+    assert len(plan.graphs) == len(runner.model.layers) + 1 == len(plan.inputs) + 1
+    replays = []
+    run = piecewise_graphs._Plan.run
+    monkeypatch.setattr(piecewise_graphs._Plan, "run", lambda self, *a: replays.append(self.size) or run(self, *a))
+    results = drive(runner, family_requests(prompts))
+    for i in range(len(prompts)):
+        assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
+    assert results["hit"].tokens == expected.tokens[4]
+    assert set(replays) == {8, 32}
