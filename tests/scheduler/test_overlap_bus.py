@@ -69,12 +69,14 @@ class Engine:
 # "fed": the rank holds each step's answer until the next command comes and feeds SAMPLED_LAST from the
 # step's sampled ids as it does on a GPU (--device-feed hold), the answer going out after the next launch.
 # "tp2": two ranks; rank 1 feeds SAMPLED_LAST from the ids rank 0 broadcast in the step before.
-# "fed2": as "fed", with two steps sent past the one awaited (--steps-ahead 2).
-@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed", "tp2", "fed2"])
+# "fed2": as "fed", with two steps sent past the one awaited (--steps-ahead 2, the GPU default).
+# "tp2fed2": both: two ranks, two steps ahead, rank 0 holding its answers.
+@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed", "tp2", "fed2", "tp2fed2"])
 def engine(request):
     eng = Engine(overlap=request.param != "lockstep",
-                 device_feed="hold" if request.param in ("fed", "fed2") else "auto",
-                 ranks=2 if request.param == "tp2" else 1, steps_ahead=2 if request.param == "fed2" else 1)
+                 device_feed="hold" if request.param in ("fed", "fed2", "tp2fed2") else "auto",
+                 ranks=2 if request.param.startswith("tp2") else 1,
+                 steps_ahead=2 if request.param.endswith("fed2") else 1)
     yield eng
     eng.close()
 
