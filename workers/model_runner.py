@@ -15,13 +15,11 @@ and the token history of a penalised request restarts from the step's tokens and
 
 from __future__ import annotations
 
-
 import itertools
-from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.bus.messages import DRAFT_GUESS, Grammar, SamplingParams
+from llmbus.bus.messages import DRAFT_GUESS
 from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.piecewise_graphs import PiecewiseGraphs
@@ -30,50 +28,13 @@ from llmbus.workers.grammar import GrammarMasks, MaskJob
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_bytes
 from llmbus.workers.loader import load_model
 from llmbus.workers.lora import StepAdapters, attach_adapters
-from llmbus.workers.memory_budget import (DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, cuda_kv_blocks,
-                                          out_of_memory_reason)
+from llmbus.workers.memory_budget import DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, out_of_memory_reason
 from llmbus.workers.sampling import Sampled, has_penalties, plain_greedy, sample
 from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, ResultCopy, StepOutput, fed_ids, to_device
 from llmbus.workers.step_clock import DeviceTimeline, StepClock
+from llmbus.workers.runner_warmup import RunnerWarmup
+from llmbus.workers.seq_input import SeqInput
 from llmbus.workers.step_rows import PromptLogprobRows, TokenHistory, keep_verified, one_token_rows
-
-# The top alternatives each sampled row of warmup's sampling measurement asks for (TGI's default
-# --max-top-n-tokens).
-WARMUP_TOP_N_TOKENS = 5
-WARMUP_RID_PREFIX = "__warmup__"
-# On CPU the warmup prefills this many tokens at most, not the whole prefill budget: it runs every code path
-# once (kernels, oneDNN primitives, the sampling warpers), but it cannot find a memory shortfall the way it
-# does on CUDA (the host overcommits, then the OOM killer ends the process; the pool's size is checked
-# against available memory instead), and a full-budget float32 prefill was most of a start's time on a
-# small CPU (design notes, "Every service starts at once").
-CPU_WARMUP_TOKENS = 256
-# The query lengths whose steps tile their queries as no prefill or decode does (triton_kernels.query_tile):
-# warmup runs one step of each on CUDA.
-SHORT_QUERY_LENGTHS = (2, 4, 8)
-
-
-@dataclass(slots=True)
-class SeqInput:
-    """One sequence's share of a step."""
-
-    rid: str
-    token_ids: list[int]  # new tokens to compute this step (whole prompt, a chunk, or 1 decode token)
-    num_computed: int  # tokens of this sequence already in the KV cache; positions start here
-    block_table: list[int]  # KV block ids of this sequence, in order (covers num_computed+len(token_ids) tokens)
-    sample: bool  # sample a next token from the last position's logits
-    sampling: SamplingParams
-    prompt_len: int = 0  # tokens of the prompt; positions from here on hold generated tokens
-    prompt_logprobs: bool = False  # return the log-probability of every prompt token after the first
-    # Tokens at positions 0..len-1 whose K/V the request found already in its first blocks when it
-    # (re)started (NewRequestData.cached_ids; its first step has num_computed == len(cached_ids)). Read
-    # only when rank 0 starts the token history of a request with penalties.
-    cached_ids: list[int] = field(default_factory=list)
-    grammar: Grammar | None = None  # constrained decoding (rank 0 masks the sampled token's logits)
-    # Of token_ids, the trailing guesses to verify (speculation): every one of the last 1 + num_spec
-    # positions is sampled, and the guesses are kept up to the first one its position's sample disagrees
-    # with, then that sample (scheduler/speculation.py).
-    num_spec: int = 0
-    adapter: str = ""  # the LoRA adapter this sequence runs with (a name of lora_names); "": the base model
 
 
 def out_of_memory_step(reason: str, rank: int) -> StepOutput | None:
@@ -85,7 +46,7 @@ def out_of_memory_step(reason: str, rank: int) -> StepOutput | None:
     return StepOutput([], [], [], 0.0, 0.0, failed=reason) if rank == 0 else None
 
 
-class ModelRunner:
+class ModelRunner(RunnerWarmup):
     """Loads this rank's shard of a Hugging Face model folder and runs batched steps over a paged KV pool.
 
     With ``world_size > 1`` the caller has initialised ``torch.distributed``; every rank must call
@@ -438,195 +399,3 @@ class ModelRunner:
             self._grammar.drop(rids)
         if self.graphs is not None:
             self.graphs.forget(rids)  # their tables on the device: a request that comes back may have others
-
-    # -- warmup ----------------------------------------------------------------------------------
-
-    def _warmup_batch(self) -> list[SeqInput]:
-        """``max_batch_prefill_tokens`` prompt tokens (on CPU at most ``CPU_WARMUP_TOKENS``), split into
-        sequences the model can position.
-
-        On CUDA the first sequence is the last chunk of a prompt as long as the model's context: its
-        attention over everything before it is the largest a step of this budget can need (a prompt chunk
-        attends to its whole context), which the pool's sizing must leave room for. The context's K/V are
-        only read, so every block before the chunk is one shared block of the scratch pool."""
-        total = self.max_batch_prefill_tokens
-        if self.device.type == "cpu":
-            total = min(total, CPU_WARMUP_TOKENS)
-        longest = max(1, min(total, self.max_position_embeddings))
-        lengths = [longest] * (total // longest) + ([total % longest] if total % longest else [])
-        seqs, next_block = [], 0
-        for i, length in enumerate(lengths):
-            num_computed, shared = 0, []
-            if i == 0 and self.device.type == "cuda" and self.max_position_embeddings > length:
-                num_computed = self.max_position_embeddings - length
-                shared = [next_block] * (num_computed // self.block_size)
-                next_block += 1
-            num_blocks = -(-(num_computed + length) // self.block_size) - len(shared)
-            # The last sequence also exercises the sampling warpers, the watermark and top tokens; the rest
-            # sample greedily.
-            sampling = (SamplingParams(do_sample=True, top_k=50, top_p=0.9, typical_p=0.95, top_n_tokens=5,
-                                       watermark=True)
-                        if i == len(lengths) - 1 else SamplingParams())
-            seqs.append(SeqInput(rid=f"{WARMUP_RID_PREFIX}{i}", token_ids=[0] * length, num_computed=num_computed,
-                                 block_table=shared + list(range(next_block, next_block + num_blocks)),
-                                 sample=True, sampling=sampling))
-            next_block += num_blocks
-        return seqs
-
-    def _compile_short_queries(self, cache: PagedKVCache) -> None:
-        """A step whose longest query is 2 to 8 tokens (short prompts alone, speculation) tiles its queries
-        smaller than a prefill's, which compiles the attention kernel again: one small eager step per tile
-        here, so that happens at start, not in the middle of serving."""
-        for length in SHORT_QUERY_LENGTHS:
-            self._forward([SeqInput(rid=f"{WARMUP_RID_PREFIX}q{length}", token_ids=[0] * length, num_computed=0,
-                                    block_table=list(range(-(-length // self.block_size))), sample=True,
-                                    sampling=SamplingParams())], cache)
-
-    def warmup(self) -> int:
-        """A real worst-case prefill (all ``max_batch_prefill_tokens`` at once; a short one on CPU, see
-        ``CPU_WARMUP_TOKENS``), results discarded; returns the tokens it computed.
-
-        On CUDA it fails here rather than on the first real batch if memory is short, and without an
-        explicit budget it sizes the KV pool (and an attached draft model's) from what is free once the
-        activation peak of that step, at full context, and sampling's peak over the largest batch are known.
-        """
-        seqs = self._warmup_batch()
-        blocks_needed = max(max(s.block_table) for s in seqs) + 1
-        size_from_free_memory = self.kv_cache is None
-        if size_from_free_memory:
-            self._synchronize()
-            torch.cuda.empty_cache()
-            sampling_bytes = self._measure_sampling() if self.rank == 0 else 0
-            torch.cuda.reset_peak_memory_stats(self.device)
-            allocated_before = torch.cuda.memory_allocated(self.device)
-        # The warmup's blocks are overwritten before any real request reads them, so the real pool can
-        # serve as scratch; a separate one only when the pool is too small or not there yet.
-        if self.kv_cache is not None and self.kv_cache.num_blocks >= blocks_needed:
-            cache = self.kv_cache
-        else:
-            cache = self._new_cache(blocks_needed)
-        try:
-            with torch.inference_mode():
-                logits = self._forward(seqs, cache)
-                if self.rank == 0:
-                    sample(logits, [s.sampling for s in seqs], [len(s.token_ids) for s in seqs],
-                           last_tokens=[s.token_ids[-1] for s in seqs],
-                           watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
-                if self.device.type == "cuda":
-                    self._compile_short_queries(cache)
-        except torch.OutOfMemoryError as e:
-            raise WarmupOutOfMemory(
-                f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "
-                f"You need to decrease `--max-batch-prefill-tokens`") from e
-        self._synchronize()
-        warmup_tokens = sum(len(s.token_ids) for s in seqs)
-        if not size_from_free_memory:
-            self._capture_piecewise()
-            self._capture_graphs()
-            return warmup_tokens
-        scratch_bytes = cache.nbytes
-        peak_allocated = torch.cuda.max_memory_allocated(self.device)  # before the graphs' measurement resets it
-        graph_bytes = self._measure_graph_bytes(cache)
-        del cache, logits
-        self._capture_piecewise()  # before the pool is sized from what is free: its graphs' memory is not
-        num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes, sampling_bytes, graph_bytes,
-                                                      peak_allocated)
-        self.allocate_pool(num_blocks)
-        if self.draft is not None:
-            self.draft.runner.allocate_pool(num_blocks)  # its share was set aside: the same block tables
-        self._capture_graphs()
-        return warmup_tokens
-
-    def _graphs_wanted(self) -> bool:
-        return bool(self.graph_sizes) and self.device.type == "cuda" and DecodeGraphs.supported(self.model)
-
-    def _measure_graph_bytes(self, cache: PagedKVCache) -> int:
-        """What the captured graphs will hold, measured before the pool is sized: the allocation peak of an
-        eager decode step of the largest size (the graphs share one pool, and a smaller one's activations fit
-        in the largest's), its rows on a LoRA adapter where adapters replay too, and then twice that: every
-        size is captured again with the adapters' kernels, and each graph keeps its logits."""
-        if not self._graphs_wanted():
-            return 0
-        active = getattr(self.model, "active_adapters", None)
-        adapter = next(iter(self._adapter_index), "") if active is not None and active.kernels else ""
-        rows = [SeqInput(rid=f"{WARMUP_RID_PREFIX}graph{i}", token_ids=[0], num_computed=0, block_table=[0],
-                         sample=True, sampling=SamplingParams(), adapter=adapter)
-                for i in range(max(self.graph_sizes))]
-        self._synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        allocated_before = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            self._forward(rows, cache)
-        self._synchronize()
-        return (torch.cuda.max_memory_allocated(self.device) - allocated_before) * (2 if adapter else 1)
-
-    def _capture_graphs(self) -> None:
-        """Capture the decode graphs over the pool, once it exists (``--cuda-graphs``)."""
-        if not self._graphs_wanted():
-            return
-        max_blocks = -(-self.max_position_embeddings // self.block_size)
-        with torch.inference_mode():
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.graph_sizes, max_blocks,
-                                       adapter_index=self._adapter_index)
-
-    def _capture_piecewise(self) -> None:
-        """Capture the layers between attention calls (``--piecewise-graphs``); they read no KV pool."""
-        if self.piecewise_sizes and self.device.type == "cuda" and PiecewiseGraphs.supported(self.model):
-            self.piecewise = PiecewiseGraphs(self.model, self.piecewise_sizes)
-
-    def allocate_pool(self, num_blocks: int) -> None:
-        """The KV pool of a runner whose pool was left to be sized (on CUDA, by its own warmup, or by the
-        warmup of the target model it drafts for)."""
-        self.kv_cache = self._new_cache(num_blocks)
-        self.num_blocks = num_blocks
-
-    def _measure_sampling(self) -> int:
-        """Rank 0's peak memory above what is allocated while sampling the largest batch a step can hold
-        (``max_batch_prefill_tokens`` rows, each a decode) with every warper and top tokens: the float32
-        logits and the warpers' copies and sorts of them, which the KV pool must leave room for."""
-        rows = self.max_batch_prefill_tokens
-        params = [SamplingParams(do_sample=True, top_k=50, top_p=0.9, typical_p=0.95,
-                                 top_n_tokens=WARMUP_TOP_N_TOKENS)] * rows
-        self._synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        allocated_before = torch.cuda.memory_allocated(self.device)
-        try:
-            with torch.inference_mode():
-                logits = torch.randn(rows, self.vocab_size, dtype=torch.float32, device=self.device)
-                sample(logits, params, [1] * rows, last_tokens=[0] * rows)
-                del logits
-        except torch.OutOfMemoryError as e:
-            raise WarmupOutOfMemory(
-                f"Not enough memory to sample {rows} sequences at once ({self.vocab_size} logits each). "
-                f"You need to decrease `--max-batch-prefill-tokens`") from e
-        self._synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - allocated_before
-        torch.cuda.empty_cache()
-        return peak
-
-    def _blocks_for_free_gpu_memory(self, allocated_before: int, scratch_bytes: int, sampling_bytes: int = 0,
-                                    graph_bytes: int = 0, peak_allocated: int | None = None) -> int:
-        """The KV blocks a GPU pool gets after warmup (``cuda_kv_blocks``): the warmup's activation peak is its
-        allocation high-water mark above what was allocated before it, less its ``scratch_bytes`` KV scratch,
-        which later steps of that size need again; a draft model attached to this runner gets a pool of as
-        many blocks (its weights were loaded before, so they are not in the free memory)."""
-        if peak_allocated is None:
-            peak_allocated = torch.cuda.max_memory_allocated(self.device)
-        activation_peak = peak_allocated - allocated_before - scratch_bytes
-        torch.cuda.empty_cache()
-        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
-        draft_block_bytes = bytes_per_block(**self.draft.runner._kv_layout) if self.draft is not None else 0
-        num_blocks = cuda_kv_blocks(free_bytes=free_bytes, total_bytes=total_bytes,
-                                    memory_fraction=self.cuda_memory_fraction, activation_peak=activation_peak,
-                                    sampling_bytes=sampling_bytes + graph_bytes,
-                                    block_bytes=bytes_per_block(**self._kv_layout),
-                                    draft_block_bytes=draft_block_bytes)
-        if num_blocks < 1:
-            raise WarmupOutOfMemory(
-                f"no GPU memory left for the KV cache after warmup: {free_bytes} bytes free of {total_bytes}, "
-                f"`--cuda-memory-fraction` {self.cuda_memory_fraction}, activation peak {activation_peak} "
-                f"bytes, sampling {sampling_bytes} bytes"
-                + (f", CUDA graphs {graph_bytes} bytes" if graph_bytes else "")
-                + (f", a draft model's pool {draft_block_bytes} bytes a block" if draft_block_bytes else "")
-                + ". Decrease `--max-batch-prefill-tokens` or raise `--cuda-memory-fraction`")
-        return num_blocks
