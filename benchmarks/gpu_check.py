@@ -185,8 +185,8 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
         runner = ModelRunner(path, dtype=dtype, device=self.device, block_size=BLOCK_SIZE,
                              attention_backend=self.args.attention_backend,
                              cuda_graphs=parse_cuda_graphs(self.args.cuda_graphs),
-                             piecewise_graphs=parse_cuda_graphs(getattr(self.args, "piecewise_graphs", None),
-                                                                default=()), **kwargs)
+                             piecewise_graphs=parse_cuda_graphs(getattr(self.args, "piecewise_graphs", None) or "0"),
+                             **kwargs)
         runner.warmup()
         return runner
 

@@ -215,15 +215,15 @@ class ServedPart:
         idle = sum(w["idle_ms"] for w in loaded)
         share = idle / (busy + idle) if busy + idle else None
         said = f"{share:.1%} of the device's time idle between steps" if share is not None else "no window logged"
+        steps = sum(w["steps"] for w in loaded)
         if loaded and "turnaround_ms" in loaded[0]:  # what the gap is made of: the host's side of a step
-            steps = sum(w["steps"] for w in loaded)
             mean = {k: sum(w[k] * w["steps"] for w in loaded) / steps
                     for k in ("step_busy_ms", "host_launch_ms", "host_wait_ms", "turnaround_ms")}
             said += (f"; per step: device {mean['step_busy_ms']:.2f} ms, host launch {mean['host_launch_ms']:.2f} "
                      f"ms, result wait {mean['host_wait_ms']:.2f} ms, turnaround (bus + scheduler) "
                      f"{mean['turnaround_ms']:.2f} ms")
         if loaded and "eager_steps" in loaded[0] and idle:  # which steps the device waited for
-            eager = sum(w["eager_steps"] for w in loaded) / sum(w["steps"] for w in loaded)
+            eager = sum(w["eager_steps"] for w in loaded) / steps
             said += (f"; {sum(w['eager_idle_ms'] for w in loaded) / idle:.0%} of the idle before the {eager:.0%} "
                      f"of steps launched eagerly")
         self.row("3 served", f"c={concurrent} device idle", self.device.type != "cuda" or share is not None,

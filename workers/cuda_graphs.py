@@ -114,9 +114,9 @@ class DecodeGraphs:
             b: model.attention_backend.decode_graph_metadata(self.inputs, b) for b in self.sizes}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with adapters)
         self.outputs: dict[tuple[int, bool], tuple | None] = {}  # _run's, of each graph
-        # The last replay's rows' greedy ids and logprobs (rank 0), valid until the next replay of its size.
-        self.greedy: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.greedy_packed: torch.Tensor | None = None  # and its rows' as ResultCopy takes them, made in the graph
+        # The last replay's rows' greedy ids and logprobs, and the graph's vector of them as ResultCopy takes
+        # it (rank 0), valid until the next replay of its size.
+        self.greedy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.capture_seconds = 0.0
         if capture:
             self._capture()
@@ -197,8 +197,8 @@ class DecodeGraphs:
         if out is None:
             self.greedy = None
             return None
-        logits, ids, logprobs, self.greedy_packed = out
-        self.greedy = ids[:count], logprobs[:count]
+        logits, ids, logprobs, packed = out
+        self.greedy = ids[:count], logprobs[:count], packed
         return logits[:count]
 
     def forget(self, rids: list[str]) -> None:

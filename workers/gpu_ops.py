@@ -128,6 +128,6 @@ def unpack_decode_rows(staged: torch.Tensor, fed: torch.Tensor, small: torch.Ten
     """A replayed decode step's inputs from its staged rows (``cuda_graphs.DecodeGraphs``' layout, int32), in one
     kernel inside the graph: each of the ``batch`` rows' id (or, where its pick is ``p > 0``, ``fed[p - 1]``:
     a token the step before sampled), position and adapter slot into ``small``'s columns, its blocks staged
-    since its last step appended to its slot's row of ``slot_tables``, its whole table into its row of
-    ``tables``, and its KV slot (``small[2]``) from the table's block at its position."""
+    since its last step appended to its slot's row of ``slot_tables``, its table (as long as it is) into its
+    row of ``tables``, and its KV slot (``small[2]``) from the table's block at its position."""
     _triton().launch_unpack_decode_rows(staged, fed, small, tables, slot_tables, batch, block_size)

@@ -8,12 +8,12 @@ from __future__ import annotations
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def parse_cuda_graphs(text: str | None, default: tuple[int, ...] = DEFAULT_CUDA_GRAPHS,
-                      what: str = "batch sizes") -> tuple[int, ...]:
-    """``"1,2,4"`` -> (1, 2, 4); None -> ``default``; ``"0"`` (TGI's way to turn them off) or an empty text ->
-    (). Raises ValueError with the reason for anything else (``--piecewise-graphs`` reads the same way)."""
+def parse_cuda_graphs(text: str | None, what: str = "batch sizes") -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); None -> the default list; ``"0"`` (TGI's way to turn them off) or an empty
+    text -> (). Raises ValueError with the reason for anything else (``--piecewise-graphs``, whose default is
+    "0", reads the same way)."""
     if text is None:
-        return default
+        return DEFAULT_CUDA_GRAPHS
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if parts == ["0"] or not parts:
         return ()

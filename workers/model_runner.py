@@ -191,7 +191,7 @@ class ModelRunner(RunnerWarmup):
         if (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
                 and self.graphs.applies(seqs)):
             logits = self.graphs.forward(seqs, feed)
-            self._graph_greedy = self.graphs.greedy, self.graphs.greedy_packed
+            self._graph_greedy = self.graphs.greedy
             return logits
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,
                                    grouped=not self._lora_kernels)
@@ -293,8 +293,8 @@ class ModelRunner(RunnerWarmup):
             histories = self._record_histories(seqs, sampled, feed)
             if (self._graph_greedy is not None and mask_job is None
                     and all(plain_greedy(s.sampling) for s in sampled)):
-                out = Sampled(*self._graph_greedy[0])  # the graph's own choice: no sampling launched here
-                packed = self._graph_greedy[1]
+                ids, logprobs, packed = self._graph_greedy  # the graph's own choice: no sampling launched here
+                out = Sampled(ids, logprobs)
             else:
                 packed = None
                 # The watermark seeds on the token before the sampled one: the last one fed this step.

@@ -100,9 +100,9 @@ class _Plan:
         self.owner, self.size, self.pool = owner, size, pool
         self.layers = owner.model.layers
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.stream = torch.cuda.Stream() if pool is not None else None
         if pool is None:
             return
+        self.stream = torch.cuda.Stream()
         with torch.inference_mode(), owner.model.active_adapters.serving(None):
             # Each part reads what the one before made, where the graphs keep it: the capture runs no attention
             # (the heads buffer's rows are whatever they are; the heads computed are not attended).
@@ -116,7 +116,9 @@ class _Plan:
 
     def _capture(self, part):
         """``part()``'s outputs, its work captured as the next graph (run once uncaptured first: Triton compiles
-        and cuBLAS settles outside the capture)."""
+        and cuBLAS settles outside the capture). ``torch.cuda.graph`` would also synchronise, collect garbage
+        and empty the cache before each of a bucket's L + 1 parts; a side stream of the plan's own does what the
+        capture needs."""
         part()
         graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream())

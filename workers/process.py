@@ -318,7 +318,7 @@ class Worker:
         if self.cfg.runner != "model":
             return {}
         return {"attention_backend": self.cfg.attention_backend, "cuda_graphs": parse_cuda_graphs(self.cfg.cuda_graphs),
-                "piecewise_graphs": parse_cuda_graphs(self.cfg.piecewise_graphs, default=()),
+                "piecewise_graphs": parse_cuda_graphs(self.cfg.piecewise_graphs),
                 "lora_adapters": tuple(lora_entries(self.cfg.lora_adapters))}
 
     def loop(self) -> None:

@@ -119,7 +119,7 @@ class RunnerWarmup:
         peak_allocated = torch.cuda.max_memory_allocated(self.device)  # before the graphs' measurement resets it
         graph_bytes = self._measure_graph_bytes(cache)
         del cache, logits
-        self._capture_piecewise()  # before the pool is sized from what is free: its graphs' memory is not
+        self._capture_piecewise()  # before the pool is sized from what is free: what its graphs hold is taken
         num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes, sampling_bytes, graph_bytes,
                                                       peak_allocated)
         self.allocate_pool(num_blocks)

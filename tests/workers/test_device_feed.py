@@ -111,7 +111,7 @@ def test_a_steps_tokens_logprobs_and_top_tokens_come_back_in_one_copy():
     assert greedy.top is None
     assert unpack(pack(greedy.token_ids, greedy.logprobs, None).tolist(), 4, None) == (
         greedy.token_ids.tolist(), greedy.logprobs.tolist(), [])
-    # a replayed graph packs all of its 4 rows (cuda_graphs.DecodeGraphs.greedy_packed); a step of 3 reads its own
+    # a replayed graph packs all of its 4 rows (the third of cuda_graphs.DecodeGraphs.greedy); a step of 3 reads its own
     assert unpack(pack(greedy.token_ids, greedy.logprobs, None).tolist(), 3, None, logprobs_at=4) == (
         greedy.token_ids[:3].tolist(), greedy.logprobs[:3].tolist(), [])
 

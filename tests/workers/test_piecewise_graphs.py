@@ -98,8 +98,10 @@ def test_only_llama_layers_split_and_steps_within_the_buckets_without_adapters_t
 
 
 def test_the_setting_is_off_unless_given():
-    assert parse_cuda_graphs("0", default=()) == () and parse_cuda_graphs(None, default=()) == ()
-    assert parse_cuda_graphs("16,32", default=()) == (16, 32)
+    from llmbus.workers.process import WorkerConfig
+
+    assert parse_cuda_graphs(WorkerConfig.__dataclass_fields__["piecewise_graphs"].default) == ()
+    assert parse_cuda_graphs("16,32") == (16, 32)
 
 
 def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, monkeypatch):
