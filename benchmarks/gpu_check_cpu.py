@@ -4,9 +4,12 @@ on the lent machine's host CPU in the same run as the GPU parts.
 
 On the 2-core dev machine (benchmarks/overlap_ab.py) the worker's two OpenMP threads share the cores with the
 scheduler and the frontend, so there is no idle core for the overlap to use; the lent machine's host has 16. The
-servers are launched as a user launches them, so each worker computes with one thread a core it may run on
-(llmbus's default; the row records the cores and each worker's threads); ``OMP_NUM_THREADS`` set for this
-script reaches both workers, to leave cores free.
+servers are launched as a user launches them, so each worker computes with llmbus's default threads (a thread a
+physical core it may run on, within a cgroup's CPU quota, less two cores left to the scheduler and the frontend
+from 8 cores up: ``placement.CpuBudget``); ``OMP_NUM_THREADS`` set for this script reaches both workers. Run 5
+found a 31 ms forward pass at 16 threads on that host (about 7-10 ms on 2 cores here), so the row first times
+the batch-1 step in this process at each thread count worth knowing (``thread_sweep``): whether the default is
+the fast count there, and which compute paths the runner took.
 The method is overlap_ab.py's, through the same functions of served_ab.py: two `llmbus up --device cpu --dtype
 float32` launches of one folder (``launch``), one as it is and one with ``--disable-overlap``, side by side (an
 idle server takes no CPU), measured in turn (``alternate``: which goes first alternates, each round on prompts of
@@ -46,6 +49,7 @@ from served_ab import add_load_arguments, alternate, launch
 
 from llmbus.bus.procfs import load_average
 from llmbus.testing import Server
+from llmbus.workers.placement import CpuBudget, cpu_budget
 
 TARGET = 1.08  # overlap on / off, issue #39's CPU row
 SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -70,6 +74,10 @@ class CpuOverlapPart:
         model_dir = random_llama_dir(self.work / "smollm2_shape", shape, self.device, torch.bfloat16)
         self.free()
         built_s = time.perf_counter() - t0
+        budget = cpu_budget()
+        sweep = thread_sweep(model_dir, budget, steps=4 if self.dry else 32)
+        print(f"6 cpu overlap: {budget.describe()}; default {budget.threads(1)} threads; batch-1 step by threads: "
+              + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in sweep["step_ms"].items()), flush=True)
         parser = argparse.ArgumentParser()
         add_model_arguments(parser)
         add_load_arguments(parser)
@@ -95,13 +103,15 @@ class CpuOverlapPart:
                          for side, s in sides.items())
         self.row("6 cpu overlap", f"c={a.concurrency} overlap on/off", ok,
                  f"{median:.3f}x (rounds {', '.join(f'{r:.3f}' for r in ratios)}; target >= {TARGET}); {said}; "
-                 f"{os.cpu_count()} cores, worker threads {threads}"
+                 f"{budget.describe()}, worker threads {threads}; batch-1 step by threads "
+                 + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in sweep["step_ms"].items())
                  + (f"; streams cut short (round, side, tokens, errors): {short}" if short else ""),
                  backend=info.get("attention_backend", ""), device="cpu", dtype="float32", median_ratio=median,
                  ratios=ratios, target=TARGET, sides=sides, rounds=result["rounds"], short_streams=short,
                  tokens_a_side_and_round=expected, concurrency=a.concurrency, prompt_tokens=a.prompt_tokens,
                  new_tokens=a.new_tokens, requests=a.requests, api=a.api, cpu_count=os.cpu_count(),
                  cpu_affinity=len(os.sched_getaffinity(0)), worker_threads=dict(zip(SIDES, threads)),
+                 cpu_budget=budget.describe(), default_threads=budget.threads(1), thread_sweep=sweep,
                  load_average_before=load_before, load_average_after=load_average(), model=shape, info=info,
                  commands=commands,
                  model_build_seconds=round(built_s, 1), ready_seconds=round(started_s, 1),
@@ -126,6 +136,35 @@ def _side_by_side(*launches: list[str]):
             yield servers
         finally:  # a stop is mostly waiting too; each server's own exit then finds it stopped
             list(pool.map(Server.stop, servers))
+
+
+def thread_sweep(model_dir, budget: CpuBudget, steps: int) -> dict:
+    """The batch-1 float32 decode step of ``model_dir`` in this process at each thread count worth knowing
+    (powers of two, the default, every core, every CPU), fastest of three rounds a count: whether the default
+    thread count is the fast one on this host. With the CPU model, and the compute paths the runner took (a
+    host without a C compiler decodes through torch's ops, much slower)."""
+    from decode_step import LlmbusDecode
+
+    counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= budget.cpus}
+                    | {budget.threads(1), budget.cores, budget.cpus})
+    before = torch.get_num_threads()
+    decode = LlmbusDecode(str(model_dir), torch.float32, 1, 128, steps)
+    step_ms = {}
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            step_ms[n] = round(min(decode.time_steps(1, steps) for _ in range(3)) * 1e3, 2)
+    finally:
+        torch.set_num_threads(before)
+    return {"step_ms": step_ms, "cpu_model": _cpu_model(), "compute_paths": decode.runner.compute_paths}
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""
 
 
 def _worker_threads(server: Server) -> int | None:

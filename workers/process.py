@@ -36,8 +36,8 @@ from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
 from llmbus.workers.graph_sizes import cuda_graphs_problem, parse_cuda_graphs, piecewise_graphs_problem
 from llmbus.workers.host_memory import bound_onednn_caches, heap_on_huge_pages, keep_freed_memory
-from llmbus.workers.placement import (cpu_threads, cuda_float32_math, default_block_size, process_group_backend,
-                                      resolve_device, resolve_dtype)
+from llmbus.workers.placement import (cpu_budget, cpu_threads, cuda_float32_math, default_block_size,
+                                      process_group_backend, resolve_device, resolve_dtype)
 
 
 # How often a rank with a launched step looks at the step's device work; a command arriving meanwhile wakes it
@@ -220,8 +220,11 @@ class Worker:
             attention_backend_class(self.cfg.attention_backend, device)
         if device.type == "cuda":
             cuda_float32_math(self.cfg.allow_tf32)
+        cpu_said = {}
         if device.type == "cpu":
-            torch.set_num_threads(cpu_threads(self.cfg.world_size))
+            budget = cpu_budget()
+            torch.set_num_threads(cpu_threads(self.cfg.world_size, budget))
+            cpu_said = {"threads": torch.get_num_threads(), "cpu": budget.describe()}
             if not keep_freed_memory():
                 self.log.info("freed memory is returned to the system (no glibc mallopt): steps page-fault")
         if self.cfg.world_size > 1:
@@ -274,7 +277,7 @@ class Worker:
                       device=str(device), load_s=round(load_s, 2),
                       warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks,
                       kv_cache_dtype=str(getattr(self.runner, "kv_cache_dtype", dtype)).removeprefix("torch."),
-                      **({"threads": torch.get_num_threads()} if device.type == "cpu" else {}),
+                      **cpu_said,
                       **paths)
         send(self.control, m.WorkerReady(rank=self.cfg.rank, num_blocks=self.runner.num_blocks,
                                          block_size=self.runner.block_size,

@@ -62,5 +62,9 @@ def test_dry_run_writes_every_row(dry_run):
         assert side["tok_s"] > 0 and side["output_tokens"] == overlap["tokens_a_side_and_round"] == 8
         assert side["cpu_ms_a_token"]
     assert overlap["median_ratio"] > 0 and overlap["backend"]
+    # and the batch-1 step in-process at each thread count worth knowing, the default among them
+    sweep = overlap["thread_sweep"]
+    assert str(overlap["default_threads"]) in sweep["step_ms"] and "1" in sweep["step_ms"]
+    assert all(ms > 0 for ms in sweep["step_ms"].values()) and "fused_decode" in sweep["compute_paths"]
     # The table is printed last.
     assert "part" in done.stdout and "report:" in done.stdout.splitlines()[-1]

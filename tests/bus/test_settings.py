@@ -266,21 +266,19 @@ def test_frontend_settings_round_trip(monkeypatch):
 
 
 @pytest.mark.parametrize("env,cores,world_size,threads", [
-    (None, 8, 1, 8), (None, 8, 2, 4), (None, 3, 2, 1), (None, 1, 4, 1),  # an equal share, at least one
-    ("3", 8, 2, 3),  # the operator's OMP_NUM_THREADS wins
-    ("0", 8, 2, 4), ("many", 8, 2, 4),  # values OpenMP itself would not take are ignored
+    (None, 4, 1, 4), (None, 4, 2, 2), (None, 3, 2, 1), (None, 1, 4, 1),  # an equal share, at least one
+    (None, 16, 1, 14), (None, 16, 2, 7), (None, 8, 1, 6),  # from 8 cores two are left to serving
+    ("3", 16, 2, 3),  # the operator's OMP_NUM_THREADS wins
+    ("0", 4, 2, 2), ("many", 4, 2, 2),  # values OpenMP itself would not take are ignored
 ])
 def test_cpu_rank_threads(env, cores, world_size, threads, monkeypatch):
-    import os
-
-    from llmbus.workers.placement import cpu_threads
+    from llmbus.workers.placement import CpuBudget, cpu_threads
 
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", env)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-    assert cpu_threads(world_size) == threads
+    assert cpu_threads(world_size, CpuBudget(cpus=2 * cores, cores=cores)) == threads
 
 
 # ------------------------------------------------------------------ settings that check themselves

@@ -4,6 +4,7 @@ service, and each answered request gets a line with TGI's timing split."""
 from __future__ import annotations
 
 import json
+import re
 
 from llmbus.testing import Server
 from llmbus.testing.http import post
@@ -30,6 +31,7 @@ def test_json_output_lines_all_parse_and_name_their_service(tiny_model_dir):
     assert all("rank" in r for r in records if r["service"] == "worker"), "worker lines carry their rank"
     loaded = next(r for r in records if r.get("event") == "model loaded")
     assert loaded["threads"] == 1, loaded  # OMP_NUM_THREADS, as any OpenMP program reads it
+    assert re.fullmatch(r"\d+ CPUs, \d+ cores.*", loaded["cpu"]), loaded  # what the default would be from
     request = next(r for r in records if r.get("event") == "request")
     for key in ("total_time", "validation_time", "queue_time", "inference_time", "time_per_token"):
         assert request[key] >= 0, key
