@@ -15,8 +15,8 @@ its attention (``LlamaDecoderLayer.before_attention``); part i (1..L-1) runs lay
 (``after_attention``) and layer i up to its own; part L finishes layer L-1. Between parts, ``LlamaAttention.attend``
 runs eagerly on the step's real rows of the part's query, key and value heads, and its heads go into one buffer
 every part reads. The final norm and LM head run eagerly on the rows that need logits (``logits_of``), as the
-eager path does. Padding rows (ids and positions left from earlier steps, always valid) never reach the pool or
-the real rows: every captured op is row by row.
+eager path does. Padding rows (ids left from earlier steps, always valid, at position 0) never reach the pool or
+the real rows: every captured op is row by row, and LongRoPE's runs of positions end at the real rows.
 
 ``capture=False`` runs the same parts, buffers and padding without graphs: how CPU tests check that the parts
 compose to the eager forward, token for token.
@@ -25,6 +25,7 @@ compose to the eager forward, token for token.
 from __future__ import annotations
 
 import bisect
+import gc
 import time
 
 import torch
@@ -51,9 +52,17 @@ class PiecewiseGraphs:
         self.heads = torch.zeros(largest, attention.num_heads * attention.head_dim, dtype=probe.dtype,
                                  device=model.device)
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle() if capture else None
-        # largest first, sharing one pool: a smaller bucket's activations fit in the largest's
-        self.plans = {size: _Plan(self, size, pool) for size in reversed(self.sizes)}
+        pool = stream = None
+        if capture:
+            # What a runner freed before (another model's, in a check that builds several) goes back first: the
+            # pool's captures then take fresh memory only for what they keep.
+            gc.collect()
+            torch.cuda.empty_cache()
+            # One pool and one side stream for every bucket, largest first: the caching allocator reuses a freed
+            # block only on the stream that allocated it (and cuBLAS keeps a workspace per stream), so a smaller
+            # bucket's activations fit in the largest's only when they are captured on the same stream.
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        self.plans = {size: _Plan(self, size, pool, stream) for size in reversed(self.sizes)}
         if capture:
             torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
@@ -81,6 +90,10 @@ class PiecewiseGraphs:
         size = self.sizes[bisect.bisect_left(self.sizes, count)]
         self.ids[:count].copy_(input_ids)
         self.positions[:count].copy_(positions)
+        if count < size:
+            # LongRoPE picks its factors from the last position of each run of consecutive positions: a padding
+            # row left at the next position would lengthen the last sequence's run. Position 0 never continues one.
+            self.positions[count:size].zero_()
         hidden = self.plans[size].run(count, kv_cache, meta)
         return self.model.logits_of(hidden[:count], logits_index)
 
@@ -96,13 +109,12 @@ class _Plan:
     """One bucket's parts: graphs captured from ``first``, ``middle`` and ``last``, or (uncaptured) those
     functions called each step, and the tensors the attention between parts reads."""
 
-    def __init__(self, owner: PiecewiseGraphs, size: int, pool):
-        self.owner, self.size, self.pool = owner, size, pool
+    def __init__(self, owner: PiecewiseGraphs, size: int, pool, stream: torch.cuda.Stream | None):
+        self.owner, self.size, self.pool, self.stream = owner, size, pool, stream
         self.layers = owner.model.layers
         self.graphs: list[torch.cuda.CUDAGraph] = []
         if pool is None:
             return
-        self.stream = torch.cuda.Stream()
         with torch.inference_mode(), owner.model.active_adapters.serving(None):
             # Each part reads what the one before made, where the graphs keep it: the capture runs no attention
             # (the heads buffer's rows are whatever they are; the heads computed are not attended).
@@ -117,8 +129,8 @@ class _Plan:
     def _capture(self, part):
         """``part()``'s outputs, its work captured as the next graph (run once uncaptured first: Triton compiles
         and cuBLAS settles outside the capture). ``torch.cuda.graph`` would also synchronise, collect garbage
-        and empty the cache before each of a bucket's L + 1 parts; a side stream of the plan's own does what the
-        capture needs."""
+        and empty the cache before each of a bucket's L + 1 parts; the side stream that every plan shares does
+        what the capture needs."""
         part()
         graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream())

@@ -144,3 +144,30 @@ def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, mon
         assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
     assert results["hit"].tokens == expected.tokens[4]
     assert set(replays) == {8, 32}
+
+
+def test_padding_rows_do_not_lengthen_the_last_sequence_under_longrope(tmp_path):
+    """LongRoPE takes short or long factors from the last position of each run of consecutive positions. A
+    5-token prompt in the bucket of 8 after an 8-token one: the padding rows' stale positions 5, 6, 7 would
+    continue its run 0..4 past the original length of 6, and rotate its real rows with the long factors. The
+    step's logits equal the eager step's, where the run ends at 4."""
+    from llmbus.testing.families import save_tiny_family
+
+    half = 8
+    save_tiny_family(str(tmp_path), "Phi3Config", original_max_position_embeddings=6, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * half,
+        long_factor=[4.0 ** i for i in range(half)]))
+    runner, counts = _runner(str(tmp_path), (8,))
+    assert runner.model.rotary.rope_type == "longrope"
+
+    def prompt(rid, length, table):
+        return [SeqInput(rid=rid, token_ids=list(range(3, 3 + length)), num_computed=0, block_table=table,
+                         sample=True, sampling=SamplingParams())]
+
+    with torch.inference_mode():
+        runner._forward(prompt("a", 8, [0, 1]), runner.kv_cache)
+        logits = runner._forward(prompt("b", 5, [2, 3]), runner.kv_cache).clone()
+        assert counts == [8, 5]
+        runner.piecewise = None
+        eager = runner._forward(prompt("b", 5, [2, 3]), runner.kv_cache)
+    torch.testing.assert_close(logits, eager)
