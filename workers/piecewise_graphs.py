@@ -15,8 +15,8 @@ its attention (``LlamaDecoderLayer.before_attention``); part i (1..L-1) runs lay
 (``after_attention``) and layer i up to its own; part L finishes layer L-1. Between parts, ``LlamaAttention.attend``
 runs eagerly on the step's real rows of the part's query, key and value heads, and its heads go into one buffer
 every part reads. The final norm and LM head run eagerly on the rows that need logits (``logits_of``), as the
-eager path does. Padding rows (ids left from earlier steps, always valid, at position 0) never reach the pool or
-the real rows: every captured op is row by row, and LongRoPE's runs of positions end at the real rows.
+eager path does. Padding rows (ids and positions left from earlier steps, always valid) never reach the pool or
+the real rows: every captured op is row by row, and for LongRoPE each padding row is a sequence of its own.
 
 ``capture=False`` runs the same parts, buffers and padding without graphs: how CPU tests check that the parts
 compose to the eager forward, token for token.
@@ -45,6 +45,10 @@ class PiecewiseGraphs:
         largest, attention = self.sizes[-1], model.layers[0].attention
         self.ids = torch.zeros(largest, dtype=torch.long, device=model.device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=model.device)
+        # Where each sequence's rows start, for a rotary whose factors are chosen per sequence (LongRoPE): the
+        # padding rows are each a sequence of their own, so no real sequence's run reaches them.
+        self.starts = (torch.ones(largest, dtype=torch.bool, device=model.device) if model.rotary.per_sequence
+                       else None)
         # The attention's heads, which every part after one reads (``_attend``); their dtype is the projections'.
         with torch.inference_mode(), model.active_adapters.serving(None):
             probe = attention.project(model.layers[0].input_norm(
@@ -90,10 +94,11 @@ class PiecewiseGraphs:
         size = self.sizes[bisect.bisect_left(self.sizes, count)]
         self.ids[:count].copy_(input_ids)
         self.positions[:count].copy_(positions)
-        if count < size:
-            # LongRoPE picks its factors from the last position of each run of consecutive positions: a padding
-            # row left at the next position would lengthen the last sequence's run. Position 0 never continues one.
-            self.positions[count:size].zero_()
+        if self.starts is not None:
+            self.starts.fill_(True)
+            if meta.sequence_starts is not None:
+                self.starts[:count] = False
+                self.starts.index_fill_(0, meta.sequence_starts, True)
         hidden = self.plans[size].run(count, kv_cache, meta)
         return self.model.logits_of(hidden[:count], logits_index)
 
@@ -149,7 +154,8 @@ class _Plan:
         attention."""
         model, owner = self.owner.model, self.owner
         hidden = model.embed(owner.ids[:self.size]).to(RESIDUAL_DTYPE)
-        cos, sin = model.rotary.cos_sin(owner.positions[:self.size], model.dtype)
+        cos, sin = model.rotary.cos_sin(owner.positions[:self.size], model.dtype,
+                                        None if owner.starts is None else owner.starts[:self.size])
         residual, qk, value = self.layers[0].before_attention(hidden, None)
         return residual, cos, sin, qk, value
 

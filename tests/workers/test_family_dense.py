@@ -188,3 +188,33 @@ def test_gemma3_configs_before_layer_types_read_as_transformers_reads_them():
     assert ours.local_rope_theta == rope["sliding_attention"]["rope_theta"]
     assert ours.rope_theta == rope["full_attention"]["rope_theta"]
     assert ours.rope_scaling == {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
+
+
+@pytest.mark.parametrize("backend", ["cpu_kernel", "torch_sdpa"])
+def test_longrope_sequences_side_by_side_rotate_as_alone(backend, tmp_path):
+    """LongRoPE chooses a sequence's factors by its last position in the step. Two sequences side by side whose
+    positions continue each other (A's prompt at 0..5, then B decoding at 6; A decoding at 5, B at 6) stay two:
+    with an original length of 6, A's rows take the short factors as they do alone, and A's logits equal its
+    step alone."""
+    import torch
+
+    from llmbus.bus.messages import SamplingParams
+    from llmbus.workers.model_runner import ModelRunner, SeqInput
+
+    save_tiny_family(str(tmp_path), "Phi3Config", **_longrope(16, 6))
+    runner = ModelRunner(str(tmp_path), block_size=4, num_blocks=16, attention_backend=backend)
+
+    def seq(rid, tokens, computed, table):
+        return SeqInput(rid=rid, token_ids=tokens, num_computed=computed, block_table=table, sample=True,
+                        sampling=SamplingParams())
+
+    a_prompt, b_prompt = list(range(3, 9)), list(range(20, 26))
+    with torch.inference_mode():
+        runner._forward([seq("b", b_prompt, 0, [4, 5])], runner.kv_cache)
+        alone = runner._forward([seq("a", a_prompt, 0, [0, 1])], runner.kv_cache).clone()
+        beside = runner._forward([seq("a", a_prompt, 0, [0, 1]), seq("b", [30], 6, [4, 5])], runner.kv_cache)
+        torch.testing.assert_close(beside[0], alone[0])
+        a_decode = seq("a", [40], 5, [0, 1])  # overwrites A's last prompt token's K/V with this token's
+        alone = runner._forward([a_decode], runner.kv_cache).clone()
+        beside = runner._forward([a_decode, seq("b", [30], 6, [4, 5])], runner.kv_cache)
+        torch.testing.assert_close(beside[0], alone[0])

@@ -59,6 +59,16 @@ class AttentionMetadata:
     # The whole step as kernel rows, every token in order, where the backend made it one (its only group);
     # None otherwise.
     kernel_rows: KernelRows | None = None
+    # [N] first row of each sequence in the flat token batch; None: every row is a sequence of its own (a
+    # decode-only step). LongRoPE chooses its factors per sequence.
+    sequence_starts: torch.Tensor | None = None
+
+    def start_mask(self, num_rows: int) -> torch.Tensor | None:
+        """[num_rows] bool, True at each sequence's first row; None where every row starts one."""
+        if self.sequence_starts is None:
+            return None
+        return torch.zeros(num_rows, dtype=torch.bool, device=self.positions.device).index_fill_(
+            0, self.sequence_starts, True)
 
 
 @dataclass(slots=True)

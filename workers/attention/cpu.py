@@ -59,7 +59,7 @@ class CPUKernelBackend(TorchSDPABackend):
                 context_lens=context_lens, window_starts=self._window_starts(context_lens),
                 max_context=max_context)
             return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[group],
-                                     kernel_rows=group)
+                                     kernel_rows=group, sequence_starts=index.query_starts)
         return super().build_metadata(query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
                                       kv_cache=kv_cache, device=device)
 

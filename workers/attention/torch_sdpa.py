@@ -85,7 +85,8 @@ class TorchSDPABackend(AttentionBackend):
                   for members in self._decode_groups(decodes, query_lens, num_computed, kv_cache)]
         if prefills:
             groups.append(self._padded_group(index, prefills, query_lens, num_computed, kv_cache, device))
-        return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=groups)
+        return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=groups,
+                                 sequence_starts=index.query_starts)
 
     def _decode_groups(self, decodes: list[int], query_lens: list[int], num_computed: list[int],
                        kv_cache: PagedKVCache) -> list[list[int]]:

@@ -96,7 +96,8 @@ class TritonAttentionBackend(AttentionBackend):
         step = TritonStep(tables=index.tables, programs=self.kernels.program_map(query_lens, block_q, device),
                           block_q=block_q, query_starts=index.query_starts, query_lens=index.query_lens,
                           num_computed=index.num_computed)
-        return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[step])
+        return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[step],
+                                 sequence_starts=index.query_starts)
 
     def decode_graph_metadata(self, inputs: DecodeGraphInputs, batch: int) -> AttentionMetadata:
         """One program per row, as ``build_metadata`` plans a decode-only step; each row is its own sequence,

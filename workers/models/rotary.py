@@ -62,8 +62,17 @@ class RotaryEmbedding:
             inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32, device=device)
         self.inv_freq = inv_freq
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 1, rotary_dim]`` cos and signed sin for ``positions [T]``, broadcastable over heads."""
+    @property
+    def per_sequence(self) -> bool:
+        """Whether a token's rotation depends on its sequence's other tokens in the step (``cos_sin``'s
+        ``starts``): LongRoPE's factors are chosen by the sequence's last position."""
+        return self.rope_type == "longrope"
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, rotary_dim]`` cos and signed sin for ``positions [T]``, broadcastable over heads. ``starts``
+        ([T] bool, True at each sequence's first row; None: every row its own sequence) where
+        ``per_sequence``."""
         pos = positions.float()[:, None]
         if self.rope_type == "dynamic":
             seq_len = torch.clamp(pos + 1, min=self.original_max_positions)
@@ -71,7 +80,7 @@ class RotaryEmbedding:
             base = self.theta * ((factor * seq_len / self.original_max_positions) - (factor - 1)) ** (dim / (dim - 2))
             freqs = pos * (1.0 / base ** self.exponents[None, :])
         elif self.rope_type == "longrope":
-            long = (_sequence_last_positions(positions) >= self.original_max_positions)[:, None]
+            long = (_sequence_last_positions(positions, starts) >= self.original_max_positions)[:, None]
             freqs = pos * torch.where(long, self.long_inv_freq[None, :], self.inv_freq[None, :])
         else:
             freqs = pos * self.inv_freq[None, :]
@@ -84,10 +93,12 @@ class RotaryEmbedding:
                 torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
 
 
-def _sequence_last_positions(positions: torch.Tensor) -> torch.Tensor:
-    """Per token, the last position of its run of consecutive positions (its sequence in the step)."""
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[1:] = positions[1:] != positions[:-1] + 1
+def _sequence_last_positions(positions: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    """Per token, the last position of its sequence in the step (a sequence's rows are consecutive, from a row
+    ``starts`` marks). Not inferred from the positions: two sequences side by side at consecutive positions
+    are still two."""
+    if starts is None:
+        return positions
     run = torch.cumsum(starts, 0) - 1
     last = torch.zeros_like(positions).scatter_reduce(0, run, positions, reduce="amax", include_self=False)
     return last[run]
