@@ -231,14 +231,23 @@ def mixed_requests(prompts: list[list[int]]) -> list[Request]:
 
 
 def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_file: str,
-               batches: dict[str, list[Request]], lora_adapters: tuple[tuple[str, str], ...] = ()) -> None:
+               batches: dict[str, list[Request]], lora_adapters: tuple[tuple[str, str], ...] = (),
+               attention_backend: str = "auto", piecewise: tuple[int, ...] = ()) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                          world_size=world_size)
     try:
         tp_runner = ModelRunner(model_dir, rank=rank, world_size=world_size, block_size=BLOCK_SIZE,
-                                num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, lora_adapters=lora_adapters)
+                                num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, lora_adapters=lora_adapters,
+                                attention_backend=attention_backend)
         tp_runner.warmup()
+        if piecewise:  # the parts uncaptured, as a GPU rank would replay them (piecewise_graphs.py)
+            from llmbus.workers.piecewise_graphs import PiecewiseGraphs
+
+            tp_runner.piecewise = PiecewiseGraphs(tp_runner.model, piecewise, capture=False)
+            forward = tp_runner.piecewise.forward
+            tp_runner.piecewise.forward = lambda ids, *a: piecewise_counts.append(len(ids)) or forward(ids, *a)
+        piecewise_counts: list[int] = []
 
         def share_tokens(sampled):
             box = [sampled]
@@ -248,6 +257,8 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
         results = {name: {rid: [r.tokens, r.logprobs]
                           for rid, r in drive(tp_runner, requests, share_tokens=share_tokens).items()}
                    for name, requests in batches.items()}
+        if piecewise and not set(piecewise_counts) - set(piecewise):  # raised in the caller by spawn
+            raise AssertionError(f"rank {rank}: no step ran piecewise padded to a bucket: {piecewise_counts}")
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(results, f)
@@ -256,14 +267,17 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
 
 
 def drive_tensor_parallel(model_dir: str, batches: dict[str, list[Request]], work_dir: str,
-                          world_size: int = 2, lora_adapters: tuple[tuple[str, str], ...] = ()
+                          world_size: int = 2, lora_adapters: tuple[tuple[str, str], ...] = (),
+                          attention_backend: str = "auto", piecewise: tuple[int, ...] = ()
                           ) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
     """``drive`` each batch in turn on ``world_size`` gloo ranks (one spawn for all of them), each rank loading
-    ``lora_adapters`` (ModelRunner's); per batch name, rank 0's ``{rid: (tokens, logprobs)}``."""
+    ``lora_adapters`` and computing attention on ``attention_backend`` (ModelRunner's), its eager steps within
+    ``piecewise`` token counts through uncaptured piecewise graphs (a rank where no step did, padded, fails);
+    per batch name, rank 0's ``{rid: (tokens, logprobs)}``."""
     out_file = os.path.join(work_dir, "tp_out.json")
     init_file = os.path.join(work_dir, "tp_init")
     torch.multiprocessing.spawn(_tp_worker, args=(world_size, model_dir, init_file, out_file, batches,
-                                                  lora_adapters), nprocs=world_size)
+                                                  lora_adapters, attention_backend, piecewise), nprocs=world_size)
     with open(out_file) as f:
         return {name: {rid: (tokens, logprobs) for rid, (tokens, logprobs) in results.items()}
                 for name, results in json.load(f).items()}
