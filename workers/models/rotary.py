@@ -8,9 +8,9 @@ Schemes: default, ``linear``, ``dynamic`` (NTK), ``llama3``, and Phi-3's ``longr
 ``long_factor`` divisors of the frequencies and an attention factor on cos and sin. A sequence whose
 length passes ``original_max_position_embeddings`` is rotated with the long factors, one within it with
 the short ones, as transformers chooses; the choice is made per sequence of the step, by its last
-position in it. A step's sequences are found as runs of consecutive positions (two sequences whose
-positions happen to continue each other are taken as one, which can only change the choice for the
-first when the second crosses the original length in that step). One difference remains: when a
+position in it. A step's sequences are its attention metadata's (``AttentionMetadata.start_mask``), not
+guessed from the positions: two sequences side by side whose positions continue each other stay two, and
+in a decode-only step every row is its own. One difference remains: when a
 generation crosses the original length, transformers' Phi-3 drops its cache and recomputes the whole
 sequence with the long factors, where here the keys already computed keep their short-factor rotation
 and only the tokens from the crossing on take the long factors; prompts longer than the
