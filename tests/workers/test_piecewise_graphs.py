@@ -147,10 +147,11 @@ def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, mon
 
 
 def test_padding_rows_do_not_lengthen_the_last_sequence_under_longrope(tmp_path):
-    """LongRoPE takes short or long factors from the last position of each run of consecutive positions. A
-    5-token prompt in the bucket of 8 after an 8-token one: the padding rows' stale positions 5, 6, 7 would
-    continue its run 0..4 past the original length of 6, and rotate its real rows with the long factors. The
-    step's logits equal the eager step's, where the run ends at 4."""
+    """LongRoPE takes short or long factors from the last position of each sequence in the step. A 5-token
+    prompt in the bucket of 8 after an 8-token one: the padding rows keep the stale positions 5, 6, 7, and were
+    they counted as its rows, its last position would pass the original length of 6 and its real rows would
+    rotate with the long factors. Each padding row starts a sequence of its own; the step's logits equal the
+    eager step's, where the prompt ends at 4."""
     from llmbus.testing.families import save_tiny_family
 
     half = 8
