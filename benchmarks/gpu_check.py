@@ -181,11 +181,26 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
             torch.cuda.empty_cache()
 
     def runner(self, path: str, dtype: torch.dtype, **kwargs) -> ModelRunner:
-        """A ModelRunner on the check's device and ``--attention-backend``, warmed up."""
+        """A ModelRunner on the check's device and ``--attention-backend``, warmed up. Where one with
+        ``--piecewise-graphs`` fails to warm up, a "piecewise" row says why and the check goes on without them
+        (this runner and every later one, the served part's included): a capture that fails on the device must
+        not cost the run its other rows."""
+        piecewise = parse_cuda_graphs(getattr(self.args, "piecewise_graphs", None) or "0")
+        try:
+            return self._warm_runner(path, dtype, piecewise, **kwargs)
+        except Exception as exc:
+            if not piecewise:
+                raise
+            self.row("piecewise", "warm-up", False, f"a runner with piecewise graphs {piecewise} failed to warm up; "
+                     f"off from here: {type(exc).__name__}: {exc}"[:300], error=traceback.format_exc())
+            self.args.piecewise_graphs = None
+            self.free()
+            return self._warm_runner(path, dtype, (), **kwargs)
+
+    def _warm_runner(self, path: str, dtype: torch.dtype, piecewise: tuple[int, ...], **kwargs) -> ModelRunner:
         runner = ModelRunner(path, dtype=dtype, device=self.device, block_size=BLOCK_SIZE,
                              attention_backend=self.args.attention_backend,
-                             cuda_graphs=parse_cuda_graphs(self.args.cuda_graphs),
-                             piecewise_graphs=parse_cuda_graphs(getattr(self.args, "piecewise_graphs", None) or "0"),
+                             cuda_graphs=parse_cuda_graphs(self.args.cuda_graphs), piecewise_graphs=piecewise,
                              **kwargs)
         runner.warmup()
         return runner

@@ -4,7 +4,9 @@ must hold every row, each part's rows naming the attention backend they ran on."
 
 from __future__ import annotations
 
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = {"llama3_gqa", "mixtral"}  # the dry run's (gpu_check.DRY_FAMILIES)
 
 
@@ -68,3 +70,39 @@ def test_dry_run_writes_every_row(dry_run):
     assert all(ms > 0 for ms in sweep["step_ms"].values()) and "fused_decode" in sweep["compute_paths"]
     # The table is printed last.
     assert "part" in done.stdout and "report:" in done.stdout.splitlines()[-1]
+
+
+def test_a_runner_whose_piecewise_graphs_fail_is_a_row_and_the_check_goes_on_without_them(monkeypatch, tmp_path):
+    """A capture that fails on the device must not cost the lent run its other rows: the runner warms up
+    again without piecewise graphs, a "piecewise" row carries the error, and later runners (and the served
+    part's launch) are not asked for them."""
+    import argparse
+    import importlib
+
+    from llmbus.testing.runner_driver import save_tiny_llama
+    from llmbus.workers.model_runner import ModelRunner
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    gpu_check = importlib.import_module("gpu_check")
+    asked = []
+    warmup = ModelRunner.warmup
+
+    def failing_warmup(runner):
+        asked.append(runner.piecewise_sizes)
+        if runner.piecewise_sizes:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return warmup(runner)
+
+    monkeypatch.setattr(ModelRunner, "warmup", failing_warmup)
+    rows = []
+    check = gpu_check.Check.__new__(gpu_check.Check)
+    check.args = argparse.Namespace(attention_backend="auto", cuda_graphs="0", piecewise_graphs="16,32")
+    check.device, check.report = gpu_check.torch.device("cpu"), None
+    check.row = lambda part, name, ok, summary, **details: rows.append((part, name, ok, summary))
+    save_tiny_llama(str(tmp_path / "m"), tied=True, vocab_size=256)
+    first = check.runner(str(tmp_path / "m"), gpu_check.torch.float32)
+    second = check.runner(str(tmp_path / "m"), gpu_check.torch.float32)
+    assert first.piecewise is None and second.piecewise is None
+    assert asked == [(16, 32), (), ()] and check.args.piecewise_graphs is None
+    ((part, name, ok, summary),) = rows
+    assert (part, name, ok) == ("piecewise", "warm-up", False) and "stream is capturing" in summary
