@@ -1,6 +1,7 @@
-"""``step_index``: a step's block tables, positions and KV slots, computed on the host and sent in one copy.
-Checked against a per-token loop over the same lists, for any mix of prompt chunks and decodes, and each field
-starting on a 16-byte boundary (Triton compiles a kernel again for each alignment of its pointers)."""
+"""``step_index``: a step's block tables, positions and KV slots, computed on the host and sent in one copy (the
+padded table filled from it on the device). Checked against a per-token loop over the same lists, for any mix of
+prompt chunks and decodes, and each field starting on a 16-byte boundary (Triton compiles a kernel again for each
+alignment of its pointers)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ def test_matches_a_per_token_loop(step):
     assert index.query_starts.tolist() == starts
     assert index.tables.tolist() == [table + [SPARE] * (width - len(table)) for table in tables]
     assert index.positions.tolist() == positions and index.slot_mapping.tolist() == slots
-    fields = (index.query_lens, index.num_computed, index.query_starts, index.tables, index.positions,
-              index.slot_mapping)
-    assert all(f.dtype == torch.long and f.data_ptr() % 16 == 0 for f in fields)
-    assert len({f.untyped_storage().data_ptr() for f in fields}) == 1, "one copy, every field a view of it"
+    sent = (index.query_lens, index.num_computed, index.query_starts, index.positions, index.slot_mapping)
+    assert all(f.dtype == torch.long and f.data_ptr() % 16 == 0 for f in (*sent, index.tables))
+    assert len({f.untyped_storage().data_ptr() for f in sent}) == 1, "one copy, every field a view of it"

@@ -105,28 +105,34 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
     one copy that does not wait (``to_device``): on a GPU each torch op here was a launch of its own, and in a
     served c=64 wave this function was a third of an eager step's host time beside its layers (run 9's
     py-spy). Each field is a view of that copy, starting on a 16-byte boundary (``rows_to_device``: Triton
-    compiles a kernel again for each pattern of its pointers' alignment)."""
+    compiles a kernel again for each pattern of its pointers' alignment). The blocks go over as they are and
+    are placed into the padded table on the device: one long context beside short ones would otherwise send
+    every row padded to its length."""
     block_size = kv_cache.block_size
     lens = np.asarray(query_lens, dtype=np.int64)
     computed = np.asarray(num_computed, dtype=np.int64)
     widths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
-    # Padded [N, max_blocks] block table, the pool's spare block past each sequence's own
-    tables = np.full((len(block_tables), int(widths.max())), kv_cache.num_blocks, dtype=np.int64)
-    tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(widths.sum()))
+    flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(widths.sum()))
+    width = int(widths.max())
+    first_block = np.cumsum(widths) - widths
+    table_index = np.arange(flat_blocks.size) - np.repeat(first_block - np.arange(len(widths)) * width, widths)
     starts = np.cumsum(lens) - lens
     seq_of_token = np.repeat(np.arange(len(lens)), lens)
     positions = np.arange(int(lens.sum())) - starts[seq_of_token] + computed[seq_of_token]
-    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    fields = (lens, computed, starts, tables, positions, slots)
+    slots = flat_blocks[first_block[seq_of_token] + positions // block_size] * block_size + positions % block_size
+    fields = (lens, computed, starts, positions, slots, flat_blocks, table_index)
     per_line = 16 // 8  # int64s a 16-byte boundary
     offsets = np.cumsum([0] + [-(-f.size // per_line) * per_line for f in fields])
     packed = np.zeros(int(offsets[-1]), dtype=np.int64)
     for field, offset in zip(fields, offsets):
-        packed[offset:offset + field.size] = field.ravel()
+        packed[offset:offset + field.size] = field
     sent = to_device(torch.from_numpy(packed), torch.long, device)
-    views = [sent[offset:offset + field.size].view(field.shape) for field, offset in zip(fields, offsets)]
-    return StepIndex(*views)
+    lens_t, computed_t, starts_t, positions_t, slots_t, blocks_t, table_index_t = (
+        sent[offset:offset + field.size] for field, offset in zip(fields, offsets))
+    # the pool's spare block past each sequence's own
+    tables = torch.full((len(widths) * width,), kv_cache.num_blocks, dtype=torch.long, device=device)
+    tables = tables.scatter_(0, table_index_t, blocks_t).view(len(widths), width)
+    return StepIndex(lens_t, computed_t, starts_t, tables, positions_t, slots_t)
 
 
 def group_token_index(index: StepIndex, members: list[int], query_lens: list[int],
