@@ -106,3 +106,16 @@ def test_a_runner_whose_piecewise_graphs_fail_is_a_row_and_the_check_goes_on_wit
     assert asked == [(16, 32), (), ()] and check.args.piecewise_graphs is None
     ((part, name, ok, summary),) = rows
     assert (part, name, ok) == ("piecewise", "warm-up", False) and "stream is capturing" in summary
+
+
+def test_part_6_serves_at_the_fastest_thread_count_only_where_it_beats_the_default_clearly(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    fastest_env = importlib.import_module("gpu_check_cpu")._fastest_threads_env
+    assert fastest_env({1: 30.0, 2: 20.0, 8: 5.0, 14: 31.0, 16: 31.0}, 14) == {"OMP_NUM_THREADS": "8"}
+    assert fastest_env({1: 10.9, 2: 6.6}, 2) == {}  # the default is the fastest
+    assert fastest_env({1: 10.9, 2: 6.6, 4: 6.0}, 2) == {}  # within 15% of it
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's count is kept
+    assert fastest_env({1: 30.0, 8: 5.0, 14: 31.0}, 14) == {}
