@@ -157,7 +157,9 @@ def thread_sweep(model_dir, budget: CpuBudget, steps: int) -> dict:
     """The batch-1 float32 decode step of ``model_dir`` in this process at each thread count worth knowing
     (powers of two, the default, every core, every CPU), fastest of three rounds a count: whether the default
     thread count is the fast one on this host. With the CPU model, and the compute paths the runner took (a
-    host without a C compiler decodes through torch's ops, much slower)."""
+    host without a C compiler decodes through torch's ops, much slower). The threads spin as libgomp's default
+    has them, not at the ranks' ``GOMP_SPINCOUNT`` (read once, when torch loads it): steps back to back keep
+    them awake either way."""
     from decode_step import LlmbusDecode
 
     counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= budget.cpus}
