@@ -104,10 +104,12 @@ class PiecewiseGraphs:
 
     def _attend(self, layer: int, qk, value, cos, sin, count: int, kv_cache: PagedKVCache,
                 meta: AttentionMetadata) -> None:
-        """Layer ``layer``'s attention over the step's ``count`` real rows, its heads into ``heads``."""
-        heads = self.model.layers[layer].attention.attend(qk[:count], value[:count], cos[:count], sin[:count],
-                                                          self.model.attention_backend, kv_cache, meta)
-        self.heads[:count].copy_(heads.reshape(count, -1))
+        """Layer ``layer``'s attention over the step's ``count`` real rows, its heads into ``heads`` (written
+        there by the attention kernel where the backend's can, not copied)."""
+        attention = self.model.layers[layer].attention
+        attention.attend(
+            qk[:count], value[:count], cos[:count], sin[:count], self.model.attention_backend, kv_cache, meta,
+            out=self.heads[:count].view(count, attention.num_heads, attention.head_dim))
 
 
 class _Plan:

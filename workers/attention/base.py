@@ -200,10 +200,13 @@ class AttentionBackend(ABC):
 
     def forward_rotary(self, layer: int, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
                        signed_sin: torch.Tensor, num_heads: int, kv_cache: PagedKVCache, meta: AttentionMetadata,
-                       scale: float) -> torch.Tensor:
+                       scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` on queries and keys before RoPE: ``qk [T, num_heads + Hkv, D]`` (the queries, then the
         keys), rotated by ``cos``/``signed_sin`` (``RotaryEmbedding.cos_sin``). Here: side by side in one
         rotary application (``gpu_ops.apply_rotary``), then ``forward``; a backend that writes the keys
-        itself may rotate them on the way."""
+        itself may rotate them on the way. ``out`` (``[T, num_heads, D]``, the queries' dtype): where the
+        heads go, and what is returned (a piecewise step's parts read them there); a backend whose kernel
+        can write there saves a copy."""
         qk = apply_rotary(qk, cos, signed_sin)
-        return self.forward(layer, qk[:, :num_heads], qk[:, num_heads:], value, kv_cache, meta, scale)
+        heads = self.forward(layer, qk[:, :num_heads], qk[:, num_heads:], value, kv_cache, meta, scale)
+        return heads if out is None else out.copy_(heads)

@@ -118,21 +118,21 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_rotary(self, layer: int, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
                        signed_sin: torch.Tensor, num_heads: int, kv_cache: PagedKVCache, meta: AttentionMetadata,
-                       scale: float) -> torch.Tensor:
+                       scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE and the K/V write in one kernel (``triton_kernels.rotary_kv_write``) where the whole head is
         rotated and the heads are contiguous rows; partial rotation takes the base class's path."""
         if cos.shape[-1] != qk.shape[-1] or qk.stride(-1) != 1 or value.stride(-1) != 1:
-            return super().forward_rotary(layer, qk, value, cos, signed_sin, num_heads, kv_cache, meta, scale)
+            return super().forward_rotary(layer, qk, value, cos, signed_sin, num_heads, kv_cache, meta, scale, out)
         key_slots, value_slots = kv_cache.layer_slots(layer)
         query = self.kernels.rotary_kv_write(qk, value, cos, signed_sin, num_heads, meta.slot_mapping, key_slots,
                                              value_slots)
-        return self._attend(layer, query, kv_cache, meta, scale)
+        return self._attend(layer, query, kv_cache, meta, scale, out)
 
     def _attend(self, layer: int, query: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """The step's queries over ``layer``'s pool, its new K/V already written."""
+                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's queries over ``layer``'s pool, its new K/V already written (into ``out`` where given)."""
         step: TritonStep = meta.groups[0]
         key_blocks, value_blocks = kv_cache.layer_blocks(layer)
         return self.kernels.paged_attention(
             query, key_blocks, value_blocks, step.tables, step.programs, step.block_q, step.query_starts,
-            step.query_lens, step.num_computed, scale, self.windows[self.window_index(layer)])
+            step.query_lens, step.num_computed, scale, self.windows[self.window_index(layer)], out=out)

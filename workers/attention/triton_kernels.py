@@ -263,8 +263,9 @@ def key_splits(programs: int, num_kv_heads: int, block_q: int, device: torch.dev
 def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
                     tables: torch.Tensor, programs: torch.Tensor, block_q: int, query_starts: torch.Tensor,
                     query_lens: torch.Tensor, num_computed: torch.Tensor, scale: float,
-                    window: int | None) -> torch.Tensor:
-    """``query [T, Hq, D]`` of a step over one layer's pool -> ``[T, Hq, D]`` in ``query``'s dtype.
+                    window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``query [T, Hq, D]`` of a step over one layer's pool -> ``[T, Hq, D]`` in ``query``'s dtype (``out``
+    where given, rows of unit-stride heads).
 
     ``key_blocks``/``value_blocks [Hkv, blocks, block_size, D]``: the layer's pool, the step's K/V already
     written; ``tables [N, >= blocks per sequence]`` each sequence's blocks in order; ``programs``:
@@ -275,7 +276,11 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
     num_kv_heads, _, block_size, _ = key_blocks.shape
     if query.stride(-1) != 1:
         query = query.contiguous()
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(f"paged_attention's out must be {tuple(query.shape)} {query.dtype} with unit-stride "
+                         f"heads, not {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     per_kv = num_heads // num_kv_heads
     block_h = max(triton.next_power_of_2(per_kv), MIN_ROWS // block_q)
     block_d = max(16, triton.next_power_of_2(head_dim))

@@ -230,11 +230,13 @@ class LlamaAttention:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         return qk, qkv[:, self.qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
 
-    def attend(self, qk, value, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata):
+    def attend(self, qk, value, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata, out=None):
         """The heads' attention over the pool, this step's keys and values written to it first: the one part
-        of a layer that reads the step's metadata (piecewise_graphs.py runs it between captured parts)."""
+        of a layer that reads the step's metadata (piecewise_graphs.py runs it between captured parts, the
+        heads into ``out``)."""
         # RoPE is the backend's: the Triton one rotates the keys as it writes them to the pool.
-        return backend.forward_rotary(self.layer, qk, value, cos, sin, self.num_heads, kv_cache, meta, self.scale)
+        return backend.forward_rotary(self.layer, qk, value, cos, sin, self.num_heads, kv_cache, meta, self.scale,
+                                      out)
 
     def output(self, attended):
         """The output projection of ``attend``'s heads, summed over the ranks."""
