@@ -95,10 +95,10 @@ class PiecewiseGraphs:
         self.ids[:count].copy_(input_ids)
         self.positions[:count].copy_(positions)
         if self.starts is not None:
-            self.starts.fill_(True)
-            if meta.sequence_starts is not None:
-                self.starts[:count] = False
-                self.starts.index_fill_(0, meta.sequence_starts, True)
+            self.starts.fill_(True)  # the padding rows
+            mask = meta.start_mask(count)
+            if mask is not None:
+                self.starts[:count].copy_(mask)
         hidden = self.plans[size].run(count, kv_cache, meta)
         return self.model.logits_of(hidden[:count], logits_index)
 
