@@ -227,6 +227,18 @@ def mixed_requests(prompts: list[list[int]]) -> list[Request]:
             for i, (p, a, c) in enumerate(zip(prompts, arrivals, chunks))]
 
 
+def uncaptured_piecewise(runner: ModelRunner, sizes: tuple[int, ...]) -> list[int]:
+    """Give ``runner`` piecewise graphs of ``sizes`` whose parts run uncaptured (as a GPU rank would replay
+    them: ``piecewise_graphs.py``); the list that then gets each piecewise step's token count."""
+    from llmbus.workers.piecewise_graphs import PiecewiseGraphs
+
+    runner.piecewise = PiecewiseGraphs(runner.model, sizes, capture=False)
+    counts: list[int] = []
+    forward = runner.piecewise.forward
+    runner.piecewise.forward = lambda ids, *a: counts.append(len(ids)) or forward(ids, *a)
+    return counts
+
+
 # -- tensor parallelism --------------------------------------------------------------------------
 
 
@@ -241,13 +253,7 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
                                 num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, lora_adapters=lora_adapters,
                                 attention_backend=attention_backend)
         tp_runner.warmup()
-        if piecewise:  # the parts uncaptured, as a GPU rank would replay them (piecewise_graphs.py)
-            from llmbus.workers.piecewise_graphs import PiecewiseGraphs
-
-            tp_runner.piecewise = PiecewiseGraphs(tp_runner.model, piecewise, capture=False)
-            forward = tp_runner.piecewise.forward
-            tp_runner.piecewise.forward = lambda ids, *a: piecewise_counts.append(len(ids)) or forward(ids, *a)
-        piecewise_counts: list[int] = []
+        piecewise_counts = uncaptured_piecewise(tp_runner, piecewise) if piecewise else []
 
         def share_tokens(sampled):
             box = [sampled]

@@ -10,7 +10,8 @@ import torch
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.testing.families import family_requests
-from llmbus.testing.runner_driver import BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts, reference
+from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts, reference,
+                                          uncaptured_piecewise)
 from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.graph_sizes import parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
@@ -27,13 +28,10 @@ def _runner(model_dir: str, sizes: tuple[int, ...], decode_sizes: tuple[int, ...
     its decode steps through uncaptured decode graphs of ``decode_sizes``); and each piecewise step's token
     count."""
     runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton")
-    runner.piecewise = PiecewiseGraphs(runner.model, sizes, capture=False)
+    counts = uncaptured_piecewise(runner, sizes)
     if decode_sizes:
         runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, decode_sizes,
                                      -(-runner.max_position_embeddings // BLOCK_SIZE), capture=False)
-    counts: list[int] = []
-    forward = runner.piecewise.forward
-    runner.piecewise.forward = lambda ids, *a: counts.append(len(ids)) or forward(ids, *a)
     return runner, counts
 
 
