@@ -222,6 +222,12 @@ class ServedPart:
             said += (f"; per step: device {mean['step_busy_ms']:.2f} ms, host launch {mean['host_launch_ms']:.2f} "
                      f"ms, result wait {mean['host_wait_ms']:.2f} ms, turnaround (bus + scheduler) "
                      f"{mean['turnaround_ms']:.2f} ms")
+            if "host_apply_ms" in loaded[0]:
+                eager_steps = sum(w["eager_steps"] for w in loaded)
+                eager_launch = sum(w["eager_launch_ms"] * w["eager_steps"] for w in loaded) / max(eager_steps, 1)
+                apply_ms = sum(w["host_apply_ms"] * w["steps"] for w in loaded) / steps
+                said += (f" (of the launch, the command's apply {apply_ms:.2f} ms; an eager step's launch "
+                         f"{eager_launch:.2f} ms)")
         if loaded and "eager_steps" in loaded[0] and idle:  # which steps the device waited for
             eager = sum(w["eager_steps"] for w in loaded) / steps
             said += (f"; {sum(w['eager_idle_ms'] for w in loaded) / idle:.0%} of the idle before the {eager:.0%} "

@@ -84,6 +84,7 @@ class ModelRunner(RunnerWarmup):
         self.piecewise: PiecewiseGraphs | None = None  # captured by warmup
         self._last_clock: StepClock | None = None
         self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
+        self.replayed_last = False  # whether the step launched last replayed a decode graph (the timeline's)
         # the replayed graph's greedy ids and logprobs, and their vector for the result copy (_forward)
         self._graph_greedy: tuple | None = None
         self.cuda_memory_fraction = cuda_memory_fraction
@@ -269,7 +270,7 @@ class ModelRunner(RunnerWarmup):
             received = (torch.empty(broadcast, dtype=torch.long, device=self.device)
                         if broadcast and self.rank != 0 else None)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None, feed)
-            replayed = self._graph_greedy is not None
+            replayed = self.replayed_last = self._graph_greedy is not None
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
             if self.rank != 0:

@@ -346,6 +346,7 @@ class Worker:
                 raise StepGap(f"rank {self.cfg.rank} got step {msg.step_id} after step {self.last_step}")
             self.last_step = msg.step_id
             seqs = self.apply(msg)
+            applied_s = time.perf_counter() - received
             fed = [i for i, seq in enumerate(seqs) if m.SAMPLED_LAST in seq.token_ids]
             feed = self._device_feed(seqs, fed) if fed else None
             if feed is None:
@@ -363,7 +364,8 @@ class Worker:
             self._answer_launched()
             timeline = getattr(self.runner, "timeline", None)
             if timeline is not None:
-                timeline.add_host(launch_s, self.waited_s, turnaround_s)
+                timeline.add_host(launch_s, self.waited_s, turnaround_s, apply_s=applied_s,
+                                  replayed=self.runner.replayed_last)
             self.launched = (msg, launched, time.monotonic())
             self.last_launched = launched
             if self.cfg.device_feed == "off" or self._launched_ready():

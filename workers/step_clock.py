@@ -74,15 +74,23 @@ class DeviceTimeline:
         self.window_started = time.monotonic()
         self.steps, self.rows, self.busy_s, self.idle_s = 0, 0, 0.0, 0.0
         self.eager_steps, self.eager_idle_s = 0, 0.0
-        self.host_steps, self.launch_s, self.wait_s = 0, 0.0, 0.0
+        self.host_steps, self.launch_s, self.wait_s, self.apply_s = 0, 0.0, 0.0, 0.0
+        self.eager_host_steps, self.eager_launch_s = 0, 0.0
         self.turnarounds, self.turnaround_s = 0, 0.0
 
-    def add_host(self, launch_s: float, wait_s: float, turnaround_s: float) -> None:
-        """The worker's side of a step: receiving its command to its launch returning, the wait for the step
-        before's results, and the time from sending the last result to this command's arrival."""
+    def add_host(self, launch_s: float, wait_s: float, turnaround_s: float, apply_s: float = 0.0,
+                 replayed: bool = True) -> None:
+        """The worker's side of a step: receiving its command to its launch returning (``apply_s`` of it
+        before the runner's launch began: the command's new requests and rows), the wait for the step before's
+        results, and the time from sending the last result to this command's arrival; ``replayed``: the step
+        replayed a decode graph (an eager step's launch is logged apart too)."""
         self.host_steps += 1
         self.launch_s += launch_s
         self.wait_s += wait_s
+        self.apply_s += apply_s
+        if not replayed:
+            self.eager_host_steps += 1
+            self.eager_launch_s += launch_s
         if turnaround_s <= IDLE_GAP_CAP_S:
             self.turnarounds += 1
             self.turnaround_s += turnaround_s
@@ -107,6 +115,8 @@ class DeviceTimeline:
                           eager_steps=self.eager_steps, eager_idle_ms=round(self.eager_idle_s * 1e3, 1),
                           step_busy_ms=round(self.busy_s * 1e3 / self.steps, 3),
                           host_launch_ms=round(self.launch_s * 1e3 / host, 3),
+                          host_apply_ms=round(self.apply_s * 1e3 / host, 3),
+                          eager_launch_ms=round(self.eager_launch_s * 1e3 / max(self.eager_host_steps, 1), 3),
                           host_wait_ms=round(self.wait_s * 1e3 / host, 3),
                           turnaround_ms=round(self.turnaround_s * 1e3 / max(self.turnarounds, 1), 3))
             self._reset()

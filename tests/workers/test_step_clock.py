@@ -10,8 +10,8 @@ from llmbus.workers.step_clock import DeviceTimeline, StepClock
 def test_a_window_says_what_the_host_spent_per_step(monkeypatch):
     monkeypatch.setattr(step_clock, "TIMELINE_WINDOW_S", 0.0)  # every step closes a window
     timeline = DeviceTimeline()
-    timeline.add_host(launch_s=0.0004, wait_s=0.001, turnaround_s=0.0006)
-    timeline.add_host(launch_s=0.0002, wait_s=0.003, turnaround_s=1.0)  # a server with nothing to run
+    timeline.add_host(launch_s=0.0004, wait_s=0.001, turnaround_s=0.0006, apply_s=0.0001, replayed=False)
+    timeline.add_host(launch_s=0.0002, wait_s=0.003, turnaround_s=1.0, apply_s=0.0003)  # nothing to run
     clock = StepClock(torch.device("cpu"))
     with structlog.testing.capture_logs() as logs:
         timeline.add(clock, busy_s=0.002, rows=64)
@@ -19,6 +19,7 @@ def test_a_window_says_what_the_host_spent_per_step(monkeypatch):
     assert window["steps"] == 1 and window["step_busy_ms"] == 2.0
     assert window["host_launch_ms"] == 0.3 and window["host_wait_ms"] == 2.0
     assert window["turnaround_ms"] == 0.6  # the idle gap past IDLE_GAP_CAP_S is not a turnaround
+    assert window["host_apply_ms"] == 0.2 and window["eager_launch_ms"] == 0.4
     assert window["eager_steps"] == 1 and window["eager_idle_ms"] == 0.0
 
 
