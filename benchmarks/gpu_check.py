@@ -30,7 +30,7 @@ keeps what it measured. Every row names the attention backend it ran on.
    time (the host's turnaround counted), then "pipelined": chained as the worker runs the steps the scheduler
    sends ahead, each launched behind the one before with its tokens fed on the device. Then a step of the
    largest batch at the shortest context with a 128-token prompt chunk among its rows (what an arrival makes
-   at c=64), with the piecewise graphs where ``--piecewise-graphs`` asks for them and eagerly. Then at the
+   at c=64), with the piecewise graphs (llmbus's default, or ``--piecewise-graphs``) and eagerly. Then at the
    shortest context, batch 1 and the largest, the step with a rank-16 LoRA adapter on every projection, on every row and
    on half of them (their graphs hold the adapters' Triton kernels: ``workers/cuda_graphs.py``), against the
    graph step of the base model.
@@ -72,7 +72,7 @@ from _runner_steps import count_replays, graph_modes, pipelined_steps, timed_ste
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.testing.runner_driver import MAX_NEW_TOKENS, MIN_MARGIN, Request, drive, make_prompts, widen_weights
-from llmbus.workers.graph_sizes import parse_cuda_graphs
+from llmbus.workers.graph_sizes import parse_cuda_graphs, parse_piecewise_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 16  # what the scheduler uses on CUDA
@@ -185,7 +185,8 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
         ``--piecewise-graphs`` fails to warm up, a "piecewise" row says why and the check goes on without them
         (this runner and every later one, the served part's included): a capture that fails on the device must
         not cost the run its other rows."""
-        piecewise = parse_cuda_graphs(getattr(self.args, "piecewise_graphs", None) or "0")
+        piecewise = parse_piecewise_graphs(getattr(self.args, "piecewise_graphs", None),
+                                           parse_cuda_graphs(self.args.cuda_graphs))
         try:
             return self._warm_runner(path, dtype, piecewise, **kwargs)
         except Exception as exc:
@@ -193,7 +194,7 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
                 raise
             self.row("piecewise", "warm-up", False, f"a runner with piecewise graphs {piecewise} failed to warm up; "
                      f"off from here: {type(exc).__name__}: {exc}"[:300], error=traceback.format_exc())
-            self.args.piecewise_graphs = None
+            self.args.piecewise_graphs = "0"
             self.free()
             return self._warm_runner(path, dtype, (), **kwargs)
 
@@ -536,7 +537,7 @@ def main() -> int:
                              "llmbus up's default")
     parser.add_argument("--piecewise-graphs", default=None,
                         help="the runners' and the served part's --piecewise-graphs (token counts, e.g. "
-                             "16,32,64,128,256,512; default: llmbus's, none)")
+                             "16,32,64,128,256,512; default: llmbus's; 0: none)")
     parser.add_argument("--steps-ahead", type=int, default=None,
                         help="the served part's llmbus up --steps-ahead (default: llmbus's): 2 sends the ranks "
                              "their next command before the last result reaches the scheduler")

@@ -34,7 +34,8 @@ from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, i
 from llmbus.bus.settings import ServiceSettings, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
-from llmbus.workers.graph_sizes import cuda_graphs_problem, parse_cuda_graphs, piecewise_graphs_problem
+from llmbus.workers.graph_sizes import (cuda_graphs_problem, parse_cuda_graphs, parse_piecewise_graphs,
+                                        piecewise_graphs_problem)
 from llmbus.workers.host_memory import bound_onednn_caches, heap_on_huge_pages, keep_freed_memory
 from llmbus.workers.placement import (cpu_budget, cpu_threads, cuda_float32_math, default_block_size,
                                       process_group_backend, resolve_device, resolve_dtype)
@@ -102,12 +103,13 @@ class WorkerConfig(ServiceSettings):
         help="Decode batch sizes captured as CUDA graphs at warmup, comma-separated (default "
              "1,2,4,8,16,32,64,128,256, those within --max-batch-prefill-tokens); a decode step replays the "
              "smallest size that holds it, padded. 0 disables them. CUDA with the triton attention backend.")
-    piecewise_graphs: str = setting(
-        "0", env="LLMBUS_PIECEWISE_GRAPHS", check=piecewise_graphs_problem, hidden=True,
-        help="Token counts for which the layers between attention calls are captured as CUDA graphs, "
-             "comma-separated (e.g. 16,32,64,128,256,512): a step the decode graphs cannot replay (a prompt chunk "
-             "beside decodes) with at most the largest count replays them, padded, its attention run eagerly "
-             "between them (workers/piecewise_graphs.py). 0: none (the default until measured on a GPU).")
+    piecewise_graphs: str | None = setting(
+        None, env="LLMBUS_PIECEWISE_GRAPHS", check=piecewise_graphs_problem,
+        help="Token counts for which the layers between attention calls are captured as CUDA graphs at warmup, "
+             "comma-separated (default 16,32,64,128,256,512 within --max-batch-prefill-tokens, none with "
+             "--cuda-graphs 0): a step the decode graphs cannot replay (a prompt chunk beside decodes) with at "
+             "most the largest count replays them, padded, its attention run eagerly between them. 0 disables "
+             "them. CUDA, Llama-shaped layers.")
     onednn_cache_capacity: int = setting(
         64, env="LLMBUS_ONEDNN_CACHE_CAPACITY", ge=0,
         help="Entries in each of oneDNN's two caches of GEMMs built per input shape on CPU (about 300 KiB an "
@@ -320,8 +322,9 @@ class Worker:
         """The runner's attention, graph and LoRA arguments: the fake runner computes nothing."""
         if self.cfg.runner != "model":
             return {}
-        return {"attention_backend": self.cfg.attention_backend, "cuda_graphs": parse_cuda_graphs(self.cfg.cuda_graphs),
-                "piecewise_graphs": parse_cuda_graphs(self.cfg.piecewise_graphs),
+        graphs = parse_cuda_graphs(self.cfg.cuda_graphs)
+        return {"attention_backend": self.cfg.attention_backend, "cuda_graphs": graphs,
+                "piecewise_graphs": parse_piecewise_graphs(self.cfg.piecewise_graphs, graphs),
                 "lora_adapters": tuple(lora_entries(self.cfg.lora_adapters))}
 
     def loop(self) -> None:

@@ -4,6 +4,7 @@ and piecewise CUDA graphs captured."""
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from llmbus.bus.messages import SamplingParams
@@ -161,9 +162,20 @@ class RunnerWarmup:
                                        adapter_index=self._adapter_index)
 
     def _capture_piecewise(self) -> None:
-        """Capture the layers between attention calls (``--piecewise-graphs``); they read no KV pool."""
-        if self.piecewise_sizes and self.device.type == "cuda" and PiecewiseGraphs.supported(self.model):
+        """Capture the layers between attention calls (``--piecewise-graphs``); they read no KV pool. A capture
+        that fails leaves those steps eager, logged: they are on by default, and a model whose layers capture
+        badly still serves (decode graphs, captured later, fail the start as they always did)."""
+        if not (self.piecewise_sizes and self.device.type == "cuda" and PiecewiseGraphs.supported(self.model)):
+            return
+        try:
             self.piecewise = PiecewiseGraphs(self.model, self.piecewise_sizes)
+        except Exception as exc:  # noqa: BLE001  (any capture failure: the eager path computes the same)
+            self.piecewise = None
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            structlog.get_logger("llmbus.workers").warning(
+                "piecewise graphs not captured; steps with prompt rows run eagerly",
+                sizes=list(self.piecewise_sizes), error=f"{type(exc).__name__}: {exc}"[:500])
 
     def allocate_pool(self, num_blocks: int) -> None:
         """The KV pool of a runner whose pool was left to be sized (on CUDA, by its own warmup, or by the

@@ -95,11 +95,15 @@ def test_only_llama_layers_split_and_steps_within_the_buckets_without_adapters_t
     assert not PiecewiseGraphs.supported(torch_backend.model)
 
 
-def test_the_setting_is_off_unless_given():
+def test_the_setting_is_on_where_decode_graphs_are_unless_turned_off():
+    from llmbus.workers.graph_sizes import DEFAULT_PIECEWISE_GRAPHS, parse_piecewise_graphs
     from llmbus.workers.process import WorkerConfig
 
-    assert parse_cuda_graphs(WorkerConfig.__dataclass_fields__["piecewise_graphs"].default) == ()
-    assert parse_cuda_graphs("16,32") == (16, 32)
+    unset = WorkerConfig.__dataclass_fields__["piecewise_graphs"].default
+    assert parse_piecewise_graphs(unset, parse_cuda_graphs(None)) == DEFAULT_PIECEWISE_GRAPHS
+    assert parse_piecewise_graphs(unset, parse_cuda_graphs("0")) == ()  # --cuda-graphs 0: no graphs at all
+    assert parse_piecewise_graphs("0", parse_cuda_graphs(None)) == ()
+    assert parse_piecewise_graphs("32,16", parse_cuda_graphs("0")) == (16, 32)
 
 
 def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, monkeypatch):
@@ -185,3 +189,31 @@ def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path):
     for i in range(len(prompts)):
         assert results[f"r{i}"][0] == expected.tokens[i], f"r{i}"
     assert results["hit"][0] == expected.tokens[4]
+
+
+def test_a_capture_that_fails_leaves_prompt_steps_eager_and_says_why(monkeypatch):
+    """On by default, so a model whose layers do not capture must still start: eager steps, a warning."""
+    import types
+
+    import structlog
+
+    from llmbus.workers import runner_warmup
+
+    class Uncapturable:
+        @staticmethod
+        def supported(model):
+            return True
+
+        def __init__(self, model, sizes):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner_warmup, "PiecewiseGraphs", Uncapturable)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    runner = types.SimpleNamespace(piecewise_sizes=(16, 32), device=torch.device("cuda"), model=None,
+                                   piecewise="stale")
+    with structlog.testing.capture_logs() as logs:
+        runner_warmup.RunnerWarmup._capture_piecewise(runner)
+    assert runner.piecewise is None
+    (warning,) = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert "eagerly" in warning["event"] and "stream is capturing" in warning["error"]
