@@ -12,13 +12,16 @@ from llmbus.bus.messages import SamplingParams
 from llmbus.testing.families import family_requests
 from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts, reference,
                                           uncaptured_piecewise)
+from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.graph_sizes import parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 from llmbus.workers.piecewise_graphs import PiecewiseGraphs
 
+# The parts' attention runs the kernels interpreted; another test module of this process may have imported
+# them for the GPU first (a runner built in-process by tests/bench or tests/supervisor).
+triton_kernels = interpreted_triton_kernels()
 VOCAB = 256
-
 
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
