@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from llmbus.workers import pinned_staging
+
 if TYPE_CHECKING:
     from llmbus.workers.sampling import TopTokens
 
@@ -57,7 +59,7 @@ class ResultCopy:
             self.ids, self.values = token_ids, logprobs
             return
         flat = pack(token_ids, logprobs, top) if packed is None else packed
-        self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        self.host = pinned_staging.RESULTS.take(flat.numel())
         self.host.copy_(flat, non_blocking=True)
         self.rows = len(token_ids)
         self.logprobs_at = self.rows if packed is None else packed.shape[0] // 2
@@ -68,8 +70,12 @@ class ResultCopy:
         """(ids, logprobs, top tokens as ``Sampled.top_tokens`` gives them: [] when none was asked)."""
         if self.event is None:
             return self.ids.tolist(), self.values.tolist(), self.top.lists() if self.top is not None else []
-        self.event.synchronize()
-        return unpack(self.host.tolist(), self.rows, self.top, self.logprobs_at)
+        if self.host is not None:  # read once: the buffer goes back to the pool for a later step's copy
+            self.event.synchronize()
+            self.read = self.host.tolist()
+            pinned_staging.RESULTS.give_back(self.host)
+            self.host = None
+        return unpack(self.read, self.rows, self.top, self.logprobs_at)
 
 
 def pack(token_ids: torch.Tensor, logprobs: torch.Tensor, top: "TopTokens | None") -> torch.Tensor:
@@ -98,12 +104,13 @@ def unpack(values: list[float], rows: int, top: "TopTokens | None",
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` (a list, or a tensor) as a tensor on ``device`` without waiting for it: from the host on a GPU
-    through pinned memory and a non-blocking copy, queued behind the step's work (``torch.tensor(values,
-    device=cuda)`` copies from pageable memory, which first waits for everything queued on the stream)."""
+    through pinned memory (``pinned_staging.UPLOADS``) and a non-blocking copy, queued behind the step's work
+    (``torch.tensor(values, device=cuda)`` copies from pageable memory, which first waits for everything queued
+    on the stream)."""
     tensor = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return pinned_staging.UPLOADS.upload(tensor, device)
 
 
 def rows_to_device(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -124,7 +124,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
                          [seeded_uniform(p.seed, position) if p.do_sample else 0.0
                           for p, position in zip(params, positions)]], dtype=torch.float32)
     if logits.device.type == "cuda":
-        rows = rows.pin_memory().to(logits.device, non_blocking=True)
+        rows = to_device(rows, torch.float32, logits.device)
     do_sample, temperature, uniforms = rows[0] > 0.5, rows[1], rows[2]
     kernels = _kernels_for(logits)
     if kernels is not None and not any(p.top_n_tokens for p in params):
