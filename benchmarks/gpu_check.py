@@ -541,6 +541,9 @@ def main() -> int:
     parser.add_argument("--steps-ahead", type=int, default=None,
                         help="the served part's llmbus up --steps-ahead (default: llmbus's): 2 sends the ranks "
                              "their next command before the last result reaches the scheduler")
+    parser.add_argument("--launch-depth", type=int, default=None,
+                        help="the served part's llmbus up --launch-depth (default: llmbus's, 1): 2 keeps two steps "
+                             "launched behind the one a rank answers")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or pass --dry-run")

@@ -99,6 +99,8 @@ class ServedPart:
             args += ["--attention-backend", self.args.attention_backend]
         if getattr(self.args, "steps_ahead", None):
             args += ["--steps-ahead", str(self.args.steps_ahead)]
+        if getattr(self.args, "launch_depth", None):
+            args += ["--launch-depth", str(self.args.launch_depth)]
         if getattr(self.args, "piecewise_graphs", None):
             args += ["--piecewise-graphs", self.args.piecewise_graphs]
         if self.dry:

@@ -19,6 +19,7 @@ draft model) take the other way: answer first, then feed the token from the host
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import select
@@ -135,6 +136,12 @@ class WorkerConfig(ServiceSettings):
              "behind it, its SAMPLED_LAST tokens taken from that step's sampled ids on the device (CUDA). off: "
              "every step is answered before the next command is read. hold (tests): on the CPU too, each "
              "step's answer waits for the next command (up to HOLD_S), so that path runs without a GPU.")
+    launch_depth: int = setting(
+        1, env="LLMBUS_LAUNCH_DEPTH", ge=1, le=4, hidden=True,
+        help="Steps a rank keeps launched and not yet answered once it has launched the next (auto and hold "
+             "device feeds): 1 answers the step before as soon as the next is launched; 2 lets a step sent "
+             "ahead queue behind two on the device, so a long launch (a prompt chunk's) hides behind both "
+             "(the scheduler's --steps-ahead 2 sends that many). An experiment until measured on a GPU.")
     dist_init: str | None = None  # torch.distributed init_method; default: a file in the run dir
 
 
@@ -183,11 +190,10 @@ class Worker:
         self.states: dict[str, _RequestState] = {}
         self.last_step = 0
         self.last_failed = False  # the last step ran out of memory: a step sent ahead of it is skipped
-        # The step launched and not yet answered: its command, LaunchedStep and launch time (device_feed).
-        self.launched: tuple | None = None
+        # The steps launched and not yet answered, oldest first: command, LaunchedStep, launch time (device_feed).
+        self.in_flight: collections.deque[tuple] = collections.deque()
         self.last_launched = None  # the latest step launched, answered or not (what the next one may feed on)
         self.answered_at = 0.0  # perf_counter when the last result left (the turnaround's start)
-        self.waited_s = 0.0  # the last answer's wait for its step's results
         self.fed_on_device = False  # logged the first time a step is
         ep = Endpoints.in_dir(cfg.run_dir)
         z = ctx.zmq_ctx
@@ -330,11 +336,11 @@ class Worker:
     def loop(self) -> None:
         while True:
             msg = self._next_message()
-            if msg is None:  # the launched step is done before the next command came: answer it now
-                self._answer_launched()
+            if msg is None:  # the oldest step launched is done before the next command came: answer it now
+                self._answer_oldest()
                 continue
             if isinstance(msg, m.Shutdown):
-                self._answer_launched()
+                self._answer_all()
                 self.log.info("shutdown", reason=msg.reason)
                 return
             if isinstance(msg, m.HealthProbe):
@@ -353,44 +359,47 @@ class Worker:
             fed = [i for i, seq in enumerate(seqs) if m.SAMPLED_LAST in seq.token_ids]
             feed = self._device_feed(seqs, fed) if fed else None
             if feed is None:
-                self._answer_launched()  # its tokens are what SAMPLED_LAST takes here
+                self._answer_all()  # their tokens are what SAMPLED_LAST takes here
                 for i in fed:
                     seqs[i].token_ids = self._fed_forward(msg, self.states[seqs[i].rid], seqs[i].token_ids)
-            # (a step kept launched never failed: it was answered at once.) A group computes it all the same
-            # on placeholder tokens, every rank alike, since only rank 0 knows the step before failed; the
-            # scheduler drops its result.
+            # (a step that failed was the newest launched, and it cannot feed: answered just above.) A group
+            # computes it all the same on placeholder tokens, every rank alike, since only rank 0 knows the step
+            # before failed; the scheduler drops its result.
             if msg.ahead and self.last_failed and self.cfg.world_size == 1:
+                self._answer_all()  # (none is left: results go out in step order all the same)
                 self._send_result(msg.step_id, self._skipped(msg))
                 continue
             launched = self.runner.launch(seqs, feed)
             launch_s = time.perf_counter() - received
-            self._answer_launched()
+            self.in_flight.append((msg, launched, time.monotonic()))
+            self.last_launched = launched
+            waited_s = 0.0
+            while len(self.in_flight) > self.cfg.launch_depth:
+                waited_s += self._answer_oldest()
             timeline = getattr(self.runner, "timeline", None)
             if timeline is not None:
-                timeline.add_host(launch_s, self.waited_s, turnaround_s, apply_s=applied_s,
+                timeline.add_host(launch_s, waited_s, turnaround_s, apply_s=applied_s,
                                   replayed=self.runner.replayed_last)
-            self.launched = (msg, launched, time.monotonic())
-            self.last_launched = launched
-            if self.cfg.device_feed == "off" or self._launched_ready():
-                self._answer_launched()
+            while self.in_flight and (self.cfg.device_feed == "off" or self._oldest_ready()):
+                self._answer_oldest()
 
     def _next_message(self):
-        """The next message from the scheduler; None if the step launched and not yet answered is done first
-        (its answer must not wait for a command that may only come after it)."""
-        if self.launched is None:
+        """The next message from the scheduler; None if the oldest step launched and not yet answered is done
+        first (its answer must not wait for a command that may only come after it)."""
+        if not self.in_flight:
             return recv(self.steps)
         # ZeroMQ's descriptor signals a change, not a message: EVENTS says whether one is queued. A sleep here
         # made a command that came during it wait out the rest (about 55 us a step on average, of a served
         # step's turnaround on the GPU's host).
         descriptor = self.steps.getsockopt(zmq.FD)
         while not self.steps.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            if self._launched_ready():
+            if self._oldest_ready():
                 return None
             select.select([descriptor], [], [], LAUNCHED_POLL_S)
         return recv(self.steps)
 
-    def _launched_ready(self) -> bool:
-        _, launched, at = self.launched
+    def _oldest_ready(self) -> bool:
+        _, launched, at = self.in_flight[0]
         if self.cfg.device_feed == "hold":
             return time.monotonic() - at >= HOLD_S
         return launched.ready()
@@ -402,10 +411,10 @@ class Worker:
         device)."""
         if self.cfg.rank != 0:  # it samples nothing: it feeds what rank 0 broadcast in the step before
             launched = self.last_launched
-        elif self.launched is None or self.cfg.device_feed == "off" or getattr(self.runner, "draft", None):
+        elif not self.in_flight or self.cfg.device_feed == "off" or getattr(self.runner, "draft", None):
             return None
         else:
-            launched = self.launched[1]
+            launched = self.in_flight[-1][1]
         starts = list(itertools.accumulate((len(seq.token_ids) for seq in seqs), initial=0))
         rows, rids = [], []
         for i in fed:
@@ -424,19 +433,24 @@ class Worker:
                           step=self.last_step, rows=len(rows))
         return launched.feed(rows, rids)
 
-    def _answer_launched(self) -> None:
-        """Rank 0 sends the launched step's result (waiting for its tokens); every rank then forgets it."""
-        self.waited_s = 0.0
-        if self.launched is None:
-            return
-        cmd, launched, _ = self.launched
-        self.launched = None
+    def _answer_oldest(self) -> float:
+        """Rank 0 sends the oldest launched step's result (waiting for its tokens); every rank then forgets it.
+        Returns the seconds it waited for them."""
+        if not self.in_flight:
+            return 0.0
+        cmd, launched, _ = self.in_flight.popleft()
         started = time.perf_counter()
         out = launched.result()
-        self.waited_s = time.perf_counter() - started
+        waited_s = time.perf_counter() - started
         self._note_sampled(cmd, out)
         self._send_result(cmd.step_id, out)
         self.answered_at = time.perf_counter()
+        return waited_s
+
+    def _answer_all(self) -> None:
+        """Answer every launched step, oldest first: the host then knows each request's last token."""
+        while self.in_flight:
+            self._answer_oldest()
 
     def _send_result(self, step_id: int, out) -> None:
         if self.results is not None:

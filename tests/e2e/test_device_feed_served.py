@@ -2,7 +2,8 @@
 through the whole stack on the CPU: `llmbus up` with ``LLMBUS_DEVICE_FEED=hold`` keeps each step's answer
 until the next command arrives, launches that one first, then answers. Greedy output equals transformers',
 concurrent greedy, seeded and penalised requests equal their solo runs, and the rank says it fed tokens so; one
-step ahead (the default) and two (``--steps-ahead 2``)."""
+step ahead (the default), two (``--steps-ahead 2``), and two with two launched behind the answered one
+(``--launch-depth 2``)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from llmbus.testing.tiny_prompts import PROMPTS, generate, greedy_matches_refere
 FED_LOG = "its tokens fed on the device"
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-ahead", "two-ahead"])
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (2, 2)], ids=["one-ahead", "two-ahead", "two-deep"])
 def server(tiny_model_dir, request):
-    """Overlap as by default, and with two steps sent past the one awaited (--steps-ahead 2)."""
-    srv = Server(tiny_server_args(tiny_model_dir) + ["--steps-ahead", str(request.param)],
+    """Overlap as by default, with two steps sent past the one awaited (--steps-ahead 2), and so with the rank
+    keeping two launched behind the one it answers (--launch-depth 2)."""
+    steps_ahead, depth = request.param
+    srv = Server(tiny_server_args(tiny_model_dir) + ["--steps-ahead", str(steps_ahead), "--launch-depth", str(depth)],
                  env={"LLMBUS_DEVICE_FEED": "hold"})
     yield srv
     assert srv.stop() == 0, srv.stderr.text[-3000:]

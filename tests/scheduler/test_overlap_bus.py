@@ -9,7 +9,8 @@ fake rank checks each token a step feeds where it sampled one (a step sent ahead
 reports a mismatch as the request's failure. A third engine runs the overlap with the rank feeding those
 tokens from the step before's sampled ids, as it does on a GPU (``--device-feed hold``); a fourth has two
 ranks (tensor parallelism), the second feeding on what rank 0 broadcast; a fifth feeds on the device with two
-steps sent past the one awaited (``--steps-ahead 2``).
+steps sent past the one awaited (``--steps-ahead 2``); the last keeps two of them launched behind the one a
+rank answers (``--launch-depth 2``).
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 
 class Engine:
-    def __init__(self, overlap: bool, device_feed: str = "auto", ranks: int = 1, steps_ahead: int = 1):
+    def __init__(self, overlap: bool, device_feed: str = "auto", ranks: int = 1, steps_ahead: int = 1,
+                 launch_depth: int = 1):
         self.run_dir = RunDir()
         self.sup = SupervisorSocket(self.run_dir.path)
         self.env = dict(os.environ, **self.sup.env)
         common = ["--run-dir", str(self.run_dir.path)]
         self.workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none",
                              "--gpus", str(ranks), "--runner", "fake", "--num-blocks", str(NUM_BLOCKS),
-                             "--block-size", str(BLOCK_SIZE), "--device-feed", device_feed]
+                             "--block-size", str(BLOCK_SIZE), "--device-feed", device_feed,
+                             "--launch-depth", str(launch_depth)]
         scheduler_argv = [sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", str(ranks),
                           "--max-restarts", "10", "--max-batch-prefill-tokens", "24", "--steps-ahead", str(steps_ahead)]
         self.procs = [subprocess.Popen(scheduler_argv + ([] if overlap else ["--disable-overlap"]), env=self.env),
@@ -71,12 +74,14 @@ class Engine:
 # "tp2": two ranks; rank 1 feeds SAMPLED_LAST from the ids rank 0 broadcast in the step before.
 # "fed2": as "fed", with two steps sent past the one awaited (--steps-ahead 2, the GPU default).
 # "tp2fed2": both: two ranks, two steps ahead, rank 0 holding its answers.
-@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed", "tp2", "fed2", "tp2fed2"])
+# "tp2deep": as "tp2fed2", each rank keeping two steps launched behind the one it answers (--launch-depth 2).
+@pytest.fixture(scope="module", params=["overlap", "lockstep", "fed", "tp2", "fed2", "tp2fed2", "tp2deep"])
 def engine(request):
     eng = Engine(overlap=request.param != "lockstep",
-                 device_feed="hold" if request.param in ("fed", "fed2", "tp2fed2") else "auto",
+                 device_feed="hold" if request.param in ("fed", "fed2", "tp2fed2", "tp2deep") else "auto",
                  ranks=2 if request.param.startswith("tp2") else 1,
-                 steps_ahead=2 if request.param.endswith("fed2") else 1)
+                 steps_ahead=2 if request.param.endswith(("fed2", "deep")) else 1,
+                 launch_depth=2 if request.param.endswith("deep") else 1)
     yield eng
     eng.close()
 
