@@ -37,6 +37,7 @@ padding and the buffers give every row exactly its eager logits.
 from __future__ import annotations
 
 import bisect
+import collections
 import time
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,11 @@ from llmbus.workers.sampling import greedy
 
 if TYPE_CHECKING:
     from llmbus.workers.model_runner import SeqInput
+
+# Pinned staging buffers a runner's decode graphs keep at most: one for each step --launch-depth (3 at most) may
+# queue on the device, and the one being staged (each up to a full step's rows and tables: ~8 MB for 256 rows
+# of 128k tokens' tables in blocks of 16).
+STAGING_BUFFERS = 4
 
 
 class DecodeGraphs:
@@ -99,14 +105,14 @@ class DecodeGraphs:
         # adapter slots where adapters replay; then of the row's table: the blocks its slot holds already, its
         # length, where its appended blocks start, and the 1-based pick of a fed id, 0 for none), then the
         # blocks appended to the rows' tables, row after row; a step can at most upload every row's whole table.
-        pinned = device.type == "cuda"
-        capacity = (self.row_fields + 4) * max_batch + max_batch * max_blocks
-        self.stage = torch.zeros(capacity, dtype=torch.int32, pin_memory=pinned)
-        self.stage_values = self.stage.numpy()  # the same memory: a list goes in without a tensor made of it
-        self.staged_on_device = torch.zeros(capacity, dtype=torch.int32, device=device)
-        # Recorded after the copy out of staging: the next step waits on it before rewriting staging, which
-        # the last step's copy may still be reading if the host ran ahead of the device.
-        self.staged = torch.cuda.Event() if pinned else None
+        self.pinned = device.type == "cuda"
+        self.capacity = (self.row_fields + 4) * max_batch + max_batch * max_blocks
+        # Staging buffers, least recently used first, each with the event recorded after the copy out of it: a
+        # step stages into one no copy still reads. One while the device keeps up; more while steps queue on
+        # it (--launch-depth), up to STAGING_BUFFERS, past which a step waits for the oldest copy.
+        self.stages: collections.deque[tuple[torch.Tensor, object, torch.cuda.Event | None]] = collections.deque()
+        self.stages.append(self._new_stage())
+        self.staged_on_device = torch.zeros(self.capacity, dtype=torch.int32, device=device)
         # The ids a step sent ahead takes from the step before (``DeviceFeed.gather_into``): a fixed address
         # the graphs read; a source of more rows than this is gathered down first.
         self.fed = torch.zeros(max(4 * max_batch, 1024), dtype=torch.long, device=device)
@@ -225,8 +231,7 @@ class DecodeGraphs:
         """Stage the step's rows (each field of each row, padding rows after them) and the blocks appended
         to their tables, and copy them over in one go for ``_unpack``. ``feed``: ids of the step before (still
         on the device) for some rows, gathered where the graphs read them."""
-        if self.staged is not None and not self.staged.query():  # done, unless the host ran a step ahead
-            self.staged.synchronize()
+        stage, stage_values, staged = self._free_stage()
         count = len(seqs)
         slots, known_blocks, lengths, offsets, blocks = [], [], [], [], []
         for s in seqs:
@@ -253,10 +258,25 @@ class DecodeGraphs:
             rows += [self.adapter_index[s.adapter] + 1 if s.adapter else 0 for s in seqs] + padding
         rows += known_blocks + ones + lengths + ones + offsets + padding + picks + padding
         used = len(rows) + len(blocks)
-        self.stage_values[:used] = rows + blocks
-        self.staged_on_device[:used].copy_(self.stage[:used], non_blocking=True)
-        if self.staged is not None:
-            self.staged.record()
+        stage_values[:used] = rows + blocks
+        self.staged_on_device[:used].copy_(stage[:used], non_blocking=True)
+        if staged is not None:
+            staged.record()
+        self.stages.append((stage, stage_values, staged))
+
+    def _new_stage(self) -> tuple:
+        stage = torch.zeros(self.capacity, dtype=torch.int32, pin_memory=self.pinned)
+        # the numpy view shares the memory: a list goes in without a tensor made of it
+        return stage, stage.numpy(), torch.cuda.Event() if self.pinned else None
+
+    def _free_stage(self) -> tuple:
+        """A staging buffer no copy still reads (taken off ``stages``; ``_stage`` puts it back last)."""
+        stage, values, staged = self.stages[0]
+        if staged is not None and not staged.query():  # its copy is queued behind steps still on the device
+            if len(self.stages) < STAGING_BUFFERS:
+                return self._new_stage()
+            staged.synchronize()
+        return self.stages.popleft()
 
     def _unpack(self, batch: int) -> None:
         """What the graph of ``batch`` rows reads, from the rows ``_stage`` copied over (the graph's first

@@ -137,7 +137,7 @@ class WorkerConfig(ServiceSettings):
              "every step is answered before the next command is read. hold (tests): on the CPU too, each "
              "step's answer waits for the next command (up to HOLD_S), so that path runs without a GPU.")
     launch_depth: int = setting(
-        1, env="LLMBUS_LAUNCH_DEPTH", ge=1, le=4, hidden=True,
+        1, env="LLMBUS_LAUNCH_DEPTH", ge=1, le=3, hidden=True,
         help="Steps a rank keeps launched and not yet answered once it has launched the next (auto and hold "
              "device feeds): 1 answers the step before as soon as the next is launched; 2 lets a step sent "
              "ahead queue behind two on the device, so a long launch (a prompt chunk's) hides behind both "

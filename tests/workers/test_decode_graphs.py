@@ -216,3 +216,52 @@ def test_the_tables_kept_on_the_device_follow_every_request(llama_dir):
     assert len(graphs.slot_of) == 6
     steps(list(tables), 60)
     assert len(graphs.slot_of) == 8 and not graphs.free_slots
+
+
+def test_steps_queued_on_the_device_stage_into_buffers_no_copy_still_reads(llama_dir):
+    """--launch-depth queues steps on the device, so a step's staging copy may not have run when the next step
+    stages: it takes another pinned buffer (up to STAGING_BUFFERS, then waits for the oldest copy), never one
+    whose copy is pending. Stand-in events here stay pending for two queries after their record; what the
+    graph reads is each step's rows, whichever buffer they came through."""
+    from llmbus.workers import cuda_graphs
+
+    class QueuedCopy:
+        """A copy that runs two queries after it is queued, or when waited for."""
+        def __init__(self):
+            self.pending = 0
+            self.waits = 0
+
+        def record(self):  # after the buffer was written: its last copy must have run
+            assert self.pending == 0, "a buffer was staged into while its copy was pending"
+            self.pending = 2
+
+        def query(self):
+            self.pending -= self.pending > 0
+            return self.pending == 0
+
+        def synchronize(self):
+            self.waits += 1
+            self.pending = 0
+
+    runner, _ = _runner_with_graphs(llama_dir, (1, 2, 4))
+    graphs = runner.graphs
+    made = []
+
+    def new_stage():
+        stage = torch.zeros(graphs.capacity, dtype=torch.int32)
+        made.append((stage, stage.numpy(), QueuedCopy()))
+        return made[-1]
+    graphs.stages.clear()
+    graphs.stages.append(new_stage())
+    graphs._new_stage = new_stage
+    used = []
+    for step in range(12):
+        position = 3 + step % 5  # within the rows' two blocks
+        seqs = [SeqInput(f"q{i}", [7 + step], position, [i, 8 + i], True, SamplingParams()) for i in range(3)]
+        graphs._stage(seqs, 4)
+        used.append(graphs.stages[-1][0].data_ptr())
+        graphs._unpack(4)
+        assert graphs.small[:, :3].tolist() == [
+            [7 + step] * 3, [position] * 3,
+            [s.block_table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE for s in seqs]]
+    assert 1 < len(set(used)) == len(made) <= cuda_graphs.STAGING_BUFFERS
