@@ -13,8 +13,10 @@ skipped: its diffs are applied, nothing is computed, and the scheduler drops its
 On a GPU the step sent ahead usually arrives while the step before is still computing: the rank launches it
 behind that step, its ``SAMPLED_LAST`` tokens written from the sampled ids still on the device
 (workers/launched_step.py), and only then waits for the step before's tokens and answers it, so the device
-never waits for the host's turnaround. Rows whose token the host must read first (a grammar, the watermark, a
-draft model) take the other way: answer first, then feed the token from the host.
+never waits for the host's turnaround. With ``--launch-depth 2`` it keeps two such steps queued behind the one it
+answers, each answered once done, so one long launch hides behind both. Rows whose token the host must read
+first (a grammar, the watermark, a draft model) take the other way: answer every launched step first, then
+feed the token from the host.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ SPECIAL = {"max_total_tokens": 200, "max_input_tokens": 100, "max_batch_prefill_
            "port": 3456, "hostname": "127.0.0.2", "otlp_endpoint": "http://127.0.0.1:4317", "cors_allow_origin": ["http://a.example"],
            "dtype": "bfloat16", "quantize": "int8", "device": "cpu", "runner": "fake", "api_key": "sekret",
            "generation_config": "none", "cuda_graphs": "1,2,4", "steps_ahead": 2,
-           "piecewise_graphs": "16,32"}
+           "piecewise_graphs": "16,32", "launch_depth": 2}
 
 
 def user_settings() -> list:
