@@ -29,12 +29,19 @@ SEGMENTS = 16
 ALIGN = 64  # bytes: every staged copy starts on a cache line (and Triton's 16-byte alignment)
 
 
+def _pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    # A normal tensor even when first asked for inside inference mode (a step's launch): an inference tensor
+    # may not be written in place outside it, and these buffers outlive the call that made them.
+    with torch.inference_mode(False):
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
 class CudaHooks:
     """What the staging needs of CUDA, apart so the CPU tests can stand in for it."""
 
     @staticmethod
     def pinned(nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return _pinned(nbytes, torch.uint8)
 
     @staticmethod
     def stream():
@@ -100,7 +107,7 @@ class ResultPool:
     """Pinned buffers for device-to-host copies, each back in the pool once the host has read it."""
 
     def __init__(self, pinned: Callable[[int], torch.Tensor] | None = None, keep: int = 8):
-        self.pinned = pinned or (lambda numel: torch.empty(numel, dtype=torch.float64, pin_memory=True))
+        self.pinned = pinned or (lambda numel: _pinned(numel, torch.float64))
         self.keep = keep  # buffers kept free: a few steps in flight, and one for each size a step takes
         self.free: list[torch.Tensor] = []
         self.lock = threading.Lock()
