@@ -237,7 +237,9 @@ class ServedPart:
         self.row("3 served", f"c={concurrent} device idle", self.device.type != "cuda" or share is not None,
                  f"{said} ({len(loaded)} windows of {len(windows)}, {sustained['answered']} requests)",
                  device=str(self.device), idle_share=share, windows=windows, sustained=sustained,
-                 host_profiles=host_profiles)
+                 host_profiles=host_profiles,
+                 served_with={k: getattr(self.args, k, None) for k in ("steps_ahead", "launch_depth",
+                                                                          "piecewise_graphs")})
 
     def _against_transformers(self, model_dir: Path, tokenizer, served: dict) -> None:
         """The throughput wave's prompts through transformers' own continuous batching (``generate_batch``,
