@@ -2,15 +2,15 @@
 
 A copy to the GPU that does not wait must come from pinned memory, and so must one back that the host reads
 once an event says it landed. Pinning per copy (``tensor.pin_memory()``, ``torch.empty(pin_memory=True)``)
-goes through torch's caching host allocator, which queries the events of every block in flight on each
-allocation: on run 14's host that was about 70 us a copy, several copies to a step with prompt rows and one
-result copy to every step (design notes, "What a prompt-chunk step's host time is").
+goes through torch's caching host allocator and its events for the blocks in flight: on run 14's host a
+result copy cost about 70 us of host time, and a step with prompt rows makes several uploads besides (design
+notes, "What a prompt-chunk step's host time is").
 
 - ``UploadRing``: copies to the device. One pinned buffer in segments used in turn; a segment is closed with an
   event recorded on the stream its copies were queued on, and used again only once that event has passed (on
-  a served GPU long since: the other segments were filled in between). A copy larger than a segment, one
-  queued while a stream captures a graph (the graph would read that memory at every replay) or one made on
-  another stream than its segment's pins memory of its own, as before.
+  a served GPU long since: the other segments were filled in between). A copy on another stream than its
+  segment's closes that segment first; one larger than a segment, or queued while a stream captures a graph
+  (the graph would read that memory at every replay), pins memory of its own, as before.
 - ``ResultPool``: copies to the host. A buffer goes back to the pool only once the host has read it, so no
   later copy can overwrite a result not yet read, whatever the steps in flight.
 """
