@@ -161,21 +161,32 @@ class RunnerWarmup:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, self.graph_sizes, max_blocks,
                                        adapter_index=self._adapter_index)
 
+    def _piecewise_wanted(self) -> bool:
+        return bool(self.piecewise_sizes) and self.device.type == "cuda" and PiecewiseGraphs.supported(self.model)
+
     def _capture_piecewise(self) -> None:
         """Capture the layers between attention calls (``--piecewise-graphs``); they read no KV pool. A capture
         that fails leaves those steps eager, logged: they are on by default, and a model whose layers capture
-        badly still serves (decode graphs, captured later, fail the start as they always did)."""
-        if not (self.piecewise_sizes and self.device.type == "cuda" and PiecewiseGraphs.supported(self.model)):
+        badly still serves (decode graphs, captured later, fail the start as they always did). Ranks of a group
+        agree: where one failed, every one runs those steps eagerly, since the parts hold collectives that
+        every rank must join."""
+        if not self._piecewise_wanted():
             return
+        log = structlog.get_logger("llmbus.workers")
         try:
             self.piecewise = PiecewiseGraphs(self.model, self.piecewise_sizes)
         except Exception as exc:  # noqa: BLE001  (any capture failure: the eager path computes the same)
             self.piecewise = None
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-            structlog.get_logger("llmbus.workers").warning(
-                "piecewise graphs not captured; steps with prompt rows run eagerly",
-                sizes=list(self.piecewise_sizes), error=f"{type(exc).__name__}: {exc}"[:500])
+            log.warning("piecewise graphs not captured; steps with prompt rows run eagerly",
+                        sizes=list(self.piecewise_sizes), error=f"{type(exc).__name__}: {exc}"[:500])
+        if self.world_size > 1:
+            captured = torch.tensor([int(self.piecewise is not None)], device=self.device)
+            torch.distributed.all_reduce(captured, op=torch.distributed.ReduceOp.MIN)
+            if not captured.item() and self.piecewise is not None:
+                self.piecewise = None
+                log.warning("piecewise graphs not captured on another rank; steps with prompt rows run eagerly")
 
     def allocate_pool(self, num_blocks: int) -> None:
         """The KV pool of a runner whose pool was left to be sized (on CUDA, by its own warmup, or by the

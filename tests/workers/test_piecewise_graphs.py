@@ -203,10 +203,6 @@ def test_a_capture_that_fails_leaves_prompt_steps_eager_and_says_why(monkeypatch
     from llmbus.workers import runner_warmup
 
     class Uncapturable:
-        @staticmethod
-        def supported(model):
-            return True
-
         def __init__(self, model, sizes):
             raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -214,9 +210,37 @@ def test_a_capture_that_fails_leaves_prompt_steps_eager_and_says_why(monkeypatch
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     runner = types.SimpleNamespace(piecewise_sizes=(16, 32), device=torch.device("cuda"), model=None,
-                                   piecewise="stale")
+                                   piecewise="stale", world_size=1, _piecewise_wanted=lambda: True)
     with structlog.testing.capture_logs() as logs:
         runner_warmup.RunnerWarmup._capture_piecewise(runner)
     assert runner.piecewise is None
     (warning,) = [entry for entry in logs if entry["log_level"] == "warning"]
     assert "eagerly" in warning["event"] and "stream is capturing" in warning["error"]
+
+
+@pytest.mark.parametrize("elsewhere", [True, False], ids=["captured everywhere", "failed on another rank"])
+def test_ranks_of_a_group_run_prompt_steps_alike(monkeypatch, elsewhere):
+    """The parts hold the group's collectives: a rank keeps them only where every rank captured them (the
+    group's MIN of a flag, stood in for here by the other rank's)."""
+    import types
+
+    import structlog
+
+    from llmbus.workers import runner_warmup
+
+    class Captured:
+        def __init__(self, model, sizes):
+            pass
+
+    def all_reduce(flag, op):
+        assert op == torch.distributed.ReduceOp.MIN
+        flag.copy_(torch.minimum(flag, torch.tensor([int(elsewhere)])))
+
+    monkeypatch.setattr(runner_warmup, "PiecewiseGraphs", Captured)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    runner = types.SimpleNamespace(piecewise_sizes=(16,), device=torch.device("cpu"), model=None, piecewise=None,
+                                   world_size=2, _piecewise_wanted=lambda: True)  # (a GPU rank's flag: here)
+    with structlog.testing.capture_logs() as logs:
+        runner_warmup.RunnerWarmup._capture_piecewise(runner)
+    assert isinstance(runner.piecewise, Captured) is elsewhere
+    assert any("another rank" in entry["event"] for entry in logs) is not elsewhere
