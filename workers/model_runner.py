@@ -204,11 +204,27 @@ class ModelRunner(RunnerWarmup):
         meta = self.model.attention_backend.build_metadata(
             query_lens=query_lens, num_computed=[s.num_computed for s in seqs],
             block_tables=[s.block_table for s in seqs], kv_cache=kv_cache, device=self.device)
+        horizons = self._prompt_horizons(seqs, query_lens)
+        if horizons is not None:
+            meta.sequence_horizons = to_device(horizons, torch.long, self.device)
         if adapters is None:
-            if self.piecewise is not None and self.piecewise.applies(len(input_ids), adapters):
+            # (the piecewise parts rotate by their captured start mask alone: a step with horizons runs eagerly)
+            if self.piecewise is not None and horizons is None and self.piecewise.applies(len(input_ids), adapters):
                 return self.piecewise.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
             return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters)
+
+    def _prompt_horizons(self, seqs: list[SeqInput], query_lens: list[int]) -> list[int] | None:
+        """LongRoPE's ``AttentionMetadata.sequence_horizons`` where a sequence's rows are a chunk of a prompt that
+        goes on past the step (its factors follow the whole prompt, as transformers' one prefill chooses them);
+        None for every other step and model."""
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is None or not rotary.per_sequence:
+            return None
+        ends = [s.num_computed + n for s, n in zip(seqs, query_lens)]
+        if all(s.prompt_len <= end for s, end in zip(seqs, ends)):
+            return None
+        return [max(end, s.prompt_len) - 1 for s, end in zip(seqs, ends)]
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -218,3 +218,35 @@ def test_longrope_sequences_side_by_side_rotate_as_alone(backend, tmp_path):
         alone = runner._forward([a_decode], runner.kv_cache).clone()
         beside = runner._forward([a_decode, seq("b", [30], 6, [4, 5])], runner.kv_cache)
         torch.testing.assert_close(beside[0], alone[0])
+
+
+@pytest.mark.parametrize("backend", ["cpu_kernel", "torch_sdpa"])
+def test_longrope_prompt_longer_than_the_original_length_rotates_alike_in_chunks(backend, tmp_path):
+    """transformers prefills a prompt in one go, so a prompt past the original length takes the long factors from
+    its first token; chunked (a prefill budget smaller than the prompt), its first chunks, which end within the
+    original length, must take them too: the logits after the last chunk equal those of the prompt in one step,
+    and so do a decode's after them. A prompt within the original length is unchanged by its chunking."""
+    import torch
+
+    from llmbus.bus.messages import SamplingParams
+    from llmbus.workers.model_runner import ModelRunner, SeqInput
+
+    save_tiny_family(str(tmp_path), "Phi3Config", **_longrope(16, 6))
+    runner = ModelRunner(str(tmp_path), block_size=4, num_blocks=16, attention_backend=backend)
+
+    def seq(tokens, computed, table, prompt_len):
+        return SeqInput(rid="p", token_ids=tokens, num_computed=computed, block_table=table, sample=True,
+                        sampling=SamplingParams(), prompt_len=prompt_len)
+
+    for prompt in (list(range(3, 12)), list(range(3, 8))):  # 9 tokens past the original 6; 5 within it
+        table = [0, 1, 2]
+        with torch.inference_mode():
+            whole = runner._forward([seq(prompt, 0, table, len(prompt))], runner.kv_cache).clone()
+            decode_whole = runner._forward([seq([40], len(prompt), table, len(prompt))], runner.kv_cache).clone()
+            # (the chunks write the same slots again: nothing of the whole prompt's K/V is read)
+            for start in range(0, len(prompt), 4):
+                chunked = runner._forward([seq(prompt[start:start + 4], start, table, len(prompt))], runner.kv_cache)
+            chunked = chunked.clone()
+            decode_chunked = runner._forward([seq([40], len(prompt), table, len(prompt))], runner.kv_cache)
+        torch.testing.assert_close(chunked, whole, msg=f"prompt of {len(prompt)}")
+        torch.testing.assert_close(decode_chunked, decode_whole, msg=f"decode after a prompt of {len(prompt)}")

@@ -63,6 +63,10 @@ class AttentionMetadata:
     # [N] first row of each sequence in the flat token batch; None: every row is a sequence of its own (a
     # decode-only step). LongRoPE chooses its factors per sequence.
     sequence_starts: torch.Tensor | None = None
+    # [N] per sequence, the last position LongRoPE chooses its factors by, where that lies past its last row in
+    # the step: a chunk of a prompt that goes on (transformers rotates a whole prompt alike). Set by the runner;
+    # None: each sequence's last row.
+    sequence_horizons: torch.Tensor | None = None
 
     def start_mask(self, num_rows: int) -> torch.Tensor | None:
         """[num_rows] bool, True at each sequence's first row; None where every row starts one."""

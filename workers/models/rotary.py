@@ -8,7 +8,8 @@ Schemes: default, ``linear``, ``dynamic`` (NTK), ``llama3``, and Phi-3's ``longr
 ``long_factor`` divisors of the frequencies and an attention factor on cos and sin. A sequence whose
 length passes ``original_max_position_embeddings`` is rotated with the long factors, one within it with
 the short ones, as transformers chooses; the choice is made per sequence of the step, by its last
-position in it. A step's sequences are its attention metadata's (``AttentionMetadata.start_mask``), not
+position in it, or for a chunk of a longer prompt by the prompt's last (transformers rotates a prompt in one
+go). A step's sequences are its attention metadata's (``AttentionMetadata.start_mask``), not
 guessed from the positions: two sequences side by side whose positions continue each other stay two, and
 in a decode-only step every row is its own. One difference remains: when a
 generation crosses the original length, transformers' Phi-3 drops its cache and recomputes the whole
@@ -68,11 +69,11 @@ class RotaryEmbedding:
         ``starts``): LongRoPE's factors are chosen by the sequence's last position."""
         return self.rope_type == "longrope"
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, starts: torch.Tensor | None = None,
+                horizons: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, rotary_dim]`` cos and signed sin for ``positions [T]``, broadcastable over heads. ``starts``
-        ([T] bool, True at each sequence's first row; None: every row its own sequence) where
-        ``per_sequence``."""
+        ([T] bool, True at each sequence's first row; None: every row its own sequence) and ``horizons`` ([N],
+        ``AttentionMetadata.sequence_horizons``) where ``per_sequence``."""
         pos = positions.float()[:, None]
         if self.rope_type == "dynamic":
             seq_len = torch.clamp(pos + 1, min=self.original_max_positions)
@@ -80,7 +81,7 @@ class RotaryEmbedding:
             base = self.theta * ((factor * seq_len / self.original_max_positions) - (factor - 1)) ** (dim / (dim - 2))
             freqs = pos * (1.0 / base ** self.exponents[None, :])
         elif self.rope_type == "longrope":
-            long = (_sequence_last_positions(positions, starts) >= self.original_max_positions)[:, None]
+            long = (_sequence_last_positions(positions, starts, horizons) >= self.original_max_positions)[:, None]
             freqs = pos * torch.where(long, self.long_inv_freq[None, :], self.inv_freq[None, :])
         else:
             freqs = pos * self.inv_freq[None, :]
@@ -93,14 +94,17 @@ class RotaryEmbedding:
                 torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
 
 
-def _sequence_last_positions(positions: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+def _sequence_last_positions(positions: torch.Tensor, starts: torch.Tensor | None,
+                             horizons: torch.Tensor | None = None) -> torch.Tensor:
     """Per token, the last position of its sequence in the step (a sequence's rows are consecutive, from a row
-    ``starts`` marks). Not inferred from the positions: two sequences side by side at consecutive positions
-    are still two."""
+    ``starts`` marks), or its horizon where that is later. Not inferred from the positions: two sequences side
+    by side at consecutive positions are still two."""
     if starts is None:
         return positions
     run = torch.cumsum(starts, 0) - 1
     last = torch.zeros_like(positions).scatter_reduce(0, run, positions, reduce="amax", include_self=False)
+    if horizons is not None:
+        last[:horizons.shape[0]] = torch.maximum(last[:horizons.shape[0]], horizons)
     return last[run]
 
 
