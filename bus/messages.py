@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 16  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 17  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -49,6 +49,7 @@ WIRE_VERSION = 16  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 # 15: LoRA adapters (AddRequest.adapter, NewRequestData.adapter, WorkerReady/SchedulerHello.lora_adapters): a
 #     rank that ignored NewRequestData.adapter would answer with the base model
 # 16: FrontendStats.adapter_names/adapter_counts (llmbus_generation_adapter_count)
+# 17: WorkerReady.rope_split_tokens (LongRoPE: the prefix cache keeps prompts past it apart)
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -418,6 +419,9 @@ class WorkerReady(Message):
     # Entries each of oneDNN's two shape-keyed kernel caches may hold (--onednn-cache-capacity; 0: not a CPU rank)
     onednn_cache_capacity: int = 0
     lora_adapters: list[str] = field(default_factory=list)  # names of the LoRA adapters loaded, in order
+    # LongRoPE's original length: a prompt longer than this is rotated with other factors from its first token
+    # on, so the scheduler's prefix cache keeps its blocks apart from shorter prompts' (0: one rotation for all)
+    rope_split_tokens: int = 0
 
 
 @dataclass(slots=True)

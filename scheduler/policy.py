@@ -152,6 +152,9 @@ class SchedulerConfig:
     speculate_max_batch: int = 16  # speculate only in steps with at most this many decodes
     speculate_method: str = "ngram"  # "draft": guesses left to the ranks' draft model (DRAFT_GUESS)
     steps_ahead: int = 1  # steps scheduled past the one whose result is awaited (overlap; process.py)
+    # LongRoPE's original length (WorkerReady.rope_split_tokens): a prompt past it has other K/V for the same
+    # tokens, so its blocks are cached apart from shorter prompts'; 0: one cache for every prompt length
+    rope_split_tokens: int = 0
     # The bounds of these values are checked where they are set: the scheduler's declared settings
     # (scheduler/config.py, SchedulerProcessConfig).
 
@@ -463,7 +466,7 @@ class Scheduler:
             total = req.num_tokens
             all_tokens = req.tokens(0, total)
             cached_blocks = [] if req.wants_prompt_logprobs else kv.match(all_tokens, (total - 1) // kv.block_size,
-                                                                               req.adapter)
+                                                                               self._cache_namespace(req))
             cached = len(cached_blocks) * kv.block_size
             todo = total - cached
             if chunking:
@@ -528,7 +531,7 @@ class Scheduler:
             prompt_len = len(req.prompt_ids)
             if seq.num_computed < prompt_len <= req.num_computed:
                 # The prompt is in the cache now: later requests sharing it can skip it at once.
-                self.kv.insert(req.prompt_ids, req.block_table, releasing=False, namespace=req.adapter)
+                self.kv.insert(req.prompt_ids, req.block_table, releasing=False, namespace=self._cache_namespace(req))
             if not seq.sample:
                 continue
             kept = sampled[req.rid] if seq.num_spec else [sampled[req.rid]]
@@ -566,10 +569,16 @@ class Scheduler:
             return FinishReason.EOS_TOKEN
         return FinishReason.NONE
 
+    def _cache_namespace(self, req: Request) -> str:
+        """The prefix-cache tree a request's blocks are looked up in and cached under: its adapter's, and for a
+        LongRoPE model, apart for prompts past the original length (rotated with the long factors throughout)."""
+        split = self.config.rope_split_tokens
+        return req.adapter if not split or len(req.prompt_ids) <= split else f"{req.adapter}\x00long"
+
     def _release_blocks(self, req: Request) -> None:
         """Cache the request's computed full chunks, then drop its references."""
         self.kv.insert(req.tokens(0, req.num_computed), req.block_table, releasing=True,
-                       namespace=req.adapter)
+                       namespace=self._cache_namespace(req))
         self.kv.release(req.block_table)
         req.block_table = []
         self._dropped_rids.append(req.rid)

@@ -147,7 +147,8 @@ class SchedulerService:
             SchedulerConfig(cfg.max_batch_prefill_tokens, cfg.max_batch_size, prefill_chunking=cfg.prefill_chunking,
                             waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens,
                             speculate=cfg.speculate, speculate_max_batch=cfg.speculate_max_batch,
-                            speculate_method=cfg.speculate_method, steps_ahead=self.steps_ahead),
+                            speculate_method=cfg.speculate_method, steps_ahead=self.steps_ahead,
+                            rope_split_tokens=ready[0].rope_split_tokens),
             kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,

@@ -35,7 +35,7 @@ SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.WORKER_READY: m.WorkerReady(rank=0, num_blocks=1024, block_size=16, dtype="bfloat16", device="cpu",
                                        max_position_embeddings=2048, warmup_step_s=0.75, warmup_step_tokens=256,
                                        vocab_size=49152, attention_backend="triton", onednn_cache_capacity=64,
-                                       lora_adapters=["sql-expert", "poet"]),
+                                       lora_adapters=["sql-expert", "poet"], rope_split_tokens=4096),
     m.Kind.WORKER_FATAL: m.WorkerFatal(rank=1, error="RuntimeError: boom"),
     m.Kind.SCHEDULER_HELLO: m.SchedulerHello(max_batch_total_tokens=16384, block_size=16, dtype="bfloat16",
                                              attention_backend="triton", devices=["cuda:0", "cuda:1"],

@@ -214,6 +214,13 @@ class ModelRunner(RunnerWarmup):
             return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters)
 
+    @property
+    def rope_split_tokens(self) -> int:
+        """LongRoPE's original length (a prompt longer than this is rotated with the long factors from its first
+        token, ``_prompt_horizons``); 0 where every prompt is rotated alike."""
+        rotary = getattr(self.model, "rotary", None)
+        return rotary.original_max_positions if rotary is not None and rotary.per_sequence else 0
+
     def _prompt_horizons(self, seqs: list[SeqInput], query_lens: list[int]) -> list[int] | None:
         """LongRoPE's ``AttentionMetadata.sequence_horizons`` where a sequence's rows are a chunk of a prompt that
         goes on past the step (its factors follow the whole prompt, as transformers' one prefill chooses them);

@@ -297,7 +297,8 @@ class Worker:
                                          vocab_size=self.runner.vocab_size,
                                          attention_backend=paths.get("attention", ""),
                                          onednn_cache_capacity=self.onednn_cache_capacity,
-                                         lora_adapters=list(getattr(self.runner, "lora_names", []))))
+                                         lora_adapters=list(getattr(self.runner, "lora_names", [])),
+                                         rope_split_tokens=getattr(self.runner, "rope_split_tokens", 0)))
 
     def _heap_on_huge_pages(self) -> None:
         """The loaded weights onto 2 MB pages (host_memory.heap_on_huge_pages), logged with what it gave."""

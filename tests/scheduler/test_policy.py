@@ -279,6 +279,27 @@ def test_a_prefix_is_shared_within_one_lora_adapter_only():
     assert s.kv.num_free == s.kv.num_blocks  # every adapter's tree is evicted alike
 
 
+def test_longrope_prompts_past_the_original_length_cache_their_prefixes_apart():
+    """A LongRoPE model rotates a prompt past its original length with the long factors from its first token:
+    the same tokens have other K/V in a shorter prompt. Prefixes are shared among prompts on one side of it
+    (rope_split_tokens, from WorkerReady) and never across."""
+    s = make_scheduler(block_size=4, rope_split_tokens=10)
+    worker = SimWorker(4)
+    shared = list(range(100, 108))  # two blocks
+
+    def computed_for(rid, prompt):
+        s.add(make_request(rid, prompt=prompt, max_new_tokens=1))
+        batch = s.schedule()
+        s.update(batch, worker.run(batch))
+        drive(s, worker)
+        return batch.seqs[0].num_computed
+
+    assert computed_for("short", shared + [1]) == 0  # 9 tokens: within the original length
+    assert computed_for("long", shared + [1, 2, 3, 4]) == 0  # 12: past it, not served the short one's blocks
+    assert computed_for("short2", shared + [5, 6]) == 8  # 10: within, the short one's
+    assert computed_for("long2", shared + [7, 8, 9, 10, 11]) == 8  # 13: past, the long one's
+
+
 def test_prefix_caching_off():
     s = make_scheduler(block_size=4, caching=False)
     worker = SimWorker(4)

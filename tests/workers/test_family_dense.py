@@ -233,6 +233,7 @@ def test_longrope_prompt_longer_than_the_original_length_rotates_alike_in_chunks
 
     save_tiny_family(str(tmp_path), "Phi3Config", **_longrope(16, 6))
     runner = ModelRunner(str(tmp_path), block_size=4, num_blocks=16, attention_backend=backend)
+    assert runner.rope_split_tokens == 6  # what WorkerReady tells the scheduler's prefix cache
 
     def seq(tokens, computed, table, prompt_len):
         return SeqInput(rid="p", token_ids=tokens, num_computed=computed, block_table=table, sample=True,
