@@ -52,7 +52,8 @@ from llmbus.scheduler.config import (
     default_steps_ahead,
 )
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.policy import Request, ScheduledBatch, Scheduler, SchedulerConfig
+from llmbus.scheduler.policy import Scheduler, SchedulerConfig
+from llmbus.scheduler.requests import Request, ScheduledBatch
 from llmbus.scheduler.ranks import EngineFailure, RankGroup, ServiceHooks, WorkersLost
 from llmbus.scheduler.token_events import token_batches, trace_request
 

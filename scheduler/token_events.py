@@ -7,7 +7,7 @@ import time
 
 from llmbus.bus import messages as m
 from llmbus.bus import tracing
-from llmbus.scheduler.policy import Request, TokenEvent
+from llmbus.scheduler.requests import Request, TokenEvent
 
 
 def token_batches(events: list[TokenEvent], top_tokens: dict[str, list] | None = None) -> dict[str, m.TokenBatch]:

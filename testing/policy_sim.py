@@ -6,7 +6,8 @@ corrupt cache entry fails loudly."""
 
 from __future__ import annotations
 
-from llmbus.scheduler.policy import ScheduledBatch, Scheduler
+from llmbus.scheduler.policy import Scheduler
+from llmbus.scheduler.requests import ScheduledBatch
 
 
 def next_token(prefix: tuple[int, ...], eos: int | None = None, copy_period: int | None = None) -> int:

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from llmbus.bus.messages import DRAFT_GUESS, SamplingParams, StoppingParams
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.policy import Request, Scheduler, SchedulerConfig
+from llmbus.scheduler.policy import Scheduler, SchedulerConfig
+from llmbus.scheduler.requests import Request
 from llmbus.scheduler.speculation import PROBE_FIRST, PROBE_MAX, ROW_COST, GuessRate
 from llmbus.testing.policy_sim import SimWorker, check_budgets, next_token, solo_output
 

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from llmbus.bus.messages import SAMPLED_LAST, FinishReason, SamplingParams, StoppingParams
 from llmbus.scheduler.config import SchedulerProcessConfig, default_steps_ahead
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.policy import Request, RequestStatus, ScheduledBatch, Scheduler, SchedulerConfig
+from llmbus.scheduler.policy import Scheduler, SchedulerConfig
+from llmbus.scheduler.requests import Request, RequestStatus, ScheduledBatch
 from llmbus.testing.policy_sim import check_budgets, next_token, solo_output
 
 EOS = 3

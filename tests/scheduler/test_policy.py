@@ -4,7 +4,8 @@ import pytest
 
 from llmbus.bus.messages import FinishReason, SamplingParams, StoppingParams
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.policy import Request, RequestStatus, Scheduler, SchedulerConfig
+from llmbus.scheduler.policy import Scheduler, SchedulerConfig
+from llmbus.scheduler.requests import Request, RequestStatus
 from llmbus.testing.policy_sim import SimWorker, drive, solo_output
 
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from llmbus.bus.messages import SamplingParams, StoppingParams
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.policy import Request, RequestStatus, Scheduler, SchedulerConfig
+from llmbus.scheduler.policy import Scheduler, SchedulerConfig
+from llmbus.scheduler.requests import Request, RequestStatus
 from llmbus.testing.policy_sim import SimWorker, check_budgets, solo_output
 
 EOS = 3

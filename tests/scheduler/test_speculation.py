@@ -36,7 +36,8 @@ def test_a_quoted_span_is_proposed_from_where_it_occurred():
 
 from llmbus.bus.messages import SamplingParams, StoppingParams  # noqa: E402
 from llmbus.scheduler.kv_blocks import KVBlockManager  # noqa: E402
-from llmbus.scheduler.policy import Request, Scheduler, SchedulerConfig  # noqa: E402
+from llmbus.scheduler.policy import Scheduler, SchedulerConfig  # noqa: E402
+from llmbus.scheduler.requests import Request  # noqa: E402
 from llmbus.testing.policy_sim import SimWorker, solo_output  # noqa: E402
 
 EOS = 3

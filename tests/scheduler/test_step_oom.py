@@ -16,7 +16,8 @@ from llmbus.bus import messages as m
 from llmbus.bus.rundir import RunDir
 from llmbus.frontend.errors import engine_error
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.policy import Request, Scheduler, SchedulerConfig
+from llmbus.scheduler.policy import Scheduler, SchedulerConfig
+from llmbus.scheduler.requests import Request
 from llmbus.testing import SupervisorSocket
 from llmbus.testing.raw_frontend import RawFrontend, expected_tokens
 from llmbus.workers import model_runner as mr
