@@ -84,7 +84,6 @@ class ModelRunner(RunnerWarmup):
         self.piecewise: PiecewiseGraphs | None = None  # captured by warmup
         self._last_clock: StepClock | None = None
         self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
-        self.replayed_last = False  # whether the step launched last replayed a decode graph (the timeline's)
         # the replayed graph's greedy ids and logprobs, and their vector for the result copy (_forward)
         self._graph_greedy: tuple | None = None
         self.cuda_memory_fraction = cuda_memory_fraction
@@ -215,6 +214,11 @@ class ModelRunner(RunnerWarmup):
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters)
 
     @property
+    def replayed_last(self) -> bool:
+        """Whether the step launched last replayed a decode graph (the worker's timeline counts the rest apart)."""
+        return self._graph_greedy is not None
+
+    @property
     def rope_split_tokens(self) -> int:
         """LongRoPE's original length (a prompt longer than this is rotated with the long factors from its first
         token, ``_prompt_horizons``); 0 where every prompt is rotated alike."""
@@ -225,8 +229,7 @@ class ModelRunner(RunnerWarmup):
         """LongRoPE's ``AttentionMetadata.sequence_horizons`` where a sequence's rows are a chunk of a prompt that
         goes on past the step (its factors follow the whole prompt, as transformers' one prefill chooses them);
         None for every other step and model."""
-        rotary = getattr(self.model, "rotary", None)
-        if rotary is None or not rotary.per_sequence:
+        if not self.rope_split_tokens:
             return None
         ends = [s.num_computed + n for s, n in zip(seqs, query_lens)]
         if all(s.prompt_len <= end for s, end in zip(seqs, ends)):
@@ -293,7 +296,7 @@ class ModelRunner(RunnerWarmup):
             received = (torch.empty(broadcast, dtype=torch.long, device=self.device)
                         if broadcast and self.rank != 0 else None)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None, feed)
-            replayed = self.replayed_last = self._graph_greedy is not None
+            replayed = self._graph_greedy is not None
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
             if self.rank != 0:
