@@ -11,10 +11,13 @@ once per bucket of token counts and replayed on the step's rows padded to the bu
 compilation splits its graphs at the attention op the same way).
 
 A bucket's plan, for a model of L layers: part 0 embeds the ids, computes RoPE's cos/sin and runs layer 0 up to
-its attention (``LlamaDecoderLayer.before_attention``); part i (1..L-1) runs layer i-1 from its attention's heads
-(``after_attention``) and layer i up to its own; part L finishes layer L-1. Between parts, ``LlamaAttention.attend``
-runs eagerly on the step's real rows of the part's query, key and value heads, and its heads go into one buffer
-every part reads. The final norm and LM head run eagerly on the rows that need logits (``logits_of``), as the
+its attention (``LlamaDecoderLayer.before_attention``), its query and key heads rotated; part i (1..L-1) runs layer
+i-1 from its attention's heads (``after_attention``) and layer i up to its own; part L finishes layer L-1. Between
+parts, ``LlamaAttention.attend_rotated`` runs eagerly on the step's real rows of the part's query, key and value
+heads: one launch a layer on the Triton backend, whose kernel writes the step's keys and values into the pool as it
+attends (the pool does not exist when the parts are captured, so no part writes it; before, the eager side took a
+second launch a layer for RoPE and that write, ~70 us of host time each on an H100's host), and its heads go into
+one buffer every part reads. The final norm and LM head run eagerly on the rows that need logits (``logits_of``), as the
 eager path does. Padding rows (ids and positions left from earlier steps, always valid) never reach the pool or
 the real rows: every captured op is row by row, and for LongRoPE each padding row is a sequence of its own.
 
@@ -32,6 +35,7 @@ import torch
 
 from llmbus.workers.attention.base import AttentionMetadata
 from llmbus.workers.cuda_graphs import DecodeGraphs
+from llmbus.workers.gpu_ops import apply_rotary
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.models.llama import RESIDUAL_DTYPE, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -102,14 +106,13 @@ class PiecewiseGraphs:
         hidden = self.plans[size].run(count, kv_cache, meta)
         return self.model.logits_of(hidden[:count], logits_index)
 
-    def _attend(self, layer: int, qk, value, cos, sin, count: int, kv_cache: PagedKVCache,
-                meta: AttentionMetadata) -> None:
-        """Layer ``layer``'s attention over the step's ``count`` real rows, its heads into ``heads`` (written
-        there by the attention kernel where the backend's can, not copied)."""
+    def _attend(self, layer: int, qk, value, count: int, kv_cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        """Layer ``layer``'s attention over the step's ``count`` real rows (their heads rotated by the part
+        before), its heads into ``heads`` (written there by the attention kernel where the backend's can, not
+        copied)."""
         attention = self.model.layers[layer].attention
-        attention.attend(
-            qk[:count], value[:count], cos[:count], sin[:count], self.model.attention_backend, kv_cache, meta,
-            out=self.heads[:count].view(count, attention.num_heads, attention.head_dim))
+        attention.attend_rotated(qk[:count], value[:count], self.model.attention_backend, kv_cache, meta,
+                                 out=self.heads[:count].view(count, attention.num_heads, attention.head_dim))
 
 
 class _Plan:
@@ -126,10 +129,10 @@ class _Plan:
             # Each part reads what the one before made, where the graphs keep it: the capture runs no attention
             # (the heads buffer's rows are whatever they are; the heads computed are not attended).
             residual, cos, sin, qk, value = self._capture(self.first)
-            self.rotary = cos, sin
             self.inputs = [(qk, value)]
             for layer in range(1, len(self.layers)):
-                residual, qk, value = self._capture(lambda layer=layer, residual=residual: self.middle(layer, residual))
+                residual, qk, value = self._capture(
+                    lambda layer=layer, residual=residual: self.middle(layer, residual, cos, sin))
                 self.inputs.append((qk, value))
             self.out = self._capture(lambda residual=residual: self.last(residual))
 
@@ -152,19 +155,21 @@ class _Plan:
         return out
 
     def first(self):
-        """(residual stream, cos, sin, query-key heads, value heads): the ids embedded, layer 0 up to its
-        attention."""
+        """(residual stream, cos, sin, query-key heads rotated, value heads): the ids embedded, layer 0 up to
+        its attention."""
         model, owner = self.owner.model, self.owner
         hidden = model.embed(owner.ids[:self.size]).to(RESIDUAL_DTYPE)
         cos, sin = model.rotary.cos_sin(owner.positions[:self.size], model.dtype,
                                         None if owner.starts is None else owner.starts[:self.size])
         residual, qk, value = self.layers[0].before_attention(hidden, None)
-        return residual, cos, sin, qk, value
+        return residual, cos, sin, apply_rotary(qk, cos, sin), value
 
-    def middle(self, layer: int, residual):
-        """Layer ``layer - 1`` from its attention's heads, layer ``layer`` up to its attention."""
-        return self.layers[layer].before_attention(
+    def middle(self, layer: int, residual, cos, sin):
+        """Layer ``layer - 1`` from its attention's heads, layer ``layer`` up to its attention (its query-key
+        heads rotated)."""
+        residual, qk, value = self.layers[layer].before_attention(
             *self.layers[layer - 1].after_attention(residual, self.owner.heads[:self.size]))
+        return residual, apply_rotary(qk, cos, sin), value
 
     def last(self, residual):
         """The last layer from its attention's heads: the layers' output."""
@@ -177,13 +182,12 @@ class _Plan:
         if self.pool is None:
             residual, cos, sin, qk, value = self.first()
             for layer in range(1, len(self.layers)):
-                owner._attend(layer - 1, qk, value, cos, sin, count, kv_cache, meta)
-                residual, qk, value = self.middle(layer, residual)
-            owner._attend(len(self.layers) - 1, qk, value, cos, sin, count, kv_cache, meta)
+                owner._attend(layer - 1, qk, value, count, kv_cache, meta)
+                residual, qk, value = self.middle(layer, residual, cos, sin)
+            owner._attend(len(self.layers) - 1, qk, value, count, kv_cache, meta)
             return self.last(residual)
-        cos, sin = self.rotary
         for layer, (graph, (qk, value)) in enumerate(zip(self.graphs, self.inputs)):
             graph.replay()
-            owner._attend(layer, qk, value, cos, sin, count, kv_cache, meta)
+            owner._attend(layer, qk, value, count, kv_cache, meta)
         self.graphs[-1].replay()
         return self.out

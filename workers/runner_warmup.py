@@ -28,6 +28,9 @@ CPU_WARMUP_TOKENS = 256
 # The query lengths whose steps tile their queries as no prefill or decode does (triton_kernels.query_tile):
 # warmup runs one step of each on CUDA.
 SHORT_QUERY_LENGTHS = (2, 4, 8)
+# A piecewise step's attention writes the step's keys as it attends (TritonAttentionBackend.forward), another
+# compilation of the kernel for each tiling: warmup runs one step of each query tile through the parts.
+PIECEWISE_QUERY_LENGTHS = (1, *SHORT_QUERY_LENGTHS, 16)
 
 
 class RunnerWarmup:
@@ -65,11 +68,11 @@ class RunnerWarmup:
             next_block += num_blocks
         return seqs
 
-    def _compile_short_queries(self, cache: PagedKVCache) -> None:
+    def _compile_short_queries(self, cache: PagedKVCache, lengths: tuple[int, ...] = SHORT_QUERY_LENGTHS) -> None:
         """A step whose longest query is 2 to 8 tokens (short prompts alone, speculation) tiles its queries
-        smaller than a prefill's, which compiles the attention kernel again: one small eager step per tile
-        here, so that happens at start, not in the middle of serving."""
-        for length in SHORT_QUERY_LENGTHS:
+        smaller than a prefill's, which compiles the attention kernel again: one small step per tile here
+        (of each of ``lengths``), so that happens at start, not in the middle of serving."""
+        for length in lengths:
             self._forward([SeqInput(rid=f"{WARMUP_RID_PREFIX}q{length}", token_ids=[0] * length, num_computed=0,
                                     block_table=list(range(-(-length // self.block_size))), sample=True,
                                     sampling=SamplingParams())], cache)
@@ -113,14 +116,14 @@ class RunnerWarmup:
         self._synchronize()
         warmup_tokens = sum(len(s.token_ids) for s in seqs)
         if not size_from_free_memory:
-            self._capture_piecewise()
+            self._capture_piecewise(cache)
             self._capture_graphs()
             return warmup_tokens
         scratch_bytes = cache.nbytes
         peak_allocated = torch.cuda.max_memory_allocated(self.device)  # before the graphs' measurement resets it
         graph_bytes = self._measure_graph_bytes(cache)
+        self._capture_piecewise(cache)  # before the pool is sized from what is free: what its graphs hold is taken
         del cache, logits
-        self._capture_piecewise()  # before the pool is sized from what is free: what its graphs hold is taken
         num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes, sampling_bytes, graph_bytes,
                                                       peak_allocated)
         self.allocate_pool(num_blocks)
@@ -164,29 +167,42 @@ class RunnerWarmup:
     def _piecewise_wanted(self) -> bool:
         return bool(self.piecewise_sizes) and self.device.type == "cuda" and PiecewiseGraphs.supported(self.model)
 
-    def _capture_piecewise(self) -> None:
+    def _capture_piecewise(self, cache: PagedKVCache) -> None:
         """Capture the layers between attention calls (``--piecewise-graphs``); they read no KV pool. A capture
         that fails leaves those steps eager, logged: they are on by default, and a model whose layers capture
         badly still serves (decode graphs, captured later, fail the start as they always did). Ranks of a group
         agree: where one failed, every one runs those steps eagerly, since the parts hold collectives that
-        every rank must join."""
+        every rank must join. Then a step of each query tile through the parts over ``cache`` (scratch), to
+        compile their attention's kernels; one that fails there (on every rank alike: the same kernels on
+        the same devices) leaves the steps eager too."""
         if not self._piecewise_wanted():
             return
-        log = structlog.get_logger("llmbus.workers")
         try:
             self.piecewise = PiecewiseGraphs(self.model, self.piecewise_sizes)
         except Exception as exc:  # noqa: BLE001  (any capture failure: the eager path computes the same)
-            self.piecewise = None
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            log.warning("piecewise graphs not captured; steps with prompt rows run eagerly",
-                        sizes=list(self.piecewise_sizes), error=f"{type(exc).__name__}: {exc}"[:500])
+            self._piecewise_failed("piecewise graphs not captured; steps with prompt rows run eagerly", exc)
         if self.world_size > 1:
             captured = torch.tensor([int(self.piecewise is not None)], device=self.device)
             torch.distributed.all_reduce(captured, op=torch.distributed.ReduceOp.MIN)
             if not captured.item() and self.piecewise is not None:
-                self.piecewise = None
-                log.warning("piecewise graphs not captured on another rank; steps with prompt rows run eagerly")
+                self._piecewise_failed("piecewise graphs not captured on another rank; steps with prompt rows "
+                                       "run eagerly")
+        if self.piecewise is None:
+            return
+        try:
+            with torch.inference_mode():
+                self._compile_short_queries(cache, PIECEWISE_QUERY_LENGTHS)
+        except Exception as exc:  # noqa: BLE001  (as a capture's: the eager path computes the same)
+            self._piecewise_failed("piecewise steps' attention did not compile; steps with prompt rows run "
+                                   "eagerly", exc)
+
+    def _piecewise_failed(self, message: str, exc: Exception | None = None) -> None:
+        self.piecewise = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        structlog.get_logger("llmbus.workers").warning(
+            message, sizes=list(self.piecewise_sizes),
+            **({"error": f"{type(exc).__name__}: {exc}"[:500]} if exc is not None else {}))
 
     def allocate_pool(self, num_blocks: int) -> None:
         """The KV pool of a runner whose pool was left to be sized (on CUDA, by its own warmup, or by the

@@ -194,10 +194,31 @@ def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path):
     assert results["hit"][0] == expected.tokens[4]
 
 
-def test_a_capture_that_fails_leaves_prompt_steps_eager_and_says_why(monkeypatch):
-    """On by default, so a model whose layers do not capture must still start: eager steps, a warning."""
+def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | None = None):
+    """A stand-in for a GPU runner in ``RunnerWarmup._capture_piecewise``: its compile steps recorded (and
+    raising ``compile_error``), the CUDA calls of a failure path made no-ops."""
     import types
 
+    from llmbus.workers import runner_warmup
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    runner = types.SimpleNamespace(piecewise_sizes=(16, 32), device=torch.device("cpu"), model=None,
+                                   piecewise="stale", world_size=world_size, _piecewise_wanted=lambda: True,
+                                   compiled=[])
+
+    def compile_steps(cache, lengths):
+        runner.compiled.append((cache, lengths))
+        if compile_error is not None:
+            raise compile_error
+
+    runner._compile_short_queries = compile_steps
+    runner._piecewise_failed = types.MethodType(runner_warmup.RunnerWarmup._piecewise_failed, runner)
+    return runner
+
+
+def test_a_capture_that_fails_leaves_prompt_steps_eager_and_says_why(monkeypatch):
+    """On by default, so a model whose layers do not capture must still start: eager steps, a warning."""
     import structlog
 
     from llmbus.workers import runner_warmup
@@ -207,22 +228,40 @@ def test_a_capture_that_fails_leaves_prompt_steps_eager_and_says_why(monkeypatch
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(runner_warmup, "PiecewiseGraphs", Uncapturable)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    runner = types.SimpleNamespace(piecewise_sizes=(16, 32), device=torch.device("cuda"), model=None,
-                                   piecewise="stale", world_size=1, _piecewise_wanted=lambda: True)
+    runner = _warming_runner(monkeypatch, 1)
     with structlog.testing.capture_logs() as logs:
-        runner_warmup.RunnerWarmup._capture_piecewise(runner)
-    assert runner.piecewise is None
+        runner_warmup.RunnerWarmup._capture_piecewise(runner, "scratch")
+    assert runner.piecewise is None and runner.compiled == []
     (warning,) = [entry for entry in logs if entry["log_level"] == "warning"]
     assert "eagerly" in warning["event"] and "stream is capturing" in warning["error"]
+
+
+def test_the_parts_attention_compiles_at_warmup_for_every_query_tile_or_the_steps_stay_eager(monkeypatch):
+    """After the capture, one step of each query tile through the parts (their attention writes the keys
+    as it attends: kernels of their own), over the warmup's scratch pool; a compilation that fails leaves the
+    steps eager with the reason, as a failed capture does."""
+    import structlog
+
+    from llmbus.workers import runner_warmup
+
+    monkeypatch.setattr(runner_warmup, "PiecewiseGraphs", lambda model, sizes: "captured")
+    runner = _warming_runner(monkeypatch, 1)
+    runner_warmup.RunnerWarmup._capture_piecewise(runner, "scratch")
+    assert runner.piecewise == "captured"
+    assert runner.compiled == [("scratch", runner_warmup.PIECEWISE_QUERY_LENGTHS)]
+    assert {triton_kernels.query_tile(n) for n in runner_warmup.PIECEWISE_QUERY_LENGTHS} == {1, 2, 4, 8, 16}
+    runner = _warming_runner(monkeypatch, 1, RuntimeError("PassManager::run failed"))
+    with structlog.testing.capture_logs() as logs:
+        runner_warmup.RunnerWarmup._capture_piecewise(runner, "scratch")
+    assert runner.piecewise is None
+    (warning,) = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert "did not compile" in warning["event"] and "PassManager" in warning["error"]
 
 
 @pytest.mark.parametrize("elsewhere", [True, False], ids=["captured everywhere", "failed on another rank"])
 def test_ranks_of_a_group_run_prompt_steps_alike(monkeypatch, elsewhere):
     """The parts hold the group's collectives: a rank keeps them only where every rank captured them (the
     group's MIN of a flag, stood in for here by the other rank's)."""
-    import types
 
     import structlog
 
@@ -238,9 +277,9 @@ def test_ranks_of_a_group_run_prompt_steps_alike(monkeypatch, elsewhere):
 
     monkeypatch.setattr(runner_warmup, "PiecewiseGraphs", Captured)
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    runner = types.SimpleNamespace(piecewise_sizes=(16,), device=torch.device("cpu"), model=None, piecewise=None,
-                                   world_size=2, _piecewise_wanted=lambda: True)  # (a GPU rank's flag: here)
+    runner = _warming_runner(monkeypatch, 2)  # (a GPU rank's flag: here)
     with structlog.testing.capture_logs() as logs:
-        runner_warmup.RunnerWarmup._capture_piecewise(runner)
+        runner_warmup.RunnerWarmup._capture_piecewise(runner, "scratch")
     assert isinstance(runner.piecewise, Captured) is elsewhere
     assert any("another rank" in entry["event"] for entry in logs) is not elsewhere
+    assert bool(runner.compiled) is elsewhere  # the compile steps' collectives: every rank runs them, or none

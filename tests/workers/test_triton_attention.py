@@ -102,6 +102,35 @@ def test_triton_equals_portable(case):
     assert torch.equal(caches[0].key, caches[1].key) and torch.equal(caches[0].value, caches[1].value)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_writing_the_new_keys_inside_the_launch_equals_writing_them_first(case):
+    """``forward`` writes the step's keys and values in its attention launch, the step's own keys read from
+    the step's tensors (views of one QKV row, as a layer gives them): bit for bit the output and the pool of
+    writing them first (``PagedKVCache.write``) and then attending over the pool; prompt chunks over cached
+    blocks, speculative rows, split decodes and the window's layer alike."""
+    dtype, pool_dtype, block_size, per_kv, head_dim, _ = CASES[case]
+    num_heads = NUM_KV_HEADS * per_kv
+    backend = TritonAttentionBackend([None, WINDOW])
+    one_launch, written_first = (_cache(dtype, pool_dtype, block_size, head_dim) for _ in range(2))
+    tables = _tables(block_size)
+    generator = torch.Generator().manual_seed(1)
+    for step in _schedule(block_size):
+        names = list(step)
+        meta = backend.build_metadata(query_lens=[step[n][1] for n in names],
+                                      num_computed=[step[n][0] for n in names],
+                                      block_tables=[tables[n][:-(-sum(step[n]) // block_size)] for n in names],
+                                      kv_cache=one_launch, device=CPU)
+        tokens = meta.positions.shape[0]
+        for layer in range(2):
+            qkv = torch.randn(tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=generator).to(dtype)
+            q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
+            out = backend.forward(layer, q, k, v, one_launch, meta, scale=head_dim ** -0.5)
+            written_first.write(layer, meta.slot_mapping, k, v)
+            expected = backend._attend(layer, q, written_first, meta, head_dim ** -0.5)
+            assert torch.equal(out, expected), (step, layer)
+        assert torch.equal(one_launch.key, written_first.key) and torch.equal(one_launch.value, written_first.value)
+
+
 def test_one_launch_per_step_and_its_programs(monkeypatch):
     """A step of every row kind is one launch per layer, one program per tile of a sequence's query tokens
     under each KV head; a decode-only step takes one token per program."""

@@ -198,9 +198,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """``query [T, Hq, D]``, ``key``/``value [T, Hkv, D]`` of the step's new tokens -> ``[T, Hq, D]``,
-        after writing ``key``/``value`` into ``meta.slot_mapping`` of ``layer``."""
+        with ``key``/``value`` written into ``meta.slot_mapping`` of ``layer`` (the step's queries attend
+        them). ``out`` as ``forward_rotary``'s (``into``)."""
 
     def forward_rotary(self, layer: int, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
                        signed_sin: torch.Tensor, num_heads: int, kv_cache: PagedKVCache, meta: AttentionMetadata,
@@ -212,5 +214,9 @@ class AttentionBackend(ABC):
         heads go, and what is returned (a piecewise step's parts read them there); a backend whose kernel
         can write there saves a copy."""
         qk = apply_rotary(qk, cos, signed_sin)
-        heads = self.forward(layer, qk[:, :num_heads], qk[:, num_heads:], value, kv_cache, meta, scale)
-        return heads if out is None else out.copy_(heads)
+        return self.forward(layer, qk[:, :num_heads], qk[:, num_heads:], value, kv_cache, meta, scale, out)
+
+
+def into(out: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor:
+    """``heads``, copied into ``out`` where one is given (``AttentionBackend.forward``'s ``out``)."""
+    return heads if out is None else out.copy_(heads)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from llmbus.workers.attention.base import AttentionMetadata, KernelRows, StepIndex, group_token_index, step_index
+from llmbus.workers.attention.base import (AttentionMetadata, KernelRows, StepIndex, group_token_index, into,
+                                          step_index)
 from llmbus.workers.attention.decode_kernel import DecodeAttentionKernel, decode_attention_kernel
 from llmbus.workers.attention.torch_sdpa import TorchSDPABackend
 from llmbus.workers.kv_cache import PagedKVCache
@@ -116,15 +117,16 @@ class CPUKernelBackend(TorchSDPABackend):
             context_lens=context_lens, window_starts=self._window_starts(context_lens), max_context=max_context)
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         group = meta.kernel_rows
         if group is not None:
             # The whole step as kernel rows: the kernel writes each new token's K/V as it attends.
             key_blocks, value_blocks = kv_cache.layer_blocks(layer)
-            return self.kernel(query, key_blocks, value_blocks, group.block_index, group.context_lens,
-                               group.window_starts[self.window_index(layer)], group.max_context, scale,
-                               new=(key, value, meta.slot_mapping))
-        return super().forward(layer, query, key, value, kv_cache, meta, scale)
+            return into(out, self.kernel(query, key_blocks, value_blocks, group.block_index, group.context_lens,
+                                         group.window_starts[self.window_index(layer)], group.max_context, scale,
+                                         new=(key, value, meta.slot_mapping)))
+        return super().forward(layer, query, key, value, kv_cache, meta, scale, out)
 
     def _write(self, layer: int, kv_cache: PagedKVCache, slots: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> None:

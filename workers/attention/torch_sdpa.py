@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from llmbus.workers.attention.base import (AttentionBackend, AttentionMetadata, StepIndex, exclusive_cumsum,
-                                           group_token_index, step_index)
+                                           group_token_index, into, step_index)
 from llmbus.workers.kv_cache import PagedKVCache
 
 # Groups whose sequences bring at most this many query tokens attend with two batched matmuls instead of
@@ -139,12 +139,13 @@ class TorchSDPABackend(AttentionBackend):
     # -- per layer ---------------------------------------------------------------------------------
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         self._write(layer, kv_cache, meta.slot_mapping, key, value)
         window = self.window_index(layer)
         if len(meta.groups) == 1 and meta.groups[0].token_index is None:
-            return self._attend(layer, meta.groups[0], query, kv_cache, window, scale)
-        out = query.new_empty(query.shape)
+            return into(out, self._attend(layer, meta.groups[0], query, kv_cache, window, scale))
+        out = query.new_empty(query.shape) if out is None else out
         for group in meta.groups:
             rows = group.token_index
             out.index_copy_(0, rows, self._attend(layer, group, query.index_select(0, rows), kv_cache, window, scale))

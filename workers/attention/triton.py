@@ -112,9 +112,13 @@ class TritonAttentionBackend(AttentionBackend):
                                  groups=[step])
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        kv_cache.write(layer, meta.slot_mapping, key, value)
-        return self._attend(layer, query, kv_cache, meta, scale)
+                kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """One launch: the kernel writes the step's keys and values into their slots as it attends (reading
+        them from ``key``/``value``, not from the pool, where another of its programs may be writing them)."""
+        if key.stride(-1) != 1 or value.stride(-1) != 1:
+            key, value = key.contiguous(), value.contiguous()
+        return self._attend(layer, query, kv_cache, meta, scale, out, new_kv=(key, value, meta.slot_mapping))
 
     def forward_rotary(self, layer: int, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
                        signed_sin: torch.Tensor, num_heads: int, kv_cache: PagedKVCache, meta: AttentionMetadata,
@@ -129,10 +133,13 @@ class TritonAttentionBackend(AttentionBackend):
         return self._attend(layer, query, kv_cache, meta, scale, out)
 
     def _attend(self, layer: int, query: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata,
-                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's queries over ``layer``'s pool, its new K/V already written (into ``out`` where given)."""
+                scale: float, out: torch.Tensor | None = None,
+                new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The step's queries over ``layer``'s pool (into ``out`` where given), its new K/V written already or
+        (``new_kv``) by this launch."""
         step: TritonStep = meta.groups[0]
         key_blocks, value_blocks = kv_cache.layer_blocks(layer)
         return self.kernels.paged_attention(
             query, key_blocks, value_blocks, step.tables, step.programs, step.block_q, step.query_starts,
-            step.query_lens, step.num_computed, scale, self.windows[self.window_index(layer)], out=out)
+            step.query_lens, step.num_computed, scale, self.windows[self.window_index(layer)], out=out,
+            new_kv=new_kv)

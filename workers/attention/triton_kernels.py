@@ -65,12 +65,15 @@ def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, program_seq_ptr, program_row_ptr,
         query_starts_ptr, query_lens_ptr, num_computed_ptr,
         partial_out_ptr, partial_ml_ptr,
+        new_k_ptr, new_v_ptr, slots_ptr,
         qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, stride_table,
+        stride_nkt, stride_nkh, stride_nvt, stride_nvh,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr,
-        PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr):
+        PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr,
+        NEW_KV: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,6 +112,24 @@ def _paged_attention_kernel(
     table = tables_ptr + seq.to(tl.int64) * stride_table
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if NEW_KV:
+        # The step's own keys and values are not in the pool yet: this launch writes them there, the tile's
+        # tokens under this KV head by its first split's program (the lanes of each row's first query head),
+        # and reads them from new_k/new_v, never from the pool, where another program may be writing them.
+        new_k_head = new_k_ptr + kv_head.to(tl.int64) * stride_nkh
+        new_v_head = new_v_ptr + kv_head.to(tl.int64) * stride_nvh
+        writes = (rows < seq_end) & (head_in_group == 0) & (split == 0)
+        slots = tl.load(slots_ptr + rows, mask=writes, other=0).to(tl.int64)
+        at = (slots // BLOCK_SIZE)[:, None]
+        in_block_m = (slots % BLOCK_SIZE)[:, None]
+        written = writes[:, None] & d_valid[None, :]
+        wide_rows = rows.to(tl.int64)[:, None]
+        fresh_k = tl.load(new_k_head + wide_rows * stride_nkt + offs_d[None, :], mask=written, other=0.0)
+        tl.store(k_head + at * stride_kb + in_block_m * stride_ks + offs_d[None, :],
+                 fresh_k.to(k_ptr.dtype.element_ty), mask=written)
+        fresh_v = tl.load(new_v_head + wide_rows * stride_nvt + offs_d[None, :], mask=written, other=0.0)
+        tl.store(v_head + at * stride_vb + in_block_m * stride_vs + offs_d[None, :],
+                 fresh_v.to(v_ptr.dtype.element_ty), mask=written)
     if SPLITS > 1:  # this program's share of the keys: whole tiles, the last splits possibly none
         span = tl.cdiv(tl.cdiv(kv_end - kv_start, SPLITS), BLOCK_N) * BLOCK_N
         kv_start = kv_start + split * span
@@ -118,9 +139,18 @@ def _paged_attention_kernel(
         n_valid = offs_n < kv_end
         blocks = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
+        cached = n_valid
+        if NEW_KV:
+            cached = n_valid & (offs_n < computed)
+            fresh = n_valid & (offs_n >= computed)
+            fresh_rows = (seq_start + offs_n - computed).to(tl.int64)
         k = tl.load(k_head + blocks[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None],
-                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+                    mask=cached[None, :] & d_valid[:, None], other=0.0)
         k = k.to(DTYPE)
+        if NEW_KV:  # rounded through the pool's dtype: the values a read of the pool would give
+            fresh_k = tl.load(new_k_head + fresh_rows[None, :] * stride_nkt + offs_d[:, None],
+                              mask=fresh[None, :] & d_valid[:, None], other=0.0)
+            k = tl.where(fresh[None, :], fresh_k.to(k_ptr.dtype.element_ty).to(DTYPE), k)
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [M, N], log2 units
@@ -133,9 +163,13 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
-                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+                    mask=cached[:, None] & d_valid[None, :], other=0.0)
         p = p.to(DTYPE)
         v = v.to(DTYPE)
+        if NEW_KV:
+            fresh_v = tl.load(new_v_head + fresh_rows[:, None] * stride_nvt + offs_d[None, :],
+                              mask=fresh[:, None] & d_valid[None, :], other=0.0)
+            v = tl.where(fresh[:, None], fresh_v.to(v_ptr.dtype.element_ty).to(DTYPE), v)
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
@@ -263,7 +297,8 @@ def key_splits(programs: int, num_kv_heads: int, block_q: int, device: torch.dev
 def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
                     tables: torch.Tensor, programs: torch.Tensor, block_q: int, query_starts: torch.Tensor,
                     query_lens: torch.Tensor, num_computed: torch.Tensor, scale: float,
-                    window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None, out: torch.Tensor | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``query [T, Hq, D]`` of a step over one layer's pool -> ``[T, Hq, D]`` in ``query``'s dtype (``out``
     where given, rows of unit-stride heads).
 
@@ -271,7 +306,10 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
     written; ``tables [N, >= blocks per sequence]`` each sequence's blocks in order; ``programs``:
     ``program_map(query_lens, block_q)``; ``query_starts``/``query_lens``/``num_computed [N]``: each
     sequence's first row, its new tokens and its tokens cached before them; ``window``: keys less than this
-    many positions behind a query are visible (None: all)."""
+    many positions behind a query are visible (None: all). ``new_kv``: (``key``, ``value`` ``[T, Hkv, D]``,
+    ``slot_mapping [T]``) of the step's tokens, which the launch writes into the pool at their slots as it
+    attends (the pool must not hold them yet: the cached positions are read from it, the step's from these);
+    None: the pool holds them already."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = key_blocks.shape
     if query.stride(-1) != 1:
@@ -296,18 +334,26 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
         partial_out = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32,
                                   device=query.device)
         partial_ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=query.device)
+    if new_kv is None:  # the arguments unread (NEW_KV is off): the same ones every time, one compiled kernel
+        new_key = new_value = slots = query
+        new_strides = (0, 0, 0, 0)
+    else:
+        new_key, new_value, slots = new_kv
+        if new_key.stride(-1) != 1 or new_value.stride(-1) != 1:
+            raise ValueError("paged_attention's new keys and values need contiguous head dimensions")
+        new_strides = (new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1))
     grid = (programs.shape[1], num_kv_heads, splits)
     _paged_attention_kernel[grid](
         query, key_blocks, value_blocks, out, tables, programs[0], programs[1],
-        query_starts, query_lens, num_computed, partial_out, partial_ml,
+        query_starts, query_lens, num_computed, partial_out, partial_ml, new_key, new_value, slots,
         scale * LOG2E, window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_blocks.stride(0), key_blocks.stride(1), key_blocks.stride(2),
-        value_blocks.stride(0), value_blocks.stride(1), value_blocks.stride(2), tables.stride(0),
+        value_blocks.stride(0), value_blocks.stride(1), value_blocks.stride(2), tables.stride(0), *new_strides,
         HEAD_DIM=head_dim, BLOCK_D=block_d, QUERIES_PER_KV=per_kv, BLOCK_H=block_h, BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SLIDING=window is not None, PRECISION=precision,
         NEG_START=_NEG_START, UPCAST=query.dtype == torch.bfloat16 and interpreted(), SPLITS=splits,
-        num_warps=8 if rows > 64 or block_d >= 128 else 4)
+        NEW_KV=new_kv is not None, num_warps=8 if rows > 64 or block_d >= 128 else 4)
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](partial_out, partial_ml, out, out.stride(0), out.stride(1),
                                                         num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,

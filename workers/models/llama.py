@@ -238,6 +238,12 @@ class LlamaAttention:
         return backend.forward_rotary(self.layer, qk, value, cos, sin, self.num_heads, kv_cache, meta, self.scale,
                                       out)
 
+    def attend_rotated(self, qk, value, backend, kv_cache: PagedKVCache, meta: AttentionMetadata, out=None):
+        """``attend`` on heads that are rotated already (a piecewise step's parts rotate them in their graphs,
+        ``piecewise_graphs.py``): where the backend writes the keys inside its attention, one launch."""
+        return backend.forward(self.layer, qk[:, :self.num_heads], qk[:, self.num_heads:], value, kv_cache, meta,
+                               self.scale, out)
+
     def output(self, attended):
         """The output projection of ``attend``'s heads, summed over the ranks."""
         attended = attended.reshape(attended.shape[0], -1)
