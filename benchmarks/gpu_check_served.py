@@ -21,7 +21,7 @@ import torch
 
 from _random_llama import random_weights
 from _server import client_session, exact_token_prompt, load_tokenizer, metrics, stream_tokens
-from stack_overhead import roles, summarize_profile
+from stack_overhead import roles, summarize_profile, summarize_under
 
 from llmbus.testing import Server
 from llmbus.testing.fake_scheduler import byte_to_unicode
@@ -202,8 +202,14 @@ class ServedPart:
                 spy.wait(30)
             except subprocess.TimeoutExpired:
                 spy.kill()
-            profiles[role] = (summarize_profile(out, top=16) if out.exists()
-                              else f"py-spy wrote nothing: {spy.stderr.read().decode()[-300:]}")
+            if not out.exists():
+                profiles[role] = f"py-spy wrote nothing: {spy.stderr.read().decode()[-300:]}"
+                continue
+            profiles[role] = summarize_profile(out, top=16)
+            if role == "workers":  # what a step that is not a replayed decode graph spends its launch on
+                profiles["workers eager forward"] = (
+                    summarize_under(out, "ModelRunner._forward", "DecodeGraphs.forward") + "\n"
+                    + summarize_under(out, "PiecewiseGraphs.forward", depth=2))
         return profiles
 
     def _device_idle(self, lines: list[str], sustained: dict, host_profiles: dict[str, str]) -> None:

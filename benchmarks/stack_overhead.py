@@ -71,6 +71,24 @@ def summarize_profile(collapsed: Path, top: int = 14) -> str:
     return "\n".join(lines)
 
 
+def summarize_under(collapsed: Path, anchor: str, without: str = "", depth: int = 1, top: int = 12) -> str:
+    """Inclusive time below the frames of function ``anchor`` (its first on a stack), by the ``depth`` frames
+    under it, over the stacks that hold no frame of function ``without``: what one kind of call is made of
+    (a worker's eager steps: ``ModelRunner._forward`` without ``DecodeGraphs.forward``)."""
+    below, total = collections.Counter(), 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        functions = [frame.partition(" (")[0] for frame in stack.split(";")]
+        if anchor not in functions or (without and without in functions):
+            continue
+        at = functions.index(anchor)
+        below[" > ".join(functions[at + 1:at + 1 + depth]) or "(self)"] += int(count)
+        total += int(count)
+    lines = [f"  {total} samples under {anchor}" + (f" without {without}" if without else "") + ":"]
+    lines += [f"    {100 * n / total:5.1f}%  {name}" for name, n in below.most_common(top)]
+    return "\n".join(lines)
+
+
 def _package(path: str) -> str:
     parts = Path(path).parts
     for anchor in ("site-packages", "lib"):
