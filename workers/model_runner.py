@@ -84,8 +84,11 @@ class ModelRunner(RunnerWarmup):
         self.piecewise: PiecewiseGraphs | None = None  # captured by warmup
         self._last_clock: StepClock | None = None
         self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
-        # the replayed graph's greedy ids and logprobs, and their vector for the result copy (_forward)
+        # the greedy ids and logprobs a graph computed for the step's sampled rows (a decode graph's, or a
+        # piecewise step's head graph), and their vector for the result copy (_forward); whether it replayed
+        # a decode graph
         self._graph_greedy: tuple | None = None
+        self._replayed = False
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
@@ -188,11 +191,14 @@ class ModelRunner(RunnerWarmup):
         # A step with adapter rows replays too where the graphs hold the adapters' kernels (CUDA), else eagerly;
         # a graph stages its rows' adapters itself.
         self._graph_greedy = None
-        if (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
-                and self.graphs.applies(seqs)):
+        self._replayed = (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
+                          and self.graphs.applies(seqs))
+        if self._replayed:
             logits = self.graphs.forward(seqs, feed)
             self._graph_greedy = self.graphs.greedy
             return logits
+        # the logits of the sampled rows alone: a head graph's greedy choices are then those rows' own
+        sampled_rows_only = logits_index is None
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,
                                    grouped=not self._lora_kernels)
         input_ids = fed_ids((s.token_ids for s in seqs), feed, self.device)
@@ -209,14 +215,17 @@ class ModelRunner(RunnerWarmup):
         if adapters is None:
             # (the piecewise parts rotate by their captured start mask alone: a step with horizons runs eagerly)
             if self.piecewise is not None and horizons is None and self.piecewise.applies(len(input_ids), adapters):
-                return self.piecewise.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
+                logits = self.piecewise.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
+                if sampled_rows_only:
+                    self._graph_greedy = self.piecewise.greedy
+                return logits
             return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters)
 
     @property
     def replayed_last(self) -> bool:
         """Whether the step launched last replayed a decode graph (the worker's timeline counts the rest apart)."""
-        return self._graph_greedy is not None
+        return self._replayed
 
     @property
     def rope_split_tokens(self) -> int:
@@ -296,7 +305,7 @@ class ModelRunner(RunnerWarmup):
             received = (torch.empty(broadcast, dtype=torch.long, device=self.device)
                         if broadcast and self.rank != 0 else None)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None, feed)
-            replayed = self._graph_greedy is not None
+            replayed = self._replayed
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
             if self.rank != 0:

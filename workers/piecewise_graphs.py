@@ -17,8 +17,13 @@ parts, ``LlamaAttention.attend_rotated`` runs eagerly on the step's real rows of
 heads: one launch a layer on the Triton backend, whose kernel writes the step's keys and values into the pool as it
 attends (the pool does not exist when the parts are captured, so no part writes it; before, the eager side took a
 second launch a layer for RoPE and that write, ~70 us of host time each on an H100's host), and its heads go into
-one buffer every part reads. The final norm and LM head run eagerly on the rows that need logits (``logits_of``), as the
-eager path does. Padding rows (ids and positions left from earlier steps, always valid) never reach the pool or
+one buffer every part reads. The last part writes the layers' output into one buffer (``final``) that the head
+graphs read: the final norm, the LM head and each row's greedy choice over the rows that need logits
+(``logits_of``), gathered through an index buffer, one graph per power of two of those rows up to 256
+(``HEAD_ROWS``), as a decode graph ends; the step takes their greedy choices where every sampled row is plain
+greedy, so it launches no sampling either (on an H200's host the eager head and sampling were ~0.4 ms of a
+prompt-chunk step's 2.95 ms launch). The head graphs keep their logits: 511 rows of float32 logits in all
+(262 MB for Llama 3's vocabulary). Padding rows (ids and positions left from earlier steps, always valid) never reach the pool or
 the real rows: every captured op is row by row, and for LongRoPE each padding row is a sequence of its own.
 
 ``capture=False`` runs the same parts, buffers and padding without graphs: how CPU tests check that the parts
@@ -37,7 +42,14 @@ from llmbus.workers.attention.base import AttentionMetadata
 from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.gpu_ops import apply_rotary
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.launched_step import pack
 from llmbus.workers.models.llama import RESIDUAL_DTYPE, LlamaDecoderLayer, LlamaForCausalLM
+from llmbus.workers.sampling import greedy
+
+# The logits rows a head graph is captured for (the final norm, the LM head and each row's greedy choice): a
+# step with more rows that need logits than the largest, or than the largest bucket of tokens, takes its head
+# eagerly.
+HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class PiecewiseGraphs:
@@ -59,6 +71,14 @@ class PiecewiseGraphs:
                 torch.zeros(1, model.config.hidden_size, dtype=RESIDUAL_DTYPE, device=model.device)))[0]
         self.heads = torch.zeros(largest, attention.num_heads * attention.head_dim, dtype=probe.dtype,
                                  device=model.device)
+        # The layers' output, which every bucket's last part writes and the head graphs read, at the rows of
+        # ``logits_rows`` (the step's rows that need logits, then whatever rows earlier steps left: padding).
+        self.final = torch.zeros(largest, model.config.hidden_size, dtype=RESIDUAL_DTYPE, device=model.device)
+        self.head_sizes = tuple(r for r in HEAD_ROWS if r <= largest)
+        self.logits_rows = torch.zeros(self.head_sizes[-1], dtype=torch.long, device=model.device)
+        # The last head replayed: its rows' greedy ids, logprobs and their vector as ResultCopy takes it (rank 0,
+        # valid until the next replay of that head), as DecodeGraphs.greedy.
+        self.greedy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         started = time.perf_counter()
         pool = stream = None
         if capture:
@@ -71,6 +91,7 @@ class PiecewiseGraphs:
             # bucket's activations fit in the largest's only when they are captured on the same stream.
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.plans = {size: _Plan(self, size, pool, stream) for size in reversed(self.sizes)}
+        self.logits_plans = {rows: _LogitsPlan(self, rows, pool, stream) for rows in reversed(self.head_sizes)}
         if capture:
             torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
@@ -93,8 +114,10 @@ class PiecewiseGraphs:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor | None:
-        """The model's ``forward``, for a step that ``applies``."""
+        """The model's ``forward``, for a step that ``applies``; ``greedy`` holds the rows' greedy choices where
+        a head graph computed the logits (else None)."""
         count = input_ids.shape[0]
+        self.greedy = None
         size = self.sizes[bisect.bisect_left(self.sizes, count)]
         self.ids[:count].copy_(input_ids)
         self.positions[:count].copy_(positions)
@@ -104,7 +127,16 @@ class PiecewiseGraphs:
             if mask is not None:
                 self.starts[:count].copy_(mask)
         hidden = self.plans[size].run(count, kv_cache, meta)
-        return self.model.logits_of(hidden[:count], logits_index)
+        rows = logits_index.shape[0]
+        if not 0 < rows <= self.head_sizes[-1]:
+            return self.model.logits_of(hidden[:count], logits_index)
+        self.logits_rows[:rows].copy_(logits_index)
+        out = self.logits_plans[self.head_sizes[bisect.bisect_left(self.head_sizes, rows)]].run()
+        if out is None:  # off rank 0
+            return None
+        logits, ids, logprobs, packed = out
+        self.greedy = ids[:rows], logprobs[:rows], packed
+        return logits[:rows]
 
     def _attend(self, layer: int, qk, value, count: int, kv_cache: PagedKVCache, meta: AttentionMetadata) -> None:
         """Layer ``layer``'s attention over the step's ``count`` real rows (their heads rotated by the part
@@ -115,26 +147,13 @@ class PiecewiseGraphs:
                                  out=self.heads[:count].view(count, attention.num_heads, attention.head_dim))
 
 
-class _Plan:
-    """One bucket's parts: graphs captured from ``first``, ``middle`` and ``last``, or (uncaptured) those
-    functions called each step, and the tensors the attention between parts reads."""
+class _Captures:
+    """What a plan of graphs shares: one pool and side stream for all (``PiecewiseGraphs``), its graphs in the
+    order captured."""
 
-    def __init__(self, owner: PiecewiseGraphs, size: int, pool, stream: torch.cuda.Stream | None):
-        self.owner, self.size, self.pool, self.stream = owner, size, pool, stream
-        self.layers = owner.model.layers
+    def __init__(self, owner: PiecewiseGraphs, pool, stream: torch.cuda.Stream | None):
+        self.owner, self.pool, self.stream = owner, pool, stream
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        if pool is None:
-            return
-        with torch.inference_mode(), owner.model.active_adapters.serving(None):
-            # Each part reads what the one before made, where the graphs keep it: the capture runs no attention
-            # (the heads buffer's rows are whatever they are; the heads computed are not attended).
-            residual, cos, sin, qk, value = self._capture(self.first)
-            self.inputs = [(qk, value)]
-            for layer in range(1, len(self.layers)):
-                residual, qk, value = self._capture(
-                    lambda layer=layer, residual=residual: self.middle(layer, residual, cos, sin))
-                self.inputs.append((qk, value))
-            self.out = self._capture(lambda residual=residual: self.last(residual))
 
     def _capture(self, part):
         """``part()``'s outputs, its work captured as the next graph (run once uncaptured first: Triton compiles
@@ -154,6 +173,55 @@ class _Plan:
         self.graphs.append(graph)
         return out
 
+
+class _LogitsPlan(_Captures):
+    """A head of ``rows`` logits rows: the final norm, the LM head and each row's greedy choice, over the rows
+    of the layers' output that ``logits_rows`` names (``DecodeGraphs._run``'s tail), captured or (uncaptured)
+    called each step."""
+
+    def __init__(self, owner: PiecewiseGraphs, rows: int, pool, stream: torch.cuda.Stream | None):
+        super().__init__(owner, pool, stream)
+        self.rows = rows
+        if pool is not None:
+            with torch.inference_mode(), owner.model.active_adapters.serving(None):
+                self.out = self._capture(self.head)
+
+    def head(self) -> tuple[torch.Tensor, ...] | None:
+        """(logits, greedy ids, their logprobs, those two packed as ResultCopy takes them); None off rank 0."""
+        logits = self.owner.model.logits_of(self.owner.final, self.owner.logits_rows[:self.rows])
+        if logits is None:
+            return None
+        ids, logprobs = greedy(logits)
+        return logits, ids, logprobs, pack(ids, logprobs, None)
+
+    def run(self) -> tuple[torch.Tensor, ...] | None:
+        if self.pool is None:
+            return self.head()
+        self.graphs[0].replay()
+        return self.out
+
+
+class _Plan(_Captures):
+    """One bucket's parts: graphs captured from ``first``, ``middle`` and ``last``, or (uncaptured) those
+    functions called each step, and the tensors the attention between parts reads."""
+
+    def __init__(self, owner: PiecewiseGraphs, size: int, pool, stream: torch.cuda.Stream | None):
+        super().__init__(owner, pool, stream)
+        self.size = size
+        self.layers = owner.model.layers
+        if pool is None:
+            return
+        with torch.inference_mode(), owner.model.active_adapters.serving(None):
+            # Each part reads what the one before made, where the graphs keep it: the capture runs no attention
+            # (the heads buffer's rows are whatever they are; the heads computed are not attended).
+            residual, cos, sin, qk, value = self._capture(self.first)
+            self.inputs = [(qk, value)]
+            for layer in range(1, len(self.layers)):
+                residual, qk, value = self._capture(
+                    lambda layer=layer, residual=residual: self.middle(layer, residual, cos, sin))
+                self.inputs.append((qk, value))
+            self.out = self._capture(lambda residual=residual: self.last(residual))
+
     def first(self):
         """(residual stream, cos, sin, query-key heads rotated, value heads): the ids embedded, layer 0 up to
         its attention."""
@@ -172,9 +240,9 @@ class _Plan:
         return residual, apply_rotary(qk, cos, sin), value
 
     def last(self, residual):
-        """The last layer from its attention's heads: the layers' output."""
+        """The last layer from its attention's heads: the layers' output, in ``final``."""
         residual, pending = self.layers[-1].after_attention(residual, self.owner.heads[:self.size])
-        return residual + pending
+        return torch.add(residual, pending, out=self.owner.final[:self.size])
 
     def run(self, count: int, kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
         """The layers' output for the step's ``count`` rows (and the bucket's padding rows after them)."""

@@ -17,6 +17,7 @@ from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.graph_sizes import parse_cuda_graphs
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 from llmbus.workers.piecewise_graphs import PiecewiseGraphs
+from llmbus.workers.sampling import greedy
 
 # The parts' attention runs the kernels interpreted; another test module of this process may have imported
 # them for the GPU first (a runner built in-process by tests/bench or tests/supervisor).
@@ -61,7 +62,9 @@ def test_a_continuous_batch_through_the_piecewise_parts_is_token_exact(llama_dir
 
 def test_a_padded_piecewise_step_gives_each_row_its_eager_logits_and_writes_only_its_slots(llama_dir):
     """A prompt chunk of 5 beside 2 decodes, 7 tokens in the bucket of 8: the pool changes at the 7 tokens'
-    slots only (the padding row's attention never runs), and the logits equal the eager step's."""
+    slots only (the padding row's attention never runs), and the logits equal the eager step's. Their head
+    (3 rows, padded to the head of 4) also gives each row's greedy choice, which the step takes instead of
+    sampling; not where the logits rows are others than the sampled ones (prompt logprobs)."""
     runner, counts = _runner(llama_dir, (8,))
     seqs = [SeqInput(rid="p", token_ids=[3, 4, 5, 6, 7], num_computed=0, block_table=[0, 1], sample=True,
                      sampling=SamplingParams()),
@@ -74,12 +77,19 @@ def test_a_padded_piecewise_step_gives_each_row_its_eager_logits_and_writes_only
     with torch.inference_mode():
         logits = runner._forward(seqs, runner.kv_cache).clone()
         assert counts == [7]
+        ids, logprobs, packed = (t.clone() for t in runner._graph_greedy)
+        assert packed.shape[0] == 2 * 4 and not runner.replayed_last  # (the timeline counts it eager)
         changed = (key != before).any(dim=-1).any(dim=1).any(dim=0)  # [blocks + 1, block_size]
         written = {(int(b), int(o)) for b, o in changed.nonzero()}
         assert written == {(0, o) for o in range(BLOCK_SIZE)} | {(1, 0)} | {(3, 1), (4, 2)}
+        runner._forward(seqs, runner.kv_cache, logits_index=torch.tensor([0, 4, 5, 6]))
+        assert counts == [7, 7] and runner._graph_greedy is None
         runner.piecewise = None
         eager = runner._forward(seqs, runner.kv_cache)
     torch.testing.assert_close(logits, eager)
+    expected_ids, expected_logprobs = greedy(eager)
+    assert ids.tolist() == expected_ids.tolist()
+    torch.testing.assert_close(logprobs, expected_logprobs)
 
 
 def test_only_llama_layers_split_and_steps_within_the_buckets_without_adapters_take_them(llama_dir, tmp_path):
@@ -131,7 +141,7 @@ def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, mon
         plan.graphs.append(Replayed(part, out))
         return out
 
-    monkeypatch.setattr(piecewise_graphs._Plan, "_capture", capture)
+    monkeypatch.setattr(piecewise_graphs._Captures, "_capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
