@@ -207,6 +207,7 @@ def test_tp2_rank_1_and_a_frontend_restarted_then_a_crash_loop_stops_cleanly(tin
         started[0].wait_tokens(4)
         os.kill(rank_pids(server)[1], signal.SIGKILL)
         assert_undisturbed(started, expected)
+        wait_restarted(server, 1)  # the frontends learn it from the scheduler's next stats, which may come later
         assert restarts(server) == 1
         # a second loss within 60 s is one more than --max-restarts 1: the launch stops, loudly
         procs = descendants(server.proc.pid)
