@@ -23,8 +23,9 @@ graphs read: the final norm, the LM head and each row's greedy choice over the r
 (``HEAD_ROWS``), as a decode graph ends; the step takes their greedy choices where every sampled row is plain
 greedy, so it launches no sampling either (on an H200's host the eager head and sampling were ~0.4 ms of a
 prompt-chunk step's 2.95 ms launch). The head graphs keep their logits: 511 rows of float32 logits in all
-(262 MB for Llama 3's vocabulary). Padding rows (ids and positions left from earlier steps, always valid) never reach the pool or
-the real rows: every captured op is row by row, and for LongRoPE each padding row is a sequence of its own.
+(262 MB for Llama 3's vocabulary). Padding rows (ids and positions left from earlier steps, always valid) never
+reach the pool or the real rows: every captured op is row by row, and for LongRoPE each padding row is a sequence
+of its own.
 
 ``capture=False`` runs the same parts, buffers and padding without graphs: how CPU tests check that the parts
 compose to the eager forward, token for token.
