@@ -1,7 +1,7 @@
 """``step_index``: a step's block tables, positions and KV slots, computed on the host and sent in one copy (the
-padded table filled from it on the device). Checked against a per-token loop over the same lists, for any mix of
-prompt chunks and decodes, and each field starting on a 16-byte boundary (Triton compiles a kernel again for each
-alignment of its pointers)."""
+padded table in it where it is no larger than the blocks and their places, else filled from those on the
+device). Checked against a per-token loop over the same lists, for any mix of prompt chunks and decodes, and
+each field starting on a 16-byte boundary (Triton compiles a kernel again for each alignment of its pointers)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,14 @@ def test_matches_a_per_token_loop(step):
     sent = (index.query_lens, index.num_computed, index.query_starts, index.positions, index.slot_mapping)
     assert all(f.dtype == torch.long and f.data_ptr() % 16 == 0 for f in (*sent, index.tables))
     assert len({f.untyped_storage().data_ptr() for f in sent}) == 1, "one copy, every field a view of it"
+
+
+def test_a_table_of_similar_contexts_goes_over_padded_and_a_skewed_one_is_padded_on_the_device():
+    pool = SimpleNamespace(block_size=BLOCK_SIZE, num_blocks=SPARE)
+    similar = step_index([1, 1, 3], [8, 9, 5], [[0, 1, 2], [3, 4, 5], [6, 7]], pool, torch.device("cpu"))
+    skewed = step_index([1, 1, 1], [79, 0, 0], [list(range(20)), [20], [21]], pool, torch.device("cpu"))
+    assert similar.tables.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, SPARE]]
+    assert skewed.tables.tolist()[1:] == [[20] + [SPARE] * 19, [21] + [SPARE] * 19]
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert storage(similar.tables) == storage(similar.positions)  # in the one copy
+    assert storage(skewed.tables) != storage(skewed.positions)  # 3 x 20 places for 22 blocks: made there

@@ -109,9 +109,11 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
     one copy that does not wait (``to_device``): on a GPU each torch op here was a launch of its own, and in a
     served c=64 wave this function was a third of an eager step's host time beside its layers (run 9's
     py-spy). Each field is a view of that copy, starting on a 16-byte boundary (``rows_to_device``: Triton
-    compiles a kernel again for each pattern of its pointers' alignment). The blocks go over as they are and
-    are placed into the padded table on the device: one long context beside short ones would otherwise send
-    every row padded to its length."""
+    compiles a kernel again for each pattern of its pointers' alignment). Where the padded table is no larger
+    than the blocks and their places in it (contexts of similar lengths, as a served batch's are), the host
+    builds it and it goes over as it is; else (one long context beside short ones, which would send every row
+    padded to its length) the blocks go over as they are and are placed into the padded table on the device,
+    two more launches."""
     block_size = kv_cache.block_size
     lens = np.asarray(query_lens, dtype=np.int64)
     computed = np.asarray(num_computed, dtype=np.int64)
@@ -124,19 +126,27 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
     seq_of_token = np.repeat(np.arange(len(lens)), lens)
     positions = np.arange(int(lens.sum())) - starts[seq_of_token] + computed[seq_of_token]
     slots = flat_blocks[first_block[seq_of_token] + positions // block_size] * block_size + positions % block_size
-    fields = (lens, computed, starts, positions, slots, flat_blocks, table_index)
+    padded_on_host = len(widths) * width <= 2 * flat_blocks.size
+    if padded_on_host:
+        table = np.full(len(widths) * width, kv_cache.num_blocks, dtype=np.int64)  # the pool's spare block
+        table[table_index] = flat_blocks
+        fields = (lens, computed, starts, positions, slots, table)
+    else:
+        fields = (lens, computed, starts, positions, slots, flat_blocks, table_index)
     per_line = 16 // 8  # int64s a 16-byte boundary
     offsets = np.cumsum([0] + [-(-f.size // per_line) * per_line for f in fields])
     packed = np.zeros(int(offsets[-1]), dtype=np.int64)
     for field, offset in zip(fields, offsets):
         packed[offset:offset + field.size] = field
     sent = to_device(torch.from_numpy(packed), torch.long, device)
-    lens_t, computed_t, starts_t, positions_t, slots_t, blocks_t, table_index_t = (
+    lens_t, computed_t, starts_t, positions_t, slots_t, *blocks = (
         sent[offset:offset + field.size] for field, offset in zip(fields, offsets))
-    # the pool's spare block past each sequence's own
-    tables = torch.full((len(widths) * width,), kv_cache.num_blocks, dtype=torch.long, device=device)
-    tables = tables.scatter_(0, table_index_t, blocks_t).view(len(widths), width)
-    return StepIndex(lens_t, computed_t, starts_t, tables, positions_t, slots_t)
+    if padded_on_host:
+        tables = blocks[0]
+    else:  # the pool's spare block past each sequence's own
+        tables = torch.full((len(widths) * width,), kv_cache.num_blocks, dtype=torch.long, device=device)
+        tables = tables.scatter_(0, blocks[1], blocks[0])
+    return StepIndex(lens_t, computed_t, starts_t, tables.view(len(widths), width), positions_t, slots_t)
 
 
 def group_token_index(index: StepIndex, members: list[int], query_lens: list[int],
