@@ -34,11 +34,13 @@ def steps(draw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(steps())
-def test_matches_a_per_token_loop(step):
+@given(steps(), st.sampled_from([None, 1, 2, 4, 8, 16]))
+def test_matches_a_per_token_loop(step, query_tile):
+    """With a query tile, also the program map: for each tile of that many query tokens of each sequence,
+    its sequence and first row, int32 rows in the same copy."""
     lens, computed, tables = step
     index = step_index(lens, computed, tables, SimpleNamespace(block_size=BLOCK_SIZE, num_blocks=SPARE),
-                       torch.device("cpu"))
+                       torch.device("cpu"), query_tile=query_tile)
     width = max(map(len, tables))
     positions, slots, starts = [], [], []
     for q, c, table in zip(lens, computed, tables):
@@ -52,6 +54,14 @@ def test_matches_a_per_token_loop(step):
     assert index.positions.tolist() == positions and index.slot_mapping.tolist() == slots
     sent = (index.query_lens, index.num_computed, index.query_starts, index.positions, index.slot_mapping)
     assert all(f.dtype == torch.long and f.data_ptr() % 16 == 0 for f in (*sent, index.tables))
+    if query_tile is None:
+        assert index.programs is None
+    else:
+        tiles = [(seq, first) for seq, (q, start) in enumerate(zip(lens, starts))
+                 for first in range(start, start + q, query_tile)]
+        assert index.programs.dtype == torch.int32 and index.programs.tolist() == [list(t) for t in zip(*tiles)]
+        assert all(row.data_ptr() % 16 == 0 for row in index.programs)
+        sent += (index.programs,)
     assert len({f.untyped_storage().data_ptr() for f in sent}) == 1, "one copy, every field a view of it"
 
 

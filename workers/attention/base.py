@@ -97,6 +97,8 @@ class StepIndex:
     tables: torch.Tensor  # [N, max_blocks] block tables, padded with the pool's spare block
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T]
+    # [2, P] int32, where a query tile was given: each tile's sequence and first row of the flat token batch
+    programs: torch.Tensor | None = None
 
 
 def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
@@ -104,7 +106,7 @@ def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
 
 
 def step_index(query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
-               kv_cache: PagedKVCache, device: torch.device) -> StepIndex:
+               kv_cache: PagedKVCache, device: torch.device, query_tile: int | None = None) -> StepIndex:
     """Block tables, positions and slots of one step, computed on the host (numpy over the lists) and sent in
     one copy that does not wait (``to_device``): on a GPU each torch op here was a launch of its own, and in a
     served c=64 wave this function was a third of an eager step's host time beside its layers (run 9's
@@ -113,7 +115,8 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
     than the blocks and their places in it (contexts of similar lengths, as a served batch's are), the host
     builds it and it goes over as it is; else (one long context beside short ones, which would send every row
     padded to its length) the blocks go over as they are and are placed into the padded table on the device,
-    two more launches."""
+    two more launches. With ``query_tile``, each sequence's queries in tiles of that many tokens: for each tile,
+    its sequence and first row (a kernel's program map: the Triton backend's), in the same copy."""
     block_size = kv_cache.block_size
     lens = np.asarray(query_lens, dtype=np.int64)
     computed = np.asarray(num_computed, dtype=np.int64)
@@ -133,11 +136,25 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
         fields = (lens, computed, starts, positions, slots, table)
     else:
         fields = (lens, computed, starts, positions, slots, flat_blocks, table_index)
+    program_words = 0
+    if query_tile is not None:
+        tiles = -(-lens // query_tile)
+        program_seq = np.repeat(np.arange(len(lens)), tiles)
+        first_tile = np.cumsum(tiles) - tiles
+        program_rows = starts[program_seq] + (np.arange(program_seq.size) - first_tile[program_seq]) * query_tile
+        # first in the copy: two int32 rows (sequences, first rows) of a multiple of 4 values, so that each
+        # starts on a 16-byte boundary; their 2 x program_width int32s fill program_width int64s
+        program_width = -(-program_seq.size // 4) * 4
+        program_words = program_width
     per_line = 16 // 8  # int64s a 16-byte boundary
-    offsets = np.cumsum([0] + [-(-f.size // per_line) * per_line for f in fields])
+    offsets = program_words + np.cumsum([0] + [-(-f.size // per_line) * per_line for f in fields])
     packed = np.zeros(int(offsets[-1]), dtype=np.int64)
     for field, offset in zip(fields, offsets):
         packed[offset:offset + field.size] = field
+    if program_words:
+        program_map = packed[:program_words].view(np.int32).reshape(2, program_width)
+        program_map[0, :program_seq.size] = program_seq
+        program_map[1, :program_seq.size] = program_rows
     sent = to_device(torch.from_numpy(packed), torch.long, device)
     lens_t, computed_t, starts_t, positions_t, slots_t, *blocks = (
         sent[offset:offset + field.size] for field, offset in zip(fields, offsets))
@@ -146,7 +163,10 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
     else:  # the pool's spare block past each sequence's own
         tables = torch.full((len(widths) * width,), kv_cache.num_blocks, dtype=torch.long, device=device)
         tables = tables.scatter_(0, blocks[1], blocks[0])
-    return StepIndex(lens_t, computed_t, starts_t, tables.view(len(widths), width), positions_t, slots_t)
+    programs = (sent[:program_words].view(torch.int32).view(2, program_width)[:, :program_seq.size]
+                if program_words else None)
+    return StepIndex(lens_t, computed_t, starts_t, tables.view(len(widths), width), positions_t, slots_t,
+                     programs)
 
 
 def group_token_index(index: StepIndex, members: list[int], query_lens: list[int],

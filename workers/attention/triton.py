@@ -39,7 +39,7 @@ class TritonStep:
     """One step's index tensors, shared by every layer's launch."""
 
     tables: torch.Tensor  # [N, max_blocks] int64 each sequence's blocks, padded with the pool's spare block
-    programs: torch.Tensor  # [2, P] int32 each program's sequence and first row (triton_kernels.program_map)
+    programs: torch.Tensor  # [2, P] int32 each program's sequence and first row (base.step_index's)
     block_q: int  # query tokens per program
     query_starts: torch.Tensor  # [N] int64 each sequence's first row of the flat token batch
     query_lens: torch.Tensor  # [N] int64
@@ -91,9 +91,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
                        kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
-        index = step_index(query_lens, num_computed, block_tables, kv_cache, device)
         block_q = self.kernels.query_tile(max(query_lens))
-        step = TritonStep(tables=index.tables, programs=self.kernels.program_map(query_lens, block_q, device),
+        index = step_index(query_lens, num_computed, block_tables, kv_cache, device, query_tile=block_q)
+        step = TritonStep(tables=index.tables, programs=index.programs,
                           block_q=block_q, query_starts=index.query_starts, query_lens=index.query_lens,
                           num_computed=index.num_computed)
         return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[step],

@@ -10,7 +10,7 @@ softmax (flash attention's running maximum and sum), so no step materializes a m
 A program is one tile of up to ``BLOCK_Q`` consecutive query tokens of one sequence under one KV head, and
 all the query heads that share that KV head (GQA): its ``BLOCK_Q * BLOCK_H`` rows are token-major, so the
 tile's K/V are read once for the whole GQA group. Which tile of which sequence each program takes comes
-from the host (``program_map``), so the grid has exactly as many programs as tiles.
+from the host (``base.step_index``'s ``programs``), so the grid has exactly as many programs as tiles.
 
 Decode-only steps with few sequences give too few programs to occupy a GPU (batch 1: one per KV head), so
 there the keys of each row are split between several programs (flash-decoding, ``key_splits``), each
@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 
 from llmbus.workers._gpu_ops_kernels import rotate_halves
-from llmbus.workers.launched_step import rows_to_device
 
 # Keys per tile of the softmax loop (independent of the pool's block size: each key finds its block).
 BLOCK_N = 64
@@ -264,18 +263,6 @@ def query_tile(max_query_len: int) -> int:
     return min(16, triton.next_power_of_2(max_query_len))
 
 
-def program_map(query_lens: list[int], block_q: int, device: torch.device) -> torch.Tensor:
-    """``[2, P]`` int32: each program's sequence and first row of the flat token batch, one program per
-    ``block_q`` query tokens of each sequence, built from the host lists (one copy to the device)."""
-    seqs, rows, start = [], [], 0
-    for seq, length in enumerate(query_lens):
-        for first in range(start, start + length, block_q):
-            seqs.append(seq)
-            rows.append(first)
-        start += length
-    return rows_to_device([seqs, rows], torch.int32, device)
-
-
 @functools.cache
 def _multiprocessors(index: int | None) -> int:
     """The GPU's multiprocessors, asked once (``key_splits`` runs at every layer of an eager step)."""
@@ -304,7 +291,7 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
 
     ``key_blocks``/``value_blocks [Hkv, blocks, block_size, D]``: the layer's pool, the step's K/V already
     written; ``tables [N, >= blocks per sequence]`` each sequence's blocks in order; ``programs``:
-    ``program_map(query_lens, block_q)``; ``query_starts``/``query_lens``/``num_computed [N]``: each
+    ``step_index(..., query_tile=block_q).programs``; ``query_starts``/``query_lens``/``num_computed [N]``: each
     sequence's first row, its new tokens and its tokens cached before them; ``window``: keys less than this
     many positions behind a query are visible (None: all). ``new_kv``: (``key``, ``value`` ``[T, Hkv, D]``,
     ``slot_mapping [T]``) of the step's tokens, which the launch writes into the pool at their slots as it
