@@ -129,10 +129,20 @@ def rows_to_device(rows, dtype: torch.dtype, device: torch.device) -> torch.Tens
 def fed_ids(token_lists, feed: "DeviceFeed | None", device: torch.device) -> torch.Tensor:
     """A step's flat token ids (``token_lists``: each row's, in order) on ``device``, the ``SAMPLED_LAST`` rows
     written from ``feed`` where there is one."""
-    ids = to_device([t for tokens in token_lists for t in tokens], torch.long, device)
-    if feed is not None:
-        feed.write(ids)
-    return ids
+    return fed_ids_and(token_lists, feed, [], device)[0]
+
+
+def fed_ids_and(token_lists, feed: "DeviceFeed | None", values: list[int],
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fed_ids``, and ``values`` (more of the step's int64s: its logits rows) on ``device`` too, all in one
+    copy with the feed's rows and picks: on a GPU each copy from the host is a tensor made, a pinned staging
+    and a launch."""
+    ids = [t for tokens in token_lists for t in tokens]
+    count, fed = len(ids), len(feed.rows) if feed is not None else 0
+    sent = to_device(ids + (feed.rows + feed.picks if fed else []) + values, torch.long, device)
+    if fed:
+        feed.write(sent[:count], sent[count:count + 2 * fed].view(2, fed))
+    return sent[:count], sent[count + 2 * fed:]
 
 
 class DeviceFeed:
@@ -154,9 +164,11 @@ class DeviceFeed:
         buffer[:len(self.picks)].copy_(self.source.index_select(0, index))
         return list(range(len(self.picks)))
 
-    def write(self, input_ids: torch.Tensor) -> None:
-        """Into ``input_ids`` (the step's flat token ids, on the device), queued behind the source's step."""
-        index = to_device((self.rows, self.picks), torch.long, input_ids.device)
+    def write(self, input_ids: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Into ``input_ids`` (the step's flat token ids, on the device), queued behind the source's step;
+        ``index``: ``[rows, picks]`` on the device already (else copied there here)."""
+        if index is None:
+            index = to_device((self.rows, self.picks), torch.long, input_ids.device)
         input_ids.index_copy_(0, index[0], self.source.index_select(0, index[1]))
 
 

@@ -30,7 +30,8 @@ from llmbus.workers.loader import load_model
 from llmbus.workers.lora import StepAdapters, attach_adapters
 from llmbus.workers.memory_budget import DEFAULT_KV_CACHE_BYTES, WarmupOutOfMemory, out_of_memory_reason
 from llmbus.workers.sampling import Sampled, has_penalties, plain_greedy, sample
-from llmbus.workers.launched_step import DeviceFeed, LaunchedStep, ResultCopy, StepOutput, fed_ids, to_device
+from llmbus.workers.launched_step import (DeviceFeed, LaunchedStep, ResultCopy, StepOutput, fed_ids, fed_ids_and,
+                                          to_device)
 from llmbus.workers.step_clock import DeviceTimeline, StepClock
 from llmbus.workers.runner_warmup import RunnerWarmup
 from llmbus.workers.seq_input import SeqInput
@@ -201,11 +202,11 @@ class ModelRunner(RunnerWarmup):
         sampled_rows_only = logits_index is None
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,
                                    grouped=not self._lora_kernels)
-        input_ids = fed_ids((s.token_ids for s in seqs), feed, self.device)
+        last_rows = [] if logits_index is not None else [
+            end - 1 for seq, end in zip(seqs, itertools.accumulate(query_lens)) if seq.sample]
+        input_ids, sent_rows = fed_ids_and((s.token_ids for s in seqs), feed, last_rows, self.device)
         if logits_index is None:
-            last_rows = list(itertools.accumulate(query_lens))
-            logits_index = to_device([end - 1 for seq, end in zip(seqs, last_rows) if seq.sample], torch.long,
-                                     self.device)
+            logits_index = sent_rows
         meta = self.model.attention_backend.build_metadata(
             query_lens=query_lens, num_computed=[s.num_computed for s in seqs],
             block_tables=[s.block_table for s in seqs], kv_cache=kv_cache, device=self.device)

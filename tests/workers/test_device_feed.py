@@ -14,7 +14,7 @@ from llmbus.bus.messages import SamplingParams
 from llmbus.testing.families import family_requests
 from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, make_prompts,
                                           reference, save_tiny_llama)
-from llmbus.workers.launched_step import LaunchedStep, StepOutput, rows_to_device
+from llmbus.workers.launched_step import LaunchedStep, StepOutput, fed_ids_and, rows_to_device
 from llmbus.workers.model_runner import ModelRunner
 
 VOCAB = 256
@@ -138,3 +138,15 @@ def test_a_feed_gathers_its_ids_where_a_graph_reads_them(source_rows):
     buffer = torch.full((4,), -1, dtype=torch.long)
     picks = feed.gather_into(buffer)
     assert [int(buffer[p]) for p in picks] == [102, 100, 101]
+
+
+def test_a_steps_ids_their_feed_and_its_logits_rows_go_over_in_one_copy():
+    """On a GPU each copy from the host is a tensor made, a pinned staging and a launch: an eager step sends
+    its ids, the feed's rows and picks and its logits rows together."""
+    launched = LaunchedStep(lambda: None, None, torch.tensor([7, 9]), ["a", "b"])
+    feed = launched.feed([2, 0], ["a", "b"])
+    ids, rows = fed_ids_and([[-2, 5], [-2]], feed, [1, 2], torch.device("cpu"))
+    assert ids.tolist() == [9, 5, 7] and rows.tolist() == [1, 2]
+    assert ids.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+    ids, rows = fed_ids_and([[3, 4]], None, [], torch.device("cpu"))
+    assert ids.tolist() == [3, 4] and rows.tolist() == []
