@@ -122,8 +122,9 @@ def test_the_setting_is_on_where_decode_graphs_are_unless_turned_off():
 def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, monkeypatch):
     """The captured path's wiring, on the CPU: each part's "graph" is a stand-in whose replay runs the part
     again and writes its outputs over the tensors the capture made (where a CUDA graph's kernels write), so a
-    step reads only what the capture kept (the heads each attention takes, cos/sin, the last part's output)
-    and what each replay left there. The continuous batch stays token-exact with transformers."""
+    step reads only what the capture kept (the heads each attention takes, rotated in the parts; the head
+    graphs' logits and greedy choices) and what each replay left there. The continuous batch stays token-exact
+    with transformers, its steps' tokens the head graphs' choices."""
     from llmbus.workers import piecewise_graphs
 
     class Replayed:
@@ -151,14 +152,17 @@ def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, mon
     runner.piecewise = PiecewiseGraphs(runner.model, (8, 32))
     plan = runner.piecewise.plans[8]
     assert len(plan.graphs) == len(runner.model.layers) + 1 == len(plan.inputs) + 1
-    replays = []
-    run = piecewise_graphs._Plan.run
+    assert [len(head.graphs) for head in runner.piecewise.logits_plans.values()] == [1] * 6  # 32 to 1 rows
+    replays, heads = [], []
+    run, head_run = piecewise_graphs._Plan.run, piecewise_graphs._LogitsPlan.run
     monkeypatch.setattr(piecewise_graphs._Plan, "run", lambda self, *a: replays.append(self.size) or run(self, *a))
+    monkeypatch.setattr(piecewise_graphs._LogitsPlan, "run", lambda self: heads.append(self.rows) or head_run(self))
     results = drive(runner, family_requests(prompts))
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
     assert results["hit"].tokens == expected.tokens[4]
     assert set(replays) == {8, 32}
+    assert heads and len(heads) == len(replays)  # (no step of this batch has more than 32 logits rows)
 
 
 def test_padding_rows_do_not_lengthen_the_last_sequence_under_longrope(tmp_path):
