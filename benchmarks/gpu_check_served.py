@@ -240,6 +240,10 @@ class ServedPart:
             eager = sum(w["eager_steps"] for w in loaded) / steps
             said += (f"; {sum(w['eager_idle_ms'] for w in loaded) / idle:.0%} of the idle before the {eager:.0%} "
                      f"of steps launched eagerly")
+        if loaded and "gc_ms" in loaded[0]:  # rank 0's garbage collections, a pause the device may wait through
+            said += (f"; rank 0's garbage collection {sum(w['gc_ms'] for w in loaded):.1f} ms "
+                     f"({int(sum(w['gc_full'] for w in loaded))} full, the longest "
+                     f"{max(w['gc_longest_ms'] for w in loaded):.1f} ms)")
         self.row("3 served", f"c={concurrent} device idle", self.device.type != "cuda" or share is not None,
                  f"{said} ({len(loaded)} windows of {len(windows)}, {sustained['answered']} requests)",
                  device=str(self.device), idle_share=share, windows=windows, sustained=sustained,

@@ -16,6 +16,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from llmbus.bus import tracing
+from llmbus.bus.gc_pauses import freeze_startup_heap
 from llmbus.bus.service import ServiceContext, run_service
 from llmbus.frontend.config import FrontendConfig, resolve_limits
 from llmbus.frontend.engine_client import EngineClient
@@ -162,9 +163,13 @@ def run_frontend(config: FrontendConfig, service_name: str = "frontend") -> int:
     """Run the frontend as an llmbus service (logging, parent death, ServiceReady/Fatal); exit code."""
 
     def body(ctx: ServiceContext) -> None:
+        def ready(url: str) -> None:
+            freeze_startup_heap()  # the tokenizer, the templates and the app live as long as the process
+            ctx.ready(url)
+
         tracing.setup(config.otlp_endpoint, f"{config.otlp_service_name}.frontend")
         try:
-            asyncio.run(serve(config, on_ready=ctx.ready))
+            asyncio.run(serve(config, on_ready=ready))
         finally:
             tracing.shutdown()
 

@@ -38,6 +38,7 @@ import zmq
 
 from llmbus.bus import messages as m
 from llmbus.bus import tracing
+from llmbus.bus.gc_pauses import freeze_startup_heap
 from llmbus.bus.procfs import process_alive
 from llmbus.bus.restarts import RESTART_WINDOW_S, RestartBudget
 from llmbus.bus.rundir import ensure_run_dir_or_exit
@@ -529,6 +530,7 @@ def run_scheduler(cfg: SchedulerProcessConfig) -> int:
         install_stop_signals(on_signal)
         try:
             service.wait_for_workers()
+            freeze_startup_heap()  # what start built lives as long as the process (bus/gc_pauses.py)
             ctx.ready(f"{service.kv_info[0]} KV blocks of {service.kv_info[1]} tokens")
             service.loop()
             service.let_last_events_out()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import zmq
 
 from llmbus.bus import messages as m
+from llmbus.bus.gc_pauses import freeze_startup_heap
 from llmbus.bus.model_files import lora_entries
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
@@ -283,12 +284,14 @@ class Worker:
         if device.type == "cpu" and runner_cls is ModelRunner:  # the fake runner has no weights to move
             self._heap_on_huge_pages()
         paths = getattr(self.runner, "compute_paths", {})  # the attention backend's name, for the log and /info
+        warmup_s = time.monotonic() - t0 - load_s
+        # what start built lives as long as the process: out of the collector's sight (bus/gc_pauses.py)
+        frozen = freeze_startup_heap()
         self.log.info("model loaded", model=self.cfg.model_dir, dtype=str(dtype).removeprefix("torch."),
-                      device=str(device), load_s=round(load_s, 2),
-                      warmup_s=round(time.monotonic() - t0 - load_s, 2), kv_blocks=self.runner.num_blocks,
+                      device=str(device), load_s=round(load_s, 2), warmup_s=round(warmup_s, 2),
+                      kv_blocks=self.runner.num_blocks,
                       kv_cache_dtype=str(getattr(self.runner, "kv_cache_dtype", dtype)).removeprefix("torch."),
-                      **cpu_said,
-                      **paths)
+                      frozen_objects=frozen, **cpu_said, **paths)
         send(self.control, m.WorkerReady(rank=self.cfg.rank, num_blocks=self.runner.num_blocks,
                                          block_size=self.runner.block_size,
                                          dtype=str(dtype).removeprefix("torch."), device=str(device),

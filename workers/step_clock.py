@@ -14,6 +14,8 @@ import time
 import structlog
 import torch
 
+from llmbus.bus.gc_pauses import GcPauses
+
 # Rank 0 on CUDA logs the device's busy and idle time between steps ("device timeline") once per this many
 # seconds in which steps ran.
 TIMELINE_WINDOW_S = 5.0
@@ -68,6 +70,7 @@ class DeviceTimeline:
 
     def __init__(self):
         self.log = structlog.get_logger("llmbus.workers")
+        self.gc: GcPauses | None = None  # counting from the first step on (warmup's collections are not serving's)
         self._reset()
 
     def _reset(self) -> None:
@@ -98,6 +101,8 @@ class DeviceTimeline:
     def add(self, clock: StepClock, busy_s: float, rows: int, replayed: bool = False) -> None:
         """A step's device time; ``replayed``: a CUDA graph's (the idle before a step launched eagerly, a
         prompt chunk's say, is counted apart too: its launch is several times a replay's)."""
+        if self.gc is None:
+            self.gc = GcPauses().start()
         self.steps += 1
         self.rows += rows
         self.busy_s += busy_s
@@ -118,5 +123,6 @@ class DeviceTimeline:
                           host_apply_ms=round(self.apply_s * 1e3 / host, 3),
                           eager_launch_ms=round(self.eager_launch_s * 1e3 / max(self.eager_host_steps, 1), 3),
                           host_wait_ms=round(self.wait_s * 1e3 / host, 3),
-                          turnaround_ms=round(self.turnaround_s * 1e3 / max(self.turnarounds, 1), 3))
+                          turnaround_ms=round(self.turnaround_s * 1e3 / max(self.turnarounds, 1), 3),
+                          **self.gc.take())
             self._reset()

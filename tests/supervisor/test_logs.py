@@ -32,6 +32,7 @@ def test_json_output_lines_all_parse_and_name_their_service(tiny_model_dir):
     loaded = next(r for r in records if r.get("event") == "model loaded")
     assert loaded["threads"] == 1, loaded  # OMP_NUM_THREADS, as any OpenMP program reads it
     assert re.fullmatch(r"\d+ CPUs, \d+ cores.*", loaded["cpu"]), loaded  # what the default would be from
+    assert loaded["frozen_objects"] > 10_000, loaded  # torch's and the model's: out of the collector's sight
     request = next(r for r in records if r.get("event") == "request")
     for key in ("total_time", "validation_time", "queue_time", "inference_time", "time_per_token"):
         assert request[key] >= 0, key

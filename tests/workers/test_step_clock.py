@@ -1,10 +1,21 @@
 """Rank 0's device timeline: the device's idle time between steps, and the host's side of each step."""
 
+import gc
+
+import pytest
 import structlog
 import torch
 
 from llmbus.workers import step_clock
 from llmbus.workers.step_clock import DeviceTimeline, StepClock
+
+
+@pytest.fixture(autouse=True)
+def own_gc_callbacks():
+    """A timeline counts collections through gc.callbacks from its first step: each test's goes with it."""
+    before = list(gc.callbacks)
+    yield
+    gc.callbacks[:] = before
 
 
 def test_a_window_says_what_the_host_spent_per_step(monkeypatch):
@@ -21,6 +32,13 @@ def test_a_window_says_what_the_host_spent_per_step(monkeypatch):
     assert window["turnaround_ms"] == 0.6  # the idle gap past IDLE_GAP_CAP_S is not a turnaround
     assert window["host_apply_ms"] == 0.2 and window["eager_launch_ms"] == 0.4
     assert window["eager_steps"] == 1 and window["eager_idle_ms"] == 0.0
+    # the garbage collector's pauses, counted from the first step on
+    assert {"gc_collections", "gc_full", "gc_ms", "gc_longest_ms"} <= set(window)
+    gc.collect()
+    with structlog.testing.capture_logs() as logs:
+        timeline.add(StepClock(torch.device("cpu")), busy_s=0.002, rows=64)
+    (window,) = [entry for entry in logs if entry["event"] == "device timeline"]
+    assert window["gc_collections"] >= 1 and window["gc_full"] >= 1 and window["gc_longest_ms"] >= 0
 
 
 def test_the_idle_before_eager_steps_is_counted_apart(monkeypatch):
