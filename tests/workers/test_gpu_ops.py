@@ -134,3 +134,16 @@ def test_greedy_takes_the_first_argmax_and_its_log_softmax():
     assert ids[0] == 10
     want = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_launch_arithmetic_is_tritons():
+    """The launch wrappers' next_power_of_2 and cdiv, computed plainly (triton's go through its constexpr-function
+    wrapper on every call), give triton's values."""
+    import triton
+
+    from llmbus.workers import _gpu_ops_kernels as kernels
+
+    for n in range(0, 5000):
+        assert kernels.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 1024):
+            assert kernels.cdiv(n, d) == triton.cdiv(n, d), (n, d)
