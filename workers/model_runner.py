@@ -293,7 +293,8 @@ class ModelRunner(RunnerWarmup):
         if speculating:
             seqs = one_token_rows(seqs)
         with torch.inference_mode():
-            clock = StepClock(self.device, self._last_clock)
+            # only rank 0 reads a step's times: the other ranks' clocks record no CUDA events
+            clock = StepClock(self.device if self.rank == 0 else torch.device("cpu"), self._last_clock)
             self._last_clock = clock
             # Constrained requests' masks are computed on another thread while the forward pass runs.
             mask_job = self._start_masks(seqs) if self.rank == 0 else None
