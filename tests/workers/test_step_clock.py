@@ -56,3 +56,51 @@ def test_the_idle_before_eager_steps_is_counted_apart(monkeypatch):
     (window,) = [entry for entry in logs if entry["event"] == "device timeline"]
     assert window["steps"] == 5 and window["eager_steps"] == 2
     assert window["idle_ms"] == 0.8 and window["eager_idle_ms"] == 0.7
+
+
+class _StandInEvent:
+    """A CUDA timing event on the CPU: ``record`` stamps it (the stand-in stream has run everything before)."""
+
+    clock = 0.0
+
+    def __init__(self, enable_timing: bool = False):
+        self.at = None
+
+    def record(self):
+        _StandInEvent.clock += 1.0
+        self.at = _StandInEvent.clock
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end) -> float:
+        assert self.at is not None and end.at is not None, "an event read before it was recorded"
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+
+def _clock(previous=None):
+    clock = StepClock(torch.device("cuda"), previous)
+    clock.forward_done()
+    clock.sampling_done()
+    return clock
+
+
+def test_a_clocks_events_are_recorded_again_only_once_it_and_the_next_clock_have_read_them(monkeypatch):
+    """Three events a step, made once: a clock's go back once its own times and the next clock's (which reads
+    its end) are taken, in either order (a step that samples nothing is timed at its launch, before the step
+    before it is read), and never twice."""
+    monkeypatch.setattr(torch.cuda, "Event", _StandInEvent)
+    monkeypatch.setattr(step_clock, "_SPARE_EVENTS", [])
+    first = _clock()
+    second = _clock(first)
+    assert second.times(wait=True) == (1.0, 1.0)  # read at its launch: the first is not read yet
+    assert step_clock._SPARE_EVENTS == [] and second.idle_before == 1.0  # the first's end to the second's start
+    assert first.times() == (1.0, 1.0) and first.times() == (1.0, 1.0)  # the second call reads nothing
+    assert step_clock._SPARE_EVENTS == [first.events]
+    third = _clock(second)
+    assert third.events is first.events and step_clock._SPARE_EVENTS == []  # recorded again
+    third.times()
+    assert step_clock._SPARE_EVENTS == [second.events]  # the second's, read by itself and by the third
+    fourth = _clock(third)
+    assert fourth.events is second.events
+    assert third.events is not fourth.events  # the third's still await the fourth's reading
