@@ -72,7 +72,7 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr,
         PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr,
-        NEW_KV: tl.constexpr):
+        NEW_KV: tl.constexpr, STEP_KV_IN_POOL_DTYPE: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -119,16 +119,18 @@ def _paged_attention_kernel(
         new_v_head = new_v_ptr + kv_head.to(tl.int64) * stride_nvh
         writes = (rows < seq_end) & (head_in_group == 0) & (split == 0)
         slots = tl.load(slots_ptr + rows, mask=writes, other=0).to(tl.int64)
-        at = (slots // BLOCK_SIZE)[:, None]
+        slot_blocks = (slots // BLOCK_SIZE)[:, None]
         in_block_m = (slots % BLOCK_SIZE)[:, None]
         written = writes[:, None] & d_valid[None, :]
         wide_rows = rows.to(tl.int64)[:, None]
-        fresh_k = tl.load(new_k_head + wide_rows * stride_nkt + offs_d[None, :], mask=written, other=0.0)
-        tl.store(k_head + at * stride_kb + in_block_m * stride_ks + offs_d[None, :],
-                 fresh_k.to(k_ptr.dtype.element_ty), mask=written)
-        fresh_v = tl.load(new_v_head + wide_rows * stride_nvt + offs_d[None, :], mask=written, other=0.0)
-        tl.store(v_head + at * stride_vb + in_block_m * stride_vs + offs_d[None, :],
-                 fresh_v.to(v_ptr.dtype.element_ty), mask=written)
+        # (names of their own: one the key loop assigns too would be taken for a loop-carried value, whose
+        # shape may not change in the loop; the interpreter would not say so, the compiler would)
+        tile_k = tl.load(new_k_head + wide_rows * stride_nkt + offs_d[None, :], mask=written, other=0.0)
+        tl.store(k_head + slot_blocks * stride_kb + in_block_m * stride_ks + offs_d[None, :],
+                 tile_k.to(k_ptr.dtype.element_ty), mask=written)
+        tile_v = tl.load(new_v_head + wide_rows * stride_nvt + offs_d[None, :], mask=written, other=0.0)
+        tl.store(v_head + slot_blocks * stride_vb + in_block_m * stride_vs + offs_d[None, :],
+                 tile_v.to(v_ptr.dtype.element_ty), mask=written)
     if SPLITS > 1:  # this program's share of the keys: whole tiles, the last splits possibly none
         span = tl.cdiv(tl.cdiv(kv_end - kv_start, SPLITS), BLOCK_N) * BLOCK_N
         kv_start = kv_start + split * span
@@ -138,18 +140,26 @@ def _paged_attention_kernel(
         n_valid = offs_n < kv_end
         blocks = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
-        cached = n_valid
         if NEW_KV:
-            cached = n_valid & (offs_n < computed)
+            # keys from `computed` on are the step's own: from new_k/new_v, as the pool would give them
             fresh = n_valid & (offs_n >= computed)
-            fresh_rows = (seq_start + offs_n - computed).to(tl.int64)
-        k = tl.load(k_head + blocks[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None],
-                    mask=cached[None, :] & d_valid[:, None], other=0.0)
-        k = k.to(DTYPE)
-        if NEW_KV:  # rounded through the pool's dtype: the values a read of the pool would give
-            fresh_k = tl.load(new_k_head + fresh_rows[None, :] * stride_nkt + offs_d[:, None],
-                              mask=fresh[None, :] & d_valid[:, None], other=0.0)
-            k = tl.where(fresh[None, :], fresh_k.to(k_ptr.dtype.element_ty).to(DTYPE), k)
+            cached = n_valid & (offs_n < computed)
+            fresh_rows = seq_start + offs_n - computed
+            if STEP_KV_IN_POOL_DTYPE:  # one load, each key's row from the one place or the other
+                key_at = tl.where(fresh, new_k_head + fresh_rows * stride_nkt,
+                                  k_head + blocks * stride_kb + in_block * stride_ks)
+                k = tl.load(key_at[None, :] + offs_d[:, None], mask=n_valid[None, :] & d_valid[:, None],
+                            other=0.0).to(DTYPE)
+            else:  # two loads, the step's keys rounded through the pool's dtype (more registers: rarer configs)
+                k = tl.load(k_head + blocks[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None],
+                            mask=cached[None, :] & d_valid[:, None], other=0.0).to(DTYPE)
+                fresh_k = tl.load(new_k_head + fresh_rows[None, :] * stride_nkt + offs_d[:, None],
+                                  mask=fresh[None, :] & d_valid[:, None], other=0.0)
+                k = tl.where(fresh[None, :], fresh_k.to(k_ptr.dtype.element_ty).to(DTYPE), k)
+        else:
+            k = tl.load(k_head + blocks[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None],
+                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+            k = k.to(DTYPE)
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [M, N], log2 units
@@ -161,14 +171,23 @@ def _paged_attention_kernel(
         p = tl.math.exp2(scores - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
-                    mask=cached[:, None] & d_valid[None, :], other=0.0)
-        p = p.to(DTYPE)
-        v = v.to(DTYPE)
         if NEW_KV:
-            fresh_v = tl.load(new_v_head + fresh_rows[:, None] * stride_nvt + offs_d[None, :],
-                              mask=fresh[:, None] & d_valid[None, :], other=0.0)
-            v = tl.where(fresh[:, None], fresh_v.to(v_ptr.dtype.element_ty).to(DTYPE), v)
+            if STEP_KV_IN_POOL_DTYPE:
+                value_at = tl.where(fresh, new_v_head + fresh_rows * stride_nvt,
+                                    v_head + blocks * stride_vb + in_block * stride_vs)
+                v = tl.load(value_at[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :],
+                            other=0.0).to(DTYPE)
+            else:
+                v = tl.load(v_head + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
+                            mask=cached[:, None] & d_valid[None, :], other=0.0).to(DTYPE)
+                fresh_v = tl.load(new_v_head + fresh_rows[:, None] * stride_nvt + offs_d[None, :],
+                                  mask=fresh[:, None] & d_valid[None, :], other=0.0)
+                v = tl.where(fresh[:, None], fresh_v.to(v_ptr.dtype.element_ty).to(DTYPE), v)
+        else:
+            v = tl.load(v_head + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            v = v.to(DTYPE)
+        p = p.to(DTYPE)
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
@@ -340,7 +359,9 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
         HEAD_DIM=head_dim, BLOCK_D=block_d, QUERIES_PER_KV=per_kv, BLOCK_H=block_h, BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SLIDING=window is not None, PRECISION=precision,
         NEG_START=_NEG_START, UPCAST=query.dtype == torch.bfloat16 and interpreted(), SPLITS=splits,
-        NEW_KV=new_kv is not None, num_warps=8 if rows > 64 or block_d >= 128 else 4)
+        NEW_KV=new_kv is not None,
+        STEP_KV_IN_POOL_DTYPE=new_key.dtype == key_blocks.dtype and new_value.dtype == value_blocks.dtype,
+        num_warps=8 if rows > 64 or block_d >= 128 else 4)
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](partial_out, partial_ml, out, out.stride(0), out.stride(1),
                                                         num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
