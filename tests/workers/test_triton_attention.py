@@ -103,14 +103,20 @@ def test_triton_equals_portable(case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_writing_the_new_keys_inside_the_launch_equals_writing_them_first(case):
+def test_writing_the_new_keys_inside_the_launch_equals_writing_them_first(case, monkeypatch):
     """``forward`` writes the step's keys and values in its attention launch, the step's own keys read from
     the step's tensors (views of one QKV row, as a layer gives them): bit for bit the output and the pool of
-    writing them first (``PagedKVCache.write``) and then attending over the pool; prompt chunks over cached
-    blocks, speculative rows, split decodes and the window's layer alike."""
+    writing them first (``PagedKVCache.write``) and then attending over the pool in tiles of as many keys
+    (NEW_KV's are ``NEW_KV_BLOCK_N``); prompt chunks over cached blocks, speculative rows, split decodes and
+    the window's layer alike. A pool of another dtype than the step's has them written first."""
     dtype, pool_dtype, block_size, per_kv, head_dim, _ = CASES[case]
     num_heads = NUM_KV_HEADS * per_kv
+    monkeypatch.setattr(triton_kernels, "BLOCK_N", triton_kernels.NEW_KV_BLOCK_N)  # the reference's tiles
     backend = TritonAttentionBackend([None, WINDOW])
+    launches = []
+    real = triton_kernels.paged_attention
+    monkeypatch.setattr(triton_kernels, "paged_attention",
+                        lambda *a, **kw: launches.append(kw.get("new_kv") is not None) or real(*a, **kw))
     one_launch, written_first = (_cache(dtype, pool_dtype, block_size, head_dim) for _ in range(2))
     tables = _tables(block_size)
     generator = torch.Generator().manual_seed(1)
@@ -129,6 +135,7 @@ def test_writing_the_new_keys_inside_the_launch_equals_writing_them_first(case):
             expected = backend._attend(layer, q, written_first, meta, head_dim ** -0.5)
             assert torch.equal(out, expected), (step, layer)
         assert torch.equal(one_launch.key, written_first.key) and torch.equal(one_launch.value, written_first.value)
+    assert launches and all(launches[::2]) == (dtype == pool_dtype)  # forward's launches: one each, or written first
 
 
 def test_one_launch_per_step_and_its_programs(monkeypatch):

@@ -114,8 +114,13 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: PagedKVCache, meta: AttentionMetadata, scale: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """One launch: the kernel writes the step's keys and values into their slots as it attends (reading
-        them from ``key``/``value``, not from the pool, where another of its programs may be writing them)."""
+        """One launch where the keys and values have the pool's dtype: the kernel writes them into their slots
+        as it attends (reading them from ``key``/``value``, not from the pool, where another of its programs
+        may be writing them). A pool of another dtype (``--kv-cache-dtype float16`` under float32) has them
+        written first, as the pool would round them."""
+        if key.dtype != kv_cache.key.dtype or value.dtype != kv_cache.value.dtype:
+            kv_cache.write(layer, meta.slot_mapping, key, value)
+            return self._attend(layer, query, kv_cache, meta, scale, out)
         if key.stride(-1) != 1 or value.stride(-1) != 1:
             key, value = key.contiguous(), value.contiguous()
         return self._attend(layer, query, kv_cache, meta, scale, out, new_kv=(key, value, meta.slot_mapping))

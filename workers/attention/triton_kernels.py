@@ -45,6 +45,8 @@ from llmbus.workers._gpu_ops_kernels import cdiv, next_power_of_2, rotate_halves
 
 # Keys per tile of the softmax loop (independent of the pool's block size: each key finds its block).
 BLOCK_N = 64
+# ... where the launch writes the step's keys as it attends (NEW_KV; see paged_attention).
+NEW_KV_BLOCK_N = 32
 # A program's query rows (tokens x GQA heads) are at least this many: tl.dot's smallest M.
 MIN_ROWS = 16
 # The running maximum starts finite, so a row whose first tiles are all masked (a sliding window's start,
@@ -72,7 +74,7 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr,
         PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr,
-        NEW_KV: tl.constexpr, STEP_KV_IN_POOL_DTYPE: tl.constexpr):
+        NEW_KV: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -141,25 +143,17 @@ def _paged_attention_kernel(
         blocks = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         if NEW_KV:
-            # keys from `computed` on are the step's own: from new_k/new_v, as the pool would give them
+            # Keys from `computed` on are the step's own: each one's row is read from new_k (in the pool's
+            # dtype), never from the pool, where another program may be writing it; one load either way.
             fresh = n_valid & (offs_n >= computed)
-            cached = n_valid & (offs_n < computed)
-            fresh_rows = seq_start + offs_n - computed
-            if STEP_KV_IN_POOL_DTYPE:  # one load, each key's row from the one place or the other
-                key_at = tl.where(fresh, new_k_head + fresh_rows * stride_nkt,
-                                  k_head + blocks * stride_kb + in_block * stride_ks)
-                k = tl.load(key_at[None, :] + offs_d[:, None], mask=n_valid[None, :] & d_valid[:, None],
-                            other=0.0).to(DTYPE)
-            else:  # two loads, the step's keys rounded through the pool's dtype (more registers: rarer configs)
-                k = tl.load(k_head + blocks[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None],
-                            mask=cached[None, :] & d_valid[:, None], other=0.0).to(DTYPE)
-                fresh_k = tl.load(new_k_head + fresh_rows[None, :] * stride_nkt + offs_d[:, None],
-                                  mask=fresh[None, :] & d_valid[:, None], other=0.0)
-                k = tl.where(fresh[None, :], fresh_k.to(k_ptr.dtype.element_ty).to(DTYPE), k)
+            step_rows = seq_start + offs_n - computed
+            key_at = tl.where(fresh, new_k_head + step_rows * stride_nkt,
+                              k_head + blocks * stride_kb + in_block * stride_ks)
+            k = tl.load(key_at[None, :] + offs_d[:, None], mask=n_valid[None, :] & d_valid[:, None], other=0.0)
         else:
             k = tl.load(k_head + blocks[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None],
                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-            k = k.to(DTYPE)
+        k = k.to(DTYPE)
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [M, N], log2 units
@@ -172,22 +166,14 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if NEW_KV:
-            if STEP_KV_IN_POOL_DTYPE:
-                value_at = tl.where(fresh, new_v_head + fresh_rows * stride_nvt,
-                                    v_head + blocks * stride_vb + in_block * stride_vs)
-                v = tl.load(value_at[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :],
-                            other=0.0).to(DTYPE)
-            else:
-                v = tl.load(v_head + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
-                            mask=cached[:, None] & d_valid[None, :], other=0.0).to(DTYPE)
-                fresh_v = tl.load(new_v_head + fresh_rows[:, None] * stride_nvt + offs_d[None, :],
-                                  mask=fresh[:, None] & d_valid[None, :], other=0.0)
-                v = tl.where(fresh[:, None], fresh_v.to(v_ptr.dtype.element_ty).to(DTYPE), v)
+            value_at = tl.where(fresh, new_v_head + step_rows * stride_nvt,
+                                v_head + blocks * stride_vb + in_block * stride_vs)
+            v = tl.load(value_at[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0.0)
         else:
             v = tl.load(v_head + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            v = v.to(DTYPE)
         p = p.to(DTYPE)
+        v = v.to(DTYPE)
         if UPCAST:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
@@ -313,9 +299,9 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
     ``step_index(..., query_tile=block_q).programs``; ``query_starts``/``query_lens``/``num_computed [N]``: each
     sequence's first row, its new tokens and its tokens cached before them; ``window``: keys less than this
     many positions behind a query are visible (None: all). ``new_kv``: (``key``, ``value`` ``[T, Hkv, D]``,
-    ``slot_mapping [T]``) of the step's tokens, which the launch writes into the pool at their slots as it
-    attends (the pool must not hold them yet: the cached positions are read from it, the step's from these);
-    None: the pool holds them already."""
+    ``slot_mapping [T]``) of the step's tokens in the pool's dtype, which the launch writes into the pool at
+    their slots as it attends (the pool must not hold them yet: the cached positions are read from it, the
+    step's from these), in tiles of ``NEW_KV_BLOCK_N`` keys; None: the pool holds them already."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = key_blocks.shape
     if query.stride(-1) != 1:
@@ -348,8 +334,13 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
         key_strides, value_strides = new_key.stride(), new_value.stride()
         if key_strides[-1] != 1 or value_strides[-1] != 1:
             raise ValueError("paged_attention's new keys and values need contiguous head dimensions")
+        if new_key.dtype != key_blocks.dtype or new_value.dtype != value_blocks.dtype:
+            raise ValueError(f"paged_attention's new keys and values must have the pool's dtype "
+                             f"({key_blocks.dtype}), not {new_key.dtype}: write them first")
         new_strides = (*key_strides[:2], *value_strides[:2])
     grid = (programs.shape[1], num_kv_heads, splits)
+    # (NEW_KV's tiles are half as many keys: choosing each key's row took registers that at 64 keys ptxas found
+    # only by spilling, 488 bytes at head dim 128 in bfloat16; at 32, none)
     # (each stride() a call into torch: the tuples once, ~0.2 us a call saved about 12 times a launch)
     _paged_attention_kernel[grid](
         query, key_blocks, value_blocks, out, tables, programs[0], programs[1],
@@ -357,11 +348,10 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
         scale * LOG2E, window or 0, *query.stride()[:2], *out.stride()[:2], *key_blocks.stride()[:3],
         *value_blocks.stride()[:3], tables.stride(0), *new_strides,
         HEAD_DIM=head_dim, BLOCK_D=block_d, QUERIES_PER_KV=per_kv, BLOCK_H=block_h, BLOCK_Q=block_q,
-        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SLIDING=window is not None, PRECISION=precision,
+        BLOCK_N=BLOCK_N if new_kv is None else NEW_KV_BLOCK_N, BLOCK_SIZE=block_size,
+        SLIDING=window is not None, PRECISION=precision,
         NEG_START=_NEG_START, UPCAST=query.dtype == torch.bfloat16 and interpreted(), SPLITS=splits,
-        NEW_KV=new_kv is not None,
-        STEP_KV_IN_POOL_DTYPE=new_key.dtype == key_blocks.dtype and new_value.dtype == value_blocks.dtype,
-        num_warps=8 if rows > 64 or block_d >= 128 else 4)
+        NEW_KV=new_kv is not None, num_warps=8 if rows > 64 or block_d >= 128 else 4)
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](partial_out, partial_ml, out, out.stride(0), out.stride(1),
                                                         num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,

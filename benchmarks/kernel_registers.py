@@ -1,0 +1,94 @@
+"""Compile the Triton attention kernels for a GPU on this machine, no GPU needed, and say what each variant takes:
+registers a thread and bytes spilled (ptxas -v), or why it does not compile.
+
+    python benchmarks/kernel_registers.py [--arch 90] [--json]
+
+triton's wheel carries its NVIDIA backend and ptxas, so ``triton.compile`` with a ``GPUTarget`` runs here as it
+would at a GPU's first launch. The interpreter (``TRITON_INTERPRET=1``), which tests the kernels' numerics in CI,
+runs Python instead: a kernel it runs can still fail to compile (a value the key loop reassigns with another
+shape), or spill registers to local memory. The variants are ``paged_attention``'s on Llama-3.1-8B's heads (head
+dim 128, four query heads a KV head) in bfloat16: decode rows (one query token a program, keys split or not) and
+prompt tiles of 16 tokens, each without and with a sliding window, with the pool already written and with the
+step's keys written by the launch (``NEW_KV``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # the kernels decorated for the compiler, not the interpreter
+
+# (name, NEW_KV, query tokens a program, query heads a program's rows hold, key splits, sliding window)
+VARIANTS = [(f"{'new_kv' if new_kv else 'written'} q{block_q} s{splits}{' window' if sliding else ''}",
+             new_kv, block_q, block_h, splits, sliding)
+            for new_kv in (False, True) for block_q, block_h, splits in ((1, 16, 1), (1, 16, 4), (16, 4, 1))
+            for sliding in (False, True)]
+
+
+def compile_variants(arch: int) -> list[dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from llmbus.workers.attention import triton_kernels as kernels
+
+    fn = kernels._paged_attention_kernel
+    params = list(inspect.signature(fn.fn).parameters)
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "tables_ptr": "*i64",
+                "program_seq_ptr": "*i32", "program_row_ptr": "*i32", "query_starts_ptr": "*i64",
+                "query_lens_ptr": "*i64", "num_computed_ptr": "*i64", "partial_out_ptr": "*fp32",
+                "partial_ml_ptr": "*fp32", "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "slots_ptr": "*i64",
+                "qk_scale": "fp32"}
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    rows = []
+    for name, new_kv, block_q, block_h, splits, sliding in VARIANTS:
+        constexprs = dict(HEAD_DIM=128, BLOCK_D=128, QUERIES_PER_KV=4, BLOCK_H=block_h, BLOCK_Q=block_q,
+                          BLOCK_N=kernels.NEW_KV_BLOCK_N if new_kv else kernels.BLOCK_N, BLOCK_SIZE=16,
+                          SLIDING=sliding, PRECISION="ieee", NEG_START=kernels._NEG_START, UPCAST=False,
+                          SPLITS=splits, NEW_KV=new_kv)
+        signature = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
+        source = ASTSource(fn=fn, signature=signature,
+                           constexprs={(params.index(k),): v for k, v in constexprs.items()})
+        row = {"name": name}
+        try:  # eight warps: paged_attention's choice for head dim 128
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+        except Exception as exc:  # noqa: BLE001  (what the compiler said is the row)
+            rows.append(row | {"error": f"{type(exc).__name__}: {exc}"[-600:]})
+            continue
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
+            ptx.write(compiled.asm["ptx"])
+        said = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
+                               ptx.name, "-o", os.devnull], capture_output=True, text=True).stderr
+        os.unlink(ptx.name)
+        for line in said.splitlines():
+            if "Used" in line and "registers" in line:
+                row["registers"] = int(line.split("Used")[1].split("registers")[0])
+            if "spill stores" in line:
+                row["spilled_bytes"] = int(line.split("bytes spill stores")[0].split(",")[-1])
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args()
+    rows = compile_variants(args.arch)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for row in rows:
+        said = row.get("error") or f"{row.get('registers')} registers, {row.get('spilled_bytes')} bytes spilled"
+        print(f"sm_{args.arch} paged_attention {row['name']:26} {said}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
