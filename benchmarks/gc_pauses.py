@@ -1,7 +1,7 @@
 """What Python's garbage collector costs a worker: a full collection's pause with the startup heap in sight and
 frozen out of it (``bus/gc_pauses.py``), and the collections a stretch of continuous batching makes.
 
-    python benchmarks/gc_pauses.py [--requests 96] [--new-tokens 48]
+    python benchmarks/gc_pauses.py [--requests 1500] [--new-tokens 64]
 
 Each measurement runs in a fresh process that imports what a worker imports (torch, transformers, triton where
 installed, llmbus's worker modules) and builds a small Llama runner on the CPU, warmed up: the heap a served
@@ -63,8 +63,8 @@ def measure(freeze: bool, requests: int, new_tokens: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--one", choices=("frozen", "unfrozen"), help=argparse.SUPPRESS)  # a child's measurement
     args = parser.parse_args()
     if args.one:
