@@ -9,7 +9,9 @@ runs Python instead: a kernel it runs can still fail to compile (a value the key
 shape), or spill registers to local memory. The variants are ``paged_attention``'s on Llama-3.1-8B's heads (head
 dim 128, four query heads a KV head) in bfloat16: decode rows (one query token a program, keys split or not) and
 prompt tiles of 16 tokens, each without and with a sliding window, with the pool already written and with the
-step's keys written by the launch (``NEW_KV``).
+step's keys written by the launch (``NEW_KV``). Then the other kernels a step's graphs hold, once each at those
+shapes: RoPE with the K/V write, the split keys' merge, RoPE alone (the piecewise parts'), RMSNorm with the
+residual, SiLU-and-mul and the greedy choice's two kernels.
 """
 
 from __future__ import annotations
@@ -31,47 +33,81 @@ VARIANTS = [(f"{'new_kv' if new_kv else 'written'} q{block_q} s{splits}{' window
             for sliding in (False, True)]
 
 
-def compile_variants(arch: int) -> list[dict]:
+def _others() -> list[tuple]:
+    """(name, kernel, its pointer and float arguments' types, its constexprs, warps) of the other kernels: each
+    argument not named is an integer."""
+    from llmbus.workers import _gpu_ops_kernels as ops
+    from llmbus.workers.attention import triton_kernels as kernels
+
+    bf16 = "*bf16"
+    return [
+        ("rotary_kv_write", kernels._rotary_kv_write_kernel,
+         dict(qk_ptr=bf16, value_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, slots_ptr="*i64", query_ptr=bf16,
+              key_slots_ptr=bf16, value_slots_ptr=bf16), dict(HALF=64, BLOCK_H=16, BLOCK_D=64), 4),
+        ("combine_splits", kernels._combine_splits_kernel,
+         dict(partial_out_ptr="*fp32", partial_ml_ptr="*fp32", out_ptr=bf16),
+         dict(HEAD_DIM=128, BLOCK_D=128, SPLITS=16), 4),
+        ("rotary", ops._rotary_kernel, dict(x_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, out_ptr=bf16),
+         dict(HALF=64, BLOCK_H=16, BLOCK_D=64), 4),
+        ("rms_norm residual", ops._rms_norm_kernel,
+         dict(x_ptr=bf16, residual_ptr="*fp32", weight_ptr=bf16, out_ptr=bf16, eps="fp32"),
+         dict(HAS_RESIDUAL=True, BLOCK=4096), 8),
+        ("silu_and_mul", ops._silu_and_mul_kernel, dict(gate_up_ptr=bf16, out_ptr=bf16), dict(BLOCK=1024), 4),
+        ("greedy chunk", ops._greedy_chunk_kernel,
+         dict(logits_ptr="*fp32", max_ptr="*fp32", index_ptr="*i32", sum_ptr="*fp32"), dict(BLOCK=ops.GREEDY_CHUNK), 8),
+        ("greedy combine", ops._greedy_combine_kernel,
+         dict(max_ptr="*fp32", index_ptr="*i32", sum_ptr="*fp32", ids_ptr="*i64", logprobs_ptr="*fp32"),
+         dict(BLOCK_C=64), 1),
+    ]
+
+
+def _compile(fn, types: dict, constexprs: dict, warps: int, arch: int) -> dict:
+    """``fn`` compiled for ``sm_<arch>``: its registers and spilled bytes by ptxas -v, or the compiler's error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    except Exception as exc:  # noqa: BLE001  (what the compiler said is the row)
+        return {"error": f"{type(exc).__name__}: {exc}"[-600:]}
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
+        ptx.write(compiled.asm["ptx"])
+    said = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
+                           ptx.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    os.unlink(ptx.name)
+    row = {}
+    for line in said.splitlines():
+        if "Used" in line and "registers" in line:
+            row["registers"] = int(line.split("Used")[1].split("registers")[0])
+        if "spill stores" in line:
+            row["spilled_bytes"] = int(line.split("bytes spill stores")[0].split(",")[-1])
+    return row
+
+
+def compile_variants(arch: int) -> list[dict]:
     from llmbus.workers.attention import triton_kernels as kernels
 
     fn = kernels._paged_attention_kernel
-    params = list(inspect.signature(fn.fn).parameters)
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "tables_ptr": "*i64",
                 "program_seq_ptr": "*i32", "program_row_ptr": "*i32", "query_starts_ptr": "*i64",
                 "query_lens_ptr": "*i64", "num_computed_ptr": "*i64", "partial_out_ptr": "*fp32",
                 "partial_ml_ptr": "*fp32", "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "slots_ptr": "*i64",
                 "qk_scale": "fp32"}
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     rows = []
     for name, new_kv, block_q, block_h, splits, sliding in VARIANTS:
         constexprs = dict(HEAD_DIM=128, BLOCK_D=128, QUERIES_PER_KV=4, BLOCK_H=block_h, BLOCK_Q=block_q,
                           BLOCK_N=kernels.NEW_KV_BLOCK_N if new_kv else kernels.BLOCK_N, BLOCK_SIZE=16,
                           SLIDING=sliding, PRECISION="ieee", NEG_START=kernels._NEG_START, UPCAST=False,
                           SPLITS=splits, NEW_KV=new_kv)
-        signature = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
-        source = ASTSource(fn=fn, signature=signature,
-                           constexprs={(params.index(k),): v for k, v in constexprs.items()})
-        row = {"name": name}
-        try:  # eight warps: paged_attention's choice for head dim 128
-            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
-        except Exception as exc:  # noqa: BLE001  (what the compiler said is the row)
-            rows.append(row | {"error": f"{type(exc).__name__}: {exc}"[-600:]})
-            continue
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
-            ptx.write(compiled.asm["ptx"])
-        said = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
-                               ptx.name, "-o", os.devnull], capture_output=True, text=True).stderr
-        os.unlink(ptx.name)
-        for line in said.splitlines():
-            if "Used" in line and "registers" in line:
-                row["registers"] = int(line.split("Used")[1].split("registers")[0])
-            if "spill stores" in line:
-                row["spilled_bytes"] = int(line.split("bytes spill stores")[0].split(",")[-1])
-        rows.append(row)
+        # eight warps: paged_attention's choice for head dim 128
+        rows.append({"name": f"paged_attention {name}"} | _compile(fn, pointers, constexprs, 8, arch))
+    for name, other, types, constexprs, warps in _others():
+        rows.append({"name": name} | _compile(other, types, constexprs, warps, arch))
     return rows
 
 
@@ -86,7 +122,7 @@ def main() -> int:
         return 0
     for row in rows:
         said = row.get("error") or f"{row.get('registers')} registers, {row.get('spilled_bytes')} bytes spilled"
-        print(f"sm_{args.arch} paged_attention {row['name']:26} {said}")
+        print(f"sm_{args.arch} {row['name']:42} {said}")
     return 0
 
 
