@@ -31,6 +31,9 @@ SHORT_QUERY_LENGTHS = (2, 4, 8)
 # A piecewise step's attention writes the step's keys as it attends (TritonAttentionBackend.forward), another
 # compilation of the kernel for each tiling: warmup runs one step of each query tile through the parts.
 PIECEWISE_QUERY_LENGTHS = (1, *SHORT_QUERY_LENGTHS, 16)
+# ... and one of this many one-token rows: a step of decodes alone takes the parts only past the largest decode
+# graph (256 rows by default), where its keys are not split (triton_kernels.key_splits), another compilation.
+PIECEWISE_DECODE_ROWS = 256
 
 
 class RunnerWarmup:
@@ -67,6 +70,12 @@ class RunnerWarmup:
                                  sample=True, sampling=sampling))
             next_block += num_blocks
         return seqs
+
+    def _compile_decode_rows(self, cache: PagedKVCache, rows: int) -> None:
+        """One step of ``rows`` one-token sequences, all in the scratch pool's first block (their writes land on
+        one slot: scratch), to compile the attention that such a step's number of programs chooses."""
+        self._forward([SeqInput(rid=f"{WARMUP_RID_PREFIX}d{i}", token_ids=[0], num_computed=0, block_table=[0],
+                                sample=True, sampling=SamplingParams()) for i in range(rows)], cache)
 
     def _compile_short_queries(self, cache: PagedKVCache, lengths: tuple[int, ...] = SHORT_QUERY_LENGTHS) -> None:
         """A step whose longest query is 2 to 8 tokens (short prompts alone, speculation) tiles its queries
@@ -192,6 +201,7 @@ class RunnerWarmup:
         try:
             with torch.inference_mode():
                 self._compile_short_queries(cache, PIECEWISE_QUERY_LENGTHS)
+                self._compile_decode_rows(cache, min(PIECEWISE_DECODE_ROWS, max(self.piecewise_sizes)))
         except Exception as exc:  # noqa: BLE001  (as a capture's: the eager path computes the same)
             self._piecewise_failed("piecewise steps' attention did not compile; steps with prompt rows run "
                                    "eagerly", exc)

@@ -227,6 +227,7 @@ def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | Non
             raise compile_error
 
     runner._compile_short_queries = compile_steps
+    runner._compile_decode_rows = lambda cache, rows: runner.compiled.append((cache, rows))
     runner._piecewise_failed = types.MethodType(runner_warmup.RunnerWarmup._piecewise_failed, runner)
     return runner
 
@@ -262,7 +263,8 @@ def test_the_parts_attention_compiles_at_warmup_for_every_query_tile_or_the_step
     runner = _warming_runner(monkeypatch, 1)
     runner_warmup.RunnerWarmup._capture_piecewise(runner, "scratch")
     assert runner.piecewise == "captured"
-    assert runner.compiled == [("scratch", runner_warmup.PIECEWISE_QUERY_LENGTHS)]
+    # a step of each query tile, and one of decodes alone past the decode graphs (bounded by the largest bucket)
+    assert runner.compiled == [("scratch", runner_warmup.PIECEWISE_QUERY_LENGTHS), ("scratch", 32)]
     assert {triton_kernels.query_tile(n) for n in runner_warmup.PIECEWISE_QUERY_LENGTHS} == {1, 2, 4, 8, 16}
     runner = _warming_runner(monkeypatch, 1, RuntimeError("PassManager::run failed"))
     with structlog.testing.capture_logs() as logs:
