@@ -59,6 +59,17 @@ if TYPE_CHECKING:
 STAGING_BUFFERS = 4
 
 
+def greedy_outputs(logits: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+    """What a graph ends with: its logits, every row's greedy choice with its logprob, and those two as the
+    result copy takes them (``launched_step.pack``); None off rank 0 (no logits). A step whose rows all sample
+    greedily takes these and launches no sampling or packing of its own (``DecodeGraphs``, and the head graphs
+    of ``piecewise_graphs.py``)."""
+    if logits is None:
+        return None
+    ids, logprobs = greedy(logits)
+    return logits, ids, logprobs, pack(ids, logprobs, None)
+
+
 class DecodeGraphs:
     """Captured decode forwards of one model over one KV pool, by batch size."""
 
@@ -150,17 +161,12 @@ class DecodeGraphs:
         return self.adapter_rows is not None
 
     def _run(self, batch: int, adapters: bool) -> tuple[torch.Tensor, ...] | None:
-        """The step's logits, every row's greedy choice with its logprob, and those two as the result copy takes
-        them (``launched_step.pack``): a step whose rows all sample greedily takes those (``greedy``) and
-        launches no sampling or packing of its own (None off rank 0)."""
+        """``greedy_outputs`` of the step's logits (``greedy`` takes its choices)."""
         self._unpack(batch)
         meta = self.metadata[batch]
-        logits = self.model.forward(self.small[0, :batch], meta.positions, self.kv_cache, meta,
-                                    self.logits_index[:batch], **({"adapters": self.adapter_rows} if adapters else {}))
-        if logits is None:
-            return None
-        ids, logprobs = greedy(logits)
-        return logits, ids, logprobs, pack(ids, logprobs, None)
+        return greedy_outputs(self.model.forward(
+            self.small[0, :batch], meta.positions, self.kv_cache, meta, self.logits_index[:batch],
+            **({"adapters": self.adapter_rows} if adapters else {})))
 
     def _capture(self) -> None:
         """Largest first, sharing one memory pool: a smaller graph's activations fit in the larger's."""

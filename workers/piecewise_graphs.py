@@ -40,12 +40,10 @@ import time
 import torch
 
 from llmbus.workers.attention.base import AttentionMetadata
-from llmbus.workers.cuda_graphs import DecodeGraphs
+from llmbus.workers.cuda_graphs import DecodeGraphs, greedy_outputs
 from llmbus.workers.gpu_ops import apply_rotary
 from llmbus.workers.kv_cache import PagedKVCache
-from llmbus.workers.launched_step import pack
 from llmbus.workers.models.llama import RESIDUAL_DTYPE, LlamaDecoderLayer, LlamaForCausalLM
-from llmbus.workers.sampling import greedy
 
 # The logits rows a head graph is captured for (the final norm, the LM head and each row's greedy choice): a
 # step with more rows that need logits than the largest, or than the largest bucket of tokens, takes its head
@@ -188,12 +186,8 @@ class _LogitsPlan(_Captures):
                 self.out = self._capture(self.head)
 
     def head(self) -> tuple[torch.Tensor, ...] | None:
-        """(logits, greedy ids, their logprobs, those two packed as ResultCopy takes them); None off rank 0."""
-        logits = self.owner.model.logits_of(self.owner.final, self.owner.logits_rows[:self.rows])
-        if logits is None:
-            return None
-        ids, logprobs = greedy(logits)
-        return logits, ids, logprobs, pack(ids, logprobs, None)
+        """``greedy_outputs`` of the logits rows, as a decode graph ends."""
+        return greedy_outputs(self.owner.model.logits_of(self.owner.final, self.owner.logits_rows[:self.rows]))
 
     def run(self) -> tuple[torch.Tensor, ...] | None:
         if self.pool is None:
