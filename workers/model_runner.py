@@ -202,10 +202,10 @@ class ModelRunner(RunnerWarmup):
         sampled_rows_only = logits_index is None
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,
                                    grouped=not self._lora_kernels)
-        last_rows = [] if logits_index is not None else [
-            end - 1 for seq, end in zip(seqs, itertools.accumulate(query_lens)) if seq.sample]
+        last_rows = [end - 1 for seq, end in zip(seqs, itertools.accumulate(query_lens)) if seq.sample
+                     ] if sampled_rows_only else []
         input_ids, sent_rows = fed_ids_and((s.token_ids for s in seqs), feed, last_rows, self.device)
-        if logits_index is None:
+        if sampled_rows_only:
             logits_index = sent_rows
         meta = self.model.attention_backend.build_metadata(
             query_lens=query_lens, num_computed=[s.num_computed for s in seqs],
