@@ -113,19 +113,6 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return pinned_staging.UPLOADS.upload(tensor, device)
 
 
-def rows_to_device(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Equal-length lists as the rows of one ``[R, N]`` tensor on ``device`` (one copy, as ``to_device``), each
-    row starting at a multiple of 16 bytes: Triton compiles a kernel again for each pattern of its
-    pointers' alignment, and a row view's alignment otherwise follows N, so a new batch size could cost a
-    compile in the middle of serving (run 6 on an H200 found about a second of compiles in a sustained wave)."""
-    rows = [list(row) for row in rows]
-    width = len(rows[0]) if rows else 0
-    per_line = max(1, 16 // torch.empty(0, dtype=dtype).element_size())
-    padded = -(-width // per_line) * per_line
-    tensor = to_device([row + [0] * (padded - width) for row in rows], dtype, device)
-    return tensor[:, :width]
-
-
 def fed_ids(token_lists, feed: "DeviceFeed | None", device: torch.device) -> torch.Tensor:
     """A step's flat token ids (``token_lists``: each row's, in order) on ``device``, the ``SAMPLED_LAST`` rows
     written from ``feed`` where there is one."""

@@ -14,7 +14,7 @@ from llmbus.bus.messages import SamplingParams
 from llmbus.testing.families import family_requests
 from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, Request, drive, make_prompts,
                                           reference, save_tiny_llama)
-from llmbus.workers.launched_step import LaunchedStep, StepOutput, fed_ids_and, rows_to_device
+from llmbus.workers.launched_step import LaunchedStep, StepOutput, fed_ids_and
 from llmbus.workers.model_runner import ModelRunner
 
 VOCAB = 256
@@ -114,17 +114,6 @@ def test_a_steps_tokens_logprobs_and_top_tokens_come_back_in_one_copy():
     # a replayed graph packs all of its 4 rows (the third of cuda_graphs.DecodeGraphs.greedy); a step of 3 reads its own
     assert unpack(pack(greedy.token_ids, greedy.logprobs, None).tolist(), 3, None, logprobs_at=4) == (
         greedy.token_ids[:3].tolist(), greedy.logprobs[:3].tolist(), [])
-
-
-@pytest.mark.parametrize("dtype", [torch.int32, torch.long])
-@pytest.mark.parametrize("width", [1, 2, 3, 5, 8])
-def test_each_row_of_a_step_list_starts_aligned(dtype, width):
-    """The views the attention kernels take as pointers (a program map's rows, the per-sequence lists) start
-    16 bytes apart whatever the batch's size, so a new size never means a new compile."""
-    lists = [list(range(width)), list(range(10, 10 + width)), list(range(20, 20 + width))]
-    tensor = rows_to_device(lists, dtype, torch.device("cpu"))
-    assert tensor.shape == (3, width) and tensor.tolist() == lists
-    assert all(row.data_ptr() % 16 == 0 and row.is_contiguous() for row in tensor)
 
 
 @pytest.mark.parametrize("source_rows", [3, 9], ids=["fits", "longer than the buffer"])

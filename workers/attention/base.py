@@ -110,13 +110,14 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
     """Block tables, positions and slots of one step, computed on the host (numpy over the lists) and sent in
     one copy that does not wait (``to_device``): on a GPU each torch op here was a launch of its own, and in a
     served c=64 wave this function was a third of an eager step's host time beside its layers (run 9's
-    py-spy). Each field is a view of that copy, starting on a 16-byte boundary (``rows_to_device``: Triton
-    compiles a kernel again for each pattern of its pointers' alignment). Where the padded table is no larger
-    than the blocks and their places in it (contexts of similar lengths, as a served batch's are), the host
-    builds it and it goes over as it is; else (one long context beside short ones, which would send every row
-    padded to its length) the blocks go over as they are and are placed into the padded table on the device,
-    two more launches. With ``query_tile``, each sequence's queries in tiles of that many tokens: for each tile,
-    its sequence and first row (a kernel's program map: the Triton backend's), in the same copy."""
+    py-spy). Each field is a view of that copy, starting on a 16-byte boundary (Triton compiles a kernel again
+    for each pattern of its pointers' alignment, so a new batch size would otherwise cost a compile
+    mid-serving). Where the padded table is no larger than the blocks and their places in it (contexts of
+    similar lengths, as a served batch's are), the host builds it and it goes over as it is; else (one long
+    context beside short ones, which would send every row padded to its length) the blocks go over as they are
+    and are placed into the padded table on the device, two more launches. With ``query_tile``, each
+    sequence's queries in tiles of that many tokens: for each tile, its sequence and first row (a kernel's
+    program map: the Triton backend's), in the same copy."""
     block_size = kv_cache.block_size
     lens = np.asarray(query_lens, dtype=np.int64)
     computed = np.asarray(num_computed, dtype=np.int64)
