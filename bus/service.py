@@ -46,7 +46,9 @@ def setup_logging(service: str, *, rank: int | None = None, json_output: bool | 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write per line, its newline included: a group's ranks share one stderr pipe, and print()
+        # writes the newline apart, so another rank's line could land between a line and its newline
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     # libraries' stdlib logging (aiohttp's request errors, transformers' warnings) goes through the same

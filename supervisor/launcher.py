@@ -64,6 +64,13 @@ def json_line(service: str, event: str, level: str = "info") -> str:
                        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat()}, ensure_ascii=False)
 
 
+def write_line(line: str) -> None:
+    """One write per line, its newline included: the pump threads and the launcher share stderr, and
+    print() writes the newline apart, so another writer's line could land between the two."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class Child:
     def __init__(self, spec: ProcessSpec, env: dict[str, str], *, json_output: bool = False):
         self.spec = spec
@@ -80,8 +87,7 @@ class Child:
             if self.json_output and not line.startswith("{"):
                 # a traceback, a warning or a progress bar written past structlog: still one JSON line
                 line = json_line(self.spec.name, line, level="warning")
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
+            write_line(line)
 
     def stderr_tail(self) -> list[str]:
         self._pump.join(timeout=2.0)  # let the last lines of a dead child arrive
@@ -144,7 +150,7 @@ class Launcher:
     # ------------------------------------------------------------------ internals
 
     def _print(self, text: str) -> None:
-        print(json_line("launcher", text) if self.json_output else text, file=sys.stderr, flush=True)
+        write_line(json_line("launcher", text) if self.json_output else text)
 
     def _on_signal(self, signum, _frame) -> None:
         self.signals += 1
