@@ -202,7 +202,7 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
         runner = ModelRunner(path, dtype=dtype, device=self.device, block_size=BLOCK_SIZE,
                              attention_backend=self.args.attention_backend,
                              cuda_graphs=parse_cuda_graphs(self.args.cuda_graphs), piecewise_graphs=piecewise,
-                             **kwargs)
+                             full_graphs=getattr(self.args, "full_graphs", False), **kwargs)
         runner.warmup()
         return runner
 
@@ -417,9 +417,11 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
         seqs[0].token_ids = [rng.randrange(3, config["vocab_size"]) for _ in range(chunk)]
         for suffix, _ in graph_modes(runner):
             piecewise = runner.piecewise is not None
+            how = ("eager" if not piecewise else "piecewise graphs" if runner.piecewise.index is None
+                   else "whole graphs (--full-graphs)")
             step = statistics.median(timed_steps(runner, seqs, 3, sizes.timed_steps))
             self.row("4 speed", f"b{batch} ctx{context} + {chunk}-token chunk{suffix}", True,
-                     f"{step * 1e3:.2f} ms/step ({'piecewise graphs' if piecewise else 'eager'})",
+                     f"{step * 1e3:.2f} ms/step ({how})",
                      backend=runner.compute_paths["attention"], device=str(self.device), dtype="bfloat16",
                      batch=batch, context=context, chunk=chunk, piecewise=piecewise, step_ms=step * 1e3)
 
@@ -538,6 +540,9 @@ def main() -> int:
     parser.add_argument("--piecewise-graphs", default=None,
                         help="the runners' and the served part's --piecewise-graphs (token counts, e.g. "
                              "16,32,64,128,256,512; default: llmbus's; 0: none)")
+    parser.add_argument("--full-graphs", action="store_true",
+                        help="the runners' and the served part's --full-graphs: each piecewise bucket captured "
+                             "whole, its attention included")
     parser.add_argument("--steps-ahead", type=int, default=None,
                         help="the served part's llmbus up --steps-ahead (default: llmbus's): 2 sends the ranks "
                              "their next command before the last result reaches the scheduler")

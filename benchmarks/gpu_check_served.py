@@ -103,6 +103,8 @@ class ServedPart:
             args += ["--launch-depth", str(self.args.launch_depth)]
         if getattr(self.args, "piecewise_graphs", None):
             args += ["--piecewise-graphs", self.args.piecewise_graphs]
+        if getattr(self.args, "full_graphs", False):
+            args += ["--full-graphs"]
         if self.dry:
             args += ["--dtype", "float32"]
         peak = _DevicePeak(self.device)
@@ -248,7 +250,7 @@ class ServedPart:
                  f"{said} ({len(loaded)} windows of {len(windows)}, {sustained['answered']} requests)",
                  device=str(self.device), idle_share=share, windows=windows, sustained=sustained,
                  host_profiles=host_profiles,
-                 served_with={k: getattr(self.args, k, None) for k in ("steps_ahead", "launch_depth",
+                 served_with={k: getattr(self.args, k, None) for k in ("steps_ahead", "launch_depth", "full_graphs",
                                                                           "piecewise_graphs")})
 
     def _against_transformers(self, model_dir: Path, tokenizer, served: dict) -> None:

@@ -227,12 +227,15 @@ def mixed_requests(prompts: list[list[int]]) -> list[Request]:
             for i, (p, a, c) in enumerate(zip(prompts, arrivals, chunks))]
 
 
-def uncaptured_piecewise(runner: ModelRunner, sizes: tuple[int, ...]) -> list[int]:
+def uncaptured_piecewise(runner: ModelRunner, sizes: tuple[int, ...], *, whole: bool = False) -> list[int]:
     """Give ``runner`` piecewise graphs of ``sizes`` whose parts run uncaptured (as a GPU rank would replay
-    them: ``piecewise_graphs.py``); the list that then gets each piecewise step's token count."""
+    them: ``piecewise_graphs.py``), with ``whole`` each bucket's attention between them over the fixed index
+    as a whole graph holds it (``--full-graphs``); the list that then gets each piecewise step's token count."""
     from llmbus.workers.piecewise_graphs import PiecewiseGraphs
 
     runner.piecewise = PiecewiseGraphs(runner.model, sizes, capture=False)
+    if whole:
+        runner.piecewise.attend_in_graphs(runner.kv_cache, -(-runner.max_position_embeddings // runner.block_size))
     counts: list[int] = []
     forward = runner.piecewise.forward
     runner.piecewise.forward = lambda ids, *a: counts.append(len(ids)) or forward(ids, *a)

@@ -66,13 +66,14 @@ class ModelRunner(RunnerWarmup):
                  trust_remote_code: bool = False, watermark_gamma: float | None = None,
                  watermark_delta: float | None = None, attention_backend: str = "auto",
                  cuda_graphs: tuple[int, ...] = (), lora_adapters: tuple[tuple[str, str], ...] = (),
-                 piecewise_graphs: tuple[int, ...] = ()):
+                 piecewise_graphs: tuple[int, ...] = (), full_graphs: bool = False):
         """``cuda_graphs``: decode batch sizes to capture as CUDA graphs at warmup (``cuda_graphs.py``; on
         CUDA, with an attention backend that can be captured; sizes above ``max_batch_prefill_tokens`` are
         left out). ``lora_adapters``: (name, local PEFT LoRA folder) each, loaded on every rank, this rank's
         slice of each (``lora.py``; ``lora.LoraError`` for one that cannot be served). ``piecewise_graphs``:
         token counts for which the layers between attention calls are captured (``piecewise_graphs.py``; on
-        CUDA, where the decode steps are captured too)."""
+        CUDA, where the decode steps are captured too); ``full_graphs``: their buckets captured whole, the
+        attention too, once the pool exists (``PiecewiseGraphs.attend_in_graphs``)."""
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
@@ -83,6 +84,7 @@ class ModelRunner(RunnerWarmup):
         self.graphs: DecodeGraphs | None = None  # captured by warmup
         self.piecewise_sizes = tuple(t for t in piecewise_graphs if t <= max_batch_prefill_tokens)
         self.piecewise: PiecewiseGraphs | None = None  # captured by warmup
+        self.full_graphs = full_graphs
         self._last_clock: StepClock | None = None
         self.timeline = DeviceTimeline() if self.device.type == "cuda" and rank == 0 else None
         # the greedy ids and logprobs a graph computed for the step's sampled rows (a decode graph's, or a
@@ -207,15 +209,21 @@ class ModelRunner(RunnerWarmup):
         input_ids, sent_rows = fed_ids_and((s.token_ids for s in seqs), feed, last_rows, self.device)
         if sampled_rows_only:
             logits_index = sent_rows
-        meta = self.model.attention_backend.build_metadata(
-            query_lens=query_lens, num_computed=[s.num_computed for s in seqs],
-            block_tables=[s.block_table for s in seqs], kv_cache=kv_cache, device=self.device)
         horizons = self._prompt_horizons(seqs, query_lens)
+        block_tables = [s.block_table for s in seqs]
+        # (the piecewise parts rotate by their captured start mask alone: a step with horizons runs eagerly)
+        piecewise = (self.piecewise is not None and horizons is None
+                     and self.piecewise.applies(len(input_ids), adapters, kv_cache, block_tables))
+        if piecewise and self.piecewise.index is not None:  # graphs that attend too read the index in place
+            meta = self.piecewise.stage(query_lens, [s.num_computed for s in seqs], block_tables)
+        else:
+            meta = self.model.attention_backend.build_metadata(
+                query_lens=query_lens, num_computed=[s.num_computed for s in seqs], block_tables=block_tables,
+                kv_cache=kv_cache, device=self.device)
         if horizons is not None:
             meta.sequence_horizons = to_device(horizons, torch.long, self.device)
         if adapters is None:
-            # (the piecewise parts rotate by their captured start mask alone: a step with horizons runs eagerly)
-            if self.piecewise is not None and horizons is None and self.piecewise.applies(len(input_ids), adapters):
+            if piecewise:
                 logits = self.piecewise.forward(input_ids, meta.positions, kv_cache, meta, logits_index)
                 if sampled_rows_only:
                     self._graph_greedy = self.piecewise.greedy

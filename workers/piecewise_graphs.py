@@ -27,6 +27,15 @@ prompt-chunk step's 2.95 ms launch). The head graphs keep their logits: 511 rows
 reach the pool or the real rows: every captured op is row by row, and for LongRoPE each padding row is a sequence
 of its own.
 
+**Whole buckets** (``--full-graphs``, off by default until a GPU has measured it): once the pool exists, each
+bucket is captured again as one graph, its attention calls included (``attend_in_graphs``), as vLLM's full
+graphs of mixed batches. What the attention read from the host then lives at fixed addresses
+(``attention.base.MixedGraphIndex``): the step's sequences, positions, slots and program map, rewritten by one
+copy a step, and the block tables in rows of the model's context, into which the step's blocks are scattered.
+A bucket's launch has as many programs as any step of its tokens may need; those past the step's own attend a
+sequence of no tokens. A step then launches the index's copy and scatter, one graph and its head, where the
+parts launched one Triton kernel a layer between them.
+
 ``capture=False`` runs the same parts, buffers and padding without graphs: how CPU tests check that the parts
 compose to the eager forward, token for token.
 """
@@ -39,7 +48,7 @@ import time
 
 import torch
 
-from llmbus.workers.attention.base import AttentionMetadata
+from llmbus.workers.attention.base import AttentionMetadata, MixedGraphIndex
 from llmbus.workers.cuda_graphs import DecodeGraphs, greedy_outputs
 from llmbus.workers.gpu_ops import apply_rotary
 from llmbus.workers.kv_cache import PagedKVCache
@@ -73,6 +82,11 @@ class PiecewiseGraphs:
         # The layers' output, which every bucket's last part writes and the head graphs read, at the rows of
         # ``logits_rows`` (the step's rows that need logits, then whatever rows earlier steps left: padding).
         self.final = torch.zeros(largest, model.config.hidden_size, dtype=RESIDUAL_DTYPE, device=model.device)
+        # Where the graphs hold the attention too (``attend_in_graphs``): the step's index at fixed addresses,
+        # and each bucket's metadata over it.
+        self.index: MixedGraphIndex | None = None
+        self.kv_cache: PagedKVCache | None = None  # the pool the graphs attend over
+        self.index_metadata: dict[int, AttentionMetadata] = {}
         self.head_sizes = tuple(r for r in HEAD_ROWS if r <= largest)
         self.logits_rows = torch.zeros(self.head_sizes[-1], dtype=torch.long, device=model.device)
         # The last head replayed: its rows' greedy ids, logprobs and their vector as ResultCopy takes it (rank 0,
@@ -106,10 +120,42 @@ class PiecewiseGraphs:
                 and all(type(layer).__call__ is LlamaDecoderLayer.__call__ for layer in layers)
                 and DecodeGraphs.supported(model))
 
-    def applies(self, num_tokens: int, adapters) -> bool:
+    def attend_in_graphs(self, kv_cache: PagedKVCache, max_blocks: int) -> None:
+        """Hold each bucket's attention in its graphs too, over ``kv_cache`` (the pool, which must exist by
+        now): one graph a bucket, its parts and attention calls captured together, in place of its parts'
+        graphs (whose memory it takes over), over the index ``stage`` rewrites. Not for a rotary that chooses
+        factors per sequence (its parts read a start mask the index does not give). Raises where the
+        backend gives no such index, or a capture fails (the parts' graphs of the buckets not yet redone stay,
+        but the caller should not use a half-redone set)."""
+        backend = self.model.attention_backend
+        if self.starts is not None:
+            raise ValueError("a rotary with per-sequence factors takes its start mask from the step")
+        index = backend.mixed_graph_index(self.sizes[-1], max_blocks, kv_cache)
+        if index is None:
+            raise ValueError(f"the {backend.name} attention backend cannot be held in a graph of prompt steps")
+        self.index, self.kv_cache = index, kv_cache
+        self.positions = index.positions  # the parts read the positions where the index has them
+        self.index_metadata = {size: backend.mixed_graph_metadata(index, size) for size in self.sizes}
+        for size in reversed(self.sizes):
+            self.plans[size].capture_whole(kv_cache, self.index_metadata[size])
+
+    def stage(self, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]]
+              ) -> AttentionMetadata:
+        """A step's index written where the graphs read it (``attend_in_graphs``), and its metadata: the bucket's
+        (its positions and slots the step's, then padding)."""
+        self.index.stage(query_lens, num_computed, block_tables)
+        count = sum(query_lens)
+        return self.index_metadata[self.sizes[bisect.bisect_left(self.sizes, count)]]
+
+    def applies(self, num_tokens: int, adapters, kv_cache: PagedKVCache | None = None,
+                block_tables: list[list[int]] = ()) -> bool:
         """Whether a step of ``num_tokens`` flat tokens runs piecewise: no more than the largest bucket, and no
-        row on a LoRA adapter (the parts were captured serving none)."""
-        return adapters is None and 0 < num_tokens <= self.sizes[-1]
+        row on a LoRA adapter (the parts were captured serving none); where the graphs attend too
+        (``attend_in_graphs``), over their pool, and no table longer than the index's."""
+        if adapters is not None or not 0 < num_tokens <= self.sizes[-1]:
+            return False
+        return self.index is None or (kv_cache is self.kv_cache
+                                      and max(map(len, block_tables)) <= self.index.tables.shape[1])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor | None:
@@ -119,7 +165,8 @@ class PiecewiseGraphs:
         self.greedy = None
         size = self.sizes[bisect.bisect_left(self.sizes, count)]
         self.ids[:count].copy_(input_ids)
-        self.positions[:count].copy_(positions)
+        if positions.data_ptr() != self.positions.data_ptr():  # (staged into place where the graphs attend)
+            self.positions[:count].copy_(positions)
         if self.starts is not None:
             self.starts.fill_(True)  # the padding rows
             mask = meta.start_mask(count)
@@ -204,6 +251,7 @@ class _Plan(_Captures):
         super().__init__(owner, pool, stream)
         self.size = size
         self.layers = owner.model.layers
+        self.whole_meta: AttentionMetadata | None = None  # capture_whole's
         if pool is None:
             return
         with torch.inference_mode(), owner.model.active_adapters.serving(None):
@@ -239,9 +287,34 @@ class _Plan(_Captures):
         residual, pending = self.layers[-1].after_attention(residual, self.owner.heads[:self.size])
         return torch.add(residual, pending, out=self.owner.final[:self.size])
 
+    def capture_whole(self, kv_cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        """From now on the bucket is one graph (uncaptured: one call), its attention over ``kv_cache`` through
+        ``meta`` (``PiecewiseGraphs.attend_in_graphs``); the parts' graphs and what they kept go first, so the
+        pool's memory they held is what this capture takes."""
+        self.whole_meta = meta
+        self.graphs, self.inputs, self.out = [], [], None
+        if self.pool is not None:
+            with torch.inference_mode(), self.owner.model.active_adapters.serving(None):
+                self.out = self._capture(lambda: self.whole(kv_cache))
+
+    def whole(self, kv_cache: PagedKVCache) -> torch.Tensor:
+        """Every part and every attention call between them, over all of the bucket's rows: the index's
+        programs attend the step's own, the rest of them nothing."""
+        residual, cos, sin, qk, value = self.first()
+        for layer in range(1, len(self.layers)):
+            self.owner._attend(layer - 1, qk, value, self.size, kv_cache, self.whole_meta)
+            residual, qk, value = self.middle(layer, residual, cos, sin)
+        self.owner._attend(len(self.layers) - 1, qk, value, self.size, kv_cache, self.whole_meta)
+        return self.last(residual)
+
     def run(self, count: int, kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
         """The layers' output for the step's ``count`` rows (and the bucket's padding rows after them)."""
         owner = self.owner
+        if self.whole_meta is not None:
+            if self.pool is None:
+                return self.whole(kv_cache)
+            self.graphs[0].replay()
+            return self.out
         if self.pool is None:
             residual, cos, sin, qk, value = self.first()
             for layer in range(1, len(self.layers)):

@@ -114,6 +114,11 @@ class WorkerConfig(ServiceSettings):
              "--cuda-graphs 0): a step the decode graphs cannot replay (a prompt chunk beside decodes) with at "
              "most the largest count replays them, padded, its attention run eagerly between them. 0 disables "
              "them. CUDA, Llama-shaped layers.")
+    full_graphs: bool = setting(
+        False, env="LLMBUS_FULL_GRAPHS", hidden=True,
+        help="Capture each --piecewise-graphs bucket whole, its attention included (the triton backend), once "
+             "the KV pool exists: a step with prompt rows then launches one graph, not one per layer and an "
+             "attention kernel between each. An experiment until measured on a GPU.")
     onednn_cache_capacity: int = setting(
         64, env="LLMBUS_ONEDNN_CACHE_CAPACITY", ge=0,
         help="Entries in each of oneDNN's two caches of GEMMs built per input shape on CPU (about 300 KiB an "
@@ -337,7 +342,7 @@ class Worker:
         graphs = parse_cuda_graphs(self.cfg.cuda_graphs)
         return {"attention_backend": self.cfg.attention_backend, "cuda_graphs": graphs,
                 "piecewise_graphs": parse_piecewise_graphs(self.cfg.piecewise_graphs, graphs),
-                "lora_adapters": tuple(lora_entries(self.cfg.lora_adapters))}
+                "full_graphs": self.cfg.full_graphs, "lora_adapters": tuple(lora_entries(self.cfg.lora_adapters))}
 
     def loop(self) -> None:
         while True:

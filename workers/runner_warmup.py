@@ -165,7 +165,9 @@ class RunnerWarmup:
         return (torch.cuda.max_memory_allocated(self.device) - allocated_before) * (2 if adapter else 1)
 
     def _capture_graphs(self) -> None:
-        """Capture the decode graphs over the pool, once it exists (``--cuda-graphs``)."""
+        """Capture the decode graphs over the pool, once it exists (``--cuda-graphs``), and where asked
+        (``--full-graphs``) the piecewise buckets again, whole."""
+        self._capture_whole_piecewise()
         if not self._graphs_wanted():
             return
         max_blocks = -(-self.max_position_embeddings // self.block_size)
@@ -190,12 +192,7 @@ class RunnerWarmup:
             self.piecewise = PiecewiseGraphs(self.model, self.piecewise_sizes)
         except Exception as exc:  # noqa: BLE001  (any capture failure: the eager path computes the same)
             self._piecewise_failed("piecewise graphs not captured; steps with prompt rows run eagerly", exc)
-        if self.world_size > 1:
-            captured = torch.tensor([int(self.piecewise is not None)], device=self.device)
-            torch.distributed.all_reduce(captured, op=torch.distributed.ReduceOp.MIN)
-            if not captured.item() and self.piecewise is not None:
-                self._piecewise_failed("piecewise graphs not captured on another rank; steps with prompt rows "
-                                       "run eagerly")
+        self._agree_on_piecewise()
         if self.piecewise is None:
             return
         try:
@@ -205,6 +202,31 @@ class RunnerWarmup:
         except Exception as exc:  # noqa: BLE001  (as a capture's: the eager path computes the same)
             self._piecewise_failed("piecewise steps' attention did not compile; steps with prompt rows run "
                                    "eagerly", exc)
+
+    def _agree_on_piecewise(self) -> None:
+        """Where another rank of the group has no piecewise graphs, none here either: their graphs hold
+        collectives that every rank must join."""
+        if self.world_size > 1:
+            captured = torch.tensor([int(self.piecewise is not None)], device=self.device)
+            torch.distributed.all_reduce(captured, op=torch.distributed.ReduceOp.MIN)
+            if not captured.item() and self.piecewise is not None:
+                self._piecewise_failed("piecewise graphs not captured on another rank; steps with prompt rows "
+                                       "run eagerly")
+
+    def _capture_whole_piecewise(self) -> None:
+        """``--full-graphs``: each piecewise bucket captured again as one graph, its attention included
+        (``PiecewiseGraphs.attend_in_graphs``), over the pool. A failure leaves steps with prompt rows eager
+        (some buckets may be redone already), logged, on every rank of the group."""
+        if not self.full_graphs or self.piecewise is None:
+            return
+        max_blocks = -(-self.max_position_embeddings // self.block_size)
+        try:
+            with torch.inference_mode():
+                self.piecewise.attend_in_graphs(self.kv_cache, max_blocks)
+        except Exception as exc:  # noqa: BLE001  (as a capture's: the eager path computes the same)
+            self._piecewise_failed("piecewise graphs not captured whole (--full-graphs); steps with prompt rows "
+                                   "run eagerly", exc)
+        self._agree_on_piecewise()
 
     def _piecewise_failed(self, message: str, exc: Exception | None = None) -> None:
         self.piecewise = None

@@ -27,25 +27,28 @@ VOCAB = 256
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
 
-def _runner(model_dir: str, sizes: tuple[int, ...], decode_sizes: tuple[int, ...] = ()) -> tuple[ModelRunner, list]:
-    """A Triton-backend runner whose eager steps within ``sizes`` go through uncaptured piecewise graphs (and
-    its decode steps through uncaptured decode graphs of ``decode_sizes``); and each piecewise step's token
-    count."""
+def _runner(model_dir: str, sizes: tuple[int, ...], decode_sizes: tuple[int, ...] = (), *,
+            whole: bool = False) -> tuple[ModelRunner, list]:
+    """A Triton-backend runner whose eager steps within ``sizes`` go through uncaptured piecewise graphs (with
+    ``whole``, their attention too, as ``--full-graphs`` captures it), and its decode steps through uncaptured
+    decode graphs of ``decode_sizes``; and each piecewise step's token count."""
     runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton")
-    counts = uncaptured_piecewise(runner, sizes)
+    counts = uncaptured_piecewise(runner, sizes, whole=whole)
     if decode_sizes:
         runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, decode_sizes,
                                      -(-runner.max_position_embeddings // BLOCK_SIZE), capture=False)
     return runner, counts
 
 
-@pytest.mark.parametrize("decode_graphs", [False, True], ids=["alone", "beside decode graphs"])
-def test_a_continuous_batch_through_the_piecewise_parts_is_token_exact(llama_dir, decode_graphs):
+@pytest.mark.parametrize("decode_graphs,whole", [(False, False), (True, False), (True, True)],
+                         ids=["alone", "beside decode graphs", "whole, beside decode graphs"])
+def test_a_continuous_batch_through_the_piecewise_parts_is_token_exact(llama_dir, decode_graphs, whole):
     """Arrivals, chunked prompts beside decodes, a prefix hit and a preemption: the steps within the buckets
-    take the parts, padded (token counts between buckets), and every request's tokens equal transformers'."""
+    take the parts, padded (token counts between buckets), and every request's tokens equal transformers'.
+    Whole (``--full-graphs``): each bucket's attention over the fixed index too, its program map padded."""
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
-    runner, counts = _runner(llama_dir, (4, 8, 16, 32), (1, 2, 4, 8) if decode_graphs else ())
+    runner, counts = _runner(llama_dir, (4, 8, 16, 32), (1, 2, 4, 8) if decode_graphs else (), whole=whole)
     replayed = []
     if decode_graphs:
         replay = runner.graphs.forward
@@ -60,18 +63,21 @@ def test_a_continuous_batch_through_the_piecewise_parts_is_token_exact(llama_dir
         assert replayed
 
 
+def _chunk_beside_decodes(first_block: int) -> list[SeqInput]:
+    """A prompt chunk of 5 tokens beside two decodes, in blocks from ``first_block`` on: 5 blocks in all."""
+    def seq(rid, tokens, computed, blocks):
+        return SeqInput(rid=rid, token_ids=tokens, num_computed=computed,
+                        block_table=[first_block + b for b in blocks], sample=True, sampling=SamplingParams())
+    return [seq("p", [3, 4, 5, 6, 7], 0, [0, 1]), seq("d0", [9], 5, [2, 3]), seq("d1", [11], 2, [4])]
+
+
 def test_a_padded_piecewise_step_gives_each_row_its_eager_logits_and_writes_only_its_slots(llama_dir):
     """A prompt chunk of 5 beside 2 decodes, 7 tokens in the bucket of 8: the pool changes at the 7 tokens'
     slots only (the padding row's attention never runs), and the logits equal the eager step's. Their head
     (3 rows, padded to the head of 4) also gives each row's greedy choice, which the step takes instead of
     sampling; not where the logits rows are others than the sampled ones (prompt logprobs)."""
     runner, counts = _runner(llama_dir, (8,))
-    seqs = [SeqInput(rid="p", token_ids=[3, 4, 5, 6, 7], num_computed=0, block_table=[0, 1], sample=True,
-                     sampling=SamplingParams()),
-            SeqInput(rid="d0", token_ids=[9], num_computed=5, block_table=[2, 3], sample=True,
-                     sampling=SamplingParams()),
-            SeqInput(rid="d1", token_ids=[11], num_computed=2, block_table=[4], sample=True,
-                     sampling=SamplingParams())]
+    seqs = _chunk_beside_decodes(first_block=0)
     key = runner.kv_cache.key
     before = key.clone()
     with torch.inference_mode():
@@ -92,6 +98,33 @@ def test_a_padded_piecewise_step_gives_each_row_its_eager_logits_and_writes_only
     torch.testing.assert_close(logprobs, expected_logprobs)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["pool of the model's dtype", "float16 pool"])
+def test_a_whole_bucket_gives_each_row_its_eager_logits_and_writes_only_its_slots(llama_dir, kv_dtype):
+    """``--full-graphs``' bucket (uncaptured): the same step as above, after a larger one left its programs,
+    slots and tables in the index, attends over the index; its logits equal the eager step's, and the pool
+    changes at the step's slots only (none in block 0, where zeroed slots would land), and in the spare block
+    where a pool of another dtype has the whole bucket's keys written first (its padding rows' slots)."""
+    runner = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton",
+                         kv_cache_dtype=kv_dtype)
+    counts = uncaptured_piecewise(runner, (8, 16), whole=True)
+    larger = [SeqInput(rid="big", token_ids=list(range(3, 15)), num_computed=0, block_table=[6, 7, 8, 9],
+                       sample=True, sampling=SamplingParams())]
+    seqs = _chunk_beside_decodes(first_block=1)
+    key = runner.kv_cache.key
+    with torch.inference_mode():
+        runner._forward(larger, runner.kv_cache)
+        before = key.clone()
+        logits = runner._forward(seqs, runner.kv_cache).clone()
+        assert counts == [12, 7]
+        changed = (key != before).any(dim=-1).any(dim=1).any(dim=0)  # [blocks + 1, block_size]
+        written = {(int(b), int(o)) for b, o in changed.nonzero()}
+        spare = {(NUM_BLOCKS, 0)} if kv_dtype is not None else set()
+        assert written - spare == {(1, o) for o in range(BLOCK_SIZE)} | {(2, 0)} | {(4, 1), (5, 2)}
+        runner.piecewise = None
+        eager = runner._forward(seqs, runner.kv_cache)
+    torch.testing.assert_close(logits, eager)
+
+
 def test_only_llama_layers_split_and_steps_within_the_buckets_without_adapters_take_them(llama_dir, tmp_path):
     from llmbus.testing.families import save_tiny_family
 
@@ -101,6 +134,11 @@ def test_only_llama_layers_split_and_steps_within_the_buckets_without_adapters_t
     assert pieces.applies(1, None) and pieces.applies(8, None)
     assert not pieces.applies(9, None)  # above the largest bucket: eager
     assert not pieces.applies(4, object())  # a step with LoRA adapter rows: eager
+    max_blocks = -(-runner.max_position_embeddings // BLOCK_SIZE)
+    pieces.attend_in_graphs(runner.kv_cache, max_blocks)  # whole: over that pool, tables the index holds
+    assert pieces.applies(8, None, runner.kv_cache, [[0], list(range(max_blocks))])
+    assert not pieces.applies(8, None, runner.kv_cache, [[0], list(range(max_blocks + 1))])
+    assert not pieces.applies(8, None, runner._new_cache(8), [[0]])  # another pool (warmup's scratch)
     save_tiny_family(str(tmp_path / "moe"), "MixtralConfig", num_local_experts=4, num_experts_per_tok=2)
     moe = ModelRunner(str(tmp_path / "moe"), block_size=BLOCK_SIZE, num_blocks=8, attention_backend="triton")
     assert not PiecewiseGraphs.supported(moe.model)  # its routing reads token counts on the host
@@ -229,7 +267,40 @@ def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | Non
     runner._compile_short_queries = compile_steps
     runner._compile_decode_rows = lambda cache, rows: runner.compiled.append((cache, rows))
     runner._piecewise_failed = types.MethodType(runner_warmup.RunnerWarmup._piecewise_failed, runner)
+    runner._agree_on_piecewise = types.MethodType(runner_warmup.RunnerWarmup._agree_on_piecewise, runner)
     return runner
+
+
+@pytest.mark.parametrize("outcome", ["off", "whole", "failed"])
+def test_full_graphs_capture_the_buckets_again_over_the_pool_or_leave_the_steps_eager(monkeypatch, outcome):
+    """``--full-graphs``: once the pool exists, the piecewise graphs are asked to attend in their graphs over
+    it, for tables as long as the model's context; a failure leaves steps with prompt rows eager, said."""
+    import structlog
+
+    from llmbus.workers import runner_warmup
+
+    asked = []
+
+    class Pieces:
+        def attend_in_graphs(self, kv_cache, max_blocks):
+            asked.append((kv_cache, max_blocks))
+            if outcome == "failed":
+                raise RuntimeError("CUDA error: out of memory")
+
+    runner = _warming_runner(monkeypatch, 1)
+    runner.piecewise, runner.full_graphs, runner.kv_cache = Pieces(), outcome != "off", "pool"
+    runner.max_position_embeddings, runner.block_size = 100, 16
+    with structlog.testing.capture_logs() as logs:
+        runner_warmup.RunnerWarmup._capture_whole_piecewise(runner)
+    assert asked == ([] if outcome == "off" else [("pool", 7)])
+    assert (runner.piecewise is None) == (outcome == "failed")
+    warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+    if outcome == "failed":
+        (warning,) = warnings
+        assert "--full-graphs" in warning["event"] and "eagerly" in warning["event"]
+        assert "out of memory" in warning["error"]
+    else:
+        assert warnings == []
 
 
 def test_a_capture_that_fails_leaves_prompt_steps_eager_and_says_why(monkeypatch):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmbus.workers.attention.base import step_index
+from llmbus.workers.attention.base import MixedGraphIndex, step_index
 
 BLOCK_SIZE = 4
 SPARE = 1000
@@ -74,3 +74,34 @@ def test_a_table_of_similar_contexts_goes_over_padded_and_a_skewed_one_is_padded
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     assert storage(similar.tables) == storage(similar.positions)  # in the one copy
     assert storage(skewed.tables) != storage(skewed.positions)  # 3 x 20 places for 22 blocks: made there
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(steps(), min_size=2, max_size=3))
+def test_a_mixed_graph_index_holds_each_step_where_the_graphs_read_it(series):
+    """``MixedGraphIndex.stage``, steps one after another into the same buffers: each step's fields and tables
+    as ``step_index`` gives them, every program past the step's own on the padding sequence (no tokens, no
+    context: it attends nothing) and every padding row's slot in the spare block, whatever an earlier, larger step
+    left; the buffers never move."""
+    max_tokens, max_blocks, tile = 256, 16, 4
+    index = MixedGraphIndex(max_tokens, max_blocks, BLOCK_SIZE, tile, torch.device("cpu"), SPARE)
+    addresses = [t.data_ptr() for t in (index.buffer, index.tables, index.programs, index.positions)]
+    pool = SimpleNamespace(block_size=BLOCK_SIZE, num_blocks=SPARE)
+    for lens, computed, tables in series:
+        index.stage(lens, computed, tables)
+        expected = step_index(lens, computed, tables, pool, torch.device("cpu"), query_tile=tile)
+        n, t, p = len(lens), sum(lens), expected.programs.shape[1]
+        assert index.query_lens[:n].tolist() == lens and index.num_computed[:n].tolist() == computed
+        assert index.query_starts[:n].tolist() == expected.query_starts.tolist()
+        assert index.positions[:t].tolist() == expected.positions.tolist()
+        assert index.slot_mapping[:t].tolist() == expected.slot_mapping.tolist()
+        assert set(index.slot_mapping[t:].tolist()) <= {SPARE * BLOCK_SIZE}  # padding rows: the spare block
+        assert [row[:len(table)] for row, table in zip(index.tables.tolist(), tables)] == tables
+        assert index.programs[:, :p].tolist() == expected.programs.tolist()
+        assert p <= index.programs_for(t)
+        assert set(index.programs[0, p:].tolist()) == {index.padding_seq}
+        padding = index.padding_seq
+        assert (index.query_lens[padding], index.num_computed[padding], index.query_starts[padding]) == (0, 0, 0)
+        assert [t.data_ptr() for t in (index.buffer, index.tables, index.programs, index.positions)] == addresses
+    assert all(f.data_ptr() % 16 == 0 for f in (index.query_lens, index.num_computed, index.query_starts,
+                                                 index.positions, index.slot_mapping, *index.programs))

@@ -105,6 +105,66 @@ def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values, 0) - values
 
 
+@dataclass(slots=True)
+class _HostIndex:
+    """A step's index fields as numpy int64 arrays, from the host lists (``host_index``)."""
+
+    lens: np.ndarray  # [N]
+    computed: np.ndarray  # [N]
+    starts: np.ndarray  # [N]
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T]
+    flat_blocks: np.ndarray  # every sequence's blocks, one table after the other
+    table_index: np.ndarray  # each of flat_blocks' place in an [N, width] table
+    width: int
+    program_seq: np.ndarray | None  # with a query tile: each tile's sequence
+    program_rows: np.ndarray | None  # ... and its first row of the flat token batch
+
+
+def host_index(query_lens: list[int], num_computed: list[int], block_tables: list[list[int]], block_size: int,
+               query_tile: int | None = None, width: int | None = None) -> _HostIndex:
+    """What ``step_index`` (and ``MixedGraphIndex.stage``) send, computed with numpy over the lists: each
+    block's place in a table ``width`` wide (default: the longest table's)."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    computed = np.asarray(num_computed, dtype=np.int64)
+    widths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(widths.sum()))
+    width = int(widths.max()) if width is None else width
+    first_block = np.cumsum(widths) - widths
+    table_index = np.arange(flat_blocks.size) - np.repeat(first_block - np.arange(len(widths)) * width, widths)
+    starts = np.cumsum(lens) - lens
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)
+    positions = np.arange(int(lens.sum())) - starts[seq_of_token] + computed[seq_of_token]
+    slots = flat_blocks[first_block[seq_of_token] + positions // block_size] * block_size + positions % block_size
+    program_seq = program_rows = None
+    if query_tile is not None:
+        tiles = -(-lens // query_tile)
+        program_seq = np.repeat(np.arange(len(lens)), tiles)
+        first_tile = np.cumsum(tiles) - tiles
+        program_rows = starts[program_seq] + (np.arange(program_seq.size) - first_tile[program_seq]) * query_tile
+    return _HostIndex(lens, computed, starts, positions, slots, flat_blocks, table_index, width, program_seq,
+                      program_rows)
+
+
+def _pack(fields: list[np.ndarray], program_width: int, capacities: list[int] | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """One int64 array for one copy: first the program map's words (two int32 rows of ``program_width``, a
+    multiple of 4), then each field from a 16-byte boundary, at its size or (``capacities``) at a fixed size
+    that the fields of any step fit; and each field's offset."""
+    per_line = 16 // 8  # int64s a 16-byte boundary
+    sizes = capacities if capacities is not None else [f.size for f in fields]
+    offsets = program_width + np.cumsum([0] + [-(-n // per_line) * per_line for n in sizes])
+    packed = np.zeros(int(offsets[-1]), dtype=np.int64)
+    for field, offset in zip(fields, offsets):
+        packed[offset:offset + field.size] = field
+    return packed, offsets
+
+
+def _program_map(packed: np.ndarray, program_width: int) -> np.ndarray:
+    """The [2, program_width] int32 view of ``packed``'s first words (``_pack``)."""
+    return packed[:program_width].view(np.int32).reshape(2, program_width)
+
+
 def step_index(query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
                kv_cache: PagedKVCache, device: torch.device, query_tile: int | None = None) -> StepIndex:
     """Block tables, positions and slots of one step, computed on the host (numpy over the lists) and sent in
@@ -118,56 +178,94 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
     and are placed into the padded table on the device, two more launches. With ``query_tile``, each
     sequence's queries in tiles of that many tokens: for each tile, its sequence and first row (a kernel's
     program map: the Triton backend's), in the same copy."""
-    block_size = kv_cache.block_size
-    lens = np.asarray(query_lens, dtype=np.int64)
-    computed = np.asarray(num_computed, dtype=np.int64)
-    widths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
-    flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(widths.sum()))
-    width = int(widths.max())
-    first_block = np.cumsum(widths) - widths
-    table_index = np.arange(flat_blocks.size) - np.repeat(first_block - np.arange(len(widths)) * width, widths)
-    starts = np.cumsum(lens) - lens
-    seq_of_token = np.repeat(np.arange(len(lens)), lens)
-    positions = np.arange(int(lens.sum())) - starts[seq_of_token] + computed[seq_of_token]
-    slots = flat_blocks[first_block[seq_of_token] + positions // block_size] * block_size + positions % block_size
-    padded_on_host = len(widths) * width <= 2 * flat_blocks.size
+    host = host_index(query_lens, num_computed, block_tables, kv_cache.block_size, query_tile)
+    count, width = len(query_lens), host.width
+    padded_on_host = count * width <= 2 * host.flat_blocks.size
+    fields = [host.lens, host.computed, host.starts, host.positions, host.slots]
     if padded_on_host:
-        table = np.full(len(widths) * width, kv_cache.num_blocks, dtype=np.int64)  # the pool's spare block
-        table[table_index] = flat_blocks
-        fields = (lens, computed, starts, positions, slots, table)
+        table = np.full(count * width, kv_cache.num_blocks, dtype=np.int64)  # the pool's spare block
+        table[host.table_index] = host.flat_blocks
+        fields.append(table)
     else:
-        fields = (lens, computed, starts, positions, slots, flat_blocks, table_index)
-    program_words = 0
-    if query_tile is not None:
-        tiles = -(-lens // query_tile)
-        program_seq = np.repeat(np.arange(len(lens)), tiles)
-        first_tile = np.cumsum(tiles) - tiles
-        program_rows = starts[program_seq] + (np.arange(program_seq.size) - first_tile[program_seq]) * query_tile
-        # first in the copy: two int32 rows (sequences, first rows) of a multiple of 4 values, so that each
-        # starts on a 16-byte boundary; their 2 x program_width int32s fill program_width int64s
-        program_width = -(-program_seq.size // 4) * 4
-        program_words = program_width
-    per_line = 16 // 8  # int64s a 16-byte boundary
-    offsets = program_words + np.cumsum([0] + [-(-f.size // per_line) * per_line for f in fields])
-    packed = np.zeros(int(offsets[-1]), dtype=np.int64)
-    for field, offset in zip(fields, offsets):
-        packed[offset:offset + field.size] = field
-    if program_words:
-        program_map = packed[:program_words].view(np.int32).reshape(2, program_width)
-        program_map[0, :program_seq.size] = program_seq
-        program_map[1, :program_seq.size] = program_rows
+        fields += [host.flat_blocks, host.table_index]
+    # two int32 rows (sequences, first rows) of a multiple of 4 values, so that each starts on a 16-byte
+    # boundary; their 2 x program_width int32s fill program_width int64s
+    program_width = 0 if host.program_seq is None else -(-host.program_seq.size // 4) * 4
+    packed, offsets = _pack(fields, program_width)
+    if program_width:
+        program_map = _program_map(packed, program_width)
+        program_map[0, :host.program_seq.size] = host.program_seq
+        program_map[1, :host.program_seq.size] = host.program_rows
     sent = to_device(torch.from_numpy(packed), torch.long, device)
     lens_t, computed_t, starts_t, positions_t, slots_t, *blocks = (
         sent[offset:offset + field.size] for field, offset in zip(fields, offsets))
     if padded_on_host:
         tables = blocks[0]
     else:  # the pool's spare block past each sequence's own
-        tables = torch.full((len(widths) * width,), kv_cache.num_blocks, dtype=torch.long, device=device)
+        tables = torch.full((count * width,), kv_cache.num_blocks, dtype=torch.long, device=device)
         tables = tables.scatter_(0, blocks[1], blocks[0])
-    programs = (sent[:program_words].view(torch.int32).view(2, program_width)[:, :program_seq.size]
-                if program_words else None)
-    return StepIndex(lens_t, computed_t, starts_t, tables.view(len(widths), width), positions_t, slots_t,
-                     programs)
+    programs = (sent[:program_width].view(torch.int32).view(2, program_width)[:, :host.program_seq.size]
+                if program_width else None)
+    return StepIndex(lens_t, computed_t, starts_t, tables.view(count, width), positions_t, slots_t, programs)
+
+
+class MixedGraphIndex:
+    """A step's index at fixed device addresses, for graphs that hold the attention too
+    (``PiecewiseGraphs.attend_in_graphs``): sequences' lengths, cached tokens and first rows, each token's
+    position and slot, the program map of query tiles of ``query_tile`` tokens, and the block tables, for
+    steps of up to ``max_tokens`` tokens (so up to as many sequences). A graph captured over them replays any
+    such step once ``stage`` has rewritten them.
+
+    What stays fixed for a graph: the tables are ``[max_tokens + 1, max_blocks]`` (each sequence's row keeps
+    what earlier steps left past its own blocks, never read: a query reads only keys up to its position), and
+    a bucket of ``size`` tokens launches ``programs_for(size)`` programs, enough for any step of that many
+    tokens; those past the step's own point at the last sequence row, ``padding_seq``, of no tokens and no
+    context, which attend nothing and write nothing."""
+
+    def __init__(self, max_tokens: int, max_blocks: int, block_size: int, query_tile: int, device: torch.device,
+                 spare_block: int):
+        """``spare_block``: the pool's padding block, whose first slot the padding rows' keys go to where they
+        are written (a pool of another dtype has the whole bucket written before the attention)."""
+        self.max_tokens, self.block_size, self.query_tile = max_tokens, block_size, query_tile
+        self.spare_slot = spare_block * block_size
+        self.padding_seq = max_tokens
+        self.program_width = -(-self.programs_for(max_tokens) // 4) * 4
+        seq_rows = max_tokens + 1
+        self.capacities = [seq_rows, seq_rows, seq_rows, max_tokens, max_tokens]
+        _, offsets = _pack([], self.program_width, self.capacities)
+        self.fixed_words, self.slots_at = int(offsets[-1]), int(offsets[4])
+        self.buffer = torch.zeros(self.fixed_words, dtype=torch.long, device=device)
+        self.tables = torch.zeros((seq_rows, max_blocks), dtype=torch.long, device=device)
+        lens, computed, starts, positions, slots = (
+            self.buffer[int(offset):int(offset) + n] for offset, n in zip(offsets, self.capacities))
+        slots.fill_(self.spare_slot)
+        self.query_lens, self.num_computed, self.query_starts, self.positions, self.slot_mapping = (
+            lens, computed, starts, positions, slots)
+        self.programs = self.buffer[:self.program_width].view(torch.int32).view(2, self.program_width)
+        self.programs[0].fill_(self.padding_seq)
+
+    def programs_for(self, size: int) -> int:
+        """The programs a bucket of ``size`` tokens launches: its sequences' query tiles are at most one per
+        ``query_tile`` tokens plus one per sequence."""
+        return -(-size // self.query_tile) + size
+
+    def stage(self, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]]) -> None:
+        """Rewrite the index for a step (of at most ``max_tokens`` tokens): one copy from the host, its fixed
+        part copied into place and its blocks scattered into their sequences' rows of ``tables``."""
+        host = host_index(query_lens, num_computed, block_tables, self.block_size, self.query_tile,
+                          width=self.tables.shape[1])
+        fields = [host.lens, host.computed, host.starts, host.positions, host.slots]
+        packed, _ = _pack(fields, self.program_width, self.capacities)
+        packed[self.slots_at + host.slots.size:self.slots_at + self.max_tokens] = self.spare_slot
+        program_map = _program_map(packed, self.program_width)
+        program_map[0].fill(self.padding_seq)
+        program_map[0, :host.program_seq.size] = host.program_seq
+        program_map[1, :host.program_seq.size] = host.program_rows
+        sent = to_device(torch.from_numpy(np.concatenate((packed, host.flat_blocks, host.table_index))),
+                         torch.long, self.buffer.device)
+        blocks = host.flat_blocks.size
+        self.buffer.copy_(sent[:self.fixed_words])
+        self.tables.view(-1).index_copy_(0, sent[self.fixed_words + blocks:], sent[self.fixed_words:][:blocks])
 
 
 def group_token_index(index: StepIndex, members: list[int], query_lens: list[int],
@@ -226,6 +324,18 @@ class AttentionBackend(ABC):
         it replays any such step once ``inputs`` are rewritten. None (the default): this backend's steps
         take host-side shapes from their contexts and are not captured."""
         return None
+
+    def mixed_graph_index(self, max_tokens: int, max_blocks: int, kv_cache: PagedKVCache) -> MixedGraphIndex | None:
+        """The fixed-address index of steps of up to ``max_tokens`` tokens of any kind (``MixedGraphIndex``),
+        over ``kv_cache``, for which a graph may hold this backend's attention (``mixed_graph_metadata``); None
+        (the default):
+        its launches take host-side shapes from the step, and steps with prompt rows launch it eagerly."""
+        return None
+
+    def mixed_graph_metadata(self, index: MixedGraphIndex, size: int) -> AttentionMetadata:
+        """Metadata of any step of up to ``size`` tokens staged into ``index`` (``MixedGraphIndex.stage``), its
+        tokens padded to ``size``, reading only ``index``'s buffers and constants of ``size``."""
+        raise NotImplementedError(f"the {self.name} backend gives no mixed graph index")
 
     @abstractmethod
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

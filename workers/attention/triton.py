@@ -29,7 +29,8 @@ from types import ModuleType
 
 import torch
 
-from llmbus.workers.attention.base import AttentionBackend, AttentionMetadata, DecodeGraphInputs, step_index
+from llmbus.workers.attention.base import (AttentionBackend, AttentionMetadata, DecodeGraphInputs, MixedGraphIndex,
+                                           step_index)
 from llmbus.workers.gpu_ops import interpreting
 from llmbus.workers.kv_cache import PagedKVCache
 
@@ -109,6 +110,22 @@ class TritonAttentionBackend(AttentionBackend):
                           query_lens=torch.ones(batch, dtype=torch.long, device=device),
                           num_computed=inputs.positions[:batch])
         return AttentionMetadata(positions=inputs.positions[:batch], slot_mapping=inputs.slot_mapping[:batch],
+                                 groups=[step])
+
+    def mixed_graph_index(self, max_tokens: int, max_blocks: int, kv_cache: PagedKVCache) -> MixedGraphIndex:
+        """Query tiles of the prompt steps' size (16 tokens) whatever the step: a decode row takes a tile of
+        its own, as it does in an eager step beside a prompt chunk."""
+        return MixedGraphIndex(max_tokens, max_blocks, kv_cache.block_size, self.kernels.query_tile(max_tokens),
+                               kv_cache.key.device, kv_cache.num_blocks)
+
+    def mixed_graph_metadata(self, index: MixedGraphIndex, size: int) -> AttentionMetadata:
+        """``build_metadata``'s step over ``index``'s buffers: all of its program map that a bucket of ``size``
+        tokens may need (those past the step's own attend nothing), every sequence row, the fixed-width
+        tables."""
+        step = TritonStep(tables=index.tables, programs=index.programs[:, :index.programs_for(size)],
+                          block_q=index.query_tile, query_starts=index.query_starts, query_lens=index.query_lens,
+                          num_computed=index.num_computed)
+        return AttentionMetadata(positions=index.positions[:size], slot_mapping=index.slot_mapping[:size],
                                  groups=[step])
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
