@@ -82,6 +82,8 @@ def _paged_attention_kernel(
     first_row = tl.load(program_row_ptr + program)  # the tile's first row of the flat token batch
     seq_start = tl.load(query_starts_ptr + seq)
     seq_end = seq_start + tl.load(query_lens_ptr + seq)
+    if seq_end == seq_start:  # a whole graph's program past the step's own (MixedGraphIndex): attends nothing
+        return
     computed = tl.load(num_computed_ptr + seq)
 
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
