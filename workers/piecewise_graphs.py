@@ -125,17 +125,18 @@ class PiecewiseGraphs:
         now): one graph a bucket, its parts and attention calls captured together, in place of its parts'
         graphs (whose memory it takes over), over the index ``stage`` rewrites. Not for a rotary that chooses
         factors per sequence (its parts read a start mask the index does not give). Raises where the
-        backend gives no such index, or a capture fails (the parts' graphs of the buckets not yet redone stay,
-        but the caller should not use a half-redone set)."""
+        backend gives no such index, or its buffers cannot be had (the parts as they were, ``index`` None), or a
+        capture fails (buckets redone and not: the caller should not use such a set)."""
         backend = self.model.attention_backend
         if self.starts is not None:
             raise ValueError("a rotary with per-sequence factors takes its start mask from the step")
         index = backend.mixed_graph_index(self.sizes[-1], max_blocks, kv_cache)
         if index is None:
             raise ValueError(f"the {backend.name} attention backend cannot be held in a graph of prompt steps")
-        self.index, self.kv_cache = index, kv_cache
+        metadata = {size: backend.mixed_graph_metadata(index, size) for size in self.sizes}
+        # (nothing changed until here: a failure before leaves the parts as they were, ``index`` None)
+        self.index, self.kv_cache, self.index_metadata = index, kv_cache, metadata
         self.positions = index.positions  # the parts read the positions where the index has them
-        self.index_metadata = {size: backend.mixed_graph_metadata(index, size) for size in self.sizes}
         for size in reversed(self.sizes):
             self.plans[size].capture_whole(kv_cache, self.index_metadata[size])
 

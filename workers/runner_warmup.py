@@ -8,6 +8,7 @@ import structlog
 import torch
 
 from llmbus.bus.messages import SamplingParams
+from llmbus.workers.attention.base import MixedGraphIndex
 from llmbus.workers.cuda_graphs import DecodeGraphs
 from llmbus.workers.kv_cache import PagedKVCache, bytes_per_block
 from llmbus.workers.memory_budget import WarmupOutOfMemory, cuda_kv_blocks
@@ -130,7 +131,7 @@ class RunnerWarmup:
             return warmup_tokens
         scratch_bytes = cache.nbytes
         peak_allocated = torch.cuda.max_memory_allocated(self.device)  # before the graphs' measurement resets it
-        graph_bytes = self._measure_graph_bytes(cache)
+        graph_bytes = self._measure_graph_bytes(cache) + self._whole_index_bytes()
         self._capture_piecewise(cache)  # before the pool is sized from what is free: what its graphs hold is taken
         del cache, logits
         num_blocks = self._blocks_for_free_gpu_memory(allocated_before, scratch_bytes, sampling_bytes, graph_bytes,
@@ -143,6 +144,14 @@ class RunnerWarmup:
 
     def _graphs_wanted(self) -> bool:
         return bool(self.graph_sizes) and self.device.type == "cuda" and DecodeGraphs.supported(self.model)
+
+    def _whole_index_bytes(self) -> int:
+        """What ``--full-graphs``' step index takes once the pool exists (its tables: a row of the model's context
+        per token of the largest bucket), left free by the pool's sizing."""
+        if not (self.full_graphs and self._piecewise_wanted()):
+            return 0
+        return MixedGraphIndex.nbytes_at_most(max(self.piecewise_sizes),
+                                              -(-self.max_position_embeddings // self.block_size))
 
     def _measure_graph_bytes(self, cache: PagedKVCache) -> int:
         """What the captured graphs will hold, measured before the pool is sized: the allocation peak of an
@@ -224,8 +233,20 @@ class RunnerWarmup:
             with torch.inference_mode():
                 self.piecewise.attend_in_graphs(self.kv_cache, max_blocks)
         except Exception as exc:  # noqa: BLE001  (as a capture's: the eager path computes the same)
-            self._piecewise_failed("piecewise graphs not captured whole (--full-graphs); steps with prompt rows "
-                                   "run eagerly", exc)
+            if self.piecewise.index is None:  # failed before any bucket was redone: the parts serve as before
+                structlog.get_logger("llmbus.workers").warning(
+                    "piecewise graphs not captured whole (--full-graphs); their parts serve steps with prompt rows",
+                    error=f"{type(exc).__name__}: {exc}"[:500])
+            else:
+                self._piecewise_failed("piecewise graphs not captured whole (--full-graphs); steps with prompt "
+                                       "rows run eagerly", exc)
+        if self.world_size > 1:  # the ranks' graphs hold collectives: whole on every rank or on none
+            whole = torch.tensor([int(self.piecewise is not None and self.piecewise.index is not None)],
+                                 device=self.device)
+            torch.distributed.all_reduce(whole, op=torch.distributed.ReduceOp.MIN)
+            if not whole.item() and self.piecewise is not None and self.piecewise.index is not None:
+                self._piecewise_failed("piecewise graphs not captured whole on another rank; steps with prompt "
+                                       "rows run eagerly")
         self._agree_on_piecewise()
 
     def _piecewise_failed(self, message: str, exc: Exception | None = None) -> None:

@@ -271,10 +271,11 @@ def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | Non
     return runner
 
 
-@pytest.mark.parametrize("outcome", ["off", "whole", "failed"])
+@pytest.mark.parametrize("outcome", ["off", "whole", "failed before", "failed midway"])
 def test_full_graphs_capture_the_buckets_again_over_the_pool_or_leave_the_steps_eager(monkeypatch, outcome):
     """``--full-graphs``: once the pool exists, the piecewise graphs are asked to attend in their graphs over
-    it, for tables as long as the model's context; a failure leaves steps with prompt rows eager, said."""
+    it, for tables as long as the model's context. A failure before any bucket was redone (the index's
+    buffers) leaves the parts serving; one after, steps with prompt rows eager; either said."""
     import structlog
 
     from llmbus.workers import runner_warmup
@@ -282,23 +283,30 @@ def test_full_graphs_capture_the_buckets_again_over_the_pool_or_leave_the_steps_
     asked = []
 
     class Pieces:
+        index = None
+
         def attend_in_graphs(self, kv_cache, max_blocks):
             asked.append((kv_cache, max_blocks))
-            if outcome == "failed":
-                raise RuntimeError("CUDA error: out of memory")
+            if outcome == "failed before":
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            self.index = "index"
+            if outcome == "failed midway":
+                raise RuntimeError("operation not permitted when stream is capturing")
 
     runner = _warming_runner(monkeypatch, 1)
-    runner.piecewise, runner.full_graphs, runner.kv_cache = Pieces(), outcome != "off", "pool"
+    pieces = Pieces()
+    runner.piecewise, runner.full_graphs, runner.kv_cache = pieces, outcome != "off", "pool"
     runner.max_position_embeddings, runner.block_size = 100, 16
     with structlog.testing.capture_logs() as logs:
         runner_warmup.RunnerWarmup._capture_whole_piecewise(runner)
     assert asked == ([] if outcome == "off" else [("pool", 7)])
-    assert (runner.piecewise is None) == (outcome == "failed")
+    assert runner.piecewise is (None if outcome == "failed midway" else pieces)
     warnings = [entry for entry in logs if entry["log_level"] == "warning"]
-    if outcome == "failed":
+    if outcome.startswith("failed"):
         (warning,) = warnings
-        assert "--full-graphs" in warning["event"] and "eagerly" in warning["event"]
-        assert "out of memory" in warning["error"]
+        assert "--full-graphs" in warning["event"]
+        assert ("eagerly" if outcome == "failed midway" else "their parts serve") in warning["event"]
+        assert ("stream is capturing" if outcome == "failed midway" else "out of memory") in warning["error"]
     else:
         assert warnings == []
 

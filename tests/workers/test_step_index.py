@@ -86,6 +86,8 @@ def test_a_mixed_graph_index_holds_each_step_where_the_graphs_read_it(series):
     max_tokens, max_blocks, tile = 256, 16, 4
     index = MixedGraphIndex(max_tokens, max_blocks, BLOCK_SIZE, tile, torch.device("cpu"), SPARE)
     addresses = [t.data_ptr() for t in (index.buffer, index.tables, index.programs, index.positions)]
+    # what the pool's sizing leaves for it (--full-graphs), at least what it takes
+    assert index.buffer.nbytes + index.tables.nbytes <= MixedGraphIndex.nbytes_at_most(max_tokens, max_blocks)
     pool = SimpleNamespace(block_size=BLOCK_SIZE, num_blocks=SPARE)
     for lens, computed, tables in series:
         index.stage(lens, computed, tables)

@@ -244,6 +244,12 @@ class MixedGraphIndex:
         self.programs = self.buffer[:self.program_width].view(torch.int32).view(2, self.program_width)
         self.programs[0].fill_(self.padding_seq)
 
+    @staticmethod
+    def nbytes_at_most(max_tokens: int, max_blocks: int) -> int:
+        """What the buffers of an index of ``max_tokens`` and ``max_blocks`` take on the device, or a little more
+        (a pool sized before it exists leaves this much)."""
+        return 8 * ((max_tokens + 1) * max_blocks + 8 * (max_tokens + 1) + 16)
+
     def programs_for(self, size: int) -> int:
         """The programs a bucket of ``size`` tokens launches: its sequences' query tiles are at most one per
         ``query_tile`` tokens plus one per sequence."""
