@@ -212,20 +212,26 @@ class RunnerWarmup:
             self._piecewise_failed("piecewise steps' attention did not compile; steps with prompt rows run "
                                    "eagerly", exc)
 
+    def _on_every_rank(self, holds: bool) -> bool:
+        """Whether ``holds`` on every rank of the group (a MIN all-reduce, which every rank must join)."""
+        if self.world_size == 1:
+            return holds
+        flag = torch.tensor([int(holds)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
+
     def _agree_on_piecewise(self) -> None:
         """Where another rank of the group has no piecewise graphs, none here either: their graphs hold
         collectives that every rank must join."""
-        if self.world_size > 1:
-            captured = torch.tensor([int(self.piecewise is not None)], device=self.device)
-            torch.distributed.all_reduce(captured, op=torch.distributed.ReduceOp.MIN)
-            if not captured.item() and self.piecewise is not None:
-                self._piecewise_failed("piecewise graphs not captured on another rank; steps with prompt rows "
-                                       "run eagerly")
+        if not self._on_every_rank(self.piecewise is not None) and self.piecewise is not None:
+            self._piecewise_failed("piecewise graphs not captured on another rank; steps with prompt rows run "
+                                   "eagerly")
 
     def _capture_whole_piecewise(self) -> None:
         """``--full-graphs``: each piecewise bucket captured again as one graph, its attention included
-        (``PiecewiseGraphs.attend_in_graphs``), over the pool. A failure leaves steps with prompt rows eager
-        (some buckets may be redone already), logged, on every rank of the group."""
+        (``PiecewiseGraphs.attend_in_graphs``), over the pool. A failure before any bucket was redone (the
+        index's buffers) leaves the parts serving; one after, steps with prompt rows eager; logged. Every rank
+        of the group ends alike."""
         if not self.full_graphs or self.piecewise is None:
             return
         max_blocks = -(-self.max_position_embeddings // self.block_size)
@@ -240,13 +246,10 @@ class RunnerWarmup:
             else:
                 self._piecewise_failed("piecewise graphs not captured whole (--full-graphs); steps with prompt "
                                        "rows run eagerly", exc)
-        if self.world_size > 1:  # the ranks' graphs hold collectives: whole on every rank or on none
-            whole = torch.tensor([int(self.piecewise is not None and self.piecewise.index is not None)],
-                                 device=self.device)
-            torch.distributed.all_reduce(whole, op=torch.distributed.ReduceOp.MIN)
-            if not whole.item() and self.piecewise is not None and self.piecewise.index is not None:
-                self._piecewise_failed("piecewise graphs not captured whole on another rank; steps with prompt "
-                                       "rows run eagerly")
+        whole = self.piecewise is not None and self.piecewise.index is not None
+        if not self._on_every_rank(whole) and whole:
+            self._piecewise_failed("piecewise graphs not captured whole on another rank; steps with prompt rows "
+                                   "run eagerly")
         self._agree_on_piecewise()
 
     def _piecewise_failed(self, message: str, exc: Exception | None = None) -> None:

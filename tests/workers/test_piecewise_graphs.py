@@ -268,6 +268,7 @@ def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | Non
     runner._compile_decode_rows = lambda cache, rows: runner.compiled.append((cache, rows))
     runner._piecewise_failed = types.MethodType(runner_warmup.RunnerWarmup._piecewise_failed, runner)
     runner._agree_on_piecewise = types.MethodType(runner_warmup.RunnerWarmup._agree_on_piecewise, runner)
+    runner._on_every_rank = types.MethodType(runner_warmup.RunnerWarmup._on_every_rank, runner)
     return runner
 
 
@@ -378,3 +379,31 @@ def test_ranks_of_a_group_run_prompt_steps_alike(monkeypatch, elsewhere):
     assert isinstance(runner.piecewise, Captured) is elsewhere
     assert any("another rank" in entry["event"] for entry in logs) is not elsewhere
     assert bool(runner.compiled) is elsewhere  # the compile steps' collectives: every rank runs them, or none
+
+
+@pytest.mark.parametrize("elsewhere", [True, False], ids=["whole everywhere", "not whole on another rank"])
+def test_ranks_of_a_group_hold_their_attention_in_graphs_alike(monkeypatch, elsewhere):
+    """``--full-graphs`` with two ranks: a rank keeps its whole buckets only where every rank made them; else
+    every rank runs steps with prompt rows eagerly (the other rank's flags stood in for)."""
+    import structlog
+
+    from llmbus.workers import runner_warmup
+
+    class Whole:
+        index = None
+
+        def attend_in_graphs(self, kv_cache, max_blocks):
+            self.index = "index"
+
+    def all_reduce(flag, op):
+        assert op == torch.distributed.ReduceOp.MIN
+        flag.copy_(torch.minimum(flag, torch.tensor([int(elsewhere)])))
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    runner = _warming_runner(monkeypatch, 2)
+    runner.piecewise, runner.full_graphs, runner.kv_cache = Whole(), True, "pool"
+    runner.max_position_embeddings, runner.block_size = 64, 16
+    with structlog.testing.capture_logs() as logs:
+        runner_warmup.RunnerWarmup._capture_whole_piecewise(runner)
+    assert isinstance(runner.piecewise, Whole) is elsewhere
+    assert any("whole on another rank" in entry["event"] for entry in logs) is not elsewhere
