@@ -247,7 +247,7 @@ def uncaptured_piecewise(runner: ModelRunner, sizes: tuple[int, ...], *, whole: 
 
 def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_file: str,
                batches: dict[str, list[Request]], lora_adapters: tuple[tuple[str, str], ...] = (),
-               attention_backend: str = "auto", piecewise: tuple[int, ...] = ()) -> None:
+               attention_backend: str = "auto", piecewise: tuple[int, ...] = (), whole: bool = False) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                          world_size=world_size)
@@ -256,7 +256,7 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
                                 num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, lora_adapters=lora_adapters,
                                 attention_backend=attention_backend)
         tp_runner.warmup()
-        piecewise_counts = uncaptured_piecewise(tp_runner, piecewise) if piecewise else []
+        piecewise_counts = uncaptured_piecewise(tp_runner, piecewise, whole=whole) if piecewise else []
 
         def share_tokens(sampled):
             box = [sampled]
@@ -277,16 +277,17 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
 
 def drive_tensor_parallel(model_dir: str, batches: dict[str, list[Request]], work_dir: str,
                           world_size: int = 2, lora_adapters: tuple[tuple[str, str], ...] = (),
-                          attention_backend: str = "auto", piecewise: tuple[int, ...] = ()
+                          attention_backend: str = "auto", piecewise: tuple[int, ...] = (), whole: bool = False
                           ) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
     """``drive`` each batch in turn on ``world_size`` gloo ranks (one spawn for all of them), each rank loading
     ``lora_adapters`` and computing attention on ``attention_backend`` (ModelRunner's), its eager steps within
-    ``piecewise`` token counts through uncaptured piecewise graphs (a rank where no step did, padded, fails);
-    per batch name, rank 0's ``{rid: (tokens, logprobs)}``."""
+    ``piecewise`` token counts through uncaptured piecewise graphs (``whole``: their attention over the fixed
+    index too; a rank where no step did, padded, fails); per batch name, rank 0's ``{rid: (tokens, logprobs)}``."""
     out_file = os.path.join(work_dir, "tp_out.json")
     init_file = os.path.join(work_dir, "tp_init")
     torch.multiprocessing.spawn(_tp_worker, args=(world_size, model_dir, init_file, out_file, batches,
-                                                  lora_adapters, attention_backend, piecewise), nprocs=world_size)
+                                                  lora_adapters, attention_backend, piecewise, whole),
+                                 nprocs=world_size)
     with open(out_file) as f:
         return {name: {rid: (tokens, logprobs) for rid, (tokens, logprobs) in results.items()}
                 for name, results in json.load(f).items()}

@@ -231,16 +231,18 @@ def test_padding_rows_do_not_lengthen_the_last_sequence_under_longrope(tmp_path)
     torch.testing.assert_close(logits, eager)
 
 
-def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path):
+@pytest.mark.parametrize("whole", [False, True], ids=["parts", "whole"])
+def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path, whole):
     """Tensor parallelism: the embedding's, each attention output's and each MLP's all-reduce run inside the
-    parts, over the padded rows too, on two gloo ranks; every request's tokens equal transformers' (each rank
+    parts, over the padded rows too, on two gloo ranks (whole: each rank's attention over its own heads through
+    the fixed index, as ``--full-graphs`` holds it); every request's tokens equal transformers' (each rank
     fails the run where no step took the parts padded)."""
     from llmbus.testing.runner_driver import drive_tensor_parallel
 
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
     results = drive_tensor_parallel(llama_dir, {"family": family_requests(prompts)}, str(tmp_path),
-                                    attention_backend="triton", piecewise=(4, 8, 16, 32))["family"]
+                                    attention_backend="triton", piecewise=(4, 8, 16, 32), whole=whole)["family"]
     for i in range(len(prompts)):
         assert results[f"r{i}"][0] == expected.tokens[i], f"r{i}"
     assert results["hit"][0] == expected.tokens[4]
