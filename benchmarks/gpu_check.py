@@ -274,8 +274,13 @@ class Check(ServedPart, CpuOverlapPart, LoraPart):
                 preempted = results["r3"].preemptions
                 thin = " (under MIN_MARGIN: a mismatch may be a tie)" if margin < MIN_MARGIN else ""
                 graphs_said = f", {replays[0]} steps replayed CUDA graphs" if graph_sizes else ""
-                graphs_said += f", {replays[1]} piecewise" if piecewise else ""
-                self.row("1 float32 greedy", name + suffix, not mismatched and preempted == 1
+                whole = piecewise and runner.piecewise.index is not None
+                graphs_said += f", {replays[1]} piecewise{' (whole buckets)' if whole else ''}" if piecewise else ""
+                # --full-graphs asked: every family whose parts take no start mask (LongRoPE's) holds them whole
+                whole_missing = (getattr(self.args, "full_graphs", False) and piecewise and not whole
+                                 and runner.piecewise.starts is None)
+                graphs_said += " (--full-graphs asked: not captured whole, see the log)" if whole_missing else ""
+                self.row("1 float32 greedy", name + suffix, not mismatched and preempted == 1 and not whole_missing
                          and (replays[0] > 0 or not graph_sizes) and (replays[1] > 0 or not piecewise),
                          f"{len(requests) - len(mismatched)}/{len(requests)} sequences token-exact (min margin "
                          f"{margin:.3g}{thin}, {preempted} preemption, prefix hit of 2 blocks{graphs_said})",
