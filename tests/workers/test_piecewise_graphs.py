@@ -40,12 +40,14 @@ def _runner(model_dir: str, sizes: tuple[int, ...], decode_sizes: tuple[int, ...
     return runner, counts
 
 
-@pytest.mark.parametrize("decode_graphs,whole", [(False, False), (True, False), (True, True)],
-                         ids=["alone", "beside decode graphs", "whole, beside decode graphs"])
+@pytest.mark.parametrize("decode_graphs,whole", [(True, False), (False, True)],
+                         ids=["beside decode graphs", "whole, alone"])
 def test_a_continuous_batch_through_the_piecewise_parts_is_token_exact(llama_dir, decode_graphs, whole):
     """Arrivals, chunked prompts beside decodes, a prefix hit and a preemption: the steps within the buckets
     take the parts, padded (token counts between buckets), and every request's tokens equal transformers'.
-    Whole (``--full-graphs``): each bucket's attention over the fixed index too, its program map padded."""
+    Whole (``--full-graphs``): each bucket's attention over the fixed index too, its program map padded; alone,
+    the decode-only steps take the buckets too (the parts alone, decode-only steps included, run over two
+    ranks in ``test_piecewise_parts_over_two_ranks_are_token_exact``)."""
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
     runner, counts = _runner(llama_dir, (4, 8, 16, 32), (1, 2, 4, 8) if decode_graphs else (), whole=whole)
@@ -231,21 +233,22 @@ def test_padding_rows_do_not_lengthen_the_last_sequence_under_longrope(tmp_path)
     torch.testing.assert_close(logits, eager)
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["parts", "whole"])
-def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path, whole):
+def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path):
     """Tensor parallelism: the embedding's, each attention output's and each MLP's all-reduce run inside the
-    parts, over the padded rows too, on two gloo ranks (whole: each rank's attention over its own heads through
-    the fixed index, as ``--full-graphs`` holds it); every request's tokens equal transformers' (each rank
-    fails the run where no step took the parts padded)."""
+    parts, over the padded rows too, on two gloo ranks, then in whole buckets (each rank's attention over its
+    own heads through its fixed index, as ``--full-graphs`` holds it); every request's tokens equal
+    transformers' both ways (each rank fails the run where no step took the parts padded)."""
     from llmbus.testing.runner_driver import drive_tensor_parallel
 
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
-    results = drive_tensor_parallel(llama_dir, {"family": family_requests(prompts)}, str(tmp_path),
-                                    attention_backend="triton", piecewise=(4, 8, 16, 32), whole=whole)["family"]
-    for i in range(len(prompts)):
-        assert results[f"r{i}"][0] == expected.tokens[i], f"r{i}"
-    assert results["hit"][0] == expected.tokens[4]
+    both = drive_tensor_parallel(llama_dir, {"family": family_requests(prompts)}, str(tmp_path),
+                                 attention_backend="triton", piecewise=(4, 8, 16, 32), whole=True)
+    assert set(both) == {"family", "family whole"}
+    for name, results in both.items():
+        for i in range(len(prompts)):
+            assert results[f"r{i}"][0] == expected.tokens[i], f"{name}: r{i}"
+        assert results["hit"][0] == expected.tokens[4], name
 
 
 def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | None = None):
