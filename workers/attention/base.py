@@ -160,9 +160,21 @@ def _pack(fields: list[np.ndarray], program_width: int, capacities: list[int] | 
     return packed, offsets
 
 
-def _program_map(packed: np.ndarray, program_width: int) -> np.ndarray:
-    """The [2, program_width] int32 view of ``packed``'s first words (``_pack``)."""
-    return packed[:program_width].view(np.int32).reshape(2, program_width)
+def _program_width(programs: int) -> int:
+    """The program map's row length for ``programs``: two int32 rows (sequences, first rows) of a multiple of 4
+    values, so that each starts on a 16-byte boundary; their 2 x width int32s fill width int64s."""
+    return -(-programs // 4) * 4
+
+
+def _write_program_map(packed: np.ndarray, program_width: int, host: _HostIndex,
+                       padding_seq: int | None = None) -> None:
+    """``host``'s query tiles into the [2, program_width] int32 view of ``packed``'s first words (``_pack``); the
+    programs past them on ``padding_seq`` where given."""
+    program_map = packed[:program_width].view(np.int32).reshape(2, program_width)
+    if padding_seq is not None:
+        program_map[0].fill(padding_seq)
+    program_map[0, :host.program_seq.size] = host.program_seq
+    program_map[1, :host.program_seq.size] = host.program_rows
 
 
 def step_index(query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
@@ -188,14 +200,10 @@ def step_index(query_lens: list[int], num_computed: list[int], block_tables: lis
         fields.append(table)
     else:
         fields += [host.flat_blocks, host.table_index]
-    # two int32 rows (sequences, first rows) of a multiple of 4 values, so that each starts on a 16-byte
-    # boundary; their 2 x program_width int32s fill program_width int64s
-    program_width = 0 if host.program_seq is None else -(-host.program_seq.size // 4) * 4
+    program_width = 0 if host.program_seq is None else _program_width(host.program_seq.size)
     packed, offsets = _pack(fields, program_width)
     if program_width:
-        program_map = _program_map(packed, program_width)
-        program_map[0, :host.program_seq.size] = host.program_seq
-        program_map[1, :host.program_seq.size] = host.program_rows
+        _write_program_map(packed, program_width, host)
     sent = to_device(torch.from_numpy(packed), torch.long, device)
     lens_t, computed_t, starts_t, positions_t, slots_t, *blocks = (
         sent[offset:offset + field.size] for field, offset in zip(fields, offsets))
@@ -229,18 +237,16 @@ class MixedGraphIndex:
         self.max_tokens, self.block_size, self.query_tile = max_tokens, block_size, query_tile
         self.spare_slot = spare_block * block_size
         self.padding_seq = max_tokens
-        self.program_width = -(-self.programs_for(max_tokens) // 4) * 4
+        self.program_width = _program_width(self.programs_for(max_tokens))
         seq_rows = max_tokens + 1
         self.capacities = [seq_rows, seq_rows, seq_rows, max_tokens, max_tokens]
         _, offsets = _pack([], self.program_width, self.capacities)
         self.fixed_words, self.slots_at = int(offsets[-1]), int(offsets[4])
         self.buffer = torch.zeros(self.fixed_words, dtype=torch.long, device=device)
         self.tables = torch.zeros((seq_rows, max_blocks), dtype=torch.long, device=device)
-        lens, computed, starts, positions, slots = (
-            self.buffer[int(offset):int(offset) + n] for offset, n in zip(offsets, self.capacities))
-        slots.fill_(self.spare_slot)
         self.query_lens, self.num_computed, self.query_starts, self.positions, self.slot_mapping = (
-            lens, computed, starts, positions, slots)
+            self.buffer[int(offset):int(offset) + n] for offset, n in zip(offsets, self.capacities))
+        self.slot_mapping.fill_(self.spare_slot)
         self.programs = self.buffer[:self.program_width].view(torch.int32).view(2, self.program_width)
         self.programs[0].fill_(self.padding_seq)
 
@@ -263,10 +269,7 @@ class MixedGraphIndex:
         fields = [host.lens, host.computed, host.starts, host.positions, host.slots]
         packed, _ = _pack(fields, self.program_width, self.capacities)
         packed[self.slots_at + host.slots.size:self.slots_at + self.max_tokens] = self.spare_slot
-        program_map = _program_map(packed, self.program_width)
-        program_map[0].fill(self.padding_seq)
-        program_map[0, :host.program_seq.size] = host.program_seq
-        program_map[1, :host.program_seq.size] = host.program_rows
+        _write_program_map(packed, self.program_width, host, padding_seq=self.padding_seq)
         sent = to_device(torch.from_numpy(np.concatenate((packed, host.flat_blocks, host.table_index))),
                          torch.long, self.buffer.device)
         blocks = host.flat_blocks.size
