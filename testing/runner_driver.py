@@ -236,7 +236,7 @@ def uncaptured_piecewise(runner: ModelRunner, sizes: tuple[int, ...], *, whole: 
 
     runner.piecewise = PiecewiseGraphs(runner.model, sizes, capture=False)
     if whole:
-        runner.piecewise.attend_in_graphs(runner.kv_cache, -(-runner.max_position_embeddings // runner.block_size))
+        runner.piecewise.attend_in_graphs(runner.kv_cache, runner.context_blocks)
     counts: list[int] = []
     forward = runner.piecewise.forward
     runner.piecewise.forward = lambda ids, *a: counts.append(len(ids)) or forward(ids, *a)
@@ -272,8 +272,7 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
 
         results = run({name: name for name in batches})
         if whole:  # then the same batches through whole buckets (one spawn and load for both)
-            tp_runner.piecewise.attend_in_graphs(tp_runner.kv_cache,
-                                                 -(-tp_runner.max_position_embeddings // tp_runner.block_size))
+            tp_runner.piecewise.attend_in_graphs(tp_runner.kv_cache, tp_runner.context_blocks)
             results |= run({f"{name} whole": name for name in batches})
         if piecewise and not set(piecewise_counts) - set(piecewise):  # raised in the caller by spawn
             raise AssertionError(f"rank {rank}: no step ran piecewise padded to a bucket: {piecewise_counts}")

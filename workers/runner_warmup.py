@@ -142,6 +142,11 @@ class RunnerWarmup:
         self._capture_graphs()
         return warmup_tokens
 
+    @property
+    def context_blocks(self) -> int:
+        """The blocks of the model's context: the longest block table the graphs' buffers hold."""
+        return -(-self.max_position_embeddings // self.block_size)
+
     def _graphs_wanted(self) -> bool:
         return bool(self.graph_sizes) and self.device.type == "cuda" and DecodeGraphs.supported(self.model)
 
@@ -150,8 +155,7 @@ class RunnerWarmup:
         per token of the largest bucket), left free by the pool's sizing."""
         if not (self.full_graphs and self._piecewise_wanted()):
             return 0
-        return MixedGraphIndex.nbytes_at_most(max(self.piecewise_sizes),
-                                              -(-self.max_position_embeddings // self.block_size))
+        return MixedGraphIndex.nbytes_at_most(max(self.piecewise_sizes), self.context_blocks)
 
     def _measure_graph_bytes(self, cache: PagedKVCache) -> int:
         """What the captured graphs will hold, measured before the pool is sized: the allocation peak of an
@@ -179,9 +183,8 @@ class RunnerWarmup:
         self._capture_whole_piecewise()
         if not self._graphs_wanted():
             return
-        max_blocks = -(-self.max_position_embeddings // self.block_size)
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.graph_sizes, max_blocks,
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.graph_sizes, self.context_blocks,
                                        adapter_index=self._adapter_index)
 
     def _piecewise_wanted(self) -> bool:
@@ -234,10 +237,9 @@ class RunnerWarmup:
         of the group ends alike."""
         if not self.full_graphs or self.piecewise is None:
             return
-        max_blocks = -(-self.max_position_embeddings // self.block_size)
         try:
             with torch.inference_mode():
-                self.piecewise.attend_in_graphs(self.kv_cache, max_blocks)
+                self.piecewise.attend_in_graphs(self.kv_cache, self.context_blocks)
         except Exception as exc:  # noqa: BLE001  (as a capture's: the eager path computes the same)
             if self.piecewise.index is None:  # failed before any bucket was redone: the parts serve as before
                 structlog.get_logger("llmbus.workers").warning(

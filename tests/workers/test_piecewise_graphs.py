@@ -136,7 +136,7 @@ def test_only_llama_layers_split_and_steps_within_the_buckets_without_adapters_t
     assert pieces.applies(1, None) and pieces.applies(8, None)
     assert not pieces.applies(9, None)  # above the largest bucket: eager
     assert not pieces.applies(4, object())  # a step with LoRA adapter rows: eager
-    max_blocks = -(-runner.max_position_embeddings // BLOCK_SIZE)
+    max_blocks = runner.context_blocks
     pieces.attend_in_graphs(runner.kv_cache, max_blocks)  # whole: over that pool, tables the index holds
     assert pieces.applies(8, None, runner.kv_cache, [[0], list(range(max_blocks))])
     assert not pieces.applies(8, None, runner.kv_cache, [[0], list(range(max_blocks + 1))])
@@ -302,7 +302,7 @@ def test_full_graphs_capture_the_buckets_again_over_the_pool_or_leave_the_steps_
     runner = _warming_runner(monkeypatch, 1)
     pieces = Pieces()
     runner.piecewise, runner.full_graphs, runner.kv_cache = pieces, outcome != "off", "pool"
-    runner.max_position_embeddings, runner.block_size = 100, 16
+    runner.context_blocks = 7  # (100 positions in blocks of 16)
     with structlog.testing.capture_logs() as logs:
         runner_warmup.RunnerWarmup._capture_whole_piecewise(runner)
     assert asked == ([] if outcome == "off" else [("pool", 7)])
@@ -407,7 +407,7 @@ def test_ranks_of_a_group_hold_their_attention_in_graphs_alike(monkeypatch, else
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     runner = _warming_runner(monkeypatch, 2)
     runner.piecewise, runner.full_graphs, runner.kv_cache = Whole(), True, "pool"
-    runner.max_position_embeddings, runner.block_size = 64, 16
+    runner.context_blocks = 4
     with structlog.testing.capture_logs() as logs:
         runner_warmup.RunnerWarmup._capture_whole_piecewise(runner)
     assert isinstance(runner.piecewise, Whole) is elsewhere
