@@ -102,3 +102,56 @@ def lora_entries(text: str | None) -> list[tuple[str, str]]:
             raise ValueError(f"LoRA adapter name `{name}` is given twice in --lora-adapters")
         entries.append((name, source))
     return entries
+
+
+# TGI's --rope-scaling kinds (its ROPE_SCALING variable); --rope-factor (ROPE_FACTOR) goes with them.
+ROPE_SCALINGS = ("linear", "dynamic")
+
+
+def rope_override(scaling: str | None, factor: float | None) -> tuple[str, float] | None:
+    """``--rope-scaling`` and ``--rope-factor`` as one (kind, factor), paired as TGI's launcher pairs them: a
+    kind alone scales by 1.0, a factor alone is linear; None where neither is given."""
+    if scaling is None and factor is None:
+        return None
+    return (scaling or "linear", 1.0 if factor is None else float(factor))
+
+
+def with_rope_override(config: dict, override: tuple[str, float] | None) -> dict:
+    """``config.json`` as the model runs under ``--rope-scaling``/``--rope-factor``: its RoPE scaling replaced
+    by the override (the base frequency and partial rotation kept), as TGI's shards replace it. Configs of
+    transformers 5 (``rope_parameters``, per layer kind for Gemma 3: its full-attention layers take it) and of
+    transformers 4 (``rope_theta`` + ``rope_scaling``) alike, a multimodal one's in its ``text_config``.
+
+    Linear scaling also stretches ``max_position_embeddings`` by its factor: it does not read it (so the
+    rotation is unchanged), and the model then embeds the positions the factor was asked for. Dynamic NTK
+    reads it as the trained length it grows the base past, so it stays, and the model's own reading
+    (``workers/models/rotary.py``) stretches its reach; either way ``rope_positions`` is what is served."""
+    if override is None:
+        return config
+    kind, factor = override
+    out = dict(config)
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = with_rope_override(out["text_config"], override)
+        return out
+    scaling = {"rope_type": kind, "factor": factor}
+    params = out.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # per layer kind
+        kept = {k: v for k, v in params["full_attention"].items() if k in ("rope_theta", "partial_rotary_factor")}
+        out["rope_parameters"] = {**params, "full_attention": {**kept, **scaling}}
+    elif isinstance(params, dict):
+        kept = {k: v for k, v in params.items() if k in ("rope_theta", "partial_rotary_factor")}
+        out["rope_parameters"] = {**kept, **scaling}
+    else:
+        out["rope_scaling"] = scaling
+    if kind == "linear" and isinstance(out.get("max_position_embeddings"), int):
+        out["max_position_embeddings"] = int(out["max_position_embeddings"] * factor)
+    return out
+
+
+def rope_positions(config: dict, override: tuple[str, float] | None) -> int | None:
+    """The positions a model embeds: ``config.json``'s (``config_max_positions``), times the factor of a
+    ``--rope-scaling``/``--rope-factor`` override."""
+    positions = config_max_positions(config)
+    if positions is None or override is None:
+        return positions
+    return int(positions * override[1])

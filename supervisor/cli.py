@@ -40,11 +40,13 @@ def main() -> None:
 def up(**kw) -> None:
     """Serve a model: scheduler, worker ranks and HTTP frontend, supervised together."""
     from llmbus.bus.rundir import RunDir, RunDirError
-    from llmbus.supervisor.launcher import Launcher
+    from llmbus.supervisor.launcher import Launcher, json_line, write_line
 
     if kw["print_env"]:
         click.echo(runtime_env(), err=True)
     settings = _resolve(kw)
+    for note in tgi_flag_notes(kw):
+        write_line(json_line("launcher", note, "warning") if kw["json_output"] else f"llmbus: {note}")
     try:
         run_dir = RunDir(kw["run_dir"])
     except RunDirError as e:
@@ -68,6 +70,8 @@ def procfile(out_dir: str, **kw) -> None:
     from llmbus.supervisor.plan import render_procfile
 
     settings = _resolve(kw)
+    for note in tgi_flag_notes(kw):
+        click.echo(f"llmbus: {note}", err=True)
     run_dir = kw["run_dir"] or f"/tmp/llmbus-{kw['port']}"
     launch = _launch_plan(kw, settings, run_dir)
     procfile_text, env_text = render_procfile(build_plan(launch, python="python"), run_dir,
@@ -87,7 +91,7 @@ DEFAULT_DRAFT_GUESSES = 4  # --draft-model-id without --speculate
 
 def _resolve(kw: dict) -> ResolvedLaunch:
     """Validate the flags and resolve the model and the token limits (what both up and procfile need)."""
-    from llmbus.frontend.tokenizer import config_max_positions
+    from llmbus.bus.model_files import rope_override, rope_positions
     from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_lora_adapters, resolve_model
 
     num_shard, max_input_tokens = _check_static(kw)
@@ -97,7 +101,8 @@ def _resolve(kw: dict) -> ResolvedLaunch:
     except ModelNotFound as e:
         raise click.ClickException(str(e)) from None
     # GPT-2 and friends call it n_positions: a default above it would crash the model at long requests.
-    max_positions = config_max_positions(read_config(model_dir)) or 2048
+    rope = rope_override(kw["rope_scaling"], kw["rope_factor"])
+    max_positions = rope_positions(read_config(model_dir), rope) or 2048
     max_total = kw["max_total_tokens"] or max_positions
     if kw["max_batch_total_tokens"] is not None and kw["max_total_tokens"] is None:
         max_total = min(max_total, kw["max_batch_total_tokens"])
@@ -106,7 +111,7 @@ def _resolve(kw: dict) -> ResolvedLaunch:
     default_prefill = (DEFAULT_MAX_BATCH_PREFILL_TOKENS if kw["prefill_chunking"]
                        else max(DEFAULT_MAX_BATCH_PREFILL_TOKENS, max_input))
     max_prefill = explicit_prefill if explicit_prefill is not None else default_prefill
-    _check_limits(max_input, max_total, max_prefill, max_positions, kw["prefill_chunking"])
+    _check_limits(max_input, max_total, max_prefill, max_positions, kw["prefill_chunking"], rope)
     if kw["max_batch_total_tokens"] is not None and max_total > kw["max_batch_total_tokens"]:
         raise InvalidArgument(f"`max_total_tokens` must be <= `max_batch_total_tokens`. "
                               f"Given: {max_total} and {kw['max_batch_total_tokens']}")
@@ -128,6 +133,25 @@ def _resolve(kw: dict) -> ResolvedLaunch:
                           max_input_tokens=max_input, max_batch_prefill_tokens=max_prefill,
                           prefill_explicit=explicit_prefill is not None,
                           draft_dir=None if draft_dir is None else str(draft_dir), lora_adapters=lora_adapters)
+
+
+# TGI's flags that llmbus accepts and ignores (supervisor/settings.py): why each has nothing to do here.
+_IGNORED_TGI_FLAGS = {
+    "disable_custom_kernels": "llmbus has none of TGI's custom kernels (--attention-backend torch_sdpa is its "
+                              "portable path)",
+    "master_addr": "llmbus's ranks meet through a file in --run-dir",
+    "master_port": "llmbus's ranks meet through a file in --run-dir",
+    "shard_uds_path": "llmbus's sockets are in --run-dir",
+    "prometheus_port": "/metrics is served on --port",
+    "usage_stats": "llmbus sends no usage statistics",
+}
+
+
+def tgi_flag_notes(kw: dict) -> list[str]:
+    """A line for each TGI flag given that llmbus ignores, saying why."""
+    defaults = {d.name: d.default for d in up_settings()}
+    return [f"--{name.replace('_', '-')} has no effect: {why}" for name, why in _IGNORED_TGI_FLAGS.items()
+            if kw[name] != defaults[name]]
 
 
 def _launch_plan(kw: dict, r: ResolvedLaunch, run_dir: str) -> LaunchPlan:
@@ -209,6 +233,11 @@ def _check_static(kw: dict) -> tuple[int, int | None]:
     broken = problems(up_settings(), kw)
     if broken:
         raise InvalidArgument(broken[0])
+    if kw["ngrok"]:
+        raise InvalidArgument("`ngrok` tunneling is not supported: put your own tunnel or proxy in front of `port`")
+    if kw["weights_cache_override"] is not None:
+        raise InvalidArgument("`weights_cache_override` is not supported: give `model_id` the local folder that "
+                              "holds the model (config.json, its tokenizer and weights)")
     if kw["otlp_endpoint"]:
         from llmbus.bus import tracing
 
@@ -217,7 +246,8 @@ def _check_static(kw: dict) -> tuple[int, int | None]:
     return num_shard, max_input_tokens
 
 
-def _check_limits(max_input: int, max_total: int, max_prefill: int, max_positions: int, chunking: bool) -> None:
+def _check_limits(max_input: int, max_total: int, max_prefill: int, max_positions: int, chunking: bool,
+                  rope: tuple[str, float] | None) -> None:
     """TGI's launcher rules on the resolved token limits."""
     broken = (declared_setting(FrontendConfig, "max_input_tokens").problem(max_input)
               or input_total_problem(max_input, max_total))
@@ -227,8 +257,9 @@ def _check_limits(max_input: int, max_total: int, max_prefill: int, max_position
         raise InvalidArgument(f"`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
                               f"Given: {max_prefill} and {max_input}")
     if max_total > max_positions:
+        scaled = f" under `rope_factor` {rope[1]}" if rope is not None else ""
         raise InvalidArgument(f"`max_total_tokens`({max_total}) must be <= the model's "
-                              f"`max_position_embeddings`({max_positions})")
+                              f"`max_position_embeddings`({max_positions}){scaled}")
 
 
 @main.command("demo-model")

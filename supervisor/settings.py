@@ -55,6 +55,33 @@ class LaunchSettings:
                                  help="HTTP frontend processes sharing --port (the kernel spreads connections over "
                                       "them; /metrics on any of them counts the requests of all).")
 
+    # TGI's launcher flags that have nothing to do in llmbus, accepted so a TGI launch command runs unchanged:
+    # the launch says which it ignored, and why (cli.py, tgi_flag_notes).
+    disable_custom_kernels: bool = setting(
+        False, env="DISABLE_CUSTOM_KERNELS",
+        help="TGI: turn off its custom CUDA kernels (BLOOM's and GPT-NeoX's). No effect: llmbus has none of those; "
+             "--attention-backend torch_sdpa is its portable path.")
+    master_addr: str | None = setting(None, help="TGI: torch.distributed's address. No effect: llmbus's ranks "
+                                                 "meet through a file in --run-dir.")
+    master_port: int | None = setting(None, ge=1, le=65535, help="TGI: torch.distributed's port. No effect, as "
+                                                                 "--master-addr.")
+    shard_uds_path: str | None = setting(None, env="SHARD_UDS_PATH",
+                                         help="TGI: its shards' gRPC socket. No effect: llmbus's sockets are in "
+                                              "--run-dir.")
+    prometheus_port: int | None = setting(None, env="PROMETHEUS_PORT", ge=1, le=65535,
+                                          help="TGI 3: a metrics port. No effect: /metrics is served on --port, "
+                                               "where TGI serves it too.")
+    usage_stats: str = setting("on", env="USAGE_STATS", choices=("on", "off", "no-stack"),
+                               help="TGI: its anonymous telemetry. No effect: llmbus sends no usage statistics.")
+    ngrok: bool = setting(False, env="NGROK", help="TGI: an ngrok tunnel. Not supported (it fails in TGI too): "
+                                                   "put your own tunnel or proxy in front of --port.")
+    ngrok_authtoken: str | None = setting(None, env="NGROK_AUTHTOKEN", secret=True, help="TGI: see --ngrok.")
+    ngrok_edge: str | None = setting(None, env="NGROK_EDGE", help="TGI: see --ngrok.")
+    weights_cache_override: str | None = setting(
+        None, env="WEIGHTS_CACHE_OVERRIDE",
+        help="TGI: a folder to read the weight files from. Not supported: give --model-id the local folder that "
+             "holds the model (config.json, tokenizer, weights).")
+
 
 def up_settings() -> list[Declared]:
     """Every `llmbus up` setting: the launch's own, then each service's user-facing settings (a setting

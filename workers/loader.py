@@ -18,6 +18,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from llmbus.bus.model_files import with_rope_override
 from llmbus.workers.quant import compute_plan
 
 SINGLE_FILE = "model.safetensors"
@@ -104,11 +105,13 @@ def native_builders() -> dict[str, type]:
 
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", quantize: str | None = None, trust_remote_code: bool = False,
-               attention_backend: str = "auto"):
+               attention_backend: str = "auto", rope_scaling: tuple[str, float] | None = None):
     """Build the native model for ``model_dir``'s ``model_type`` with this rank's weight shards; any other
     ``model_type`` gets the transformers fallback (``models/hf_fallback.py``, single rank only).
-    ``attention_backend``: a name of ``workers.attention.BACKEND_CLASSES``, or auto (the device's default)."""
-    config = read_config(model_dir)
+    ``attention_backend``: a name of ``workers.attention.BACKEND_CLASSES``, or auto (the device's default).
+    ``rope_scaling``: TGI's --rope-scaling/--rope-factor, (kind, factor), in place of the config's own
+    (``bus.model_files.with_rope_override``)."""
+    config = with_rope_override(read_config(model_dir), rope_scaling)
     model_type = config.get("model_type")
     builders = native_builders()
     log = structlog.get_logger("llmbus.workers")
@@ -126,7 +129,7 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
         return HFFallbackForCausalLM.from_pretrained(model_dir, model_type=model_type, rank=rank,
                                                      world_size=world_size, dtype=dtype, device=device, log=log,
                                                      trust_remote_code=trust_remote_code,
-                                                     attention_backend=attention_backend)
+                                                     attention_backend=attention_backend, rope_scaling=rope_scaling)
     log.info("model path", model_type=model_type, path="native")
     plan = compute_plan(torch.device(device), dtype, quantize)
     with _open_checkpoint(model_dir) as reader:

@@ -66,14 +66,16 @@ class ModelRunner(RunnerWarmup):
                  trust_remote_code: bool = False, watermark_gamma: float | None = None,
                  watermark_delta: float | None = None, attention_backend: str = "auto",
                  cuda_graphs: tuple[int, ...] = (), lora_adapters: tuple[tuple[str, str], ...] = (),
-                 piecewise_graphs: tuple[int, ...] = (), full_graphs: bool = False):
+                 piecewise_graphs: tuple[int, ...] = (), full_graphs: bool = False,
+                 rope_scaling: tuple[str, float] | None = None):
         """``cuda_graphs``: decode batch sizes to capture as CUDA graphs at warmup (``cuda_graphs.py``; on
         CUDA, with an attention backend that can be captured; sizes above ``max_batch_prefill_tokens`` are
         left out). ``lora_adapters``: (name, local PEFT LoRA folder) each, loaded on every rank, this rank's
         slice of each (``lora.py``; ``lora.LoraError`` for one that cannot be served). ``piecewise_graphs``:
         token counts for which the layers between attention calls are captured (``piecewise_graphs.py``; on
         CUDA, where the decode steps are captured too); ``full_graphs``: their buckets captured whole, the
-        attention too, once the pool exists (``PiecewiseGraphs.attend_in_graphs``)."""
+        attention too, once the pool exists (``PiecewiseGraphs.attend_in_graphs``). ``rope_scaling``: TGI's
+        --rope-scaling/--rope-factor as (kind, factor), in place of the model's own (``load_model``)."""
         self.rank = rank
         self.world_size = world_size
         self.draft: DraftProposer | None = None  # attach_draft
@@ -95,7 +97,7 @@ class ModelRunner(RunnerWarmup):
         self.cuda_memory_fraction = cuda_memory_fraction
         self.model = load_model(model_dir, rank=rank, world_size=world_size, dtype=dtype, device=self.device,
                                 quantize=quantize, trust_remote_code=trust_remote_code,
-                                attention_backend=attention_backend)
+                                attention_backend=attention_backend, rope_scaling=rope_scaling)
         self._adapter_index = attach_adapters(self.model, lora_adapters)  # name -> index
         # whether the adapters' deltas are Triton kernels, which read each row's slot and no grouping of rows
         self._lora_kernels = bool(self._adapter_index) and self.model.active_adapters.kernels

@@ -32,7 +32,7 @@ import zmq
 
 from llmbus.bus import messages as m
 from llmbus.bus.gc_pauses import freeze_startup_heap
-from llmbus.bus.model_files import lora_entries
+from llmbus.bus.model_files import ROPE_SCALINGS, lora_entries, rope_override
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
 from llmbus.bus.settings import ServiceSettings, setting
@@ -124,6 +124,13 @@ class WorkerConfig(ServiceSettings):
         help="Entries in each of oneDNN's two caches of GEMMs built per input shape on CPU (about 300 KiB an "
              "entry; oneDNN's own default, 1024, let a worker grow by ~600 MiB as prompts and batches took new "
              "row counts). ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY, where set, win for their cache.")
+    rope_scaling: str | None = setting(
+        None, env="ROPE_SCALING", choices=ROPE_SCALINGS,
+        help="RoPE scaling in place of the model's own, to serve longer prompts than it was trained on: linear "
+             "(positions divided by --rope-factor) or dynamic (NTK: the base grows past the trained length). "
+             "TGI's pairing: a kind alone scales by 1.0, --rope-factor alone is linear. The model then embeds "
+             "its max_position_embeddings times the factor (the longest --max-total-tokens).")
+    rope_factor: float | None = setting(None, env="ROPE_FACTOR", gt=0, help="The factor of --rope-scaling.")
     runner: str = setting("model", env="LLMBUS_RUNNER", choices=("model", "fake"), hidden=True,
                           help="fake: workers return tokens without computing (to measure the stack alone).")
     lora_adapters: str | None = setting(None, user=False,
@@ -342,7 +349,8 @@ class Worker:
         graphs = parse_cuda_graphs(self.cfg.cuda_graphs)
         return {"attention_backend": self.cfg.attention_backend, "cuda_graphs": graphs,
                 "piecewise_graphs": parse_piecewise_graphs(self.cfg.piecewise_graphs, graphs),
-                "full_graphs": self.cfg.full_graphs, "lora_adapters": tuple(lora_entries(self.cfg.lora_adapters))}
+                "full_graphs": self.cfg.full_graphs, "lora_adapters": tuple(lora_entries(self.cfg.lora_adapters)),
+                "rope_scaling": rope_override(self.cfg.rope_scaling, self.cfg.rope_factor)}
 
     def loop(self) -> None:
         while True:

@@ -98,7 +98,10 @@ BASE_ID = "org/base-model"
 ANY = object()  # changed, to a value the launch derives
 # What the launcher derives from a flag (TGI's rules): these change along with it.
 DERIVED = {"max_batch_prefill_tokens": {"scheduler.fit_prefill_tokens_to_kv": False},
-           "max_total_tokens": {"frontend.max_input_tokens": 199}}
+           "max_total_tokens": {"frontend.max_input_tokens": 199},
+           # the model embeds its positions times the factor: the default longest request with them
+           "rope_factor": {"scheduler.max_total_tokens": ANY, "frontend.max_total_tokens": ANY,
+                           "frontend.max_input_tokens": ANY}}
 # What each launch-only flag of `llmbus up` changes, as observe() names things; a new launch flag fails
 # test_every_up_flag_reaches_only_what_it_should until it is described here: (flags, environment, changes).
 LAUNCH_FLAGS = {
@@ -131,6 +134,18 @@ LAUNCH_FLAGS = {
     # resolved to folders (the fixture's resolver marks what it resolved), which only the workers load
     "lora_adapters": (["--lora-adapters", "sql=/adapters/sql"], {},
                       {"workers.lora_adapters": "resolved:sql=/adapters/sql"}),
+    # TGI's flags with nothing to do here: accepted, and the launch says so (tests/supervisor/test_cli.py)
+    "disable_custom_kernels": (["--disable-custom-kernels"], {}, {}),
+    "master_addr": (["--master-addr", "10.0.0.1"], {}, {}),
+    "master_port": (["--master-port", "29501"], {}, {}),
+    "shard_uds_path": (["--shard-uds-path", "/tmp/tgi"], {}, {}),
+    "prometheus_port": (["--prometheus-port", "9001"], {}, {}),
+    "usage_stats": (["--usage-stats", "off"], {}, {}),
+    "ngrok_authtoken": (["--ngrok-authtoken", "t0ken"], {}, {}),
+    "ngrok_edge": (["--ngrok-edge", "edge"], {}, {}),
+    # refused before anything is planned (tests/supervisor/test_cli.py): nothing to observe here
+    "ngrok": ([], {}, {}),
+    "weights_cache_override": ([], {}, {}),
 }
 
 

@@ -53,7 +53,8 @@ def test_help_lists_flags():
                  "--json-output", "--cors-allow-origin", "--api-key", "--huggingface-hub-cache",
                  "--cuda-memory-fraction", "--payload-limit", "--graceful-termination-timeout", "--env",
                  "--watermark-gamma", "--watermark-delta", "--otlp-endpoint", "--otlp-service-name",
-                 "--num-frontends", "--health-check-timeout"):
+                 "--num-frontends", "--health-check-timeout", "--rope-scaling", "--rope-factor",
+                 "--disable-custom-kernels", "--master-port", "--usage-stats", "--ngrok"):
         assert flag in result.output
 
 
@@ -130,3 +131,34 @@ def test_env_flag_prints_the_runtime(tiny_model_dir):
 
     text = runtime_env()
     assert "torch:" in text and "transformers:" in text and "Python:" in text
+
+
+def test_tgi_launch_flags_run_unchanged(tiny_model_dir, tmp_path):
+    """A TGI launch command's flags: --rope-scaling/--rope-factor reach the workers and stretch the longest
+    request; the flags that have nothing to do here are accepted and named with why; ngrok and a weights
+    folder apart from the model are refused with one line."""
+    model = ["--model-id", str(tiny_model_dir)]
+    too_long = CliRunner().invoke(main, ["procfile", *model, "-o", str(tmp_path / "a"), "--max-total-tokens", "4096"])
+    assert too_long.exit_code == 2 and "`max_position_embeddings`(2048)" in too_long.output
+    tgi = ["--rope-scaling", "linear", "--rope-factor", "2", "--max-total-tokens", "4096", "--disable-custom-kernels",
+           "--master-addr", "10.0.0.1", "--master-port", "29501", "--shard-uds-path", "/tmp/tgi", "--prometheus-port",
+           "9001", "--usage-stats", "off"]
+    result = CliRunner().invoke(main, ["procfile", *model, "-o", str(tmp_path / "b"), *tgi])
+    assert result.exit_code == 0, result.output
+    entries = dict(line.split(": ", 1) for line in (tmp_path / "b" / "Procfile").read_text().splitlines()
+                   if not line.startswith("#"))
+    assert "--rope-scaling linear --rope-factor 2.0" in entries["workers"]
+    assert "--max-total-tokens 4096" in entries["frontend"]
+    for flag in ("disable-custom-kernels", "master-addr", "master-port", "shard-uds-path", "prometheus-port",
+                 "usage-stats"):
+        assert f"llmbus: --{flag} has no effect: " in result.output, flag
+    quiet = CliRunner().invoke(main, ["procfile", *model, "-o", str(tmp_path / "c")])
+    assert quiet.exit_code == 0 and "has no effect" not in quiet.output
+    scaled = CliRunner().invoke(main, ["procfile", *model, "-o", str(tmp_path / "d"), "--max-total-tokens", "8192"],
+                                env={"ROPE_SCALING": "dynamic", "ROPE_FACTOR": "2"})
+    assert scaled.exit_code == 2 and "`max_position_embeddings`(4096) under `rope_factor` 2.0" in scaled.output
+    for args, message in ((["--ngrok"], "`ngrok` tunneling is not supported"),
+                          (["--weights-cache-override", "/data"], "`weights_cache_override` is not supported"),
+                          (["--rope-factor", "0"], "`rope_factor` must be > 0")):
+        refused = CliRunner().invoke(main, ["up", *model, *args])
+        assert refused.exit_code == 2 and f"Invalid argument: {message}" in refused.output, refused.output

@@ -143,6 +143,28 @@ def test_sliding_window_layers_match_transformers(tmp_path):
         assert results[f"w{i}"].tokens == _greedy(model, prompt)[0]
 
 
+def test_rope_override_reaches_the_fallbacks_config(tmp_path):
+    """--rope-scaling linear --rope-factor 2 on a GPT-NeoX (partial rotation): transformers' own modeling runs
+    on the config ``with_rope_override`` writes, so it answers as transformers loaded with that config."""
+    import transformers
+
+    from llmbus.bus.model_files import with_rope_override
+
+    _save_tiny(str(tmp_path), _tiny_config("gpt_neox", VOCAB_SIZE, bos_token_id=None, eos_token_id=None,
+                                           pad_token_id=None))
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    overridden = type(config).from_dict(with_rope_override(config.to_dict(), ("linear", 2.0)))
+    assert overridden.rope_parameters["partial_rotary_factor"] == 0.5
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), config=overridden, dtype=torch.float32)
+    prompt = [random.Random(3).randrange(VOCAB_SIZE) for _ in range(11)]
+    runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, rope_scaling=("linear", 2.0))
+    assert runner.max_position_embeddings == 512
+    tokens = drive(runner, [Request(rid="r", prompt=prompt, max_new_tokens=MAX_NEW_TOKENS)])["r"].tokens
+    assert tokens == _greedy(model.eval(), prompt)[0]
+    plain = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    assert drive(plain, [Request(rid="r", prompt=prompt, max_new_tokens=MAX_NEW_TOKENS)])["r"].tokens != tokens
+
+
 def test_models_whose_attention_cannot_be_paged_fail_at_load(tmp_path):
     import transformers
 

@@ -250,6 +250,42 @@ def test_rope_scaling_matches_transformers(variant, tmp_path):
         assert results[f"p{i}"].tokens == ref.tokens[i], f"prompt {i} (length {len(prompts[i])})"
 
 
+@pytest.mark.parametrize("override", [("linear", 2.0), ("dynamic", 2.0)])
+def test_rope_override_runs_as_transformers_on_the_overridden_config(override, tmp_path):
+    """TGI's --rope-scaling/--rope-factor on a checkpoint without RoPE scaling: the runner equals transformers
+    on the config ``with_rope_override`` writes, and embeds the factor's positions."""
+    import json
+    import os
+
+    import transformers
+
+    from llmbus.bus.model_files import with_rope_override
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=512, max_position_embeddings=24, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config)
+    widen_weights(model)
+    plain, overridden = tmp_path / "plain", tmp_path / "overridden"
+    model.save_pretrained(str(plain))
+    overridden.mkdir()
+    os.symlink(plain / "model.safetensors", overridden / "model.safetensors")
+    written = with_rope_override(json.loads((plain / "config.json").read_text()), override)
+    (overridden / "config.json").write_text(json.dumps(written))
+    # (dynamic: prompts within the trained length, decoding past it, as test_rope_scaling_matches_transformers)
+    prompts = [p for p in make_prompts(512) if 1 < len(p) < 24]
+    ref = reference(str(overridden), prompts)
+    requests = lambda: [Request(rid=f"p{i}", prompt=p, arrival_step=i) for i, p in enumerate(prompts)]  # noqa: E731
+    runner = ModelRunner(str(plain), block_size=BLOCK_SIZE, num_blocks=64, rope_scaling=override)
+    assert runner.max_position_embeddings == 48
+    results = drive(runner, requests())
+    for i in range(len(prompts)):
+        assert results[f"p{i}"].tokens == ref.tokens[i], f"prompt {i} (length {len(prompts[i])})"
+    unscaled = drive(ModelRunner(str(plain), block_size=BLOCK_SIZE, num_blocks=64), requests())
+    assert [r.tokens for r in results.values()] != [r.tokens for r in unscaled.values()], "the override changed nothing"
+
+
 def test_legacy_rope_config_keys_are_read():
     from llmbus.workers.models.llama import DecoderConfig
 

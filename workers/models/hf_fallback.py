@@ -129,7 +129,14 @@ def _register_attention() -> None:
 
 
 def _max_positions(hf_config) -> int:
-    return config_max_positions(hf_config.to_dict()) or DEFAULT_MAX_POSITIONS
+    """The positions the model embeds: its config's, stretched by a dynamic NTK scaling's factor (which grows
+    the base past the trained length), as the native models' rotary.py reads it."""
+    config = hf_config.to_dict()
+    positions = config_max_positions(config) or DEFAULT_MAX_POSITIONS
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        positions = int(positions * rope["factor"])
+    return positions
 
 
 class HFFallbackForCausalLM:
@@ -154,8 +161,8 @@ class HFFallbackForCausalLM:
     @classmethod
     def from_pretrained(cls, model_dir: str, *, model_type: str, rank: int = 0, world_size: int = 1,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                        log=None, trust_remote_code: bool = False,
-                        attention_backend: str = "auto") -> "HFFallbackForCausalLM":
+                        log=None, trust_remote_code: bool = False, attention_backend: str = "auto",
+                        rope_scaling: tuple[str, float] | None = None) -> "HFFallbackForCausalLM":
         if world_size > 1:
             raise ValueError(f"model_type {model_type!r} runs through the transformers fallback, which does not "
                              f"support tensor parallelism; use --gpus 1")
@@ -165,7 +172,7 @@ class HFFallbackForCausalLM:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION,
-                trust_remote_code=trust_remote_code)
+                trust_remote_code=trust_remote_code, **_rope_config(model_dir, rope_scaling, trust_remote_code))
         except (KeyError, NotImplementedError, ValueError) as e:
             # e.g. a model_type transformers does not know, or modeling code with a fixed set of
             # attention classes (GPT-Neo) that cannot take a registered attention function.
@@ -241,3 +248,16 @@ def _silence_padding_check(model) -> None:
 
 def _no_padding_warning(input_ids, attention_mask) -> None:
     return None
+
+
+def _rope_config(model_dir: str, rope_scaling: tuple[str, float] | None, trust_remote_code: bool) -> dict:
+    """``from_pretrained``'s ``config`` under a --rope-scaling override (``with_rope_override`` on its
+    dict); none without one."""
+    if rope_scaling is None:
+        return {}
+    from transformers import AutoConfig
+
+    from llmbus.bus.model_files import with_rope_override
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return {"config": type(config).from_dict(with_rope_override(config.to_dict(), rope_scaling))}
