@@ -59,8 +59,7 @@ def find_chat_template(model_dir: str | Path) -> str | None:
     return None
 
 
-def _special_tokens(model_dir: Path) -> dict[str, str]:
-    config = _read_json(model_dir / "tokenizer_config.json")
+def _special_tokens(config: dict) -> dict[str, str]:
     out = {}
     for key in _SPECIAL_TOKEN_KEYS:
         value = config.get(key)
@@ -103,10 +102,14 @@ class ChatFormat:
 class ChatTemplate:
     """Renders conversations with the model's template; ``TEMPLATE`` errors (422) when it has none."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, tokenizer_config: str | Path | None = None):
+        """``tokenizer_config`` (--tokenizer-config-path): a tokenizer_config.json whose ``chat_template`` wins
+        over the model's and whose special tokens override the model's."""
         model_dir = Path(model_dir)
-        self.source = find_chat_template(model_dir)
-        self.special_tokens = _special_tokens(model_dir)
+        given = _read_json(Path(tokenizer_config).expanduser()) if tokenizer_config is not None else {}
+        self.source = _pick(given.get("chat_template")) or find_chat_template(model_dir)
+        self.special_tokens = {**_special_tokens(_read_json(model_dir / "tokenizer_config.json")),
+                               **_special_tokens(given)}
         self._render = None
         self._format: tuple[str, ChatFormat] | None = None
 

@@ -7,6 +7,7 @@ from the model's maximum length and the KV capacity the scheduler reports, as TG
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,14 @@ def _generation_config_problem(value: str) -> str | None:
     if value in GENERATION_CONFIG_MODES or (Path(value).expanduser() / "generation_config.json").is_file():
         return None
     return f"must be auto, none or a folder holding a generation_config.json. Given: {value}"
+
+
+def _tokenizer_config_problem(value: str) -> str | None:
+    try:
+        data = json.loads(Path(value).expanduser().read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"must name a readable tokenizer_config.json: {e}"
+    return None if isinstance(data, dict) else f"must hold a JSON object. Given: {value}"
 
 
 def input_total_problem(max_input_tokens: int, max_total_tokens: int) -> str | None:
@@ -135,6 +144,10 @@ class FrontendConfig(ServiceSettings):
         help="Sampling defaults for requests that leave temperature, top_k, top_p, min_p or repetition_penalty "
              "unset: `auto` reads the model's generation_config.json (as vLLM does), `none` ignores it, or a "
              "folder holding one. The --default-* flags override it; a request's own value always wins.")
+    tokenizer_config_path: str | None = setting(
+        None, env="TOKENIZER_CONFIG_PATH", check=_tokenizer_config_problem,
+        help="A tokenizer_config.json whose chat_template (and the special tokens it names) the chat routes use "
+             "in place of the model's, as TGI's flag does; the model's own template where it has none.")
     default_temperature: float | None = setting(
         None, ge=0, help="Temperature of requests that sample and set none (over generation_config.json). "
                          "It also sets the OpenAI routes' default decoding: 0 is greedy unless a request "

@@ -43,7 +43,7 @@ class FrontendState:
             peers=lambda: self.engine.peer_stats.values() if self.engine is not None else ())
         self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None,
                                      self.request_metrics)
-        self.chat_template = ChatTemplate(self.config.model_dir)
+        self.chat_template = ChatTemplate(self.config.model_dir, self.config.tokenizer_config_path)
         c = self.config
         self.sampling_defaults = resolve_sampling_defaults(c.model_dir, c.generation_config, {
             "temperature": c.default_temperature, "top_k": c.default_top_k, "top_p": c.default_top_p,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from pathlib import Path
 
 import click
 import pytest
@@ -23,12 +24,13 @@ from llmbus.workers.placement import default_block_size
 from llmbus.workers.process import WorkerConfig
 
 RUN_DIR = "/tmp/llmbus-settings-test"
+TOKENIZER_CONFIG = str(Path(__file__).parents[1] / "fixtures" / "tokenizer_config.json")
 # Values that pass every cross-flag rule (the model's 256 positions, input < total, ...).
 SPECIAL = {"max_total_tokens": 200, "max_input_tokens": 100, "max_batch_prefill_tokens": 300,
            "port": 3456, "hostname": "127.0.0.2", "otlp_endpoint": "http://127.0.0.1:4317", "cors_allow_origin": ["http://a.example"],
            "dtype": "bfloat16", "quantize": "int8", "device": "cpu", "runner": "fake", "api_key": "sekret",
            "generation_config": "none", "cuda_graphs": "1,2,4", "steps_ahead": 2,
-           "piecewise_graphs": "16,32", "launch_depth": 2}
+           "piecewise_graphs": "16,32", "launch_depth": 2, "tokenizer_config_path": TOKENIZER_CONFIG}
 
 
 def user_settings() -> list:

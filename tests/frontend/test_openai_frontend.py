@@ -122,6 +122,20 @@ def test_missing_chat_template_is_tgi_template_error(make_fe, model_dir):
     assert (status, body) == (422, {"error": "Template error: template not found", "error_type": "template_error"})
 
 
+def test_tokenizer_config_path_brings_its_template_and_tokens(make_fe, model_dir, chat_model_dir, tmp_path):
+    """TGI's --tokenizer-config-path: a model folder without a template serves the file's, with the special
+    tokens it names over the folder's; a file without a template leaves the folder's own."""
+    given = tmp_path / "tokenizer_config.json"
+    given.write_text(json.dumps({"chat_template": "{{ bos_token }}[{{ messages[0]['content'] }}]", "bos_token": "<B>"}))
+    body = make_fe(model_dir, tokenizer_config_path=str(given)).post(
+        "/chat_tokenize", {"messages": [{"role": "user", "content": "hi"}]})[2]
+    assert body["templated_text"] == "<B>[hi]"
+    given.write_text(json.dumps({"eos_token": "</E>"}))
+    body = make_fe(chat_model_dir, tokenizer_config_path=str(given)).post(
+        "/chat_tokenize", {"messages": [{"role": "user", "content": "hi"}]})[2]
+    assert body["templated_text"] == "<s><user>hi\n<assistant>"
+
+
 def test_template_exceptions_are_template_errors(make_fe, chat_model_dir, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(chat_model_dir, d)

@@ -133,10 +133,11 @@ def test_env_flag_prints_the_runtime(tiny_model_dir):
     assert "torch:" in text and "transformers:" in text and "Python:" in text
 
 
-def test_tgi_launch_flags_run_unchanged(tiny_model_dir, tmp_path):
+def test_tgi_launch_flags_run_unchanged(tiny_model_dir, tmp_path, monkeypatch):
     """A TGI launch command's flags: --rope-scaling/--rope-factor reach the workers and stretch the longest
-    request; the flags that have nothing to do here are accepted and named with why; ngrok and a weights
-    folder apart from the model are refused with one line."""
+    request; --tokenizer-config-path reaches the frontends; the flags that have nothing to do here are
+    accepted and named with why; ngrok, a weights folder apart from the model and a tokenizer config that
+    cannot be read are refused with one line."""
     model = ["--model-id", str(tiny_model_dir)]
     too_long = CliRunner().invoke(main, ["procfile", *model, "-o", str(tmp_path / "a"), "--max-total-tokens", "4096"])
     assert too_long.exit_code == 2 and "`max_position_embeddings`(2048)" in too_long.output
@@ -157,7 +158,14 @@ def test_tgi_launch_flags_run_unchanged(tiny_model_dir, tmp_path):
     scaled = CliRunner().invoke(main, ["procfile", *model, "-o", str(tmp_path / "d"), "--max-total-tokens", "8192"],
                                 env={"ROPE_SCALING": "dynamic", "ROPE_FACTOR": "2"})
     assert scaled.exit_code == 2 and "`max_position_embeddings`(4096) under `rope_factor` 2.0" in scaled.output
-    for args, message in ((["--ngrok"], "`ngrok` tunneling is not supported"),
+    (tmp_path / "tc.json").write_text('{"chat_template": "{{ messages }}"}')
+    monkeypatch.chdir(tmp_path)  # a relative path reaches the frontend whole: honcho may start it elsewhere
+    given = CliRunner().invoke(main, ["procfile", *model, "-o", "e", "--tokenizer-config-path", "tc.json"])
+    assert given.exit_code == 0, given.output
+    assert f"--tokenizer-config-path {tmp_path / 'tc.json'}" in (tmp_path / "e" / "Procfile").read_text()
+    for args, message in ((["--tokenizer-config-path", str(tmp_path / "none.json")],
+                           "`tokenizer_config_path` must name a readable tokenizer_config.json"),
+                          (["--ngrok"], "`ngrok` tunneling is not supported"),
                           (["--weights-cache-override", "/data"], "`weights_cache_override` is not supported"),
                           (["--rope-factor", "0"], "`rope_factor` must be > 0")):
         refused = CliRunner().invoke(main, ["up", *model, *args])
