@@ -15,7 +15,7 @@ from llmbus.frontend.config import FrontendConfig, input_total_problem
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.config import SchedulerProcessConfig
 from llmbus.supervisor.plan import LaunchPlan, ResolvedLaunch, build_plan
-from llmbus.supervisor.settings import service_settings, up_options, up_settings
+from llmbus.supervisor.settings import WITHOUT_EFFECT, service_settings, up_options, up_settings
 from llmbus.supervisor.weights import served_model_id
 from llmbus.workers.placement import default_block_size, gpu_shortage
 from llmbus.workers.process import WorkerConfig
@@ -135,22 +135,10 @@ def _resolve(kw: dict) -> ResolvedLaunch:
                           draft_dir=None if draft_dir is None else str(draft_dir), lora_adapters=lora_adapters)
 
 
-# TGI's flags that llmbus accepts and ignores (supervisor/settings.py): why each has nothing to do here.
-_IGNORED_TGI_FLAGS = {
-    "disable_custom_kernels": "llmbus has none of TGI's custom kernels (--attention-backend torch_sdpa is its "
-                              "portable path)",
-    "master_addr": "llmbus's ranks meet through a file in --run-dir",
-    "master_port": "llmbus's ranks meet through a file in --run-dir",
-    "shard_uds_path": "llmbus's sockets are in --run-dir",
-    "prometheus_port": "/metrics is served on --port",
-    "usage_stats": "llmbus sends no usage statistics",
-}
-
-
 def tgi_flag_notes(kw: dict) -> list[str]:
     """A line for each TGI flag given that llmbus ignores, saying why."""
     defaults = {d.name: d.default for d in up_settings()}
-    return [f"--{name.replace('_', '-')} has no effect: {why}" for name, why in _IGNORED_TGI_FLAGS.items()
+    return [f"--{name.replace('_', '-')} has no effect: {why}" for name, why in WITHOUT_EFFECT.items()
             if kw[name] != defaults[name]]
 
 

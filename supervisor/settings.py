@@ -19,6 +19,23 @@ from llmbus.workers.process import WorkerConfig
 SERVICES = (SchedulerProcessConfig, WorkerConfig, FrontendConfig)
 
 
+# TGI's launcher flags that llmbus accepts and ignores: why each has nothing to do here (their help, and the
+# launch's line for each one given).
+WITHOUT_EFFECT = {
+    "disable_custom_kernels": "llmbus has none of TGI's custom kernels (--attention-backend torch_sdpa is its "
+                              "portable path)",
+    "master_addr": "llmbus's ranks meet through a file in --run-dir",
+    "master_port": "llmbus's ranks meet through a file in --run-dir",
+    "shard_uds_path": "llmbus's sockets are in --run-dir",
+    "prometheus_port": "/metrics is served on --port, where TGI serves it too",
+    "usage_stats": "llmbus sends no usage statistics",
+}
+
+
+def _without_effect(name: str, what: str) -> str:
+    return f"TGI: {what}. No effect: {WITHOUT_EFFECT[name]}."
+
+
 @dataclass
 class LaunchSettings:
     model_id: str | None = setting(None, env="MODEL_ID",
@@ -56,23 +73,19 @@ class LaunchSettings:
                                       "them; /metrics on any of them counts the requests of all).")
 
     # TGI's launcher flags that have nothing to do in llmbus, accepted so a TGI launch command runs unchanged:
-    # the launch says which it ignored, and why (cli.py, tgi_flag_notes).
+    # the launch says which it ignored, and why (WITHOUT_EFFECT; cli.py, tgi_flag_notes).
     disable_custom_kernels: bool = setting(
         False, env="DISABLE_CUSTOM_KERNELS",
-        help="TGI: turn off its custom CUDA kernels (BLOOM's and GPT-NeoX's). No effect: llmbus has none of those; "
-             "--attention-backend torch_sdpa is its portable path.")
-    master_addr: str | None = setting(None, help="TGI: torch.distributed's address. No effect: llmbus's ranks "
-                                                 "meet through a file in --run-dir.")
-    master_port: int | None = setting(None, ge=1, le=65535, help="TGI: torch.distributed's port. No effect, as "
-                                                                 "--master-addr.")
+        help=_without_effect("disable_custom_kernels", "turn off its custom CUDA kernels (BLOOM's and GPT-NeoX's)"))
+    master_addr: str | None = setting(None, help=_without_effect("master_addr", "torch.distributed's address"))
+    master_port: int | None = setting(None, ge=1, le=65535,
+                                      help=_without_effect("master_port", "torch.distributed's port"))
     shard_uds_path: str | None = setting(None, env="SHARD_UDS_PATH",
-                                         help="TGI: its shards' gRPC socket. No effect: llmbus's sockets are in "
-                                              "--run-dir.")
+                                         help=_without_effect("shard_uds_path", "its shards' gRPC socket"))
     prometheus_port: int | None = setting(None, env="PROMETHEUS_PORT", ge=1, le=65535,
-                                          help="TGI 3: a metrics port. No effect: /metrics is served on --port, "
-                                               "where TGI serves it too.")
+                                          help=_without_effect("prometheus_port", "a metrics port (TGI 3)"))
     usage_stats: str = setting("on", env="USAGE_STATS", choices=("on", "off", "no-stack"),
-                               help="TGI: its anonymous telemetry. No effect: llmbus sends no usage statistics.")
+                               help=_without_effect("usage_stats", "its anonymous telemetry"))
     ngrok: bool = setting(False, env="NGROK", help="TGI: an ngrok tunnel. Not supported (it fails in TGI too): "
                                                    "put your own tunnel or proxy in front of --port.")
     ngrok_authtoken: str | None = setting(None, env="NGROK_AUTHTOKEN", secret=True, help="TGI: see --ngrok.")
