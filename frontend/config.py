@@ -170,6 +170,8 @@ class FrontendConfig(ServiceSettings):
             self.generation_config = "none"
         elif self.generation_config not in GENERATION_CONFIG_MODES:  # a folder: the same for every process
             self.generation_config = str(Path(self.generation_config).expanduser().resolve())
+        if self.tokenizer_config_path:  # a Procfile's services may start elsewhere than where it was given
+            self.tokenizer_config_path = str(Path(self.tokenizer_config_path).expanduser().resolve())
         super().__post_init__()
 
     def validate(self) -> list[str]:

@@ -149,10 +149,7 @@ def _launch_plan(kw: dict, r: ResolvedLaunch, run_dir: str) -> LaunchPlan:
         num_blocks = -(-kw["max_batch_total_tokens"] // (kw["block_size"] or default_block_size(kw["device"])))
     values = {**kw, "max_total_tokens": r.max_total_tokens, "max_input_tokens": r.max_input_tokens,
               "lora_adapters": r.lora_adapters,
-              "max_batch_prefill_tokens": r.max_batch_prefill_tokens, "api_key": kw["api_key"] or None,
-              # a Procfile's services may start elsewhere than where the path was given
-              "tokenizer_config_path": kw["tokenizer_config_path"] and os.path.abspath(os.path.expanduser(
-                  kw["tokenizer_config_path"]))}
+              "max_batch_prefill_tokens": r.max_batch_prefill_tokens, "api_key": kw["api_key"] or None}
     if r.draft_dir is not None:
         values.update(speculate=kw["speculate"] or DEFAULT_DRAFT_GUESSES, speculate_method="draft",
                       draft_model_dir=r.draft_dir)

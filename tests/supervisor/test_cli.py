@@ -126,6 +126,22 @@ def test_procfile_renders_the_launch_plan(tiny_model_dir, tmp_path):
     assert bad.exit_code == 2 and "`num_shard` cannot be < 1" in bad.output
 
 
+def test_procfile_entries_take_relative_paths_whole(tiny_model_dir, tmp_path, monkeypatch):
+    """A Procfile's services start wherever honcho runs: a path given relative to the launch reaches them whole."""
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "tokenizer_config.json").write_text('{"chat_template": "{{ messages[0].content }}"}')
+    (given / "generation_config.json").write_text('{"temperature": 0.5}')
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["procfile", "--model-id", str(tiny_model_dir), "-o", str(tmp_path / "out"),
+                                       "--tokenizer-config-path", "given/tokenizer_config.json",
+                                       "--generation-config", "given"])
+    assert result.exit_code == 0, result.output
+    frontend = (tmp_path / "out" / "Procfile").read_text().split("frontend: ", 1)[1]
+    assert f"--tokenizer-config-path {given / 'tokenizer_config.json'}" in frontend, frontend
+    assert f"--generation-config {given}" in frontend, frontend
+
+
 def test_env_flag_prints_the_runtime(tiny_model_dir):
     from llmbus.supervisor.cli import runtime_env
 
