@@ -26,6 +26,7 @@ class ErrorKind(enum.Enum):
     SHUTTING_DOWN = "shutting_down"  # SIGTERM: no new requests; or one still running when the drain ended
     NOT_FOUND = "not_found"  # /v1/responses/{id}: no such response in this frontend's store
     UNSUPPORTED = "unsupported"  # a feature OpenAI has that llmbus refuses outright (built-in tools)
+    INTERNAL = "internal"  # a bug: a handler raised what it should not (logged with its traceback)
 
 
 # kind -> (HTTP status, error_type, text; "{}" takes the detail)
@@ -48,6 +49,7 @@ ERROR_TABLE: dict[ErrorKind, tuple[int, str, str]] = {
     ErrorKind.SHUTTING_DOWN: (503, "shutting_down", "The server is shutting down"),
     ErrorKind.NOT_FOUND: (404, "not_found", "{}"),
     ErrorKind.UNSUPPORTED: (400, "unsupported", "{}"),
+    ErrorKind.INTERNAL: (500, "internal", "Internal server error"),
 }
 
 # OpenAI's error.type for the kinds (the routes under /v1 answer in OpenAI's envelope)

@@ -55,6 +55,8 @@ def _meta_schema_error(source: str) -> str | None:
         jsonschema.Draft202012Validator.check_schema(json.loads(source))
     except jsonschema.SchemaError as e:
         return e.message
+    except RecursionError:  # jsonschema walks a schema recursively: ~100 levels exhaust Python's stack
+        return "the schema nests too deeply"
     return None
 
 

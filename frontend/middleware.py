@@ -12,6 +12,7 @@ import hmac
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from llmbus.bus import tracing
 from llmbus.frontend.errors import ApiError, ErrorKind
@@ -34,14 +35,22 @@ CORS_HEADERS = "content-type,authorization,x-api-key,anthropic-version"  # the l
 log = structlog.get_logger("llmbus.frontend")
 
 
+def answer_for(e: Exception) -> ApiError:
+    """The error answer for what a handler raised (not a 404 or 405 of aiohttp's routing)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return ApiError(ErrorKind.PAYLOAD_TOO_LARGE, "length limit exceeded")
+    if isinstance(e, RequestPayloadError):  # a body its Content-Encoding does not decode, a broken chunk
+        reason = getattr(e.__cause__, "message", None) or str(e)
+        return ApiError(ErrorKind.BODY, f"Failed to read the request body: {reason}")
+    return ApiError(ErrorKind.INTERNAL)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
-    except ApiError as e:
-        error = e
-    except web.HTTPRequestEntityTooLarge:
-        error = ApiError(ErrorKind.PAYLOAD_TOO_LARGE, "length limit exceeded")
     except web.HTTPNotFound:
         if not _anthropic(request):
             raise  # aiohttp's own 404 elsewhere, as TGI's router answers an empty one
@@ -51,6 +60,14 @@ async def error_middleware(request: web.Request, handler):
         # one to answer, and not the server's fault, so no traceback from aiohttp's 500 path either
         log.info("client disconnected before the response", method=request.method, path=request.path)
         return web.Response(status=CLIENT_CLOSED_REQUEST)
+    except web.HTTPException as e:
+        if not isinstance(e, web.HTTPRequestEntityTooLarge):
+            raise  # aiohttp's other answers (405 and the like) as they are
+        error = answer_for(e)
+    except Exception as e:
+        error = answer_for(e)
+        if error.kind is ErrorKind.INTERNAL:  # the client gets the route's error body; the log, why
+            log.exception("request failed", method=request.method, path=request.path)
     if _anthropic(request):
         return json_response(error.anthropic_body(), status=error.anthropic_status)
     body = error.openai_body() if request.path.startswith(OPENAI_PREFIX) else error.body()
@@ -70,11 +87,11 @@ async def request_metrics_middleware(request: web.Request, handler):
     metrics.started(request.path)
     try:
         response = await handler(request)
-    except ApiError as e:
-        metrics.failed(failure_label(e.kind))
-        raise
     except (asyncio.CancelledError, ConnectionResetError):
         metrics.failed(DROPPED)  # the client went away before the answer
+        raise
+    except Exception as e:
+        metrics.failed(failure_label(answer_for(e).kind))
         raise
     outcome = request.get(OUTCOME)
     if outcome is None:

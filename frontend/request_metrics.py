@@ -41,6 +41,7 @@ FAILURE_LABELS = {
     ErrorKind.OVERLOADED: "overloaded", ErrorKind.GENERATION: "generation", ErrorKind.INCOMPLETE: "incomplete",
     ErrorKind.INCOMPLETE_STREAM: "incomplete", ErrorKind.TEMPLATE: "template",
     ErrorKind.SHUTTING_DOWN: "shutdown", ErrorKind.NOT_FOUND: "validation", ErrorKind.UNSUPPORTED: "validation",
+    ErrorKind.INTERNAL: "internal",
 }
 DROPPED = "dropped"
 

@@ -99,3 +99,44 @@ def test_peer_frontends_counts_add_up(make_frontend):
     # the requests per route, this frontend's and the peer's summed
     assert samples['llmbus_request_route_count{route="/generate"}'] == 4
     assert samples['llmbus_request_route_count{route="/v1/messages"}'] == 2
+
+
+def test_unreadable_bodies_and_the_servers_own_failures_answer_in_the_routes_envelope(make_frontend, chat_model_dir,
+                                                                                       monkeypatch):
+    """A body its Content-Encoding does not decode is the client's (422, each route's envelope); a schema too
+    deep to check is a validation error, on a stream too; anything a handler raises that it should not is a
+    500 in the route's envelope (never aiohttp's text page), logged, and counted like every other outcome."""
+    from llmbus.frontend import routes
+
+    fe = make_frontend(chat_model_dir)
+    gzip_claimed = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    status, _, raw = fe.request("POST", "/generate", {"inputs": "hi"}, headers=gzip_claimed)
+    assert (status, json.loads(raw)) == (422, {"error": "Failed to read the request body: Can not decode "
+                                                        "content-encoding: gzip", "error_type": "validation"})
+    status, _, raw = fe.request("POST", "/v1/chat/completions", {"messages": []}, headers=gzip_claimed)
+    assert status == 422 and json.loads(raw)["error"]["type"] == "invalid_request_error", raw
+    status, _, raw = fe.request("POST", "/v1/messages", {"messages": []}, headers=gzip_claimed)
+    assert status == 400 and json.loads(raw)["error"]["type"] == "invalid_request_error", raw
+
+    deep = {"type": "integer"}
+    for _ in range(150):
+        deep = {"type": "object", "properties": {"a": deep}}
+    grammar = {"type": "json", "value": deep}
+    status, _, raw = fe.request("POST", "/generate", {"inputs": "hi", "parameters": {"grammar": grammar}})
+    assert (status, json.loads(raw)["error"]) == (422, "Input validation error: grammar is not valid: the schema "
+                                                       "nests too deeply"), raw
+    status, _, raw = fe.request("POST", "/generate_stream", {"inputs": "hi", "parameters": {"grammar": grammar}})
+    assert status == 200 and parse_sse(raw)[0]["error"].endswith("the schema nests too deeply"), raw
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(routes, "parse_request", broken)
+    status, _, raw = fe.request("POST", "/generate", {"inputs": "hi"})
+    assert (status, json.loads(raw)) == (500, {"error": "Internal server error", "error_type": "internal"})
+    assert fe.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})[0] == 200
+
+    _, samples = scrape(fe)
+    assert samples["tgi_request_count"] == 7 and samples["tgi_request_success"] == 1, samples
+    assert samples['tgi_request_failure{err="validation"}'] == 5, samples
+    assert samples['tgi_request_failure{err="internal"}'] == 1, samples
