@@ -52,6 +52,16 @@ def load_llg_tokenizer(model_dir: str | Path, vocab_size: int):
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos or None)
 
 
+def grammar_fault(reason: str) -> str:
+    """llguidance's reason for stopping a matcher mid-output (a lexer or parser limit the grammar runs into,
+    or a dead end) as the request's error: without the parser state it appends, hundreds of characters of
+    its internals."""
+    reason = reason.split("\n<state>", 1)[0].strip()
+    if reason == "NoExtensionBias":  # no token extends the output: the grammar matches no text from here
+        reason = "no token can continue the output"
+    return f"grammar cannot be followed: {reason}"
+
+
 @dataclass(eq=False)
 class _RequestGrammar:
     matcher: object  # llguidance.LLMatcher
@@ -59,7 +69,8 @@ class _RequestGrammar:
     pending: dict[int, int] = field(default_factory=dict)  # position -> token, seen but not yet consumed
     error: str | None = None
     # "validation": the grammar itself is at fault (it named a special token this vocabulary lacks, which
-    # only a tokenizer shows); "generation": it broke while generating (a parser limit, a lost token)
+    # only a tokenizer shows, or it ran into llguidance's limits while generating); "generation": the engine
+    # broke it (a lost token, a token it fed that the grammar did not allow)
     error_type: str = "generation"
     # where the output stands in JSON, for grammars that write JSON (numbers are capped: json_numbers.py)
     json: JsonScanner | None = None
@@ -103,7 +114,7 @@ class GrammarMasks:
         except ValueError as e:
             return None, str(e)
         if pristine.is_error():
-            return None, pristine.get_error()
+            return None, pristine.get_error().split("\n<state>", 1)[0].strip()
         self._compiled[key] = pristine
         if len(self._compiled) > COMPILED_CACHE_SIZE:
             self._compiled.popitem(last=False)
@@ -151,7 +162,7 @@ class GrammarMasks:
                 row = masks[i]
                 state.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
                 if state.matcher.is_error():
-                    state.error = state.matcher.get_error()
+                    state.error, state.error_type = grammar_fault(state.matcher.get_error()), "validation"
                 elif state.json is not None and state.json.number is not None:
                     self.numbers.apply(row, state.json.number)
         return masks
@@ -164,7 +175,10 @@ class GrammarMasks:
                 state.error = f"grammar state lost: no token at position {state.consumed}"
                 return
             if not state.matcher.consume_token(token):
-                state.error = state.matcher.get_error() or f"token {token} does not fit the grammar"
+                # the tokens fed were sampled under this grammar's masks: llguidance's own error is a limit
+                reason = state.matcher.get_error()
+                state.error, state.error_type = ((grammar_fault(reason), "validation") if reason
+                                                 else (f"token {token} does not fit the grammar", "generation"))
             elif state.json is not None:
                 state.json.feed(self.numbers.token_bytes[token])
             state.consumed += 1

@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -92,8 +93,10 @@ def test_many_requests_leave_no_matchers_behind(smollm2):
 
 
 def test_failures_name_their_cause(smollm2):
-    """A grammar rank 0 cannot build is the request's fault (validation); one that breaks while generating
-    is the engine's (generation). Either row keeps only end-of-sequence."""
+    """A grammar rank 0 cannot build is the request's fault (validation), as is one that runs into
+    llguidance's limits while generating or allows no text (said in a line, without llguidance's parser
+    state); one the engine breaks (a lost token) is the engine's (generation). Each row keeps only
+    end-of-sequence."""
     from llmbus.supervisor.gguf_model import materialize
     from llmbus.workers.grammar import GrammarMasks
 
@@ -101,9 +104,19 @@ def test_failures_name_their_cause(smollm2):
     masks.observe("bad", Grammar("lark", 'start: <|no_such_token|> "a"'), 3, [], 0, [1, 2, 3])
     masks.observe("lost", DIGITS, 3, [], 0, [1, 2, 3])
     masks.observe("lost", DIGITS, 3, [], 5, [7])  # positions 3 and 4 never arrived
-    job = masks.start_masks([0, 1], ["bad", "lost"], [3, 6])
-    logits = torch.zeros(2, 49152)
+    masks.observe("empty", Grammar("regex", r"[^\s\S]"), 3, [], 0, [1, 2, 3])  # matches no text
+    huge = Grammar("lark", 'start: "a"{100000000}')  # compiles; llguidance's parser gives up on its 2nd token
+    masks.observe("huge", huge, 3, [], 0, [1, 2, 3])
+    first = masks.start_masks([0], ["huge"], [3]).future.result()
+    allowed = np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little"))
+    masks.observe("huge", huge, 3, [], 3, [int(allowed[0])])
+    job = masks.start_masks([0, 1, 2, 3], ["bad", "lost", "empty", "huge"], [3, 6, 3, 4])
+    logits = torch.zeros(4, 49152)
     errors = masks.apply(logits, job)
     assert errors["bad"][0] == "validation" and "unknown special token" in errors["bad"][1]
     assert errors["lost"] == ("generation", "grammar state lost: no token at position 3")
+    assert errors["empty"] == ("validation", "grammar cannot be followed: no token can continue the output")
+    assert errors["huge"][0] == "validation", errors["huge"]
+    assert errors["huge"][1].startswith("grammar cannot be followed: parser error: Too many items"), errors["huge"]
+    assert "\n" not in errors["huge"][1] and "<state>" not in errors["huge"][1], errors["huge"]
     assert torch.isfinite(logits).nonzero()[:, 1].unique().tolist() == sorted(EOS)
