@@ -171,9 +171,13 @@ def test_bad_grammars_are_422_and_the_server_keeps_serving(server):
              ({"type": "regex", "value": "a(b"}, "grammar is not valid: "),
              ({"type": "json", "value": {"$ref": "#/$defs/none"}}, "cannot compile regex from schema: "),
              # only rank 0's tokenizer knows which special tokens exist: the engine refuses this one
-             ({"type": "lark", "value": 'start: <|no_such_token|> "a"'}, "unknown special token")]
+             ({"type": "lark", "value": 'start: <|no_such_token|> "a"'}, "unknown special token"),
+             # compiles, then runs into llguidance's lexer limit at the second token (said in one line)
+             ({"type": "regex", "value": "a{99999999}"}, "grammar cannot be followed: lexer error: "),
+             ({"type": "regex", "value": r"[^\s\S]"}, "grammar cannot be followed: no token can continue")]
     for grammar, fragment in cases:
         status, _, answer = post(f"{server.url}/generate", {"inputs": "x", "parameters": {"grammar": grammar}})
         assert status == 422 and fragment in answer["error"] and answer["error_type"] == "validation", answer
+        assert "<state>" not in answer["error"], answer
     status, _, answer = post(f"{server.url}/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
     assert status == 200, answer
