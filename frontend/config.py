@@ -33,6 +33,10 @@ def _frontend_id_problem(value: str) -> str | None:
     return None if value and "-" not in value else f"must be non-empty and contain no '-'. Given: {value!r}"
 
 
+def _route_problem(value: str | None) -> str | None:
+    return None if value is None or value.startswith("/") else f"must be a path starting with /. Given: {value}"
+
+
 def _generation_config_problem(value: str) -> str | None:
     if value in GENERATION_CONFIG_MODES or (Path(value).expanduser() / "generation_config.json").is_file():
         return None
@@ -66,6 +70,14 @@ class FrontendConfig(ServiceSettings):
     hostname: str = setting("0.0.0.0", env="HOSTNAME", help="Address to listen on.")
     # 0: any free port (the ready message says which); `llmbus up` wants one its frontends can share
     port: int = setting(3000, env="PORT", aliases=("-p",), ge=0, le=65535, help="Port to listen on.")
+    # Google Vertex AI's container contract (TGI reads these in its `google` build): the port, and the paths
+    # of the prediction (frontend/vertex.py) and health routes, set by Vertex in the container's environment
+    aip_http_port: int | None = setting(None, env="AIP_HTTP_PORT", ge=1, le=65535, hidden=True,
+                                        help="Vertex AI's port: listen here instead of --port.")
+    aip_predict_route: str | None = setting(None, env="AIP_PREDICT_ROUTE", hidden=True, check=_route_problem,
+                                            help="Vertex AI's prediction path: serves /vertex there too.")
+    aip_health_route: str | None = setting(None, env="AIP_HEALTH_ROUTE", hidden=True, check=_route_problem,
+                                           help="Vertex AI's health path: serves /health there too.")
     # rid prefix; unique per frontend
     frontend_id: str = setting(help="unique id of this frontend (no '-')", user=False,
                                check=_frontend_id_problem, default_factory=_default_frontend_id)
@@ -166,6 +178,8 @@ class FrontendConfig(ServiceSettings):
     def __post_init__(self) -> None:
         if self.model_id is None:
             self.model_id = self.model_dir
+        if self.aip_http_port is not None:  # Vertex's port wins over --port, as in TGI's google build
+            self.port = self.aip_http_port
         if self.generation_config == "vllm":
             self.generation_config = "none"
         elif self.generation_config not in GENERATION_CONFIG_MODES:  # a folder: the same for every process

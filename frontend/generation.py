@@ -118,14 +118,20 @@ class Generator:
             raise validation_error(f"tokenizer error {e}") from None
 
     async def prepare_all(self, jobs: list[tuple[str, GenerateParameters, bool]], start_time: float,
-                          arrival_time: float) -> list["Generation"]:
+                          arrival_time: float, *, name: str | None = None) -> list["Generation"]:
         """``prepare`` for each ``(inputs, parameters, add_special_tokens)``: every one validated before
-        any starts; on an error the permits already taken are given back."""
+        any starts; on an error the permits already taken are given back. ``name``: what an error calls the
+        job it is about (``name[i]``: a request of several the client told apart)."""
         gens: list[Generation] = []
         try:
-            for inputs, parameters, add_special_tokens in jobs:
-                gens.append(await self.prepare(inputs, parameters, start_time, arrival_time,
-                                               add_special_tokens=add_special_tokens))
+            for i, (inputs, parameters, add_special_tokens) in enumerate(jobs):
+                try:
+                    gens.append(await self.prepare(inputs, parameters, start_time, arrival_time,
+                                                   add_special_tokens=add_special_tokens))
+                except ApiError as e:
+                    if name is not None:
+                        e.message += f" ({name}[{i}])"
+                    raise
         except BaseException:
             for gen in gens:
                 gen.close()

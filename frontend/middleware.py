@@ -20,8 +20,9 @@ from llmbus.frontend.request_metrics import DROPPED, failure_label
 from llmbus.frontend.state import STATE, json_response
 
 GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
-                              "/invocations", "/v1/responses", "/v1/messages"})
-AUTH_PATHS = GENERATION_PATHS | {"/tokenize", "/v1/messages/count_tokens"}
+                              "/invocations", "/vertex", "/v1/responses", "/v1/messages"})
+# TGI leaves /chat_tokenize open; every route that tokenizes is guarded here (it costs the server as much)
+AUTH_PATHS = GENERATION_PATHS | {"/tokenize", "/chat_tokenize", "/v1/messages/count_tokens"}
 # stored responses (GET and DELETE /v1/responses/{id}) hold conversations: the key guards them too
 AUTH_PREFIXES = ("/v1/responses/",)
 # a streaming handler that answered 200 but then failed in-band (or lost its client) says so here
@@ -33,6 +34,16 @@ CORS_METHODS = "GET,POST,DELETE"
 CORS_HEADERS = "content-type,authorization,x-api-key,anthropic-version"  # the last two: Anthropic's SDKs
 
 log = structlog.get_logger("llmbus.frontend")
+
+# paths that stand for one of llmbus's routes (Vertex AI's AIP_PREDICT_ROUTE for /vertex, AIP_HEALTH_ROUTE for
+# /health): the middlewares treat a request on one as a request on the route
+ROUTE_ALIASES = web.AppKey("llmbus_route_aliases", dict)
+
+
+def route_path(request: web.Request) -> str:
+    """The route a request is for: its path, or the route a Vertex-named path stands for."""
+    aliases = request.app.get(ROUTE_ALIASES)
+    return aliases.get(request.path, request.path) if aliases else request.path
 
 
 def answer_for(e: Exception) -> ApiError:
@@ -70,21 +81,23 @@ async def error_middleware(request: web.Request, handler):
             log.exception("request failed", method=request.method, path=request.path)
     if _anthropic(request):
         return json_response(error.anthropic_body(), status=error.anthropic_status)
-    body = error.openai_body() if request.path.startswith(OPENAI_PREFIX) else error.body()
+    body = error.openai_body() if route_path(request).startswith(OPENAI_PREFIX) else error.body()
     return json_response(body, status=error.status)
 
 
 def _anthropic(request: web.Request) -> bool:
-    return request.path == ANTHROPIC_PREFIX or request.path.startswith(ANTHROPIC_PREFIX + "/")
+    path = route_path(request)
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 @web.middleware
 async def request_metrics_middleware(request: web.Request, handler):
     """tgi_request_count / _success / _failure{err}: once per generation request, whatever its route."""
-    if request.method != "POST" or request.path not in GENERATION_PATHS:
+    path = route_path(request)
+    if request.method != "POST" or path not in GENERATION_PATHS:
         return await handler(request)
     metrics = request.app[STATE].request_metrics
-    metrics.started(request.path)
+    metrics.started(path)
     try:
         response = await handler(request)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -104,7 +117,8 @@ async def request_metrics_middleware(request: web.Request, handler):
 # the route span's name, as TGI names its handlers' spans
 SPAN_NAMES = {"/": "compat_generate", "/generate": "generate", "/generate_stream": "generate_stream",
               "/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
-              "/invocations": "invocations", "/tokenize": "tokenize", "/v1/responses": "create_response",
+              "/invocations": "invocations", "/vertex": "vertex_compatibility", "/tokenize": "tokenize",
+              "/v1/responses": "create_response",
               "/v1/messages": "messages"}
 
 
@@ -112,7 +126,7 @@ SPAN_NAMES = {"/": "compat_generate", "/generate": "generate", "/generate_stream
 async def tracing_middleware(request: web.Request, handler):
     """A server span per generation request (only installed with tracing on), in the client's trace when
     it sent a ``traceparent`` header; what runs inside (validation, the scheduler's spans) joins it."""
-    name = SPAN_NAMES.get(request.path) if request.method == "POST" else None
+    name = SPAN_NAMES.get(route_path(request)) if request.method == "POST" else None
     if name is None:
         return await handler(request)
     from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -140,7 +154,7 @@ def auth_middleware(api_key: str):
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if (request.method == "POST" and request.path in AUTH_PATHS
+        if (request.method == "POST" and route_path(request) in AUTH_PATHS
                 or request.path.startswith(AUTH_PREFIXES) and request.method != "OPTIONS"):
             given = request.headers.get("Authorization", "").lower().encode()
             given_key = request.headers.get("x-api-key", "").lower().encode()

@@ -216,6 +216,13 @@ def _paths() -> dict:
                                       "(has `messages`) or a CompletionRequest (has `prompt`). HTTP errors "
                                       "are TGI's ErrorResponse; in-band stream errors take the shape of "
                                       "the selected route.")},
+        "/vertex": {"post": _op(
+            "vertex_compatibility", TGI_TAG, "Google Vertex AI predictions",
+            {"200": _response("One generated text per instance.", _json(ref("VertexResponse"))),
+             "400": {"$ref": "#/components/responses/Unsupported"}, **_errors()},
+            body=ref("VertexRequest"), secured=True,
+            description="A generate instance samples unless its parameters set `do_sample`; a chat instance's "
+                        "text is the chat route's answer. Also served at AIP_PREDICT_ROUTE when set.")},
         "/v1/chat/completions": {"post": _op(
             "chat_completions", OPENAI_TAG, "OpenAI chat completions",
             {"200": _openai_ok("ChatCompletion", "ChatCompletionChunk"),

@@ -212,6 +212,13 @@ def tgi_schemas() -> dict:
                                        "parameters": ref("GenerateParameters"),
                                        "stream": _t("boolean", "Answer with an SSE stream.", default=False)},
                                       ("inputs",)),
+        "VertexRequest": _obj({"instances": array({"anyOf": [ref("GenerateRequest"), ref("ChatRequest")]},
+                                                  "Each a generate request (`inputs`) or a chat request "
+                                                  "(`messages`).", minItems=1)}, ("instances",),
+                              example={"instances": [{"inputs": "What is Deep Learning?",
+                                                      "parameters": {"max_new_tokens": 20}}]}),
+        "VertexResponse": _obj({"predictions": array(_t("string"), "One generated text per instance, in order.")},
+                               ("predictions",)),
         "Token": _token(),
         "PrefillToken": _token(special=False),
         "BestOfSequence": _obj({"generated_text": text, **seq}, ("generated_text", *_SEQUENCE_REQUIRED)),

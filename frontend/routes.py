@@ -26,6 +26,7 @@ from llmbus.frontend.openai_routes import chat_completions, chat_format, chat_pr
 from llmbus.frontend.responses_api import setup_responses_routes
 from llmbus.frontend.state import STATE, VERSION, FrontendState, json_response
 from llmbus.frontend.validation import GenerateRequest, parse_request, validate_best_of
+from llmbus.frontend.vertex import setup_vertex_routes
 
 log = structlog.get_logger("llmbus.frontend")
 
@@ -174,8 +175,11 @@ async def chat_tokenize(request: web.Request) -> web.Response:
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:
-    """SageMaker's single route: a chat body (``messages``), a completion body (``prompt``) or TGI's."""
+    """SageMaker's single route: TGI's generate body (``inputs``), a chat body (``messages``) or a completion
+    body (``prompt``), tried in that order as TGI's untagged union does."""
     body = read_json_object(await request.read(), "a generate, chat or completion request")
+    if "inputs" in body:
+        return await compat_generate(request)
     if "messages" in body:
         return await chat_completions(request)  # aiohttp keeps the body: it can be read again
     if "prompt" in body:
@@ -254,4 +258,6 @@ def setup_routes(app: web.Application) -> None:
     setup_openai_routes(app)
     setup_anthropic_routes(app)
     setup_responses_routes(app)
+    config = app[STATE].config
+    setup_vertex_routes(app, config.aip_predict_route, config.aip_health_route, health)
     add_openapi_routes(app, VERSION, lambda: app[STATE].config.model_id)

@@ -232,8 +232,13 @@ def load_json(raw: bytes):
 
 def parse_request(raw: bytes, *, compat: bool = False) -> GenerateRequest:
     """A GenerateRequest (CompatGenerateRequest when ``compat``) from a request body."""
-    body = load_json(raw)
-    struct = "CompatGenerateRequest" if compat else "GenerateRequest"
+    return generate_request(load_json(raw), compat=compat)
+
+
+def generate_request(body, *, compat: bool = False, struct: str | None = None) -> GenerateRequest:
+    """A GenerateRequest (CompatGenerateRequest when ``compat``) from a parsed JSON value; ``struct``: the
+    name its type errors give it (a Vertex instance's)."""
+    struct = struct or ("CompatGenerateRequest" if compat else "GenerateRequest")
     if not isinstance(body, dict):
         raise body_type_error(f"invalid type: {_unexpected(body)}, expected struct {struct}")
     if "inputs" not in body:

@@ -30,7 +30,8 @@ SPECIAL = {"max_total_tokens": 200, "max_input_tokens": 100, "max_batch_prefill_
            "port": 3456, "hostname": "127.0.0.2", "otlp_endpoint": "http://127.0.0.1:4317", "cors_allow_origin": ["http://a.example"],
            "dtype": "bfloat16", "quantize": "int8", "device": "cpu", "runner": "fake", "api_key": "sekret",
            "generation_config": "none", "cuda_graphs": "1,2,4", "steps_ahead": 2,
-           "piecewise_graphs": "16,32", "launch_depth": 2, "tokenizer_config_path": TOKENIZER_CONFIG}
+           "piecewise_graphs": "16,32", "launch_depth": 2, "tokenizer_config_path": TOKENIZER_CONFIG,
+           "aip_predict_route": "/predict", "aip_health_route": "/healthz"}
 
 
 def user_settings() -> list:
@@ -101,6 +102,7 @@ ANY = object()  # changed, to a value the launch derives
 # What the launcher derives from a flag (TGI's rules): these change along with it.
 DERIVED = {"max_batch_prefill_tokens": {"scheduler.fit_prefill_tokens_to_kv": False},
            "max_total_tokens": {"frontend.max_input_tokens": 199},
+           "aip_http_port": {"frontend.port": ANY},  # Vertex's port wins over --port, as in TGI
            # the model embeds its positions times the factor: the default longest request with them
            "rope_factor": {"scheduler.max_total_tokens": ANY, "frontend.max_total_tokens": ANY,
                            "frontend.max_input_tokens": ANY}}

@@ -157,6 +157,13 @@ def test_default_model_is_smollm2_and_knows_paris(smollm2_server):
     assert status == 200, answer
     content = answer["choices"][0]["message"]["content"]
     assert "Paris" in content and answer["choices"][0]["finish_reason"] == "stop", content
+    # Vertex AI's route (TGI's /vertex): the same chat as an instance, beside a greedy generate instance (each
+    # checked for its answer, not against the routes' own: in bf16 a batch of two, or the chat's prefix now
+    # cached, may tip a near-tied token; the fake scheduler's tests compare the texts)
+    greedy = {"inputs": "The capital of France is", "parameters": {"do_sample": False, "max_new_tokens": 6}}
+    status, _, answer = post(f"{server.url}/vertex", {"instances": [CHAT, greedy]})
+    assert status == 200 and len(answer["predictions"]) == 2, answer
+    assert all("Paris" in text for text in answer["predictions"]), answer
     # A second question, streamed: not the first one again, whose cached prefix makes bf16 compute its
     # first answer token from a 5-row prefill instead of a 37-row one, and that token's two candidates
     # ("The", "L") are 0.08 apart in float32: within bf16's noise (see the closing note of #15).
