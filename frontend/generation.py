@@ -21,11 +21,8 @@ from llmbus.bus.messages import FinishReason
 from llmbus.frontend.config import Limits
 from llmbus.frontend.engine_client import TIMED_OUT, EngineClient, EngineFailure, EngineTokens, Mailbox
 from llmbus.frontend.errors import ApiError, ErrorKind, generation_error, validation_error
-from llmbus.frontend.tokenizer import ModelTokenizer
+from llmbus.frontend.tokenizer import LONG_TEXT_CHARS, ModelTokenizer
 from llmbus.frontend.validation import GenerateParameters, ValidParameters, validate_lengths, validate_parameters
-
-# prompts longer than this many characters are tokenized on a worker thread
-INLINE_TOKENIZE_CHARS = 2000
 
 
 @dataclass(slots=True)
@@ -109,11 +106,15 @@ class Generator:
         await self._idle.wait()
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.off_loop(self.tokenizer.encode, text, add_special_tokens)
+
+    async def off_loop(self, encode, text: str, add_special_tokens: bool = True):
+        """``encode(text, add_special_tokens)`` (a ``ModelTokenizer`` method), on a tokenizing thread when
+        ``text`` is long; the tokenizer's own error as TGI reports it."""
         try:
-            if len(text) <= INLINE_TOKENIZE_CHARS:
-                return self.tokenizer.encode(text, add_special_tokens)
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self.tokenizer.encode, text, add_special_tokens)
+            if len(text) <= LONG_TEXT_CHARS:
+                return encode(text, add_special_tokens)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, encode, text, add_special_tokens)
         except Exception as e:  # noqa: BLE001 - the tokenizer's own error, as TGI reports it
             raise validation_error(f"tokenizer error {e}") from None
 

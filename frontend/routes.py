@@ -161,7 +161,8 @@ async def tokenize(request: web.Request) -> web.Response:
     """The prompt's tokens with their character spans, as validation would tokenize it."""
     state = request.app[STATE]
     req = await _read(request, compat=False)
-    return json_response(_token_spans(req.inputs, state.tokenizer.encode_with_offsets(req.inputs)))
+    spans = await state.generator.off_loop(state.tokenizer.encode_with_offsets, req.inputs)
+    return json_response(_token_spans(req.inputs, spans))
 
 
 async def chat_tokenize(request: web.Request) -> web.Response:
@@ -170,7 +171,7 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
                       state.config.max_client_batch_size, state.sampling_defaults, chat_format(state))
     text = chat_prompt(state, chat)
-    spans = state.tokenizer.encode_with_offsets(text, add_special_tokens=False)
+    spans = await state.generator.off_loop(state.tokenizer.encode_with_offsets, text, False)
     return json_response({"tokenize_response": _token_spans(text, spans), "templated_text": text})
 
 

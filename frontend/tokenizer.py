@@ -15,6 +15,8 @@ from tokenizers import Tokenizer
 from llmbus.bus.model_files import config_max_positions, eos_token_ids, read_config, token_content
 from llmbus.frontend.detokenizer import IncrementalDetokenizer
 
+# texts longer than this many characters are tokenized off the event loop (Generator.tokenize)
+LONG_TEXT_CHARS = 2000
 # transformers' "no limit" sentinel for model_max_length is 1e30; anything this large means "unknown".
 _UNBOUNDED = 10**9
 
@@ -26,13 +28,20 @@ class ModelTokenizer:
     special_ids: frozenset[int]
     model_max_length: int | None  # None when neither config.json nor tokenizer_config.json says
 
+    def _encoding(self, text: str, add_special_tokens: bool):
+        # tokenizers' encode holds the GIL throughout (a second per 2 MB body, every other request stalled);
+        # encode_batch releases it, so a long text tokenized on a worker thread leaves the event loop running
+        if len(text) <= LONG_TEXT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encoding(text, add_special_tokens).ids
 
     def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
         """``(id, start, stop)`` per token; start/stop index characters of ``text`` (0, 0 for added
         special tokens)."""
-        encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        encoding = self._encoding(text, add_special_tokens)
         return [(i, start, stop) for i, (start, stop) in zip(encoding.ids, encoding.offsets)]
 
     def is_special(self, token_id: int) -> bool:

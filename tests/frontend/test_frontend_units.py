@@ -175,3 +175,18 @@ def test_token_batch_demux():
         client._ctx.term()
 
     asyncio.run(run())
+
+
+def test_long_texts_tokenize_as_short_ones_do(model_dir):
+    """Past LONG_TEXT_CHARS the tokenizer takes the path that lets go of the GIL (encode_batch): the same
+    ids and character spans as encode, special tokens and all."""
+    from llmbus.frontend.tokenizer import LONG_TEXT_CHARS, load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    text = "<s>héllo wörld 🙂 日本語, " * (LONG_TEXT_CHARS // 10)
+    assert len(text) > LONG_TEXT_CHARS
+    for add_special_tokens in (True, False):
+        plain = tok.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        assert tok.encode(text, add_special_tokens) == plain.ids
+        assert tok.encode_with_offsets(text, add_special_tokens) == [
+            (i, start, stop) for i, (start, stop) in zip(plain.ids, plain.offsets)]
