@@ -10,10 +10,28 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 CACHE = Path(os.environ.get("LLMBUS_BENCH_CACHE", Path.home() / ".cache" / "llmbus" / "bench"))
+# the development workshop beside a checkout, whose setup-llama-cpp builds llama.cpp where LLAMA_CPP_DIR is unset
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
+LLAMA_CPP_HOWTO = ("set LLAMA_CPP_DIR to a llama.cpp checkout built with `cmake -B build -DCMAKE_BUILD_TYPE=Release "
+                   "&& cmake --build build -j --target llama-server llama-quantize` (its converter then runs on the "
+                   "transformers and torch installed here, with `pip install sentencepiece`)")
+# llama.cpp's own converter, run with its gguf-py first on the path; a tokenizer its pre-tokenizer table does not
+# know (the demo model's, trained here) is declared as the given one (GPT-2's byte-level regex)
+_CONVERT = """
+import os, sys
+src, folder, out, kind, pre = sys.argv[1:]
+sys.path[:0] = [os.path.join(src, "gguf-py"), src]
+if pre:
+    import conversion.base as base
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+import convert_hf_to_gguf as convert
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", kind]
+convert.main()
+"""
 
 
 def package_gguf() -> Path:
@@ -63,9 +81,25 @@ def dense_folder(dtype: str = "bfloat16") -> Path:
 
 
 def llama_cpp_dir() -> Path:
-    """llama.cpp built by ../shared/peers/setup-llama-cpp (about 10 minutes the first time)."""
+    """A llama.cpp checkout with llama-server and llama-quantize built: $LLAMA_CPP_DIR, else the one the workshop's
+    setup-llama-cpp builds (about 10 minutes the first time) where that is beside this checkout."""
+    given = os.environ.get("LLAMA_CPP_DIR")
+    if given:
+        path = Path(given).expanduser()
+        if not (path / "build" / "bin" / "llama-server").is_file():
+            raise SystemExit(f"LLAMA_CPP_DIR={given} has no build/bin/llama-server: {LLAMA_CPP_HOWTO}")
+        return path
+    if not (PEERS / "setup-llama-cpp").is_file():
+        raise SystemExit(f"this comparison needs llama.cpp: {LLAMA_CPP_HOWTO}")
     out = subprocess.run(["bash", str(PEERS / "setup-llama-cpp")], check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def gguf_from_hf(folder: str | Path, out: str | Path, kind: str, pre: str = "") -> subprocess.CompletedProcess:
+    """``folder`` (a Hugging Face model) written to ``out`` as a ``kind`` GGUF (bf16, f16, f32, q8_0) by llama.cpp's
+    own converter; ``pre``: the pre-tokenizer to declare for a tokenizer llama.cpp does not know."""
+    return subprocess.run([sys.executable, "-c", _CONVERT, str(llama_cpp_dir()), str(folder), str(out), kind, pre],
+                          capture_output=True, text=True)
 
 
 def peer_gguf(kind: str) -> Path:
@@ -75,7 +109,5 @@ def peer_gguf(kind: str) -> Path:
         return package_gguf()
     out = CACHE / f"smollm2-{kind}.gguf"
     if not out.is_file():
-        llama_cpp_dir()
-        subprocess.run(["bash", str(PEERS / "gguf-from-hf"), str(dense_folder("float32")), str(out), kind],
-                       check=True, stdout=subprocess.DEVNULL)
+        gguf_from_hf(dense_folder("float32"), out, kind).check_returncode()
     return out

@@ -19,8 +19,8 @@ only the arithmetic differs.
    - ``llmbus-bf16``: ``llmbus up --dtype bfloat16``, once per ``--kv-cache-dtypes`` value (auto: what a
      user gets);
    - ``llama-bf16`` / ``llama-f32``: llama.cpp's llama-server on a bf16 / f32 GGUF of the folder (written
-     by ../shared/peers/gguf-from-hf, llama.cpp's own converter; its default KV cache, float16). Skipped,
-     with how to build it, when llama-server is not built.
+     by llama.cpp's own converter, _smollm2.gguf_from_hf; its default KV cache, float16). Skipped, with how
+     to build it, when llama-server is not built ($LLAMA_CPP_DIR).
 
 2. Perplexity through the decode path. In this process, llmbus's ModelRunner on the folder reads the
    first ``--ppl-tokens`` tokens of benchmarks/data/declaration.txt: ``--ppl-prefix`` tokens as one
@@ -50,7 +50,6 @@ import glob
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +67,6 @@ TEXT = DATA / "declaration.txt"
 ROWS = ("llmbus-bf16", "llmbus-f32", "llama-bf16", "llama-f32", "hf-bf16")  # the slowest, transformers, last
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 PPL_TARGET = 1.01
-PEERS_README = "../shared/peers/README.md"
 
 
 # -- answers -------------------------------------------------------------------------------------
@@ -129,27 +127,31 @@ def served_answers(url: str, questions: list[str], max_tokens: int) -> dict:
 
 
 def llama_server_missing() -> str | None:
-    """Why llama-server cannot run here (None: it is built). Looks where ../shared/peers/setup-llama-cpp
-    builds it, without building it (about 10 minutes)."""
+    """Why llama-server cannot run here (None: it is built), without building it (about 10 minutes): at
+    $LLAMA_CPP_DIR, else where the workshop's setup-llama-cpp builds it."""
+    from _smollm2 import LLAMA_CPP_HOWTO
+
+    given = os.environ.get("LLAMA_CPP_DIR")
+    if given:
+        return None if (Path(given).expanduser() / "build" / "bin" / "llama-server").is_file() else (
+            f"LLAMA_CPP_DIR={given} has no build/bin/llama-server: {LLAMA_CPP_HOWTO}")
     peers = Path(os.environ.get("LLMBUS_PEERS", Path.home() / ".cache" / "llmbus-peers"))
     if glob.glob(str(peers / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server")):
         return None
-    return (f"llama-server is not built under {peers}: build it with `bash ../shared/peers/setup-llama-cpp` "
-            f"(about 10 minutes, once; see {PEERS_README}), then rerun")
+    return f"llama-server is not built: {LLAMA_CPP_HOWTO}"
 
 
 def gguf_of(folder: Path, kind: str) -> Path:
     """``folder``'s weights as a ``kind`` GGUF (bf16, f32), by llama.cpp's converter; written once beside
     the folder."""
-    from _smollm2 import PEERS
+    from _smollm2 import gguf_from_hf
 
     out = folder.parent / f"{folder.name}.{kind}.gguf"
     if not out.is_file():
         tmp = out.with_name(out.name + ".tmp")
-        done = subprocess.run(["bash", str(PEERS / "gguf-from-hf"), str(folder), str(tmp), kind],
-                              capture_output=True, text=True)
+        done = gguf_from_hf(folder, tmp, kind)
         if done.returncode != 0:
-            raise RuntimeError(f"gguf-from-hf failed ({done.returncode}): {done.stderr[-2000:]}")
+            raise RuntimeError(f"llama.cpp's converter failed ({done.returncode}): {done.stderr[-2000:]}")
         tmp.rename(out)
     return out
 

