@@ -211,13 +211,17 @@ def _message_content(message: dict, index: int) -> str | None:
         raise validation_error(f"`messages[{index}].content` must be a string or an array of content parts",
                                param="messages")
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
-            raise validation_error(f"`messages[{index}].content`: {kind or 'this'} content is not supported "
-                                   f"by this model; only text parts are", param="messages")
+        if not isinstance(kind, str):
+            raise validation_error(f"`messages[{index}].content[{j}]` must be a content part: an object with a "
+                                   f"string `type`", param="messages")
+        if kind != "text":
+            raise validation_error(f"`messages[{index}].content`: {kind} content is not supported by this model; "
+                                   f"only text parts are", param="messages")
+        if not isinstance(part.get("text"), str):
+            raise validation_error(f"`messages[{index}].content[{j}].text` must be a string", param="messages")
+        texts.append(part["text"])
     return "".join(texts)
 
 
@@ -236,6 +240,9 @@ def _messages(body: dict) -> list[dict]:
         # a plain copy for the template: text parts joined into one string, which every template reads
         clean = dict(message)
         clean["content"] = _message_content(message, i)
+        if clean["content"] is None and not (message["role"] == "assistant" and message.get("tool_calls")):
+            # only an assistant's tool calls stand without content (OpenAI's rule; TGI's MessageBody too)
+            raise validation_error(f"`messages[{i}]` must have a `content`", param="messages")
         out.append(clean)
     return out
 

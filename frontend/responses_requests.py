@@ -55,22 +55,24 @@ def _check(body: dict, name: str, kinds: tuple[type, ...], what: str):
     return value
 
 
-def _text(content, where: str) -> str:
-    """A message's content: a string, or text parts joined."""
+def _text(content, where: str, whole: bool = False) -> str:
+    """A message's content (``where``: the message; ``whole``: the field itself), a string or text parts
+    joined."""
+    named = where if whole else f"{where}.content"
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise validation_error(f"`{where}.content` must be a string or an array of content parts", param="input")
+        raise validation_error(f"`{named}` must be a string or an array of content parts", param="input")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise unsupported(f"`{where}.content`: {kind} parts are not supported by this model; only text "
+            raise unsupported(f"`{named}`: {kind} parts are not supported by this model; only text "
                               f"parts are", param="input")
         else:
-            raise validation_error(f"`{where}.content` parts must be input_text or output_text parts with a "
+            raise validation_error(f"`{named}` parts must be input_text or output_text parts with a "
                                    f"string `text`", param="input")
     return "".join(texts)
 
@@ -113,7 +115,7 @@ def input_messages(raw) -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise validation_error(f"`{where}.call_id` must be a string", param="input")
             output = item.get("output")
-            output = output if isinstance(output, str) else _text(output, where)
+            output = output if isinstance(output, str) else _text(output, f"{where}.output", whole=True)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind == "reasoning":
             continue  # a reasoning model's notes, fed back by clients: nothing this model can read
@@ -130,6 +132,9 @@ def _tool(tool, i: int) -> dict:
             raise unsupported(f"`tools[{i}]`: built-in tools ({kind}) are not supported; only function tools "
                               f"are", param="tools")
         raise validation_error(f'`tools[{i}]` must be an object with `type: "function"`', param="tools")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        # the Responses API's function tools are flat (not the chat API's {"function": {...}})
+        raise validation_error(f"`tools[{i}].name` must be a non-empty string", param="tools")
     fn = {"name": tool.get("name"), "parameters": tool.get("parameters")}
     if tool.get("description") is not None:
         fn["description"] = tool["description"]
@@ -182,7 +187,8 @@ def parse_responses(body: dict, previous: list[dict] | None) -> ResponsesRequest
         raise validation_error("`input` is required", param="input")
     history = list(previous or []) + input_messages(body["input"])
     if not history:
-        raise validation_error("`input` must not be empty", param="input")
+        raise validation_error("`input` must hold a message or a function call output (reasoning items alone "
+                               "give the model nothing to answer)", param="input")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     tools = _check(body, "tools", (list,), "an array") or []
     chat = {"messages": messages, "tools": [_tool(t, i) for i, t in enumerate(tools)] or None,

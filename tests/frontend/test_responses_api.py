@@ -176,6 +176,10 @@ def test_second_turns_previous_response_id_and_function_call_output(sdk):
     ({"input": [{"role": "robot", "content": "hi"}]}, 422, "input", "role"),
     ({"input": [{"role": {}, "content": "hi"}]}, 422, "input", "role"),  # was a 500 (schemathesis)
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, 422, "text", "text.format.type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, 422, "input",
+     "`input[0].output` must be a string or an array of content parts"),
+    ({"input": "hi", "tools": [{"type": "function"}]}, 422, "tools", "`tools[0].name` must be a non-empty string"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 422, "input", "reasoning items alone"),
     ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 422, None,
      "Tool with name nope not found"),
 ], ids=lambda v: None)
