@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from llmbus.frontend.engine_client import TIMED_OUT, Mailbox
-from llmbus.frontend.errors import ApiError
+from llmbus.frontend.errors import ApiError, ErrorKind
 from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, run_all
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
@@ -450,19 +450,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
                           "usage": _usage(choices)})
 
 
-async def models(request: web.Request) -> web.Response:
+def _model_cards(state: FrontendState) -> list[dict]:
     """The served model, then each LoRA adapter with the base as its ``parent`` (as vLLM lists them): a
     client selects one by naming it as ``model``."""
-    state = request.app[STATE]
     model_id = state.config.model_id
     adapters = state.engine.lora_adapters if state.engine is not None else []
-    return json_response({"object": "list", "data": [
-        {"id": model_id, "object": "model", "created": 0, "owned_by": model_id},
-        *({"id": name, "object": "model", "created": 0, "owned_by": model_id, "parent": model_id}
-          for name in adapters)]})
+    return [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id},
+            *({"id": name, "object": "model", "created": 0, "owned_by": model_id, "parent": model_id}
+              for name in adapters)]
+
+
+async def models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": _model_cards(request.app[STATE])})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One of ``models``' cards by its id (OpenAI's ``models.retrieve``); an id with slashes is taken whole."""
+    name = request.match_info["model"]
+    for card in _model_cards(request.app[STATE]):
+        if card["id"] == name:
+            return json_response(card)
+    raise ApiError(ErrorKind.NOT_FOUND, f"The model `{name}` does not exist", param="model")
 
 
 def setup_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)

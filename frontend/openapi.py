@@ -250,6 +250,12 @@ def _paths() -> dict:
         "/v1/models": {"get": _op("list_models", OPENAI_TAG, "The served model",
                                   {"200": _response("A list holding the one served model.",
                                                     _json(ref("ModelList")))})},
+        "/v1/models/{model}": {"get": {**_op(
+            "retrieve_model", OPENAI_TAG, "One served model or LoRA adapter",
+            {"200": _response("Its card, as /v1/models lists it.", _json(ref("Model"))),
+             "404": _response("No served model or adapter has this id.", _json(ref("OpenAIError")))},
+            description="An id with slashes (`org/name`) is taken whole."),
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]}},
         "/info": {"get": _op("info", INFO_TAG, "Model and server limits",
                              {"200": _response("Server info.", _json(ref("Info")))})},
         "/health": {"get": _health_op("health", "Health check")},

@@ -88,6 +88,12 @@ def test_openai_model_names_an_adapter_and_is_echoed(server, expected):
     status, listed = get(server.url + "/v1/models")
     base = listed["data"][0]["id"]
     assert [(m["id"], m.get("parent")) for m in listed["data"]] == [(base, None), ("sql", base), ("poet", base)]
+    from openai import NotFoundError, OpenAI
+
+    sdk = OpenAI(base_url=server.url + "/v1", api_key="-")  # models.retrieve: each card by its id, slashes too
+    assert [sdk.models.retrieve(card["id"]).model_dump(exclude_none=True) for card in listed["data"]] == listed["data"]
+    with pytest.raises(NotFoundError, match="The model `gpt-4o` does not exist"):
+        sdk.models.retrieve("gpt-4o")
 
 
 def test_huggingface_hub_selects_an_adapter_as_it_does_on_tgi(server):
