@@ -139,15 +139,20 @@ class Generator:
             raise
         return gens
 
-    async def prepare(self, inputs: str, parameters: GenerateParameters, start_time: float,
+    async def prepare(self, inputs: str | list[int], parameters: GenerateParameters, start_time: float,
                       arrival_time: float, *, add_special_tokens: bool = True) -> "Generation":
         """A Generation ready to start; raises ApiError (422, 429, 424). Holds a permit until closed.
 
-        ``add_special_tokens=False`` for text that already carries them (a rendered chat template)."""
+        ``inputs``: text, or token ids fed as they are; ``add_special_tokens=False`` for text that already
+        carries them (a rendered chat template)."""
         self.acquire()
         try:
             params = validate_parameters(inputs, parameters, self.limits, adapters=self.engine.lora_adapters)
-            ids = await self.tokenize(inputs, add_special_tokens)
+            if isinstance(inputs, str):
+                ids = await self.tokenize(inputs, add_special_tokens)
+            else:
+                ids = self.tokenizer.known_ids(inputs)
+                inputs = self.tokenizer.text_of(ids)
             input_length, max_new = validate_lengths(len(ids), params.truncate, params.max_new_tokens,
                                                      self.limits)
             if self.engine.dead_reason is not None:

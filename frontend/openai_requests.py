@@ -95,7 +95,7 @@ class ChatRequest:
 
 @dataclass
 class CompletionRequest:
-    prompts: list[str]
+    prompts: list[str | list[int]]  # text, or token ids (fed as they are: no special tokens added)
     echo: bool
     params: GenerateParameters
     options: OpenAIOptions
@@ -290,20 +290,34 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
                        chat_format=chat_format)
 
 
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """OpenAI's four shapes of ``prompt``: a string, strings, one prompt's token ids, several prompts' token ids
+    (as vLLM takes them; lm-eval's completions client sends token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and not prompt:
+        raise validation_error("Empty array detected. Do not use an empty array for the prompt.", param="prompt")
+    if isinstance(prompt, list):
+        if all(isinstance(s, str) for s in prompt):
+            return list(prompt)
+        if all(_is_token_id(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise validation_error("`prompt` must be a string, an array of strings, an array of token ids (integers >= 0) "
+                           "or an array of non-empty arrays of token ids", param="prompt")
+
+
 def parse_completion(body: dict, limits: Limits, max_client_batch_size: int,
                      defaults: SamplingDefaults) -> CompletionRequest:
     suffix = body.get("suffix")
     if suffix:
         raise ApiError(ErrorKind.SUFFIX)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(s, str) for s in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and not prompt:
-        raise validation_error("Empty array detected. Do not use an empty array for the prompt.", param="prompt")
-    else:
-        raise validation_error("`prompt` must be a string or a non-empty array of strings", param="prompt")
+    prompts = _prompts(body.get("prompt"))
     if len(prompts) > max_client_batch_size:
         raise ApiError(ErrorKind.BATCH_SIZE, str(max_client_batch_size))
     p, options = _common(body, max_client_batch_size, ("max_tokens",), defaults)

@@ -45,7 +45,7 @@ class Job:
 
     index: int  # the choice's index in the response
     prompt_index: int
-    text: str
+    text: str | list[int]  # a prompt's text, or its token ids (completions)
     params: GenerateParameters
     add_special_tokens: bool
     echo: str = ""  # completions with echo: the prompt, written before the generated text
@@ -438,10 +438,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = req.params
     if req.echo and req.options.top_logprobs is not None and not req.options.stream:
         params = dataclasses.replace(params, decoder_input_details=True)  # prompt logprobs, if enabled
-    jobs = [Job(p * n + i, p, prompt, _choice_params(params, i), add_special_tokens=True,
-                echo=prompt if req.echo else "")
+    jobs = [Job(p * n + i, p, prompt, _choice_params(params, i), add_special_tokens=True)
             for p, prompt in enumerate(req.prompts) for i in range(n)]
     choices = await prepare_choices(state, jobs, start, arrival)
+    if req.echo:  # the prompt's text (a prompt of token ids: as decoded, once they passed validation)
+        for c in choices:
+            c.job.echo = c.gen.prepared.inputs
     header = _header(state, "text_completion", _new_id("cmpl"), int(arrival), choices)
     if req.options.stream:
         return await _stream(request, state, choices, req.options, _CompletionChunks(header, req.options))

@@ -62,6 +62,14 @@ def _string_or_list(description: str, *, nullable: bool = False, non_empty: bool
     return {"description": description, "anyOf": (options + [{"type": "null"}]) if nullable else options}
 
 
+def _completion_prompt() -> dict:
+    ids = array({"type": "integer", "minimum": 0}, minItems=1)
+    text = _string_or_list("", non_empty=True)["anyOf"]
+    return {"description": "One prompt or a non-empty list (at most --max-client-batch-size), as text or token ids "
+                           "(fed as they are, no special tokens added); no prompt may be empty.",
+            "anyOf": [*text, ids, array(ids, minItems=1)]}
+
+
 # ------------------------------------------------------------------------------------------------
 # Component schemas
 # ------------------------------------------------------------------------------------------------
@@ -389,8 +397,7 @@ def openai_schemas(model_id: str) -> dict:
                                    "messages": [{"role": "user", "content": "What is deep learning?"}]}),
         "CompletionRequest": _obj({
             **_openai_common(model_id),
-            "prompt": _string_or_list("One prompt or a non-empty list (at most --max-client-batch-size); "
-                                      "no prompt may be empty.", non_empty=True),
+            "prompt": _completion_prompt(),
             "max_tokens": _t("integer", "Most tokens to generate.", nullable=True, minimum=1, default=16),
             "logprobs": _t("integer", "Return each token's logprob and this many most likely alternatives "
                            "(at most --max-top-n-tokens).", nullable=True, minimum=0),

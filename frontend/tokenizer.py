@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from llmbus.bus.model_files import config_max_positions, eos_token_ids, read_config, token_content
 from llmbus.frontend.detokenizer import IncrementalDetokenizer
+from llmbus.frontend.errors import validation_error
 
 # texts longer than this many characters are tokenized off the event loop (Generator.tokenize)
 LONG_TEXT_CHARS = 2000
@@ -43,6 +44,18 @@ class ModelTokenizer:
         special tokens)."""
         encoding = self._encoding(text, add_special_tokens)
         return [(i, start, stop) for i, (start, stop) in zip(encoding.ids, encoding.offsets)]
+
+    def known_ids(self, ids: list[int]) -> list[int]:
+        """``ids`` (a prompt given as token ids), if every one is in the vocabulary."""
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        unknown = next((i for i in ids if i >= size), None)
+        if unknown is not None:
+            raise validation_error(f"token id {unknown} is out of the vocabulary ({size} tokens)", param="prompt")
+        return ids
+
+    def text_of(self, ids: list[int]) -> str:
+        """The text of a prompt given as token ids, as an echo shows it (special tokens take no room)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids

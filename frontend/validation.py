@@ -293,7 +293,7 @@ def served_adapter(p: GenerateParameters, adapters: Sequence[str]) -> str:
     return p.model if p.model and p.model in adapters else ""
 
 
-def validate_parameters(inputs: str, p: GenerateParameters, limits: Limits,
+def validate_parameters(inputs: str | list[int], p: GenerateParameters, limits: Limits,
                         rng: random.Random | None = None, adapters: Sequence[str] = ()) -> ValidParameters:
     """validation.rs ``validate`` up to tokenization, in TGI's order; ``adapters``: the LoRA adapters the
     ranks hold."""

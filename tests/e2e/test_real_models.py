@@ -164,6 +164,15 @@ def test_default_model_is_smollm2_and_knows_paris(smollm2_server):
     status, _, answer = post(f"{server.url}/vertex", {"instances": [CHAT, greedy]})
     assert status == 200 and len(answer["predictions"]) == 2, answer
     assert all("Paris" in text for text in answer["predictions"]), answer
+    # OpenAI's completions with the prompt as token ids (as lm-eval sends it): the text prompt's answer
+    from openai import OpenAI
+
+    ids = [t["id"] for t in post(f"{server.url}/tokenize", {"inputs": greedy["inputs"]})[2]]
+    sdk = OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    by_ids, by_text = (sdk.completions.create(model="tgi", prompt=prompt, max_tokens=6, temperature=0, echo=True)
+                       for prompt in (ids, greedy["inputs"]))
+    assert by_ids.choices[0].text == by_text.choices[0].text and "Paris" in by_ids.choices[0].text, by_ids
+    assert by_ids.usage.prompt_tokens == len(ids)
     # A second question, streamed: not the first one again, whose cached prefix makes bf16 compute its
     # first answer token from a 5-row prefill instead of a 37-row one, and that token's two candidates
     # ("The", "L") are 0.08 apart in float32: within bf16's noise (see the closing note of #15).

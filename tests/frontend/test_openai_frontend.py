@@ -274,6 +274,21 @@ def test_completions_echo_and_logprobs(fe):
     assert list(lp["top_logprobs"][-1].values()) == [-0.75]
 
 
+def test_completions_take_prompts_as_token_ids(fe):
+    """OpenAI's token-id prompts (one, or one per prompt): fed as they are, no special token added; the echo
+    is their text, special tokens taking no room, and the answer is the text prompt's."""
+    ids = fe.sched.tok.encode("the fox").ids  # with the BOS the text prompt gets
+    _, _, by_text = fe.post("/v1/completions", {"prompt": "the fox", "echo": True, "max_tokens": 3})
+    assert fe.sched.adds[last_rid(fe)].input_ids == ids and ids[0] == 0
+    _, _, body = fe.post("/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 3})
+    assert fe.sched.adds[last_rid(fe)].input_ids == ids
+    assert body["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert body["usage"]["prompt_tokens"] == by_text["usage"]["prompt_tokens"] == len(ids)
+    _, _, body = fe.post("/v1/completions", {"prompt": [ids[1:], ids[1:2]], "max_tokens": 2})
+    fed = sorted(a.input_ids for a in list(fe.sched.adds.values())[-2:])
+    assert fed == sorted([ids[1:], ids[1:2]]) and len(body["choices"]) == 2, fed
+
+
 def test_completions_stream(fe):
     _, _, raw = fe.request("POST", "/v1/completions", {"prompt": ["a", "b"], "stream": True, "max_tokens": 30,
                                                        "stream_options": {"include_usage": True}})
@@ -293,8 +308,10 @@ def test_completions_stream(fe):
      "Number of prompts exceeds the maximum allowed batch size of 4"),
     ({"prompt": []}, 422, "validation",
      "Input validation error: Empty array detected. Do not use an empty array for the prompt."),
-    ({"prompt": [1, 2]}, 422, "validation",
-     "Input validation error: `prompt` must be a string or a non-empty array of strings"),
+    *(({"prompt": bad}, 422, "validation", "Input validation error: `prompt` must be a string, an array of "
+       "strings, an array of token ids (integers >= 0) or an array of non-empty arrays of token ids")
+      for bad in ([1, "x"], [[1, 2], []], [1, -2], [1, True], [[1], "x"])),
+    ({"prompt": [1, 10**9]}, 422, "validation", "Input validation error: token id 1000000000 is out of the vocabulary"),
     ({"prompt": "x", "logprobs": 9}, 422, "validation",
      "Input validation error: `logprobs` must be >= 0 and <= 5. Given: 9"),
     ({"prompt": "x", "best_of": 3}, 422, "validation", "Input validation error: `best_of` must equal `n`"),
