@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 17  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 18  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -50,6 +50,7 @@ WIRE_VERSION = 17  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 #     rank that ignored NewRequestData.adapter would answer with the base model
 # 16: FrontendStats.adapter_names/adapter_counts (llmbus_generation_adapter_count)
 # 17: WorkerReady.rope_split_tokens (LongRoPE: the prefix cache keeps prompts past it apart)
+# 18: StepResult/TokenBatch.prompt_logprobs entries carry the prompt positions' top tokens: [rid, logprobs, tops]
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -371,7 +372,9 @@ class StepResult(Message):
     forward_time: float = 0.0  # seconds spent in the forward pass
     sample_time: float = 0.0  # seconds spent sampling
     top_tokens: list[list] = field(default_factory=list)  # per sampled request: [[ids], [logprobs]]
-    prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprob per prompt token]]]
+    # [[rid, [logprob per prompt token], tops]]: tops, per prompt token, its position's top_n_tokens most likely
+    # tokens as [[ids], [logprobs]] ([] when the request asked for none)
+    prompt_logprobs: list[list] = field(default_factory=list)
     # [[rid, error_type, why]]: requests rank 0 cannot go on with (their grammar does not compile for this
     # vocabulary: "validation"; it failed while generating: "generation"). Their token this step is an
     # end-of-sequence, which the scheduler drops as it fails them (RequestFailed with that error_type).
@@ -472,7 +475,7 @@ class TokenBatch(Message):
     logprobs: list[float]
     finish_reasons: list[int]  # FinishReason per token; NONE while running
     top_tokens: list[list] = field(default_factory=list)  # per token [[ids], [logprobs]] when asked
-    prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprobs]]] on first tokens
+    prompt_logprobs: list[list] = field(default_factory=list)  # [[rid, [logprobs], tops]] on first tokens
     queue_times: list[float] = field(default_factory=list)  # per token: seconds queued (first token only, else 0)
     # [[rid, guessed tokens, kept]] for each request that finished in this batch after speculating
     speculation: list[list] = field(default_factory=list)

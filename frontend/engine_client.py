@@ -61,6 +61,7 @@ class EngineTokens:
 
     tokens: list[TokenEvent]
     prompt_logprobs: list | None = None
+    prompt_top_tokens: list | None = None  # per prompt token scored: [[ids], [logprobs]] (top_n_tokens asked)
     received_at: float = 0.0
     speculation: tuple[int, int] | None = None  # (guessed, kept) once a request that speculated finishes
     cached_tokens: int = 0  # prompt tokens the prefix cache held (with the first tokens)
@@ -415,8 +416,9 @@ class EngineClient:
                 finish_reason=batch.finish_reasons[i], top_tokens=top[i] if top else None,
                 queue_time=queue_times[i] if queue_times else 0.0))
         for entry in batch.prompt_logprobs:
-            if isinstance(entry, list) and len(entry) == 2 and entry[0] in per_request:
+            if isinstance(entry, list) and len(entry) == 3 and entry[0] in per_request:
                 per_request[entry[0]].prompt_logprobs = entry[1]
+                per_request[entry[0]].prompt_top_tokens = entry[2]
         for entry in batch.speculation:
             if isinstance(entry, list) and len(entry) == 3 and entry[0] in per_request:
                 per_request[entry[0]].speculation = (entry[1], entry[2])

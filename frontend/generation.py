@@ -224,6 +224,7 @@ class Generation:
     text_parts: list[str] = field(default_factory=list)  # texts of the non-special tokens
     finish_reason: str | None = None
     prompt_logprobs: list | None = None
+    prompt_top_tokens: list | None = None  # aligned with prompt_logprobs: [[ids], [logprobs]] per token
     speculation: tuple[int, int] | None = None  # (guessed tokens, kept), for the request log
     cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache saved
     timings: Timings = field(default_factory=Timings)
@@ -303,6 +304,7 @@ class Generation:
         tok = self.generator.tokenizer
         if item.prompt_logprobs is not None:
             self.prompt_logprobs = item.prompt_logprobs
+            self.prompt_top_tokens = item.prompt_top_tokens
         if item.speculation is not None:
             self.speculation = item.speculation
         if item.cached_tokens:

@@ -155,11 +155,17 @@ def _completion_logprobs(tokens: list[TokenOut], options: OpenAIOptions, offset:
 
 
 def _prompt_rows(gen: Generation) -> list[dict]:
-    """Prompt tokens for ``echo`` with ``logprobs``: their logprobs when the engine computed them. Special
-    tokens (a BOS) are listed but take no room in the echoed text (``shown``)."""
+    """Prompt tokens for ``echo`` with ``logprobs``: their logprobs, and their positions' most likely tokens,
+    when the engine computed them (the first token has neither). Special tokens (a BOS) are listed but take no
+    room in the echoed text (``shown``)."""
     tokenizer = gen.generator.tokenizer
-    return [{"text": t, "shown": "" if tokenizer.is_special(i) else t, "logprob": lp, "top": None}
-            for i, t, lp in prompt_tokens(gen)]
+    rows = prompt_tokens(gen)
+    tops: list = [None] * len(rows)
+    given = gen.prompt_top_tokens or []
+    if len(given) <= len(rows):  # aligned to the end, as the logprobs are
+        tops[len(rows) - len(given):] = [dict(zip(tokenizer.token_texts(ids), map(f32, lps))) for ids, lps in given]
+    return [{"text": t, "shown": "" if tokenizer.is_special(i) else t, "logprob": lp, "top": top}
+            for (i, t, lp), top in zip(rows, tops)]
 
 
 # --- running choices ---------------------------------------------------------------------------------

@@ -173,6 +173,7 @@ class Scheduler:
             req.block_table, req.num_computed, req.status = [], 0, RequestStatus.WAITING
             if req.wants_prompt_logprobs:
                 req.prompt_logprob_values.clear()
+                req.prompt_logprob_tops.clear()
             self.waiting.appendleft(req)
         for req in self.waiting:  # the steps in flight are lost with the ranks: their tokens are computed again
             req.ahead = req.pending = 0
@@ -393,10 +394,12 @@ class Scheduler:
         return True
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, tuple[int, float] | list[tuple[int, float]]],
-               prompt_logprobs: dict[str, list[float]] | None = None) -> list[TokenEvent]:
-        """Apply one step's sampled tokens (and the prompt logprobs computed in it, per rid); returns one
-        event per token that reaches a client. ``sampled``: rid -> (token, logprob); for a sequence that
-        speculated, the list of them the ranks kept (its accepted guesses, then the token sampled after)."""
+               prompt_logprobs: dict[str, list[float]] | None = None,
+               prompt_tops: dict[str, list] | None = None) -> list[TokenEvent]:
+        """Apply one step's sampled tokens (and the prompt logprobs computed in it, per rid, with their positions' top
+        tokens where asked); returns one event per token that reaches a client. ``sampled``: rid -> (token,
+        logprob); for a sequence that speculated, the list of them the ranks kept (its accepted guesses,
+        then the token sampled after)."""
         events = []
         for seq in batch.seqs:
             req = seq.request
@@ -407,6 +410,7 @@ class Scheduler:
             req.num_computed = seq.num_computed + len(seq.token_ids)
             if prompt_logprobs and req.rid in prompt_logprobs:
                 req.prompt_logprob_values.extend(prompt_logprobs[req.rid])
+                req.prompt_logprob_tops.extend((prompt_tops or {}).get(req.rid, ()))
             prompt_len = len(req.prompt_ids)
             if seq.num_computed < prompt_len <= req.num_computed:
                 # The prompt is in the cache now: later requests sharing it can skip it at once.
@@ -432,7 +436,8 @@ class Scheduler:
                 reason = self._finish_reason(req, token_id)
                 first_with_prompt = req.prompt_logprobs and len(req.output_ids) == 1
                 events.append(TokenEvent(req, token_id, logprob, reason,
-                                         req.prompt_logprob_values if first_with_prompt else None))
+                                         req.prompt_logprob_values if first_with_prompt else None,
+                                         req.prompt_logprob_tops if first_with_prompt else None))
                 if reason is not FinishReason.NONE:
                     self._finish(req)  # an EOS among the kept guesses ends it there
                     break
@@ -477,6 +482,7 @@ class Scheduler:
         req.num_preemptions += 1
         if req.wants_prompt_logprobs:
             req.prompt_logprob_values.clear()  # recomputed from the first chunk on
+            req.prompt_logprob_tops.clear()
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
 

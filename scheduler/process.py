@@ -342,13 +342,14 @@ class SchedulerService:
                 later.void = True
             return
         sampled = _sampled_by_rid(batch, result)
-        prompt_logprobs = {rid: values for rid, values in result.prompt_logprobs} if result.prompt_logprobs else None
+        prompt_logprobs = {rid: values for rid, values, _ in result.prompt_logprobs} if result.prompt_logprobs else None
+        prompt_tops = {rid: tops for rid, _, tops in result.prompt_logprobs if tops} or None
         for rid, error_type, why in result.errors:
             # Before update: the request's last token (an end-of-sequence rank 0 forced) is not sent.
             for req in self.policy.abort([rid]):
                 self.log.warning("request failed in the engine", rid=rid, error_type=error_type, reason=why)
                 self._to_frontend(req.frontend_id, m.RequestFailed(rid=rid, error_type=error_type, message=why))
-        events = self.policy.update(batch, sampled, prompt_logprobs)
+        events = self.policy.update(batch, sampled, prompt_logprobs, prompt_tops)
         # Per sampled rid, [[ids], [logprobs]] or [] (it asked for none); None when no request asked.
         top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None
         self._unpublished = (events, top_tokens)

@@ -37,6 +37,7 @@ class Request:
     admitted_time: float | None = None  # first admission
     cached_tokens: int = 0  # prompt tokens the prefix cache held at first admission
     prompt_logprob_values: list[float] = field(default_factory=list)  # prompt tokens 1..n-1, as computed
+    prompt_logprob_tops: list[list] = field(default_factory=list)  # their positions' [[ids], [logprobs]], if asked
     num_preemptions: int = 0
     ngrams: NgramIndex | None = None  # prompt + output, indexed once the request first speculates
     guess_rate: GuessRate | None = None  # its recent acceptance, once it first speculates
@@ -129,3 +130,4 @@ class TokenEvent:
     logprob: float
     finish_reason: FinishReason
     prompt_logprobs: list[float] | None = None  # on a request's first token, when it asked for them
+    prompt_top_tokens: list[list] | None = None  # with them: each position's top tokens (empty: none asked)

@@ -29,7 +29,7 @@ def token_batches(events: list[TokenEvent], top_tokens: dict[str, list] | None =
         tb.logprobs.append(ev.logprob)
         tb.finish_reasons.append(int(ev.finish_reason))
         if ev.prompt_logprobs is not None:
-            tb.prompt_logprobs.append([ev.request.rid, ev.prompt_logprobs])
+            tb.prompt_logprobs.append([ev.request.rid, ev.prompt_logprobs, ev.prompt_top_tokens or []])
         if top_tokens is not None:
             tb.top_tokens.append(top_tokens.get(req.rid, []))
         if ev.finish_reason != m.FinishReason.NONE:

@@ -209,7 +209,10 @@ class FakeScheduler:
                 logprobs=[-0.25 * (i + 1) for i in part], finish_reasons=[int(reasons[i]) for i in part],
                 top_tokens=[[[ids[i]] + [EOS] * (n_top - 1), [-0.25 * (i + 1)] + [-5.0] * (n_top - 1)]
                             for i in part] if n_top else [],
-                prompt_logprobs=([[req.rid, [-1.5] * (len(req.input_ids) - 1)]]
+                # each prompt token after the first at -1.5, and the top of its position, when asked: it, then EOS
+                prompt_logprobs=([[req.rid, [-1.5] * (len(req.input_ids) - 1),
+                                   [[[t] + [EOS] * (n_top - 1), [-1.5] + [-5.0] * (n_top - 1)]
+                                    for t in req.input_ids[1:]] if n_top else []]]
                                  if start == 0 and req.prompt_logprobs else []),
                 queue_times=[0.002 if i == 0 else 0.0 for i in part])
             send(self._push, batch)

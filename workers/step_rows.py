@@ -107,19 +107,28 @@ class PromptLogprobRows:
         return cls(torch.cat(pieces).to(device), torch.tensor(sample_rows, dtype=torch.long, device=device), spans)
 
     def gather(self, logits: torch.Tensor, pending: dict[str, torch.Tensor]) -> list[list]:
-        """``[[rid, [logprobs]]]`` of the prompt tokens of this step; updates ``pending`` (see ModelRunner)."""
+        """``[[rid, [logprobs], tops]]`` of the prompt tokens of this step, ``tops`` holding for each of them
+        its position's ``top_n_tokens`` most likely tokens as ``[[ids], [logprobs]]`` (empty when the request
+        asked for none); updates ``pending`` (see ModelRunner)."""
         out = []
         for seq, first, n in self.spans:
             logprobs = torch.log_softmax(logits[first:first + n].float(), dim=-1)
             tokens = torch.tensor(seq.token_ids[:n], dtype=torch.long, device=logits.device)
             # Row i scores token i + 1 of this chunk; the previous chunk's last row scores token 0.
+            scoring = [logprobs[:-1]]
             values = logprobs[:-1].gather(1, tokens[1:, None]).squeeze(1)
             previous = pending.pop(seq.rid, None)
             if previous is not None:
                 values = torch.cat((previous[tokens[0]].view(1), values))
+                scoring.insert(0, previous[None])
             if seq.num_computed + n < seq.prompt_len:
                 pending[seq.rid] = logprobs[-1]
-            out.append([seq.rid, values.tolist()])
+            tops = []
+            if seq.sampling.top_n_tokens:
+                for rows in scoring:
+                    top = rows.topk(seq.sampling.top_n_tokens, dim=-1)
+                    tops += [[ids, lps] for ids, lps in zip(top.indices.tolist(), top.values.tolist())]
+            out.append([seq.rid, values.tolist(), tops])
         return out
 
 

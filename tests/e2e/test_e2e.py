@@ -114,6 +114,20 @@ def test_logprobs_match_transformers_log_softmax(server, tiny_model_dir):
     expected = logprobs[:-1].gather(1, full[0, 1:, None]).squeeze(1)
     got = torch.tensor([p["logprob"] for p in prefill[1:]] + [t["logprob"] for t in tokens])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    # OpenAI's completions, the prompt as token ids, echoed with logprobs: each prompt token's logprob and its
+    # position's top 2, transformers' (what lm-eval's loglikelihood reads)
+    status, _, answer = post(f"{server.url}/v1/completions", {"prompt": ids, "echo": True, "logprobs": 2,
+                                                              "max_tokens": 1, "temperature": 0})
+    assert status == 200, answer
+    echoed = answer["choices"][0]["logprobs"]
+    assert echoed["token_logprobs"][0] is None and echoed["top_logprobs"][0] is None
+    torch.testing.assert_close(torch.tensor(echoed["token_logprobs"][1:len(ids)]), expected[:len(ids) - 1],
+                               rtol=0, atol=1e-4)
+    top = logprobs[:len(ids) - 1].topk(2, dim=-1)
+    for position, row in enumerate(echoed["top_logprobs"][1:len(ids)]):
+        texts = [tok.decode([i]) for i in top.indices[position].tolist()]
+        assert sorted(row) == sorted(texts), (position, row, texts)
+        torch.testing.assert_close(torch.tensor([row[t] for t in texts]), top.values[position], rtol=0, atol=1e-4)
 
 
 def _wait_for_gauges(server, condition, timeout: float = 30.0) -> dict[str, float]:

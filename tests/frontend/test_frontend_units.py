@@ -157,11 +157,13 @@ def test_token_batch_demux():
         client._channels.update({"fe1-1": a, "fe1-2": b})
         client._dispatch(m.TokenBatch(
             rids=["fe1-1", "fe1-2", "fe1-9", "fe1-1"], token_ids=[10, 20, 90, 11], logprobs=[-1.0, -2.0, -9.0, -1.5],
-            finish_reasons=[0, 2, 0, 1], prompt_logprobs=[["fe1-2", [-0.5]]], queue_times=[0.1, 0.2, 0.0, 0.0]))
+            finish_reasons=[0, 2, 0, 1], prompt_logprobs=[["fe1-2", [-0.5], [[[7], [-0.5]]]]],
+            queue_times=[0.1, 0.2, 0.0, 0.0]))
         item_a, item_b = a.get_nowait(), b.get_nowait()
         assert isinstance(item_a, EngineTokens) and [t.token_id for t in item_a.tokens] == [10, 11]
         assert [t.finish_reason for t in item_a.tokens] == [0, 1] and item_a.tokens[0].queue_time == 0.1
         assert item_b.prompt_logprobs == [-0.5] and item_a.prompt_logprobs is None
+        assert item_b.prompt_top_tokens == [[[7], [-0.5]]]
         assert a.empty() and b.empty()
         client._dispatch(m.RequestFailed(rid="fe1-2", error_type="generation", message="boom"))
         failure = b.get_nowait()

@@ -274,6 +274,19 @@ def test_completions_echo_and_logprobs(fe):
     assert list(lp["top_logprobs"][-1].values()) == [-0.75]
 
 
+def test_completions_echo_lists_each_prompt_tokens_top_logprobs(make_fe, model_dir):
+    """With --enable-prefill-logprobs, echo with logprobs gives the prompt tokens their logprobs and their
+    positions' top tokens, as for generated ones (lm-eval's loglikelihood reads both); the first has neither."""
+    fe = make_fe(model_dir, enable_prefill_logprobs=True)
+    _, _, body = fe.post("/v1/completions", {"prompt": "the fox", "echo": True, "logprobs": 2, "max_tokens": 2})
+    lp = body["choices"][0]["logprobs"]
+    prompt = len(fe.sched.adds[last_rid(fe)].input_ids)
+    tokens, tops = lp["tokens"][:prompt], lp["top_logprobs"][:prompt]
+    assert lp["token_logprobs"][:prompt] == [None] + [-1.5] * (prompt - 1) and tops[0] is None
+    assert tops[1:] == [{token: -1.5, "</s>": -5.0} for token in tokens[1:]], tops
+    assert all(len(top) == 2 for top in lp["top_logprobs"][prompt:])
+
+
 def test_completions_take_prompts_as_token_ids(fe):
     """OpenAI's token-id prompts (one, or one per prompt): fed as they are, no special token added; the echo
     is their text, special tokens taking no room, and the answer is the text prompt's."""
