@@ -248,7 +248,7 @@ def runner_logprobs(folder: Path, dtype: str, kv_dtype: str, ids: list[int], pre
         out = runner.step([seq])
         if out.failed:
             raise RuntimeError(out.failed)
-        ((_, values),) = out.prompt_logprobs
+        ((_, values, _),) = out.prompt_logprobs
         return values
 
     step("decode", 0, prefix)

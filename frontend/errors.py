@@ -93,6 +93,11 @@ class ApiError(Exception):
         self.message = template.format(detail) if "{}" in template else template
         super().__init__(self.message)
 
+    def at(self, where: str) -> "ApiError":
+        """This error, its text naming ``where`` (the part of a request of several it is about)."""
+        self.message += f" ({where})"
+        return self
+
     def body(self) -> dict:
         return {"error": self.message, "error_type": self.error_type}
 

@@ -130,9 +130,7 @@ class Generator:
                     gens.append(await self.prepare(inputs, parameters, start_time, arrival_time,
                                                    add_special_tokens=add_special_tokens))
                 except ApiError as e:
-                    if name is not None:
-                        e.message += f" ({name}[{i}])"
-                    raise
+                    raise (e if name is None else e.at(f"{name}[{i}]")) from None
         except BaseException:
             for gen in gens:
                 gen.close()

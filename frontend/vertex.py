@@ -67,8 +67,7 @@ async def vertex(request: web.Request) -> web.Response:
         try:
             jobs.append(_instance_job(state, index, instance))
         except ApiError as e:
-            e.message += f" (instances[{index}])"  # which of the instances, as a client sends many
-            raise
+            raise e.at(f"instances[{index}]") from None  # which of the instances, as a client sends many
     gens = await state.generator.prepare_all([(job.text, job.params, job.add_special_tokens) for job, _ in jobs],
                                              start, arrival, name="instances")
     await run_all(gens)
