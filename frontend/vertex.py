@@ -17,6 +17,7 @@ import time
 
 from aiohttp import web
 
+from llmbus.bus.settings import SettingsError
 from llmbus.frontend.errors import ApiError, validation_error
 from llmbus.frontend.generation import run_all
 from llmbus.frontend.middleware import ROUTE_ALIASES
@@ -79,6 +80,10 @@ def setup_vertex_routes(app: web.Application, predict_route: str | None, health_
                         health) -> None:
     """/vertex, and Vertex's own paths for it and for ``health`` where its environment names them."""
     app.router.add_post(PATH, vertex)
+    served = {resource.canonical for resource in app.router.resources()}
+    for name, path in (("AIP_PREDICT_ROUTE", predict_route), ("AIP_HEALTH_ROUTE", health_route)):
+        if path and path not in (PATH, "/health") and path in served:
+            raise SettingsError([f"`{name.lower()}` names a route llmbus serves already. Given: {path}"])
     aliases = {}
     if predict_route and predict_route != PATH:
         app.router.add_post(predict_route, vertex)

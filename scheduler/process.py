@@ -521,8 +521,9 @@ def run_scheduler(cfg: SchedulerProcessConfig) -> int:
         service = SchedulerService(cfg, ctx)
 
         def on_signal(signum: int) -> None:
-            # First signal: finish what is running, admit nothing new. Second: stop now.
-            if service.stopping:
+            # First signal: finish what is running, admit nothing new. Second: stop now. Before the ranks are
+            # ready nothing runs: stop now (the launcher stops the ranks too, and they would never come).
+            if service.stopping or service.policy is None:
                 raise Terminate()
             service.stopping = True
             ctx.log.info("draining before exit", requests=service.policy.num_requests if service.policy else 0)

@@ -94,9 +94,10 @@ def test_sigterm_lets_inflight_stream_finish_then_exits_0(tiny_model_dir, tmp_pa
     assert not run_dir.exists()
 
 
-def _failed_launch(tiny_model_dir, *args) -> str:
+def _failed_launch(tiny_model_dir, *args, env: dict | None = None) -> str:
     proc = subprocess.run(["llmbus", "up", "--model-id", str(tiny_model_dir), "--port", str(free_port()),
-                           "--dtype", "float32", *args], capture_output=True, text=True, timeout=120)
+                           "--dtype", "float32", *args], capture_output=True, text=True, timeout=120,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode != 0, proc.stderr[-3000:]
     return proc.stderr
 
@@ -108,3 +109,12 @@ def test_more_kv_than_fits_fails_at_startup(tiny_model_dir):
     # ... and a max_total_tokens the pool cannot hold fails with TGI's message, not at the first long request.
     stderr = _failed_launch(tiny_model_dir, "--max-total-tokens", "256", "--num-blocks", "4", "--block-size", "16")
     assert "Not enough memory to handle `max_total_tokens=256`" in stderr, stderr[-3000:]
+
+
+def test_a_frontend_that_fails_at_start_stops_the_launch_at_once(tiny_model_dir):
+    """Vertex's AIP_PREDICT_ROUTE naming a route llmbus serves fails the frontend as it builds its routes,
+    while the scheduler still waits for the ranks: the launch stops them all with the reason, and the
+    scheduler takes the first SIGTERM (nothing runs yet to drain) instead of the launcher's SIGKILL 5 s on."""
+    stderr = _failed_launch(tiny_model_dir, env={"AIP_PREDICT_ROUTE": "/generate"})
+    assert "`aip_predict_route` names a route llmbus serves already. Given: /generate" in stderr, stderr[-3000:]
+    assert "ignored SIGTERM" not in stderr, stderr[-3000:]
