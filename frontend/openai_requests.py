@@ -173,7 +173,9 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
     p.stop = _stop_sequences(body)
     seed = _get(body, "seed", "integer")
     if seed is not None:
-        p.seed = seed % 2**64  # OpenAI's seed is a signed 64-bit integer, ours unsigned
+        # OpenAI's seed is a signed 64-bit integer, TGI's unsigned: either is taken, and wraps into ours
+        _in_range("seed", seed, -2**63, 2**64 - 1)
+        p.seed = seed % 2**64
     p.ignore_eos_token = _get(body, "ignore_eos", "boolean", False)
     logit_bias = _get(body, "logit_bias", "object")
     if logit_bias:

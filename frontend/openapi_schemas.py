@@ -303,8 +303,8 @@ def _openai_common(model_id: str) -> dict:
                                  minimum=F32_TINY, maximum=F32_MAX),
         "stop": _string_or_list("Stop sequences (a string or a list); a matched one is cut from the text.",
                                 nullable=True),
-        "seed": _t("integer", "Random seed for sampling (OpenAI's signed 64-bit seed; taken modulo 2^64).",
-                   nullable=True),
+        "seed": _t("integer", "Random seed for sampling: OpenAI's signed 64-bit seed or TGI's unsigned one (taken "
+                   "modulo 2^64).", nullable=True, minimum=-2**63, maximum=2**64 - 1),
         "n": _t("integer", "Choices to generate per prompt (at most --max-client-batch-size).",
                 nullable=True, minimum=1, default=1),
         "frequency_penalty": _t("number", "Penalise tokens by how often they already occurred.",

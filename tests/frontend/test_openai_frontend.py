@@ -91,6 +91,8 @@ def test_chat_parameters_map_onto_sampling(fe):
     ({"stop": ["a", 1]}, "stop", "`stop` must be a string or an array of strings"),
     ({"top_logprobs": 2}, "top_logprobs", "`top_logprobs` needs `logprobs`"),
     ({"logprobs": True, "top_logprobs": 6}, "top_logprobs", "`top_logprobs` must be >= 0 and <= 5. Given: 6"),
+    ({"seed": 2**64}, "seed", "`seed` must be >= -9223372036854775808 and <= 18446744073709551615. Given: "),
+    ({"seed": -2**63 - 1}, "seed", "`seed` must be >= -9223372036854775808"),
     ({"messages": []}, "messages", "`messages` must be a non-empty array"),
     ({"messages": [{"content": "x"}]}, "messages", "`messages[0]` must be an object with a string `role`"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
