@@ -22,6 +22,7 @@ import structlog
 import zmq
 
 from llmbus.bus import messages as m
+from llmbus.bus.settings import SettingsError
 from llmbus.bus.sockets import open_socket, send
 
 ENV_SUPERVISOR = "LLMBUS_SUPERVISOR_ENDPOINT"
@@ -207,7 +208,7 @@ def run_service(name: str, body: Callable[[ServiceContext], None], *, rank: int 
         ctx.log.info("stopped by signal")
     except Exception as e:  # the last line of defence: report, then exit non-zero
         error = f"{type(e).__name__}: {e}"
-        ctx.log.error("fatal error", error=error, exc_info=not isinstance(e, ServiceError))
+        ctx.log.error("fatal error", error=error, exc_info=not isinstance(e, (ServiceError, SettingsError)))
         ctx.fatal(error)
         code = 1
     finally:
