@@ -80,14 +80,25 @@ def dense_folder(dtype: str = "bfloat16") -> Path:
     return out
 
 
+def given_llama_cpp() -> tuple[Path | None, str | None]:
+    """$LLAMA_CPP_DIR as (its folder, None) where llama-server is built in it, (None, why not) where it is not,
+    (None, None) where it is unset."""
+    given = os.environ.get("LLAMA_CPP_DIR")
+    if not given:
+        return None, None
+    path = Path(given).expanduser()
+    if not (path / "build" / "bin" / "llama-server").is_file():
+        return None, f"LLAMA_CPP_DIR={given} has no build/bin/llama-server: {LLAMA_CPP_HOWTO}"
+    return path, None
+
+
 def llama_cpp_dir() -> Path:
     """A llama.cpp checkout with llama-server and llama-quantize built: $LLAMA_CPP_DIR, else the one the workshop's
     setup-llama-cpp builds (about 10 minutes the first time) where that is beside this checkout."""
-    given = os.environ.get("LLAMA_CPP_DIR")
-    if given:
-        path = Path(given).expanduser()
-        if not (path / "build" / "bin" / "llama-server").is_file():
-            raise SystemExit(f"LLAMA_CPP_DIR={given} has no build/bin/llama-server: {LLAMA_CPP_HOWTO}")
+    path, problem = given_llama_cpp()
+    if problem is not None:
+        raise SystemExit(problem)
+    if path is not None:
         return path
     if not (PEERS / "setup-llama-cpp").is_file():
         raise SystemExit(f"this comparison needs llama.cpp: {LLAMA_CPP_HOWTO}")

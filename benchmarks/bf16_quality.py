@@ -129,12 +129,11 @@ def served_answers(url: str, questions: list[str], max_tokens: int) -> dict:
 def llama_server_missing() -> str | None:
     """Why llama-server cannot run here (None: it is built), without building it (about 10 minutes): at
     $LLAMA_CPP_DIR, else where the workshop's setup-llama-cpp builds it."""
-    from _smollm2 import LLAMA_CPP_HOWTO
+    from _smollm2 import LLAMA_CPP_HOWTO, given_llama_cpp
 
-    given = os.environ.get("LLAMA_CPP_DIR")
-    if given:
-        return None if (Path(given).expanduser() / "build" / "bin" / "llama-server").is_file() else (
-            f"LLAMA_CPP_DIR={given} has no build/bin/llama-server: {LLAMA_CPP_HOWTO}")
+    path, problem = given_llama_cpp()
+    if path is not None or problem is not None:
+        return problem
     peers = Path(os.environ.get("LLMBUS_PEERS", Path.home() / ".cache" / "llmbus-peers"))
     if glob.glob(str(peers / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server")):
         return None

@@ -52,11 +52,15 @@ def load_llg_tokenizer(model_dir: str | Path, vocab_size: int):
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos or None)
 
 
+def _without_state(reason: str) -> str:
+    """llguidance's error message without the parser state it appends: hundreds of characters of internals."""
+    return reason.split("\n<state>", 1)[0].strip()
+
+
 def grammar_fault(reason: str) -> str:
     """llguidance's reason for stopping a matcher mid-output (a lexer or parser limit the grammar runs into,
-    or a dead end) as the request's error: without the parser state it appends, hundreds of characters of
-    its internals."""
-    reason = reason.split("\n<state>", 1)[0].strip()
+    or a dead end) as the request's error."""
+    reason = _without_state(reason)
     if reason == "NoExtensionBias":  # no token extends the output: the grammar matches no text from here
         reason = "no token can continue the output"
     return f"grammar cannot be followed: {reason}"
@@ -114,7 +118,7 @@ class GrammarMasks:
         except ValueError as e:
             return None, str(e)
         if pristine.is_error():
-            return None, pristine.get_error().split("\n<state>", 1)[0].strip()
+            return None, _without_state(pristine.get_error())
         self._compiled[key] = pristine
         if len(self._compiled) > COMPILED_CACHE_SIZE:
             self._compiled.popitem(last=False)
