@@ -58,7 +58,7 @@ def _read(request_body: bytes, state: FrontendState, *, count_only: bool = False
 
 def _matched_stop(c: Choice) -> str | None:
     """The stop sequence that ended the text: the one found first (where ``Choice`` cuts the text)."""
-    if c.gen.finish_reason != "stop_sequence":
+    if c.ended_by != "stop_sequence":
         return None
     text = c.gen.generated_text
     found = [(text.find(s), i) for i, s in enumerate(c.gen.prepared.params.stop) if s and s in text]
@@ -66,7 +66,7 @@ def _matched_stop(c: Choice) -> str | None:
 
 
 def _stop_reason(c: Choice, called: bool) -> str:
-    reason = _STOP_REASONS.get(c.gen.finish_reason, "end_turn")
+    reason = _STOP_REASONS.get(c.ended_by, "end_turn")
     return "tool_use" if called and reason != "max_tokens" else reason
 
 

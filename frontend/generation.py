@@ -221,6 +221,9 @@ class Generation:
     tokens: list[TokenOut] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)  # texts of the non-special tokens
     finish_reason: str | None = None
+    # the last allowed token also completed a stop sequence: TGI reports "length" (it checks the budget
+    # first), the OpenAI-shaped routes the stop (their text never holds a stop sequence; vLLM's order)
+    stop_at_length: bool = False
     prompt_logprobs: list | None = None
     prompt_top_tokens: list | None = None  # aligned with prompt_logprobs: [[ids], [logprobs]] per token
     speculation: tuple[int, int] | None = None  # (guessed tokens, kept), for the request log
@@ -339,6 +342,8 @@ class Generation:
 
     def _finish(self, engine_reason: int, text: str) -> str | None:
         """TGI's order: length, then EOS (both decided by the scheduler), then stop sequences."""
+        if engine_reason == FinishReason.LENGTH:
+            self.stop_at_length = bool(self._max_stop) and self._matches_stop(text)
         if engine_reason in (FinishReason.LENGTH, FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE):
             return FinishReason(engine_reason).tgi_name
         if engine_reason == FinishReason.ABORTED:

@@ -70,6 +70,12 @@ class Choice:
     def index(self) -> int:
         return self.job.index
 
+    @property
+    def ended_by(self) -> str | None:
+        """The generation's finish reason, a stop sequence winning over the budget when the last allowed
+        token completed one (``Generation.stop_at_length``)."""
+        return "stop_sequence" if self.gen.stop_at_length else self.gen.finish_reason
+
     def visible_text(self) -> str:
         """The generated text without a matched stop sequence; while running, minus the tail that might
         still turn into one."""
@@ -80,7 +86,7 @@ class Choice:
             self._scanned = len(tokens)
         if self._marked:
             text = "".join(t.text for t in self.gen.tokens if not t.special or t.text in self._markers)
-        if self.gen.finish_reason == "stop_sequence":
+        if self.ended_by == "stop_sequence":
             cuts = [i for i in (text.find(s) for s in self._stops) if i != -1]
             return text[:min(cuts)] if cuts else text
         if not self.gen.done and self._hold:
@@ -95,7 +101,7 @@ class Choice:
 
     @property
     def finish_reason(self) -> str | None:
-        reason = self.gen.finish_reason
+        reason = self.ended_by
         return None if reason is None else _FINISH_REASONS.get(reason, reason)
 
     def finish_reason_of(self, tokens: list[TokenOut]) -> str | None:

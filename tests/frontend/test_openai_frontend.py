@@ -184,6 +184,32 @@ def test_stop_text_is_cut_from_openai_answers(fe):
     assert body["generated_text"] == "Hello wörld"
 
 
+def test_a_stop_completed_by_the_last_allowed_token_is_the_stop(fe):
+    """The budget's last token completes the stop sequence: TGI says length and keeps the text; OpenAI's and
+    Anthropic's routes cut it and say stop, as vLLM does (their text never holds a stop sequence)."""
+    stop = "wörld"
+    budget = next(k for k in range(1, len(fe.sched.reply) + 1) if stop in fe.sched.tok.decode(fe.sched.reply[:k]))
+    _, _, body = chat(fe, stop=stop, max_tokens=budget)
+    assert body["choices"][0]["message"]["content"] == "Hello " and body["choices"][0]["finish_reason"] == "stop"
+    _, _, raw = fe.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stop": stop, "max_tokens": budget, "stream": True})
+    events = stream_events(raw)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "Hello "
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    _, _, body = fe.post("/v1/completions", {"prompt": "hi", "stop": [stop], "max_tokens": budget})
+    assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == ("Hello ", "stop")
+    _, _, body = fe.post("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": budget,
+                                          "stop_sequences": [stop]})
+    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", stop)
+    assert body["content"] == [{"type": "text", "text": "Hello "}]
+    _, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"stop": [stop], "max_new_tokens": budget,
+                                                                      "details": True}})
+    assert body["generated_text"] == "Hello wörld" and body["details"]["finish_reason"] == "length"
+    # one token short of it, the budget ends the text as before
+    _, _, body = chat(fe, stop=stop, max_tokens=budget - 1)
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
 def test_chat_stream_bytes_usage_and_done(fe):
     status, headers, raw = fe.request("POST", "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "stream": True,
