@@ -329,7 +329,7 @@ class _ChatChunks(_Chunks):
         deltas = parser.feed(text) if text else []
         if finish is not None:
             deltas += parser.finish()
-            finish = _tool_finish_reason(finish, parser.has_calls)
+            finish = _tool_finish_reason(finish, parser.has_calls, self.chat)
         if not deltas and (logprobs is not None or finish is not None):
             deltas = [{}]
         chunks = [self._delta(c, d, None, None) for d in deltas]
@@ -339,9 +339,11 @@ class _ChatChunks(_Chunks):
         return chunks
 
 
-def _tool_finish_reason(finish: str, has_calls: bool) -> str:
-    """OpenAI's "tool_calls" when the answer called tools and ended by itself (not cut by max_tokens)."""
-    return "tool_calls" if has_calls and finish == "stop" else finish
+def _tool_finish_reason(finish: str, has_calls: bool, chat: ChatRequest) -> str:
+    """OpenAI's "tool_calls" when the answer called tools and ended by itself (not cut by max_tokens), but
+    "stop" when ``tool_choice`` named the function, as OpenAI answers (and vLLM, after it), streamed or not."""
+    named = chat.plan is not None and chat.plan.choice == "function"
+    return "tool_calls" if has_calls and finish == "stop" and not named else finish
 
 
 def _chat_message(c: Choice, chat: ChatRequest) -> tuple[dict, str | None]:
@@ -352,7 +354,7 @@ def _chat_message(c: Choice, chat: ChatRequest) -> tuple[dict, str | None]:
         head["reasoning_content"] = reasoning
     if not calls:
         return {**head, "content": content}, c.finish_reason
-    return {**head, "content": content, "tool_calls": calls}, _tool_finish_reason(c.finish_reason, True)
+    return {**head, "content": content, "tool_calls": calls}, _tool_finish_reason(c.finish_reason, True, chat)
 
 
 def tools_format(chat: ChatRequest):
