@@ -24,7 +24,7 @@ from _server import client_session, exact_token_prompt, load_tokenizer, metrics,
 from stack_overhead import roles, summarize_profile, summarize_under
 
 from llmbus.testing import Server
-from llmbus.testing.fake_scheduler import byte_to_unicode
+from llmbus.frontend.token_pieces import byte_to_unicode
 from llmbus.workers.step_clock import TIMELINE_WINDOW_S
 
 SERVED_RESTART_METRIC = "llmbus_worker_restarts_total"

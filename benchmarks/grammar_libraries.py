@@ -51,7 +51,7 @@ from importlib import metadata
 import numpy as np
 import torch
 
-from llmbus.testing.fake_scheduler import byte_to_unicode
+from llmbus.frontend.token_pieces import byte_to_unicode
 
 TYPICAL_SCHEMA = {
     "type": "object",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from llmbus.frontend.engine_client import TIMED_OUT, Mailbox
-from llmbus.frontend.errors import ApiError, ErrorKind
+from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, run_all
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
@@ -31,6 +31,7 @@ from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, Ope
 from llmbus.frontend.reasoning import AnswerParser, ReasoningPlan, grammar_after_reasoning, opening, parse_answer
 from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
+from llmbus.frontend.tokenizer import ModelTokenizer
 from llmbus.frontend.tools import new_call_id, prepare_messages, takes_tools
 from llmbus.frontend.validation import GenerateParameters
 
@@ -131,30 +132,42 @@ def _usage(choices: list[Choice]) -> dict:
 # --- logprobs ---------------------------------------------------------------------------------------
 
 
-def _chat_logprob(token: TokenOut) -> dict:
-    return {"token": token.text, "logprob": f32(token.logprob), "bytes": list(token.text.encode("utf-8")),
-            "top_logprobs": [{"token": t["text"], "logprob": f32(t["logprob"]),
-                              "bytes": list(t["text"].encode("utf-8"))} for t in token.top_tokens]}
+def _pieces(tokenizer: ModelTokenizer, ids: list[int]) -> tuple[list[str], list[list[int]]]:
+    """Tokens as OpenAI's logprobs name them: each one's own bytes, and the text they read as (a token that
+    ends inside a character shows U+FFFD, its ``bytes`` what it holds), the same for a chosen token and for
+    its entry among another's top tokens."""
+    raw = tokenizer.token_bytes(ids)
+    return [b.decode("utf-8", errors="replace") for b in raw], [list(b) for b in raw]
 
 
-def _chat_logprobs(tokens: list[TokenOut], options: OpenAIOptions) -> dict | None:
+def _chat_logprob(token: TokenOut, tokenizer: ModelTokenizer) -> dict:
+    texts, raw = _pieces(tokenizer, [token.id, *(t["id"] for t in token.top_tokens)])
+    return {"token": texts[0], "logprob": f32(token.logprob), "bytes": raw[0],
+            "top_logprobs": [{"token": text, "logprob": f32(t["logprob"]), "bytes": b}
+                             for t, text, b in zip(token.top_tokens, texts[1:], raw[1:])]}
+
+
+def _chat_logprobs(tokens: list[TokenOut], options: OpenAIOptions, tokenizer: ModelTokenizer) -> dict | None:
     if options.top_logprobs is None:
         return None
-    return {"content": [_chat_logprob(t) for t in tokens]}
+    return {"content": [_chat_logprob(t, tokenizer) for t in tokens]}
 
 
-def _completion_logprobs(tokens: list[TokenOut], options: OpenAIOptions, offset: int,
+def _completion_logprobs(tokens: list[TokenOut], options: OpenAIOptions, tokenizer: ModelTokenizer, offset: int,
                          prompt: list[dict] | None = None) -> dict | None:
-    """The legacy shape: parallel lists, ``text_offset`` counting from ``offset`` characters."""
+    """The legacy shape: parallel lists, ``text_offset`` counting from ``offset`` characters of the text
+    (``shown``: what a token added to it)."""
     if options.top_logprobs is None:
         return None
-    rows = list(prompt or []) + [{"text": t.text, "logprob": t.logprob,
-                                  "top": {x["text"]: f32(x["logprob"]) for x in t.top_tokens}}
-                                 for t in tokens]
+    rows = list(prompt or [])
+    for t in tokens:
+        texts, _ = _pieces(tokenizer, [t.id, *(x["id"] for x in t.top_tokens)])
+        rows.append({"text": texts[0], "shown": t.text, "logprob": t.logprob,
+                     "top": {text: f32(x["logprob"]) for x, text in zip(t.top_tokens, texts[1:])}})
     offsets = []
     for row in rows:
         offsets.append(offset)
-        offset += len(row.get("shown", row["text"]))
+        offset += len(row["shown"])
     return {"tokens": [r["text"] for r in rows], "token_logprobs": [f32(r["logprob"]) for r in rows],
             "top_logprobs": [r["top"] if options.top_logprobs else None for r in rows],
             "text_offset": offsets}
@@ -166,12 +179,14 @@ def _prompt_rows(gen: Generation) -> list[dict]:
     room in the echoed text (``shown``)."""
     tokenizer = gen.generator.tokenizer
     rows = prompt_tokens(gen)
+    texts, _ = _pieces(tokenizer, [i for i, _, _ in rows])
     tops: list = [None] * len(rows)
     given = gen.prompt_top_tokens or []
     if len(given) <= len(rows):  # aligned to the end, as the logprobs are
-        tops[len(rows) - len(given):] = [dict(zip(tokenizer.token_texts(ids), map(f32, lps))) for ids, lps in given]
-    return [{"text": t, "shown": "" if tokenizer.is_special(i) else t, "logprob": lp, "top": top}
-            for (i, t, lp), top in zip(rows, tops)]
+        tops[len(rows) - len(given):] = [dict(zip(_pieces(tokenizer, list(ids))[0], map(f32, lps)))
+                                         for ids, lps in given]
+    return [{"text": text, "shown": "" if tokenizer.is_special(i) else text, "logprob": lp, "top": top}
+            for (i, _, lp), text, top in zip(rows, texts, tops)]
 
 
 # --- running choices ---------------------------------------------------------------------------------
@@ -314,7 +329,7 @@ class _ChatChunks(_Chunks):
         if tokens is None:  # OpenAI opens every choice with its role
             return [self._delta(c, {"role": "assistant", "content": ""}, None, None)]
         text = c.next_delta()
-        logprobs = _chat_logprobs(tokens, self.options)
+        logprobs = _chat_logprobs(tokens, self.options, c.gen.generator.tokenizer)
         finish = c.finish_reason_of(tokens)
         if self.parsers is not None:
             return self._parsed_deltas(c, text, logprobs, finish)
@@ -410,26 +425,39 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     await run_all([c.gen for c in choices])
     answers = [(c, *_chat_message(c, chat)) for c in choices]
     return json_response({**header, "choices": [
-        {"index": c.index, "message": message, "logprobs": _chat_logprobs(c.gen.tokens, chat.options),
-         "finish_reason": finish} for c, message, finish in answers], "usage": _usage(choices)})
+        {"index": c.index, "message": message,
+         "logprobs": _chat_logprobs(c.gen.tokens, chat.options, c.gen.generator.tokenizer), "finish_reason": finish}
+        for c, message, finish in answers], "usage": _usage(choices)})
 
 
 # --- completions -----------------------------------------------------------------------------------
 
 
 class _CompletionChunks(_Chunks):
+    def __init__(self, header: dict, options: OpenAIOptions):
+        super().__init__(header, options)
+        # echo with logprobs: the prompt's logprobs come with a choice's first tokens, and the echo with them
+        self.echo_waits = options.top_logprobs is not None
+        self.echoed: set[int] = set()
+
     def __call__(self, c: Choice, tokens: list[TokenOut] | None) -> list[dict]:
+        tokenizer = c.gen.generator.tokenizer
         if tokens is None:
-            if not c.job.echo:
+            if not c.job.echo or self.echo_waits:
                 return []
             return [self._text(c, c.job.echo, None, None)]
+        chunks = []
+        if c.job.echo and self.echo_waits and c.index not in self.echoed:
+            self.echoed.add(c.index)
+            prompt = _completion_logprobs([], self.options, tokenizer, 0, _prompt_rows(c.gen))
+            chunks.append(self._text(c, c.job.echo, prompt, None))
         offset = len(c.job.echo) + c.sent
         text = c.next_delta()
-        logprobs = _completion_logprobs(tokens, self.options, offset)
+        logprobs = _completion_logprobs(tokens, self.options, tokenizer, offset)
         finish = c.finish_reason_of(tokens)
-        if not text and logprobs is None and finish is None:
-            return []
-        return [self._text(c, text, logprobs, finish)]
+        if text or logprobs is not None or finish is not None:
+            chunks.append(self._text(c, text, logprobs, finish))
+        return chunks
 
     def _text(self, c: Choice, text: str, logprobs, finish) -> dict:
         return self._chunk({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish})
@@ -438,7 +466,8 @@ class _CompletionChunks(_Chunks):
 def _completion_choice(c: Choice, options: OpenAIOptions) -> dict:
     prompt = _prompt_rows(c.gen) if c.job.echo and options.top_logprobs is not None else None
     return {"index": c.index, "text": c.job.echo + c.visible_text(),
-            "logprobs": _completion_logprobs(c.gen.tokens, options, 0 if prompt else len(c.job.echo), prompt),
+            "logprobs": _completion_logprobs(c.gen.tokens, options, c.gen.generator.tokenizer,
+                                             0 if prompt else len(c.job.echo), prompt),
             "finish_reason": c.finish_reason}
 
 
@@ -450,8 +479,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                               state.sampling_defaults)
     n = req.options.n
     params = req.params
-    if req.echo and req.options.top_logprobs is not None and not req.options.stream:
-        params = dataclasses.replace(params, decoder_input_details=True)  # prompt logprobs, if enabled
+    if req.echo and req.options.top_logprobs is not None:
+        if not state.config.enable_prefill_logprobs:  # (not nulls in their place: lm-eval would read them)
+            raise validation_error("`echo` with `logprobs` lists the prompt's logprobs, which this server "
+                                   "computes only when started with --enable-prefill-logprobs", param="echo")
+        params = dataclasses.replace(params, decoder_input_details=True)
     jobs = [Job(p * n + i, p, prompt, _choice_params(params, i), add_special_tokens=True)
             for p, prompt in enumerate(req.prompts) for i in range(n)]
     choices = await prepare_choices(state, jobs, start, arrival)

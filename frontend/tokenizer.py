@@ -8,6 +8,7 @@ union of ``generation_config.json`` ``eos_token_id`` (an int or a list) and ``to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer
 from llmbus.bus.model_files import config_max_positions, eos_token_ids, read_config, token_content
 from llmbus.frontend.detokenizer import IncrementalDetokenizer
 from llmbus.frontend.errors import validation_error
+from llmbus.frontend.token_pieces import TokenPieces
 
 # texts longer than this many characters are tokenized off the event loop (Generator.tokenize)
 LONG_TEXT_CHARS = 2000
@@ -65,6 +67,14 @@ class ModelTokenizer:
         if not ids:
             return []
         return self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
+    @cached_property
+    def _pieces(self) -> TokenPieces:  # read from the spec on first use: only logprobs need it
+        return TokenPieces(self.tokenizer)
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each id's own bytes (OpenAI's logprob ``bytes``): concatenated, a text's tokens give its UTF-8."""
+        return [self._pieces.bytes_of(i) for i in ids]
 
     def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids)

@@ -29,6 +29,7 @@ from llmbus.bus import messages as m
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.frontend.app import serve
 from llmbus.frontend.config import FrontendConfig
+from llmbus.frontend.token_pieces import byte_to_unicode
 
 WAIT = 10.0  # seconds any condition may take before a test fails
 BOS, EOS = 0, 1
@@ -38,20 +39,6 @@ REPLY = "Hello wörld 🙂 日本語 done"
 # ------------------------------------------------------------------------------------------------
 # A tiny byte-level BPE model folder
 # ------------------------------------------------------------------------------------------------
-
-
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable char table, which the ByteLevel pre-tokenizer uses."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def build_model_dir(path: Path) -> Path:

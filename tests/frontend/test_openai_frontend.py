@@ -263,6 +263,27 @@ def test_chat_logprobs(fe):
     assert body["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_name_each_token_by_its_own_bytes(fe, stream):
+    """The reply's emoji comes as four one-byte tokens: each token's ``bytes`` are its own, so together they
+    are the text's UTF-8, and a token reads the same where it was chosen and among the top tokens."""
+    request = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1,
+               "stream": stream}
+    _, _, answer = fe.request("POST", "/v1/chat/completions", request)
+    if stream:
+        rows = [row for e in stream_events(answer)[1:] if e["choices"][0]["logprobs"]
+                for row in e["choices"][0]["logprobs"]["content"]]
+    else:
+        rows = json.loads(answer)["choices"][0]["logprobs"]["content"]
+    *text_rows, eos = rows
+    assert b"".join(bytes(r["bytes"]) for r in text_rows) == REPLY.encode()
+    assert eos["token"] == "</s>"
+    split = [r for r in text_rows if r["token"] == "\ufffd"]
+    assert [len(r["bytes"]) for r in split] == [1, 1, 1, 1], text_rows
+    for row in rows:  # the fake engine's top token is the chosen one
+        assert (row["top_logprobs"][0]["token"], row["top_logprobs"][0]["bytes"]) == (row["token"], row["bytes"])
+
+
 def test_in_stream_errors_then_done(fe):
     _, _, raw = fe.request("POST", "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "FAIL"}], "stream": True})
@@ -288,9 +309,12 @@ def test_completions_prompts_n_and_usage(fe):
     assert fe.sched.adds[last_rid(fe)].stopping.max_new_tokens == 16, "OpenAI's default max_tokens"
 
 
-def test_completions_echo_and_logprobs(fe):
-    _, _, body = fe.post("/v1/completions", {"prompt": "the fox", "echo": True, "logprobs": 1,
-                                             "max_tokens": 3})
+def test_completions_echo_and_logprobs(fe, make_fe, model_dir):
+    request = {"prompt": "the fox", "echo": True, "logprobs": 1, "max_tokens": 3}
+    # the prompt's logprobs are computed only where the server enables them: said, not nulls in their place
+    status, _, body = make_fe(model_dir, enable_prefill_logprobs=False).post("/v1/completions", request)
+    openai_error(status, body, 422, "validation", "--enable-prefill-logprobs", param="echo")
+    _, _, body = fe.post("/v1/completions", request)  # (the fake's frontends enable them)
     choice = body["choices"][0]
     assert choice["text"].startswith("the fox")
     lp = choice["logprobs"]
@@ -305,7 +329,7 @@ def test_completions_echo_and_logprobs(fe):
 def test_completions_echo_lists_each_prompt_tokens_top_logprobs(make_fe, model_dir):
     """With --enable-prefill-logprobs, echo with logprobs gives the prompt tokens their logprobs and their
     positions' top tokens, as for generated ones (lm-eval's loglikelihood reads both); the first has neither."""
-    fe = make_fe(model_dir, enable_prefill_logprobs=True)
+    fe = make_fe(model_dir)
     _, _, body = fe.post("/v1/completions", {"prompt": "the fox", "echo": True, "logprobs": 2, "max_tokens": 2})
     lp = body["choices"][0]["logprobs"]
     prompt = len(fe.sched.adds[last_rid(fe)].input_ids)
@@ -313,6 +337,13 @@ def test_completions_echo_lists_each_prompt_tokens_top_logprobs(make_fe, model_d
     assert lp["token_logprobs"][:prompt] == [None] + [-1.5] * (prompt - 1) and tops[0] is None
     assert tops[1:] == [{token: -1.5, "</s>": -5.0} for token in tokens[1:]], tops
     assert all(len(top) == 2 for top in lp["top_logprobs"][prompt:])
+    # streamed, the echo comes with the prompt's logprobs (which arrive with the first tokens), then the tokens
+    _, _, raw = fe.request("POST", "/v1/completions", {"prompt": "the fox", "echo": True, "logprobs": 2,
+                                                       "max_tokens": 2, "stream": True})
+    events = [e["choices"][0] for e in stream_events(raw)]
+    assert events[0]["text"] == "the fox" and events[0]["logprobs"]["top_logprobs"] == tops
+    assert events[0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:prompt]
+    assert [t for e in events for t in e["logprobs"]["tokens"]] == lp["tokens"]
 
 
 def test_completions_take_prompts_as_token_ids(fe):
