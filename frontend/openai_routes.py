@@ -29,7 +29,7 @@ from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
                                              parse_completion, read_json_object)
 from llmbus.frontend.reasoning import AnswerParser, ReasoningPlan, grammar_after_reasoning, opening, parse_answer
-from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers
+from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers, summed_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
 from llmbus.frontend.tokenizer import ModelTokenizer
 from llmbus.frontend.tools import new_call_id, prepare_messages, takes_tools
@@ -119,6 +119,11 @@ def _header(state: FrontendState, object_name: str, rid: str, created: int, choi
     """An answer's fields before its choices; ``model`` names the LoRA adapter that answered, if one did."""
     return {"id": rid, "object": object_name, "created": created, "model": state.answering_model(choices[0].gen),
             "system_fingerprint": state.system_fingerprint}
+
+
+def _headers(state: FrontendState, choices: list[Choice]) -> dict[str, str]:
+    """TGI's timing and token headers of a whole answer."""
+    return summed_headers([c.gen for c in choices], state.config.compute_type)
 
 
 def _usage(choices: list[Choice]) -> dict:
@@ -427,7 +432,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return json_response({**header, "choices": [
         {"index": c.index, "message": message,
          "logprobs": _chat_logprobs(c.gen.tokens, chat.options, c.gen.generator.tokenizer), "finish_reason": finish}
-        for c, message, finish in answers], "usage": _usage(choices)})
+        for c, message, finish in answers], "usage": _usage(choices)}, headers=_headers(state, choices))
 
 
 # --- completions -----------------------------------------------------------------------------------
@@ -495,7 +500,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await _stream(request, state, choices, req.options, _CompletionChunks(header, req.options))
     await run_all([c.gen for c in choices])
     return json_response({**header, "choices": [_completion_choice(c, req.options) for c in choices],
-                          "usage": _usage(choices)})
+                          "usage": _usage(choices)}, headers=_headers(state, choices))
 
 
 def _model_cards(state: FrontendState) -> list[dict]:

@@ -142,7 +142,8 @@ def _openai_ok(body: str, chunk: str) -> dict:
     return _response(f"A {body}; with `stream: true`, an SSE stream of `data: <{chunk}>` events ending "
                      "with `data: [DONE]` (an error after the stream started arrives in-band as "
                      "`data: <OpenAIError>`).",
-                     {**_json(ref(body)), **_sse({"oneOf": [ref(chunk), ref("OpenAIError")]}, done=True)})
+                     {**_json(ref(body)), **_sse({"oneOf": [ref(chunk), ref("OpenAIError")]}, done=True)},
+                     _headers(_TIMING_HEADERS))  # summed over the answer's choices; a stream: the first two
 
 
 def _op(op_id: str, tag: str, summary: str, responses: dict, *, body: dict | None = None,

@@ -137,6 +137,18 @@ def generate_headers(gen: Generation, compute_type: str, compute_characters: int
     return headers
 
 
+def summed_headers(gens: list[Generation], compute_type: str) -> dict[str, str]:
+    """Answers of several generations (OpenAI's routes: prompts, choices): each one's headers, summed, as TGI's
+    completions route sums its prompts'."""
+    totals: dict[str, float] = {}
+    for gen in gens:
+        for key, value in generate_headers(gen, compute_type, len(gen.prepared.inputs)).items():
+            if key != "x-compute-type":
+                totals[key] = totals.get(key, 0) + (float(value) if key == "x-compute-time" else int(value))
+    return {"x-compute-type": compute_type, **{key: repr(value) if key == "x-compute-time" else str(value)
+                                               for key, value in totals.items()}}
+
+
 def stream_headers(compute_type: str, compute_characters: int) -> dict[str, str]:
     return {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "x-compute-type": compute_type, "x-compute-characters": str(compute_characters),

@@ -62,6 +62,19 @@ def test_chat_completion_shape_and_template(fe):
     assert chat(fe)[2]["id"] != body["id"], "ids are unique"
 
 
+def test_openai_answers_carry_tgis_timing_headers_summed_over_choices(fe):
+    one = fe.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})[1]
+    prompt = len(fe.sched.adds[last_rid(fe)].input_ids)
+    assert one["x-compute-type"] and float(one["x-compute-time"]) >= 0 and int(one["x-total-time"]) >= 0
+    assert (one["x-prompt-tokens"], one["x-generated-tokens"]) == (str(prompt), str(len(fe.sched.reply) + 1))
+    _, headers, body = fe.request("POST", "/v1/completions", {"prompt": ["the fox", "a"], "max_tokens": 2, "n": 2})
+    body = json.loads(body)
+    assert int(headers["x-generated-tokens"]) == body["usage"]["completion_tokens"] == 8
+    # TGI's completions route sums its prompts' headers: each choice counts its prompt
+    assert int(headers["x-prompt-tokens"]) == 2 * body["usage"]["prompt_tokens"]
+    assert int(headers["x-compute-characters"]) == 2 * len("the fox" + "a")
+
+
 def test_chat_parameters_map_onto_sampling(fe):
     status, _, body = chat(fe, temperature=0, top_p=1.0, max_tokens=3, seed=-1, frequency_penalty=0.5,
                            stop="x", ignore_eos=True)
