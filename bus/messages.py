@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 18  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 19  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -51,6 +51,7 @@ WIRE_VERSION = 18  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 # 16: FrontendStats.adapter_names/adapter_counts (llmbus_generation_adapter_count)
 # 17: WorkerReady.rope_split_tokens (LongRoPE: the prefix cache keeps prompts past it apart)
 # 18: StepResult/TokenBatch.prompt_logprobs entries carry the prompt positions' top tokens: [rid, logprobs, tops]
+# 19: SchedulerStats' step outcomes, sampling, filter and concat durations and skipped tokens (TGI's dashboard)
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -520,9 +521,22 @@ class SchedulerStats(Message):
     onednn_cache_capacity: int = 0  # rank 0's WorkerReady.onednn_cache_capacity
     worker_request_state: int = 0  # rank 0's StepResult.request_state after the last step
     prefix_cache_heap_entries: int = 0  # the prefix cache's LRU heap, live and stale entries (kv_blocks.py)
+    # What TGI's Grafana dashboard reads beside them (its tgi_batch_* and tgi_request_skipped_tokens):
+    prefill_success: int = 0  # prefill steps whose result came back whole
+    decode_success: int = 0
+    prefill_failure: int = 0  # prefill steps that failed (out of memory) or were lost with their ranks
+    decode_failure: int = 0
+    prefill_sample: Histogram | None = None  # rank 0's time choosing tokens after the forward (TGI's "decode")
+    decode_sample: Histogram | None = None
+    prefill_filter: Histogram | None = None  # the scheduler's time applying a step's result (TGI's "filter")
+    decode_filter: Histogram | None = None
+    concat_duration: Histogram | None = None  # forming a step that joined new requests to a running batch
+    skipped_tokens: Histogram | None = None  # per request and step: tokens beyond the first (speculation)
 
 
-for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size"):
+for _name in ("prefill_forward", "decode_forward", "prefill_duration", "decode_duration", "next_batch_size",
+              "prefill_sample", "decode_sample", "prefill_filter", "decode_filter", "concat_duration",
+              "skipped_tokens"):
     register_nested("SchedulerStats", _name, Histogram)
 
 

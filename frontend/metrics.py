@@ -65,6 +65,10 @@ class SchedulerStatsCollector(Collector):
                       {(): stats.worker_restarts})
         yield counter("tgi_batch_inference_count", "Steps run",
                       {("prefill",): stats.prefill_steps, ("decode",): stats.decode_steps}, ("method",))
+        yield counter("tgi_batch_inference_success", "Steps whose result came back whole",
+                      {("prefill",): stats.prefill_success, ("decode",): stats.decode_success}, ("method",))
+        yield counter("tgi_batch_inference_failure", "Steps that failed in the engine or were lost with its ranks",
+                      {("prefill",): stats.prefill_failure, ("decode",): stats.decode_failure}, ("method",))
         yield counter("tgi_batch_concat", "New requests joining a running batch",
                       {(reason,): getattr(stats, f"concat_{reason}")
                        for reason in ("chunking", "backpressure", "wait_exceeded")}, ("reason",))
@@ -72,7 +76,14 @@ class SchedulerStatsCollector(Collector):
                 ("tgi_batch_forward_duration", "Forward pass time (rank 0)",
                  (stats.prefill_forward, stats.decode_forward)),
                 ("tgi_batch_inference_duration", "Step time, command to result",
-                 (stats.prefill_duration, stats.decode_duration))):
+                 (stats.prefill_duration, stats.decode_duration)),
+                ("tgi_batch_decode_duration", "Choosing the step's tokens after the forward pass (rank 0)",
+                 (stats.prefill_sample, stats.decode_sample)),
+                ("tgi_batch_filter_duration", "The scheduler applying a step's result",
+                 (stats.prefill_filter, stats.decode_filter)),
+                # TGI times its concatenations under method="decode" only
+                ("tgi_batch_concat_duration", "Forming a step that joined new requests to a running batch",
+                 (None, stats.concat_duration))):
             family = HistogramMetricFamily(name, doc, labels=["method"])
             for method, counts in zip(("prefill", "decode"), pair):
                 if counts is not None:
@@ -80,6 +91,9 @@ class SchedulerStatsCollector(Collector):
             yield family
         if stats.next_batch_size is not None:
             yield histogram("tgi_batch_next_size", "Requests admitted by a step", stats.next_batch_size)
+        if stats.skipped_tokens is not None:
+            yield histogram("tgi_request_skipped_tokens", "Tokens a request got beyond one in a step (speculation)",
+                            stats.skipped_tokens)
 
 
 def _buckets(counts: m.Histogram) -> tuple[list[tuple[str, float]], float]:

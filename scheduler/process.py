@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import zmq
@@ -318,10 +318,17 @@ class SchedulerService:
         while 0 < len(self.in_flight) <= self.steps_ahead:
             if any(f.void or not self.policy.may_schedule_ahead(f.batch) for f in self.in_flight):
                 return
-            batch = self.policy.schedule(time.time())
+            batch = self._schedule()
             if batch is None:
                 return
             self.send_step(batch, ahead=True)
+
+    def _schedule(self) -> ScheduledBatch | None:
+        started = time.monotonic()
+        batch = self.policy.schedule(time.time())
+        if batch is not None and batch.concat_reason is not None:  # new requests joined a running batch
+            self.metrics.record_concat(time.monotonic() - started)
+        return batch
 
     def finish_step(self) -> None:
         """Wait for the oldest step's result and apply it (a step ahead of it may be computing meanwhile)."""
@@ -333,9 +340,11 @@ class SchedulerService:
         self.worker_request_state = result.request_state
         if flight.void:
             return  # the ranks skipped it; the policy discarded it when the step before failed
+        arrived = time.monotonic()
         self.metrics.record_step(batch.has_prefill, len(batch.new_requests), result.forward_time,
-                                 time.monotonic() - started)
+                                 result.sample_time, arrived - started)
         if result.failed_error:
+            self.metrics.record_failure(batch.has_prefill)
             self._fail_step(batch, result.failed_error)
             for later in self.in_flight:  # built on this step's tokens: nothing of it counts either
                 self.policy.discard(later.batch)
@@ -353,6 +362,9 @@ class SchedulerService:
         # Per sampled rid, [[ids], [logprobs]] or [] (it asked for none); None when no request asked.
         top_tokens = dict(zip(result.rids, result.top_tokens)) if result.top_tokens else None
         self._unpublished = (events, top_tokens)
+        # tokens a client gets (a request that finished meanwhile drops its step-ahead token), per request
+        per_request = list(Counter(e.request.rid for e in events).values()) if result.num_tokens else None
+        self.metrics.record_applied(batch.has_prefill, time.monotonic() - arrived, len(events), per_request)
 
     def _fail_step(self, batch: ScheduledBatch, why: str) -> None:
         """The ranks ran out of memory in this step and live on: the requests the policy blames fail with
@@ -437,6 +449,9 @@ class SchedulerService:
                 self._loop_once()
             except WorkersLost as e:
                 self.flush_events()
+                for flight in self.in_flight:
+                    if not flight.void:
+                        self.metrics.record_failure(flight.batch.has_prefill)
                 self.in_flight.clear()  # lost with the ranks: the policy's restart recomputes their tokens
                 if self.stopping:
                     # the launcher stops the ranks with the scheduler: no restart is coming, so what is
@@ -480,7 +495,7 @@ class SchedulerService:
     def _loop_once(self) -> None:
         self.drain_intake()
         if not self.in_flight:
-            batch = self.policy.schedule(time.time())
+            batch = self._schedule()
             if batch is not None:
                 self.send_step(batch, ahead=False)
         if self.in_flight:

@@ -53,7 +53,12 @@ SAMPLES: dict[m.Kind, m.Message] = {
                                              prefill_duration=None, decode_duration=None,
                                              next_batch_size=m.Histogram([1.0, 2.0, 4.0], [20, 6, 4, 0], 46.0),
                                              worker_restarts=1, onednn_cache_capacity=64,
-                                             worker_request_state=6, prefix_cache_heap_entries=84),
+                                             worker_request_state=6, prefix_cache_heap_entries=84,
+                                             prefill_success=29, decode_success=400, prefill_failure=1,
+                                             decode_failure=0,
+                                             decode_sample=m.Histogram([0.01, 0.1], [399, 1, 0], 0.5),
+                                             decode_filter=m.Histogram([0.01, 0.1], [400, 0, 0], 0.25),
+                                             skipped_tokens=m.Histogram([0.0, 1.0], [380, 15, 5], 30.0)),
     m.Kind.TOKEN_BATCH: m.TokenBatch(["f0-1", "f0-2"], [11, 12], [-0.25, -1.5], [0, 1], prompt_logprobs=[
         ["f0-1", [-1.25, -0.5], [[[5, 9], [-0.75, -1.25]], [[7, 9], [-0.5, -1.5]]]]]),
     m.Kind.REQUEST_FAILED: m.RequestFailed("f0-3", "validation", "empty prompt"),

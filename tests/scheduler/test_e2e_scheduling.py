@@ -52,6 +52,15 @@ def token_ids(body) -> list[int]:
     return [t["id"] for t in body["details"]["tokens"]]
 
 
+def _over_labels(samples: dict[str, float]) -> dict[str, float]:
+    """Labelled samples summed per name (``method="prefill"`` and ``"decode"``, each concat reason)."""
+    totals: dict[str, float] = {}
+    for key, value in samples.items():
+        name = key.split("{", 1)[0]
+        totals[name] = totals.get(name, 0) + value
+    return totals
+
+
 def assert_matches_reference(body, expected: list[int]) -> None:
     got = token_ids(body)
     assert got == expected[:len(got)]
@@ -65,12 +74,24 @@ def test_concurrent_greedy_outputs_equal_transformers(servers, reference, name):
     prompts = [SYSTEM + q for q in QUESTIONS]
     expected = [reference(p, MAX_NEW) for p in prompts]
     before = metrics(server.url)
+    before_labelled = metrics(server.url, labels=True)
+    generated = 0
     for _ in range(2):  # the second wave finds the shared prefix (and whole prompts) cached
         with ThreadPoolExecutor(len(prompts)) as pool:
             bodies = list(pool.map(lambda p: generate(server, p), prompts))
         for body, exp in zip(bodies, expected):
             assert_matches_reference(body, exp)
+            generated += body["details"]["generated_tokens"]
     after = wait_for_metrics(server.url, all_blocks_free)
+    grew = {name: total - _over_labels(before_labelled).get(name, 0)
+            for name, total in _over_labels(metrics(server.url, labels=True)).items()}
+    # TGI's step metrics (its Grafana dashboard's): every step succeeded, each timed once, each of a request's
+    # tokens sampled once (no speculation here: nothing skipped), even through preemptions
+    steps = grew["tgi_batch_inference_count"]
+    assert steps > 0 and grew["tgi_batch_inference_success"] == steps and grew["tgi_batch_inference_failure"] == 0
+    assert grew["tgi_batch_decode_duration_count"] == grew["tgi_batch_filter_duration_count"] == steps
+    assert grew["tgi_request_skipped_tokens_count"] == generated and grew["tgi_request_skipped_tokens_sum"] == 0
+    assert grew["tgi_batch_concat_duration_count"] == grew["tgi_batch_concat"]
     hits = after["llmbus_prefix_cache_hit_tokens_total"] - before["llmbus_prefix_cache_hit_tokens_total"]
     preemptions = after["llmbus_preemptions_total"] - before["llmbus_preemptions_total"]
     print(f"{name}: {preemptions:.0f} preemptions, {hits:.0f} prompt tokens from the prefix cache")

@@ -95,6 +95,11 @@ def restarts(server: Server) -> float:
     return metrics(server.url).get("llmbus_worker_restarts_total", 0.0)
 
 
+def lost_steps(server: Server) -> float:
+    """tgi_batch_inference_failure, both methods."""
+    return sum(v for k, v in metrics(server.url, labels=True).items() if k.startswith("tgi_batch_inference_failure"))
+
+
 def wait_restarted(server: Server, n: int) -> None:
     wait_for_metrics(server.url, lambda s: s.get("llmbus_worker_restarts_total", 0) >= n, timeout=WAIT)
 
@@ -154,7 +159,7 @@ def test_killed_rank_0_before_first_tokens_mid_decode_and_twice_in_a_row(server,
 
 
 def test_stopped_rank_past_the_step_timeout_is_restarted(server, expected):
-    before = restarts(server)
+    before, lost_before = restarts(server), lost_steps(server)
     stopped = rank_pids(server)[0]
     started = streams(server)
     started[0].wait_tokens(3)
@@ -167,6 +172,7 @@ def test_stopped_rank_past_the_step_timeout_is_restarted(server, expected):
     assert restarts(server) == before + 1
     assert "got no result within 4.0s" in server.stderr.text
     assert not process_alive(stopped)
+    assert lost_steps(server) > lost_before  # the step that timed out, at least (TGI's failure counter)
 
 
 def test_killed_scheduler_gives_every_client_an_in_band_error_within_2s(server):
