@@ -185,19 +185,26 @@ class Launcher:
         while True:
             if self.signals:
                 return self._graceful_stop()
-            failed = self._watch_once()
-            self._serve_restart_requests()
-            if failed is None:
-                failed = self._unasked_exit()
-            elif failed.spec.restart == "on_request":
-                self.awaiting_request.setdefault(failed.spec.name, time.monotonic() + RESTART_REQUEST_WAIT_S)
-                continue
-            elif failed.spec.restart == "on_exit" and self._others_serve(failed) \
-                    and self.budgets[failed.spec.name].allow(time.monotonic()):
-                self._restart(failed, f"it {_exit_text(failed.proc.returncode)}")
-                continue
-            if failed is not None:
-                return self._report_failure(failed)
+            code = self._serve_once()
+            if code is not None:
+                return code
+
+    def _serve_once(self) -> int | None:
+        """One round of watching a launch that is ready: restarts what may restart; the launch's exit code
+        when a service's exit ends it."""
+        failed = self._watch_once()
+        if failed is not None and failed.spec.restart == "on_request":
+            # before the requests are served: the one that asks it back may have come with its exit
+            self.awaiting_request.setdefault(failed.spec.name, time.monotonic() + RESTART_REQUEST_WAIT_S)
+            failed = None
+        self._serve_restart_requests()
+        if failed is None:
+            failed = self._unasked_exit()
+        elif failed.spec.restart == "on_exit" and self._others_serve(failed) \
+                and self.budgets[failed.spec.name].allow(time.monotonic()):
+            self._restart(failed, f"it {_exit_text(failed.proc.returncode)}")
+            return None
+        return None if failed is None else self._report_failure(failed)
 
     def _watch_once(self) -> Child | None:
         """Handle supervisor messages for up to 100 ms; return a child that exited, if any."""
@@ -234,7 +241,9 @@ class Launcher:
         for name, deadline in list(self.awaiting_request.items()):
             if now >= deadline:
                 del self.awaiting_request[name]
-                return next(c for c in self.children if c.spec.name == name)
+                child = next(c for c in self.children if c.spec.name == name)
+                if not child.alive():  # (a live one was asked back after all)
+                    return child
         return None
 
     def _others_serve(self, child: Child) -> bool:

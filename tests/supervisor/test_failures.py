@@ -118,3 +118,38 @@ def test_a_frontend_that_fails_at_start_stops_the_launch_at_once(tiny_model_dir)
     stderr = _failed_launch(tiny_model_dir, env={"AIP_PREDICT_ROUTE": "/generate"})
     assert "`aip_predict_route` names a route llmbus serves already. Given: /generate" in stderr, stderr[-3000:]
     assert "ignored SIGTERM" not in stderr and "Traceback" not in stderr, stderr[-3000:]  # the reason says all
+
+
+def test_a_group_asked_back_in_the_round_it_exited_is_not_failed_later(monkeypatch):
+    """A worker group's exit and the scheduler's request to restart it can arrive in one round of watching
+    (rank 1 killed at two ranks): the group restarts, and the deadline for that request must not outlive it
+    (it used to be set after the restart, and ten seconds later stopped a launch that was serving)."""
+    import types
+
+    from llmbus.supervisor import launcher as launcher_module
+
+    workers = launcher_module.ProcessSpec("workers", ("x",), reports_ready=False, restart="on_request")
+    frontend = launcher_module.ProcessSpec("frontend", ("x",))
+
+    def child(spec, alive: bool):
+        return types.SimpleNamespace(spec=spec, alive=lambda: alive, proc=types.SimpleNamespace(
+            returncode=None if alive else -9))
+
+    launch = launcher_module.Launcher([workers, frontend], run_dir=None, echo=lambda text: None)
+    dead = child(workers, alive=False)
+    launch.children = [dead, child(frontend, alive=True)]
+
+    def exit_and_request():
+        launch.restart_requests["workers"] = "worker rank 1 disconnected: its process died"
+        return dead
+
+    restarted = []
+    monkeypatch.setattr(launch, "_watch_once", exit_and_request)
+    monkeypatch.setattr(launch, "_restart", lambda c, why: (restarted.append(why), launch.children.__setitem__(
+        launch.children.index(c), child(c.spec, alive=True))))
+    assert launch._serve_once() is None and len(restarted) == 1
+    assert launch.awaiting_request == {}
+    monkeypatch.setattr(launch, "_watch_once", lambda: None)
+    later = time.monotonic() + launcher_module.RESTART_REQUEST_WAIT_S + 1
+    monkeypatch.setattr(launcher_module.time, "monotonic", lambda: later)
+    assert launch._serve_once() is None, "a serving launch was stopped"
