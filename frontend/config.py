@@ -84,7 +84,11 @@ class FrontendConfig(ServiceSettings):
     max_input_tokens: int | None = setting(None, env="MAX_INPUT_TOKENS", ge=1, help="Default: max_total_tokens - 1.")
     max_total_tokens: int | None = setting(  # None: min(model max length, scheduler's max_batch_total_tokens)
         None, env="MAX_TOTAL_TOKENS", ge=1,
-        help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
+        help="Prompt + generated tokens per request. Default: the model's max_position_embeddings, or what the "
+             "KV cache holds if that is less (as TGI).")
+    fit_total_tokens_to_kv: bool = setting(
+        False, user=False, help="lower --max-total-tokens to the scheduler's KV capacity instead of failing (the "
+                                "launch's default, not the user's)")
     max_concurrent_requests: int = setting(128, env="MAX_CONCURRENT_REQUESTS", ge=1,
                                            help="Requests in flight before new ones get 429.")
     max_best_of: int = setting(2, env="MAX_BEST_OF", ge=1, help="Largest best_of (and n) a request may ask for.")
@@ -227,6 +231,8 @@ def resolve_limits(config: FrontendConfig, model_max_length: int | None,
         total = model_max_length or DEFAULT_MAX_TOTAL_TOKENS
         if max_batch_total_tokens > 0:
             total = min(total, max_batch_total_tokens)
+    elif max_batch_total_tokens > 0 and total > max_batch_total_tokens and config.fit_total_tokens_to_kv:
+        total = max_batch_total_tokens  # the scheduler lowered its own the same way
     elif max_batch_total_tokens > 0 and total > max_batch_total_tokens:
         raise ValueError(f"`max_total_tokens` must be <= `max_batch_total_tokens`. "
                          f"Given: {total} and {max_batch_total_tokens}")

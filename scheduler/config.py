@@ -36,11 +36,15 @@ class SchedulerProcessConfig(ServiceSettings):
                                                     help=PREFILL_TOKENS_HELP)
     fit_prefill_tokens_to_kv: bool = setting(
         False, user=False, help="lower --max-batch-prefill-tokens to the KV capacity instead of failing")
+    fit_total_tokens_to_kv: bool = setting(
+        False, user=False, help="lower --max-total-tokens to the KV capacity instead of failing (it was not given: "
+                                "TGI's default is the smaller of the model's length and what the KV cache holds)")
     max_batch_size: int | None = setting(None, env="MAX_BATCH_SIZE", ge=1, help="Most requests in one batch.")
     # checked against the KV capacity the ranks report
     max_total_tokens: int | None = setting(
         None, env="MAX_TOTAL_TOKENS", ge=1,
-        help="Prompt + generated tokens per request. Default: the model's max_position_embeddings.")
+        help="Prompt + generated tokens per request. Default: the model's max_position_embeddings, or what the "
+             "KV cache holds if that is less (as TGI).")
     prefill_chunking: bool = setting(_POLICY.prefill_chunking, env="PREFILL_CHUNKING",
                                      help="Split long prompts over steps that also carry the running requests' "
                                           "decodes.")

@@ -115,6 +115,11 @@ class SchedulerService:
         num_blocks = min(r.num_blocks for r in ready.values())
         block_size = ready[0].block_size
         capacity = num_blocks * block_size
+        if self.cfg.max_total_tokens is not None and self.cfg.max_total_tokens > capacity \
+                and self.cfg.fit_total_tokens_to_kv:
+            self.log.info("max_total_tokens lowered to the KV capacity", default=self.cfg.max_total_tokens,
+                          capacity=capacity)
+            self.cfg.max_total_tokens = capacity
         if self.cfg.max_total_tokens is not None and self.cfg.max_total_tokens > capacity:
             raise EngineFailure(f"Not enough memory to handle `max_total_tokens={self.cfg.max_total_tokens}`: "
                                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}); "

@@ -130,7 +130,8 @@ def _resolve(kw: dict) -> ResolvedLaunch:
     except ModelNotFound as e:
         raise click.ClickException(f"--lora-adapters: {e}") from None
     return ResolvedLaunch(model_dir=str(model_dir), num_shard=num_shard, max_total_tokens=max_total,
-                          max_input_tokens=max_input, max_batch_prefill_tokens=max_prefill,
+                          max_input_tokens=max_input, max_input_derived=max_input_tokens is None,
+                          max_batch_prefill_tokens=max_prefill,
                           prefill_explicit=explicit_prefill is not None,
                           draft_dir=None if draft_dir is None else str(draft_dir), lora_adapters=lora_adapters)
 
@@ -147,7 +148,12 @@ def _launch_plan(kw: dict, r: ResolvedLaunch, run_dir: str) -> LaunchPlan:
     num_blocks = kw["num_blocks"]
     if num_blocks is None and kw["max_batch_total_tokens"] is not None:
         num_blocks = -(-kw["max_batch_total_tokens"] // (kw["block_size"] or default_block_size(kw["device"])))
-    values = {**kw, "max_total_tokens": r.max_total_tokens, "max_input_tokens": r.max_input_tokens,
+    # Not given, the longest request is the model's length unless the KV cache holds less (TGI's default): the
+    # scheduler and the frontends lower it to the pool's size, and the prompt's limit with it where that was
+    # not given either.
+    fit_total = kw["max_total_tokens"] is None and kw["max_batch_total_tokens"] is None
+    max_input = None if fit_total and r.max_input_derived else r.max_input_tokens
+    values = {**kw, "max_total_tokens": r.max_total_tokens, "max_input_tokens": max_input,
               "lora_adapters": r.lora_adapters,
               "max_batch_prefill_tokens": r.max_batch_prefill_tokens, "api_key": kw["api_key"] or None}
     if r.draft_dir is not None:
@@ -156,10 +162,11 @@ def _launch_plan(kw: dict, r: ResolvedLaunch, run_dir: str) -> LaunchPlan:
     endpoints = Endpoints.in_dir(run_dir)
     return LaunchPlan(
         scheduler=service_settings(SchedulerProcessConfig, values, run_dir=run_dir, world_size=r.num_shard,
-                                   fit_prefill_tokens_to_kv=not r.prefill_explicit),
+                                   fit_prefill_tokens_to_kv=not r.prefill_explicit,
+                                   fit_total_tokens_to_kv=fit_total),
         workers=service_settings(WorkerConfig, values, run_dir=run_dir, model_dir=r.model_dir,
                                  world_size=r.num_shard, num_blocks=num_blocks),
-        frontend=service_settings(FrontendConfig, values, model_dir=r.model_dir,
+        frontend=service_settings(FrontendConfig, values, model_dir=r.model_dir, fit_total_tokens_to_kv=fit_total,
                                   model_id=served_model_id(kw["model_id"], r.model_dir),
                                   requests_endpoint=endpoints.requests,
                                   events_endpoint=endpoints.frontend_events(run_dir, "f0")),

@@ -27,6 +27,7 @@ class ResolvedLaunch:
     model_dir: str
     num_shard: int  # tensor-parallel ranks
     max_input_tokens: int
+    max_input_derived: bool  # not given: max_total_tokens - 1, as the services derive it again if they fit it
     max_total_tokens: int
     max_batch_prefill_tokens: int
     prefill_explicit: bool  # given by the user: checked against the KV capacity, never lowered to it

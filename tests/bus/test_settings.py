@@ -100,12 +100,14 @@ SERVICE_CLASSES = {"scheduler": SchedulerProcessConfig, "workers": WorkerConfig,
 BASE_ID = "org/base-model"
 ANY = object()  # changed, to a value the launch derives
 # What the launcher derives from a flag (TGI's rules): these change along with it.
+# Without --max-total-tokens the longest request is fitted to the KV cache (TGI's default), the prompt's limit
+# with it, both derived again where the services fit them.
+UNFITTED = {"scheduler.fit_total_tokens_to_kv": False, "frontend.fit_total_tokens_to_kv": False}
 DERIVED = {"max_batch_prefill_tokens": {"scheduler.fit_prefill_tokens_to_kv": False},
-           "max_total_tokens": {"frontend.max_input_tokens": 199},
+           "max_total_tokens": {"frontend.max_input_tokens": 199, **UNFITTED},
            "aip_http_port": {"frontend.port": ANY},  # Vertex's port wins over --port, as in TGI
            # the model embeds its positions times the factor: the default longest request with them
-           "rope_factor": {"scheduler.max_total_tokens": ANY, "frontend.max_total_tokens": ANY,
-                           "frontend.max_input_tokens": ANY}}
+           "rope_factor": {"scheduler.max_total_tokens": ANY, "frontend.max_total_tokens": ANY}}
 # What each launch-only flag of `llmbus up` changes, as observe() names things; a new launch flag fails
 # test_every_up_flag_reaches_only_what_it_should until it is described here: (flags, environment, changes).
 LAUNCH_FLAGS = {
@@ -122,7 +124,7 @@ LAUNCH_FLAGS = {
     "max_batch_total_tokens": (["--max-batch-total-tokens", "160"], {},
                                {"workers.num_blocks": -(-160 // default_block_size("auto")),  # 64 on CPU
                                 "scheduler.max_total_tokens": 160,
-                                "frontend.max_total_tokens": 160, "frontend.max_input_tokens": 159}),
+                                "frontend.max_total_tokens": 160, "frontend.max_input_tokens": 159, **UNFITTED}),
     "watermark_gamma": (["--watermark-gamma", "0.25"], {}, {"workers.watermark_gamma": 0.25}),
     "watermark_delta": (["--watermark-delta", "1.5"], {}, {"workers.watermark_delta": 1.5}),
     "print_env": (["--env"], {}, {}),  # printed by `up` itself before anything starts

@@ -10,7 +10,7 @@ import time
 
 from llmbus.bus.procfs import command_line, descendants, process_alive
 from llmbus.testing import Server, free_port
-from llmbus.testing.http import post
+from llmbus.testing.http import get, post
 
 
 def test_killed_rank_stops_everything_within_10s_without_restarts(tiny_model_dir, tmp_path):
@@ -109,6 +109,20 @@ def test_more_kv_than_fits_fails_at_startup(tiny_model_dir):
     # ... and a max_total_tokens the pool cannot hold fails with TGI's message, not at the first long request.
     stderr = _failed_launch(tiny_model_dir, "--max-total-tokens", "256", "--num-blocks", "4", "--block-size", "16")
     assert "Not enough memory to handle `max_total_tokens=256`" in stderr, stderr[-3000:]
+
+
+def test_without_max_total_tokens_the_longest_request_is_what_the_kv_cache_holds(tiny_model_dir):
+    """TGI's default: the model's length (2048 here) unless the KV cache holds less; the prompt's limit
+    follows. (A long-context model on a CPU's default pool failed to start without the flag.)"""
+    srv = Server(["--model-id", str(tiny_model_dir), "--num-blocks", "8", "--block-size", "16"])
+    try:
+        status, info = get(f"{srv.url}/info")
+        assert (info["max_total_tokens"], info["max_input_tokens"]) == (128, 127), info
+        status, _, body = post(f"{srv.url}/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 200}})
+        assert status == 422 and "128" in body["error"], body
+        assert "max_total_tokens lowered to the KV capacity" in srv.stderr.text
+    finally:
+        srv.stop()
 
 
 def test_a_frontend_that_fails_at_start_stops_the_launch_at_once(tiny_model_dir):
