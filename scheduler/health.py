@@ -4,6 +4,11 @@ A check is answered ok only once every rank has acknowledged a probe sent after 
 rank that is alive but stuck (a hung collective, a stopped process) fails /health instead of passing on
 its last sign of life. Checks that arrive while a probe is out share the next probe; one probe is out at
 a time, so a load balancer polling /health costs the ranks one tiny message per poll at most.
+
+A busy engine answers sooner: the probe waits behind the steps the ranks have queued (two long prompt
+steps on a CPU outlast --health-check-timeout), so a step's result arriving after a check answers it ok
+instead. Rank 0 returns a result only when every rank computed the step with it; a stuck group sends none,
+and then its step deadline restarts it as well.
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ class RankHealth:
         if self.owed:
             return []
         answered, self.covered = self.covered, []
+        return [Answer(c.frontend_id, c.check_id, True) for c in answered]
+
+    def progress(self) -> list[Answer]:
+        """A step's result arrived: every check waiting is answered ok (the probe out stays owed; its
+        acknowledgements, when they come, answer nobody)."""
+        answered, self.covered, self.queued = self.covered + self.queued, [], []
         return [Answer(c.frontend_id, c.check_id, True) for c in answered]
 
     def expire(self, now: float) -> list[Answer]:

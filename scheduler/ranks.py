@@ -156,6 +156,7 @@ class RankGroup:
                 if msg.step_id != step_id:
                     log_dropped("StepResult", "result of a step never sent", step=msg.step_id, due=step_id)
                     continue
+                self._answer_health(self.health.progress())  # (scheduler/health.py: a busy engine's checks)
                 return msg
 
     def wait_idle(self, timeout_s: float, departures_expected: Callable[[], bool]) -> None:

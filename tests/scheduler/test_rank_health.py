@@ -33,3 +33,18 @@ def test_a_rank_that_does_not_answer_fails_the_check_and_its_late_answer_is_igno
     fresh = h.probe_to_send()
     assert fresh == probe + 1, "the next check does not wait on the abandoned probe"
     assert [h.ack(r, fresh) for r in range(3)][-1] == [Answer("f0", 2, True)]
+
+
+def test_a_step_result_answers_the_checks_waiting_and_the_probe_out_answers_nobody_after():
+    """The probe queues behind the steps the ranks hold (two long prompt steps outlast the check's timeout):
+    a step's result, which every rank must have computed, answers the checks instead."""
+    h = RankHealth(world_size=2)
+    h.check("f0", 1, timeout_s=5, now=0)
+    probe = h.probe_to_send()
+    h.check("f1", 2, timeout_s=5, now=1)
+    assert h.progress() == [Answer("f0", 1, True), Answer("f1", 2, True)]
+    assert h.next_deadline() is None and h.expire(100) == []
+    assert h.ack(0, probe) == [] and h.ack(1, probe) == []
+    h.check("f0", 3, timeout_s=5, now=101)  # idle again: a probe answers it
+    fresh = h.probe_to_send()
+    assert fresh == probe + 1 and [h.ack(r, fresh) for r in range(2)][-1] == [Answer("f0", 3, True)]
