@@ -64,7 +64,8 @@ class LaunchSettings:
                                                  help="KV cache capacity in tokens (default: what memory allows).")
     watermark_gamma: float | None = offered(WorkerConfig, "watermark_gamma")
     watermark_delta: float | None = offered(WorkerConfig, "watermark_delta")
-    print_env: bool = setting(False, flag="--env", aliases=("-e",), env="ENV",
+    # no environment variable, as in TGI: ENV=production is common in containers and CI
+    print_env: bool = setting(False, flag="--env", aliases=("-e",),
                               help="Print the runtime environment (versions, devices) before starting.")
     run_dir: str | None = setting(None, env=ENV_RUN_DIR, help="Private directory for ipc sockets.")
     json_output: bool = setting(False, env="JSON_OUTPUT", help="Log JSON lines.")

@@ -124,6 +124,11 @@ def test_procfile_renders_the_launch_plan(tiny_model_dir, tmp_path):
     assert "--otlp-endpoint http://collector:4317" in entries["scheduler"]
     bad = CliRunner().invoke(main, ["procfile", "--model-id", str(tiny_model_dir), "--num-shard", "0"])
     assert bad.exit_code == 2 and "`num_shard` cannot be < 1" in bad.output
+    # --env has no variable, as in TGI's launcher: a container's ENV=production is not the flag (the launch
+    # gets as far as its own checks)
+    container = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), "--num-shard", "0"],
+                                   env={"ENV": "production"})
+    assert container.exit_code == 2 and "`num_shard` cannot be < 1" in container.output, container.output
 
 
 def test_procfile_entries_take_relative_paths_whole(tiny_model_dir, tmp_path, monkeypatch):
