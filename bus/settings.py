@@ -167,6 +167,23 @@ def problems(settings: list[Declared], values: dict) -> list[str]:
     return [p for p in found if p is not None]
 
 
+def parsed_values(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict:
+    """``parser``'s values for ``argv`` (a ``ServiceSettings.parser``'s, perhaps with flags of its own); a
+    flag left to an environment variable that does not convert exits 2 with argparse's one line."""
+    values = vars(parser.parse_args(argv))
+    bad = next((v for v in values.values() if isinstance(v, _BadVariable)), None)
+    if bad is not None:
+        parser.error(bad.why)
+    return values
+
+
+@dataclass(frozen=True)
+class _BadVariable:
+    """A flag's default from an environment variable that does not convert: an error if the flag is not given."""
+
+    why: str
+
+
 class ServiceSettings:
     """Mixin for a settings dataclass whose fields are declared with ``setting``: built only from values
     that keep every declared bound and the class's ``validate()``."""
@@ -195,8 +212,8 @@ class ServiceSettings:
             if env_value:
                 try:
                     env_value = d.convert(env_value) if d.kind is not list else env_value
-                except ValueError:  # the variable is the service's command line too: argparse's one line
-                    p.error(f"{d.spec.env}={env_value!r} is not a valid value for {d.flag}")
+                except ValueError:  # refused only where the flag is not given: it wins over the variable
+                    env_value = _BadVariable(f"{d.spec.env}={env_value!r} is not a valid value for {d.flag}")
             if d.switch:
                 p.add_argument(*names, action="store_true", default=env_value or False, **common)
             elif d.kind is list:
@@ -213,7 +230,7 @@ class ServiceSettings:
     def parse(cls, argv: list[str] | None, prog: str, description: str | None = None):
         """(settings, the parser) from a command line; a bad flag exits 2 with argparse's message."""
         p = cls.parser(prog, description)
-        values = vars(p.parse_args(argv))
+        values = parsed_values(p, argv)
         for d in declared(cls):
             if d.kind is list and values[d.name] is None:
                 values[d.name] = list(d.default) if d.default is not MISSING else []

@@ -11,6 +11,7 @@ import os
 import sys
 
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir_or_exit
+from llmbus.bus.settings import parsed_values
 from llmbus.frontend.app import run_frontend
 from llmbus.frontend.config import FrontendConfig
 
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 def from_args(argv: list[str] | None = None) -> tuple[FrontendConfig, str]:
     """The config and the service name."""
     parser = build_parser()
-    values = vars(parser.parse_args(argv))
+    values = parsed_values(parser, argv)
     run_dir, service_name = values.pop("run_dir"), values.pop("service_name")
     values["cors_allow_origin"] = values["cors_allow_origin"] or []
     if values["frontend_id"] is None:

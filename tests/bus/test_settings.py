@@ -359,6 +359,12 @@ def test_a_service_refuses_a_bad_value_from_its_environment(capsys, monkeypatch)
     monkeypatch.setenv("TRUST_REMOTE_CODE", "maybe")
     assert refusal("workers", [], capsys).endswith(
         "TRUST_REMOTE_CODE='maybe' is not a valid value for --trust-remote-code")
+    # a flag given wins over its variable, as click's do for `llmbus up` (whose services inherit its environment)
+    _, needed = SERVICE_ENTRIES["workers"]
+    assert WorkerConfig.parse([*needed, "--trust-remote-code"], prog="llmbus workers")[0].trust_remote_code
+    monkeypatch.setenv("PORT", "abc")
+    assert frontend_from_args([*SERVICE_ENTRIES["frontend"][1], "--port", "3150"])[0].port == 3150
+    assert refusal("frontend", [], capsys).endswith("PORT='abc' is not a valid value for --port")
 
 
 @pytest.mark.parametrize("service", sorted(SERVICE_ENTRIES))
