@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -165,6 +166,11 @@ def problems(settings: list[Declared], values: dict) -> list[str]:
     """Every declared bound or check that ``values`` (by name) break, in the order of ``settings``."""
     found = (d.problem(values.get(d.name)) for d in settings)
     return [p for p in found if p is not None]
+
+
+def finite(value: float) -> str | None:
+    """A ``check`` for floats that nan and infinities would break."""
+    return None if math.isfinite(value) else f"must be a finite number. Given: {value}"
 
 
 def parsed_values(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict:

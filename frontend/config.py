@@ -114,7 +114,7 @@ class FrontendConfig(ServiceSettings):
                                              help="/info's pipeline tag; decides POST / return_full_text as TGI")
     # how long in-flight requests may finish after SIGTERM (TGI's default)
     shutdown_timeout_s: float = setting(90.0, flag="--graceful-termination-timeout",
-                                        env="GRACEFUL_TERMINATION_TIMEOUT",
+                                        env="GRACEFUL_TERMINATION_TIMEOUT", ge=0,
                                         help="Seconds in-flight requests get to finish on SIGTERM.")
     # /health waits this long for every rank to answer a probe (a rank answers after the step it computes)
     scheduler_hang_timeout_s: float = setting(

@@ -76,7 +76,7 @@ class SchedulerProcessConfig(ServiceSettings):
     speculate_method: str = setting("ngram", choices=("ngram", "draft"), user=False,
                                     help="where guesses come from: n-gram lookup, or the ranks' draft model")
     step_timeout_s: float | None = setting(
-        None, flag="--step-timeout", env="STEP_TIMEOUT",
+        None, flag="--step-timeout", env="STEP_TIMEOUT", gt=0,
         help=f"Seconds one step may take before its ranks count as hung (and are restarted, see --max-restarts). "
              f"Default: {STEP_TIMEOUT_FLOOR_S:g} s plus {STEP_TIMEOUT_WARMUP_FACTOR:g}x the warmup's time per "
              f"token for the step's tokens.")
@@ -92,7 +92,7 @@ class SchedulerProcessConfig(ServiceSettings):
              "path. Default: 2 where the ranks run on a GPU, 1 on CPU (where the forward pass, not the "
              "turnaround, is the step).")
     max_restarts: int = setting(
-        3, env="MAX_RESTARTS",
+        3, env="MAX_RESTARTS", ge=0,
         help=f"Restart worker ranks that crashed or hung, resuming every request where it was, at most this many "
              f"times in {RESTART_WINDOW_S:g} s (also a dead frontend, with --num-frontends > 1). 0: a worker "
              f"failure stops the server, as TGI's does.")

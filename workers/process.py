@@ -35,7 +35,7 @@ from llmbus.bus.gc_pauses import freeze_startup_heap
 from llmbus.bus.model_files import ROPE_SCALINGS, lora_entries, rope_override
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
-from llmbus.bus.settings import ServiceSettings, setting
+from llmbus.bus.settings import ServiceSettings, finite, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
 from llmbus.workers.graph_sizes import (cuda_graphs_problem, parse_cuda_graphs, parse_piecewise_graphs,
@@ -97,7 +97,7 @@ class WorkerConfig(ServiceSettings):
                                      help="Tokens per KV cache block (default: 64 on CPU, 16 on CUDA).")
     kv_cache_bytes: int | None = setting(None, flag="--kv-cache-memory", env="KV_CACHE_MEMORY", ge=1,
                                          help="Bytes of KV cache per rank on CPU (default 512 MiB).")
-    num_blocks: int | None = setting(None, env="NUM_BLOCKS", help="Fix the KV block count.")
+    num_blocks: int | None = setting(None, env="NUM_BLOCKS", ge=1, help="Fix the KV block count.")
     cuda_memory_fraction: float = setting(1.0, env="CUDA_MEMORY_FRACTION", gt=0, le=1,
                                           help="Share of each GPU's memory llmbus may use (weights, activations, "
                                                "KV cache).")
@@ -144,7 +144,7 @@ class WorkerConfig(ServiceSettings):
                                       help="Let transformers run the model repository's own code (fallback models).")
     watermark_gamma: float | None = setting(None, env="WATERMARK_GAMMA", gt=0, lt=1, user=False, hidden=True,
                                             help="Share of the vocabulary in the watermark's green list (default 0.5).")
-    watermark_delta: float | None = setting(None, env="WATERMARK_DELTA", user=False, hidden=True,
+    watermark_delta: float | None = setting(None, env="WATERMARK_DELTA", user=False, hidden=True, check=finite,
                                             help="Bias added to green-list logits (default 2.0).")
     device_feed: str = setting(
         "auto", env="LLMBUS_DEVICE_FEED", choices=("auto", "off", "hold"), hidden=True,

@@ -20,6 +20,13 @@ from llmbus.supervisor.cli import main
     (["--prefix-caching", "maybe"], "is not a valid boolean"),
     (["--max-total-tokens", "100000"], "must be <= the model's `max_position_embeddings`(2048)"),
     (["--max-batch-size", "0"], "Invalid argument: `max_batch_size` must be > 0"),
+    # each of these was taken, and broke the server later (every request failed, SIGKILL at once on a stop, ...)
+    (["--step-timeout", "0"], "Invalid argument: `step_timeout` must be > 0. Given: 0.0"),
+    (["--graceful-termination-timeout", "-5"],
+     "Invalid argument: `graceful_termination_timeout` must be >= 0. Given: -5.0"),
+    (["--num-blocks", "0"], "Invalid argument: `num_blocks` must be > 0"),
+    (["--max-restarts", "-1"], "Invalid argument: `max_restarts` must be >= 0. Given: -1"),
+    (["--watermark-delta", "nan"], "Invalid argument: `watermark_delta` must be a finite number. Given: nan"),
 ])
 def test_invalid_arguments_exit_2(tiny_model_dir, args, message):
     result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), *args])
