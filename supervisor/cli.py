@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -52,6 +53,10 @@ def up(**kw) -> None:
     except RunDirError as e:
         raise click.ClickException(str(e)) from None
     launch = _launch_plan(kw, settings, str(run_dir.path))
+    problem = listen_problem(launch.frontend.hostname, launch.frontend.port)
+    if problem is not None:
+        run_dir.close()
+        raise click.ClickException(problem)
     with run_dir:
         code = Launcher(build_plan(launch), run_dir, graceful_timeout_s=kw["shutdown_timeout_s"],
                         json_output=kw["json_output"]).run()
@@ -171,6 +176,26 @@ def _launch_plan(kw: dict, r: ResolvedLaunch, run_dir: str) -> LaunchPlan:
                                   requests_endpoint=endpoints.requests,
                                   events_endpoint=endpoints.frontend_events(run_dir, "f0")),
         num_frontends=kw["num_frontends"])
+
+
+def listen_problem(hostname: str, port: int) -> str | None:
+    """Why the frontends could not listen on ``hostname:port``, found before a model loads for minutes (TGI
+    finds it after its warmup). Bound alone, without SO_REUSEPORT: several frontends share the port among
+    themselves, never with another server that set it too."""
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot listen on {hostname}:{port}: {e.strerror}"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds (TIME_WAIT is no owner)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                return f"cannot listen on {hostname}:{port}: {e.strerror} (--port, --hostname)"
+    return None
 
 
 def visible_gpus() -> int | None:

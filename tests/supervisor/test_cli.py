@@ -198,3 +198,25 @@ def test_tgi_launch_flags_run_unchanged(tiny_model_dir, tmp_path, monkeypatch):
                           (["--rope-factor", "0"], "`rope_factor` must be > 0")):
         refused = CliRunner().invoke(main, ["up", *model, *args])
         assert refused.exit_code == 2 and f"Invalid argument: {message}" in refused.output, refused.output
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    """Found before the model loads (it was found after, as a traceback printed twice); several frontends
+    share their port among themselves, never with another server's SO_REUSEPORT listener."""
+    import socket
+
+    from llmbus.testing import free_port
+
+    port = free_port()
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        for frontends in ("1", "2"):
+            run_dir = tmp_path / f"run{frontends}"
+            result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), "--hostname", "127.0.0.1",
+                                               "--port", str(port), "--num-frontends", frontends,
+                                               "--run-dir", str(run_dir)])
+            assert result.exit_code == 1, result.output
+            assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.output, result.output
+            assert not run_dir.exists()
