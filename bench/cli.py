@@ -6,6 +6,7 @@ inside the command, not here.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -105,6 +106,11 @@ def bench(ctx: click.Context, **kw) -> None:
     if not kw["url"].startswith(("http://", "https://")):
         raise click.BadParameter(f"{kw['url']!r} is not an http:// or https:// URL", param_hint="--url")
     plot_path = None if kw["no_plot"] else kw["plot_path"] or str(Path(kw["output"]).with_suffix(".png"))
+    for option, path in (("--output", kw["output"]), ("--plot", plot_path)):
+        folder = Path(path).parent if path is not None else None
+        if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK)):
+            # found now, not after a benchmark that may run for half an hour
+            raise click.BadParameter(f"{folder} is not a folder this user can write to", param_hint=option)
     if plot_path is not None:
         try:
             report.require_matplotlib()

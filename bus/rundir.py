@@ -37,9 +37,23 @@ class RunDirNotPrivate(RunDirError):
     pass
 
 
+# A unix socket's path holds at most this many bytes (sun_path's 108, its NUL included); the longest of a run
+# dir's sockets is a frontend's events socket.
+MAX_SOCKET_PATH = 107
+_LONGEST_SOCKET = "events-f99.sock"
+
+
+def _check_length(path: Path) -> None:
+    longest = len(os.fsencode(path.absolute() / _LONGEST_SOCKET))
+    if longest > MAX_SOCKET_PATH:
+        raise RunDirError(f"run dir {path} is too long for its sockets ({longest} bytes with a socket's name; a "
+                          f"unix socket's path holds {MAX_SOCKET_PATH}): pick a shorter --run-dir (or TMPDIR)")
+
+
 def _claim(path: Path) -> None:
     """Create ``path`` private, or accept it if it already is: a directory of this user's, mode 0700 or
-    stricter. Refuse anything else."""
+    stricter. Refuse anything else (and a path too long for the sockets in it)."""
+    _check_length(path)
     try:
         path.mkdir(mode=0o700, parents=True)
         return
@@ -126,6 +140,7 @@ class RunDir:
         if path is None:
             # /tmp keeps ipc paths short: a unix socket path must stay under ~107 bytes.
             parent = os.environ.get("TMPDIR", "/tmp")
+            _check_length(Path(parent) / "llmbus-12345678")  # mkdtemp's name
             remove_stale_run_dirs(parent)
             self.path = Path(tempfile.mkdtemp(prefix="llmbus-", dir=parent))
             # The lock file appears already locked: created under another name, locked, then renamed. A

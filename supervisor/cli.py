@@ -82,9 +82,12 @@ def procfile(out_dir: str, **kw) -> None:
     procfile_text, env_text = render_procfile(build_plan(launch, python="python"), run_dir,
                                               json_output=kw["json_output"])
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "Procfile").write_text(procfile_text)
-    (out / ".env").write_text(env_text)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "Procfile").write_text(procfile_text)
+        (out / ".env").write_text(env_text)
+    except OSError as e:
+        raise click.ClickException(f"cannot write the Procfile to {out_dir}: {e}") from None
     click.echo(f"wrote {out / 'Procfile'} and {out / '.env'}: run `honcho start` there")
 
 
@@ -107,7 +110,11 @@ def _resolve(kw: dict) -> ResolvedLaunch:
         raise click.ClickException(str(e)) from None
     # GPT-2 and friends call it n_positions: a default above it would crash the model at long requests.
     rope = rope_override(kw["rope_scaling"], kw["rope_factor"])
-    max_positions = rope_positions(read_config(model_dir), rope) or 2048
+    try:
+        config = read_config(model_dir)
+    except ModelNotFound as e:
+        raise click.ClickException(str(e)) from None
+    max_positions = rope_positions(config, rope) or 2048
     max_total = kw["max_total_tokens"] or max_positions
     if kw["max_batch_total_tokens"] is not None and kw["max_total_tokens"] is None:
         max_total = min(max_total, kw["max_batch_total_tokens"])
@@ -126,7 +133,10 @@ def _resolve(kw: dict) -> ResolvedLaunch:
             draft_dir = resolve_model(kw["draft_model_id"], cache_dir=kw["huggingface_hub_cache"])
         except ModelNotFound as e:
             raise click.ClickException(f"--draft-model-id: {e}") from None
-        vocab, draft_vocab = read_config(model_dir).get("vocab_size"), read_config(draft_dir).get("vocab_size")
+        try:
+            vocab, draft_vocab = config.get("vocab_size"), read_config(draft_dir).get("vocab_size")
+        except ModelNotFound as e:
+            raise click.ClickException(f"--draft-model-id: {e}") from None
         if vocab != draft_vocab:
             raise InvalidArgument(f"the draft model's vocabulary ({draft_vocab} tokens) is not the model's "
                                   f"({vocab}): a draft must share the model's tokenizer")
@@ -290,7 +300,10 @@ def demo_model(out_dir: str, size: str, seed: int) -> None:
     """Write the built-in demo model (random weights, trained tokenizer) as a Hugging Face folder."""
     from llmbus.supervisor.demo_model import build_demo_model
 
-    path = build_demo_model(out_dir, size, seed=seed)
+    try:
+        path = build_demo_model(out_dir, size, seed=seed)
+    except OSError as e:
+        raise click.ClickException(f"cannot write the demo model to {out_dir}: {e}") from None
     click.echo(str(path))
 
 

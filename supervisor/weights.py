@@ -92,6 +92,8 @@ def _gguf_folder(gguf_path: Path) -> Path:
         folder = materialize(gguf_path)
     except GGUFError as e:
         raise ModelNotFound(str(e)) from None
+    except OSError as e:  # the cache the model folder is built in (LLMBUS_CACHE, ~/.cache) cannot be written
+        raise ModelNotFound(f"cannot build the model folder for {gguf_path} in its cache: {e}") from None
     if Path(gguf_path).resolve() == smollm2_gguf():  # the default model, however it was named
         recommend_sampling(folder, SMOLLM2_SAMPLING)
     return folder
@@ -240,4 +242,12 @@ def _safetensors_name(bin_name: str) -> str:
 
 
 def read_config(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    """The model's config.json; ModelNotFound, saying why, where it is not a readable JSON object."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelNotFound(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelNotFound(f"{path} is not a JSON object")
+    return config

@@ -131,7 +131,7 @@ class WorkerConfig(ServiceSettings):
              "(positions divided by --rope-factor) or dynamic (NTK: the base grows past the trained length). "
              "TGI's pairing: a kind alone scales by 1.0, --rope-factor alone is linear. The model then embeds "
              "its max_position_embeddings times the factor (the longest --max-total-tokens).")
-    rope_factor: float | None = setting(None, env="ROPE_FACTOR", gt=0, help="The factor of --rope-scaling.")
+    rope_factor: float | None = setting(None, env="ROPE_FACTOR", gt=0, le=10_000, help="The factor of --rope-scaling.")
     runner: str = setting("model", env="LLMBUS_RUNNER", choices=("model", "fake"), hidden=True,
                           help="fake: workers return tokens without computing (to measure the stack alone).")
     lora_adapters: str | None = setting(None, user=False,

@@ -6,6 +6,7 @@ dirs are kept."""
 import fcntl
 import os
 import subprocess
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -73,8 +74,16 @@ def test_own_private_dirs_are_accepted_and_sockets_are_0600(tmp_path):
     assert ensure_run_dir(tmp_path / "new" / "dir").stat().st_mode & 0o777 == 0o700
 
 
-def test_a_killed_launch_leaves_nothing_the_next_launch_keeps(tmp_path, monkeypatch):
-    parent = Path(tempfile.mkdtemp(dir=tmp_path))
+@pytest.fixture
+def short_parent():
+    """A TMPDIR short enough for a run dir's sockets (pytest's tmp_path is not)."""
+    parent = Path(tempfile.mkdtemp(dir="/tmp"))
+    yield parent
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_a_killed_launch_leaves_nothing_the_next_launch_keeps(short_parent, monkeypatch):
+    parent = short_parent
     stale = Path(tempfile.mkdtemp(prefix="llmbus-", dir=parent))
     (stale / "lock").write_text("999999")  # its launch was SIGKILLed: nobody holds the lock
     (stale / "requests.sock").touch()
@@ -92,13 +101,13 @@ def test_a_killed_launch_leaves_nothing_the_next_launch_keeps(tmp_path, monkeypa
         os.close(holder)
 
 
-def test_a_launch_starting_beside_another_never_removes_its_dir(tmp_path, monkeypatch):
+def test_a_launch_starting_beside_another_never_removes_its_dir(short_parent, monkeypatch):
     """Another launch's sweep (remove_stale_run_dirs) run in the moment before this launch locks its dir
     leaves the dir alone: a "lock" file that exists is always held. Two launches side by side lost a run
     dir this way ("No such file or directory for ipc path ... supervisor.sock")."""
     from llmbus.bus import rundir
 
-    parent = Path(tempfile.mkdtemp(dir=tmp_path))
+    parent = short_parent
     monkeypatch.setenv("TMPDIR", str(parent))
     real_flock, swept = fcntl.flock, []
 

@@ -195,7 +195,7 @@ def test_tgi_launch_flags_run_unchanged(tiny_model_dir, tmp_path, monkeypatch):
                            "`tokenizer_config_path` must name a readable tokenizer_config.json"),
                           (["--ngrok"], "`ngrok` tunneling is not supported"),
                           (["--weights-cache-override", "/data"], "`weights_cache_override` is not supported"),
-                          (["--rope-factor", "0"], "`rope_factor` must be > 0")):
+                          (["--rope-factor", "0"], "`rope_factor` must be in (0, 10000]")):
         refused = CliRunner().invoke(main, ["up", *model, *args])
         assert refused.exit_code == 2 and f"Invalid argument: {message}" in refused.output, refused.output
 
@@ -220,3 +220,30 @@ def test_a_port_in_use_is_refused_before_anything_starts(tiny_model_dir, tmp_pat
             assert result.exit_code == 1, result.output
             assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.output, result.output
             assert not run_dir.exists()
+
+
+def test_bad_files_and_paths_are_one_line_errors(tiny_model_dir, tmp_path):
+    """Each of these was a traceback: a config.json cut short or not an object, a run dir too long for its
+    sockets, an output folder that cannot be written (bench found it after running)."""
+    import shutil
+
+    cut, listed = tmp_path / "cut", tmp_path / "listed"
+    for folder, text in ((cut, '{"model_type": "llama",\n'), (listed, "[1, 2]")):
+        shutil.copytree(tiny_model_dir, folder)
+        (folder / "config.json").write_text(text)
+    cases = [
+        (["up", "--model-id", str(cut)], f"cannot read {cut / 'config.json'}: Expecting"),
+        (["up", "--model-id", str(listed)], f"{listed / 'config.json'} is not a JSON object"),
+        (["up", "--model-id", str(tiny_model_dir), "--run-dir", "/tmp/" + "r" * 100],
+         "is too long for its sockets"),
+        (["up", "--model-id", str(tiny_model_dir), "--rope-scaling", "linear", "--rope-factor", "inf"],
+         "`rope_factor` must be in (0, 10000]. Given: inf"),
+        (["demo-model", "/proc/demo"], "cannot write the demo model to /proc/demo"),
+        (["procfile", "--model-id", str(tiny_model_dir), "-o", "/proc/pf"], "cannot write the Procfile to /proc/pf"),
+        (["bench", "--url", "http://127.0.0.1:1", "-o", str(tmp_path / "no" / "out.json")],
+         "is not a folder this user can write to"),
+    ]
+    for argv, message in cases:
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code in (1, 2) and not isinstance(result.exception, (OSError, ValueError)), argv
+        assert message in result.output, (argv, result.output)
