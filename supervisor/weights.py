@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 
@@ -44,10 +46,24 @@ def resolve_model(model_id: str | None, *, revision: str | None = None, cache_di
             ggufs = sorted(p.name for p in path.glob("*.gguf")) if path.is_dir() else []
             hint = f" (it has GGUF files: pass one with --gguf-file: {', '.join(ggufs)})" if ggufs else ""
             raise ModelNotFound(f"{path} is not a Hugging Face model folder (no config.json){hint}")
-        return path.resolve()
+        return _with_safetensors(path.resolve())
     if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1:
         raise ModelNotFound(f"model folder {model_id} does not exist")
     return download(model_id, revision=revision, cache_dir=cache_dir)
+
+
+def _with_safetensors(folder: Path) -> Path:
+    """A local folder whose weights are PyTorch ``.bin`` files only gets them converted to safetensors beside
+    them, once, as TGI's launcher converts a local model's (the workers read safetensors)."""
+    if any(folder.glob("*.safetensors")) or not any(folder.glob("pytorch_model*.bin")):
+        return folder
+    if not os.access(folder, os.W_OK):
+        raise ModelNotFound(f"{folder} holds PyTorch .bin weights only, and llmbus cannot write their safetensors "
+                            f"conversion beside them: give a copy of the folder this user can write to")
+    print(f"llmbus: {folder} holds PyTorch .bin weights only: converting them to safetensors beside them (once)",
+          file=sys.stderr)
+    convert_bin_to_safetensors(folder)
+    return folder
 
 
 def smollm2_gguf() -> Path | None:
@@ -68,7 +84,6 @@ def smollm2_gguf() -> Path | None:
 
 
 def _default_model(gguf_file: str | None) -> Path:
-    import sys
 
     if gguf_file is not None:
         raise ModelNotFound("--gguf-file names a file inside --model-id, which is not set")

@@ -54,6 +54,8 @@ def test_bin_only_repository_is_converted_to_safetensors(tiny_model_dir, tmp_pat
     (source / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     bins = sorted(p.name for p in source.glob("*.bin"))
     assert len(bins) > 1 and not list(source.glob("*.safetensors")), "a sharded .bin-only repository"
+    local = tmp_path / "local-bin"
+    shutil.copytree(source, local)
     cache = tmp_path / "hub"
     _cache_repo(cache, "llmbus/tiny-bin", source)
 
@@ -70,6 +72,11 @@ def test_bin_only_repository_is_converted_to_safetensors(tiny_model_dir, tmp_pat
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     again = _download(cache, "llmbus/tiny-bin")  # converted once: a second run finds the safetensors
     assert again.returncode == 0 and again.stdout == result.stdout
+    # a local folder of .bin weights too, as TGI's launcher converts a local model's (the workers read safetensors)
+    from llmbus.supervisor.weights import resolve_model
+
+    assert resolve_model(str(local)) == local.resolve()
+    assert sorted(p.name for p in local.glob("*.safetensors")) == sorted(p.name for p in folder.glob("*.safetensors"))
 
 
 def test_safetensors_repository_and_missing_ones_offline(tiny_model_dir, tmp_path):
