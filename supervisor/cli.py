@@ -114,6 +114,11 @@ def _resolve(kw: dict) -> ResolvedLaunch:
         config = read_config(model_dir)
     except ModelNotFound as e:
         raise click.ClickException(str(e)) from None
+    if not (Path(model_dir) / "tokenizer.json").is_file():  # the frontends' (found before the weights load)
+        raise click.ClickException(
+            f"{model_dir} has no tokenizer.json: llmbus reads the fast tokenizer's file. A folder with only a "
+            f"SentencePiece tokenizer.model gets one from transformers: AutoTokenizer.from_pretrained(folder)"
+            f".save_pretrained(folder)")
     max_positions = rope_positions(config, rope) or 2048
     max_total = kw["max_total_tokens"] or max_positions
     if kw["max_batch_total_tokens"] is not None and kw["max_total_tokens"] is None:

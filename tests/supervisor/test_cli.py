@@ -227,11 +227,14 @@ def test_bad_files_and_paths_are_one_line_errors(tiny_model_dir, tmp_path):
     sockets, an output folder that cannot be written (bench found it after running)."""
     import shutil
 
-    cut, listed = tmp_path / "cut", tmp_path / "listed"
+    cut, listed, untokenized = tmp_path / "cut", tmp_path / "listed", tmp_path / "untokenized"
     for folder, text in ((cut, '{"model_type": "llama",\n'), (listed, "[1, 2]")):
         shutil.copytree(tiny_model_dir, folder)
         (folder / "config.json").write_text(text)
+    shutil.copytree(tiny_model_dir, untokenized)
+    (untokenized / "tokenizer.json").unlink()
     cases = [
+        (["up", "--model-id", str(untokenized)], f"{untokenized} has no tokenizer.json"),
         (["up", "--model-id", str(cut)], f"cannot read {cut / 'config.json'}: Expecting"),
         (["up", "--model-id", str(listed)], f"{listed / 'config.json'} is not a JSON object"),
         (["up", "--model-id", str(tiny_model_dir), "--run-dir", "/tmp/" + "r" * 100],
