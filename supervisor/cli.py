@@ -284,6 +284,9 @@ def _check_static(kw: dict) -> tuple[int, int | None]:
 def _check_limits(max_input: int, max_total: int, max_prefill: int, max_positions: int, chunking: bool,
                   rope: tuple[str, float] | None) -> None:
     """TGI's launcher rules on the resolved token limits."""
+    if max_total < 2:  # (the prompt's limit derived from it would be 0: name what was given)
+        raise InvalidArgument(f"`max_total_tokens` must be > 1: a request holds a prompt token and a generated "
+                              f"one. Given: {max_total}")
     broken = (declared_setting(FrontendConfig, "max_input_tokens").problem(max_input)
               or input_total_problem(max_input, max_total))
     if broken:

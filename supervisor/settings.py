@@ -60,7 +60,7 @@ class LaunchSettings:
     sharded: bool | None = setting(None, env="SHARDED", help="Shard the model (true needs more than one rank).")
     trust_remote_code: bool = offered(WorkerConfig, "trust_remote_code")
     max_input_length: int | None = setting(None, env="MAX_INPUT_LENGTH", help="Deprecated name of --max-input-tokens.")
-    max_batch_total_tokens: int | None = setting(None, env="MAX_BATCH_TOTAL_TOKENS",
+    max_batch_total_tokens: int | None = setting(None, env="MAX_BATCH_TOTAL_TOKENS", ge=1,
                                                  help="KV cache capacity in tokens (default: what memory allows).")
     watermark_gamma: float | None = offered(WorkerConfig, "watermark_gamma")
     watermark_delta: float | None = offered(WorkerConfig, "watermark_delta")

@@ -127,11 +127,12 @@ class ModelRunner(RunnerWarmup):
         if num_blocks is None and kv_cache_bytes is None and self.device.type == "cuda":
             return  # sized by warmup()
         if num_blocks is None:
-            num_blocks = self._blocks_for_bytes(kv_cache_bytes if kv_cache_bytes is not None
-                                                else DEFAULT_KV_CACHE_BYTES)
+            budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+            num_blocks = self._blocks_for_bytes(budget)
             if num_blocks < 1:
-                raise WarmupOutOfMemory(f"`--kv-cache-memory` {kv_cache_bytes} bytes cannot hold one KV block "
-                                        f"of {self.block_size} tokens")
+                given = "" if kv_cache_bytes is not None else " (its default)"
+                raise WarmupOutOfMemory(f"`--kv-cache-memory` {budget} bytes{given} cannot hold one KV block of "
+                                        f"{self.block_size} tokens: lower --block-size or raise --kv-cache-memory")
         if self.device.type == "cpu":
             self._check_host_memory(num_blocks)
         self.kv_cache = self._new_cache(num_blocks)

@@ -27,6 +27,9 @@ from llmbus.supervisor.cli import main
     (["--num-blocks", "0"], "Invalid argument: `num_blocks` must be > 0"),
     (["--max-restarts", "-1"], "Invalid argument: `max_restarts` must be >= 0. Given: -1"),
     (["--watermark-delta", "nan"], "Invalid argument: `watermark_delta` must be a finite number. Given: nan"),
+    # named as given (they were refused as a `max_input_tokens` nobody set)
+    (["--max-batch-total-tokens", "0"], "Invalid argument: `max_batch_total_tokens` must be > 0"),
+    (["--max-total-tokens", "1"], "Invalid argument: `max_total_tokens` must be > 1"),
 ])
 def test_invalid_arguments_exit_2(tiny_model_dir, args, message):
     result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), *args])
