@@ -63,7 +63,9 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
             raise
         state.engine, state.limits = engine, limits
         state.request_metrics.set_limits(limits.max_input_tokens, limits.max_total_tokens)
-        state.generator = Generator(engine, state.tokenizer, limits, config.max_concurrent_requests,
+        # several frontends (SO_REUSEPORT) each admit their share of the launch's limit, at least one
+        share = -(-config.max_concurrent_requests // config.frontends_sharing)
+        state.generator = Generator(engine, state.tokenizer, limits, share,
                                     config.validation_workers, config.enable_prefill_logprobs,
                                     on_finished=state.request_metrics.generation_finished)
         log.info("limits", max_input_tokens=limits.max_input_tokens,

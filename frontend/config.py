@@ -90,7 +90,10 @@ class FrontendConfig(ServiceSettings):
         False, user=False, help="lower --max-total-tokens to the scheduler's KV capacity instead of failing (the "
                                 "launch's default, not the user's)")
     max_concurrent_requests: int = setting(128, env="MAX_CONCURRENT_REQUESTS", ge=1,
-                                           help="Requests in flight before new ones get 429.")
+                                           help="Requests in flight before new ones get 429 (with several "
+                                                "frontends, each admits its share).")
+    frontends_sharing: int = setting(1, user=False, ge=1,
+                                     help="frontends of the launch, which share --max-concurrent-requests")
     max_best_of: int = setting(2, env="MAX_BEST_OF", ge=1, help="Largest best_of (and n) a request may ask for.")
     max_stop_sequences: int = setting(4, env="MAX_STOP_SEQUENCES", ge=0, help="Most stop sequences per request.")
     max_top_n_tokens: int = setting(5, env="MAX_TOP_N_TOKENS", ge=0, help="Largest top_n_tokens per request.")

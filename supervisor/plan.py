@@ -64,6 +64,7 @@ def frontend_spec(launch: LaunchPlan, index: int, python: str = sys.executable) 
     # started with the workers: its handshake waits as long as their weights may take to load
     frontend = dataclasses.replace(
         launch.frontend, frontend_id=frontend_id, reuse_port=launch.num_frontends > 1,
+        frontends_sharing=launch.num_frontends,
         scheduler_timeout_s=STARTUP_TIMEOUT_S,
         requests_endpoint=Endpoints.in_dir(run_dir).requests,
         events_endpoint=Endpoints.in_dir(run_dir).frontend_events(run_dir, frontend_id))

@@ -423,7 +423,9 @@ class Background:
 
 
 def test_overloaded_429(make_frontend):
-    fe = make_frontend(max_concurrent_requests=2)
+    # one of two frontends of a launch: it admits its share of --max-concurrent-requests 3 (it admitted all 3,
+    # and the launch twice the limit)
+    fe = make_frontend(max_concurrent_requests=3, frontends_sharing=2)
     held = [Background(fe, "/generate", {"inputs": "HOLD", "parameters": {"max_new_tokens": 5}}) for _ in range(2)]
     fe.sched.wait_for(lambda: len(fe.sched.adds) == 2, "two requests in flight")
     status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5}})

@@ -131,6 +131,7 @@ def test_procfile_renders_the_launch_plan(tiny_model_dir, tmp_path):
     assert all("--reuse-port" in entries[f] and "--otlp-endpoint http://collector:4317" in entries[f]
                for f in ("frontend0", "frontend1"))
     assert "--frontend-id f0" in entries["frontend0"] and "--frontend-id f1" in entries["frontend1"]
+    assert all("--frontends-sharing 2" in entries[f] for f in ("frontend0", "frontend1"))  # of the 429 limit
     assert "--otlp-endpoint http://collector:4317" in entries["scheduler"]
     bad = CliRunner().invoke(main, ["procfile", "--model-id", str(tiny_model_dir), "--num-shard", "0"])
     assert bad.exit_code == 2 and "`num_shard` cannot be < 1" in bad.output
