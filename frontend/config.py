@@ -94,7 +94,8 @@ class FrontendConfig(ServiceSettings):
                                                 "frontends, each admits its share).")
     frontends_sharing: int = setting(1, user=False, ge=1,
                                      help="frontends of the launch, which share --max-concurrent-requests")
-    max_best_of: int = setting(2, env="MAX_BEST_OF", ge=1, help="Largest best_of (and n) a request may ask for.")
+    max_best_of: int = setting(2, env="MAX_BEST_OF", ge=1,
+                               help="Largest best_of a request may ask for (OpenAI's n: --max-client-batch-size).")
     max_stop_sequences: int = setting(4, env="MAX_STOP_SEQUENCES", ge=0, help="Most stop sequences per request.")
     max_top_n_tokens: int = setting(5, env="MAX_TOP_N_TOKENS", ge=0, help="Largest top_n_tokens per request.")
     max_client_batch_size: int = setting(4, env="MAX_CLIENT_BATCH_SIZE", ge=1,

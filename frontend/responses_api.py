@@ -41,6 +41,14 @@ def _store(request: web.Request) -> ResponseStore:
     return request.app[STORE]
 
 
+def _sampling_stated(echo: dict, sampling) -> tuple[float, float]:
+    """(temperature, top_p) as OpenAI's response object states them, never null: the request's, else what
+    the generation used (the model's defaults, or OpenAI's 1); a greedy generation's temperature is 0."""
+    temperature = echo["temperature"] if echo["temperature"] is not None else (
+        sampling.temperature if sampling.do_sample else 0.0)
+    return temperature, echo["top_p"] if echo["top_p"] is not None else sampling.top_p
+
+
 class _Answer:
     """One response being answered: its request, the chat request it runs as, and its generation."""
 
@@ -53,6 +61,7 @@ class _Answer:
     def body(self, status: str, output: list[dict], *, usage: bool) -> dict:
         """The response object (OpenAI's field order); usage only once the generation ended."""
         gen, req, chat = self.choice.gen, self.req, self.chat
+        temperature, top_p = _sampling_stated(req.echo, gen.prepared.params.sampling)
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         tool_choice = req.chat_body.get("tool_choice") or "auto"
         if isinstance(tool_choice, dict):
@@ -65,12 +74,13 @@ class _Answer:
             "parallel_tool_calls": chat.plan.parallel if chat.plan is not None
             else req.chat_body.get("parallel_tool_calls") is not False,
             "previous_response_id": req.previous_response_id, "reasoning": req.echo["reasoning"],
-            "store": req.store, "temperature": req.echo["temperature"], "text": req.echo["text"],
+            "store": req.store, "temperature": temperature,
+            "text": req.echo["text"],
             "tool_choice": tool_choice,
             "tools": [{"type": "function", "name": t["name"], "description": t.get("description"),
                        "parameters": t.get("parameters") or EMPTY_PARAMETERS, "strict": t.get("strict", True)}
                       for t in req.tools],
-            "top_p": req.echo["top_p"], "truncation": "disabled",
+            "top_p": top_p, "truncation": "disabled",
             "usage": {"input_tokens": gen.input_length,
                       # the prompt tokens the scheduler's prefix cache held (their prefill skipped)
                       "input_tokens_details": {"cached_tokens": gen.cached_tokens},

@@ -75,6 +75,14 @@ def test_max_output_tokens_makes_it_incomplete_and_store_false_keeps_nothing(sdk
     assert answer.usage.output_tokens == 5 and answer.output[0].status == "incomplete"
     with pytest.raises(NotFoundError):
         sdk.responses.retrieve(answer.id)
+    assert (answer.temperature, answer.top_p) == (0, answer.top_p) and answer.top_p is not None
+    # unset, the sampling values are the ones used, never null: this model's defaults (/info's) decode greedily
+    status, info = get(f"{smollm2_server.url}/info")
+    assert info["sampling_defaults"]["do_sample"] is False
+    unset = sdk.responses.create(model="tgi", input="Hi", max_output_tokens=2, store=False)
+    assert (unset.temperature, unset.top_p) == (0.0, 1.0)
+    sampled = sdk.responses.create(model="tgi", input="Hi", max_output_tokens=2, store=False, temperature=0.7)
+    assert (sampled.temperature, sampled.top_p) == (0.7, info["sampling_defaults"]["top_p"])
     # a long prompt twice: the second finds its full KV blocks in the prefix cache, and usage says so
     instructions = "You are a storyteller who writes about dragons, castles and knights. " * 20
     first, again = (create(sdk, input="Begin.", instructions=instructions, max_output_tokens=1) for _ in range(2))
