@@ -70,9 +70,10 @@ def ask(sdk, **kwargs):
 
 
 def raw_text(answer) -> str:
-    """What the model wrote: its tokens' texts, markers included, not the demo tokenizer's own special
-    tokens (its end of sequence, ChatML's), which no answer shows."""
-    return "".join(t.token for t in answer.choices[0].logprobs.content if t.token not in SPECIAL_TOKENS)
+    """What the model wrote: its tokens' bytes joined (a token may end inside a character), markers included,
+    not the demo tokenizer's own special tokens (its end of sequence, ChatML's), which no answer shows."""
+    return b"".join(bytes(t.bytes) for t in answer.choices[0].logprobs.content
+                    if t.token not in SPECIAL_TOKENS).decode("utf-8", errors="replace")
 
 
 def streamed(sdk, **kwargs) -> tuple[str | None, str, dict, str]:
