@@ -111,12 +111,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         logits = apply_watermark(logits, params, last_tokens, watermark_gamma, watermark_delta)
     if any(has_penalties(p) for p in params):
         logits = apply_penalties(logits, params, histories, prompt_lens)
+    asks_top = [bool(p.top_n_tokens) for p in params]
     if not any(p.do_sample for p in params):
-        if not any(p.top_n_tokens for p in params):
-            return Sampled(*greedy(logits))
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids, chosen = greedy(logits)
+        if not any(asks_top):
+            return Sampled(greedy_ids, chosen)
+        # The rows that asked for top tokens take their token's logprob from the same log-softmax as those; the
+        # others keep greedy()'s, as alone (whatever a neighbour asks, a row's logprob is computed the same way).
         logprobs = torch.log_softmax(logits, dim=-1)
-        return Sampled(greedy_ids, logprobs.gather(1, greedy_ids[:, None]).squeeze(1), top_tokens(logprobs, params))
+        own = logprobs.gather(1, greedy_ids[:, None]).squeeze(1)
+        return Sampled(greedy_ids, torch.where(_rows(asks_top, logits.device), own, chosen),
+                       top_tokens(logprobs, params))
     # The rows' draw parameters, made on the CPU and sent over in one copy (from pinned memory on a GPU:
     # the host does not wait for it); greedy rows get temperature 1 and a dummy uniform 0.
     rows = torch.tensor([[float(p.do_sample) for p in params],
@@ -127,15 +132,34 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         rows = to_device(rows, torch.float32, logits.device)
     do_sample, temperature, uniforms = rows[0] > 0.5, rows[1], rows[2]
     kernels = _kernels_for(logits)
-    if kernels is not None and not any(p.top_n_tokens for p in params):
+    if kernels is not None:
         # The same draw as below, each row on its own: the warpers' masks (where a row asked for them) on
         # the scaled logits, else the kernel divides by the temperature itself.
         if any(_warps(p) for p in params):
             warped = apply_warpers(logits / temperature[:, None], params).contiguous()
-            return Sampled(*kernels.sample(warped, do_sample, torch.ones_like(temperature), uniforms,
-                                           raw=logits.contiguous()))
-        return Sampled(*kernels.sample(logits, do_sample, temperature, uniforms))
+            drawn = Sampled(*kernels.sample(warped, do_sample, torch.ones_like(temperature), uniforms,
+                                            raw=logits.contiguous()))
+        else:
+            drawn = Sampled(*kernels.sample(logits, do_sample, temperature, uniforms))
+        if not any(asks_top):
+            return drawn
+        # rows that asked for top tokens are drawn below (their alternatives come from its log-softmax); the
+        # others keep the kernel's draw, as alone
+        full = _sample_on_torch(logits, params, do_sample, temperature, uniforms)
+        asked = _rows(asks_top, logits.device)
+        return Sampled(torch.where(asked, full.token_ids, drawn.token_ids),
+                       torch.where(asked, full.logprobs, drawn.logprobs), full.top)
+    return _sample_on_torch(logits, params, do_sample, temperature, uniforms)
 
+
+def _rows(flags: list[bool], device: torch.device) -> torch.Tensor:
+    """A row mask on ``device`` (from pinned memory on a GPU: the host does not wait)."""
+    return to_device(flags, torch.bool, device)
+
+
+def _sample_on_torch(logits: torch.Tensor, params: list[SamplingParams], do_sample: torch.Tensor,
+                     temperature: torch.Tensor, uniforms: torch.Tensor) -> Sampled:
+    """``sample``'s draw in torch's ops (on any device), the rows' top tokens from the same log-softmax."""
     greedy_ids = logits.argmax(dim=-1)
     warped = apply_warpers(logits / temperature[:, None], params)
     warped_logprobs = torch.log_softmax(warped, dim=-1)

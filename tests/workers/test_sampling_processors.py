@@ -343,3 +343,24 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch_of_16(server):
         pytest.approx([a["logprob"] for top in alone["top_tokens"] for a in top], rel=0, abs=1e-3)
     for (_, params), details in zip(others, other_details):
         _check_top_tokens(details, params.get("top_n_tokens", 0), greedy=not params.get("do_sample"))
+
+
+def test_a_rows_token_and_logprob_do_not_depend_on_a_neighbour_asking_for_top_tokens():
+    """A row asking for top_n_tokens took every row of its step through torch's log-softmax, the others' logprobs
+    off by ~1e-5 from what the sampling kernels give them alone (tokens were the same): each row is computed
+    now as it is alone, greedy and seeded, warped or not."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 49152) * 4  # a real vocabulary's width: where the two sums part
+    params = [SamplingParams(), SamplingParams(top_n_tokens=3),
+              SamplingParams(do_sample=True, seed=7, temperature=0.8),
+              SamplingParams(do_sample=True, seed=8, temperature=0.7, top_n_tokens=2),
+              SamplingParams(do_sample=True, seed=9, top_k=20, top_p=0.9),
+              SamplingParams(do_sample=True, seed=10, top_p=0.8, top_n_tokens=1)]
+    positions = [5, 6, 7, 8, 9, 10]
+    for rows in ([0, 1], [2, 3], [4, 5], [0, 1, 2, 3, 4, 5]):
+        together = sample(logits[rows], [params[i] for i in rows], [positions[i] for i in rows])
+        for k, i in enumerate(rows):
+            alone = sample(logits[i:i + 1], [params[i]], [positions[i]])
+            assert together.token_ids[k] == alone.token_ids[0], (rows, i)
+            assert together.logprobs[k].item() == alone.logprobs[0].item(), (rows, i)
+            assert together.top_tokens[k] == (alone.top_tokens[0] if alone.top_tokens else []), (rows, i)
