@@ -45,6 +45,7 @@ from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, i
 from llmbus.bus.sockets import log_dropped, open_socket, recv_from, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.batch_metrics import BatchMetrics
+from llmbus.scheduler.frontend_stats import FrontendStatsRelay
 from llmbus.scheduler.config import (
     STEP_TIMEOUT_FLOOR_S,
     STEP_TIMEOUT_WARMUP_FACTOR,
@@ -86,7 +87,7 @@ class SchedulerService:
         self._stats_force = False  # a request joined or left in the last step: its gauges go out next
         self._unpublished: tuple[list, dict | None] | None = None  # the last step's events: flush_events
         self.metrics = BatchMetrics()
-        self.frontend_stats: dict[str, m.FrontendStats] = {}  # the latest of each, relayed to the others
+        self.frontend_stats = FrontendStatsRelay()  # the latest of each frontend's, relayed to the others
         self.restarts = RestartBudget(cfg.max_restarts, RESTART_WINDOW_S)
         self.worker_restarts = 0
         self.onednn_cache_capacity = 0  # rank 0's, from its WorkerReady
@@ -190,7 +191,7 @@ class SchedulerService:
                 return
             self.ranks.check_health(msg.frontend_id, msg.check_id, msg.timeout_s)
         elif isinstance(msg, m.FrontendStats):
-            self.frontend_stats[msg.frontend_id] = msg
+            self.frontend_stats.record(msg)
             for frontend_id in list(self.frontends):
                 if frontend_id != msg.frontend_id:
                     self._to_frontend(frontend_id, msg)
@@ -235,6 +236,9 @@ class SchedulerService:
             if orphans:
                 self.log.warning("frontend restarted: its earlier requests aborted", frontend=msg.frontend_id,
                                  aborted=len(orphans))
+            for stats in self.frontend_stats.retire(msg.frontend_id):  # its counts start again from 0
+                for other in self.frontends:
+                    self._to_frontend(other, stats)
         self.frontends[msg.frontend_id] = sock
         if sender is not None:
             self.frontend_pids[msg.frontend_id] = sender
@@ -242,9 +246,8 @@ class SchedulerService:
         send(sock, m.SchedulerHello(max_batch_total_tokens=num_blocks * block_size, block_size=block_size,
                                     **self.compute))
         self._to_frontend(msg.frontend_id, self._stats())
-        for other, stats in self.frontend_stats.items():
-            if other != msg.frontend_id:
-                self._to_frontend(msg.frontend_id, stats)
+        for stats in self.frontend_stats.for_frontend(msg.frontend_id):
+            self._to_frontend(msg.frontend_id, stats)
         self.log.info("frontend connected", frontend=msg.frontend_id)
 
     def _add(self, msg: m.AddRequest) -> None:
