@@ -135,11 +135,13 @@ class RankGroup:
         deadline = time.monotonic() + deadline_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            # past the deadline, one look at what came before giving up: a scheduler that was itself stopped
+            # (SIGSTOP, swapped out) finds the result waiting, and must not blame the ranks for its own pause
+            ready = poll([self.results, self.control, self.control_monitor, self.hooks.intake],
+                         self._poll_ms(min(max(remaining, 0.0), self.hooks.heartbeat_interval_s)))
+            if remaining <= 0 and self.results not in ready:
                 raise WorkersLost(f"step {step_id} got no result within {deadline_s:.1f}s (--step-timeout): "
                                   f"a rank hangs")
-            ready = poll([self.results, self.control, self.control_monitor, self.hooks.intake],
-                         self._poll_ms(min(remaining, self.hooks.heartbeat_interval_s)))
             self._check(ready, departures_expected=False)
             if self.hooks.intake in ready:
                 self.hooks.drain_intake()  # requests arriving mid-step join the next one

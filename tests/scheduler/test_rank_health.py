@@ -48,3 +48,39 @@ def test_a_step_result_answers_the_checks_waiting_and_the_probe_out_answers_nobo
     h.check("f0", 3, timeout_s=5, now=101)  # idle again: a probe answers it
     fresh = h.probe_to_send()
     assert fresh == probe + 1 and [h.ack(r, fresh) for r in range(2)][-1] == [Answer("f0", 3, True)]
+
+
+def test_a_result_waiting_past_the_step_deadline_is_taken_not_blamed_on_the_ranks(tmp_path):
+    """A scheduler that was itself stopped (SIGSTOP, swapped out) wakes past its step's deadline with the result
+    already waiting: it takes it (it used to declare the ranks hung and restart a healthy group)."""
+    import os
+
+    import pytest
+    import structlog
+    import zmq
+
+    from llmbus.bus import messages as m
+    from llmbus.bus.rundir import Endpoints
+    from llmbus.bus.sockets import open_socket, send
+    from llmbus.scheduler.ranks import RankGroup, ServiceHooks, WorkersLost
+
+    ctx = zmq.Context()
+    endpoints = Endpoints.in_dir(tmp_path)
+    intake = open_socket(ctx, zmq.PULL, endpoints.requests)
+    hooks = ServiceHooks(intake=intake, drain_intake=lambda: None, heartbeat=lambda: None, heartbeat_interval_s=1.0,
+                         to_frontend=lambda *_: None)
+    group = RankGroup(endpoints, 1, 1.0, ctx, structlog.get_logger(), hooks)
+    rank0 = ctx.socket(zmq.PUSH)
+    try:
+        group.pids[0] = os.getpid()  # this process plays rank 0
+        with pytest.raises(WorkersLost, match="step 1 got no result within 0.0s"):
+            group.wait_result(1, deadline_s=0.0)  # nothing came: the ranks are blamed, as before
+        rank0.connect(endpoints.results)
+        send(rank0, m.StepResult(step_id=1, rids=[], token_ids=[], logprobs=[]))
+        while not group.results.poll(1000):  # arrived before the scheduler looks (it was stopped meanwhile)
+            pass
+        assert group.wait_result(1, deadline_s=0.0).step_id == 1
+    finally:
+        for sock in (rank0, group.steps, group.results, group.control, group.control_monitor, intake):
+            sock.close(0)
+        ctx.term()
