@@ -168,6 +168,12 @@ def problems(settings: list[Declared], values: dict) -> list[str]:
     return [p for p in found if p is not None]
 
 
+def a_folder(value: str) -> str | None:
+    """A ``check`` for a folder argument given by a command substitution that may have failed (the Procfile's
+    ``$(llmbus model-dir ...)``)."""
+    return None if value.strip() else "must name a folder, not an empty string (a `llmbus model-dir` before it failed?)"
+
+
 def finite(value: float) -> str | None:
     """A ``check`` for floats that nan and infinities would break."""
     return None if math.isfinite(value) else f"must be a finite number. Given: {value}"

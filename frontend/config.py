@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmbus.bus.settings import ServiceSettings, setting
+from llmbus.bus.settings import ServiceSettings, a_folder, setting
 from llmbus.bus.shared_settings import QUANTIZE_METHODS
 from llmbus.frontend.tool_formats import TOOL_CALL_PARSERS
 
@@ -61,7 +61,7 @@ def input_total_problem(max_input_tokens: int, max_total_tokens: int) -> str | N
 @dataclass
 class FrontendConfig(ServiceSettings):
     # local Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json
-    model_dir: str = setting(help="local model folder (tokenizer.json, ...)", user=False)
+    model_dir: str = setting(help="local model folder (tokenizer.json, ...)", user=False, check=a_folder)
     # the scheduler's PULL (AddRequest / AbortRequest / FrontendHello); default: from --run-dir
     requests_endpoint: str | None = setting(None, help="the scheduler's requests PULL endpoint", user=False)
     # this frontend binds a PULL here; the scheduler PUSHes TokenBatch & co.; default: from --run-dir

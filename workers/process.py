@@ -35,7 +35,7 @@ from llmbus.bus.gc_pauses import freeze_startup_heap
 from llmbus.bus.model_files import ROPE_SCALINGS, lora_entries, rope_override
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
-from llmbus.bus.settings import ServiceSettings, finite, setting
+from llmbus.bus.settings import ServiceSettings, a_folder, finite, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
 from llmbus.workers.graph_sizes import (cuda_graphs_problem, parse_cuda_graphs, parse_piecewise_graphs,
@@ -64,7 +64,7 @@ class WorkerConfig(ServiceSettings):
 
     run_dir: str = setting(help="the launch's run dir (its ipc sockets)", env=ENV_RUN_DIR, user=False)
     model_dir: str = setting(help="local model folder (config.json and weights, or a folder made from a GGUF)",
-                             user=False)
+                             user=False, check=a_folder)
     rank: int | None = setting(None, help="run one rank in this process (internal)", user=False, hidden=True)
     world_size: int = setting(1, flag="--gpus", aliases=("--num-shard",), user=False,
                               help="tensor-parallel ranks of the group")

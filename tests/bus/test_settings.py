@@ -325,6 +325,10 @@ def refusal(service: str, flags: list[str], capsys) -> str:
     return capsys.readouterr().err.splitlines()[-1]
 
 
+EMPTY_FOLDER = ("Invalid argument: `model_dir` must name a folder, not an empty string (a `llmbus model-dir` before it "
+                "failed?)")
+
+
 @pytest.mark.parametrize("service, flags, message", [
     ("scheduler", ["--max-batch-prefill-tokens", "0"], "Invalid argument: `max_batch_prefill_tokens` must be > 0"),
     ("scheduler", ["--max-batch-size", "0"], "Invalid argument: `max_batch_size` must be > 0"),
@@ -345,6 +349,9 @@ def refusal(service: str, flags: list[str], capsys) -> str:
      "Invalid argument: `max_input_tokens`(9000) must be < `max_total_tokens`(8192)"),  # validate()
     ("frontend", ["--frontend-id", "a-b"], "Invalid argument: `frontend_id` must be non-empty and contain no '-'. "
                                            "Given: 'a-b'"),
+    # the Procfile's $(llmbus model-dir ...) that failed (a bad MODEL_ID): one line, not a traceback
+    ("frontend", ["--model-dir", ""], EMPTY_FOLDER),
+    ("workers", ["--model-dir", ""], EMPTY_FOLDER),
 ])
 def test_a_service_refuses_a_value_out_of_its_declared_bounds(service, flags, message, capsys):
     prog = "python -m llmbus.frontend" if service == "frontend" else f"llmbus {service}"
