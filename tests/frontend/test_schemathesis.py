@@ -148,10 +148,16 @@ def test_client_gone_before_the_response_is_one_info_line(server, path, body):
     """A stream whose headers meet a closing socket: aiohttp's "Cannot write to closing transport" came out
     of the handler, and aiohttp logged it as a 500 with its whole traceback."""
     first = len(server.stderr.lines)
-    for _ in range(10):
-        _send_and_leave(server.port, path, body)
-    line = server.stderr.wait_for(f"client disconnected before the response method=POST path={path} ", 10)
-    assert "[info" in line, line
+    needle, line = f"client disconnected before the response method=POST path={path} ", None
+    for _ in range(10):  # a reset that lands after the headers went out is a client that left mid-stream instead
+        for _ in range(10):
+            _send_and_leave(server.port, path, body)
+        try:
+            line = server.stderr.wait_for(needle, 2)
+            break
+        except TimeoutError:
+            continue
+    assert line is not None and "[info" in line, line
     assert _health(server.port).startswith(b"HTTP/1.1 200")  # still serving
     said = "\n".join(server.stderr.lines[first:])
     assert "Traceback" not in said and "closing transport" not in said, said[-3000:]
