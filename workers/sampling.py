@@ -14,8 +14,10 @@ The logits go through TGI's ``NextTokenChooser`` order, each step only on the ro
    ``MinPLogitsWarper``) expressed as masks over the whole ``[S, vocab]`` batch, then draw one token each
    by inverse-CDF sampling with a single uniform number. On CPU the argmax, the log-softmax and the draw
    run in C, each row on its own (``sampling.c``: torch's whole-batch passes are a sizeable share of a large
-   batch's step; design notes, "Choosing tokens in C on CPU"), except in a step where some row asks for
-   ``top_n_tokens``; the warpers stay torch ops.
+   batch's step; design notes, "Choosing tokens in C on CPU"), except for the rows that ask for
+   ``top_n_tokens``, drawn in torch's ops whose log-softmax gives their alternatives; the warpers stay torch
+   ops. Each row is computed the same way whatever shares its step (its logprob too: a neighbour asking for
+   top tokens does not move it).
 
 The uniform is stateless: a function of the request's ``SamplingParams.seed`` and of the position of
 the token being sampled only (``seeded_uniform``), never of how many tokens were drawn before. The
@@ -143,13 +145,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
             drawn = Sampled(*kernels.sample(logits, do_sample, temperature, uniforms))
         if not any(asks_top):
             return drawn
-        # rows that asked for top tokens are drawn below (their alternatives come from its log-softmax); the
-        # others keep the kernel's draw, as alone
-        full = _sample_on_torch(logits, params, do_sample, temperature, uniforms)
-        asked = _rows(asks_top, logits.device)
-        return Sampled(torch.where(asked, full.token_ids, drawn.token_ids),
-                       torch.where(asked, full.logprobs, drawn.logprobs), full.top)
-    return _sample_on_torch(logits, params, do_sample, temperature, uniforms)
+        # The rows that asked for top tokens are drawn in torch's ops, whose log-softmax gives their alternatives
+        # (only those rows: every op is a row's own); the others keep the kernel's draw, as alone.
+        asked = [i for i, a in enumerate(asks_top) if a]
+        index = torch.tensor(asked)
+        part = _sample_on_torch(logits.index_select(0, index), [params[i] for i in asked], do_sample[index],
+                                temperature[index], uniforms[index])
+        token_ids, logprobs = drawn.token_ids.clone(), drawn.logprobs.clone()
+        token_ids[index], logprobs[index] = part.token_ids, part.logprobs
+        vocab = logits.shape[1]
+        top = TopTokens(part.top.ids, part.top.values, [asked[r] for r in part.top.rows],
+                        [min(p.top_n_tokens, vocab) for p in params], len(params))
+        return Sampled(token_ids, logprobs, top)
+    full = _sample_on_torch(logits, params, do_sample, temperature, uniforms)
+    plain = [not p.do_sample and not p.top_n_tokens for p in params]
+    if not any(plain):
+        return full
+    # greedy rows that asked for nothing more take greedy()'s token and logprob, as they do alone (on CUDA its
+    # Triton kernels), whatever their neighbours sample
+    greedy_ids, chosen = greedy(logits)
+    mask = _rows(plain, logits.device)
+    return Sampled(torch.where(mask, greedy_ids, full.token_ids), torch.where(mask, chosen, full.logprobs), full.top)
 
 
 def _rows(flags: list[bool], device: torch.device) -> torch.Tensor:
