@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -55,14 +56,22 @@ def resolve_model(model_id: str | None, *, revision: str | None = None, cache_di
 def _with_safetensors(folder: Path) -> Path:
     """A local folder whose weights are PyTorch ``.bin`` files only gets them converted to safetensors beside
     them, once, as TGI's launcher converts a local model's (the workers read safetensors)."""
-    if any(folder.glob("*.safetensors")) or not any(folder.glob("pytorch_model*.bin")):
-        return folder
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    converted = [folder / _safetensors_name(b.name) for b in bins]
+    if (folder / "pytorch_model.bin.index.json").is_file():
+        converted.append(folder / "model.safetensors.index.json")
+    if not bins or all(path.is_file() for path in converted) or (
+            folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
+        return folder  # (a folder with safetensors of its own beside its .bin files uses those)
     if not os.access(folder, os.W_OK):
         raise ModelNotFound(f"{folder} holds PyTorch .bin weights only, and llmbus cannot write their safetensors "
                             f"conversion beside them: give a copy of the folder this user can write to")
     print(f"llmbus: {folder} holds PyTorch .bin weights only: converting them to safetensors beside them (once)",
           file=sys.stderr)
-    convert_bin_to_safetensors(folder)
+    try:
+        convert_bin_to_safetensors(folder)
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:  # a full disk, a corrupt .bin
+        raise ModelNotFound(f"converting {folder}'s .bin weights to safetensors failed: {e}") from None
     return folder
 
 
@@ -235,18 +244,26 @@ def convert_bin_to_safetensors(folder: Path) -> list[Path]:
             continue
         state = torch.load(source, map_location="cpu", weights_only=True)
         state = {name: tensor.detach().clone().contiguous() for name, tensor in state.items()}
-        save_file(state, str(target), metadata={"format": "pt"})
-        reloaded = load_file(str(target))
-        if reloaded.keys() != state.keys() or any(not torch.equal(reloaded[k], state[k]) for k in state):
-            target.unlink()
-            raise ModelNotFound(f"converting {source.name} to safetensors gave different tensors")
+        # written aside and renamed once checked: a conversion cut short (a kill, a full disk) leaves no file
+        # that a later run would take for done
+        partial = target.with_name(target.name + ".partial")
+        try:
+            save_file(state, str(partial), metadata={"format": "pt"})
+            reloaded = load_file(str(partial))
+            if reloaded.keys() != state.keys() or any(not torch.equal(reloaded[k], state[k]) for k in state):
+                raise ModelNotFound(f"converting {source.name} to safetensors gave different tensors")
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
         written.append(target)
     index = folder / "pytorch_model.bin.index.json"
     if index.is_file():
         data = json.loads(index.read_text())
         data["weight_map"] = {k: renames.get(v, v) for k, v in data.get("weight_map", {}).items()}
         target = folder / "model.safetensors.index.json"
-        target.write_text(json.dumps(data, indent=2))
+        partial = target.with_name(target.name + ".partial")
+        partial.write_text(json.dumps(data, indent=2))
+        os.replace(partial, target)
         written.append(target)
     return written
 

@@ -76,7 +76,14 @@ def test_bin_only_repository_is_converted_to_safetensors(tiny_model_dir, tmp_pat
     from llmbus.supervisor.weights import resolve_model
 
     assert resolve_model(str(local)) == local.resolve()
-    assert sorted(p.name for p in local.glob("*.safetensors")) == sorted(p.name for p in folder.glob("*.safetensors"))
+    shards = sorted(p.name for p in local.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in folder.glob("*.safetensors"))
+    # a conversion cut short (killed after the first shard): the next launch finishes it, never half a model
+    (local / shards[-1]).unlink()
+    (local / "model.safetensors.index.json").unlink()
+    assert resolve_model(str(local)) == local.resolve()
+    assert sorted(p.name for p in local.glob("*.safetensors")) == shards
+    assert (local / "model.safetensors.index.json").is_file() and not list(local.glob("*.partial"))
 
 
 def test_safetensors_repository_and_missing_ones_offline(tiny_model_dir, tmp_path):
