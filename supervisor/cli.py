@@ -45,6 +45,11 @@ def up(**kw) -> None:
 
     if kw["print_env"]:
         click.echo(runtime_env(), err=True)
+    _check_static(kw)  # (the flags' own rules first: their messages, exit 2)
+    # before the model is resolved (a download, a conversion): the port the frontends will take (Vertex's wins)
+    problem = listen_problem(kw["hostname"], kw["aip_http_port"] or kw["port"])
+    if problem is not None:
+        raise click.ClickException(problem)
     settings = _resolve(kw)
     for note in tgi_flag_notes(kw):
         write_line(json_line("launcher", note, "warning") if kw["json_output"] else f"llmbus: {note}")
@@ -53,10 +58,6 @@ def up(**kw) -> None:
     except RunDirError as e:
         raise click.ClickException(str(e)) from None
     launch = _launch_plan(kw, settings, str(run_dir.path))
-    problem = listen_problem(launch.frontend.hostname, launch.frontend.port)
-    if problem is not None:
-        run_dir.close()
-        raise click.ClickException(problem)
     with run_dir:
         code = Launcher(build_plan(launch), run_dir, graceful_timeout_s=kw["shutdown_timeout_s"],
                         json_output=kw["json_output"]).run()
@@ -204,8 +205,14 @@ def listen_problem(hostname: str, port: int) -> str | None:
     except socket.gaierror as e:
         return f"cannot listen on {hostname}:{port}: {e.strerror}"
     for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # a family the host lacks (IPv6): asyncio's server skips it too
+        with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds (TIME_WAIT is no owner)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio's create_server
             try:
                 probe.bind(address)
             except OSError as e:
