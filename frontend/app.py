@@ -63,8 +63,10 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
             raise
         state.engine, state.limits = engine, limits
         state.request_metrics.set_limits(limits.max_input_tokens, limits.max_total_tokens)
-        # several frontends (SO_REUSEPORT) each admit their share of the launch's limit, at least one
-        share = -(-config.max_concurrent_requests // config.frontends_sharing)
+        # several frontends (SO_REUSEPORT) each admit their share of the launch's limit, never fewer than one
+        # request may take (each of its choices takes one): a smaller share would refuse such a request always
+        share = max(-(-config.max_concurrent_requests // config.frontends_sharing),
+                    min(config.max_concurrent_requests, max(config.max_client_batch_size, config.max_best_of)))
         state.generator = Generator(engine, state.tokenizer, limits, share,
                                     config.validation_workers, config.enable_prefill_logprobs,
                                     on_finished=state.request_metrics.generation_finished)

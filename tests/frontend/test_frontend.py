@@ -424,8 +424,12 @@ class Background:
 
 def test_overloaded_429(make_frontend):
     # one of two frontends of a launch: it admits its share of --max-concurrent-requests 3 (it admitted all 3,
-    # and the launch twice the limit)
-    fe = make_frontend(max_concurrent_requests=3, frontends_sharing=2)
+    # and the launch twice the limit) ...
+    fe = make_frontend(max_concurrent_requests=3, frontends_sharing=2, max_client_batch_size=1, max_best_of=1)
+    # ... but never fewer than one request may take (a share of 1 would refuse n=2 always)
+    floored = make_frontend(max_concurrent_requests=4, frontends_sharing=4, max_client_batch_size=2)
+    status, _, body = floored.post("/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 2})
+    assert status == 200 and len(body["choices"]) == 2, body
     held = [Background(fe, "/generate", {"inputs": "HOLD", "parameters": {"max_new_tokens": 5}}) for _ in range(2)]
     fe.sched.wait_for(lambda: len(fe.sched.adds) == 2, "two requests in flight")
     status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5}})
