@@ -396,7 +396,7 @@ class EngineClient:
             if silent < self.hang_timeout_s:
                 continue  # alive but starved or stuck, or over tcp where its process is unknown: not dead yet
             self._engine_dead(f"the scheduler sent nothing for {self.hang_timeout_s:g} s: "
-                              + ("it hangs" if pid is not None else "it died or hangs"))
+                              + ("it hangs" if pid is not None else "it died or hangs"), abort=True)
 
     def _on_tokens(self, batch: m.TokenBatch) -> None:
         now = asyncio.get_running_loop().time()
@@ -428,23 +428,25 @@ class EngineClient:
         for rid, item in per_request.items():
             self._channels[rid].put_nowait(item)
 
-    def fail_all(self, error: ApiError) -> list[str]:
+    def fail_all(self, error: ApiError, abort: bool | None = None) -> list[str]:
         """End every request in flight with ``error`` (their handlers answer it) and abort them in the
-        scheduler; the rids."""
+        scheduler (by default while it is alive); the rids."""
         channels, self._channels = self._channels, {}
         for mailbox in channels.values():
             mailbox.put_nowait(EngineFailure(error))
-        if self.dead_reason is None and channels:
+        if (self.dead_reason is None if abort is None else abort) and channels:
             self._pending_aborts.extend(channels)
             self._abort_wakeup.set()
         return list(channels)
 
-    def _engine_dead(self, reason: str) -> None:
+    def _engine_dead(self, reason: str, *, abort: bool = False) -> None:
+        """``abort``: the scheduler may only be stalled, and would finish the failed requests once it runs again
+        (the aborts wait in the socket for it); a dead one needs none."""
         if self.dead_reason is None:
             log.error("engine dead: failing every request in flight", reason=reason,
                       in_flight=len(self._channels))
         self.dead_reason = reason
-        self.fail_all(generation_error(reason))
+        self.fail_all(generation_error(reason), abort=abort)
         for check_id, reply in self._health_checks.items():
             if not reply.done():
                 reply.set_result(m.HealthReply(check_id, False, reason))

@@ -517,6 +517,9 @@ def test_a_silent_scheduler_fails_requests_in_band_and_its_next_heartbeat_heals(
     events = parse_sse(raw)
     assert status == 200 and events[-1]["error_type"] == "generation", events
     assert "the scheduler sent nothing for 1.5 s: it hangs" in events[-1]["error"]
+    # aborted too: a scheduler that was only stalled would otherwise finish a request nobody reads
+    rid = last_rid(fe)
+    fe.sched.wait_for(lambda: rid in fe.sched.aborts, "the failed request aborted in the scheduler")
     _wait_health(fe, 503)
     fe.sched.heartbeat = True  # it was only slow after all
     _wait_health(fe, 200)
