@@ -45,12 +45,12 @@ def up(**kw) -> None:
 
     if kw["print_env"]:
         click.echo(runtime_env(), err=True)
-    _check_static(kw)  # (the flags' own rules first: their messages, exit 2)
+    static = _check_static(kw)  # (the flags' own rules first: their messages, exit 2)
     # before the model is resolved (a download, a conversion): the port the frontends will take (Vertex's wins)
     problem = listen_problem(kw["hostname"], kw["aip_http_port"] or kw["port"])
     if problem is not None:
         raise click.ClickException(problem)
-    settings = _resolve(kw)
+    settings = _resolve(kw, static)
     for note in tgi_flag_notes(kw):
         write_line(json_line("launcher", note, "warning") if kw["json_output"] else f"llmbus: {note}")
     try:
@@ -98,12 +98,13 @@ procfile.params.extend(p for p in up.params if p.name != "print_env")
 DEFAULT_DRAFT_GUESSES = 4  # --draft-model-id without --speculate
 
 
-def _resolve(kw: dict) -> ResolvedLaunch:
-    """Validate the flags and resolve the model and the token limits (what both up and procfile need)."""
+def _resolve(kw: dict, static: tuple[int, int | None] | None = None) -> ResolvedLaunch:
+    """Validate the flags and resolve the model and the token limits (what both up and procfile need);
+    ``static``: ``_check_static(kw)``'s answer where the caller checked the flags already."""
     from llmbus.bus.model_files import rope_override, rope_positions
     from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_lora_adapters, resolve_model
 
-    num_shard, max_input_tokens = _check_static(kw)
+    num_shard, max_input_tokens = static if static is not None else _check_static(kw)
     try:
         model_dir = resolve_model(kw["model_id"], revision=kw["revision"], cache_dir=kw["huggingface_hub_cache"],
                                   gguf_file=kw["gguf_file"])
