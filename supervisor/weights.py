@@ -56,12 +56,7 @@ def resolve_model(model_id: str | None, *, revision: str | None = None, cache_di
 def _with_safetensors(folder: Path) -> Path:
     """A local folder whose weights are PyTorch ``.bin`` files only gets them converted to safetensors beside
     them, once, as TGI's launcher converts a local model's (the workers read safetensors)."""
-    bins = sorted(folder.glob("pytorch_model*.bin"))
-    converted = [folder / _safetensors_name(b.name) for b in bins]
-    if (folder / "pytorch_model.bin.index.json").is_file():
-        converted.append(folder / "model.safetensors.index.json")
-    if not bins or all(path.is_file() for path in converted) or (
-            folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
+    if _has_safetensors(folder) or not any(folder.glob("pytorch_model*.bin")):
         return folder  # (a folder with safetensors of its own beside its .bin files uses those)
     if not os.access(folder, os.W_OK):
         raise ModelNotFound(f"{folder} holds PyTorch .bin weights only, and llmbus cannot write their safetensors "
@@ -73,6 +68,13 @@ def _with_safetensors(folder: Path) -> Path:
     except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:  # a full disk, a corrupt .bin
         raise ModelNotFound(f"converting {folder}'s .bin weights to safetensors failed: {e}") from None
     return folder
+
+
+def _has_safetensors(folder: Path) -> bool:
+    """Whether ``folder`` holds the safetensors weights the workers read: one file, or the index of its shards.
+    A conversion writes the index after every shard, and each file whole (renamed once checked), so a
+    conversion cut short is not taken for one done."""
+    return (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
 
 
 def smollm2_gguf() -> Path | None:
@@ -167,7 +169,7 @@ def download(model_id: str, *, revision: str | None = None, cache_dir: str | Non
     with HF_HUB_OFFLINE=1, from the cache). A repository with only PyTorch ``.bin`` weights gets them
     converted to safetensors beside them, once, as TGI's launcher does."""
     folder = _snapshot(model_id, revision, cache_dir, WEIGHT_PATTERNS)
-    if not any(folder.glob("*.safetensors")):
+    if not _has_safetensors(folder):
         folder = _snapshot(model_id, revision, cache_dir, BIN_PATTERNS)
         if not any(folder.glob("*.bin")):
             raise ModelNotFound(f"{model_id}: the repository has neither safetensors nor PyTorch .bin weights")

@@ -72,6 +72,14 @@ def test_bin_only_repository_is_converted_to_safetensors(tiny_model_dir, tmp_pat
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     again = _download(cache, "llmbus/tiny-bin")  # converted once: a second run finds the safetensors
     assert again.returncode == 0 and again.stdout == result.stdout
+    # a conversion cut short (its last shard and the index never written): the next run finishes it
+    converted_names = sorted(p.name for p in folder.glob("*.safetensors"))
+    (folder / converted_names[-1]).unlink()
+    (folder / "model.safetensors.index.json").unlink()
+    resumed = _download(cache, "llmbus/tiny-bin")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == converted_names
+    assert (folder / "model.safetensors.index.json").is_file()
     # a local folder of .bin weights too, as TGI's launcher converts a local model's (the workers read safetensors)
     from llmbus.supervisor.weights import resolve_model
 
