@@ -9,6 +9,10 @@ from llmbus.bus.histograms import BATCH_SIZE_BUCKETS, DURATION_BUCKETS, SKIPPED_
 METHODS = ("prefill", "decode")  # TGI's method label: a step that computed prompt tokens, or decodes only
 
 
+def _method(has_prefill: bool) -> str:
+    return "prefill" if has_prefill else "decode"
+
+
 def _per_method() -> dict[str, HistogramCounts]:
     return {method: HistogramCounts(DURATION_BUCKETS) for method in METHODS}
 
@@ -30,7 +34,7 @@ class BatchMetrics:
     def record_step(self, has_prefill: bool, admitted: int, forward_s: float, sample_s: float,
                     duration_s: float) -> None:
         """A step's result came back (whole, or failed: then ``record_failure`` too)."""
-        method = "prefill" if has_prefill else "decode"
+        method = _method(has_prefill)
         self.steps[method] += 1
         self.forward[method].observe(forward_s)
         self.sample[method].observe(sample_s)
@@ -42,7 +46,7 @@ class BatchMetrics:
                        per_request: list[int] | None) -> None:
         """A whole result applied, and the time that took: it gave clients ``delivered`` tokens, one per
         request, or ``per_request`` of them (a step that speculated)."""
-        method = "prefill" if has_prefill else "decode"
+        method = _method(has_prefill)
         self.success[method] += 1
         self.filter[method].observe(filter_s)
         if per_request is None:
@@ -53,7 +57,7 @@ class BatchMetrics:
 
     def record_failure(self, has_prefill: bool) -> None:
         """A step that failed in the engine, or was lost with its ranks."""
-        self.failure["prefill" if has_prefill else "decode"] += 1
+        self.failure[_method(has_prefill)] += 1
 
     def record_concat(self, seconds: float) -> None:
         self.concat.observe(seconds)

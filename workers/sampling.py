@@ -153,9 +153,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
                                 temperature[index], uniforms[index])
         token_ids, logprobs = drawn.token_ids.clone(), drawn.logprobs.clone()
         token_ids[index], logprobs[index] = part.token_ids, part.logprobs
-        vocab = logits.shape[1]
         top = TopTokens(part.top.ids, part.top.values, [asked[r] for r in part.top.rows],
-                        [min(p.top_n_tokens, vocab) for p in params], len(params))
+                        _top_counts(params, logits.shape[1]), len(params))
         return Sampled(token_ids, logprobs, top)
     full = _sample_on_torch(logits, params, do_sample, temperature, uniforms)
     plain = [not p.do_sample and not p.top_n_tokens for p in params]
@@ -248,11 +247,15 @@ class TopTokens:
         return out
 
 
+def _top_counts(params: list[SamplingParams], vocab: int) -> list[int]:
+    """How many top tokens each row gets: what it asked for, at most the vocabulary."""
+    return [min(p.top_n_tokens, vocab) for p in params]
+
+
 def top_tokens(logprobs: torch.Tensor, params: list[SamplingParams]) -> TopTokens | None:
     """The ``top_n_tokens`` most likely tokens of each row of the processed ``logprobs [S, vocab]`` that asks;
     None when no row asks. One ``topk`` over the rows that ask, as deep as the largest n."""
-    vocab = logprobs.shape[1]
-    counts = [min(p.top_n_tokens, vocab) for p in params]
+    counts = _top_counts(params, logprobs.shape[1])
     if not any(counts):
         return None
     rows = [i for i, n in enumerate(counts) if n > 0]
