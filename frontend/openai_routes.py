@@ -122,13 +122,8 @@ def _header(state: FrontendState, object_name: str, rid: str, created: int, choi
 
 
 def _headers(state: FrontendState, choices: list[Choice]) -> dict[str, str]:
-    """TGI's timing and token headers of a whole answer: each generation's summed, a prompt counted once however
-    many choices it has (as ``usage`` counts it)."""
-    headers = summed_headers([c.gen for c in choices], state.config.compute_type)
-    prompts = {c.job.prompt_index: c.gen for c in choices}
-    headers["x-prompt-tokens"] = str(sum(gen.input_length for gen in prompts.values()))
-    headers["x-compute-characters"] = str(sum(len(gen.prepared.inputs) for gen in prompts.values()))
-    return headers
+    """TGI's timing and token headers of a whole answer."""
+    return summed_headers([c.gen for c in choices], state.config.compute_type, [c.job.prompt_index for c in choices])
 
 
 def _usage(choices: list[Choice]) -> dict:

@@ -137,14 +137,21 @@ def generate_headers(gen: Generation, compute_type: str, compute_characters: int
     return headers
 
 
-def summed_headers(gens: list[Generation], compute_type: str) -> dict[str, str]:
+# what a prompt's headers say of the prompt itself: counted once however many generations it has
+_PROMPT_HEADERS = ("x-compute-characters", "x-prompt-tokens")
+
+
+def summed_headers(gens: list[Generation], compute_type: str, prompt_of: list[int]) -> dict[str, str]:
     """Answers of several generations (OpenAI's routes: prompts, choices): each one's headers, summed, as TGI's
-    completions route sums its prompts'."""
+    completions route sums its prompts'; ``prompt_of[i]``: which prompt generation i answers (the prompt's own
+    headers counted once, as ``usage`` counts it)."""
     totals: dict[str, float] = {}
-    for gen in gens:
+    seen: set[int] = set()
+    for gen, prompt in zip(gens, prompt_of):
         for key, value in generate_headers(gen, compute_type, len(gen.prepared.inputs)).items():
-            if key != "x-compute-type":
+            if key != "x-compute-type" and not (key in _PROMPT_HEADERS and prompt in seen):
                 totals[key] = totals.get(key, 0) + (float(value) if key == "x-compute-time" else int(value))
+        seen.add(prompt)
     return {"x-compute-type": compute_type, **{key: repr(value) if key == "x-compute-time" else str(value)
                                                for key, value in totals.items()}}
 
