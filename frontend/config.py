@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmbus.bus.settings import ServiceSettings, a_folder, setting
-from llmbus.bus.shared_settings import QUANTIZE_METHODS
+from llmbus.bus.shared_settings import QUANTIZE_CHOICES
 from llmbus.frontend.tool_formats import TOOL_CALL_PARSERS
 
 # --generation-config's words: the model's file, or none (vLLM's word for that, "vllm", means the same)
@@ -135,7 +135,7 @@ class FrontendConfig(ServiceSettings):
                                         help="export OpenTelemetry spans to this OTLP endpoint (the tracing extra)")
     otlp_service_name: str = setting("llmbus", env="OTLP_SERVICE_NAME", help="OpenTelemetry service name prefix")
     # declared as the workers declare it: `llmbus up --quantize` (or QUANTIZE) reaches both
-    quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_METHODS,
+    quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_CHOICES,
                                    help="The workers' --quantize, reported in /info.")
     disable_grammar_support: bool = setting(False, env="DISABLE_GRAMMAR_SUPPORT",
                                             help="Refuse `grammar`, `response_format` and `tools` (422 `grammar is "

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmbus.bus.model_files import gguf_source, is_gguf_folder
+from llmbus.bus.prequantized import checkpoint_quantization
 from llmbus.frontend.chat import ChatTemplate
 from llmbus.frontend.config import FrontendConfig, Limits
 from llmbus.frontend.engine_client import EngineClient
@@ -59,10 +60,15 @@ class FrontendState:
 
     @cached_property
     def quantization(self) -> str | None:
-        """/info's ``quantize``: ``--quantize``'s method, and for a GGUF file "gguf:" and its main
-        quantized tensor type (what a GGUF's file name usually says: Q4_1, Q8_0, Q4_K, ...)."""
+        """/info's ``quantize``: ``--quantize``'s method, else a checkpoint's own (gptq, awq: TGI's launcher
+        reads it from the config), and for a GGUF file "gguf:" and its main quantized tensor type (what a
+        GGUF's file name usually says: Q4_1, Q8_0, Q4_K, ...)."""
         if not is_gguf_folder(self.config.model_dir):
-            return self.config.quantize
+            try:
+                published = checkpoint_quantization(self.config.model_dir)
+            except ValueError:  # the workers refuse such a checkpoint with the reason
+                published = None
+            return self.config.quantize or (published and published.method)
         types = gguf_source(self.config.model_dir)["tensor_types"]
         quantized = {t: n for t, n in types.items() if t not in ("F32", "F16", "BF16")} or types
         main = "gguf:" + max(quantized, key=quantized.get)

@@ -102,6 +102,7 @@ def _resolve(kw: dict, static: tuple[int, int | None] | None = None) -> Resolved
     """Validate the flags and resolve the model and the token limits (what both up and procfile need);
     ``static``: ``_check_static(kw)``'s answer where the caller checked the flags already."""
     from llmbus.bus.model_files import rope_override, rope_positions
+    from llmbus.bus.prequantized import checkpoint_quantization, quantize_problem
     from llmbus.supervisor.weights import ModelNotFound, read_config, resolve_lora_adapters, resolve_model
 
     num_shard, max_input_tokens = static if static is not None else _check_static(kw)
@@ -116,6 +117,13 @@ def _resolve(kw: dict, static: tuple[int, int | None] | None = None) -> Resolved
         config = read_config(model_dir)
     except ModelNotFound as e:
         raise click.ClickException(str(e)) from None
+    try:
+        prequantized = checkpoint_quantization(model_dir)
+    except ValueError as e:  # a quantization llmbus does not read, named before anything starts
+        raise click.ClickException(str(e)) from None
+    quantize_mismatch = quantize_problem(prequantized, kw["quantize"])
+    if quantize_mismatch is not None:
+        raise InvalidArgument(quantize_mismatch)
     if not (Path(model_dir) / "tokenizer.json").is_file():  # the frontends' (found before the weights load)
         raise click.ClickException(
             f"{model_dir} has no tokenizer.json: llmbus reads the fast tokenizer's file. A folder with only a "

@@ -4,8 +4,8 @@ The same interface as ``loader.CheckpointReader`` (``names``, ``has``, ``shape``
 ``read_cols``), over the file's memory map (``gguf_index.py``: GGUFReader's layout without its eager
 metadata): a rank touches only the rows or the column blocks it asks for. Quantized tensors come back
 dequantized to float32 (``gguf_dequant.py``: gguf's numpy arithmetic, in torch), or, through
-``read_quantized``, as their raw blocks (``GGUFRaw``) for the types llmbus computes with directly (Q8_0, Q4_0,
-Q4_1: ``workers/quant.py``).
+``read_quantized``, with their own values in llmbus's quantized forms for the types llmbus computes with
+directly (Q8_0, Q4_0, Q4_1: ``quant.from_gguf`` of their raw blocks, ``GGUFRaw``).
 
 Families whose llama.cpp layout differs from Hugging Face's are read into the names the native models load:
 Qwen3-MoE's stacked experts (``ffn_*_exps``, one 3-D tensor per layer) as one matrix per expert, Phi-3's
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmbus.workers import gguf_dequant
+from llmbus.workers import gguf_dequant, quant
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")
 # Types with a dequantizer here. Q8_0/Q4_0/Q4_1 can also stay quantized (KEPT_TYPES).
@@ -289,9 +289,9 @@ class GGUFCheckpointReader:
         return self._gguf.GGML_QUANT_SIZES[self._gguf.GGMLQuantizationType(self._tensor(name).tensor_type)][0]
 
     def read_quantized(self, name: str, rows: tuple[int, int] | None = None,
-                       cols: tuple[int, int] | None = None) -> GGUFRaw | None:
-        """The raw blocks of ``name`` (rows and/or columns sliced) when it is stored as a KEPT_TYPES type,
-        else None. Column bounds must fall on block boundaries (32 weights)."""
+                       cols: tuple[int, int] | None = None) -> quant.QuantizedWeight | None:
+        """``name`` (rows and/or columns sliced) as its own values in llmbus's quantized form when it is stored
+        as a KEPT_TYPES type, else None. Column bounds must fall on block boundaries (32 weights)."""
         qtype = self.qtype(name)
         if qtype not in KEPT_TYPES:
             return None
@@ -308,4 +308,4 @@ class GGUFCheckpointReader:
             data = data[:, col_start // block * bytes_per_block:col_stop // block * bytes_per_block]
         # a copy: a view would keep the file's memory map (and its pages) alive, and it is read-only
         tensor = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True, order="C"))
-        return GGUFRaw(qtype, tensor, (stop - start, col_stop - col_start))
+        return quant.from_gguf(GGUFRaw(qtype, tensor, (stop - start, col_stop - col_start)))

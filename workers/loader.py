@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 
 from llmbus.bus.model_files import with_rope_override
+from llmbus.bus.prequantized import (CHECKPOINT_METHODS, CheckpointQuantization, checkpoint_quantization,
+                                     quantize_problem)
 from llmbus.workers.quant import compute_plan
 
 SINGLE_FILE = "model.safetensors"
@@ -115,7 +117,16 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
     model_type = config.get("model_type")
     builders = native_builders()
     log = structlog.get_logger("llmbus.workers")
+    prequantized = checkpoint_quantization(model_dir)
+    problem = quantize_problem(prequantized, quantize)
+    if problem is not None:
+        raise ValueError(problem)
+    if quantize in CHECKPOINT_METHODS:  # TGI's way to say what the checkpoint says: nothing to do at load
+        quantize = None
     if model_type not in builders:
+        if prequantized is not None:
+            raise ValueError(f"a {prequantized.method} checkpoint is read by the native models only "
+                             f"({', '.join(sorted(builders))}), not {model_type}")
         if quantize is not None:
             raise ValueError(f"--quantize {quantize} needs a natively run model ({', '.join(sorted(builders))}), "
                              f"not {model_type}")
@@ -132,13 +143,13 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
                                                      attention_backend=attention_backend, rope_scaling=rope_scaling)
     log.info("model path", model_type=model_type, path="native")
     plan = compute_plan(torch.device(device), dtype, quantize)
-    with _open_checkpoint(model_dir) as reader:
+    with _open_checkpoint(model_dir, prequantized) as reader:
         model = builders[model_type].from_checkpoint(config, reader, rank=rank, world_size=world_size,
                                                      dtype=plan.dtype, device=torch.device(device),
                                                      quantize=plan.form, bf16_inputs=plan.bf16_inputs,
                                                      attention_backend=attention_backend)
     # what was kept quantized, what was quantized or expanded: "210 Q4_1 -> int4 (kept), 61 ..."
-    log.info("weights", quantize=quantize, formats=model.weight_summary,
+    log.info("weights", quantize=quantize or (prequantized and prequantized.method), formats=model.weight_summary,
              activations=str(plan.dtype).removeprefix("torch."))
     fused = getattr(model, "fused_decode", None)
     gap = ("tensor parallel" if world_size > 1 else "no fused decode layer: torch's kernels" if fused is None
@@ -167,11 +178,14 @@ def release_freed_memory() -> None:
         pass
 
 
-def _open_checkpoint(model_dir: str):
-    """The weights of ``model_dir``: its safetensors, or the GGUF file a folder made from one names."""
+def _open_checkpoint(model_dir: str, prequantized: CheckpointQuantization | None):
+    """The weights of ``model_dir``: its safetensors (a GPTQ/AWQ checkpoint's unpacked), or the GGUF file a
+    folder made from one names."""
     from llmbus.bus.model_files import gguf_source, is_gguf_folder
     from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader
+    from llmbus.workers.prequantized_checkpoint import PrequantizedCheckpointReader
 
     if is_gguf_folder(model_dir):
         return GGUFCheckpointReader(gguf_source(model_dir)["path"])
-    return CheckpointReader(model_dir, device="cpu")
+    reader = CheckpointReader(model_dir, device="cpu")
+    return reader if prequantized is None else PrequantizedCheckpointReader(reader, prequantized)

@@ -37,7 +37,8 @@ from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
 from llmbus.bus.settings import ServiceSettings, a_folder, finite, setting
 from llmbus.bus.sockets import open_socket, recv, send
-from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_METHODS
+from llmbus.bus.shared_settings import (DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_CHOICES,
+                                        QUANTIZE_HELP)
 from llmbus.workers.graph_sizes import (cuda_graphs_problem, parse_cuda_graphs, parse_piecewise_graphs,
                                         piecewise_graphs_problem)
 from llmbus.workers.host_memory import bound_onednn_caches, heap_on_huge_pages, keep_freed_memory
@@ -84,10 +85,7 @@ class WorkerConfig(ServiceSettings):
     allow_tf32: bool = setting(False, env="ALLOW_TF32",
                                help="Let float32 matmuls and convolutions on CUDA use TF32 (faster, about 3 "
                                     "decimal digits): off, so float32 stays token-exact with transformers.")
-    quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_METHODS,
-                                   help="Weight-only quantization of the linear layers (int8 or int4, in groups "
-                                        "of 32 inputs). GGUF files keep their Q8_0/Q4_0/Q4_1 tensors quantized "
-                                        "either way.")
+    quantize: str | None = setting(None, env="QUANTIZE", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     kv_cache_dtype: str = setting("auto", env="KV_CACHE_DTYPE", choices=("auto", "float32", "bfloat16", "float16"),
                                   help="What the KV cache stores. auto: the model's dtype, exact. float16 on a "
                                        "float32 model halves the cache's bytes (llama.cpp's default cache type) "

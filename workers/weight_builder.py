@@ -1,13 +1,14 @@
 """This rank's projections, built from a checkpoint reader: dense, quantized from float (``--quantize``),
-or kept in a GGUF file's own quantized blocks.
+or kept in a GGUF file's or a GPTQ/AWQ checkpoint's own quantized values.
 
 A model names what it needs (fused column-parallel parts, a row-parallel column slice, a vocabulary
 shard); the builder decides each one's form and counts what it did, so the startup log can say what was
 kept and what was converted:
 
 - a GGUF tensor stored as Q4_0/Q4_1 stays 4-bit and Q8_0 int8, both in groups of 32 with exactly its
-  values (``quant.from_gguf``), when the activations are bfloat16/float16 on CPU. In float32 (the
-  reference precision) every tensor is dequantized by the ``gguf`` package, as transformers does.
+  values (``quant.from_gguf``), when the activations are bfloat16/float16 on CPU, and so does a GPTQ/AWQ
+  projection (``prequantized_checkpoint.py``): the reader's ``read_quantized`` gives the form. In float32
+  (the reference precision) and on a GPU every tensor is dequantized, as transformers does.
 - any other float or dequantized tensor is quantized when ``--quantize`` asks, else kept dense.
 - the embedding and the LM head become int8 (never int4: the logits are the most sensitive product)
   when quantizing, or when the file stores them quantized; a tied pair shares the one int8 matrix.
@@ -24,7 +25,7 @@ from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers import quant
 from llmbus.workers.linear import Linear, onednn_packs
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TYPES = ("F32", "F16", "BF16", "safetensors")  # how _stored names float tensors
 QUANT_BLOCK = 32  # weights per block of the GGUF types kept quantized (Q8_0, Q4_0, Q4_1)
 # With ``keep_plain``, the share of the host's available memory that second (oneDNN-packed) copies of dense
 # projections may take, where oneDNN computes them (not float32 where gemm.c runs). Before gemm.c they made
@@ -92,7 +93,7 @@ class WeightBuilder:
     def _linear(self, weight_names: list[str], kept: list | None, floats, bias) -> object:
         if kept is not None:
             try:
-                weight = _cat([quant.from_gguf(raw) for raw in kept])
+                weight = _cat(kept)
             except ValueError:  # parts of different forms (an int8 and an int4 part) cannot be fused
                 weight = None
             if weight is not None:
@@ -171,7 +172,7 @@ class WeightBuilder:
         stop = min(start + per_rank, vocab_size)
         stored_quantized = self.keep_quantized and self._stored(name) not in FLOAT_TYPES
         if stored_quantized and self._stored(name) == "Q8_0":  # int8 in groups of 32: its own values
-            kept = quant.from_gguf(self.reader.read_quantized(name, rows=(start, stop)))
+            kept = self.reader.read_quantized(name, rows=(start, stop))
             padding = per_rank - (stop - start)
             if padding:
                 kept = quant.Int8Weight.cat([kept, quant.Int8Weight(

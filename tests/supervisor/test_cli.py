@@ -254,3 +254,31 @@ def test_bad_files_and_paths_are_one_line_errors(tiny_model_dir, tmp_path):
         result = CliRunner().invoke(main, argv)
         assert result.exit_code in (1, 2) and not isinstance(result.exception, (OSError, ValueError)), argv
         assert message in result.output, (argv, result.output)
+
+
+def test_a_published_quantization_is_checked_before_anything_starts(tiny_model_dir, tmp_path):
+    """A GPTQ/AWQ checkpoint is read as its config says: --quantize may name it (TGI's commands do), not
+    contradict it; a quantization llmbus does not read is one line naming it."""
+    import json
+    import shutil
+
+    def published_as(name: str, section: dict):
+        folder = tmp_path / name
+        shutil.copytree(tiny_model_dir, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
+        return str(folder)
+
+    gptq = published_as("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128})
+    bnb = published_as("bnb", {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    cases = [
+        (["--model-id", gptq, "--quantize", "int4"], 2,
+         "--quantize int4 quantizes float weights, and this checkpoint is already quantized with gptq"),
+        (["--model-id", gptq, "--quantize", "awq"], 2, "--quantize awq was given, but the checkpoint is quantized "
+                                                       "with gptq"),
+        (["--model-id", str(tiny_model_dir), "--quantize", "gptq"], 2, "this one has float weights"),
+        (["--model-id", bnb], 1, "says quant_method 'bitsandbytes': llmbus reads GPTQ and AWQ checkpoints"),
+    ]
+    for argv, code, message in cases:
+        result = CliRunner().invoke(main, ["up", *argv])
+        assert result.exit_code == code and message in result.output, (argv, result.output)

@@ -78,10 +78,9 @@ def test_weights_equal_transformers_reading(kind, gguf_dir):
 def test_raw_blocks_become_quantized_weights(kind, gguf_dir):
     with GGUFCheckpointReader(gguf_dir / f"tiny-{kind}.gguf") as reader:
         name = "model.layers.0.self_attn.k_proj.weight"
-        raw = reader.read_quantized(name, rows=(32, 64), cols=(32, 96))
-        assert raw.qtype == kind and raw.shape == (32, 64)
+        weight = reader.read_quantized(name, rows=(32, 64), cols=(32, 96))
+        assert reader.qtype(name) == kind and weight.shape == (32, 64)
         expected = reader.read(name)[32:64, 32:96]
-        weight = quant.from_gguf(raw)
         # the file's own values and scales: Q8_0 as int8 in groups of 32, Q4_0/Q4_1 as int4
         assert isinstance(weight, quant.Int8Weight if kind == "Q8_0" else quant.Int4Weight)
         torch.testing.assert_close(weight.dequantize(), expected, rtol=0, atol=1e-6)

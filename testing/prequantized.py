@@ -1,0 +1,120 @@
+"""GPTQ and AWQ checkpoints written for tests, from a float checkpoint, with the float checkpoint they hold.
+
+Each projection of the decoder layers is put on a grid, ``scale * (q - zero)`` per output and group of inputs
+(float16 scales, as the formats store them), and packed as AutoGPTQ/GPTQModel (``gptq``, its original format
+storing each zero point minus one, or ``gptq_v2``) or AutoAWQ's GEMM layout (``awq``) write it — the layouts
+TGI's server reads (``bus/prequantized.py`` describes them). The other copy holds the same grid's numbers as
+plain float weights: what transformers computes with from such a checkpoint, so its ``generate`` is the
+reference the served checkpoint is compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def grid(weight: torch.Tensor, bits: int, group_size: int | None, *, symmetric: bool, act_order: bool,
+         min_zero: int = 0, seed: int = 0):
+    """``weight`` ``[N, K]`` on a ``bits`` grid: (q ``[N, K]``, zero points ``[N, G]``, float16 scales ``[N, G]``,
+    each input's group ``[K]``, the grid's float32 weight). ``act_order`` puts inputs in groups by a random
+    order, as GPTQ's desc_act does (by its Hessian's diagonal)."""
+    n, k = weight.shape
+    size = group_size or k
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)
+    groups = torch.empty(k, dtype=torch.long)
+    groups[order] = torch.arange(k) // size
+    top = (1 << bits) - 1
+    num_groups = int(groups.max()) + 1
+    q = torch.empty(n, k, dtype=torch.long)
+    zeros = torch.empty(n, num_groups, dtype=torch.long)
+    scales = torch.empty(n, num_groups, dtype=torch.float16)
+    for g in range(num_groups):
+        members = (groups == g).nonzero().flatten()
+        w = weight[:, members].float()
+        if symmetric:
+            scale = (w.abs().amax(dim=1) / (top // 2)).clamp(min=1e-4).half()
+            zero = torch.full((n,), (top + 1) // 2, dtype=torch.long)
+        else:
+            low, high = w.amin(dim=1), w.amax(dim=1)
+            scale = ((high - low) / top).clamp(min=1e-4).half()
+            zero = torch.round(-low / scale.float()).long().clamp(min_zero, top)
+        q[:, members] = (torch.round(w / scale.float()[:, None]).long() + zero[:, None]).clamp(0, top)
+        zeros[:, g], scales[:, g] = zero, scale
+    dequantized = scales.float()[:, groups] * (q - zeros[:, groups]).float()
+    return q, zeros, scales, groups, dequantized
+
+
+def _pack(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Non-negative ints packed ``32 / bits`` to an int32 word along ``dim`` (0 or 1), lowest bits first;
+    ``order[j]``: which of a run's values goes to the word's j-th place."""
+    per_word = 32 // bits
+    v = values.long() if dim == 1 else values.long().t()
+    runs = v.reshape(v.shape[0], -1, per_word)
+    if order is not None:
+        runs = runs[:, :, list(order)]
+    words = sum(runs[:, :, j] << (bits * j) for j in range(per_word))
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return (words if dim == 1 else words.t()).contiguous()
+
+
+def pack_gptq(q, zeros, scales, groups, bits: int, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
+    """One projection's tensors as GPTQ stores them (``q``: ``[N, K]``)."""
+    stored_zeros = zeros - (1 if checkpoint_format == "gptq" else 0)
+    assert stored_zeros.min() >= 0, "GPTQ's original format cannot store a zero point of 0"
+    return {"qweight": _pack(q.t(), bits, dim=0), "qzeros": _pack(stored_zeros.t(), bits, dim=1),
+            "scales": scales.t().contiguous(), "g_idx": groups.to(torch.int32)}
+
+
+def pack_awq(q, zeros, scales) -> dict[str, torch.Tensor]:
+    """One projection's tensors as AutoAWQ's GEMM layout stores them (4 bits)."""
+    return {"qweight": _pack(q.t(), 4, dim=1, order=AWQ_ORDER), "qzeros": _pack(zeros.t(), 4, dim=1, order=AWQ_ORDER),
+            "scales": scales.t().contiguous()}
+
+
+def write_prequantized(path: str, out: str, reference_out: str, method: str, *, bits: int = 4,
+                       group_size: int | None = 32, symmetric: bool = False, act_order: bool = False,
+                       checkpoint_format: str = "gptq") -> dict:
+    """The float checkpoint in ``path`` (one ``model.safetensors``) as a ``method`` ("gptq" or "awq")
+    checkpoint in ``out`` and as the grid's float weights in ``reference_out``; the quantization_config
+    written."""
+    from safetensors.torch import load_file, save_file
+
+    for folder in (out, reference_out):
+        shutil.copytree(path, folder)
+    state = load_file(os.path.join(path, "model.safetensors"))
+    packed, reference = {}, dict(state)
+    for i, (name, weight) in enumerate(sorted(state.items())):
+        prefix = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and prefix.rpartition(".")[2] in PROJECTIONS):
+            packed[name] = weight
+            continue
+        q, zeros, scales, groups, dequantized = grid(
+            weight, bits, group_size, symmetric=symmetric, act_order=act_order, seed=i,
+            min_zero=1 if method == "gptq" and checkpoint_format == "gptq" else 0)
+        parts = (pack_gptq(q, zeros, scales, groups, bits, checkpoint_format) if method == "gptq"
+                 else pack_awq(q, zeros, scales))
+        packed.update({f"{prefix}.{part}": tensor for part, tensor in parts.items()})
+        reference[name] = dequantized.to(weight.dtype)
+    save_file(packed, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, os.path.join(reference_out, "model.safetensors"), metadata={"format": "pt"})
+    section = {"quant_method": method, "bits": bits, "group_size": group_size or -1}
+    if method == "gptq":
+        section |= {"sym": symmetric, "desc_act": act_order, "checkpoint_format": checkpoint_format}
+    else:
+        section |= {"zero_point": True, "version": "gemm"}
+    config_path = os.path.join(out, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**config, "quantization_config": section}, f, indent=2)
+    return section
+
+
+__all__ = ["grid", "pack_awq", "pack_gptq", "write_prequantized"]

@@ -1,0 +1,156 @@
+"""Reading a GPTQ or AWQ checkpoint (``bus/prequantized.py`` says what it is): each packed projection appears
+under its float name (``X.weight``), so the models build from it as from any checkpoint.
+
+- ``read``/``read_rows``/``read_cols`` give a packed weight's slice as float32 numbers, exactly
+  ``scale * (q - zero)`` (a float16 scale times an integer below 2^8 is exact in float32): what the float32
+  model and a GPU compute with, and what transformers computes from the same checkpoint.
+- ``read_quantized`` gives it as llmbus's own quantized form, with its values, for the CPU's kernels
+  (``weight_builder.py`` asks for it with bfloat16 activations): 4 bits as ``quant.Int4Weight`` (the affine
+  grid ``q * scale + low``, ``low = -scale * zero``), 8 bits with every zero point 128 (symmetric) as
+  ``quant.Int8Weight``, both in groups of 32 inputs, each taking its group's scale (a format's group of 128
+  is four of them). None where that form cannot hold the weight (GPTQ's act-order groups, which are not
+  runs of adjacent inputs; asymmetric 8 bits; groups not a multiple of 32): the builder then expands it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmbus.bus.prequantized import CheckpointQuantization
+from llmbus.workers import quant
+
+_PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output a word's j-th value belongs to, in a run of eight
+
+
+class PrequantizedCheckpointReader:
+    """A ``loader.CheckpointReader``'s interface over a GPTQ or AWQ checkpoint read by ``base``."""
+
+    def __init__(self, base, quantization: CheckpointQuantization):
+        self.base, self.q = base, quantization
+        self.model_dir = base.model_dir
+        self._packed = {name.removesuffix(".qweight") for name in base.names() if name.endswith(".qweight")}
+
+    def __enter__(self) -> "PrequantizedCheckpointReader":
+        self.base.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.base.__exit__(*exc)
+
+    def _prefix(self, name: str) -> str | None:
+        prefix = name.removesuffix(".weight")
+        return prefix if prefix != name and prefix in self._packed else None
+
+    def names(self) -> list[str]:
+        return [f"{prefix}.weight" if part == "qweight" else name for name in self.base.names()
+                for prefix, _, part in [name.rpartition(".")]
+                if not (prefix in self._packed and part in _PACKED_PARTS and part != "qweight")]
+
+    def has(self, name: str) -> bool:
+        return self._prefix(name) is not None or self.base.has(name)
+
+    def qtype(self, name: str) -> str:
+        """How ``name`` is stored, for the startup log: "gptq int4", or "safetensors"."""
+        return self.q.label if self._prefix(name) is not None else "safetensors"
+
+    def shape(self, name: str) -> list[int]:
+        prefix = self._prefix(name)
+        if prefix is None:
+            return self.base.shape(name)
+        return [self.base.shape(f"{prefix}.scales")[1], self._inputs(prefix)]
+
+    def read(self, name: str) -> torch.Tensor:
+        prefix = self._prefix(name)
+        return self.base.read(name) if prefix is None else self._dequantized(prefix, None, None)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        prefix = self._prefix(name)
+        return self.base.read_rows(name, start, stop) if prefix is None else self._dequantized(prefix, (start, stop),
+                                                                                               None)
+
+    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        prefix = self._prefix(name)
+        return self.base.read_cols(name, start, stop) if prefix is None else self._dequantized(prefix, None,
+                                                                                               (start, stop))
+
+    def read_quantized(self, name: str, rows: tuple[int, int] | None = None,
+                       cols: tuple[int, int] | None = None) -> quant.QuantizedWeight | None:
+        """``name``'s rows and columns in llmbus's quantized form (columns cut at multiples of 32), or None
+        where it is not packed or that form cannot hold it (see the module's docstring)."""
+        prefix = self._prefix(name)
+        if prefix is None:
+            return None
+        k = self._inputs(prefix)
+        group = self.q.group_size or k
+        if group % quant.INT4_GROUP and group != k:
+            return None
+        values, zeros, scales, groups = self._unpacked(prefix, rows)
+        if not torch.equal(groups, torch.arange(k) // group):  # act-order: groups are not runs of inputs
+            return None
+        # each block of 32 inputs takes the scale and zero point of the format's group it lies in
+        first_of_block = torch.arange(0, k, quant.INT4_GROUP) // group
+        scale, zero = scales[:, first_of_block], zeros[:, first_of_block].float()
+        if self.q.bits == 4:
+            weight = quant.Int4Weight(values.to(torch.uint8), scale, -scale * zero, quant.INT4_GROUP)
+        elif torch.all(zeros == 128):
+            weight = quant.Int8Weight((values - 128).to(torch.int8), scale, quant.INT4_GROUP)
+        else:
+            return None
+        return weight if cols is None else weight.cols(*cols)
+
+    # -- unpacking ---------------------------------------------------------------------------------------------
+
+    def _inputs(self, prefix: str) -> int:
+        rows = self.base.shape(f"{prefix}.qweight")[0]
+        return rows * self.q.per_word if self.q.method == "gptq" else rows
+
+    def _groups(self, prefix: str) -> torch.Tensor:
+        """Each input's group (int64 ``[K]``)."""
+        k = self._inputs(prefix)
+        if self.q.method == "gptq" and self.base.has(f"{prefix}.g_idx"):
+            return self.base.read(f"{prefix}.g_idx").long()
+        return torch.arange(k) // (self.q.group_size or k)
+
+    def _unpacked(self, prefix: str, rows: tuple[int, int] | None):
+        """(q ``[N', K]``, zero points ``[N', G]``, float32 scales ``[N', G]``, each input's group ``[K]``) of
+        output rows ``rows`` (all: None), zero points with the format's offset added."""
+        n = self.base.shape(f"{prefix}.scales")[1]
+        start, stop = rows if rows is not None else (0, n)
+        per_word, bits = self.q.per_word, self.q.bits
+        word_start, word_stop = start // per_word, -(-stop // per_word)
+        cut = slice(start - word_start * per_word, stop - word_start * per_word)
+        packed_zeros = self.base.read_cols(f"{prefix}.qzeros", word_start, word_stop)
+        order = _AWQ_ORDER if self.q.method == "awq" else None
+        zeros = _unpack_columns(packed_zeros, bits, order)[:, cut].t() + self.q.zero_offset
+        if self.q.method == "gptq":
+            values = _unpack_rows(self.base.read_cols(f"{prefix}.qweight", start, stop), bits).t()
+        else:
+            values = _unpack_columns(self.base.read_cols(f"{prefix}.qweight", word_start, word_stop), bits,
+                                     order)[:, cut].t()
+        scales = self.base.read_cols(f"{prefix}.scales", start, stop).float().t()
+        return values.contiguous(), zeros.contiguous(), scales.contiguous(), self._groups(prefix)
+
+    def _dequantized(self, prefix: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
+        values, zeros, scales, groups = self._unpacked(prefix, rows)
+        if cols is not None:
+            values, groups = values[:, cols[0]:cols[1]], groups[cols[0]:cols[1]]
+        return scales[:, groups] * (values - zeros[:, groups]).float()
+
+
+def _unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 ``[R, C]``, each word ``32 / bits`` values along the rows, lowest bits first -> int32 ``[R * 32 /
+    bits, C]``."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (words.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(-1, words.shape[1])
+
+
+def _unpack_columns(words: torch.Tensor, bits: int, order: tuple[int, ...] | None) -> torch.Tensor:
+    """int32 ``[R, C]``, each word ``32 / bits`` values along the columns -> int32 ``[R, C * 32 / bits]``; with
+    ``order``, a word's j-th value is column ``order[j]`` of its run."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (words.to(torch.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
+    if order is not None:
+        values = values[:, :, torch.tensor(order).argsort()]
+    return values.reshape(words.shape[0], -1)
