@@ -8,6 +8,7 @@ it, and neither may import the other (pyproject's import-linter contracts).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -73,6 +74,16 @@ def eos_token_ids(model_dir: str | Path, tokenizer: Tokenizer) -> list[int]:
         if token_id is not None and token_id not in eos:
             eos.append(token_id)
     return eos or _as_id_list(read_config(model_dir / "config.json").get("eos_token_id"))
+
+
+def lone_safetensors(model_dir: str | Path) -> list[str]:
+    """The weight files of a folder that has neither ``model.safetensors`` nor its index: older uploads (GPTQ's
+    among them) name their one file freely, ``gptq_model-4bit-128g.safetensors``, and TGI reads any. Not a
+    LoRA adapter's file, Mistral's ``consolidated`` format (other tensor names), nor shards ``*-of-*`` without
+    their index (a set cut short)."""
+    return sorted(p.name for p in Path(model_dir).glob("*.safetensors")
+                  if p.name != "adapter_model.safetensors" and not p.name.startswith("consolidated")
+                  and not re.search(r"-\d+-of-\d+\.safetensors$", p.name))
 
 
 def is_gguf_folder(model_dir: str | Path) -> bool:

@@ -8,6 +8,8 @@ import pickle
 import sys
 from pathlib import Path
 
+from llmbus.bus.model_files import lone_safetensors
+
 
 class ModelNotFound(RuntimeError):
     pass
@@ -71,10 +73,11 @@ def _with_safetensors(folder: Path) -> Path:
 
 
 def _has_safetensors(folder: Path) -> bool:
-    """Whether ``folder`` holds the safetensors weights the workers read: one file, or the index of its shards.
-    A conversion writes the index after every shard, and each file whole (renamed once checked), so a
-    conversion cut short is not taken for one done."""
-    return (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    """Whether ``folder`` holds the safetensors weights the workers read: one file, the index of its shards, or
+    an older upload's freely named file(s). A conversion writes the index after every shard, and each file whole
+    (renamed once checked), so a conversion cut short is not taken for one done."""
+    return ((folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+            or bool(lone_safetensors(folder)))
 
 
 def smollm2_gguf() -> Path | None:

@@ -18,7 +18,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from llmbus.bus.model_files import with_rope_override
+from llmbus.bus.model_files import lone_safetensors, with_rope_override
 from llmbus.bus.prequantized import (CHECKPOINT_METHODS, CheckpointQuantization, checkpoint_quantization,
                                      quantize_problem)
 from llmbus.workers.quant import compute_plan
@@ -46,11 +46,15 @@ class CheckpointReader:
             with open(index_path) as f:
                 self._file_of: dict[str, str] = json.load(f)["weight_map"]
         else:
-            single = os.path.join(model_dir, SINGLE_FILE)
-            if not os.path.exists(single):
-                raise FileNotFoundError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-            with safe_open(single, framework="pt") as f:
-                self._file_of = {name: SINGLE_FILE for name in f.keys()}
+            single = os.path.exists(os.path.join(model_dir, SINGLE_FILE))
+            files = [SINGLE_FILE] if single else lone_safetensors(model_dir)
+            if not files:
+                raise FileNotFoundError(f"{model_dir}: no safetensors weights ({SINGLE_FILE}, {INDEX_FILE} or another "
+                                        f"*.safetensors file)")
+            self._file_of = {}
+            for file_name in files:
+                with safe_open(os.path.join(model_dir, file_name), framework="pt") as f:
+                    self._file_of.update((name, file_name) for name in f.keys())
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
 

@@ -152,3 +152,23 @@ def test_lora_adapters_resolve_to_folders_from_paths_and_the_hub_cache(tmp_path,
                           ("./gone", "LoRA adapter `./gone`: no folder gone")):
         with pytest.raises(weights.ModelNotFound, match=re.escape(message)):
             weights.resolve_lora_adapters(text, cache_dir=str(cache))
+
+
+def test_an_older_uploads_freely_named_weights_file_is_read(tiny_model_dir, tmp_path):
+    """Older uploads (GPTQ's among them) name their one file freely; TGI reads any. Not counted as a model's
+    weights: a LoRA adapter's file, Mistral's consolidated format, a shard without its index (a set cut short)."""
+    from llmbus.bus.model_files import lone_safetensors
+    from llmbus.workers.loader import CheckpointReader
+
+    upload = tmp_path / "upload"
+    shutil.copytree(tiny_model_dir, upload)
+    (upload / "model.safetensors").rename(upload / "gptq_model-4bit-128g.safetensors")
+    for other in ("adapter_model", "consolidated", "model-00001-of-00002"):
+        (upload / f"{other}.safetensors").write_bytes(b"")
+    assert lone_safetensors(upload) == ["gptq_model-4bit-128g.safetensors"]
+    cache = tmp_path / "hub"
+    _cache_repo(cache, "llmbus/old-upload", upload)
+    result = _download(cache, "llmbus/old-upload")
+    assert result.returncode == 0, result.stderr
+    with CheckpointReader(str(cache / "models--llmbus--old-upload" / "snapshots" / SHA)) as reader:
+        assert reader.shape("model.embed_tokens.weight") == [4096, 128]
