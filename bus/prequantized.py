@@ -1,5 +1,5 @@
-"""Checkpoints published already quantized (GPTQ, AWQ): what a model folder says about its quantization, and
-whether llmbus reads it.
+"""Checkpoints published already quantized (GPTQ, AWQ, FP8): what a model folder says about its quantization,
+and whether llmbus reads it.
 
 A GPTQ or AWQ checkpoint stores each projection ``X`` of the decoder as packed integers instead of
 ``X.weight``: ``X.qweight`` (int32 words of 32 / bits values), ``X.scales`` (one per output and group of
@@ -13,6 +13,13 @@ unpacks them):
   (act-order) the groups are not runs of adjacent inputs: ``g_idx`` says which group each input is in.
 - AWQ (AutoAWQ's GEMM version): ``qweight`` ``[K, N * bits / 32]`` and ``qzeros`` ``[G, N * bits / 32]``,
   both packed along the outputs, the eight values of a word in the order 0, 2, 4, 6, 1, 3, 5, 7.
+
+FP8 checkpoints keep ``X.weight``, stored as float8 (e4m3), with a float32 scale beside it: one for the tensor,
+one per output row, or one per block of outputs and inputs; a weight is ``w8 * scale``. Three writers: transformers'
+``fp8`` (Qwen3's and DeepSeek's FP8 uploads: ``X.weight_scale_inv``, blocks of ``weight_block_size``, multiplied
+despite its name), Meta's ``fbgemm_fp8`` (``X.weight_scale`` per row) and llm-compressor's ``compressed-tensors``
+in its ``float-quantized`` format (``X.weight_scale`` per tensor, row or block). Activations' scales (the FP8
+GEMMs' inputs) are not used: llmbus computes with the model's dtype.
 
 Where it is said: ``quantization_config`` in ``config.json`` (what transformers writes), else the
 ``quantize_config.json`` of AutoGPTQ or the ``quant_config.json`` of AutoAWQ beside it (older uploads), read
@@ -38,10 +45,17 @@ class UnsupportedQuantization(ValueError):
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    method: str  # "gptq" or "awq"
-    bits: int  # 4 (both) or 8 (GPTQ)
-    group_size: int | None  # inputs sharing a scale and zero point; None: all of a row's (GPTQ's -1)
-    zero_offset: int  # added to each stored zero point (1 for GPTQ's original format, which stores zero - 1)
+    method: str  # one of CHECKPOINT_METHODS: "gptq", "awq", "fp8", "compressed-tensors"
+    bits: int  # 4 (GPTQ, AWQ) or 8 (GPTQ, FP8)
+    group_size: int | None = None  # inputs sharing a scale and zero point; None: all of a row's (GPTQ's -1)
+    zero_offset: int = 0  # added to each stored zero point (1 for GPTQ's original format, which stores zero - 1)
+    scale_name: str = "weight_scale"  # FP8: the scale tensor beside X.weight
+    scale_block: tuple[int, int] | None = None  # FP8: (outputs, inputs) one scale covers, where scales are blocks
+
+    @property
+    def packed(self) -> bool:
+        """Integers packed in int32 words (GPTQ, AWQ); else float8 weights under their own names."""
+        return self.method in ("gptq", "awq")
 
     @property
     def per_word(self) -> int:
@@ -49,8 +63,8 @@ class CheckpointQuantization:
 
     @property
     def label(self) -> str:
-        """How the startup log names a tensor stored so: "gptq int4"."""
-        return f"{self.method} int{self.bits}"
+        """How the startup log names a tensor stored so: "gptq int4", "float8 e4m3"."""
+        return f"{self.method} int{self.bits}" if self.packed else "float8 e4m3"
 
 
 def checkpoint_quantization(model_dir: str | Path) -> CheckpointQuantization | None:
@@ -96,9 +110,15 @@ def quantize_problem(quantization: CheckpointQuantization | None, quantize: str 
 def _from_section(section: dict, source: str) -> CheckpointQuantization:
     method = str(section.get("quant_method", "")).lower()
     where = f"the checkpoint's {source}"
+    if method == "fbgemm_fp8":  # TGI's --quantize fp8 serves it
+        return CheckpointQuantization("fp8", 8)
+    if method == "fp8":
+        return _fp8(section, where)
+    if method == "compressed-tensors":
+        return _compressed_tensors(section, where)
     if method not in CHECKPOINT_METHODS:
         raise UnsupportedQuantization(
-            f"{where} says quant_method {method or '(none)'!r}: llmbus reads GPTQ and AWQ checkpoints "
+            f"{where} says quant_method {method or '(none)'!r}: llmbus reads GPTQ, AWQ and FP8 checkpoints "
             f"({', '.join(CHECKPOINT_METHODS)}); serve the model's float weights, quantized at load with "
             f"--quantize int8 or int4 if memory is short")
     bits, group_size = section.get("bits"), section.get("group_size", -1)
@@ -125,3 +145,36 @@ def _from_section(section: dict, source: str) -> CheckpointQuantization:
         zero_offset = 0
     return CheckpointQuantization(method, bits, None if group_size == -1 else group_size, zero_offset)
 
+
+def _block(value, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise UnsupportedQuantization(f"{where}: FP8 block size {value!r} is not two positive integers")
+    return value[0], value[1]
+
+
+def _fp8(section: dict, where: str) -> CheckpointQuantization:
+    fmt = str(section.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise UnsupportedQuantization(f"{where}: FP8 weights in {fmt!r} are not read (e4m3 are)")
+    return CheckpointQuantization("fp8", 8, scale_name="weight_scale_inv",
+                                  scale_block=_block(section.get("weight_block_size"), where))
+
+
+def _compressed_tensors(section: dict, where: str) -> CheckpointQuantization:
+    """llm-compressor's FP8 weights (``float-quantized``); its integer formats are GPTQ's or AWQ's work,
+    published in their own formats too."""
+    fmt = section.get("format")
+    groups = section.get("config_groups")
+    weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+    if (fmt not in ("float-quantized", "naive-quantized") or not weights
+            or not all(isinstance(w, dict) and w.get("type") == "float" and w.get("num_bits") == 8 for w in weights)):
+        raise UnsupportedQuantization(
+            f"{where}: compressed-tensors format {fmt!r} is not read: llmbus reads its FP8 weights "
+            f"(float-quantized, 8-bit float); for int4/int8 weights serve the model's GPTQ or AWQ upload")
+    blocks = {_block(w.get("block_structure"), where) for w in weights}
+    if len(blocks) != 1:
+        raise UnsupportedQuantization(f"{where}: compressed-tensors groups with different FP8 blocks are not read")
+    return CheckpointQuantization("compressed-tensors", 8, scale_block=blocks.pop())

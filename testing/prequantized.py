@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints written for tests, from a float checkpoint, with the float checkpoint they hold.
+"""GPTQ, AWQ and FP8 checkpoints written for tests, from a float checkpoint, with the float checkpoint they hold.
 
 Each projection of the decoder layers is put on a grid, ``scale * (q - zero)`` per output and group of inputs
 (float16 scales, as the formats store them), and packed as AutoGPTQ/GPTQModel (``gptq``, its original format
@@ -109,6 +109,11 @@ def write_prequantized(path: str, out: str, reference_out: str, method: str, *, 
         section |= {"sym": symmetric, "desc_act": act_order, "checkpoint_format": checkpoint_format}
     else:
         section |= {"zero_point": True, "version": "gemm"}
+    return _declare(out, section)
+
+
+def _declare(out: str, section: dict) -> dict:
+    """``section`` as the quantization_config of ``out``'s config.json; ``section``."""
     config_path = os.path.join(out, "config.json")
     with open(config_path) as f:
         config = json.load(f)
@@ -117,4 +122,61 @@ def write_prequantized(path: str, out: str, reference_out: str, method: str, *, 
     return section
 
 
-__all__ = ["grid", "pack_awq", "pack_gptq", "write_prequantized"]
+FLOAT8_MAX = 448.0  # e4m3's largest finite value
+# how each writer lays out its FP8 scales: (config's quant_method, scale's name, its granularity)
+FLOAT8_WRITERS = {"fp8": ("fp8", "weight_scale_inv", "block"), "fbgemm_fp8": ("fbgemm_fp8", "weight_scale", "row"),
+                  "compressed-tensors": ("compressed-tensors", "weight_scale", "tensor")}
+
+
+def write_float8(path: str, out: str, reference_out: str, writer: str, block: tuple[int, int] = (32, 32)) -> dict:
+    """The float checkpoint in ``path`` with its decoder projections as float8 (e4m3) weights and scales as
+    ``writer`` (a key of FLOAT8_WRITERS) lays them out, in ``out``; the scaled numbers as float weights in
+    ``reference_out``; the quantization_config written. compressed-tensors' copy carries activation scales
+    too (a static scheme), which a reader must not take for weights."""
+    from safetensors.torch import load_file, save_file
+
+    method, scale_name, granularity = FLOAT8_WRITERS[writer]
+    for folder in (out, reference_out):
+        shutil.copytree(path, folder)
+    state = load_file(os.path.join(path, "model.safetensors"))
+    written, reference = {}, dict(state)
+    for name, weight in sorted(state.items()):
+        prefix = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and prefix.rpartition(".")[2] in PROJECTIONS):
+            written[name] = weight
+            continue
+        w = weight.float()
+        n, k = w.shape
+        if granularity == "tensor":
+            scale = (w.abs().amax() / FLOAT8_MAX).reshape(1)
+            expanded = scale
+        elif granularity == "row":
+            scale = w.abs().amax(dim=1, keepdim=True) / FLOAT8_MAX
+            expanded = scale
+        else:
+            blocks = (-(-n // block[0]), -(-k // block[1]))
+            padded = torch.nn.functional.pad(w.abs(), (0, blocks[1] * block[1] - k, 0, blocks[0] * block[0] - n))
+            scale = padded.view(blocks[0], block[0], blocks[1], block[1]).amax(dim=(1, 3)) / FLOAT8_MAX
+            expanded = scale[torch.arange(n) // block[0]][:, torch.arange(k) // block[1]]
+        values = (w / expanded).to(torch.float8_e4m3fn)
+        written[name], written[f"{prefix}.{scale_name}"] = values, scale.float()
+        if writer == "compressed-tensors":
+            written[f"{prefix}.input_scale"] = torch.ones(1)
+        reference[name] = (values.float() * expanded).to(weight.dtype)
+    save_file(written, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, os.path.join(reference_out, "model.safetensors"), metadata={"format": "pt"})
+    if writer == "fp8":
+        section = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": list(block)}
+    elif writer == "fbgemm_fp8":
+        section = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
+    else:
+        scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+                  "targets": ["Linear"]}
+        section = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                   "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
+    return _declare(out, section)
+
+
+__all__ = ["FLOAT8_WRITERS", "grid", "pack_awq", "pack_gptq", "write_float8", "write_prequantized"]

@@ -85,6 +85,10 @@ class CheckpointReader:
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """How ``name`` is stored, in safetensors' words ("BF16", "F8_E4M3", ...), without reading it."""
+        return self._slice(name).get_dtype()
+
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor: for replicated weights (norms, unsharded layers)."""
         return self._slice(name)[:]
@@ -183,13 +187,15 @@ def release_freed_memory() -> None:
 
 
 def _open_checkpoint(model_dir: str, prequantized: CheckpointQuantization | None):
-    """The weights of ``model_dir``: its safetensors (a GPTQ/AWQ checkpoint's unpacked), or the GGUF file a
-    folder made from one names."""
+    """The weights of ``model_dir``: its safetensors (a GPTQ/AWQ checkpoint's unpacked, an FP8 one's scaled), or
+    the GGUF file a folder made from one names."""
     from llmbus.bus.model_files import gguf_source, is_gguf_folder
     from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader
-    from llmbus.workers.prequantized_checkpoint import PrequantizedCheckpointReader
+    from llmbus.workers.prequantized_checkpoint import Float8CheckpointReader, PrequantizedCheckpointReader
 
     if is_gguf_folder(model_dir):
         return GGUFCheckpointReader(gguf_source(model_dir)["path"])
     reader = CheckpointReader(model_dir, device="cpu")
-    return reader if prequantized is None else PrequantizedCheckpointReader(reader, prequantized)
+    if prequantized is None:
+        return reader
+    return (PrequantizedCheckpointReader if prequantized.packed else Float8CheckpointReader)(reader, prequantized)

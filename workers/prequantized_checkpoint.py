@@ -1,5 +1,11 @@
-"""Reading a GPTQ or AWQ checkpoint (``bus/prequantized.py`` says what it is): each packed projection appears
-under its float name (``X.weight``), so the models build from it as from any checkpoint.
+"""Reading a GPTQ, AWQ or FP8 checkpoint (``bus/prequantized.py`` says what it is): each quantized projection
+reads under its float name (``X.weight``), so the models build from it as from any checkpoint.
+
+FP8 (``Float8CheckpointReader``): a float8 weight with a scale beside it reads as float32 ``w8 * scale``, the
+product of two exact numbers rounded once. It is expanded to the model's dtype (llmbus has no FP8 kernel;
+the CPU has no FP8 arithmetic).
+
+GPTQ and AWQ (``PrequantizedCheckpointReader``):
 
 - ``read``/``read_rows``/``read_cols`` give a packed weight's slice as float32 numbers, exactly
   ``scale * (q - zero)`` (a float16 scale times an integer below 2^8 is exact in float32): what the float32
@@ -23,20 +29,27 @@ _PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output a word's j-th value belongs to, in a run of eight
 
 
-class PrequantizedCheckpointReader:
-    """A ``loader.CheckpointReader``'s interface over a GPTQ or AWQ checkpoint read by ``base``."""
+class _ReaderOver:
+    """A reader over ``base`` (a ``loader.CheckpointReader``), closed with it."""
 
     def __init__(self, base, quantization: CheckpointQuantization):
         self.base, self.q = base, quantization
         self.model_dir = base.model_dir
-        self._packed = {name.removesuffix(".qweight") for name in base.names() if name.endswith(".qweight")}
 
-    def __enter__(self) -> "PrequantizedCheckpointReader":
+    def __enter__(self):
         self.base.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.base.__exit__(*exc)
+
+
+class PrequantizedCheckpointReader(_ReaderOver):
+    """A ``loader.CheckpointReader``'s interface over a GPTQ or AWQ checkpoint read by ``base``."""
+
+    def __init__(self, base, quantization: CheckpointQuantization):
+        super().__init__(base, quantization)
+        self._packed = {name.removesuffix(".qweight") for name in base.names() if name.endswith(".qweight")}
 
     def _prefix(self, name: str) -> str | None:
         prefix = name.removesuffix(".weight")
@@ -154,3 +167,68 @@ def _unpack_columns(words: torch.Tensor, bits: int, order: tuple[int, ...] | Non
     if order is not None:
         values = values[:, :, torch.tensor(order).argsort()]
     return values.reshape(words.shape[0], -1)
+
+
+class Float8CheckpointReader(_ReaderOver):
+    """A ``loader.CheckpointReader``'s interface over an FP8 checkpoint read by ``base``: float8 weights with a
+    scale beside them read scaled, in float32; their scales and activation scales are not listed."""
+
+    def _scale_name(self, name: str) -> str | None:
+        """The scale of ``name`` where it is a float8 weight that has one."""
+        if not name.endswith(".weight") or not self.base.has(name) or not self.base.dtype(name).startswith("F8"):
+            return None
+        scale = f"{name.removesuffix('.weight')}.{self.q.scale_name}"
+        return scale if self.base.has(scale) else None
+
+    def names(self) -> list[str]:
+        scaled = {name.removesuffix(".weight") for name in self.base.names() if self._scale_name(name)}
+        return [name for name in self.base.names()
+                if not (name.rpartition(".")[0] in scaled
+                        and name.rpartition(".")[2] in (self.q.scale_name, "input_scale"))]
+
+    def has(self, name: str) -> bool:
+        return self.base.has(name)
+
+    def qtype(self, name: str) -> str:
+        return self.q.label if self._scale_name(name) else "safetensors"
+
+    def shape(self, name: str) -> list[int]:
+        return self.base.shape(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._read(name, None, None)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._read(name, (start, stop), None)
+
+    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._read(name, None, (start, stop))
+
+    def _read(self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
+        scale_name = self._scale_name(name)
+        if rows is not None:
+            values = self.base.read_rows(name, *rows)
+        elif cols is not None:
+            values = self.base.read_cols(name, *cols)
+        else:
+            values = self.base.read(name)
+        if scale_name is None:
+            return values
+        n, k = self.base.shape(name)
+        row_ids = torch.arange(n)[slice(*rows)] if rows is not None else torch.arange(n)  # cut as the values were
+        col_ids = torch.arange(k)[slice(*cols)] if cols is not None else torch.arange(k)
+        return values.float() * self._scales(scale_name, n, k, row_ids, col_ids)
+
+    def _scales(self, scale_name: str, n: int, k: int, row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
+        """The scale of each weight of the rows and columns read: one for the tensor, one per row, or one per
+        block of ``scale_block``."""
+        scale = self.base.read(scale_name).float()
+        if scale.numel() == 1:
+            return scale.reshape(())
+        if scale.shape[0] == n and scale.numel() == n:
+            return scale.reshape(n, 1)[row_ids]
+        block = self.q.scale_block
+        if block is None or scale.dim() != 2 or tuple(scale.shape) != (-(-n // block[0]), -(-k // block[1])):
+            raise ValueError(f"{self.model_dir}: {scale_name} has shape {list(scale.shape)}, which is neither one "
+                             f"scale, one per row of {n}, nor one per block of the config's {block}")
+        return scale[row_ids // block[0]][:, col_ids // block[1]]

@@ -34,15 +34,27 @@ def folder(tmp_path, config: dict | None = None, **beside: dict):
      CheckpointQuantization("awq", 4, 64, 0)),
     ({}, {"quant_config": {"w_bit": 4, "q_group_size": 128, "zero_point": True, "version": "GEMM"}},
      CheckpointQuantization("awq", 4, 128, 0)),
+    # FP8: transformers' (Qwen3's, DeepSeek's uploads), Meta's, llm-compressor's
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                              "weight_block_size": [128, 128]}}, {},
+     CheckpointQuantization("fp8", 8, scale_name="weight_scale_inv", scale_block=(128, 128))),
+    ({"quantization_config": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}}, {},
+     CheckpointQuantization("fp8", 8)),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}, "targets": ["Linear"]}}}},
+     {}, CheckpointQuantization("compressed-tensors", 8)),
 ])
 def test_where_each_tool_says_it(tmp_path, config, beside, expected):
     assert checkpoint_quantization(folder(tmp_path, config, **beside)) == expected
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes': llmbus reads GPTQ and AWQ"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method 'fp8'"),
-    ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes': llmbus reads GPTQ"),
+    ({"quant_method": "hqq"}, "quant_method 'hqq': llmbus reads GPTQ, AWQ and FP8"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "FP8 weights in 'e5m2' are not read"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "FP8 block size [128] is not two positive integers"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"weights": {"num_bits": 4, "type": "int"}}}}, "compressed-tensors format 'pack-quantized'"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3-bit GPTQ weights are not read"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "GPTQ checkpoint_format 'marlin' is not read"),

@@ -1,4 +1,5 @@
-"""GPTQ and AWQ checkpoints (``llmbus.testing.prequantized`` writes them as AutoGPTQ/GPTQModel and AutoAWQ do):
+"""GPTQ, AWQ and FP8 checkpoints (``llmbus.testing.prequantized`` writes them as AutoGPTQ/GPTQModel, AutoAWQ and
+the FP8 writers do):
 every packed projection reads back as its grid's exact numbers, whole and in tensor-parallel slices, and as
 llmbus's int4/int8 form with its own values where that form holds it; a tiny Llama served from each is
 token-exact with transformers in float32 on the same numbers, through preemption and a prefix hit."""
@@ -12,10 +13,10 @@ from safetensors.torch import load_file
 from llmbus.bus.prequantized import checkpoint_quantization
 from llmbus.testing.families import (TINY_SHAPE, assert_matches_reference, family_runner, make_prompts, reference,
                                      run_family, save_tiny_family)
-from llmbus.testing.prequantized import write_prequantized
+from llmbus.testing.prequantized import FLOAT8_WRITERS, write_float8, write_prequantized
 from llmbus.workers import quant
 from llmbus.workers.loader import CheckpointReader
-from llmbus.workers.prequantized_checkpoint import PrequantizedCheckpointReader
+from llmbus.workers.prequantized_checkpoint import Float8CheckpointReader, PrequantizedCheckpointReader
 
 # name: (method, write_prequantized's arguments, the form read_quantized gives every projection)
 FORMATS = {
@@ -100,3 +101,25 @@ def test_quantize_may_name_the_checkpoints_method_only(float_llama, tmp_path):
     for other, message in (("int8", "already quantized with gptq"), ("awq", "quantized with gptq")):
         with pytest.raises(ValueError, match=message):
             family_runner(str(out), quantize=other)
+
+
+@pytest.mark.parametrize("writer", list(FLOAT8_WRITERS))
+def test_float8_checkpoints_read_scaled_and_serve_as_transformers(writer, float_llama, tmp_path):
+    """transformers' fp8 (block scales, here blocks that do not divide the shapes), Meta's fbgemm_fp8 (a scale
+    per row) and compressed-tensors (one per tensor, with activation scales beside): each weight reads as
+    ``w8 * scale`` in float32, whole and in shards, and the model equals transformers on those numbers."""
+    out, grid_out = tmp_path / writer, tmp_path / f"{writer}-grid"
+    write_float8(str(float_llama), str(out), str(grid_out), writer, block=(48, 40))
+    grid = load_file(str(grid_out / "model.safetensors"))
+    with Float8CheckpointReader(CheckpointReader(str(out)), checkpoint_quantization(out)) as reader:
+        assert not any("scale" in name for name in reader.names())
+        assert reader.qtype(PROJECTIONS[0]) == "float8 e4m3" and reader.qtype("lm_head.weight") == "safetensors"
+        for projection in PROJECTIONS:
+            expected = grid[projection].float()
+            assert torch.equal(reader.read(projection), expected)
+            assert torch.equal(reader.read_rows(projection, 8, 40), expected[8:40])
+            assert torch.equal(reader.read_cols(projection, 32, 64), expected[:, 32:64])
+    prompts = make_prompts(TINY_SHAPE["vocab_size"])
+    runner = family_runner(str(out))
+    assert "14 float8 e4m3 -> float32" in runner.model.weight_summary
+    assert_matches_reference(reference(str(grid_out), prompts), prompts, run_family(runner, prompts))
