@@ -191,11 +191,11 @@ def _open_checkpoint(model_dir: str, prequantized: CheckpointQuantization | None
     the GGUF file a folder made from one names."""
     from llmbus.bus.model_files import gguf_source, is_gguf_folder
     from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader
-    from llmbus.workers.prequantized_checkpoint import Float8CheckpointReader, PrequantizedCheckpointReader
+    from llmbus.workers.prequantized_checkpoint import Float8CheckpointReader, PackedCheckpointReader
 
     if is_gguf_folder(model_dir):
         return GGUFCheckpointReader(gguf_source(model_dir)["path"])
     reader = CheckpointReader(model_dir, device="cpu")
     if prequantized is None:
         return reader
-    return (PrequantizedCheckpointReader if prequantized.packed else Float8CheckpointReader)(reader, prequantized)
+    return (PackedCheckpointReader if prequantized.packed else Float8CheckpointReader)(reader, prequantized)

@@ -5,7 +5,7 @@ FP8 (``Float8CheckpointReader``): a float8 weight with a scale beside it reads a
 product of two exact numbers rounded once. It is expanded to the model's dtype (llmbus has no FP8 kernel;
 the CPU has no FP8 arithmetic).
 
-GPTQ and AWQ (``PrequantizedCheckpointReader``):
+GPTQ and AWQ (``PackedCheckpointReader``):
 
 - ``read``/``read_rows``/``read_cols`` give a packed weight's slice as float32 numbers, exactly
   ``scale * (q - zero)`` (a float16 scale times an integer below 2^8 is exact in float32): what the float32
@@ -44,7 +44,7 @@ class _ReaderOver:
         self.base.__exit__(*exc)
 
 
-class PrequantizedCheckpointReader(_ReaderOver):
+class PackedCheckpointReader(_ReaderOver):
     """A ``loader.CheckpointReader``'s interface over a GPTQ or AWQ checkpoint read by ``base``."""
 
     def __init__(self, base, quantization: CheckpointQuantization):

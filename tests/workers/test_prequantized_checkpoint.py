@@ -16,7 +16,7 @@ from llmbus.testing.families import (TINY_SHAPE, assert_matches_reference, famil
 from llmbus.testing.prequantized import FLOAT8_WRITERS, write_float8, write_prequantized
 from llmbus.workers import quant
 from llmbus.workers.loader import CheckpointReader
-from llmbus.workers.prequantized_checkpoint import Float8CheckpointReader, PrequantizedCheckpointReader
+from llmbus.workers.prequantized_checkpoint import Float8CheckpointReader, PackedCheckpointReader
 
 # name: (method, write_prequantized's arguments, the form read_quantized gives every projection)
 FORMATS = {
@@ -50,7 +50,7 @@ def test_packed_projections_read_as_their_grid(name, float_llama, tmp_path):
     out, grid_out = published(float_llama, tmp_path, name)
     grid = load_file(str(grid_out / "model.safetensors"))
     form = FORMATS[name][2]
-    with PrequantizedCheckpointReader(CheckpointReader(str(out)), checkpoint_quantization(out)) as reader:
+    with PackedCheckpointReader(CheckpointReader(str(out)), checkpoint_quantization(out)) as reader:
         assert "model.layers.0.self_attn.q_proj.weight" in reader.names()
         assert not any(n.endswith((".qweight", ".qzeros", ".scales", ".g_idx")) for n in reader.names())
         method, arguments, _ = FORMATS[name]
