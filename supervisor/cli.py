@@ -13,12 +13,12 @@ from llmbus.bench.cli import bench as bench_command
 from llmbus.bus.rundir import Endpoints
 from llmbus.bus.settings import declared_setting, problems
 from llmbus.frontend.config import FrontendConfig, input_total_problem
-from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
+from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS, QUANTIZE_METHODS
 from llmbus.scheduler.config import SchedulerProcessConfig
 from llmbus.supervisor.plan import LaunchPlan, ResolvedLaunch, build_plan
 from llmbus.supervisor.settings import WITHOUT_EFFECT, service_settings, up_options, up_settings
 from llmbus.supervisor.weights import served_model_id
-from llmbus.workers.placement import default_block_size, gpu_shortage
+from llmbus.workers.placement import default_block_size, gpu_shortage, resolve_device
 from llmbus.workers.process import WorkerConfig
 
 
@@ -278,6 +278,9 @@ def _check_static(kw: dict) -> tuple[int, int | None]:
     shortage = gpu_shortage(kw["device"], num_shard)
     if shortage is not None:
         raise InvalidArgument(shortage)
+    if kw["quantize"] in QUANTIZE_METHODS and resolve_device(kw["device"], 0).type != "cpu":
+        raise InvalidArgument(f"`quantize` {kw['quantize']} runs on CPU only: llmbus has no GPU kernel for it yet. "
+                              f"On a GPU leave it out (the model's dtype), or give `--device cpu`")
     # A frontend alone may take port 0 (any free one); a launch's frontends share one port, named here.
     if not 0 < kw["port"] < 65536:
         raise InvalidArgument(f"`port` must be between 1 and 65535. Given: {kw['port']}")

@@ -282,3 +282,15 @@ def test_a_published_quantization_is_checked_before_anything_starts(tiny_model_d
     for argv, code, message in cases:
         result = CliRunner().invoke(main, ["up", *argv])
         assert result.exit_code == code and message in result.output, (argv, result.output)
+
+
+def test_quantize_at_load_on_a_gpu_is_one_line(tiny_model_dir, monkeypatch):
+    """--quantize int8/int4 has CPU kernels only: on a GPU the ranks failed with a traceback each."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device in ("auto", "cuda"):
+        result = CliRunner().invoke(main, ["up", "--model-id", str(tiny_model_dir), "--quantize", "int4",
+                                           "--device", device])
+        assert result.exit_code == 2 and "`quantize` int4 runs on CPU only" in result.output, result.output
