@@ -161,8 +161,34 @@ def with_rope_override(config: dict, override: tuple[str, float] | None) -> dict
 
 def rope_positions(config: dict, override: tuple[str, float] | None) -> int | None:
     """The positions a model embeds: ``config.json``'s (``config_max_positions``), times the factor of a
-    ``--rope-scaling``/``--rope-factor`` override."""
+    ``--rope-scaling``/``--rope-factor`` override, or as far as the config's own RoPE scaling reaches
+    (``scaled_positions``)."""
     positions = config_max_positions(config)
-    if positions is None or override is None:
-        return positions
-    return int(positions * override[1])
+    if positions is None:
+        return None
+    if override is not None:
+        return int(positions * override[1])
+    text_config = config.get("text_config")
+    rope = text_config if isinstance(text_config, dict) and not any(k in config for k in _LENGTH_KEYS) else config
+    scaling = rope.get("rope_parameters") or rope.get("rope_scaling") or {}
+    if isinstance(scaling, dict) and isinstance(scaling.get("full_attention"), dict):  # per layer kind
+        scaling = scaling["full_attention"]
+    return scaled_positions(scaling if isinstance(scaling, dict) else {}, positions)
+
+
+def scaled_positions(scaling: dict, max_position_embeddings: int) -> int:
+    """How far a RoPE scaling (a config's ``rope_parameters``/``rope_scaling``) stretches a model's positions:
+    dynamic NTK reads ``max_position_embeddings`` as the trained length it grows the base past, to the factor
+    times it; YaRN reaches its original length times the factor, where the config still says the original
+    (Qwen's instructions add the scaling and leave it). Others embed what the config says."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 1:
+        return max_position_embeddings
+    if kind == "dynamic":
+        return int(max_position_embeddings * factor)
+    if kind == "yarn":
+        original = scaling.get("original_max_position_embeddings")
+        original = original if isinstance(original, int) and not isinstance(original, bool) else max_position_embeddings
+        return max(max_position_embeddings, int(original * factor))
+    return max_position_embeddings

@@ -47,3 +47,24 @@ def test_gemma3_full_attention_layers_take_it_in_a_multimodal_config():
 def test_no_override_is_the_config_itself():
     config = {"max_position_embeddings": 8}
     assert with_rope_override(config, None) is config
+
+
+@pytest.mark.parametrize("config, positions", [
+    # dynamic NTK grows the base past the trained length it reads max_position_embeddings as: the factor's reach
+    ({"max_position_embeddings": 24, "rope_scaling": {"type": "dynamic", "factor": 4.0}}, 96),
+    # YaRN as Qwen's instructions add it (the original length left in max_position_embeddings) and as DeepSeek
+    # writes it (max_position_embeddings already stretched)
+    ({"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32768}}, 131072),
+    ({"max_position_embeddings": 163840, "rope_parameters": {"rope_type": "yarn", "factor": 40,
+                                                             "original_max_position_embeddings": 4096}}, 163840),
+    # Llama 3.1's and linear scaling's configs say the stretched length themselves
+    ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                          "original_max_position_embeddings": 8192}}, 131072),
+    ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}, 4096),
+    ({"text_config": {"max_position_embeddings": 1000, "rope_parameters": {
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0}}}}, 2000),
+])
+def test_a_configs_own_scaling_reaches_as_the_workers_read_it(config, positions):
+    """The launcher's limit is what the ranks embed (rotary.py and the fallback read the same rule)."""
+    assert rope_positions(config, None) == positions

@@ -227,12 +227,23 @@ ROPE_VARIANTS = {
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
     "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16},
+    # older configs leave the original length out: transformers takes max_position_embeddings
+    "llama3_without_original_length": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0},
+    # Qwen2.5's and Qwen3's long-context setting; DeepSeek's attention factor from mscale / mscale_all_dim
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 12, "mscale": 1.0,
+                    "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2},
 }
 
 
 @pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
 def test_rope_scaling_matches_transformers(variant, tmp_path):
+    import json
+
     import transformers
+
+    from llmbus.bus.model_files import rope_positions
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -245,6 +256,10 @@ def test_rope_scaling_matches_transformers(variant, tmp_path):
     prompts = [p for p in make_prompts(512) if 1 < len(p) < 24]
     ref = reference(str(tmp_path), prompts)
     rope_runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=64)
+    # what the ranks embed is the launcher's limit (yarn: 16 x 4 = 64 past the config's 24)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert rope_runner.max_position_embeddings == rope_positions(saved, None)
+    assert variant != "yarn" or rope_runner.max_position_embeddings == 64
     results = drive(rope_runner, [Request(rid=f"p{i}", prompt=p, arrival_step=i) for i, p in enumerate(prompts)])
     for i in range(len(prompts)):
         assert results[f"p{i}"].tokens == ref.tokens[i], f"prompt {i} (length {len(prompts[i])})"

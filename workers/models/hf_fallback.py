@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.bus.model_files import config_max_positions
+from llmbus.bus.model_files import config_max_positions, scaled_positions
 from llmbus.workers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
 
@@ -129,14 +129,12 @@ def _register_attention() -> None:
 
 
 def _max_positions(hf_config) -> int:
-    """The positions the model embeds: its config's, stretched by a dynamic NTK scaling's factor (which grows
-    the base past the trained length), as the native models' rotary.py reads it."""
+    """The positions the model embeds: its config's, stretched by its RoPE scaling (``scaled_positions``), as
+    the launcher and the native models' rotary.py read it."""
     config = hf_config.to_dict()
     positions = config_max_positions(config) or DEFAULT_MAX_POSITIONS
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type")) == "dynamic":
-        positions = int(positions * rope["factor"])
-    return positions
+    return scaled_positions(rope, positions) if isinstance(rope, dict) else positions
 
 
 class HFFallbackForCausalLM:

@@ -84,6 +84,8 @@ class DecoderConfig:
             rope["rope_type"] = "longrope"
         if config.get("original_max_position_embeddings") is not None:  # Phi-3 keeps it beside rope_scaling
             rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        if rope["rope_type"] in ("llama3", "yarn", "longrope"):  # older configs leave it out: transformers' default
+            rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 2048))
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],

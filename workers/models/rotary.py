@@ -3,7 +3,9 @@ families served natively, and partial rotation (``partial_rotary_factor``: only 
 head is rotated, the rest passes through). The rotation itself is ``gpu_ops.apply_rotary``, which the
 attention backends apply (``AttentionBackend.forward_rotary``).
 
-Schemes: default, ``linear``, ``dynamic`` (NTK), ``llama3``, and Phi-3's ``longrope`` (configs may say
+Schemes: default, ``linear``, ``dynamic`` (NTK), ``llama3``, ``yarn`` (Qwen's long-context setting: frequencies
+blended between interpolated and original across a ramp of dimensions, and an attention factor on cos and
+sin), and Phi-3's ``longrope`` (configs may say
 ``su``, or ``yarn`` for Phi-3, which Phi3Config reads as longrope): per-dimension ``short_factor`` or
 ``long_factor`` divisors of the frequencies and an attention factor on cos and sin. A sequence whose
 length passes ``original_max_position_embeddings`` is rotated with the long factors, one within it with
@@ -24,12 +26,14 @@ import math
 
 import torch
 
+from llmbus.bus.model_files import scaled_positions
+
 
 class RotaryEmbedding:
     """cos/sin are computed per step from the positions (one ``[T, rotary_dim]`` pair shared by all
     layers) rather than kept as a table of every position, which for long-context models is large."""
 
-    SUPPORTED = ("default", "linear", "dynamic", "llama3", "longrope")
+    SUPPORTED = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
     def __init__(self, head_dim: int, theta: float, scaling: dict, max_position_embeddings: int,
                  device: torch.device, partial_rotary_factor: float = 1.0):
@@ -53,7 +57,10 @@ class RotaryEmbedding:
             # (as transformers does for a decoded token) so a token's rotation never depends on its batch.
             self.factor = scaling["factor"]
             self.original_max_positions = max_position_embeddings
-            self.max_positions = int(max_position_embeddings * self.factor)
+            self.max_positions = scaled_positions(scaling, max_position_embeddings)
+        elif self.rope_type == "yarn":
+            inv_freq, self.attention_factor = _yarn(self.rotary_dim, theta, scaling, max_position_embeddings, device)
+            self.max_positions = scaled_positions(scaling, max_position_embeddings)
         elif self.rope_type == "longrope":
             self.original_max_positions = scaling["original_max_position_embeddings"]
             factor = scaling.get("factor") or max_position_embeddings / self.original_max_positions
@@ -122,3 +129,33 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
 
+
+def _yarn(dim: int, theta: float, scaling: dict, max_position_embeddings: int,
+          device: torch.device) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and attention factor, as transformers computes them (``_compute_yarn_parameters``)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    position_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    extrapolated, interpolated = 1.0 / position_freqs, 1.0 / (factor * position_freqs)
+    kept = 1 - ramp  # the share of each dimension's original (extrapolated) frequency
+    return interpolated * (1 - kept) + extrapolated * kept, float(attention_factor)
