@@ -32,6 +32,13 @@ def read_config(model_dir: str) -> dict:
         return json.load(f)
 
 
+class MissingWeight(KeyError):
+    """A tensor a model needs that its checkpoint does not hold; the message names both."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class CheckpointReader:
     """Name -> tensor access over a folder's safetensors files, reading slices only.
 
@@ -73,7 +80,7 @@ class CheckpointReader:
 
     def _slice(self, name: str):
         if name not in self._file_of:
-            raise KeyError(f"{self.model_dir}: weight {name!r} not in the checkpoint")
+            raise MissingWeight(f"{self.model_dir}: weight {name!r} not in the checkpoint")
         file_name = self._file_of[name]
         handle = self._handles.get(file_name)
         if handle is None:

@@ -34,7 +34,8 @@ from llmbus.bus import messages as m
 from llmbus.bus.gc_pauses import freeze_startup_heap
 from llmbus.bus.model_files import ROPE_SCALINGS, lora_entries, rope_override
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
-from llmbus.bus.service import ServiceContext, Terminate, ignore_stop_signals, install_stop_signals, run_service
+from llmbus.bus.service import (ServiceContext, ServiceError, Terminate, ignore_stop_signals, install_stop_signals,
+                                run_service)
 from llmbus.bus.settings import ServiceSettings, a_folder, finite, setting
 from llmbus.bus.sockets import open_socket, recv, send
 from llmbus.bus.shared_settings import (DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFILL_TOKENS_HELP, QUANTIZE_CHOICES,
@@ -258,22 +259,29 @@ class Worker:
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=init, rank=self.cfg.rank, world_size=self.cfg.world_size)
         from llmbus.workers.fake import FakeRunner
+        from llmbus.workers.loader import MissingWeight
         from llmbus.workers.model_runner import ModelRunner, SeqInput
 
         self._seq_input = SeqInput  # torch-importing module: loaded here, not at import of this one
 
         t0 = time.monotonic()
         runner_cls = FakeRunner if self.cfg.runner == "fake" else ModelRunner
-        self.runner = runner_cls(self.cfg.model_dir, rank=self.cfg.rank, world_size=self.cfg.world_size,
-                                  dtype=dtype, device=device,
-                                  block_size=self.cfg.block_size or default_block_size(device.type),
-                                  kv_cache_bytes=self.cfg.kv_cache_bytes, num_blocks=self.cfg.num_blocks,
-                                  max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
-                                                            or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
-                                  cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize,
-                                  kv_cache_dtype=kv_dtype, trust_remote_code=self.cfg.trust_remote_code,
-                                  watermark_gamma=self.cfg.watermark_gamma, watermark_delta=self.cfg.watermark_delta,
-                                  **self._model_arguments())
+        try:
+            self.runner = runner_cls(self.cfg.model_dir, rank=self.cfg.rank, world_size=self.cfg.world_size,
+                                      dtype=dtype, device=device,
+                                      block_size=self.cfg.block_size or default_block_size(device.type),
+                                      kv_cache_bytes=self.cfg.kv_cache_bytes, num_blocks=self.cfg.num_blocks,
+                                      max_batch_prefill_tokens=(self.cfg.max_batch_prefill_tokens
+                                                                or DEFAULT_MAX_BATCH_PREFILL_TOKENS),
+                                      cuda_memory_fraction=self.cfg.cuda_memory_fraction, quantize=self.cfg.quantize,
+                                      kv_cache_dtype=kv_dtype, trust_remote_code=self.cfg.trust_remote_code,
+                                      watermark_gamma=self.cfg.watermark_gamma,
+                                      watermark_delta=self.cfg.watermark_delta, **self._model_arguments())
+        except (ValueError, MissingWeight) as e:
+            # the model's refusals say why in one line (a RoPE type, an activation, heads the ranks do not
+            # divide, a tensor the checkpoint lacks, a KV budget); a traceback would only bury it
+            self.log.debug("model refused", exc_info=True)
+            raise ServiceError(f"cannot serve {self.cfg.model_dir}: {e}") from None
         load_s = time.monotonic() - t0
         wants_draft = bool(self.cfg.draft_model_dir) and self.cfg.rank == 0 and runner_cls is ModelRunner
         draft = None

@@ -167,3 +167,18 @@ def test_a_group_asked_back_in_the_round_it_exited_is_not_failed_later(monkeypat
     later = time.monotonic() + launcher_module.RESTART_REQUEST_WAIT_S + 1
     monkeypatch.setattr(launcher_module.time, "monotonic", lambda: later)
     assert launch._serve_once() is None, "a serving launch was stopped"
+
+
+def test_a_model_the_ranks_refuse_stops_the_launch_in_one_line(tiny_model_dir, tmp_path):
+    """What the ranks find as they load (an activation, a RoPE type or a tensor llmbus cannot serve, heads the
+    ranks do not divide) says why without a traceback per rank burying it."""
+    import json
+    import shutil
+
+    gelu = tmp_path / "gelu"
+    shutil.copytree(tiny_model_dir, gelu)
+    config = json.loads((gelu / "config.json").read_text())
+    (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "relu2"}))
+    stderr = _failed_launch(gelu)
+    assert f"cannot serve {gelu}: hidden_act 'relu2' is not supported" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
