@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 19  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 20  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -52,6 +52,8 @@ WIRE_VERSION = 19  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 # 17: WorkerReady.rope_split_tokens (LongRoPE: the prefix cache keeps prompts past it apart)
 # 18: StepResult/TokenBatch.prompt_logprobs entries carry the prompt positions' top tokens: [rid, logprobs, tops]
 # 19: SchedulerStats' step outcomes, sampling, filter and concat durations and skipped tokens (TGI's dashboard)
+# 20: WorkerReady.rope_split_by_length (dynamic NTK: a scheduler that ignored it would share the blocks of long
+#     prompts of different lengths, rotated with different bases)
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -423,9 +425,12 @@ class WorkerReady(Message):
     # Entries each of oneDNN's two shape-keyed kernel caches may hold (--onednn-cache-capacity; 0: not a CPU rank)
     onednn_cache_capacity: int = 0
     lora_adapters: list[str] = field(default_factory=list)  # names of the LoRA adapters loaded, in order
-    # LongRoPE's original length: a prompt longer than this is rotated with other factors from its first token
-    # on, so the scheduler's prefix cache keeps its blocks apart from shorter prompts' (0: one rotation for all)
+    # LongRoPE's or dynamic NTK's original length: a prompt longer than this is rotated with other factors (or
+    # another base) from its first token on, so the scheduler's prefix cache keeps its blocks apart from shorter
+    # prompts' (0: one rotation for all)
     rope_split_tokens: int = 0
+    # dynamic NTK: such a prompt's base follows its own length, so prompts of each length are kept apart
+    rope_split_by_length: bool = False
 
 
 @dataclass(slots=True)

@@ -74,9 +74,12 @@ class SchedulerConfig:
     speculate_max_batch: int = 16  # speculate only in steps with at most this many decodes
     speculate_method: str = "ngram"  # "draft": guesses left to the ranks' draft model (DRAFT_GUESS)
     steps_ahead: int = 1  # steps scheduled past the one whose result is awaited (overlap; process.py)
-    # LongRoPE's original length (WorkerReady.rope_split_tokens): a prompt past it has other K/V for the same
-    # tokens, so its blocks are cached apart from shorter prompts'; 0: one cache for every prompt length
+    # LongRoPE's or dynamic NTK's original length (WorkerReady.rope_split_tokens): a prompt past it has other K/V
+    # for the same tokens, so its blocks are cached apart from shorter prompts'; 0: one cache for every prompt length
     rope_split_tokens: int = 0
+    # dynamic NTK (WorkerReady.rope_split_by_length): such a prompt's K/V follow its own length, so each length's
+    # blocks are cached apart too
+    rope_split_by_length: bool = False
     # The bounds of these values are checked where they are set: the scheduler's declared settings
     # (scheduler/config.py, SchedulerProcessConfig).
 
@@ -455,9 +458,12 @@ class Scheduler:
 
     def _cache_namespace(self, req: Request) -> str:
         """The prefix-cache tree a request's blocks are looked up in and cached under: its adapter's, and for a
-        LongRoPE model, apart for prompts past the original length (rotated with the long factors throughout)."""
-        split = self.config.rope_split_tokens
-        return req.adapter if not split or len(req.prompt_ids) <= split else f"{req.adapter}\x00long"
+        LongRoPE model apart for prompts past the original length (rotated with the long factors throughout),
+        for a dynamic NTK model apart for each such length (rotated with its own base)."""
+        split, length = self.config.rope_split_tokens, len(req.prompt_ids)
+        if not split or length <= split:
+            return req.adapter
+        return f"{req.adapter}\x00{length}" if self.config.rope_split_by_length else f"{req.adapter}\x00long"
 
     def _release_blocks(self, req: Request) -> None:
         """Cache the request's computed full chunks, then drop its references."""

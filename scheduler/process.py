@@ -155,7 +155,8 @@ class SchedulerService:
                             waiting_served_ratio=cfg.waiting_served_ratio, max_waiting_tokens=cfg.max_waiting_tokens,
                             speculate=cfg.speculate, speculate_max_batch=cfg.speculate_max_batch,
                             speculate_method=cfg.speculate_method, steps_ahead=self.steps_ahead,
-                            rope_split_tokens=ready[0].rope_split_tokens),
+                            rope_split_tokens=ready[0].rope_split_tokens,
+                            rope_split_by_length=ready[0].rope_split_by_length),
             kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,

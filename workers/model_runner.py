@@ -241,17 +241,34 @@ class ModelRunner(RunnerWarmup):
 
     @property
     def rope_split_tokens(self) -> int:
-        """LongRoPE's original length (a prompt longer than this is rotated with the long factors from its first
-        token, ``_prompt_horizons``); 0 where every prompt is rotated alike."""
+        """The original length of a LongRoPE or dynamic NTK rotary (a prompt longer than this is rotated by other
+        factors, or another base, from its first token: ``_prompt_horizons``); 0 where every prompt is rotated
+        alike."""
         rotary = getattr(self.model, "rotary", None)
-        return rotary.original_max_positions if rotary is not None and rotary.per_sequence else 0
+        return (rotary.original_max_positions if rotary is not None and rotary.rope_type in ("longrope", "dynamic")
+                else 0)
+
+    @property
+    def rope_split_by_length(self) -> bool:
+        """Whether a prompt past ``rope_split_tokens`` is rotated by its own length (dynamic NTK's base), not
+        alike for every such prompt (LongRoPE's long factors): the prefix cache then keeps each length apart."""
+        rotary = getattr(self.model, "rotary", None)
+        return rotary is not None and rotary.rope_type == "dynamic"
 
     def _prompt_horizons(self, seqs: list[SeqInput], query_lens: list[int]) -> list[int] | None:
-        """LongRoPE's ``AttentionMetadata.sequence_horizons`` where a sequence's rows are a chunk of a prompt that
-        goes on past the step (its factors follow the whole prompt, as transformers' one prefill chooses them);
-        None for every other step and model."""
-        if not self.rope_split_tokens:
+        """``AttentionMetadata.sequence_horizons``, as transformers' one prefill of a whole prompt rotates it:
+        LongRoPE's where a sequence's rows are a chunk of a prompt that goes on past the step (its factors
+        follow the whole prompt); where the rotary goes by prompt length (dynamic NTK, and the fallback's LongRoPE:
+        fallback_rotary.py), each prompt's last position, where a prompt token past the original length is in
+        the step (it is rotated by the whole prompt, generated tokens by their own positions). None for every
+        other step and model."""
+        split = self.rope_split_tokens
+        if not split:
             return None
+        if self.model.rotary.by_prompt_length:
+            if not any(s.num_computed < s.prompt_len - 1 and s.prompt_len > split for s in seqs):
+                return None
+            return [s.prompt_len - 1 for s in seqs]
         ends = [s.num_computed + n for s, n in zip(seqs, query_lens)]
         if all(s.prompt_len <= end for s, end in zip(seqs, ends)):
             return None

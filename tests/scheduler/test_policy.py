@@ -301,6 +301,27 @@ def test_longrope_prompts_past_the_original_length_cache_their_prefixes_apart():
     assert computed_for("long2", shared + [7, 8, 9, 10, 11]) == 8  # 13: past, the long one's
 
 
+def test_dynamic_ntk_prompts_past_the_original_length_share_prefixes_only_at_their_length():
+    """A dynamic NTK model rotates a prompt past its original length with a base its own length picks: prefixes
+    are shared within the original length, and past it only among prompts of the same length."""
+    s = make_scheduler(block_size=4, rope_split_tokens=10, rope_split_by_length=True)
+    worker = SimWorker(4)
+    shared = list(range(100, 108))  # two blocks
+
+    def computed_for(rid, prompt):
+        s.add(make_request(rid, prompt=prompt, max_new_tokens=1))
+        batch = s.schedule()
+        s.update(batch, worker.run(batch))
+        drive(s, worker)
+        return batch.seqs[0].num_computed
+
+    assert computed_for("short", shared + [1]) == 0
+    assert computed_for("long12", shared + [1, 2, 3, 4]) == 0  # past it: not the short one's blocks
+    assert computed_for("long13", shared + [5, 6, 7, 8, 9]) == 0  # another length: not the 12-token one's
+    assert computed_for("again12", shared + [7, 8, 9, 10]) == 8  # the same length: the 12-token one's
+    assert computed_for("short2", shared + [5, 6]) == 8  # within: the short one's
+
+
 def test_prefix_caching_off():
     s = make_scheduler(block_size=4, caching=False)
     worker = SimWorker(4)

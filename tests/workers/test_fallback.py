@@ -143,6 +143,39 @@ def test_sliding_window_layers_match_transformers(tmp_path):
         assert results[f"w{i}"].tokens == _greedy(model, prompt)[0]
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+     "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]},
+], ids=["dynamic", "longrope"])
+def test_length_picked_rope_rotates_each_token_as_for_its_sequence_alone(rope, tmp_path):
+    """transformers' dynamic NTK and LongRoPE modules pick their base or factors by the longest position of a
+    call, which on a packed step is a neighbour's: each token is rotated as generate rotates it for its sequence
+    alone, a prompt token by the prompt's length (here in chunks, beside decodes, preempted and resumed) and a
+    generated one by its position. (A dynamic module keeps the longest length it has seen: each reference is a
+    fresh model's.)"""
+    import transformers
+
+    config = transformers.Olmo2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=16,
+                                      vocab_size=VOCAB_SIZE, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                      rope_parameters=rope)
+    _save_tiny(str(tmp_path), config)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (37, 3, 9, 23)]
+    expected = [_greedy(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+                        .eval(), prompt)[0] for prompt in prompts]
+    runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    assert runner.rope_split_tokens == 16 and runner.rope_split_by_length == (rope["rope_type"] == "dynamic")
+    requests = [Request(rid=f"r{i}", prompt=p, max_new_tokens=MAX_NEW_TOKENS, arrival_step=i, prefill_chunk=8)
+                for i, p in enumerate(prompts)]
+    requests[3].preempt_after = 4
+    results = drive(runner, requests)
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"].tokens == expected[i], f"prompt {i} (length {len(prompt)})"
+    assert results["r3"].preemptions == 1
+
+
 def test_rope_override_reaches_the_fallbacks_config(tmp_path):
     """--rope-scaling linear --rope-factor 2 on a GPT-NeoX (partial rotation): transformers' own modeling runs
     on the config ``with_rope_override`` writes, so it answers as transformers loaded with that config."""

@@ -222,8 +222,8 @@ def test_tensor_parallel_rejects_indivisible_heads(checkpoint):
 
 ROPE_VARIANTS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
-    # Prompts stay below the trained length (24) and decoding goes past it: there transformers rescales
-    # per decoded position, as the runner does; over a long prefill they differ by design (see llama.py).
+    # Prompts stay below the trained length (24) and decoding goes past it: there transformers rescales per
+    # decoded position, as the runner does (prompts past it: test_dynamic_ntk_rotates_a_prompt_by_its_length).
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
     "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16},
@@ -263,6 +263,35 @@ def test_rope_scaling_matches_transformers(variant, tmp_path):
     results = drive(rope_runner, [Request(rid=f"p{i}", prompt=p, arrival_step=i) for i, p in enumerate(prompts)])
     for i in range(len(prompts)):
         assert results[f"p{i}"].tokens == ref.tokens[i], f"prompt {i} (length {len(prompts[i])})"
+
+
+def test_dynamic_ntk_rotates_a_prompt_by_its_length_as_transformers_prefills_it(tmp_path):
+    """transformers computes a prompt in one prefill, its dynamic NTK base chosen by the prompt's length, and each
+    generated token with its own position's: prompts past the trained length (16) give its tokens in chunks,
+    preempted and resumed (the recomputed prompt by its length, the generated tokens by their positions), beside
+    prompts within it. (transformers' rotary keeps the longest length it has seen, so each prompt's reference is
+    a fresh model's.)"""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=512, max_position_embeddings=16, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    model = transformers.LlamaForCausalLM(config)
+    widen_weights(model)
+    model.save_pretrained(str(tmp_path))
+    prompts = [p for p in make_prompts(512) if len(p) > 1] + [make_prompts(512)[-1][:31]]  # 3, 7, 19, 40, 31
+    expected = [reference(str(tmp_path), [prompt]).tokens[0] for prompt in prompts]
+    runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=64)
+    assert runner.rope_split_tokens == 16 and runner.rope_split_by_length  # the prefix cache keeps lengths apart
+    requests = [Request(rid=f"p{i}", prompt=p, arrival_step=i, prefill_chunk=8) for i, p in enumerate(prompts)]
+    requests[2].preempt_after, requests[2].resume_cached_blocks = 3, 1
+    requests[3].preempt_after = 6
+    results = drive(runner, requests)
+    for i, prompt in enumerate(prompts):
+        assert results[f"p{i}"].tokens == expected[i], f"prompt {i} (length {len(prompt)})"
+    assert results["p2"].preemptions == results["p3"].preemptions == 1
 
 
 @pytest.mark.parametrize("override", [("linear", 2.0), ("dynamic", 2.0)])

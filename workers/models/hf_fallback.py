@@ -37,6 +37,7 @@ import torch
 from llmbus.bus.model_files import config_max_positions, scaled_positions
 from llmbus.workers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.models.fallback_rotary import wrap_length_rotaries
 
 ATTENTION_IMPLEMENTATION = "llmbus_paged"
 STEP_KWARG = "llmbus_step"  # the forward kwarg that carries the step to the attention function
@@ -142,6 +143,8 @@ class HFFallbackForCausalLM:
 
     def __init__(self, model, *, model_type: str, device: torch.device, log=None, attention_backend: str = "auto"):
         self.model = model
+        # dynamic NTK and LongRoPE rotate each token as for its sequence alone (fallback_rotary.py); None: neither
+        self.rotary = wrap_length_rotaries(model, lambda: getattr(_running, "step", None))
         self.dtype = next(model.parameters()).dtype
         self.device = device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters

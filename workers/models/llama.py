@@ -379,9 +379,9 @@ class LlamaForCausalLM:
 
         Every rank must call this with the same shapes (the collectives pair up)."""
         hidden = self.embed(input_ids).to(RESIDUAL_DTYPE)
-        per_sequence = self.rotary.per_sequence
-        cos, sin = self.rotary.cos_sin(positions, self.dtype, meta.start_mask(len(positions)) if per_sequence else None,
-                                       meta.sequence_horizons if per_sequence else None)
+        by_sequence = self.rotary.per_sequence or meta.sequence_horizons is not None
+        cos, sin = self.rotary.cos_sin(positions, self.dtype, meta.start_mask(len(positions)) if by_sequence else None,
+                                       meta.sequence_horizons if by_sequence else None)
         # The fused C layer adds the adapter rows' deltas itself (lora.py hands it the adapters); elsewhere the
         # torch layers' projections do, while the step's rows are being served.
         fused = self.fused_decode is not None and self.fused_decode.run(hidden, cos, sin, kv_cache, meta, adapters)

@@ -53,8 +53,10 @@ class RotaryEmbedding:
         elif self.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif self.rope_type == "dynamic":
-            # NTK scaling grows the base once a position passes the trained length; done per position
-            # (as transformers does for a decoded token) so a token's rotation never depends on its batch.
+            # NTK scaling grows the base once the sequence passes the trained length. transformers picks the base
+            # by the length it computes: a prompt's tokens by the whole prompt (one prefill), a generated one by
+            # its own position. So here: by the position, or by the prompt's last position where the runner
+            # gives it (``cos_sin``'s horizons), never by what else shares the step.
             self.factor = scaling["factor"]
             self.original_max_positions = max_position_embeddings
             self.max_positions = scaled_positions(scaling, max_position_embeddings)
@@ -71,6 +73,12 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq
 
     @property
+    def by_prompt_length(self) -> bool:
+        """Whether a prompt's tokens are rotated by the prompt's length and generated ones by their positions
+        (``cos_sin``'s horizons: each sequence's prompt's last position): dynamic NTK's base."""
+        return self.rope_type == "dynamic"
+
+    @property
     def per_sequence(self) -> bool:
         """Whether a token's rotation depends on its sequence's other tokens in the step (``cos_sin``'s
         ``starts``): LongRoPE's factors are chosen by the sequence's last position."""
@@ -80,10 +88,12 @@ class RotaryEmbedding:
                 horizons: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, rotary_dim]`` cos and signed sin for ``positions [T]``, broadcastable over heads. ``starts``
         ([T] bool, True at each sequence's first row; None: every row its own sequence) and ``horizons`` ([N],
-        ``AttentionMetadata.sequence_horizons``) where ``per_sequence``."""
+        ``AttentionMetadata.sequence_horizons``) where ``per_sequence``, or where the runner gives a dynamic
+        NTK step its sequences' prompts' last positions (both, or neither)."""
         pos = positions.float()[:, None]
         if self.rope_type == "dynamic":
-            seq_len = torch.clamp(pos + 1, min=self.original_max_positions)
+            reach = positions if horizons is None else torch.maximum(positions, horizons[torch.cumsum(starts, 0) - 1])
+            seq_len = torch.clamp(reach.float()[:, None] + 1, min=self.original_max_positions)
             factor, dim = self.factor, self.rotary_dim
             base = self.theta * ((factor * seq_len / self.original_max_positions) - (factor - 1)) ** (dim / (dim - 2))
             freqs = pos * (1.0 / base ** self.exponents[None, :])
