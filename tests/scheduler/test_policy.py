@@ -280,13 +280,10 @@ def test_a_prefix_is_shared_within_one_lora_adapter_only():
     assert s.kv.num_free == s.kv.num_blocks  # every adapter's tree is evicted alike
 
 
-def test_longrope_prompts_past_the_original_length_cache_their_prefixes_apart():
-    """A LongRoPE model rotates a prompt past its original length with the long factors from its first token:
-    the same tokens have other K/V in a shorter prompt. Prefixes are shared among prompts on one side of it
-    (rope_split_tokens, from WorkerReady) and never across."""
-    s = make_scheduler(block_size=4, rope_split_tokens=10)
+def _cached_tokens_of_new_requests(s):
+    """``computed_for(rid, prompt)``: run a one-token request to the end, and say how many of its prompt's
+    tokens the prefix cache served."""
     worker = SimWorker(4)
-    shared = list(range(100, 108))  # two blocks
 
     def computed_for(rid, prompt):
         s.add(make_request(rid, prompt=prompt, max_new_tokens=1))
@@ -295,6 +292,16 @@ def test_longrope_prompts_past_the_original_length_cache_their_prefixes_apart():
         drive(s, worker)
         return batch.seqs[0].num_computed
 
+    return computed_for
+
+
+def test_longrope_prompts_past_the_original_length_cache_their_prefixes_apart():
+    """A LongRoPE model rotates a prompt past its original length with the long factors from its first token:
+    the same tokens have other K/V in a shorter prompt. Prefixes are shared among prompts on one side of it
+    (rope_split_tokens, from WorkerReady) and never across."""
+    s = make_scheduler(block_size=4, rope_split_tokens=10)
+    computed_for = _cached_tokens_of_new_requests(s)
+    shared = list(range(100, 108))  # two blocks
     assert computed_for("short", shared + [1]) == 0  # 9 tokens: within the original length
     assert computed_for("long", shared + [1, 2, 3, 4]) == 0  # 12: past it, not served the short one's blocks
     assert computed_for("short2", shared + [5, 6]) == 8  # 10: within, the short one's
@@ -305,16 +312,8 @@ def test_dynamic_ntk_prompts_past_the_original_length_share_prefixes_only_at_the
     """A dynamic NTK model rotates a prompt past its original length with a base its own length picks: prefixes
     are shared within the original length, and past it only among prompts of the same length."""
     s = make_scheduler(block_size=4, rope_split_tokens=10, rope_split_by_length=True)
-    worker = SimWorker(4)
+    computed_for = _cached_tokens_of_new_requests(s)
     shared = list(range(100, 108))  # two blocks
-
-    def computed_for(rid, prompt):
-        s.add(make_request(rid, prompt=prompt, max_new_tokens=1))
-        batch = s.schedule()
-        s.update(batch, worker.run(batch))
-        drive(s, worker)
-        return batch.seqs[0].num_computed
-
     assert computed_for("short", shared + [1]) == 0
     assert computed_for("long12", shared + [1, 2, 3, 4]) == 0  # past it: not the short one's blocks
     assert computed_for("long13", shared + [5, 6, 7, 8, 9]) == 0  # another length: not the 12-token one's
