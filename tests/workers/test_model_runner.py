@@ -10,6 +10,8 @@ scheduler, the reference, the TP=2 run) is ``llmbus.testing.runner_driver``; oth
 
 from __future__ import annotations
 
+import shutil
+
 from dataclasses import dataclass
 
 import pytest
@@ -328,6 +330,30 @@ def test_rope_override_runs_as_transformers_on_the_overridden_config(override, t
         assert results[f"p{i}"].tokens == ref.tokens[i], f"prompt {i} (length {len(prompts[i])})"
     unscaled = drive(ModelRunner(str(plain), block_size=BLOCK_SIZE, num_blocks=64), requests())
     assert [r.tokens for r in results.values()] != [r.tokens for r in unscaled.values()], "the override changed nothing"
+
+
+def test_a_tied_config_with_a_head_of_its_own_computes_with_that_head(tmp_path):
+    """tie_word_embeddings, yet the checkpoint holds an lm_head.weight: transformers 5 computes with the file's
+    head, and so does the runner where it differs from the embedding; an equal copy is tied, held once."""
+    from safetensors.torch import load_file, save_file
+
+    from llmbus.testing.families import save_tiny_family
+
+    save_tiny_family(str(tmp_path / "tied"), "LlamaConfig", tie_word_embeddings=True)
+    state = load_file(str(tmp_path / "tied" / "model.safetensors"))
+    assert "lm_head.weight" not in state
+    for name, head in (("own", torch.randn_like(state["model.embed_tokens.weight"]) * 0.3),
+                       ("copy", state["model.embed_tokens.weight"].clone())):
+        shutil.copytree(tmp_path / "tied", tmp_path / name)
+        save_file({**state, "lm_head.weight": head}, str(tmp_path / name / "model.safetensors"))
+    prompts = [p for p in make_prompts(509) if len(p) < 24]
+    ref = reference(str(tmp_path / "own"), prompts)
+    runner = ModelRunner(str(tmp_path / "own"), block_size=BLOCK_SIZE, num_blocks=64)
+    results = drive(runner, [Request(rid=f"p{i}", prompt=p, arrival_step=i) for i, p in enumerate(prompts)])
+    assert [results[f"p{i}"].tokens for i in range(len(prompts))] == ref.tokens
+    assert runner.model.plain_head_weight is None  # a head apart from the embedding
+    copy = ModelRunner(str(tmp_path / "copy"), block_size=BLOCK_SIZE, num_blocks=64)
+    assert copy.model.plain_head_weight is copy.model.embedding.weight
 
 
 def test_legacy_rope_config_keys_are_read():

@@ -438,7 +438,7 @@ class LlamaForCausalLM:
         build = WeightBuilder(reader, rank=rank, world_size=world_size, dtype=dtype, device=device,
                               quantize=quantize, bf16_inputs=bf16_inputs, keep_plain=keep_plain)
         layers = [cls.build_layer(build, config, i, tp, moe) for i in range(config.num_layers)]
-        tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
+        tied = _head_is_the_embedding(config, reader)
         embedding, lm_head, vocab_per_rank = build.embedding_and_head(config.vocab_size, config.hidden_size, tied)
         norm = cls.norm_class(build.vector("model.norm.weight"), config.rms_norm_eps)
         plain_head = getattr(embedding, "weight", None) if tied else None
@@ -515,3 +515,13 @@ def _gate_up_parts(reader, mlp: str, intermediate_size: int, world_size: int) ->
     if reader.has(mlp + "gate_up_proj.weight"):
         return [(mlp + "gate_up_proj", rows, 0), (mlp + "gate_up_proj", rows, intermediate_size)]
     return [(mlp + "gate_proj", rows, 0), (mlp + "up_proj", rows, 0)]
+
+
+def _head_is_the_embedding(config: DecoderConfig, reader) -> bool:
+    """Whether the LM head is the embedding matrix: where the checkpoint holds no head of its own, or one equal
+    to it under ``tie_word_embeddings``. transformers 5 computes with a head the checkpoint holds even where the
+    config ties them, so a different one is kept; an equal copy is not held twice."""
+    if not reader.has("lm_head.weight"):
+        return True
+    return config.tie_word_embeddings and torch.equal(reader.read("model.embed_tokens.weight"),
+                                                      reader.read("lm_head.weight"))
