@@ -277,6 +277,8 @@ class Worker:
                                       kv_cache_dtype=kv_dtype, trust_remote_code=self.cfg.trust_remote_code,
                                       watermark_gamma=self.cfg.watermark_gamma,
                                       watermark_delta=self.cfg.watermark_delta, **self._model_arguments())
+        except ServiceError:
+            raise  # one line already, under its own name (LoraError)
         except (ValueError, MissingWeight) as e:
             # the model's refusals say why in one line (a RoPE type, an activation, heads the ranks do not
             # divide, a tensor the checkpoint lacks, a KV budget); a traceback would only bury it
