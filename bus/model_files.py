@@ -168,12 +168,18 @@ def rope_positions(config: dict, override: tuple[str, float] | None) -> int | No
         return None
     if override is not None:
         return int(positions * override[1])
+    return scaled_positions(config_rope_scaling(config), positions)
+
+
+def config_rope_scaling(config: dict) -> dict:
+    """A config's RoPE scaling: transformers 5's ``rope_parameters`` (its full-attention layers' where they are
+    per layer kind) or an older ``rope_scaling``, a multimodal config's in its ``text_config``; {} for none."""
     text_config = config.get("text_config")
     rope = text_config if isinstance(text_config, dict) and not any(k in config for k in _LENGTH_KEYS) else config
     scaling = rope.get("rope_parameters") or rope.get("rope_scaling") or {}
     if isinstance(scaling, dict) and isinstance(scaling.get("full_attention"), dict):  # per layer kind
         scaling = scaling["full_attention"]
-    return scaled_positions(scaling if isinstance(scaling, dict) else {}, positions)
+    return scaling if isinstance(scaling, dict) else {}
 
 
 def scaled_positions(scaling: dict, max_position_embeddings: int) -> int:

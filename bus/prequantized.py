@@ -129,6 +129,9 @@ def _from_section(section: dict, source: str) -> CheckpointQuantization:
     if method == "gptq":
         if bits not in (4, 8):
             raise UnsupportedQuantization(f"{where}: {bits}-bit GPTQ weights are not read (4 and 8 bits are)")
+        if section.get("is_marlin_format") or section.get("dynamic") or section.get("pack_dtype", "int32") != "int32":
+            raise UnsupportedQuantization(f"{where}: GPTQ packed for Marlin, in words other than int32, or with bits "
+                                          f"per module (dynamic) is not read")
         fmt = section.get("checkpoint_format") or "gptq"
         if fmt not in _GPTQ_FORMATS:
             raise UnsupportedQuantization(f"{where}: GPTQ checkpoint_format {fmt!r} is not read "
@@ -159,8 +162,10 @@ def _fp8(section: dict, where: str) -> CheckpointQuantization:
     fmt = str(section.get("fmt", "e4m3")).lower()
     if fmt != "e4m3":
         raise UnsupportedQuantization(f"{where}: FP8 weights in {fmt!r} are not read (e4m3 are)")
+    # transformers' FineGrainedFP8Config blocks 128 x 128 unless told otherwise; older AutoFP8 uploads say fp8 too,
+    # with one weight_scale per tensor (the reader takes either name)
     return CheckpointQuantization("fp8", 8, scale_name="weight_scale_inv",
-                                  scale_block=_block(section.get("weight_block_size"), where))
+                                  scale_block=_block(section.get("weight_block_size"), where) or (128, 128))
 
 
 def _compressed_tensors(section: dict, where: str) -> CheckpointQuantization:
@@ -174,7 +179,8 @@ def _compressed_tensors(section: dict, where: str) -> CheckpointQuantization:
         raise UnsupportedQuantization(
             f"{where}: compressed-tensors format {fmt!r} is not read: llmbus reads its FP8 weights "
             f"(float-quantized, 8-bit float); for int4/int8 weights serve the model's GPTQ or AWQ upload")
-    blocks = {_block(w.get("block_structure"), where) for w in weights}
+    blocks = {(1, w["group_size"]) if w.get("strategy") == "group" and isinstance(w.get("group_size"), int)
+              else _block(w.get("block_structure"), where) for w in weights}
     if len(blocks) != 1:
         raise UnsupportedQuantization(f"{where}: compressed-tensors groups with different FP8 blocks are not read")
     return CheckpointQuantization("compressed-tensors", 8, scale_block=blocks.pop())

@@ -61,7 +61,11 @@ class CheckpointReader:
             self._file_of = {}
             for file_name in files:
                 with safe_open(os.path.join(model_dir, file_name), framework="pt") as f:
-                    self._file_of.update((name, file_name) for name in f.keys())
+                    for name in f.keys():
+                        if name in self._file_of:  # two alternative uploads side by side (4-bit and 8-bit)
+                            raise ValueError(f"{model_dir}: {name} is in both {self._file_of[name]} and {file_name}: "
+                                             f"keep one model's weights in the folder")
+                        self._file_of[name] = file_name
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
 

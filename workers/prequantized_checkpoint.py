@@ -96,21 +96,20 @@ class PackedCheckpointReader(_ReaderOver):
             return None
         k = self._inputs(prefix)
         group = self.q.group_size or k
-        if group % quant.INT4_GROUP and group != k:
+        first, stop = cols if cols is not None else (0, k)
+        if (group % quant.INT4_GROUP and group != k) or first % quant.INT4_GROUP:
             return None
-        values, zeros, scales, groups = self._unpacked(prefix, rows)
-        if not torch.equal(groups, torch.arange(k) // group):  # act-order: groups are not runs of inputs
+        values, zeros, scales, groups = self._unpacked(prefix, rows, cols)
+        if not torch.equal(groups, torch.arange(first, stop) // group):  # act-order: groups are not runs of inputs
             return None
         # each block of 32 inputs takes the scale and zero point of the format's group it lies in
-        first_of_block = torch.arange(0, k, quant.INT4_GROUP) // group
+        first_of_block = torch.arange(first, stop, quant.INT4_GROUP) // group
         scale, zero = scales[:, first_of_block], zeros[:, first_of_block].float()
         if self.q.bits == 4:
-            weight = quant.Int4Weight(values.to(torch.uint8), scale, -scale * zero, quant.INT4_GROUP)
-        elif torch.all(zeros == 128):
-            weight = quant.Int8Weight((values - 128).to(torch.int8), scale, quant.INT4_GROUP)
-        else:
-            return None
-        return weight if cols is None else weight.cols(*cols)
+            return quant.Int4Weight(values.to(torch.uint8), scale, -scale * zero, quant.INT4_GROUP)
+        if torch.all(zeros == 128):
+            return quant.Int8Weight((values - 128).to(torch.int8), scale, quant.INT4_GROUP)
+        return None
 
     # -- unpacking ---------------------------------------------------------------------------------------------
 
@@ -125,29 +124,37 @@ class PackedCheckpointReader(_ReaderOver):
             return self.base.read(f"{prefix}.g_idx").long()
         return torch.arange(k) // (self.q.group_size or k)
 
-    def _unpacked(self, prefix: str, rows: tuple[int, int] | None):
-        """(q ``[N', K]``, zero points ``[N', G]``, float32 scales ``[N', G]``, each input's group ``[K]``) of
-        output rows ``rows`` (all: None), zero points with the format's offset added."""
-        n = self.base.shape(f"{prefix}.scales")[1]
+    def _unpacked(self, prefix: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None):
+        """(q ``[N', K']``, zero points ``[N', G]``, float32 scales ``[N', G]``, each input's group ``[K']``) of
+        output rows ``rows`` and input columns ``cols`` (all: None), zero points with the format's offset added.
+        Only the words holding those rows and columns are unpacked: a row-parallel rank's share, not the matrix."""
+        n, k = self.base.shape(f"{prefix}.scales")[1], self._inputs(prefix)
+        if self.base.dtype(f"{prefix}.qweight") != "I32":
+            raise ValueError(f"{self.model_dir}: {prefix}.qweight is {self.base.dtype(f'{prefix}.qweight')}, not the "
+                             f"int32 words {self.q.method} packs")
         start, stop = rows if rows is not None else (0, n)
+        first, last = cols if cols is not None else (0, k)
+        stop, last = min(stop, n), min(last, k)
         per_word, bits = self.q.per_word, self.q.bits
         word_start, word_stop = start // per_word, -(-stop // per_word)
         cut = slice(start - word_start * per_word, stop - word_start * per_word)
         packed_zeros = self.base.read_cols(f"{prefix}.qzeros", word_start, word_stop)
         order = _AWQ_ORDER if self.q.method == "awq" else None
         zeros = _unpack_columns(packed_zeros, bits, order)[:, cut].t() + self.q.zero_offset
-        if self.q.method == "gptq":
-            values = _unpack_rows(self.base.read_cols(f"{prefix}.qweight", start, stop), bits).t()
-        else:
-            values = _unpack_columns(self.base.read_cols(f"{prefix}.qweight", word_start, word_stop), bits,
-                                     order)[:, cut].t()
+        if self.q.method == "gptq":  # words along the inputs
+            input_words = (first // per_word, -(-last // per_word))
+            slab = self.base.read_rows(f"{prefix}.qweight", *input_words)[:, start:stop]
+            skip = first - input_words[0] * per_word
+            values = _unpack_rows(slab, bits)[skip:skip + last - first].t()
+        else:  # words along the outputs
+            slab = self.base.read_rows(f"{prefix}.qweight", first, last)[:, word_start:word_stop]
+            values = _unpack_columns(slab, bits, order)[:, cut].t()
         scales = self.base.read_cols(f"{prefix}.scales", start, stop).float().t()
-        return values.contiguous(), zeros.contiguous(), scales.contiguous(), self._groups(prefix)
+        groups = self._groups(prefix)[first:last]
+        return values.contiguous(), zeros.contiguous(), scales.contiguous(), groups
 
     def _dequantized(self, prefix: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
-        values, zeros, scales, groups = self._unpacked(prefix, rows)
-        if cols is not None:
-            values, groups = values[:, cols[0]:cols[1]], groups[cols[0]:cols[1]]
+        values, zeros, scales, groups = self._unpacked(prefix, rows, cols)
         return scales[:, groups] * (values - zeros[:, groups]).float()
 
 
@@ -174,17 +181,23 @@ class Float8CheckpointReader(_ReaderOver):
     scale beside them read scaled, in float32; their scales and activation scales are not listed."""
 
     def _scale_name(self, name: str) -> str | None:
-        """The scale of ``name`` where it is a float8 weight that has one."""
+        """The scale of ``name`` where it is a float8 weight (the config's name for it, else the other writers'):
+        None for other tensors; ValueError for a float8 weight without one, which read as it is would be wrong
+        by its scale."""
         if not name.endswith(".weight") or not self.base.has(name) or not self.base.dtype(name).startswith("F8"):
             return None
-        scale = f"{name.removesuffix('.weight')}.{self.q.scale_name}"
-        return scale if self.base.has(scale) else None
+        prefix = name.removesuffix(".weight")
+        for scale_name in dict.fromkeys((self.q.scale_name, "weight_scale", "weight_scale_inv")):
+            if self.base.has(f"{prefix}.{scale_name}"):
+                return f"{prefix}.{scale_name}"
+        raise ValueError(f"{self.model_dir}: {name} is stored as float8 without a weight_scale or weight_scale_inv "
+                         f"beside it")
 
     def names(self) -> list[str]:
         scaled = {name.removesuffix(".weight") for name in self.base.names() if self._scale_name(name)}
         return [name for name in self.base.names()
                 if not (name.rpartition(".")[0] in scaled
-                        and name.rpartition(".")[2] in (self.q.scale_name, "input_scale"))]
+                        and name.rpartition(".")[2] in ("weight_scale", "weight_scale_inv", "input_scale"))]
 
     def has(self, name: str) -> bool:
         return self.base.has(name)

@@ -38,6 +38,13 @@ def folder(tmp_path, config: dict | None = None, **beside: dict):
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                               "weight_block_size": [128, 128]}}, {},
      CheckpointQuantization("fp8", 8, scale_name="weight_scale_inv", scale_block=(128, 128))),
+    # older AutoFP8 uploads: fp8 without blocks (per-tensor scales; blocks default to transformers' 128 x 128)
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}, {},
+     CheckpointQuantization("fp8", 8, scale_name="weight_scale_inv", scale_block=(128, 128))),
+    # compressed-tensors' group strategy: a scale per row and group of inputs
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}}}, {},
+     CheckpointQuantization("compressed-tensors", 8, scale_block=(1, 128))),
     ({"quantization_config": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}}, {},
      CheckpointQuantization("fp8", 8)),
     ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
@@ -59,6 +66,9 @@ def test_where_each_tool_says_it(tmp_path, config, beside, expected):
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "GPTQ checkpoint_format 'marlin' is not read"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size 0"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, "packed for Marlin"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"}, "words other than int32"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*mlp.*": {}}}, "bits per module"),
     ({"quant_method": "gptq", "group_size": 128}, "names no integer bits"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ's 'gemv' layout is not read"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "without zero points"),

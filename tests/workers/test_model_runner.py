@@ -267,6 +267,20 @@ def test_rope_scaling_matches_transformers(variant, tmp_path):
         assert results[f"p{i}"].tokens == ref.tokens[i], f"prompt {i} (length {len(prompts[i])})"
 
 
+def test_dynamic_ntk_horizons_in_a_step_of_one_token_a_sequence():
+    """A step whose every sequence has one row carries no start mask (the CPU backend's decode metadata), yet
+    may hold a 1-token chunk of a long prompt: each row is its own sequence's."""
+    from llmbus.workers.models.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(16, 10000.0, {"rope_type": "dynamic", "factor": 2.0}, 8, torch.device("cpu"))
+    positions, horizons = torch.tensor([3, 10]), torch.tensor([20, 5])
+    cos, sin = rotary.cos_sin(positions, torch.float32, None, horizons)
+    for row, reach in enumerate((20, 10)):  # the prompt's last position, else the row's own
+        alone = rotary.cos_sin(torch.tensor([positions[row]]), torch.float32, None, torch.tensor([reach]))
+        assert torch.equal(cos[row], alone[0][0]) and torch.equal(sin[row], alone[1][0])
+    assert not torch.equal(cos[0], rotary.cos_sin(torch.tensor([3]), torch.float32)[0][0])
+
+
 def test_dynamic_ntk_rotates_a_prompt_by_its_length_as_transformers_prefills_it(tmp_path):
     """transformers computes a prompt in one prefill, its dynamic NTK base chosen by the prompt's length, and each
     generated token with its own position's: prompts past the trained length (16) give its tokens in chunks,

@@ -62,6 +62,9 @@ def test_packed_projections_read_as_their_grid(name, float_llama, tmp_path):
             assert torch.equal(reader.read(projection), expected)
             assert torch.equal(reader.read_rows(projection, 8, 40), expected[8:40])  # a column-parallel shard
             assert torch.equal(reader.read_cols(projection, 32, 64), expected[:, 32:64])  # a row-parallel one
+            # cuts inside a packed word and inside a group
+            assert torch.equal(reader.read_rows(projection, 3, 37), expected[3:37])
+            assert torch.equal(reader.read_cols(projection, 5, 50), expected[:, 5:50])
             kept = reader.read_quantized(projection, rows=(8, 40))
             if form is None:
                 assert kept is None
@@ -69,6 +72,8 @@ def test_packed_projections_read_as_their_grid(name, float_llama, tmp_path):
             assert isinstance(kept, form) and kept.group == quant.INT4_GROUP
             assert torch.equal(kept.dequantize(), expected[8:40])
             assert torch.equal(reader.read_quantized(projection, cols=(32, 64)).dequantize(), expected[:, 32:64])
+            assert torch.equal(reader.read_quantized(projection, rows=(3, 37), cols=(32, 50)).dequantize(),
+                               expected[3:37, 32:50])
 
 
 @pytest.mark.parametrize("name", ["gptq-act-order", "awq-g64"])
@@ -123,3 +128,27 @@ def test_float8_checkpoints_read_scaled_and_serve_as_transformers(writer, float_
     runner = family_runner(str(out))
     assert "14 float8 e4m3 -> float32" in runner.model.weight_summary
     assert_matches_reference(reference(str(grid_out), prompts), prompts, run_family(runner, prompts))
+
+
+def test_float8_scales_by_either_name_and_none_is_refused(float_llama, tmp_path):
+    """Older AutoFP8 uploads say quant_method fp8 and keep one weight_scale per tensor (transformers' own writer
+    names it weight_scale_inv): either is read. A float8 weight with no scale beside it is refused by name,
+    never read unscaled."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out, grid_out = tmp_path / "autofp8", tmp_path / "grid"
+    write_float8(str(float_llama), str(out), str(grid_out), "compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (out / "config.json").write_text(json.dumps(config))
+    grid = load_file(str(grid_out / "model.safetensors"))
+    with Float8CheckpointReader(CheckpointReader(str(out)), checkpoint_quantization(out)) as reader:
+        assert torch.equal(reader.read(PROJECTIONS[0]), grid[PROJECTIONS[0]].float())
+    state = load_file(str(out / "model.safetensors"))
+    del state[PROJECTIONS[0].removesuffix(".weight") + ".weight_scale"]
+    save_file(state, str(out / "model.safetensors"))
+    with Float8CheckpointReader(CheckpointReader(str(out)), checkpoint_quantization(out)) as reader:
+        with pytest.raises(ValueError, match="stored as float8 without a weight_scale"):
+            reader.read(PROJECTIONS[0])

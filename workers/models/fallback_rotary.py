@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from llmbus.workers.models.rotary import sequence_of_row
+
 
 class FallbackRotary:
     """What ``ModelRunner`` reads from a model's ``rotary`` (``rope_type``, ``original_max_positions``,
@@ -63,8 +65,8 @@ def _by_length(forward, rope_type: str, original: int, current_step):
             return forward(self, x, position_ids, *args, **kwargs)
         positions = position_ids[0]
         if meta is not None and meta.sequence_horizons is not None:
-            starts = meta.start_mask(len(positions))
-            positions = torch.maximum(positions, meta.sequence_horizons[torch.cumsum(starts, 0) - 1])
+            positions = torch.maximum(positions, meta.sequence_horizons[sequence_of_row(meta.start_mask(len(positions)),
+                                                                                        positions)])
         lengths = positions + 1
         # tokens the module rotates alike share a call: every length within the original is the original base
         # (dynamic) or the short factors (LongRoPE), and every LongRoPE length past it the long factors

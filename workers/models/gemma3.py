@@ -62,6 +62,14 @@ class PrefixedReader:
     def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self.reader.read_cols(self.prefix + name, start, stop)
 
+    def __getattr__(self, attribute: str):
+        """The wrapped reader's optional methods (``qtype``, ``read_quantized``, ``dtype``) by prefixed name,
+        where it has them: a quantized checkpoint's projections stay quantized under the prefix too."""
+        if attribute not in ("qtype", "read_quantized", "dtype"):
+            raise AttributeError(attribute)
+        method = getattr(self.reader, attribute)
+        return lambda name, *args, **kwargs: method(self.prefix + name, *args, **kwargs)
+
 
 MULTIMODAL_TEXT_PREFIX = "language_model."  # where a Gemma3ForConditionalGeneration checkpoint keeps its text model
 

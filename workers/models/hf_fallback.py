@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmbus.bus.model_files import config_max_positions, scaled_positions
+from llmbus.bus.model_files import config_max_positions, config_rope_scaling, scaled_positions
 from llmbus.workers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.models.fallback_rotary import wrap_length_rotaries
@@ -133,9 +133,7 @@ def _max_positions(hf_config) -> int:
     """The positions the model embeds: its config's, stretched by its RoPE scaling (``scaled_positions``), as
     the launcher and the native models' rotary.py read it."""
     config = hf_config.to_dict()
-    positions = config_max_positions(config) or DEFAULT_MAX_POSITIONS
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    return scaled_positions(rope, positions) if isinstance(rope, dict) else positions
+    return scaled_positions(config_rope_scaling(config), config_max_positions(config) or DEFAULT_MAX_POSITIONS)
 
 
 class HFFallbackForCausalLM:

@@ -523,5 +523,6 @@ def _head_is_the_embedding(config: DecoderConfig, reader) -> bool:
     config ties them, so a different one is kept; an equal copy is not held twice."""
     if not reader.has("lm_head.weight"):
         return True
-    return config.tie_word_embeddings and torch.equal(reader.read("model.embed_tokens.weight"),
-                                                      reader.read("lm_head.weight"))
+    if not config.tie_word_embeddings or reader.shape("lm_head.weight") != reader.shape("model.embed_tokens.weight"):
+        return False
+    return torch.equal(reader.read("model.embed_tokens.weight"), reader.read("lm_head.weight"))

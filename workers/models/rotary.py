@@ -92,7 +92,8 @@ class RotaryEmbedding:
         NTK step its sequences' prompts' last positions (both, or neither)."""
         pos = positions.float()[:, None]
         if self.rope_type == "dynamic":
-            reach = positions if horizons is None else torch.maximum(positions, horizons[torch.cumsum(starts, 0) - 1])
+            reach = (positions if horizons is None
+                     else torch.maximum(positions, horizons[sequence_of_row(starts, positions)]))
             seq_len = torch.clamp(reach.float()[:, None] + 1, min=self.original_max_positions)
             factor, dim = self.factor, self.rotary_dim
             base = self.theta * ((factor * seq_len / self.original_max_positions) - (factor - 1)) ** (dim / (dim - 2))
@@ -109,6 +110,12 @@ class RotaryEmbedding:
         # x * cos + cat(-x2, x1) * sin with one negation per step instead of one per layer.
         return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
                 torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
+
+
+def sequence_of_row(starts: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    """Each row's sequence (an index into per-sequence values): from ``starts``, or every row its own (a step of
+    one token a sequence, whose metadata marks none)."""
+    return torch.arange(len(positions), device=positions.device) if starts is None else torch.cumsum(starts, 0) - 1
 
 
 def _sequence_last_positions(positions: torch.Tensor, starts: torch.Tensor | None,
