@@ -279,6 +279,14 @@ def test_dynamic_ntk_horizons_in_a_step_of_one_token_a_sequence():
         alone = rotary.cos_sin(torch.tensor([positions[row]]), torch.float32, None, torch.tensor([reach]))
         assert torch.equal(cos[row], alone[0][0]) and torch.equal(sin[row], alone[1][0])
     assert not torch.equal(cos[0], rotary.cos_sin(torch.tensor([3]), torch.float32)[0][0])
+    # LongRoPE's horizon alike: a 1-token chunk of a prompt past the original length takes the long factors
+    longrope = RotaryEmbedding(16, 10000.0, {"rope_type": "longrope", "original_max_position_embeddings": 8,
+                                             "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}, 32,
+                               torch.device("cpu"))
+    unmarked = longrope.cos_sin(torch.tensor([3]), torch.float32, None, torch.tensor([20]))
+    marked = longrope.cos_sin(torch.tensor([3]), torch.float32, torch.tensor([True]), torch.tensor([20]))
+    assert torch.equal(unmarked[0], marked[0]) and not torch.equal(unmarked[0], longrope.cos_sin(
+        torch.tensor([3]), torch.float32)[0])
 
 
 def test_dynamic_ntk_rotates_a_prompt_by_its_length_as_transformers_prefills_it(tmp_path):

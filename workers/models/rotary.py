@@ -123,9 +123,9 @@ def _sequence_last_positions(positions: torch.Tensor, starts: torch.Tensor | Non
     """Per token, the last position of its sequence in the step (a sequence's rows are consecutive, from a row
     ``starts`` marks), or its horizon where that is later. Not inferred from the positions: two sequences side
     by side at consecutive positions are still two."""
-    if starts is None:
+    if starts is None and horizons is None:
         return positions
-    run = torch.cumsum(starts, 0) - 1
+    run = sequence_of_row(starts, positions)
     last = torch.zeros_like(positions).scatter_reduce(0, run, positions, reduce="amax", include_self=False)
     if horizons is not None:
         last[:horizons.shape[0]] = torch.maximum(last[:horizons.shape[0]], horizons)
