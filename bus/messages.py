@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 20  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 21  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -54,6 +54,8 @@ WIRE_VERSION = 20  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 # 19: SchedulerStats' step outcomes, sampling, filter and concat durations and skipped tokens (TGI's dashboard)
 # 20: WorkerReady.rope_split_by_length (dynamic NTK: a scheduler that ignored it would share the blocks of long
 #     prompts of different lengths, rotated with different bases)
+# 21: SamplingParams.logit_bias_ids/logit_bias_values (OpenAI's logit_bias): a rank that ignored them would
+#     sample from the unbiased logits
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -132,6 +134,10 @@ class SamplingParams(Message):
     # (the OpenAI routes). False: TGI's count / len over prompt + generated, which a long chat prompt dilutes
     # to nothing (frequency_penalty 2.0 left SmolLM2's greedy answers unchanged)
     frequency_per_count: bool = False
+    # OpenAI's logit_bias, as two parallel lists: logit_bias_values[i] is added to the logit of token
+    # logit_bias_ids[i] before any other processing (ids distinct, in the vocabulary; values in [-100, 100])
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -215,6 +221,11 @@ class AddRequest(Message):
             return "top_p and typical_p must be in (0, 1]"
         if sp.top_k < 0 or not 0 <= sp.top_n_tokens <= 1024 or sp.seed < 0:
             return "top_k, top_n_tokens and seed must be >= 0 (top_n_tokens at most 1024)"
+        bias_ids, bias_values = sp.logit_bias_ids, sp.logit_bias_values
+        if (len(bias_ids) != len(bias_values) or len(set(bias_ids)) != len(bias_ids)
+                or any(t < 0 or (vocab_size and t >= vocab_size) for t in bias_ids)
+                or not all(-100.0 <= v <= 100.0 for v in bias_values)):  # NaN fails this too
+            return f"logit_bias must pair distinct token ids in [0, {vocab_size}) with values in [-100, 100]"
         if st.max_new_tokens < 1 or any(t < 0 for t in st.stop_token_ids):
             return "max_new_tokens must be >= 1 and stop token ids >= 0"
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:

@@ -146,6 +146,7 @@ class Generator:
         self.acquire()
         try:
             params = validate_parameters(inputs, parameters, self.limits, adapters=self.engine.lora_adapters)
+            self.tokenizer.known_ids(params.sampling.logit_bias_ids, param="logit_bias")
             if isinstance(inputs, str):
                 ids = await self.tokenize(inputs, add_special_tokens)
             else:

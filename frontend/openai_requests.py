@@ -177,9 +177,7 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
         _in_range("seed", seed, -2**63, 2**64 - 1)
         p.seed = seed % 2**64
     p.ignore_eos_token = _get(body, "ignore_eos", "boolean", False)
-    logit_bias = _get(body, "logit_bias", "object")
-    if logit_bias:
-        raise validation_error("`logit_bias` is not supported", param="logit_bias")
+    p.logit_bias = _logit_bias(_get(body, "logit_bias", "object") or {})
 
     n = _get(body, "n", "integer", 1)
     if not 1 <= n <= max_choices:
@@ -191,6 +189,21 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
     p.model = _get(body, "model", "string")
     options = OpenAIOptions(n=n, stream=stream, include_usage=stream and include_usage, top_logprobs=None)
     return p, options
+
+
+def _logit_bias(given: dict) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as decimal strings, JSON keys) to a bias from -100 to 100. Whether the
+    ids are in the vocabulary is checked with the tokenizer (``Generator.prepare``)."""
+    bias: dict[int, float] = {}
+    for key, value in given.items():
+        if not (key.isascii() and key.isdigit()):
+            raise validation_error(f"Invalid key in `logit_bias`: {json.dumps(key)}. Keys must be token ids: "
+                                   f"non-negative integers written as strings", param="logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise validation_error(f"Invalid value in `logit_bias` for token {key}: {json.dumps(value)}. Values "
+                                   f"must be numbers >= -100 and <= 100", param="logit_bias")
+        bias[int(key)] = float(value)  # "7" and "07" are one token: the later value wins, as in a dict
+    return bias
 
 
 def _set_top_logprobs(p: GenerateParameters, options: OpenAIOptions, count: int | None, name: str,

@@ -311,6 +311,12 @@ def _openai_common(model_id: str) -> dict:
                                 nullable=True, minimum=-2, maximum=2),
         "presence_penalty": _t("number", "Subtracted from the logit of every token already generated.",
                                nullable=True, minimum=-2, maximum=2),
+        "logit_bias": _t("object", "Token ids (as strings) to a bias from -100 to 100 added to that token's logit "
+                         "before anything else; -100 all but bans a token, 100 all but forces it. Logprobs are "
+                         "those of the biased distribution.", nullable=True,
+                         propertyNames={"pattern": "^[0-9]+$"},
+                         additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+                         example={"0": -100}),
         "stream": _t("boolean", "Answer with an SSE stream ending with `data: [DONE]`.", nullable=True,
                       default=False),
         "stream_options": _maybe(ref("StreamOptions")),

@@ -47,12 +47,16 @@ class ModelTokenizer:
         encoding = self._encoding(text, add_special_tokens)
         return [(i, start, stop) for i, (start, stop) in zip(encoding.ids, encoding.offsets)]
 
-    def known_ids(self, ids: list[int]) -> list[int]:
-        """``ids`` (a prompt given as token ids), if every one is in the vocabulary."""
+    def known_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        """``ids`` (a prompt given as token ids, or the ``param`` that names them), if every one is in the
+        vocabulary."""
+        if not ids:
+            return ids
         size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         unknown = next((i for i in ids if i >= size), None)
         if unknown is not None:
-            raise validation_error(f"token id {unknown} is out of the vocabulary ({size} tokens)", param="prompt")
+            where = "" if param == "prompt" else f" in `{param}`"
+            raise validation_error(f"token id {unknown}{where} is out of the vocabulary ({size} tokens)", param=param)
         return ids
 
     def text_of(self, ids: list[int]) -> str:

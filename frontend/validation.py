@@ -62,6 +62,8 @@ class GenerateParameters:
     constraint: Grammar | None = field(default=None, metadata={"body": False})
     # Not read from a body: the OpenAI routes' ``model``, which selects a LoRA adapter where it names one
     model: str | None = field(default=None, metadata={"body": False})
+    # Not read from a body: the OpenAI routes' ``logit_bias`` (TGI's parameters have none), token id -> bias
+    logit_bias: dict[int, float] = field(default_factory=dict, metadata={"body": False})
 
 
 # field -> (serde type, nullable)
@@ -367,7 +369,8 @@ def validate_parameters(inputs: str | list[int], p: GenerateParameters, limits: 
         temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p, do_sample=do_sample,
         seed=seed, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
         top_n_tokens=top_n_tokens, watermark=p.watermark, presence_penalty=presence_penalty, min_p=min_p,
-        frequency_per_count=p.frequency_per_count and frequency_penalty != 0.0)
+        frequency_per_count=p.frequency_per_count and frequency_penalty != 0.0,
+        logit_bias_ids=list(p.logit_bias), logit_bias_values=list(p.logit_bias.values()))
     return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
                            truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop),
                            ignore_eos=p.ignore_eos_token, grammar=grammar, adapter=adapter)

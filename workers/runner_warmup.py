@@ -61,10 +61,10 @@ class RunnerWarmup:
                 shared = [next_block] * (num_computed // self.block_size)
                 next_block += 1
             num_blocks = -(-(num_computed + length) // self.block_size) - len(shared)
-            # The last sequence also exercises the sampling warpers, the watermark and top tokens; the rest
-            # sample greedily.
+            # The last sequence also exercises the sampling warpers, a logit bias, the watermark and top tokens;
+            # the rest sample greedily.
             sampling = (SamplingParams(do_sample=True, top_k=50, top_p=0.9, typical_p=0.95, top_n_tokens=5,
-                                       watermark=True)
+                                       watermark=True, logit_bias_ids=[0], logit_bias_values=[1.0])
                         if i == len(lengths) - 1 else SamplingParams())
             seqs.append(SeqInput(rid=f"{WARMUP_RID_PREFIX}{i}", token_ids=[0] * length, num_computed=num_computed,
                                  block_table=shared + list(range(next_block, next_block + num_blocks)),

@@ -1,7 +1,10 @@
 """Choosing the next token for a batch of requests, vectorised over the batch.
 
-The logits go through TGI's ``NextTokenChooser`` order, each step only on the rows that asked for it:
+The logits go through TGI's ``NextTokenChooser`` order, each step only on the rows that asked for it, after
+OpenAI's ``logit_bias`` (first, as transformers' ``SequenceBiasLogitsProcessor`` comes before its penalties, and
+as vLLM and llama.cpp apply it):
 
+0. the logit bias: each listed token's logit gets its value added (``logit + bias``, one float32 addition).
 1. the watermark (Kirchenbauer et al., "lefthash" as TGI and transformers' ``WatermarkLogitsProcessor``):
    a ``torch.Generator`` seeded with ``15485863 * previous token`` permutes the vocabulary, and the first
    ``WATERMARK_GAMMA`` of it (the green list) gets ``+WATERMARK_DELTA``. Greedy rows too.
@@ -26,10 +29,10 @@ whatever else shares its batch, and a request that is preempted and recomputed f
 generated tokens draws, at each position, what it would have drawn without the interruption. Nothing is
 kept per request.
 
-Returned logprobs are those of the processed distribution: the log-softmax after watermark, penalties,
-temperature and warpers (for greedy rows, after watermark and penalties). ``top_n_tokens`` are the n
-most likely tokens of that same distribution, from one ``topk`` over the rows that ask; tokens a warper
-masked out (probability 0) are left out, as TGI does, so a row may get fewer than n.
+Returned logprobs are those of the processed distribution: the log-softmax after logit bias, watermark,
+penalties, temperature and warpers (for greedy rows, after logit bias, watermark and penalties).
+``top_n_tokens`` are the n most likely tokens of that same distribution, from one ``topk`` over the rows that
+ask; tokens a warper masked out (probability 0) are left out, as TGI does, so a row may get fewer than n.
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     see ``apply_watermark``.
     """
     logits = logits.float()
+    if any(p.logit_bias_ids for p in params):
+        logits = apply_logit_bias(logits, params)
     if any(p.watermark for p in params):
         logits = apply_watermark(logits, params, last_tokens, watermark_gamma, watermark_delta)
     if any(has_penalties(p) for p in params):
@@ -302,8 +307,22 @@ def apply_watermark(logits: torch.Tensor, params: list[SamplingParams], last_tok
 
 def plain_greedy(params: SamplingParams) -> bool:
     """Whether ``sample`` takes ``greedy``'s choice for this row as it is: no draw, no top-n alternatives, no
-    watermark and no penalty (what a decode graph computes beside its logits)."""
-    return not (params.do_sample or params.top_n_tokens or params.watermark or has_penalties(params))
+    logit bias, no watermark and no penalty (what a decode graph computes beside its logits)."""
+    return not (params.do_sample or params.top_n_tokens or params.logit_bias_ids or params.watermark
+                or has_penalties(params))
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits [S, vocab]`` (float32) with each row's ``logit_bias_values`` added at its ``logit_bias_ids``:
+    the biased entries are ``logit + bias`` in float32, every other entry is left as it was (a new tensor:
+    the caller's logits may be a graph's output buffer)."""
+    rows = [i for i, p in enumerate(params) for _ in p.logit_bias_ids]
+    tokens = [t for p in params for t in p.logit_bias_ids]
+    values = [v for p in params for v in p.logit_bias_values]
+    # one copy for both index lists (from pinned memory on a GPU: the host does not wait for it)
+    index = to_device([rows, tokens], torch.long, logits.device)
+    # The ids of a row are distinct (AddRequest.problem), so accumulating adds each value exactly once.
+    return logits.index_put((index[0], index[1]), to_device(values, torch.float32, logits.device), accumulate=True)
 
 
 def has_penalties(params: SamplingParams) -> bool:

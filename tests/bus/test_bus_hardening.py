@@ -123,8 +123,8 @@ def test_wrong_field_types_on_the_intake_never_stop_the_server(server):
 
 def test_requests_the_ranks_cannot_take_fail_alone(server):
     """A process that says hello as a frontend of its own gets a validation failure for an out-of-vocabulary
-    id, an impossible sampling parameter, an unknown grammar kind or a LoRA adapter the ranks do not hold;
-    its good request still runs."""
+    id, an impossible sampling parameter or logit bias, an unknown grammar kind or a LoRA adapter the ranks do
+    not hold; its good request still runs."""
     srv, run_dir = server
     peer = RawPeer(run_dir, "chaos")
     peer.push("requests.sock", m.FrontendHello("chaos", peer.endpoint))
@@ -139,6 +139,15 @@ def test_requests_the_ranks_cannot_take_fail_alone(server):
         "chaos-grammar": dataclasses.replace(good, rid="chaos-grammar", grammar=m.Grammar("yaml", "a: 1")),
         "chaos-len": dataclasses.replace(good, rid="chaos-len", stopping=m.StoppingParams(0)),
         "chaos-adapter": dataclasses.replace(good, rid="chaos-adapter", adapter="never-loaded"),
+        # logit biases the ranks would index out of the logits with, add twice, or pair with nothing
+        "chaos-bias-vocab": dataclasses.replace(good, rid="chaos-bias-vocab", sampling=m.SamplingParams(
+            logit_bias_ids=[10 ** 9], logit_bias_values=[1.0])),
+        "chaos-bias-twice": dataclasses.replace(good, rid="chaos-bias-twice", sampling=m.SamplingParams(
+            logit_bias_ids=[4, 4], logit_bias_values=[1.0, 1.0])),
+        "chaos-bias-unpaired": dataclasses.replace(good, rid="chaos-bias-unpaired", sampling=m.SamplingParams(
+            logit_bias_ids=[4], logit_bias_values=[])),
+        "chaos-bias-nan": dataclasses.replace(good, rid="chaos-bias-nan", sampling=m.SamplingParams(
+            logit_bias_ids=[4], logit_bias_values=[float("nan")])),
         # an id of the real frontend's: taken, it would make that frontend's own request a duplicate
         "f0-1": dataclasses.replace(good, rid="f0-1"),
     }

@@ -1,5 +1,6 @@
 """GGUF files and quantized weights through the whole stack (`llmbus up`, real processes), token for token
-against transformers in float32 on the same weights; and SmolLM2-135M-Instruct, the real default model.
+against transformers in float32 on the same weights; and SmolLM2-135M-Instruct, the real default model (its
+float32 tests share one server, ``smollm2_f32_server``: exactness, logit bias, speculation that recovers).
 
 Where llmbus re-quantizes (``--quantize``), the reference is transformers on the re-quantized weights
 (``quant.quantize(w).dequantize()``): in float32 llmbus computes with exactly those values. Every compared
@@ -9,17 +10,19 @@ reference step has a decisive top-1 margin, so a mismatch is a real bug, not a c
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from llmbus.scheduler.speculation import NgramIndex
 from llmbus.supervisor.weights import smollm2_gguf
 from llmbus.testing import Server
 from llmbus.testing.gguf_files import transformers_reads_cached, write_gguf
 from llmbus.testing.greedy import greedy_reference, greedy_with_margins, served_greedy
-from llmbus.testing.http import get, post, sse_events, stream
+from llmbus.testing.http import get, metrics, post, sse_events, stream, wait_for_metrics
 from llmbus.workers import quant
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "Numbers: 1 2 3 4 5 6", "Café, naïve 🙂"]
@@ -218,22 +221,42 @@ def test_default_model_is_smollm2_and_knows_paris(smollm2_server):
 
 
 @smollm2
-def test_smollm2_float32_equals_transformers_on_the_same_weights(smollm2_server, smollm2_transformers):
-    from llmbus.workers.placement import resolve_dtype
-
-    path = smollm2_gguf()
+def test_smollm2_float32_equals_transformers_on_the_same_weights(smollm2_f32_server, smollm2_transformers):
     model, tokenizer = smollm2_transformers
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
-    # The shared server already computes in float32 where dtype auto means float32 (no native bf16)
-    own = resolve_dtype("auto", torch.device("cpu")) != torch.float32
-    server = (Server(["--model-id", str(path), "--dtype", "float32", "--max-total-tokens", "512"]) if own
-              else smollm2_server)
-    try:
-        for prompt in prompts:
-            assert served_greedy(server, prompt, 16) == greedy_reference(model, tokenizer, prompt, 16), prompt
-    finally:
-        if own:
-            assert server.stop() == 0, server.stderr.text[-3000:]
+    for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]:
+        assert served_greedy(smollm2_f32_server, prompt, 16) == greedy_reference(model, tokenizer, prompt, 16), prompt
+
+
+@smollm2
+def test_logit_bias_answers_as_transformers_biases_them(smollm2_f32_server, smollm2_transformers):
+    """OpenAI's logit_bias, greedy: a completion's tokens are transformers' ``generate`` with the same bias as
+    one-token ``sequence_bias`` (each step's biased margin decisive); a ban on the word the model says first, and a
+    boost for one it would not say, both change the answer. On the chat route, a ban moves the answer's first
+    token to another."""
+    from openai import OpenAI
+
+    model, tokenizer = smollm2_transformers
+    prompt, new = "The capital of France is", 8
+    plain = greedy_reference(model, tokenizer, prompt, new)
+    sdk = OpenAI(base_url=f"{smollm2_f32_server.url}/v1", api_key="-")
+    for bias in ({plain[0]: -100.0}, {plain[1]: -100.0, tokenizer.encode(" London")[0]: 12.5}):
+        tokens, margins = greedy_with_margins(model, tokenizer, prompt, new,
+                                              sequence_bias=[[[t], v] for t, v in bias.items()])
+        assert min(margins) > 1e-3 and tokens != plain, (bias, margins)
+        answer = sdk.completions.create(model="tgi", prompt=prompt, max_tokens=new, temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True},
+                                        logit_bias={str(t): v for t, v in bias.items()}).choices[0]
+        assert answer.text == tokenizer.decode(tokens), bias
+        assert answer.logprobs.tokens == [tokenizer.decode([t]) for t in tokens]
+    # the chat route: banning the token an answer starts with moves it to the runner-up, whose logprob is then
+    # that of the biased distribution (the banned token's share of the mass shared out among the rest)
+    question = {"model": "tgi", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 3, "temperature": 0, "logprobs": True}
+    first = sdk.chat.completions.create(**question, top_logprobs=2).choices[0].logprobs.content[0]
+    (banned,), runner_up = tokenizer.encode(first.token), first.top_logprobs[1]
+    moved = sdk.chat.completions.create(**question, logit_bias={str(banned): -100}).choices[0].logprobs.content[0]
+    assert moved.token == runner_up.token, (first, moved)
+    assert moved.logprob == pytest.approx(runner_up.logprob - math.log1p(-math.exp(first.logprob)), abs=1e-4)
 
 
 @smollm2
@@ -259,3 +282,54 @@ def test_smollm2_float16_kv_cache_served(smollm2_transformers):
     finally:
         assert server.stop() == 0, server.stderr.text[-3000:]
     assert any("kv_cache_dtype" in line and "float16" in line for line in server.stderr.lines)
+
+
+# -- speculation that recovers --------------------------------------------------------------------------------
+# SmolLM2 in float32 with `--speculate 4` writes a poem whose greedy output starts free (n-gram guesses fail, so
+# the request stops guessing) and turns repetitive after about 65 tokens (it repeats its own sentences). Guessing
+# resumes there and pays; the tokens are those of the same request decoded one token at a time.
+
+POEM = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
+NEW_TOKENS = 180
+FREE, REPEATING = slice(0, 60), slice(100, NEW_TOKENS)  # where the output is free, and where it repeats
+OLD_BRAKE = 24 + 4  # the most a request guessed under the old rule (it stopped for good after 24 guesses)
+
+
+def _poem_greedy(server: Server, parameters: dict) -> list[int]:
+    status, _, body = post(f"{server.url}/generate", {"inputs": POEM, "parameters": {
+        "max_new_tokens": NEW_TOKENS, "details": True, "ignore_eos_token": True, **parameters}})
+    assert status == 200, body
+    return [t["id"] for t in body["details"]["tokens"]]
+
+
+def _lookup_hits(prompt: list[int], tokens: list[int]) -> list[bool | None]:
+    """Per output token: whether n-gram lookup over the tokens before it would have guessed it (None: no guess)."""
+    index, hits = NgramIndex(prompt), []
+    for token in tokens:
+        guess = index.propose(1)
+        hits.append(guess[0] == token if guess else None)
+        index.extend([token])
+    return hits
+
+
+def _share(hits: list[bool | None]) -> float:
+    guessed = [h for h in hits if h is not None]
+    return sum(guessed) / max(len(guessed), 1)
+
+
+def test_output_that_turns_repetitive_speculates_again(smollm2_f32_server):
+    server = smollm2_f32_server
+    # top_n_tokens keeps a request from speculating: the one-token-at-a-time reference, on the same server
+    plain = _poem_greedy(server, {"top_n_tokens": 1})
+    status, _, spans = post(f"{server.url}/tokenize", {"inputs": POEM})
+    assert status == 200, spans
+    hits = _lookup_hits([t["id"] for t in spans], plain)
+    free, repeating = _share(hits[FREE]), _share(hits[REPEATING])
+    assert free < 0.3 and repeating > 0.75, ("the poem no longer starts free and turns repetitive", free, repeating)
+    before = metrics(server.url)
+    assert _poem_greedy(server, {}) == plain
+    after = wait_for_metrics(server.url, lambda s: s["llmbus_speculative_proposed_tokens_total"]
+                             > before["llmbus_speculative_proposed_tokens_total"])
+    guessed = after["llmbus_speculative_proposed_tokens_total"] - before["llmbus_speculative_proposed_tokens_total"]
+    kept = after["llmbus_speculative_accepted_tokens_total"] - before["llmbus_speculative_accepted_tokens_total"]
+    assert guessed > OLD_BRAKE and kept >= 60 and kept >= guessed / 2, (guessed, kept)

@@ -89,6 +89,19 @@ def test_chat_parameters_map_onto_sampling(fe):
     add = fe.sched.adds[last_rid(fe)]
     assert add.sampling.do_sample and (add.sampling.temperature, add.sampling.seed) == (0.5, 7)
     assert add.sampling.top_p == pytest.approx(0.9) and add.stopping.max_new_tokens == 2
+    assert add.sampling.logit_bias_ids == add.sampling.logit_bias_values == []
+
+
+def test_logit_bias_reaches_the_engine_on_both_routes(fe):
+    chat(fe, temperature=0, logit_bias={"5": -100, "07": 2.5, "9": 0, "7": 1})
+    sampling = fe.sched.adds[last_rid(fe)].sampling
+    # "07" and "7" name one token: the later value wins, as JSON objects read into a dict keep the last
+    assert dict(zip(sampling.logit_bias_ids, sampling.logit_bias_values)) == {5: -100.0, 7: 1.0, 9: 0.0}
+    assert not sampling.do_sample
+    status, _, body = fe.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2, "logit_bias": {"3": 50}})
+    assert status == 200, body
+    sampling = fe.sched.adds[last_rid(fe)].sampling
+    assert (sampling.logit_bias_ids, sampling.logit_bias_values) == ([3], [50.0])
 
 
 @pytest.mark.parametrize("body, param, fragment", [
@@ -117,7 +130,13 @@ def test_chat_parameters_map_onto_sampling(fe):
     ({"messages": [{"role": "user"}]}, "messages", "`messages[0]` must have a `content`"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}, "messages",
      "`messages[1]` must have a `content`"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "`logit_bias` is not supported"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", 'Invalid key in `logit_bias`: "x". Keys must be token ids'),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", 'Invalid key in `logit_bias`: "-1"'),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias", "Invalid value in `logit_bias` for token 5: 100.5. Values must"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias", 'Invalid value in `logit_bias` for token 5: "1"'),
+    ({"logit_bias": {"5": True}}, "logit_bias", "Invalid value in `logit_bias` for token 5: true"),
+    ({"logit_bias": [1.0]}, "logit_bias", "`logit_bias` must be an object"),
+    ({"logit_bias": {"1000000000": 1}}, "logit_bias", "token id 1000000000 in `logit_bias` is out of the vocabulary"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format", "grammar is not valid: 'objectx' is not valid under any of the given schemas"),
     ({"response_format": {"type": "xml"}}, "response_format", "`response_format.type` must be `text`"),

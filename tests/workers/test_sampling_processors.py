@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                                                    TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
                                                     WatermarkLogitsProcessor)
 
@@ -38,6 +39,9 @@ def _reference_logprobs(logits: torch.Tensor, p: SamplingParams, history: torch.
     token before the sampled one."""
     scores = logits[None].clone()
     input_ids = history[None]
+    if p.logit_bias_ids:  # OpenAI's logit_bias: single-token sequences, biased whatever came before
+        bias = [[[t], v] for t, v in zip(p.logit_bias_ids, p.logit_bias_values)]
+        scores = SequenceBiasLogitsProcessor(bias)(input_ids, scores)
     if p.watermark:
         scores = _watermark_processor(len(logits))(input_ids, scores)
     if p.repetition_penalty != 1.0:
@@ -102,6 +106,11 @@ MIXED = [
     SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.5),  # greedy: penalties only
     SamplingParams(watermark=True),  # greedy: watermark only
     SamplingParams(top_k=5, top_p=0.5, temperature=0.1),  # greedy: the warpers' settings are ignored
+    # OpenAI's logit_bias, before the penalties (a biased token the history holds is then penalised too)
+    SamplingParams(logit_bias_ids=[3, 77, 120], logit_bias_values=[-100.0, 9.5, 0.25]),  # greedy
+    SamplingParams(repetition_penalty=1.3, logit_bias_ids=[4, 6, 200], logit_bias_values=[7.0, -3.0, 100.0]),
+    SamplingParams(do_sample=True, temperature=0.9, top_k=50, frequency_penalty=0.5, watermark=True, seed=10,
+                   logit_bias_ids=[1, 2, 3, 40], logit_bias_values=[4.0, 4.0, -4.0, 2.0]),
 ]
 
 
@@ -147,7 +156,7 @@ def _with(p: SamplingParams, **changes) -> SamplingParams:
 
 def test_top_n_tokens_are_the_topk_of_the_processed_distribution():
     logits, histories = _mixed_batch(1)
-    counts = [3, 0, 5, 1, 2, 0, 4, 5, 3, 5, 2, 4, 1]
+    counts = [3, 0, 5, 1, 2, 0, 4, 5, 3, 5, 2, 4, 1, 2, 0, 3]
     params = [_with(p, top_n_tokens=n) for p, n in zip(MIXED, counts)]
     params[3] = _with(params[3], top_k=2, top_n_tokens=5)  # fewer tokens kept than asked for
     out = _sample(logits, params, histories)
