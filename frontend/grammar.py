@@ -5,7 +5,10 @@ TGI's shapes (router/src/lib.rs ``GrammarType``, checked in validation.rs): ``{"
 "json_object", "value": <schema, or the schema as a JSON string>}``, ``{"type": "json_schema", "value":
 {"name"?, "schema"}}`` and ``{"type": "regex", "value": "..."}``. OpenAI's ``response_format``: ``{"type":
 "text"}`` (nothing), ``{"type": "json_object"}`` (any JSON object) and ``{"type": "json_schema",
-"json_schema": {"name", "schema"?, "strict"?}}``; TGI's ``value`` shapes are accepted there too.
+"json_schema": {"name", "schema"?, "strict"?}}``; TGI's ``value`` shapes are accepted there too. vLLM's
+parameters, which its users send in the OpenAI SDK's ``extra_body``: ``guided_json``, ``guided_regex``,
+``guided_choice`` and ``guided_grammar``, or their newer form ``structured_outputs: {json | regex | choice |
+grammar | json_object}`` (``vllm_grammar``).
 
 Errors carry TGI's texts: "grammar is not supported" (turned off with ``--disable-grammar-support``, or a
 JSON value that is neither an object nor a string), "grammar is not valid: <why>" (a schema that is not a
@@ -102,6 +105,65 @@ def lark_grammar(source, param: str | None = None, *, gbnf: bool = False) -> Gra
     if why is not None:
         raise _invalid(why, param)
     return Grammar("lark", source)
+
+
+def choice_grammar(choices, param: str | None = None) -> Grammar:
+    """The grammar of outputs that are exactly one of ``choices`` (vLLM's ``guided_choice``): a Lark rule of
+    string literals, each written as a JSON string (the literal syntax llguidance's Lark reads)."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise validation_error(f"`{param}` must be a non-empty array of non-empty strings", param=param)
+    return lark_grammar("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices), param)
+
+
+# vLLM's structured-output parameters: the older top-level names, and the keys of ``structured_outputs``
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's options of its guided decoding: the backend it compiles with, which llguidance replaces here
+_GUIDED_OPTIONS = ("guided_decoding_backend", "guided_whitespace_pattern", "disable_fallback",
+                   "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "backend")
+
+
+def vllm_grammar(body: dict, *, enabled: bool, strict: bool = False) -> tuple[Grammar, str] | None:
+    """vLLM's structured output in an OpenAI request body, as a wire Grammar and the parameter it came from;
+    None when the body asks for none. ``guided_grammar`` is GBNF (vLLM's EBNF, what xgrammar reads) where its
+    rules are written with ``::=``, else llguidance's Lark. Only one kind may be given, as in vLLM."""
+    given = {name: body[name] for name in _GUIDED if body.get(name) is not None}
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise validation_error("`structured_outputs` must be an object", param="structured_outputs")
+        unknown = sorted(k for k, v in outputs.items() if v not in (None, False)
+                         and k not in _STRUCTURED_OUTPUTS and k not in _GUIDED_OPTIONS)
+        if unknown:
+            raise validation_error(f"`structured_outputs.{unknown[0]}` is not supported (served: "
+                                   f"{', '.join(_STRUCTURED_OUTPUTS)})", param="structured_outputs")
+        given |= {f"structured_outputs.{k}": v for k, v in outputs.items()
+                  if k in _STRUCTURED_OUTPUTS and v not in (None, False)}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise validation_error(f"only one kind of structured output may be given: {', '.join(sorted(given))}",
+                               param=sorted(given)[0])
+    ((name, value),) = given.items()
+    if not enabled:
+        raise validation_error("grammar is not supported", param=name)
+    kind = _GUIDED.get(name, name.rpartition(".")[2])
+    if kind == "json_object":
+        return json_schema_grammar(ANY_JSON_OBJECT, name), name
+    if kind == "json":
+        schema = _schema_value(value, name)
+        if not isinstance(schema, dict):
+            raise validation_error(f"`{name}` must be a JSON Schema: an object, or a string holding one", param=name)
+        return json_schema_grammar(schema, name, strict=strict), name
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise validation_error(f"`{name}` must be a string", param=name)
+        return regex_grammar(value, name), name
+    if kind == "choice":
+        return choice_grammar(value, name), name
+    if not isinstance(value, str):
+        raise validation_error(f"`{name}` must be a string", param=name)
+    return lark_grammar(value, name, gbnf="::=" in value), name
 
 
 def _schema_value(value, param: str | None):

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from llmbus.bus.messages import Grammar
 from llmbus.frontend.chat import ChatFormat
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
-from llmbus.frontend.grammar import response_format_grammar
+from llmbus.frontend.grammar import response_format_grammar, vllm_grammar
 from llmbus.frontend.reasoning import ReasoningPlan
 from llmbus.frontend.refused_fields import OPENAI_CHAT, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
@@ -291,18 +292,32 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
     else:
         plan = parse_tools(body, strict=limits.strict_schemas)
     response_format = _get(body, "response_format", "object")
+    guided = vllm_grammar(body, enabled=limits.grammar_support, strict=limits.strict_schemas)
     if plan is not None:
-        if response_format and response_format.get("type") not in (None, "text"):
+        if (response_format and response_format.get("type") not in (None, "text")) or guided is not None:
             raise ApiError(ErrorKind.TOOL, "Grammar and tools are mutually exclusive")
         if not limits.grammar_support:
             raise validation_error("grammar is not supported", param="tools")
         p.constraint = plan.grammar
-    elif response_format:
-        p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support,
-                                               strict=limits.strict_schemas)
+    else:
+        p.constraint = _one_constraint(response_format, guided, limits)
     return ChatRequest(messages=messages, tools=tools or None, params=p, options=options, plan=plan,
                        tool_prompt=_get(body, "tool_prompt", "string"), template_kwargs=template_kwargs,
                        chat_format=chat_format)
+
+
+def _one_constraint(response_format: dict | None, guided: tuple[Grammar, str] | None,
+                    limits: Limits) -> Grammar | None:
+    """The grammar of ``response_format`` or of vLLM's parameters (``guided``: the grammar and its parameter's
+    name), which may not both ask for one."""
+    constraint = (response_format_grammar(response_format, enabled=limits.grammar_support,
+                                          strict=limits.strict_schemas) if response_format else None)
+    if guided is None:
+        return constraint
+    if constraint is not None:
+        raise validation_error(f"`{guided[1]}` and `response_format` cannot both constrain the output",
+                               param=guided[1])
+    return guided[0]
 
 
 def _is_token_id(value) -> bool:
@@ -344,8 +359,7 @@ def parse_completion(body: dict, limits: Limits, max_client_batch_size: int,
                                f"not supported. Given: {best_of}", param="best_of")
     _set_top_logprobs(p, options, _get(body, "logprobs", "integer"), "logprobs", limits)
     response_format = _get(body, "response_format", "object")  # vLLM takes it here too
-    if response_format:
-        p.constraint = response_format_grammar(response_format, enabled=limits.grammar_support,
-                                               strict=limits.strict_schemas)
+    p.constraint = _one_constraint(response_format, vllm_grammar(body, enabled=limits.grammar_support,
+                                                                 strict=limits.strict_schemas), limits)
     return CompletionRequest(prompts=prompts, echo=_get(body, "echo", "boolean", False), params=p,
                              options=options)

@@ -317,6 +317,18 @@ def _openai_common(model_id: str) -> dict:
                          propertyNames={"pattern": "^[0-9]+$"},
                          additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
                          example={"0": -100}),
+        "guided_json": {"description": "vLLM's structured output: a JSON Schema (or a string holding one) the "
+                                       "answer must validate against. One of guided_json, guided_regex, "
+                                       "guided_choice, guided_grammar and structured_outputs, and not with "
+                                       "response_format or tools.",
+                        "anyOf": [{"type": "object"}, {"type": "string"}, {"type": "null"}]},
+        "guided_regex": _t("string", "vLLM's: a regular expression the whole answer matches.", nullable=True),
+        "guided_choice": _t("array", "vLLM's: the answer is exactly one of these strings.", nullable=True,
+                            items={"type": "string", "minLength": 1}, minItems=1),
+        "guided_grammar": _t("string", "vLLM's: a context-free grammar, GBNF (rules written `::=`) or "
+                           "llguidance's Lark.", nullable=True),
+        "structured_outputs": _t("object", "vLLM's newer form of the guided_* parameters: one of `json`, `regex`, "
+                                 "`choice`, `grammar` or `json_object: true`.", nullable=True),
         "stream": _t("boolean", "Answer with an SSE stream ending with `data: [DONE]`.", nullable=True,
                       default=False),
         "stream_options": _maybe(ref("StreamOptions")),

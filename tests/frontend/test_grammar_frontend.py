@@ -113,3 +113,67 @@ def test_completions_take_response_format_too(make_fe):
     status, _, body = fe.post("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}})
     assert status == 200, body
     assert fe.sched.adds[last_rid(fe)].grammar == Grammar("json_schema", '{"type":"object"}')
+
+
+# vLLM's structured-output parameters, as its users send them in the OpenAI SDK's extra_body
+CHOICES = ['say "yes"', "naïve", "back\\slash", "🙂"]
+CHOICE_LARK = 'start: "say \\"yes\\"" | "naïve" | "back\\\\slash" | "🙂"'
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({"guided_json": SCHEMA}, Grammar("json_schema", COMPACT)),
+    ({"guided_json": json.dumps(SCHEMA)}, Grammar("json_schema", COMPACT)),  # a JSON string, as vLLM takes it
+    ({"guided_regex": "[0-9]{3}"}, Grammar("regex", "[0-9]{3}")),
+    ({"guided_choice": CHOICES}, Grammar("lark", CHOICE_LARK)),
+    ({"guided_grammar": 'start: "yes" | "no"'}, Grammar("lark", 'start: "yes" | "no"')),
+    ({"structured_outputs": {"json": SCHEMA}}, Grammar("json_schema", COMPACT)),
+    ({"structured_outputs": {"regex": "a+", "backend": "xgrammar"}}, Grammar("regex", "a+")),
+    ({"structured_outputs": {"choice": CHOICES}}, Grammar("lark", CHOICE_LARK)),
+    ({"structured_outputs": {"json_object": True}}, Grammar("json_schema", '{"type":"object"}')),
+    ({"guided_json": SCHEMA, "guided_decoding_backend": "outlines"}, Grammar("json_schema", COMPACT)),
+    ({"structured_outputs": {"json_object": False}}, None),
+])
+def test_vllm_structured_outputs_reach_the_scheduler(make_fe, extra, expected):
+    fe = make_fe()
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/v1/completions", {"prompt": "hi"})):
+        status, _, answer = fe.post(route, {**body, **extra})
+        assert status == 200, (route, answer)
+        assert fe.sched.adds[last_rid(fe)].grammar == expected, route
+
+
+def test_vllm_gbnf_grammar_is_translated(make_fe):
+    fe = make_fe()
+    status, _, body = chat(fe, guided_grammar='root ::= "yes" | "no"')
+    assert status == 200, body
+    grammar = fe.sched.adds[last_rid(fe)].grammar
+    assert grammar.kind == "lark" and '"yes"' in grammar.source and "::=" not in grammar.source
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_json",
+     "only one kind of structured output may be given: guided_json, guided_regex"),
+    ({"guided_choice": "yes"}, "guided_choice", "`guided_choice` must be a non-empty array of non-empty strings"),
+    ({"guided_choice": ["yes", ""]}, "guided_choice", "must be a non-empty array of non-empty strings"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "must be a non-empty array"),
+    ({"guided_json": [1]}, "guided_json", "`guided_json` must be a JSON Schema"),
+    ({"guided_json": "{not json"}, "guided_json", "grammar is not valid"),
+    ({"guided_regex": "(a"}, "guided_regex", "grammar is not valid"),
+    ({"guided_regex": 5}, "guided_regex", "`guided_regex` must be a string"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs",
+     "`structured_outputs.structural_tag` is not supported"),
+    ({"structured_outputs": "json"}, "structured_outputs", "`structured_outputs` must be an object"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex",
+     "`guided_regex` and `response_format` cannot both constrain the output"),
+])
+def test_bad_vllm_structured_outputs_are_refused_by_name(make_fe, extra, param, message):
+    fe = make_fe()
+    status, _, body = chat(fe, **extra)
+    assert status == 422 and body["error"]["param"] == param and message in body["error"]["message"], body
+    assert fe.sched.adds == {}
+
+
+def test_vllm_structured_outputs_and_tools_are_exclusive(make_fe):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    status, _, body = chat(make_fe(), tools=[tool], tool_choice="required", guided_choice=["a"])
+    assert status == 422 and "Grammar and tools are mutually exclusive" in body["error"]["message"], body

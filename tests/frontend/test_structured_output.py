@@ -181,3 +181,28 @@ def test_bad_grammars_are_422_and_the_server_keeps_serving(server):
         assert "<state>" not in answer["error"], answer
     status, _, answer = post(f"{server.url}/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
     assert status == 200, answer
+
+
+def test_vllm_structured_output_parameters_through_the_openai_sdk(server):
+    """vLLM's parameters, as scripts written for vLLM send them (``extra_body``): every answer is in its language,
+    on both OpenAI routes, streamed and not."""
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    choices = ['say "yes"', "naïve", "back\\slash", "🙂"]
+    name, prompt, schema = SCHEMAS[2]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        for seed in (1, 2, 3):
+            answer = sdk.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Pick one."}],
+                                                 max_tokens=20, temperature=1, seed=seed, extra_body=extra)
+            assert answer.choices[0].message.content in choices, (extra, answer)
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": json.dumps(schema)}}):
+        completion = sdk.completions.create(model="tgi", prompt=prompt, max_tokens=200, temperature=0, extra_body=extra)
+        jsonschema.validate(json.loads(completion.choices[0].text), schema)
+    chunks = sdk.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "A year?"}], max_tokens=10,
+                                         temperature=0, stream=True, extra_body={"guided_regex": "(19|20)[0-9]{2}"})
+    assert re.fullmatch(r"(19|20)[0-9]{2}", "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    answer = sdk.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Is the sea salty?"}],
+                                         max_tokens=20, temperature=0,
+                                         extra_body={"guided_grammar": 'root ::= "The answer is " ("yes" | "no") "."'})
+    assert answer.choices[0].message.content in ("The answer is yes.", "The answer is no."), answer
