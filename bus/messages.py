@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 21  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 22  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -56,6 +56,8 @@ WIRE_VERSION = 21  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 #     prompts of different lengths, rotated with different bases)
 # 21: SamplingParams.logit_bias_ids/logit_bias_values (OpenAI's logit_bias): a rank that ignored them would
 #     sample from the unbiased logits
+# 22: vLLM's min_tokens (SamplingParams.min_new_tokens/min_tokens_masked_ids) and stop_token_ids
+#     (StoppingParams.request_stop_ids): a rank that ignored them would let a request end too early
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -138,6 +140,10 @@ class SamplingParams(Message):
     # logit_bias_ids[i] before any other processing (ids distinct, in the vocabulary; values in [-100, 100])
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
+    # vLLM's min_tokens: while fewer than min_new_tokens tokens are generated, min_tokens_masked_ids (the ids that
+    # would end the request: EOS unless ignore_eos, and its own stop ids) get logit -inf, so none is sampled
+    min_new_tokens: int = 0
+    min_tokens_masked_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -166,6 +172,9 @@ class StoppingParams(Message):
     max_new_tokens: int  # >= 1
     stop_token_ids: list[int] = field(default_factory=list)  # EOS ids (generation_config + tokenizer)
     ignore_eos: bool = False  # benchmark mode: only max_new_tokens ends the request
+    # vLLM's stop_token_ids: more ids that end the request (EOS_TOKEN), ignore_eos or not; none ends it before
+    # SamplingParams.min_new_tokens tokens
+    request_stop_ids: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,8 +235,11 @@ class AddRequest(Message):
                 or any(t < 0 or (vocab_size and t >= vocab_size) for t in bias_ids)
                 or not all(-100.0 <= v <= 100.0 for v in bias_values)):  # NaN fails this too
             return f"logit_bias must pair distinct token ids in [0, {vocab_size}) with values in [-100, 100]"
-        if st.max_new_tokens < 1 or any(t < 0 for t in st.stop_token_ids):
+        if st.max_new_tokens < 1 or any(t < 0 for t in st.stop_token_ids + st.request_stop_ids):
             return "max_new_tokens must be >= 1 and stop token ids >= 0"
+        if not 0 <= sp.min_new_tokens <= st.max_new_tokens or any(
+                t < 0 or (vocab_size and t >= vocab_size) for t in sp.min_tokens_masked_ids):
+            return f"min_new_tokens must be in [0, max_new_tokens] and its masked ids in [0, {vocab_size})"
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
             return f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}"
         if self.adapter and self.adapter not in lora_adapters:

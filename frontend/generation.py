@@ -10,6 +10,7 @@ the permit and aborts the request in the scheduler unless it finished there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -137,6 +138,21 @@ class Generator:
             raise
         return gens
 
+    def _with_stop_ids(self, params: ValidParameters, max_new_tokens: int) -> ValidParameters:
+        """``params`` whose vLLM ``min_tokens`` masks the ids that would end the request before then: EOS (unless
+        ``ignore_eos``) and its ``stop_token_ids``, checked against the vocabulary."""
+        self.tokenizer.known_ids(params.stop_token_ids, param="stop_token_ids")
+        minimum = params.sampling.min_new_tokens
+        if not minimum:
+            return params
+        if minimum > max_new_tokens:
+            raise validation_error(f"`min_tokens` must be <= the tokens to generate ({max_new_tokens}). "
+                                   f"Given: {minimum}", param="min_tokens")
+        eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
+        masked = list(dict.fromkeys(eos + params.stop_token_ids))
+        return dataclasses.replace(params, sampling=dataclasses.replace(params.sampling,
+                                                                        min_tokens_masked_ids=masked))
+
     async def prepare(self, inputs: str | list[int], parameters: GenerateParameters, start_time: float,
                       arrival_time: float, *, add_special_tokens: bool = True) -> "Generation":
         """A Generation ready to start; raises ApiError (422, 429, 424). Holds a permit until closed.
@@ -154,6 +170,7 @@ class Generator:
                 inputs = self.tokenizer.text_of(ids)
             input_length, max_new = validate_lengths(len(ids), params.truncate, params.max_new_tokens,
                                                      self.limits)
+            params = self._with_stop_ids(params, max_new)
             if self.engine.dead_reason is not None:
                 raise generation_error(self.engine.dead_reason)
             prepared = Prepared(inputs=inputs, input_ids=ids[len(ids) - input_length:], params=params,
@@ -263,7 +280,7 @@ class Generation:
             rid=self.rid, frontend_id=engine.frontend_id, input_ids=p.input_ids, sampling=p.params.sampling,
             stopping=m.StoppingParams(max_new_tokens=p.max_new_tokens,
                                       stop_token_ids=list(self.generator.tokenizer.eos_token_ids),
-                                      ignore_eos=p.params.ignore_eos),
+                                      ignore_eos=p.params.ignore_eos, request_stop_ids=p.params.stop_token_ids),
             prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time,
             traceparent=tracing.current_traceparent(), grammar=p.params.grammar, adapter=p.params.adapter)
         self.timings.queued = time.monotonic()
@@ -349,7 +366,9 @@ class Generation:
             return FinishReason(engine_reason).tgi_name
         if engine_reason == FinishReason.ABORTED:
             return "aborted"
-        if self._max_stop and self._matches_stop(text):
+        # vLLM's min_tokens: no stop sequence completes before that many tokens (the tail is kept all the same)
+        minimum = self.prepared.params.sampling.min_new_tokens
+        if self._max_stop and self._matches_stop(text) and len(self.tokens) + 1 >= minimum:
             return "stop_sequence"
         if len(self.tokens) + 1 >= self.prepared.max_new_tokens:
             return "length"  # the scheduler should have said so; never run past the budget

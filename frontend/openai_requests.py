@@ -179,6 +179,16 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
         p.seed = seed % 2**64
     p.ignore_eos_token = _get(body, "ignore_eos", "boolean", False)
     p.logit_bias = _logit_bias(_get(body, "logit_bias", "object") or {})
+    # vLLM's extensions, which scripts written for it send in extra_body
+    stop_token_ids = _get(body, "stop_token_ids", "array") or []
+    if not all(_is_token_id(t) for t in stop_token_ids):
+        raise validation_error("`stop_token_ids` must be an array of token ids (integers >= 0)", param="stop_token_ids")
+    p.stop_token_ids = list(dict.fromkeys(stop_token_ids))
+    min_tokens = _get(body, "min_tokens", "integer", 0)
+    if min_tokens < 0:
+        raise validation_error(f"`min_tokens` must be >= 0. Given: {min_tokens}", param="min_tokens")
+    p.min_new_tokens = min_tokens
+    p.include_stop_str = _get(body, "include_stop_str_in_output", "boolean", False)
 
     n = _get(body, "n", "integer", 1)
     if not 1 <= n <= max_choices:

@@ -88,11 +88,21 @@ class Choice:
         if self._marked:
             text = "".join(t.text for t in self.gen.tokens if not t.special or t.text in self._markers)
         if self.ended_by == "stop_sequence":
-            cuts = [i for i in (text.find(s) for s in self._stops) if i != -1]
-            return text[:min(cuts)] if cuts else text
+            return self._cut_at_stop(text)
         if not self.gen.done and self._hold:
             return text[:max(len(text) - self._hold, 0)]
         return text
+
+    def _cut_at_stop(self, text: str) -> str:
+        """``text`` up to the stop sequence that ended it (through it, with vLLM's ``include_stop_str_in_output``):
+        the first one to end past the tokens before ``min_tokens``, where none could complete."""
+        params = self.gen.prepared.params
+        early = sum(len(t.text) for t in self.gen.tokens[:max(params.sampling.min_new_tokens - 1, 0)] if not t.special)
+        found = [(i, i + len(s)) for s in self._stops if (i := text.find(s, max(early - len(s) + 1, 0))) != -1]
+        if not found:
+            return text
+        start, end = min(found)
+        return text[:end] if params.include_stop_str else text[:start]
 
     def next_delta(self) -> str:
         text = self.visible_text()

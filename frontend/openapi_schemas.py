@@ -334,6 +334,12 @@ def _openai_common(model_id: str) -> dict:
         "stream_options": _maybe(ref("StreamOptions")),
         "ignore_eos": _t("boolean", "llmbus extension: keep generating past end-of-sequence tokens until "
                          "max_tokens.", nullable=True, default=False),
+        "min_tokens": _t("integer", "vLLM's: no end-of-sequence token, stop id or stop sequence ends the answer "
+                         "before this many tokens.", nullable=True, minimum=0),
+        "stop_token_ids": _t("array", "vLLM's: more token ids that end the answer (ignore_eos or not).",
+                             nullable=True, items={"type": "integer", "minimum": 0}),
+        "include_stop_str_in_output": _t("boolean", "vLLM's: keep the matched stop sequence in the text.",
+                                         nullable=True, default=False),
     }
 
 

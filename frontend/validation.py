@@ -64,6 +64,10 @@ class GenerateParameters:
     model: str | None = field(default=None, metadata={"body": False})
     # Not read from a body: the OpenAI routes' ``logit_bias`` (TGI's parameters have none), token id -> bias
     logit_bias: dict[int, float] = field(default_factory=dict, metadata={"body": False})
+    # Not read from a body: vLLM's stop_token_ids, min_tokens and include_stop_str_in_output on the OpenAI routes
+    stop_token_ids: list[int] = field(default_factory=list, metadata={"body": False})
+    min_new_tokens: int = field(default=0, metadata={"body": False})
+    include_stop_str: bool = field(default=False, metadata={"body": False})
 
 
 # field -> (serde type, nullable)
@@ -269,6 +273,8 @@ class ValidParameters:
     ignore_eos: bool = False
     grammar: Grammar | None = None  # constrained decoding
     adapter: str = ""  # the LoRA adapter that answers (served_adapter); "": the base model
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: more ids that end it, ignore_eos or not
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: a matched stop sequence stays in the text
 
 
 def validate_best_of(best_of: int, limits: Limits) -> int:
@@ -370,10 +376,12 @@ def validate_parameters(inputs: str | list[int], p: GenerateParameters, limits: 
         seed=seed, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
         top_n_tokens=top_n_tokens, watermark=p.watermark, presence_penalty=presence_penalty, min_p=min_p,
         frequency_per_count=p.frequency_per_count and frequency_penalty != 0.0,
-        logit_bias_ids=list(p.logit_bias), logit_bias_values=list(p.logit_bias.values()))
+        logit_bias_ids=list(p.logit_bias), logit_bias_values=list(p.logit_bias.values()),
+        min_new_tokens=p.min_new_tokens)
     return ValidParameters(sampling=sampling, seed=seed if do_sample else None, best_of=best_of,
                            truncate=p.truncate, max_new_tokens=p.max_new_tokens, stop=list(p.stop),
-                           ignore_eos=p.ignore_eos_token, grammar=grammar, adapter=adapter)
+                           ignore_eos=p.ignore_eos_token, grammar=grammar, adapter=adapter,
+                           stop_token_ids=list(p.stop_token_ids), include_stop_str=p.include_stop_str)
 
 
 def validate_lengths(num_tokens: int, truncate: int | None, max_new_tokens: int | None,

@@ -450,9 +450,12 @@ class Scheduler:
 
     @staticmethod
     def _finish_reason(req: Request, token_id: int) -> FinishReason:
-        if len(req.output_ids) >= req.stopping.max_new_tokens:
+        stopping = req.stopping
+        if len(req.output_ids) >= stopping.max_new_tokens:
             return FinishReason.LENGTH
-        if not req.stopping.ignore_eos and token_id in req.stopping.stop_token_ids:
+        if len(req.output_ids) <= req.sampling.min_new_tokens:  # rank 0 masks the stop ids until then
+            return FinishReason.NONE
+        if token_id in stopping.request_stop_ids or (not stopping.ignore_eos and token_id in stopping.stop_token_ids):
             return FinishReason.EOS_TOKEN
         return FinishReason.NONE
 

@@ -54,23 +54,22 @@ class Reference:
 
 
 def reference(path: str, prompts: list[list[int]], *, check_margins: bool = True,
-              logit_biases: list[dict[int, float] | None] | None = None, **config_overrides) -> Reference:
+              generate_kwargs: list[dict | None] | None = None, **config_overrides) -> Reference:
     """transformers' float32 greedy ``generate`` of every prompt, one at a time; ``config_overrides``
-    go to ``from_pretrained`` (to run the same weights under another attention pattern). ``logit_biases[i]``:
-    prompt i's OpenAI logit bias, as transformers' ``sequence_bias`` of one-token sequences; its ``logits``
-    are then the biased scores (what the argmax and a served logprob read)."""
+    go to ``from_pretrained`` (to run the same weights under another attention pattern). ``generate_kwargs[i]``:
+    more of ``generate``'s arguments for prompt i (a ``sequence_bias``, a ``logits_processor``); its ``logits``
+    are then the processed scores (what the argmax and a served logprob read)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                               **config_overrides).eval()
     tokens, logits = [], []
     for i, prompt in enumerate(prompts):
-        bias = logit_biases[i] if logit_biases else None
-        extra = {"sequence_bias": [[[t], v] for t, v in bias.items()], "output_scores": True} if bias else {}
+        extra = (generate_kwargs[i] if generate_kwargs else None) or {}
         out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, **extra)
+                             output_logits=True, output_scores=True, return_dict_in_generate=True, **extra)
         generated = out.sequences[0, len(prompt):].tolist()
-        step_logits = torch.stack(out.scores if bias else out.logits)[:, 0].float()
+        step_logits = torch.stack(out.scores if extra else out.logits)[:, 0].float()
         assert len(generated) == MAX_NEW_TOKENS
         if check_margins:
             top2 = step_logits.topk(2, dim=-1).values

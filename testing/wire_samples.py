@@ -5,8 +5,8 @@ from llmbus.bus import messages as m
 SAMPLING = m.SamplingParams(temperature=0.5, top_k=10, top_p=0.9, typical_p=1.0, do_sample=True, seed=42,
                             repetition_penalty=1.1, frequency_penalty=0.2, top_n_tokens=2, watermark=False,
                             presence_penalty=0.5, min_p=0.05, frequency_per_count=True, logit_bias_ids=[7, 3],
-                            logit_bias_values=[-100.0, 2.5])
-STOPPING = m.StoppingParams(max_new_tokens=20, stop_token_ids=[2], ignore_eos=False)
+                            logit_bias_values=[-100.0, 2.5], min_new_tokens=3, min_tokens_masked_ids=[2, 9])
+STOPPING = m.StoppingParams(max_new_tokens=20, stop_token_ids=[2], ignore_eos=False, request_stop_ids=[9])
 GRAMMAR = m.Grammar(kind="json_schema", source='{"type": "object", "properties": {"a": {"type": "integer"}}}')
 
 SAMPLES: dict[m.Kind, m.Message] = {

@@ -4,7 +4,8 @@ The logits go through TGI's ``NextTokenChooser`` order, each step only on the ro
 OpenAI's ``logit_bias`` (first, as transformers' ``SequenceBiasLogitsProcessor`` comes before its penalties, and
 as vLLM and llama.cpp apply it):
 
-0. the logit bias: each listed token's logit gets its value added (``logit + bias``, one float32 addition).
+0. the logit bias: each listed token's logit gets its value added (``logit + bias``, one float32 addition);
+   then vLLM's ``min_tokens``: while a request has generated fewer, the ids that would end it get ``-inf``.
 1. the watermark (Kirchenbauer et al., "lefthash" as TGI and transformers' ``WatermarkLogitsProcessor``):
    a ``torch.Generator`` seeded with ``15485863 * previous token`` permutes the vocabulary, and the first
    ``WATERMARK_GAMMA`` of it (the green list) gets ``+WATERMARK_DELTA``. Greedy rows too.
@@ -114,6 +115,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     logits = logits.float()
     if any(p.logit_bias_ids for p in params):
         logits = apply_logit_bias(logits, params)
+    if any(p.min_new_tokens for p in params):
+        logits = apply_min_tokens(logits, params, positions, prompt_lens)
     if any(p.watermark for p in params):
         logits = apply_watermark(logits, params, last_tokens, watermark_gamma, watermark_delta)
     if any(has_penalties(p) for p in params):
@@ -308,8 +311,24 @@ def apply_watermark(logits: torch.Tensor, params: list[SamplingParams], last_tok
 def plain_greedy(params: SamplingParams) -> bool:
     """Whether ``sample`` takes ``greedy``'s choice for this row as it is: no draw, no top-n alternatives, no
     logit bias, no watermark and no penalty (what a decode graph computes beside its logits)."""
-    return not (params.do_sample or params.top_n_tokens or params.logit_bias_ids or params.watermark
-                or has_penalties(params))
+    return not (params.do_sample or params.top_n_tokens or params.logit_bias_ids or params.min_new_tokens
+                or params.watermark or has_penalties(params))
+
+
+def apply_min_tokens(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                     prompt_lens: list[int] | None) -> torch.Tensor:
+    """``logits [S, vocab]`` with ``-inf`` at each row's ``min_tokens_masked_ids`` while it has generated fewer
+    than ``min_new_tokens`` tokens (``positions[i] - prompt_lens[i]``: those before the one being sampled)."""
+    if prompt_lens is None:
+        raise ValueError("min_new_tokens needs the prompt lengths")
+    rows = [i for i, p in enumerate(params) if positions[i] - prompt_lens[i] < p.min_new_tokens
+            for _ in p.min_tokens_masked_ids]
+    if not rows:
+        return logits
+    tokens = [t for i, p in enumerate(params) if positions[i] - prompt_lens[i] < p.min_new_tokens
+              for t in p.min_tokens_masked_ids]
+    index = to_device([rows, tokens], torch.long, logits.device)
+    return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -260,6 +260,41 @@ def test_logit_bias_answers_as_transformers_biases_them(smollm2_f32_server, smol
 
 
 @smollm2
+def test_vllm_min_tokens_and_stop_token_ids_answer_as_transformers(smollm2_f32_server, smollm2_transformers):
+    """vLLM's min_tokens and stop_token_ids on the completions route, greedy: with min_tokens the end-of-turn token
+    is masked until then, as transformers' ``MinNewTokensLengthLogitsProcessor`` masks it, and the answer runs on
+    to the next one; a stop id ends the answer at its first occurrence (its text kept: it is no special token),
+    ignore_eos or not."""
+    from openai import OpenAI
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    model, tokenizer = smollm2_transformers
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           tokenize=False, add_generation_prompt=True)
+    prompt_len, new, minimum = len(tokenizer(prompt).input_ids), 60, 12
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    plain = greedy_reference(model, tokenizer, prompt, new)
+    assert eos in plain[:minimum], "the plain answer must end before min_tokens for the test to mean anything"
+    held, margins = greedy_with_margins(model, tokenizer, prompt, new, logits_processor=LogitsProcessorList(
+        [MinNewTokensLengthLogitsProcessor(prompt_len, minimum, [eos])]))
+    end = next(i for i, t in enumerate(held) if t == eos and i >= minimum)
+    assert min(margins[:end + 1]) > 1e-3 and eos not in held[:minimum], margins
+    sdk = OpenAI(base_url=f"{smollm2_f32_server.url}/v1", api_key="-")
+    answer = sdk.completions.create(model="tgi", prompt=prompt, max_tokens=new, temperature=0,
+                                    extra_body={"min_tokens": minimum})
+    assert answer.choices[0].text == tokenizer.decode(held[:end]), (answer, tokenizer.decode(held))
+    assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("stop", end + 1)
+    # a stop id: the first "." of the plain answer ends it there, with or without ignore_eos
+    period = tokenizer.convert_tokens_to_ids(".")
+    at = plain.index(period)
+    for extra in ({"stop_token_ids": [period]}, {"stop_token_ids": [period], "ignore_eos": True}):
+        answer = sdk.completions.create(model="tgi", prompt=prompt, max_tokens=new, temperature=0, extra_body=extra)
+        assert answer.choices[0].text == tokenizer.decode(plain[:at + 1]), (extra, answer)
+        assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("stop", at + 1)
+
+
+@smollm2
 def test_smollm2_float16_kv_cache_served(smollm2_transformers):
     """`--kv-cache-dtype float16` on SmolLM2 in float32 (head dim 64: the AVX2 + F16C kernels, and the fused
     layer): the served tokens follow transformers' float32 ones wherever the reference's top-1 margin is wide

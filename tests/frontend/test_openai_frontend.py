@@ -137,6 +137,10 @@ def test_logit_bias_reaches_the_engine_on_both_routes(fe):
     ({"logit_bias": {"5": True}}, "logit_bias", "Invalid value in `logit_bias` for token 5: true"),
     ({"logit_bias": [1.0]}, "logit_bias", "`logit_bias` must be an object"),
     ({"logit_bias": {"1000000000": 1}}, "logit_bias", "token id 1000000000 in `logit_bias` is out of the vocabulary"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids", "`stop_token_ids` must be an array of token ids"),
+    ({"stop_token_ids": [10 ** 9]}, "stop_token_ids", "token id 1000000000 in `stop_token_ids` is out of the"),
+    ({"min_tokens": -1}, "min_tokens", "`min_tokens` must be >= 0. Given: -1"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "`min_tokens` must be <= the tokens to generate (8). Given: 9"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format", "grammar is not valid: 'objectx' is not valid under any of the given schemas"),
     ({"response_format": {"type": "xml"}}, "response_format", "`response_format.type` must be `text`"),
@@ -214,6 +218,37 @@ def test_stop_text_is_cut_from_openai_answers(fe):
     # TGI's native route keeps the stop sequence in the text
     status, _, body = fe.post("/generate", {"inputs": "hi", "parameters": {"stop": [stop]}})
     assert body["generated_text"] == "Hello wörld"
+
+
+def test_vllm_stop_token_ids_min_tokens_and_include_stop_str_in_output(fe):
+    """vLLM's extensions: stop ids beside EOS (kept by ignore_eos), min_tokens masking every id that would end the
+    request (EOS only without ignore_eos) and holding back stop sequences, and a stop sequence kept in the text."""
+    chat(fe, stop_token_ids=[7, 9, 7], min_tokens=3)
+    add = fe.sched.adds[last_rid(fe)]
+    assert add.stopping.request_stop_ids == [7, 9] and add.stopping.stop_token_ids == [EOS]
+    assert (add.sampling.min_new_tokens, add.sampling.min_tokens_masked_ids) == (3, [EOS, 7, 9])
+    chat(fe, stop_token_ids=[7], min_tokens=2, ignore_eos=True)
+    add = fe.sched.adds[last_rid(fe)]
+    assert add.stopping.ignore_eos and add.stopping.request_stop_ids == [7]
+    assert add.sampling.min_tokens_masked_ids == [7]
+    chat(fe)
+    add = fe.sched.adds[last_rid(fe)]
+    assert (add.stopping.request_stop_ids, add.sampling.min_new_tokens, add.sampling.min_tokens_masked_ids) == (
+        [], 0, [])
+    # the stop sequence kept, streamed and not
+    _, _, body = chat(fe, stop="wörld", include_stop_str_in_output=True)
+    assert body["choices"][0]["message"]["content"] == "Hello wörld" and body["choices"][0]["finish_reason"] == "stop"
+    _, _, raw = fe.request("POST", "/v1/completions", {"prompt": "hi", "stop": "wörld", "stream": True,
+                                                      "include_stop_str_in_output": True})
+    assert "".join(e["choices"][0]["text"] for e in stream_events(raw)) == "Hello wörld"
+    # min_tokens: an "l" the first tokens complete does not stop the answer; the first one after them does
+    _, _, body = chat(fe, stop="l")
+    assert body["choices"][0]["message"]["content"] == "He"
+    hello = next(k for k in range(1, len(fe.sched.reply)) if fe.sched.tok.decode(fe.sched.reply[:k]) == "Hello")
+    _, _, body = chat(fe, stop="l", min_tokens=hello + 1)
+    assert body["choices"][0]["message"]["content"] == "Hello wör", body
+    _, _, body = chat(fe, stop="l", min_tokens=hello + 1, include_stop_str_in_output=True)
+    assert body["choices"][0]["message"]["content"] == "Hello wörl", body
 
 
 def test_a_stop_completed_by_the_last_allowed_token_is_the_stop(fe):

@@ -71,33 +71,47 @@ def test_a_continuous_batch_through_the_graph_buffers_is_token_exact(llama_dir, 
     assert set(fused) == {"rms_norm", "rotary_kv_write", "silu_and_mul"}
 
 
-def test_logit_bias_rows_are_sampled_beside_the_graphs_choice_as_transformers_biases(llama_dir, monkeypatch):
-    """OpenAI's logit_bias through the graph buffers: a step with a biased row still replays its forward, but its
-    rows are chosen by ``sample`` from the biased logits (the graph's own argmax knows no bias); every request's
-    tokens and logprobs equal transformers' ``generate`` with that bias as one-token ``sequence_bias``."""
+def test_logit_bias_and_min_tokens_rows_are_sampled_beside_the_graphs_choice_as_transformers_processes_them(
+        llama_dir, monkeypatch):
+    """OpenAI's logit_bias and vLLM's min_tokens through the graph buffers: a step with such a row still replays its
+    forward, but its rows are chosen by ``sample`` from the processed logits (the graph's own argmax knows neither);
+    every request's tokens and logprobs equal transformers' ``generate`` with the bias as one-token
+    ``sequence_bias``, and min_tokens as its ``MinNewTokensLengthLogitsProcessor`` (masking, not stopping)."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
     from llmbus.testing.runner_driver import Request
 
-    prompts = make_prompts(VOCAB)[:4]
+    prompts = make_prompts(VOCAB)
     plain = reference(llama_dir, prompts)
     # none; a ban on the third token it would say; a boost for its last; a ban on its first with a boost beside
     biases = [None, {plain.tokens[1][2]: -100.0}, {plain.tokens[2][-1]: 6.0},
-              {plain.tokens[3][0]: -100.0, 17: 2.5}]
-    expected = reference(llama_dir, prompts, logit_biases=biases)
+              {plain.tokens[3][0]: -100.0, 17: 2.5}, None]
+    # the last request may not say its second token before its sixth
+    masked, minimum = plain.tokens[4][1], 6
+    kwargs = [{"sequence_bias": [[[t], v] for t, v in bias.items()]} if bias else None for bias in biases]
+    kwargs[4] = {"logits_processor": LogitsProcessorList([MinNewTokensLengthLogitsProcessor(
+        len(prompts[4]), minimum, [masked])])}
+    expected = reference(llama_dir, prompts, generate_kwargs=kwargs)
     assert expected.tokens[0] == plain.tokens[0]
-    assert all(expected.tokens[i] != plain.tokens[i] for i in (1, 2, 3)), "a bias that changes nothing tests nothing"
+    assert all(expected.tokens[i] != plain.tokens[i] for i in (1, 2, 3, 4)), "a processor that changes nothing"
+    assert masked not in expected.tokens[4][:minimum] and masked in plain.tokens[4][:minimum]
     runner, _ = _runner_with_graphs(llama_dir, (1, 2, 4, 8))
     steps: list[set] = []
     launch, forward = runner.launch, runner.graphs.forward
     monkeypatch.setattr(runner, "launch", lambda *a, **k: steps.append(set()) or launch(*a, **k))
     monkeypatch.setattr(runner.graphs, "forward", lambda *a, **k: steps[-1].add("replay") or forward(*a, **k))
     monkeypatch.setattr(model_runner, "sample", lambda *a, **k: steps[-1].add("sample") or sample(*a, **k))
-    requests = [Request(rid=f"r{i}", prompt=prompt, sampling=SamplingParams(
-        logit_bias_ids=list(bias or {}), logit_bias_values=list((bias or {}).values())))
-        for i, (prompt, bias) in enumerate(zip(prompts, biases))]
+    sampling = [SamplingParams(logit_bias_ids=list(bias or {}), logit_bias_values=list((bias or {}).values()))
+                for bias in biases]
+    sampling[4] = SamplingParams(min_new_tokens=minimum, min_tokens_masked_ids=[masked])
+    requests = [Request(rid=f"r{i}", prompt=prompt, sampling=params)
+                for i, (prompt, params) in enumerate(zip(prompts, sampling))]
+    requests[4].arrival_step = 16  # alone after the others: its steps hold no biased row
     results = drive(runner, requests)
     assert {"replay", "sample"} in steps
     for i in range(len(prompts)):
-        assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}: {biases[i]}"
+        assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}: {sampling[i]}"
         torch.testing.assert_close(torch.tensor(results[f"r{i}"].logprobs), expected.greedy_logprobs(i),
                                    rtol=0, atol=1e-4)
 

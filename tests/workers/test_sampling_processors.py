@@ -373,3 +373,30 @@ def test_a_rows_token_and_logprob_do_not_depend_on_a_neighbour_asking_for_top_to
             assert together.token_ids[k] == alone.token_ids[0], (rows, i)
             assert together.logprobs[k].item() == alone.logprobs[0].item(), (rows, i)
             assert together.top_tokens[k] == (alone.top_tokens[0] if alone.top_tokens else []), (rows, i)
+
+
+def test_min_tokens_masks_the_stop_ids_until_then_as_transformers_does():
+    """vLLM's min_tokens: each row's ids that would end it get -inf while it has generated fewer tokens (counted from
+    its prompt length), as transformers' ``MinNewTokensLengthLogitsProcessor`` masks EOS; then they are back."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, VOCAB, generator=generator) * 3
+    logits[:, 9] += 20.0  # the stop id every row would take
+    prompt_len, minimum, stops = 6, 3, [9, 40]
+    generated = [0, 1, 2, 3, 7]
+    params = [SamplingParams(min_new_tokens=minimum, min_tokens_masked_ids=stops, top_n_tokens=VOCAB)] * 4 + [
+        SamplingParams(min_new_tokens=minimum, min_tokens_masked_ids=stops, do_sample=True, seed=3, top_k=20)]
+    out = sample(logits, params, [prompt_len + g for g in generated], prompt_lens=[prompt_len] * 5)
+    processor = MinNewTokensLengthLogitsProcessor(prompt_len, minimum, stops)
+    for row, g in enumerate(generated[:4]):
+        expected = torch.log_softmax(processor(torch.zeros(1, prompt_len + g, dtype=torch.long),
+                                               logits[row:row + 1].clone())[0], dim=-1)
+        assert int(out.token_ids[row]) == int(expected.argmax()), row
+        assert (int(out.token_ids[row]) in stops) == (g >= minimum), row
+        ids, values = out.top_tokens[row]
+        assert sorted(ids) == torch.isfinite(expected).nonzero().squeeze(1).tolist(), row
+        torch.testing.assert_close(torch.tensor(values), expected[ids], rtol=0, atol=1e-5)
+    assert int(out.token_ids[4]) == 9  # past min_tokens a sampled row takes the stop id again
+    with pytest.raises(ValueError, match="prompt lengths"):
+        sample(logits, params, [prompt_len] * 5)
