@@ -22,7 +22,7 @@ from llmbus.frontend.state import STATE, json_response
 GENERATION_PATHS = frozenset({"/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions",
                               "/invocations", "/vertex", "/v1/responses", "/v1/messages"})
 # TGI leaves /chat_tokenize open; every route that tokenizes is guarded here (it costs the server as much)
-AUTH_PATHS = GENERATION_PATHS | {"/tokenize", "/chat_tokenize", "/v1/messages/count_tokens"}
+AUTH_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize", "/chat_tokenize", "/v1/messages/count_tokens"}
 # stored responses (GET and DELETE /v1/responses/{id}) hold conversations: the key guards them too
 AUTH_PREFIXES = ("/v1/responses/",)
 # a streaming handler that answered 200 but then failed in-band (or lost its client) says so here

@@ -217,6 +217,20 @@ def _logit_bias(given: dict) -> dict[int, float]:
     return bias
 
 
+def _truncate_prompt_tokens(body: dict, p: GenerateParameters, limits: Limits) -> None:
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last k tokens (-1: as many as the server takes), which is
+    TGI's ``truncate``."""
+    keep = _get(body, "truncate_prompt_tokens", "integer")
+    if keep is None:
+        return
+    if keep == -1:
+        keep = limits.max_input_tokens
+    if not 1 <= keep <= limits.max_input_tokens:
+        raise validation_error(f"`truncate_prompt_tokens` must be -1 or >= 1 and <= {limits.max_input_tokens}. "
+                               f"Given: {keep}", param="truncate_prompt_tokens")
+    p.truncate = keep
+
+
 def _set_top_logprobs(p: GenerateParameters, options: OpenAIOptions, count: int | None, name: str,
                       limits: Limits) -> None:
     if count is None:
@@ -291,6 +305,7 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
         thinking = openai_effort(body.get("reasoning_effort"))
     template_kwargs = apply_thinking(thinking, chat_format, _template_kwargs(body))
     p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"), defaults)
+    _truncate_prompt_tokens(body, p, limits)
     messages = _messages(body)
     if _get(body, "logprobs", "boolean", False):
         _set_top_logprobs(p, options, _get(body, "top_logprobs", "integer", 0), "top_logprobs", limits)
@@ -361,6 +376,7 @@ def parse_completion(body: dict, limits: Limits, max_client_batch_size: int,
     if len(prompts) > max_client_batch_size:
         raise ApiError(ErrorKind.BATCH_SIZE, str(max_client_batch_size))
     p, options = _common(body, max_client_batch_size, ("max_tokens",), defaults)
+    _truncate_prompt_tokens(body, p, limits)
     if body.get("max_tokens") is None:
         p.max_new_tokens = 16  # OpenAI's default for completions
     best_of = _get(body, "best_of", "integer")

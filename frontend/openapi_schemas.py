@@ -252,6 +252,26 @@ def tgi_schemas() -> dict:
                              "stop": _t("integer", "Character offset where it ends.", minimum=0)},
                             ("id", "text", "start", "stop")),
         "TokenizeResponse": array(ref("SimpleToken")),
+        "OtherTokenizeRequest": {"anyOf": [
+            _obj({"prompt": _t("string"), "add_special_tokens": _t("boolean", default=True, nullable=True),
+                  "return_token_strs": _t("boolean", default=False, nullable=True)}, ("prompt",),
+                 "vLLM's /tokenize body (its `messages` shape is served too: a chat body, rendered as "
+                 "/v1/chat/completions renders it)."),
+            _obj({"content": _t("string"), "add_special": _t("boolean", default=False, nullable=True),
+                  "with_pieces": _t("boolean", default=False, nullable=True)}, ("content",),
+                 "llama.cpp's /tokenize body.")]},
+        "OtherTokenizeResponse": {"anyOf": [
+            _obj({"count": _t("integer", minimum=0), "max_model_len": _t("integer", minimum=1),
+                  "tokens": array(_t("integer", minimum=0)),
+                  "token_strs": _t("array", nullable=True, items={"type": "string"})},
+                 ("count", "max_model_len", "tokens"), "vLLM's answer."),
+            _obj({"tokens": array({"anyOf": [_t("integer", minimum=0), _obj(
+                {"id": _t("integer", minimum=0), "piece": _t("string")}, ("id", "piece"))]})},
+                 ("tokens",), "llama.cpp's answer (`with_pieces`: each token an id and its text).")]},
+        "DetokenizeRequest": _obj({"tokens": array(_t("integer", minimum=0))}, ("tokens",)),
+        "DetokenizeResponse": _obj({"prompt": _t("string", "The text (vLLM's key)."),
+                                    "content": _t("string", "The same text (llama.cpp's key).")},
+                                   ("prompt", "content")),
         "ChatTokenizeResponse": _obj({"tokenize_response": ref("TokenizeResponse"),
                                       "templated_text": _t("string", "The prompt the chat template made.")},
                                      ("tokenize_response", "templated_text")),
@@ -340,6 +360,8 @@ def _openai_common(model_id: str) -> dict:
                              nullable=True, items={"type": "integer", "minimum": 0}),
         "include_stop_str_in_output": _t("boolean", "vLLM's: keep the matched stop sequence in the text.",
                                          nullable=True, default=False),
+        "truncate_prompt_tokens": _t("integer", "vLLM's: keep only the prompt's last k tokens (-1: as many as "
+                                     "--max-input-tokens).", nullable=True, minimum=-1),
     }
 
 

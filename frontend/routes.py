@@ -9,6 +9,7 @@ cancels its handler (the runner sets ``handler_cancellation``), and ``Generation
 
 from __future__ import annotations
 
+import json
 import time
 
 import structlog
@@ -25,6 +26,7 @@ from llmbus.frontend.openai_requests import parse_chat, read_json_object
 from llmbus.frontend.openai_routes import chat_completions, chat_format, chat_prompt, completions, setup_openai_routes
 from llmbus.frontend.responses_api import setup_responses_routes
 from llmbus.frontend.state import STATE, VERSION, FrontendState, json_response
+from llmbus.frontend.token_routes import detokenize, other_shape, tokenize_other
 from llmbus.frontend.validation import GenerateRequest, parse_request, validate_best_of
 from llmbus.frontend.vertex import setup_vertex_routes
 
@@ -158,9 +160,17 @@ def _token_spans(text: str, spans: list[tuple[int, int, int]]) -> list[dict]:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """The prompt's tokens with their character spans, as validation would tokenize it."""
+    """The prompt's tokens with their character spans, as validation would tokenize it (vLLM's and llama.cpp's
+    bodies get their own answers: token_routes.py)."""
     state = request.app[STATE]
-    req = await _read(request, compat=False)
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None  # TGI's parser says what is wrong with it
+    if other_shape(body):
+        return await tokenize_other(request, body)
+    req = parse_request(raw, compat=False)
     spans = await state.generator.off_loop(state.tokenizer.encode_with_offsets, req.inputs)
     return json_response(_token_spans(req.inputs, spans))
 
@@ -255,6 +265,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/chat_tokenize", chat_tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/invocations", invocations)
     setup_openai_routes(app)
     setup_anthropic_routes(app)

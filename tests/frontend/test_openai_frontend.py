@@ -480,6 +480,50 @@ def test_models_tokenize_and_chat_tokenize(fe):
                                                             "owned_by": "tiny-test"}]}
 
 
+def test_vllm_truncate_prompt_tokens_keeps_the_prompts_last_tokens(fe):
+    chat(fe)
+    whole = fe.sched.adds[last_rid(fe)].input_ids
+    chat(fe, truncate_prompt_tokens=3)
+    assert fe.sched.adds[last_rid(fe)].input_ids == whole[-3:]
+    chat(fe, truncate_prompt_tokens=-1)  # as many as the server takes: all of this one
+    assert fe.sched.adds[last_rid(fe)].input_ids == whole
+    fe.post("/v1/completions", {"prompt": "hello wörld and more", "truncate_prompt_tokens": 2})
+    assert fe.sched.adds[last_rid(fe)].input_ids == fe.sched.tok.encode("hello wörld and more").ids[-2:]
+    for keep in (0, -2, 41):
+        status, _, body = chat(fe, truncate_prompt_tokens=keep)
+        assert status == 422 and body["error"]["param"] == "truncate_prompt_tokens", body
+        assert "`truncate_prompt_tokens` must be -1 or >= 1 and <= 40" in body["error"]["message"]
+
+
+def test_vllm_and_llama_cpp_tokenize_and_detokenize(fe):
+    """/tokenize in vLLM's shapes (a prompt, with special tokens by default; messages, as the chat route renders
+    them) and llama.cpp's (content, without them by default; with pieces), and /detokenize, whose text turns back
+    into the same ids; TGI's shape and its errors unchanged."""
+    tok, text = fe.sched.tok, "hello wörld"
+    status, _, body = fe.post("/tokenize", {"prompt": text})
+    assert status == 200 and body == {"count": len(tok.encode(text).ids), "max_model_len": 64,
+                                      "tokens": tok.encode(text).ids, "token_strs": None}, body
+    _, _, body = fe.post("/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True})
+    plain = tok.encode(text, add_special_tokens=False).ids
+    assert body["tokens"] == plain and "".join(body["token_strs"]) == text
+    _, _, body = fe.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert body["tokens"] == tok.encode("<s><user>hi\n<assistant>", add_special_tokens=False).ids
+    _, _, body = fe.post("/tokenize", {"content": text})
+    assert body == {"tokens": plain}
+    _, _, body = fe.post("/tokenize", {"content": text, "add_special": True, "with_pieces": True})
+    assert [t["id"] for t in body["tokens"]] == tok.encode(text).ids and body["tokens"][0]["piece"] == "<s>"
+    status, _, body = fe.post("/detokenize", {"tokens": tok.encode(text).ids})
+    assert status == 200 and body == {"prompt": "<s>" + text, "content": "<s>" + text}, body
+    for route, bad, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"content": ["a"]}, "content"),
+                              ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs"),
+                              ("/detokenize", {"tokens": [1, -2]}, "tokens"), ("/detokenize", {}, "tokens"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+        status, _, body = fe.post(route, bad)
+        assert status == 422 and body["error_type"] == "validation" and f"`{param}`" in body["error"], (route, body)
+    status, _, body = fe.post("/tokenize", {"inputs": 5})  # TGI's own body keeps TGI's error
+    assert status == 422 and "inputs" in body["error"], body
+
+
 def test_invocations_dispatch(fe):
     _, _, body = fe.post("/invocations", {"inputs": "hi", "parameters": {"max_new_tokens": 2}})
     assert isinstance(body, list) and "generated_text" in body[0]

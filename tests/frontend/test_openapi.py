@@ -19,11 +19,11 @@ MODEL_ID = "demo/tiny"
 
 DOCUMENTED_ROUTES = [
     ("POST", "/"), ("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/tokenize"),
-    ("POST", "/chat_tokenize"), ("POST", "/invocations"), ("POST", "/v1/chat/completions"),
+    ("POST", "/chat_tokenize"), ("POST", "/detokenize"), ("POST", "/invocations"), ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/info"), ("GET", "/health"),
     ("GET", "/ping"), ("GET", "/"), ("GET", "/metrics"), ("GET", SPEC_PATH), ("GET", DOCS_PATH),
 ]
-SECURED = {("POST", p) for p in ("/", "/generate", "/generate_stream", "/tokenize", "/invocations",
+SECURED = {("POST", p) for p in ("/", "/generate", "/generate_stream", "/tokenize", "/detokenize", "/invocations",
                                   "/v1/chat/completions", "/v1/completions")}
 
 
