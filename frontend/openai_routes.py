@@ -515,12 +515,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 def _model_cards(state: FrontendState) -> list[dict]:
     """The served model, then each LoRA adapter with the base as its ``parent`` (as vLLM lists them): a
-    client selects one by naming it as ``model``."""
+    client selects one by naming it as ``model``. Each says its ``max_model_len`` (--max-total-tokens), as
+    vLLM's cards do: clients size their prompts by it."""
     model_id = state.config.model_id
     adapters = state.engine.lora_adapters if state.engine is not None else []
-    return [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id},
-            *({"id": name, "object": "model", "created": 0, "owned_by": model_id, "parent": model_id}
-              for name in adapters)]
+    card = {"object": "model", "created": 0, "owned_by": model_id, "max_model_len": state.limits.max_total_tokens}
+    return [{"id": model_id, **card}, *({"id": name, **card, "parent": model_id} for name in adapters)]
 
 
 async def models(request: web.Request) -> web.Response:

@@ -488,6 +488,8 @@ def openai_schemas(model_id: str) -> dict:
                                             usage_nullable=True),
         "Model": _obj({"id": _t("string"), "object": _t("string", const="model"),
                        "created": _t("integer"), "owned_by": _t("string"),
+                       "max_model_len": _t("integer", "The most tokens a request may hold, prompt and answer "
+                                           "(--max-total-tokens; vLLM's field).", minimum=1),
                        "parent": _t("string", "A LoRA adapter's base model.")},
                       ("id", "object", "created", "owned_by")),
         "ModelList": _obj({"object": _t("string", const="list"), "data": array(ref("Model"))},

@@ -477,7 +477,7 @@ def test_models_tokenize_and_chat_tokenize(fe):
         body["templated_text"], add_special_tokens=False).ids
     status, _, body = fe.request("GET", "/v1/models")
     assert json.loads(body) == {"object": "list", "data": [{"id": "tiny-test", "object": "model", "created": 0,
-                                                            "owned_by": "tiny-test"}]}
+                                                            "owned_by": "tiny-test", "max_model_len": 64}]}
 
 
 def test_vllm_truncate_prompt_tokens_keeps_the_prompts_last_tokens(fe):
