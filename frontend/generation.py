@@ -366,9 +366,10 @@ class Generation:
             return FinishReason(engine_reason).tgi_name
         if engine_reason == FinishReason.ABORTED:
             return "aborted"
-        # vLLM's min_tokens: no stop sequence completes before that many tokens (the tail is kept all the same)
+        # vLLM's min_tokens: no stop sequence completes within the first that many tokens (the tail is kept all the
+        # same), as no stop id ends the request there
         minimum = self.prepared.params.sampling.min_new_tokens
-        if self._max_stop and self._matches_stop(text) and len(self.tokens) + 1 >= minimum:
+        if self._max_stop and self._matches_stop(text) and len(self.tokens) + 1 > minimum:
             return "stop_sequence"
         if len(self.tokens) + 1 >= self.prepared.max_new_tokens:
             return "length"  # the scheduler should have said so; never run past the budget

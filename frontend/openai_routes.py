@@ -89,15 +89,21 @@ class Choice:
             text = "".join(t.text for t in self.gen.tokens if not t.special or t.text in self._markers)
         if self.ended_by == "stop_sequence":
             return self._cut_at_stop(text)
+        if self.ended_by == "eos_token" and not self.gen.prepared.params.include_stop_str:
+            # vLLM's stop_token_ids: the token that stopped the answer is counted but not shown (EOS, special,
+            # never is), unless include_stop_str_in_output
+            last = self.gen.tokens[-1]
+            if not last.special and last.text and text.endswith(last.text):
+                return text[:-len(last.text)]
         if not self.gen.done and self._hold:
             return text[:max(len(text) - self._hold, 0)]
         return text
 
     def _cut_at_stop(self, text: str) -> str:
         """``text`` up to the stop sequence that ended it (through it, with vLLM's ``include_stop_str_in_output``):
-        the first one to end past the tokens before ``min_tokens``, where none could complete."""
+        the first one to end past the first ``min_tokens`` tokens, within which none could complete."""
         params = self.gen.prepared.params
-        early = sum(len(t.text) for t in self.gen.tokens[:max(params.sampling.min_new_tokens - 1, 0)] if not t.special)
+        early = sum(len(t.text) for t in self.gen.tokens[:params.sampling.min_new_tokens] if not t.special)
         found = [(i, i + len(s)) for s in self._stops if (i := text.find(s, max(early - len(s) + 1, 0))) != -1]
         if not found:
             return text

@@ -184,7 +184,11 @@ class FakeScheduler:
                 self._answer(msg)
 
     def _answer(self, req: m.AddRequest) -> None:
-        ids = (self.reply + [EOS])[:req.stopping.max_new_tokens]
+        ids = self.reply + [EOS]
+        # the request's own stop ids (vLLM's stop_token_ids) end the reply at the first one past min_tokens
+        stop = next((i for i, t in enumerate(ids) if t in req.stopping.request_stop_ids
+                     and i >= req.sampling.min_new_tokens), None)
+        ids = ids[:req.stopping.max_new_tokens if stop is None else min(stop + 1, req.stopping.max_new_tokens)]
         reasons = [m.FinishReason.NONE] * len(ids)
         reasons[-1] = (m.FinishReason.LENGTH if len(ids) == req.stopping.max_new_tokens
                        else m.FinishReason.EOS_TOKEN)

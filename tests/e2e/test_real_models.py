@@ -263,8 +263,8 @@ def test_logit_bias_answers_as_transformers_biases_them(smollm2_f32_server, smol
 def test_vllm_min_tokens_and_stop_token_ids_answer_as_transformers(smollm2_f32_server, smollm2_transformers):
     """vLLM's min_tokens and stop_token_ids on the completions route, greedy: with min_tokens the end-of-turn token
     is masked until then, as transformers' ``MinNewTokensLengthLogitsProcessor`` masks it, and the answer runs on
-    to the next one; a stop id ends the answer at its first occurrence (its text kept: it is no special token),
-    ignore_eos or not."""
+    to the next one; a stop id ends the answer at its first occurrence (its text shown only with
+    include_stop_str_in_output, as in vLLM), ignore_eos or not."""
     from openai import OpenAI
     from transformers import LogitsProcessorList
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
@@ -285,12 +285,14 @@ def test_vllm_min_tokens_and_stop_token_ids_answer_as_transformers(smollm2_f32_s
                                     extra_body={"min_tokens": minimum})
     assert answer.choices[0].text == tokenizer.decode(held[:end]), (answer, tokenizer.decode(held))
     assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("stop", end + 1)
-    # a stop id: the first "." of the plain answer ends it there, with or without ignore_eos
+    # a stop id: the first "." of the plain answer ends it there (counted, its text shown only when asked, as vLLM
+    # does), with or without ignore_eos
     period = tokenizer.convert_tokens_to_ids(".")
     at = plain.index(period)
-    for extra in ({"stop_token_ids": [period]}, {"stop_token_ids": [period], "ignore_eos": True}):
+    for extra, shown in (({"stop_token_ids": [period]}, at), ({"stop_token_ids": [period], "ignore_eos": True}, at),
+                         ({"stop_token_ids": [period], "include_stop_str_in_output": True}, at + 1)):
         answer = sdk.completions.create(model="tgi", prompt=prompt, max_tokens=new, temperature=0, extra_body=extra)
-        assert answer.choices[0].text == tokenizer.decode(plain[:at + 1]), (extra, answer)
+        assert answer.choices[0].text == tokenizer.decode(plain[:shown]), (extra, answer)
         assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("stop", at + 1)
 
 

@@ -235,19 +235,29 @@ def test_vllm_stop_token_ids_min_tokens_and_include_stop_str_in_output(fe):
     add = fe.sched.adds[last_rid(fe)]
     assert (add.stopping.request_stop_ids, add.sampling.min_new_tokens, add.sampling.min_tokens_masked_ids) == (
         [], 0, [])
+    # a stop id ends the answer there: counted, its text not shown unless asked (vLLM's rule), streamed or not
+    first, second = fe.sched.reply[:2]
+    _, _, body = chat(fe, stop_token_ids=[second])
+    assert body["choices"][0]["message"]["content"] == fe.sched.tok.decode([first]), body
+    assert (body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]) == ("stop", 2)
+    _, _, raw = fe.request("POST", "/v1/completions", {"prompt": "hi", "stop_token_ids": [second], "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in stream_events(raw)) == fe.sched.tok.decode([first])
+    _, _, body = chat(fe, stop_token_ids=[second], include_stop_str_in_output=True)
+    assert body["choices"][0]["message"]["content"] == fe.sched.tok.decode([first, second]), body
     # the stop sequence kept, streamed and not
     _, _, body = chat(fe, stop="wörld", include_stop_str_in_output=True)
     assert body["choices"][0]["message"]["content"] == "Hello wörld" and body["choices"][0]["finish_reason"] == "stop"
     _, _, raw = fe.request("POST", "/v1/completions", {"prompt": "hi", "stop": "wörld", "stream": True,
                                                       "include_stop_str_in_output": True})
     assert "".join(e["choices"][0]["text"] for e in stream_events(raw)) == "Hello wörld"
-    # min_tokens: an "l" the first tokens complete does not stop the answer; the first one after them does
+    # min_tokens: an "l" the first min_tokens tokens complete does not stop the answer (vLLM's rule); the first one
+    # after them does
     _, _, body = chat(fe, stop="l")
     assert body["choices"][0]["message"]["content"] == "He"
     hello = next(k for k in range(1, len(fe.sched.reply)) if fe.sched.tok.decode(fe.sched.reply[:k]) == "Hello")
-    _, _, body = chat(fe, stop="l", min_tokens=hello + 1)
+    _, _, body = chat(fe, stop="l", min_tokens=hello)
     assert body["choices"][0]["message"]["content"] == "Hello wör", body
-    _, _, body = chat(fe, stop="l", min_tokens=hello + 1, include_stop_str_in_output=True)
+    _, _, body = chat(fe, stop="l", min_tokens=hello, include_stop_str_in_output=True)
     assert body["choices"][0]["message"]["content"] == "Hello wörl", body
 
 
