@@ -360,15 +360,15 @@ class Generation:
 
     def _finish(self, engine_reason: int, text: str) -> str | None:
         """TGI's order: length, then EOS (both decided by the scheduler), then stop sequences."""
+        minimum = self.prepared.params.sampling.min_new_tokens
         if engine_reason == FinishReason.LENGTH:
-            self.stop_at_length = bool(self._max_stop) and self._matches_stop(text)
+            self.stop_at_length = bool(self._max_stop) and self._matches_stop(text) and len(self.tokens) + 1 > minimum
         if engine_reason in (FinishReason.LENGTH, FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE):
             return FinishReason(engine_reason).tgi_name
         if engine_reason == FinishReason.ABORTED:
             return "aborted"
         # vLLM's min_tokens: no stop sequence completes within the first that many tokens (the tail is kept all the
         # same), as no stop id ends the request there
-        minimum = self.prepared.params.sampling.min_new_tokens
         if self._max_stop and self._matches_stop(text) and len(self.tokens) + 1 > minimum:
             return "stop_sequence"
         if len(self.tokens) + 1 >= self.prepared.max_new_tokens:

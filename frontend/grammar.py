@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 # Imported with the frontend, not in the first request that needs them, whose streams the import would stall
 # (design notes, "Every service starts at once").
@@ -112,15 +113,23 @@ def choice_grammar(choices, param: str | None = None) -> Grammar:
     string literals, each written as a JSON string (the literal syntax llguidance's Lark reads)."""
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise validation_error(f"`{param}` must be a non-empty array of non-empty strings", param=param)
-    return lark_grammar("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices), param)
+    # json.dumps leaves DEL and the C1 controls as they are, which Lark's lexer refuses: escaped like the rest
+    literals = (_C1.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(c, ensure_ascii=False)) for c in choices)
+    return lark_grammar("start: " + " | ".join(literals), param)
+
+
+_C1 = re.compile("[\x7f-\x9f]")
 
 
 # vLLM's structured-output parameters: the older top-level names, and the keys of ``structured_outputs``
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
-# vLLM's options of its guided decoding: the backend it compiles with, which llguidance replaces here
-_GUIDED_OPTIONS = ("guided_decoding_backend", "guided_whitespace_pattern", "disable_fallback",
-                   "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "backend")
+# vLLM's options of its guided decoding that choose how it compiles, which llguidance replaces here: no-ops
+_GUIDED_OPTIONS = ("guided_decoding_backend", "disable_fallback", "backend")
+# and those that change the output, refused by name when set (an answer must not silently differ from what the
+# option promises)
+_GUIDED_OUTPUT_OPTIONS = ("guided_whitespace_pattern", "whitespace_pattern", "disable_any_whitespace",
+                          "disable_additional_properties")
 
 
 def vllm_grammar(body: dict, *, enabled: bool, strict: bool = False) -> tuple[Grammar, str] | None:
@@ -128,6 +137,10 @@ def vllm_grammar(body: dict, *, enabled: bool, strict: bool = False) -> tuple[Gr
     None when the body asks for none. ``guided_grammar`` is GBNF (vLLM's EBNF, what xgrammar reads) where its
     rules are written with ``::=``, else llguidance's Lark. Only one kind may be given, as in vLLM."""
     given = {name: body[name] for name in _GUIDED if body.get(name) is not None}
+    option = next((k for k in _GUIDED_OUTPUT_OPTIONS if body.get(k) not in (None, False)), None)
+    if option is not None:
+        raise validation_error(f"`{option}` is not supported: llguidance's JSON whitespace and schemas are used "
+                               f"as they are", param=option)
     outputs = body.get("structured_outputs")
     if outputs is not None:
         if not isinstance(outputs, dict):
@@ -163,7 +176,9 @@ def vllm_grammar(body: dict, *, enabled: bool, strict: bool = False) -> tuple[Gr
         return choice_grammar(value, name), name
     if not isinstance(value, str):
         raise validation_error(f"`{name}` must be a string", param=name)
-    return lark_grammar(value, name, gbnf="::=" in value), name
+    # GBNF (vLLM's EBNF) or Lark: Lark first, and GBNF where Lark does not compile it and it has GBNF's rules
+    gbnf = "::=" in value and compile_error("lark", value) is not None
+    return lark_grammar(value, name, gbnf=gbnf), name
 
 
 def _schema_value(value, param: str | None):

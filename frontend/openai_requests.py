@@ -181,8 +181,9 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
     p.logit_bias = _logit_bias(_get(body, "logit_bias", "object") or {})
     # vLLM's extensions, which scripts written for it send in extra_body
     stop_token_ids = _get(body, "stop_token_ids", "array") or []
-    if not all(_is_token_id(t) for t in stop_token_ids):
-        raise validation_error("`stop_token_ids` must be an array of token ids (integers >= 0)", param="stop_token_ids")
+    if not all(_is_token_id(t) for t in stop_token_ids) or len(stop_token_ids) > MAX_TOKEN_LIST:
+        raise validation_error(f"`stop_token_ids` must be an array of at most {MAX_TOKEN_LIST} token ids (integers "
+                               f">= 0)", param="stop_token_ids")
     p.stop_token_ids = list(dict.fromkeys(stop_token_ids))
     min_tokens = _get(body, "min_tokens", "integer", 0)
     if min_tokens < 0:
@@ -202,12 +203,18 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
     return p, options
 
 
+MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids: each costs every step of the batch a little
+
+
 def _logit_bias(given: dict) -> dict[int, float]:
     """OpenAI's ``logit_bias``: token ids (as decimal strings, JSON keys) to a bias from -100 to 100. Whether the
     ids are in the vocabulary is checked with the tokenizer (``Generator.prepare``)."""
+    if len(given) > MAX_TOKEN_LIST:
+        raise validation_error(f"`logit_bias` may bias at most {MAX_TOKEN_LIST} tokens. Given: {len(given)}",
+                               param="logit_bias")
     bias: dict[int, float] = {}
     for key, value in given.items():
-        if not (key.isascii() and key.isdigit()):
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:  # no vocabulary holds a 13-digit id
             raise validation_error(f"Invalid key in `logit_bias`: {json.dumps(key)}. Keys must be token ids: "
                                    f"non-negative integers written as strings", param="logit_bias")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:

@@ -218,6 +218,10 @@ def _lark_regex(text: str) -> str:
     return "".join("\\" + ch if ch in "\\/.^$|?*+()[]{}-" else ch for ch in text)
 
 
+# a Lark grammar's string and regex literals and comments, where a word "start" names no rule
+_LARK_LITERALS = re.compile(r'"(?:\\.|[^"\\\n])*"i?|/(?:\\.|[^/\\\n])+/[imslux]*|//[^\n]*')
+
+
 def _answer_rule(grammar: Grammar) -> str | None:
     """The request's grammar as Lark rules whose start is ``reasoned_answer``; None when it cannot be."""
     if grammar.kind == "json_schema":
@@ -226,7 +230,7 @@ def _answer_rule(grammar: Grammar) -> str | None:
         return "reasoned_answer: %json " + json.dumps(schema) + "\n"
     if grammar.kind == "regex":
         return "reasoned_answer: REASONED_ANSWER\nREASONED_ANSWER: /" + grammar.source.replace("/", "\\/") + "/\n"
-    if grammar.kind == "lark" and len(re.findall(r"\bstart\b", grammar.source)) == 1:
+    if grammar.kind == "lark" and len(re.findall(r"\bstart\b", _LARK_LITERALS.sub(" ", grammar.source))) == 1:
         renamed, n = re.subn(r"^(\s*)start(\s*:)", r"\1reasoned_answer\2", grammar.source, count=1, flags=re.M)
         return renamed if n else None
     return None

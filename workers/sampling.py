@@ -328,7 +328,10 @@ def apply_min_tokens(logits: torch.Tensor, params: list[SamplingParams], positio
     tokens = [t for i, p in enumerate(params) if positions[i] - prompt_lens[i] < p.min_new_tokens
               for t in p.min_tokens_masked_ids]
     index = to_device([rows, tokens], torch.long, logits.device)
-    return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
+    masked = logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
+    # A row whose grammar allows nothing but a stop id (it is complete) keeps it: the grammar's answer must end,
+    # and a row of -inf would draw garbage. Decided on the device: nothing here waits for it.
+    return torch.where(torch.isfinite(masked).any(dim=-1, keepdim=True), masked, logits)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -132,6 +132,8 @@ CHOICE_LARK = 'start: "say \\"yes\\"" | "naïve" | "back\\\\slash" | "🙂"'
     ({"structured_outputs": {"json_object": True}}, Grammar("json_schema", '{"type":"object"}')),
     ({"guided_json": SCHEMA, "guided_decoding_backend": "outlines"}, Grammar("json_schema", COMPACT)),
     ({"structured_outputs": {"json_object": False}}, None),
+    ({"guided_grammar": 'start: "a ::= b"'}, Grammar("lark", 'start: "a ::= b"')),  # Lark, "::=" in a literal
+    ({"guided_choice": ["a\x7fb"]}, Grammar("lark", 'start: "a\\u007fb"')),  # DEL escaped for Lark's lexer
 ])
 def test_vllm_structured_outputs_reach_the_scheduler(make_fe, extra, expected):
     fe = make_fe()
@@ -163,6 +165,10 @@ def test_vllm_gbnf_grammar_is_translated(make_fe):
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs",
      "`structured_outputs.structural_tag` is not supported"),
     ({"structured_outputs": "json"}, "structured_outputs", "`structured_outputs` must be an object"),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern",
+     "`guided_whitespace_pattern` is not supported"),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, "structured_outputs",
+     "`structured_outputs.disable_any_whitespace` is not supported"),
     ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex",
      "`guided_regex` and `response_format` cannot both constrain the output"),
 ])

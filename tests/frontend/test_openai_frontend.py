@@ -137,7 +137,10 @@ def test_logit_bias_reaches_the_engine_on_both_routes(fe):
     ({"logit_bias": {"5": True}}, "logit_bias", "Invalid value in `logit_bias` for token 5: true"),
     ({"logit_bias": [1.0]}, "logit_bias", "`logit_bias` must be an object"),
     ({"logit_bias": {"1000000000": 1}}, "logit_bias", "token id 1000000000 in `logit_bias` is out of the vocabulary"),
-    ({"stop_token_ids": [1, "2"]}, "stop_token_ids", "`stop_token_ids` must be an array of token ids"),
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias", "Invalid key in `logit_bias`"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "`logit_bias` may bias at most 1024 tokens"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "at most 1024 token ids"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids", "`stop_token_ids` must be an array of at most 1024 token ids"),
     ({"stop_token_ids": [10 ** 9]}, "stop_token_ids", "token id 1000000000 in `stop_token_ids` is out of the"),
     ({"min_tokens": -1}, "min_tokens", "`min_tokens` must be >= 0. Given: -1"),
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "`min_tokens` must be <= the tokens to generate (8). Given: 9"),
@@ -259,6 +262,11 @@ def test_vllm_stop_token_ids_min_tokens_and_include_stop_str_in_output(fe):
     assert body["choices"][0]["message"]["content"] == "Hello wör", body
     _, _, body = chat(fe, stop="l", min_tokens=hello, include_stop_str_in_output=True)
     assert body["choices"][0]["message"]["content"] == "Hello wörl", body
+    # the budget's last token completing a stop within min_tokens: the budget ended it, the text uncut
+    budget = next(k for k in range(1, len(fe.sched.reply) + 1) if "wörld" in fe.sched.tok.decode(fe.sched.reply[:k]))
+    _, _, body = chat(fe, stop="wörld", max_tokens=budget, min_tokens=budget)
+    assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"].endswith(
+        "wörld"), body
 
 
 def test_a_stop_completed_by_the_last_allowed_token_is_the_stop(fe):

@@ -121,6 +121,10 @@ def test_tool_and_regex_grammars_after_a_section(marker_tokenizer):
     # a user's Lark grammar whose start rule is used again is left as it is
     recursive = Grammar("lark", 'start: "(" start ")" | "x"\n')
     assert grammar_after_reasoning(recursive, ReasoningPlan(THINK, INSIDE), added.get) is recursive
+    # the word in a literal or a comment names no rule: vLLM's guided_choice ["start", "stop"] is wrapped
+    words = Grammar("lark", 'start: "start" | /stop/ // the start rule\n')
+    wrapped = grammar_after_reasoning(words, ReasoningPlan(THINK, INSIDE), added.get)
+    assert wrapped is not words and accepts(llg, wrapped, ids_of(tok, "x</think>start"))
     assert json.loads(json_schema_grammar(SCHEMA).source) == SCHEMA
 
 

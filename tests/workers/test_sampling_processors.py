@@ -398,5 +398,12 @@ def test_min_tokens_masks_the_stop_ids_until_then_as_transformers_does():
         assert sorted(ids) == torch.isfinite(expected).nonzero().squeeze(1).tolist(), row
         torch.testing.assert_close(torch.tensor(values), expected[ids], rtol=0, atol=1e-5)
     assert int(out.token_ids[4]) == 9  # past min_tokens a sampled row takes the stop id again
+    # a row whose grammar allows nothing but a stop id (complete) keeps it, min_tokens or not: never a row of -inf
+    complete = torch.full((2, VOCAB), float("-inf"))
+    complete[:, 9] = logits[0, 9]
+    done = sample(complete, [SamplingParams(min_new_tokens=minimum, min_tokens_masked_ids=stops),
+                             SamplingParams(min_new_tokens=minimum, min_tokens_masked_ids=stops, do_sample=True)],
+                  [prompt_len, prompt_len], prompt_lens=[prompt_len] * 2)
+    assert done.token_ids.tolist() == [9, 9] and done.logprobs.tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="prompt lengths"):
         sample(logits, params, [prompt_len] * 5)
