@@ -233,6 +233,9 @@ def test_padding_rows_do_not_lengthen_the_last_sequence_under_longrope(tmp_path)
     torch.testing.assert_close(logits, eager)
 
 
+SHORT = 7  # tokens per request in the two-rank test
+
+
 def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path):
     """Tensor parallelism: the embedding's, each attention output's and each MLP's all-reduce run inside the
     parts, over the padded rows too, on two gloo ranks, then in whole buckets (each rank's attention over its
@@ -242,13 +245,16 @@ def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path):
 
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
-    both = drive_tensor_parallel(llama_dir, {"family": family_requests(prompts)}, str(tmp_path),
+    requests = family_requests(prompts)
+    for request in requests:  # half the tokens (r1 is still preempted after 5): the kernels run interpreted, twice
+        request.max_new_tokens = SHORT
+    both = drive_tensor_parallel(llama_dir, {"family": requests}, str(tmp_path),
                                  attention_backend="triton", piecewise=(4, 8, 16, 32), whole=True)
     assert set(both) == {"family", "family whole"}
     for name, results in both.items():
         for i in range(len(prompts)):
-            assert results[f"r{i}"][0] == expected.tokens[i], f"{name}: r{i}"
-        assert results["hit"][0] == expected.tokens[4], name
+            assert results[f"r{i}"][0] == expected.tokens[i][:SHORT], f"{name}: r{i}"
+        assert results["hit"][0] == expected.tokens[4][:SHORT], name
 
 
 def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | None = None):
