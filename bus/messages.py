@@ -172,8 +172,8 @@ class StoppingParams(Message):
     max_new_tokens: int  # >= 1
     stop_token_ids: list[int] = field(default_factory=list)  # EOS ids (generation_config + tokenizer)
     ignore_eos: bool = False  # benchmark mode: only max_new_tokens ends the request
-    # vLLM's stop_token_ids: more ids that end the request (EOS_TOKEN), ignore_eos or not; none ends it before
-    # SamplingParams.min_new_tokens tokens
+    # vLLM's stop_token_ids: more ids that end the request (EOS_TOKEN), ignore_eos or not (before
+    # SamplingParams.min_new_tokens tokens rank 0 samples none, unless a complete grammar leaves nothing else)
     request_stop_ids: list[int] = field(default_factory=list)
 
 

@@ -453,8 +453,8 @@ class Scheduler:
         stopping = req.stopping
         if len(req.output_ids) >= stopping.max_new_tokens:
             return FinishReason.LENGTH
-        if len(req.output_ids) <= req.sampling.min_new_tokens:  # rank 0 masks the stop ids until then
-            return FinishReason.NONE
+        # vLLM's min_tokens needs nothing here: rank 0 masks the stop ids until then, unless the request's grammar
+        # allows nothing else (its text is complete), and then the stop id must end it
         if token_id in stopping.request_stop_ids or (not stopping.ignore_eos and token_id in stopping.stop_token_ids):
             return FinishReason.EOS_TOKEN
         return FinishReason.NONE

@@ -310,7 +310,7 @@ def apply_watermark(logits: torch.Tensor, params: list[SamplingParams], last_tok
 
 def plain_greedy(params: SamplingParams) -> bool:
     """Whether ``sample`` takes ``greedy``'s choice for this row as it is: no draw, no top-n alternatives, no
-    logit bias, no watermark and no penalty (what a decode graph computes beside its logits)."""
+    logit bias or min_tokens mask, no watermark and no penalty (what a decode graph computes beside its logits)."""
     return not (params.do_sample or params.top_n_tokens or params.logit_bias_ids or params.min_new_tokens
                 or params.watermark or has_penalties(params))
 

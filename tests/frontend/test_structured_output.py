@@ -206,3 +206,9 @@ def test_vllm_structured_output_parameters_through_the_openai_sdk(server):
                                          max_tokens=20, temperature=0,
                                          extra_body={"guided_grammar": 'root ::= "The answer is " ("yes" | "no") "."'})
     assert answer.choices[0].message.content in ("The answer is yes.", "The answer is no."), answer
+    # min_tokens beside a grammar that completes first: the grammar's end wins (never a row with nothing left)
+    answer = sdk.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Yes or no?"}],
+                                         max_tokens=30, temperature=0,
+                                         extra_body={"guided_choice": ["yes", "no"], "min_tokens": 20})
+    assert answer.choices[0].message.content in ("yes", "no") and answer.choices[0].finish_reason == "stop", answer
+    assert answer.usage.completion_tokens <= 3, answer.usage  # the word and its end, not EOS after EOS until 20

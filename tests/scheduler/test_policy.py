@@ -72,24 +72,26 @@ def test_eos_finishes_and_ignore_eos_does_not():
     assert batch.finished_rids == ["a"]  # workers are told to drop a's state
 
 
-def test_request_stop_ids_end_past_min_tokens_and_under_ignore_eos():
-    """vLLM's stop_token_ids end a request as EOS does, ignore_eos or not; with min_tokens no stop id ends it within
-    its first min_tokens tokens (rank 0 masks them there; the policy does not rely on it)."""
+def test_request_stop_ids_end_it_as_eos_does_and_under_ignore_eos():
+    """vLLM's stop_token_ids end a request as EOS does, ignore_eos or not. min_tokens is no rule here: rank 0 masks
+    the stop ids until then, and lets one through only where a complete grammar allows nothing else, which must
+    end the request."""
     s = make_scheduler()
     plain = make_request("a", max_new_tokens=8)
     plain.stopping.request_stop_ids = [7]
     ignoring = make_request("b", max_new_tokens=8, first=40)
     ignoring.stopping.ignore_eos, ignoring.stopping.request_stop_ids = True, [7]
     held = make_request("c", max_new_tokens=8, first=60)
-    held.stopping.request_stop_ids, held.sampling = [7], SamplingParams(min_new_tokens=2)
+    held.sampling = SamplingParams(min_new_tokens=4)
     for r in (plain, ignoring, held):
         s.add(r)
     reasons = []
-    for token in (7, 2, 7):  # a stop id, EOS, a stop id: the third token is the first past min_tokens
+    for token in (5, 2, 7):
         _, events = step(s, token=token)
         reasons.append({e.request.rid: e.finish_reason for e in events})
-    assert reasons == [{"a": FinishReason.EOS_TOKEN, "b": FinishReason.EOS_TOKEN, "c": FinishReason.NONE},
-                       {"c": FinishReason.NONE}, {"c": FinishReason.EOS_TOKEN}]
+    assert reasons == [{"a": FinishReason.NONE, "b": FinishReason.NONE, "c": FinishReason.NONE},
+                       {"a": FinishReason.EOS_TOKEN, "b": FinishReason.NONE, "c": FinishReason.EOS_TOKEN},
+                       {"b": FinishReason.EOS_TOKEN}]
 
 
 def test_request_that_can_never_fit_is_refused():
