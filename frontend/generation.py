@@ -368,7 +368,7 @@ class Generation:
         if engine_reason == FinishReason.ABORTED:
             return "aborted"
         # vLLM's min_tokens: no stop sequence completes within the first that many tokens (the tail is kept all the
-        # same), as no stop id ends the request there
+        # same), as rank 0 samples no stop id there
         if self._max_stop and self._matches_stop(text) and len(self.tokens) + 1 > minimum:
             return "stop_sequence"
         if len(self.tokens) + 1 >= self.prepared.max_new_tokens:
