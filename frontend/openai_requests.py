@@ -19,7 +19,7 @@ from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
 from llmbus.frontend.grammar import response_format_grammar, vllm_grammar
 from llmbus.frontend.reasoning import ReasoningPlan
-from llmbus.frontend.refused_fields import OPENAI_CHAT, refuse_unserved
+from llmbus.frontend.refused_fields import OPENAI_CHAT, VLLM_EXTRAS, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
 from llmbus.frontend.thinking_controls import ThinkingAsk, apply_thinking, openai_effort
 from llmbus.frontend.tools import ToolPlan, parse_tools
@@ -308,6 +308,7 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
     its thinking switch, which ``reasoning_effort`` sets (or ``thinking``: the control of the API a
     translated body came from, thinking_controls.py)."""
     refuse_unserved(body, OPENAI_CHAT)
+    refuse_unserved(body, VLLM_EXTRAS)
     if thinking is None:
         thinking = openai_effort(body.get("reasoning_effort"))
     template_kwargs = apply_thinking(thinking, chat_format, _template_kwargs(body))
@@ -379,6 +380,7 @@ def parse_completion(body: dict, limits: Limits, max_client_batch_size: int,
     suffix = body.get("suffix")
     if suffix:
         raise ApiError(ErrorKind.SUFFIX)
+    refuse_unserved(body, VLLM_EXTRAS)
     prompts = _prompts(body.get("prompt"))
     if len(prompts) > max_client_batch_size:
         raise ApiError(ErrorKind.BATCH_SIZE, str(max_client_batch_size))

@@ -6,6 +6,8 @@ API's documented fields are either honoured by its parser, accepted as documente
 or listed here: a request that sets one to anything but its "off" values gets 400 (``ErrorKind.UNSUPPORTED``)
 naming the field. Unknown keys stay ignored, as OpenAI's SDKs add new ones freely.
 
+vLLM's extensions are refused the same way where llmbus does not serve them (``VLLM_EXTRAS``).
+
 Accepted as no-ops, since they change nothing a client sees in the answer: OpenAI's ``user``,
 ``safety_identifier``, ``prompt_cache_key`` (prefix caching is automatic), ``metadata``, ``store`` on chat
 completions (OpenAI's own dashboard), ``service_tier``, ``prediction`` (a latency hint: the output is the
@@ -42,6 +44,21 @@ OPENAI_CHAT: dict[str, tuple[str, _Off]] = {
     "modalities": ('only the "text" modality is served', _text_only),
     "verbosity": ("`verbosity` is not supported", _empty),
     "web_search_options": ("built-in web search is not supported", _empty),
+}
+# vLLM's sampling extensions (sent in the OpenAI SDK's extra_body) that llmbus does not serve, on both OpenAI routes;
+# those it serves (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, guided_*, ...) are read
+# by openai_requests.py
+VLLM_EXTRAS: dict[str, tuple[str, _Off]] = {
+    "skip_special_tokens": ("`skip_special_tokens: false` is not supported: special tokens are never shown in the "
+                            "text", lambda v: v in (None, True)),
+    "spaces_between_special_tokens": ("`spaces_between_special_tokens: false` is not supported",
+                                      lambda v: v in (None, True)),
+    "prompt_logprobs": ("`prompt_logprobs` is not supported: use /v1/completions with `echo` and `logprobs` "
+                        "(--enable-prefill-logprobs)", lambda v: v is None),
+    "allowed_token_ids": ("`allowed_token_ids` is not supported: use `guided_choice` or `logit_bias`", _empty),
+    "bad_words": ("`bad_words` is not supported: use `logit_bias` to ban tokens", _empty),
+    "use_beam_search": ("beam search is not supported", _empty),
+    "logits_processors": ("custom logits processors are not supported", _empty),
 }
 RESPONSES: dict[str, tuple[str, _Off]] = {
     "include": ("`include` is not supported: no extra output data (logprobs, reasoning, tool results) is "

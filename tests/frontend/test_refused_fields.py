@@ -11,12 +11,13 @@ import json
 import jsonschema
 import pytest
 
-from llmbus.frontend.refused_fields import ANTHROPIC, OPENAI_CHAT, RESPONSES
+from llmbus.frontend.refused_fields import ANTHROPIC, OPENAI_CHAT, RESPONSES, VLLM_EXTRAS
 from llmbus.testing import Server
 from llmbus.testing.http import post
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 RESPONSE = {"model": "m", "input": "hi", "max_output_tokens": 2}
+COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 2}
 MESSAGE = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
 
@@ -29,6 +30,15 @@ ASKED = [
     ("/v1/chat/completions", CHAT, "reasoning_effort", "high", ["none", "minimal"]),
     ("/v1/chat/completions", CHAT, "verbosity", "low", []),
     ("/v1/chat/completions", CHAT, "web_search_options", {"search_context_size": "low"}, []),
+    ("/v1/chat/completions", CHAT, "skip_special_tokens", False, [True]),
+    ("/v1/chat/completions", CHAT, "spaces_between_special_tokens", False, [True]),
+    ("/v1/chat/completions", CHAT, "prompt_logprobs", 1, []),
+    ("/v1/chat/completions", CHAT, "allowed_token_ids", [1, 2], [[]]),
+    ("/v1/chat/completions", CHAT, "bad_words", ["no"], [[]]),
+    ("/v1/chat/completions", CHAT, "use_beam_search", True, [False]),
+    ("/v1/chat/completions", CHAT, "logits_processors", ["x"], [[]]),
+    ("/v1/completions", COMPLETION, "skip_special_tokens", False, [True]),
+    ("/v1/completions", COMPLETION, "prompt_logprobs", 0, []),
     ("/v1/responses", RESPONSE, "include", ["message.output_text.logprobs"], [[]]),
     ("/v1/responses", RESPONSE, "reasoning", {"effort": "low"}, [{"effort": None, "summary": None},
                                                                   {"effort": "none"}]),
@@ -70,8 +80,8 @@ REASONING_CONTROLS = {("/v1/chat/completions", "reasoning_effort"), ("/v1/respon
 
 
 def test_every_refused_field_is_covered():
-    covered = {(route, name) for route, _, name, _, _ in ASKED}
-    tables = {"/v1/chat/completions": OPENAI_CHAT, "/v1/responses": RESPONSES, "/v1/messages": ANTHROPIC}
+    covered = {(route, name) for route, _, name, _, _ in ASKED if route != "/v1/completions"}
+    tables = {"/v1/chat/completions": OPENAI_CHAT | VLLM_EXTRAS, "/v1/responses": RESPONSES, "/v1/messages": ANTHROPIC}
     assert covered == {(route, name) for route, table in tables.items() for name in table} | REASONING_CONTROLS
 
 
