@@ -138,9 +138,11 @@ class Generator:
             raise
         return gens
 
-    def _with_stop_ids(self, params: ValidParameters, max_new_tokens: int) -> ValidParameters:
-        """``params`` whose vLLM ``min_tokens`` masks the ids that would end the request before then: EOS (unless
-        ``ignore_eos``) and its ``stop_token_ids``, checked against the vocabulary."""
+    def _with_token_lists(self, params: ValidParameters, max_new_tokens: int) -> ValidParameters:
+        """``params`` whose token lists (``logit_bias``, ``stop_token_ids``) are in the vocabulary, and whose vLLM
+        ``min_tokens`` masks the ids that would end the request before then: EOS (unless ``ignore_eos``) and its
+        ``stop_token_ids``."""
+        self.tokenizer.known_ids(params.sampling.logit_bias_ids, param="logit_bias")
         self.tokenizer.known_ids(params.stop_token_ids, param="stop_token_ids")
         minimum = params.sampling.min_new_tokens
         if not minimum:
@@ -162,7 +164,6 @@ class Generator:
         self.acquire()
         try:
             params = validate_parameters(inputs, parameters, self.limits, adapters=self.engine.lora_adapters)
-            self.tokenizer.known_ids(params.sampling.logit_bias_ids, param="logit_bias")
             if isinstance(inputs, str):
                 ids = await self.tokenize(inputs, add_special_tokens)
             else:
@@ -170,7 +171,7 @@ class Generator:
                 inputs = self.tokenizer.text_of(ids)
             input_length, max_new = validate_lengths(len(ids), params.truncate, params.max_new_tokens,
                                                      self.limits)
-            params = self._with_stop_ids(params, max_new)
+            params = self._with_token_lists(params, max_new)
             if self.engine.dead_reason is not None:
                 raise generation_error(self.engine.dead_reason)
             prepared = Prepared(inputs=inputs, input_ids=ids[len(ids) - input_length:], params=params,

@@ -46,7 +46,7 @@ def read_json_object(raw: bytes, what: str) -> dict:
     return body
 
 
-def _get(body: dict, name: str, kind: str, default=None):
+def body_field(body: dict, name: str, kind: str, default=None):
     """``body[name]`` if present and not null, checked to be of JSON type ``kind``."""
     value = body.get(name)
     if value is None:
@@ -120,23 +120,23 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
     p = GenerateParameters(do_sample=True, details=True)
     max_tokens = None
     for key in max_tokens_keys:  # max_completion_tokens wins over the deprecated max_tokens
-        value = _get(body, key, "integer")
+        value = body_field(body, key, "integer")
         if value is not None:
             if value < 1:
                 raise validation_error(f"`{key}` must be >= 1. Given: {value}", param=key)
             max_tokens = value
     p.max_new_tokens = max_tokens
 
-    temperature = _get(body, "temperature", "number")
+    temperature = body_field(body, "temperature", "number")
     _in_range("temperature", temperature, 0.0, 2.0)
-    top_p = _get(body, "top_p", "number")
+    top_p = body_field(body, "top_p", "number")
     _in_range("top_p", top_p, 0.0, 1.0, low_open=True)
-    top_k = _get(body, "top_k", "integer")  # vLLM's extension; -1 and 0 mean off there
+    top_k = body_field(body, "top_k", "integer")  # vLLM's extension; -1 and 0 mean off there
     if top_k is not None and top_k > I32_MAX:  # the engine's top_k is TGI's i32
         raise validation_error(f"`top_k` must be <= {I32_MAX}. Given: {top_k}", param="top_k")
-    min_p = _get(body, "min_p", "number")  # vLLM's and llama.cpp's extension; 0 means off
+    min_p = body_field(body, "min_p", "number")  # vLLM's and llama.cpp's extension; 0 means off
     _in_range("min_p", min_p, 0.0, 1.0)
-    repetition = _get(body, "repetition_penalty", "number")  # TGI's and vLLM's extension
+    repetition = body_field(body, "repetition_penalty", "number")  # TGI's and vLLM's extension
     # Unset: the server's default, else OpenAI's temperature 1 over the whole vocabulary. A value the
     # request sets wins, its "off" values (top_p 1, top_k 0, min_p 0) included.
     if temperature is None:
@@ -163,42 +163,42 @@ def _common(body: dict, max_choices: int, max_tokens_keys: tuple[str, ...],
             repetition = defaults.repetition_penalty
     if repetition is not None:
         p.repetition_penalty = float(repetition)
-    frequency = _get(body, "frequency_penalty", "number")
+    frequency = body_field(body, "frequency_penalty", "number")
     _in_range("frequency_penalty", frequency, -2.0, 2.0)
     if frequency:  # OpenAI's formula, count x penalty over the generated tokens (not TGI's count / length)
         p.frequency_penalty, p.frequency_per_count = float(frequency), True
-    presence = _get(body, "presence_penalty", "number")
+    presence = body_field(body, "presence_penalty", "number")
     _in_range("presence_penalty", presence, -2.0, 2.0)
     if presence:
         p.presence_penalty = float(presence)
     p.stop = _stop_sequences(body)
-    seed = _get(body, "seed", "integer")
+    seed = body_field(body, "seed", "integer")
     if seed is not None:
         # OpenAI's seed is a signed 64-bit integer, TGI's unsigned: either is taken, and wraps into ours
         _in_range("seed", seed, -2**63, 2**64 - 1)
         p.seed = seed % 2**64
-    p.ignore_eos_token = _get(body, "ignore_eos", "boolean", False)
-    p.logit_bias = _logit_bias(_get(body, "logit_bias", "object") or {})
+    p.ignore_eos_token = body_field(body, "ignore_eos", "boolean", False)
+    p.logit_bias = _logit_bias(body_field(body, "logit_bias", "object") or {})
     # vLLM's extensions, which scripts written for it send in extra_body
-    stop_token_ids = _get(body, "stop_token_ids", "array") or []
-    if not all(_is_token_id(t) for t in stop_token_ids) or len(stop_token_ids) > MAX_TOKEN_LIST:
+    stop_token_ids = body_field(body, "stop_token_ids", "array") or []
+    if not all(is_token_id(t) for t in stop_token_ids) or len(stop_token_ids) > MAX_TOKEN_LIST:
         raise validation_error(f"`stop_token_ids` must be an array of at most {MAX_TOKEN_LIST} token ids (integers "
                                f">= 0)", param="stop_token_ids")
     p.stop_token_ids = list(dict.fromkeys(stop_token_ids))
-    min_tokens = _get(body, "min_tokens", "integer", 0)
+    min_tokens = body_field(body, "min_tokens", "integer", 0)
     if min_tokens < 0:
         raise validation_error(f"`min_tokens` must be >= 0. Given: {min_tokens}", param="min_tokens")
     p.min_new_tokens = min_tokens
-    p.include_stop_str = _get(body, "include_stop_str_in_output", "boolean", False)
+    p.include_stop_str = body_field(body, "include_stop_str_in_output", "boolean", False)
 
-    n = _get(body, "n", "integer", 1)
+    n = body_field(body, "n", "integer", 1)
     if not 1 <= n <= max_choices:
         raise validation_error(f"`n` must be >= 1 and <= {max_choices}. Given: {n}", param="n")
-    stream = _get(body, "stream", "boolean", False)
-    stream_options = _get(body, "stream_options", "object") or {}
-    include_usage = _get(stream_options, "include_usage", "boolean", False)
+    stream = body_field(body, "stream", "boolean", False)
+    stream_options = body_field(body, "stream_options", "object") or {}
+    include_usage = body_field(stream_options, "include_usage", "boolean", False)
     # A loaded LoRA adapter's name selects it; any other name gets the base model (as TGI answers any)
-    p.model = _get(body, "model", "string")
+    p.model = body_field(body, "model", "string")
     options = OpenAIOptions(n=n, stream=stream, include_usage=stream and include_usage, top_logprobs=None)
     return p, options
 
@@ -227,7 +227,7 @@ def _logit_bias(given: dict) -> dict[int, float]:
 def _truncate_prompt_tokens(body: dict, p: GenerateParameters, limits: Limits) -> None:
     """vLLM's ``truncate_prompt_tokens``: keep the prompt's last k tokens (-1: as many as the server takes), which is
     TGI's ``truncate``."""
-    keep = _get(body, "truncate_prompt_tokens", "integer")
+    keep = body_field(body, "truncate_prompt_tokens", "integer")
     if keep is None:
         return
     if keep == -1:
@@ -273,7 +273,7 @@ def _message_content(message: dict, index: int) -> str | None:
 
 
 def _messages(body: dict) -> list[dict]:
-    messages = _get(body, "messages", "array")
+    messages = body_field(body, "messages", "array")
     if not messages:
         raise validation_error("`messages` must be a non-empty array", param="messages")
     out = []
@@ -295,7 +295,7 @@ def _messages(body: dict) -> list[dict]:
 
 
 def _template_kwargs(body: dict) -> dict | None:
-    kwargs = _get(body, "chat_template_kwargs", "object")
+    kwargs = body_field(body, "chat_template_kwargs", "object")
     for key in kwargs or ():
         if key in _TEMPLATE_OWN or key.endswith("_token"):
             raise validation_error(f"`chat_template_kwargs` may not set `{key}`", param="chat_template_kwargs")
@@ -315,16 +315,16 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
     p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"), defaults)
     _truncate_prompt_tokens(body, p, limits)
     messages = _messages(body)
-    if _get(body, "logprobs", "boolean", False):
-        _set_top_logprobs(p, options, _get(body, "top_logprobs", "integer", 0), "top_logprobs", limits)
+    if body_field(body, "logprobs", "boolean", False):
+        _set_top_logprobs(p, options, body_field(body, "top_logprobs", "integer", 0), "top_logprobs", limits)
     elif body.get("top_logprobs") is not None:
         raise validation_error("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
-    tools = _get(body, "tools", "array")
+    tools = body_field(body, "tools", "array")
     if chat_format is not None:
         plan = parse_tools(body, strict=limits.strict_schemas, fmt=chat_format.tools, token_of=chat_format.token_of)
     else:
         plan = parse_tools(body, strict=limits.strict_schemas)
-    response_format = _get(body, "response_format", "object")
+    response_format = body_field(body, "response_format", "object")
     guided = vllm_grammar(body, enabled=limits.grammar_support, strict=limits.strict_schemas)
     if plan is not None:
         if (response_format and response_format.get("type") not in (None, "text")) or guided is not None:
@@ -335,7 +335,7 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
     else:
         p.constraint = _one_constraint(response_format, guided, limits)
     return ChatRequest(messages=messages, tools=tools or None, params=p, options=options, plan=plan,
-                       tool_prompt=_get(body, "tool_prompt", "string"), template_kwargs=template_kwargs,
+                       tool_prompt=body_field(body, "tool_prompt", "string"), template_kwargs=template_kwargs,
                        chat_format=chat_format)
 
 
@@ -353,7 +353,8 @@ def _one_constraint(response_format: dict | None, guided: tuple[Grammar, str] | 
     return guided[0]
 
 
-def _is_token_id(value) -> bool:
+def is_token_id(value) -> bool:
+    """A JSON value that is a token id: an integer >= 0 (not a boolean)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -367,9 +368,9 @@ def _prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, list):
         if all(isinstance(s, str) for s in prompt):
             return list(prompt)
-        if all(_is_token_id(t) for t in prompt):
+        if all(is_token_id(t) for t in prompt):
             return [list(prompt)]
-        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompt):
             return [list(p) for p in prompt]
     raise validation_error("`prompt` must be a string, an array of strings, an array of token ids (integers >= 0) "
                            "or an array of non-empty arrays of token ids", param="prompt")
@@ -388,13 +389,13 @@ def parse_completion(body: dict, limits: Limits, max_client_batch_size: int,
     _truncate_prompt_tokens(body, p, limits)
     if body.get("max_tokens") is None:
         p.max_new_tokens = 16  # OpenAI's default for completions
-    best_of = _get(body, "best_of", "integer")
+    best_of = body_field(body, "best_of", "integer")
     if best_of is not None and best_of != options.n:
         raise validation_error(f"`best_of` must equal `n` ({options.n}): choosing among extra samples is "
                                f"not supported. Given: {best_of}", param="best_of")
-    _set_top_logprobs(p, options, _get(body, "logprobs", "integer"), "logprobs", limits)
-    response_format = _get(body, "response_format", "object")  # vLLM takes it here too
+    _set_top_logprobs(p, options, body_field(body, "logprobs", "integer"), "logprobs", limits)
+    response_format = body_field(body, "response_format", "object")  # vLLM takes it here too
     p.constraint = _one_constraint(response_format, vllm_grammar(body, enabled=limits.grammar_support,
                                                                  strict=limits.strict_schemas), limits)
-    return CompletionRequest(prompts=prompts, echo=_get(body, "echo", "boolean", False), params=p,
+    return CompletionRequest(prompts=prompts, echo=body_field(body, "echo", "boolean", False), params=p,
                              options=options)

@@ -9,7 +9,6 @@ cancels its handler (the runner sets ``handler_cancellation``), and ``Generation
 
 from __future__ import annotations
 
-import json
 import time
 
 import structlog
@@ -27,7 +26,7 @@ from llmbus.frontend.openai_routes import chat_completions, chat_format, chat_pr
 from llmbus.frontend.responses_api import setup_responses_routes
 from llmbus.frontend.state import STATE, VERSION, FrontendState, json_response
 from llmbus.frontend.token_routes import detokenize, other_shape, tokenize_other
-from llmbus.frontend.validation import GenerateRequest, parse_request, validate_best_of
+from llmbus.frontend.validation import GenerateRequest, generate_request, load_json, parse_request, validate_best_of
 from llmbus.frontend.vertex import setup_vertex_routes
 
 log = structlog.get_logger("llmbus.frontend")
@@ -163,14 +162,10 @@ async def tokenize(request: web.Request) -> web.Response:
     """The prompt's tokens with their character spans, as validation would tokenize it (vLLM's and llama.cpp's
     bodies get their own answers: token_routes.py)."""
     state = request.app[STATE]
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None  # TGI's parser says what is wrong with it
+    body = load_json(await request.read())
     if other_shape(body):
         return await tokenize_other(request, body)
-    req = parse_request(raw, compat=False)
+    req = generate_request(body)
     spans = await state.generator.off_loop(state.tokenizer.encode_with_offsets, req.inputs)
     return json_response(_token_spans(req.inputs, spans))
 

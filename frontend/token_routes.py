@@ -14,7 +14,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from llmbus.frontend.errors import validation_error
-from llmbus.frontend.openai_requests import parse_chat, read_json_object
+from llmbus.frontend.openai_requests import body_field, is_token_id, parse_chat, read_json_object
+from llmbus.frontend.openai_routes import chat_format, chat_prompt
 from llmbus.frontend.state import STATE, json_response
 
 
@@ -24,38 +25,32 @@ def other_shape(body) -> bool:
                                                                                           "content"))
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise validation_error(f"`{name}` must be a boolean", param=name)
-    return value
+def _text(body: dict, name: str) -> str:
+    """The body's text to tokenize: present (the shape was chosen by it), so null is no text either."""
+    if not isinstance(body[name], str):
+        raise validation_error(f"`{name}` must be a string", param=name)
+    return body[name]
 
 
 async def tokenize_other(request: web.Request, body: dict) -> web.Response:
-    from llmbus.frontend.openai_routes import chat_format, chat_prompt
-
     state = request.app[STATE]
     if "content" in body:  # llama.cpp's
-        text = body["content"]
-        if not isinstance(text, str):
-            raise validation_error("`content` must be a string", param="content")
-        ids = await state.generator.off_loop(state.tokenizer.encode, text, _flag(body, "add_special", False))
-        if _flag(body, "with_pieces", False):
+        text = _text(body, "content")
+        ids = await state.generator.off_loop(state.tokenizer.encode, text,
+                                             body_field(body, "add_special", "boolean", False))
+        if body_field(body, "with_pieces", "boolean", False):
             return json_response({"tokens": [{"id": i, "piece": piece}
                                              for i, piece in zip(ids, state.tokenizer.token_texts(ids))]})
         return json_response({"tokens": ids})
     if "messages" in body:  # vLLM's chat shape: the template rendered as the chat route renders it
         chat = parse_chat(body, state.limits, state.config.max_client_batch_size, state.sampling_defaults,
                           chat_format(state))
-        text, special = chat_prompt(state, chat), _flag(body, "add_special_tokens", False)
+        text, special = chat_prompt(state, chat), body_field(body, "add_special_tokens", "boolean", False)
     else:
-        text, special = body["prompt"], _flag(body, "add_special_tokens", True)
-        if not isinstance(text, str):
-            raise validation_error("`prompt` must be a string", param="prompt")
+        text = _text(body, "prompt")
+        special = body_field(body, "add_special_tokens", "boolean", True)
     ids = await state.generator.off_loop(state.tokenizer.encode, text, special)
-    strs = state.tokenizer.token_texts(ids) if _flag(body, "return_token_strs", False) else None
+    strs = state.tokenizer.token_texts(ids) if body_field(body, "return_token_strs", "boolean", False) else None
     return json_response({"count": len(ids), "max_model_len": state.limits.max_total_tokens, "tokens": ids,
                           "token_strs": strs})
 
@@ -64,7 +59,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = read_json_object(await request.read(), "DetokenizeRequest")
     ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not all(is_token_id(t) for t in ids):
         raise validation_error("`tokens` must be an array of token ids (integers >= 0)", param="tokens")
     state.tokenizer.known_ids(ids, param="tokens")
     text = state.tokenizer.tokenizer.decode(ids, skip_special_tokens=False)

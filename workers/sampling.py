@@ -321,13 +321,11 @@ def apply_min_tokens(logits: torch.Tensor, params: list[SamplingParams], positio
     than ``min_new_tokens`` tokens (``positions[i] - prompt_lens[i]``: those before the one being sampled)."""
     if prompt_lens is None:
         raise ValueError("min_new_tokens needs the prompt lengths")
-    rows = [i for i, p in enumerate(params) if positions[i] - prompt_lens[i] < p.min_new_tokens
-            for _ in p.min_tokens_masked_ids]
-    if not rows:
+    held = [(i, p.min_tokens_masked_ids) for i, p in enumerate(params)
+            if positions[i] - prompt_lens[i] < p.min_new_tokens and p.min_tokens_masked_ids]
+    if not held:
         return logits
-    tokens = [t for i, p in enumerate(params) if positions[i] - prompt_lens[i] < p.min_new_tokens
-              for t in p.min_tokens_masked_ids]
-    index = to_device([rows, tokens], torch.long, logits.device)
+    index = _row_token_index(held, logits.device)
     masked = logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
     # A row whose grammar allows nothing but a stop id (it is complete) keeps it: the grammar's answer must end,
     # and a row of -inf would draw garbage. Decided on the device: nothing here waits for it.
@@ -338,13 +336,17 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     """``logits [S, vocab]`` (float32) with each row's ``logit_bias_values`` added at its ``logit_bias_ids``:
     the biased entries are ``logit + bias`` in float32, every other entry is left as it was (a new tensor:
     the caller's logits may be a graph's output buffer)."""
-    rows = [i for i, p in enumerate(params) for _ in p.logit_bias_ids]
-    tokens = [t for p in params for t in p.logit_bias_ids]
-    values = [v for p in params for v in p.logit_bias_values]
-    # one copy for both index lists (from pinned memory on a GPU: the host does not wait for it)
-    index = to_device([rows, tokens], torch.long, logits.device)
+    index = _row_token_index([(i, p.logit_bias_ids) for i, p in enumerate(params)], logits.device)
+    values = to_device([v for p in params for v in p.logit_bias_values], torch.float32, logits.device)
     # The ids of a row are distinct (AddRequest.problem), so accumulating adds each value exactly once.
-    return logits.index_put((index[0], index[1]), to_device(values, torch.float32, logits.device), accumulate=True)
+    return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+
+def _row_token_index(row_tokens: list[tuple[int, list[int]]], device: torch.device) -> torch.Tensor:
+    """``[2, n]`` (row, token) pairs of each ``(row, token ids)``, in order, on ``device`` in one copy (from pinned
+    memory on a GPU: the host does not wait for it)."""
+    return to_device([[row for row, tokens in row_tokens for _ in tokens],
+                      [t for _, tokens in row_tokens for t in tokens]], torch.long, device)
 
 
 def has_penalties(params: SamplingParams) -> bool:
