@@ -168,14 +168,12 @@ def vllm_grammar(body: dict, *, enabled: bool, strict: bool = False) -> tuple[Gr
         if not isinstance(schema, dict):
             raise validation_error(f"`{name}` must be a JSON Schema: an object, or a string holding one", param=name)
         return json_schema_grammar(schema, name, strict=strict), name
-    if kind == "regex":
-        if not isinstance(value, str):
-            raise validation_error(f"`{name}` must be a string", param=name)
-        return regex_grammar(value, name), name
     if kind == "choice":
         return choice_grammar(value, name), name
-    if not isinstance(value, str):
+    if not isinstance(value, str):  # a regex or a grammar
         raise validation_error(f"`{name}` must be a string", param=name)
+    if kind == "regex":
+        return regex_grammar(value, name), name
     # GBNF (vLLM's EBNF) or Lark: Lark first, and GBNF where Lark does not compile it and it has GBNF's rules
     gbnf = "::=" in value and compile_error("lark", value) is not None
     return lark_grammar(value, name, gbnf=gbnf), name
