@@ -249,5 +249,8 @@ def test_longrope_prompt_longer_than_the_original_length_rotates_alike_in_chunks
                 chunked = runner._forward([seq(prompt[start:start + 4], start, table, len(prompt))], runner.kv_cache)
             chunked = chunked.clone()
             decode_chunked = runner._forward([seq([40], len(prompt), table, len(prompt))], runner.kv_cache)
-        torch.testing.assert_close(chunked, whole, msg=f"prompt of {len(prompt)}")
-        torch.testing.assert_close(decode_chunked, decode_whole, msg=f"decode after a prompt of {len(prompt)}")
+        # On AVX2 the 9-token step multiplies through gemm.c and its 4-token chunks through the GEMV: rounding
+        # moves logits of ~8 by up to 2.4e-5; a chunk rotated with the short factors moves them by ~1e-1.
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-4, msg=f"prompt of {len(prompt)}")
+        torch.testing.assert_close(decode_chunked, decode_whole, rtol=1e-5, atol=1e-4,
+                                   msg=f"decode after a prompt of {len(prompt)}")
