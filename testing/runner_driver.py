@@ -261,23 +261,16 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
                                 num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, lora_adapters=lora_adapters,
                                 attention_backend=attention_backend)
         tp_runner.warmup()
-        piecewise_counts = uncaptured_piecewise(tp_runner, piecewise) if piecewise else []
+        piecewise_counts = uncaptured_piecewise(tp_runner, piecewise, whole=whole) if piecewise else []
 
         def share_tokens(sampled):
             box = [sampled]
             torch.distributed.broadcast_object_list(box, src=0)
             return box[0]
 
-        def run(batch_names: dict[str, str]) -> dict:
-            return {name: {rid: [r.tokens, r.logprobs]
-                           for rid, r in drive(tp_runner, copy.deepcopy(batches[batch]),
-                                               share_tokens=share_tokens).items()}
-                    for name, batch in batch_names.items()}
-
-        results = run({name: name for name in batches})
-        if whole:  # then the same batches through whole buckets (one spawn and load for both)
-            tp_runner.piecewise.attend_in_graphs(tp_runner.kv_cache, tp_runner.context_blocks)
-            results |= run({f"{name} whole": name for name in batches})
+        results = {name: {rid: [r.tokens, r.logprobs]
+                          for rid, r in drive(tp_runner, copy.deepcopy(batch), share_tokens=share_tokens).items()}
+                   for name, batch in batches.items()}
         if piecewise and not set(piecewise_counts) - set(piecewise):  # raised in the caller by spawn
             raise AssertionError(f"rank {rank}: no step ran piecewise padded to a bucket: {piecewise_counts}")
         if rank == 0:
@@ -293,9 +286,9 @@ def drive_tensor_parallel(model_dir: str, batches: dict[str, list[Request]], wor
                           ) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
     """``drive`` each batch in turn on ``world_size`` gloo ranks (one spawn for all of them), each rank loading
     ``lora_adapters`` and computing attention on ``attention_backend`` (ModelRunner's), its eager steps within
-    ``piecewise`` token counts through uncaptured piecewise graphs (a rank where no step did, padded, fails), and
-    with ``whole`` each batch again (named "<name> whole") with their attention over the fixed index too
-    (``--full-graphs``); per batch name, rank 0's ``{rid: (tokens, logprobs)}``."""
+    ``piecewise`` token counts through uncaptured piecewise graphs (a rank where no step did, padded, fails), with
+    ``whole`` their attention over the fixed index too (``--full-graphs``); per batch name, rank 0's
+    ``{rid: (tokens, logprobs)}``."""
     out_file = os.path.join(work_dir, "tp_out.json")
     init_file = os.path.join(work_dir, "tp_init")
     torch.multiprocessing.spawn(_tp_worker, args=(world_size, model_dir, init_file, out_file, batches,

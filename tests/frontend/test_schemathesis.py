@@ -53,10 +53,12 @@ def served_schema(server):
         "generation": {"mode": "all", "max-examples": MAX_EXAMPLES, "deterministic": True,
                        "database": "none"},
         "checks": {"enabled": False, **{name: {"enabled": True} for name in CHECKS}},
-        # /invocations takes any of the bodies of POST /, /v1/chat/completions and /v1/completions, whose
-        # boundary values their own routes' coverage phases already send; its own coverage phase would
-        # send them all again (a third of the run). Its examples and fuzzing phases stay.
-        "operations": [{"include-path": "/invocations", "phases": {"coverage": {"enabled": False}}}],
+        # /invocations takes any of the bodies of POST /, /v1/chat/completions and /v1/completions, and
+        # /vertex a list of /generate's, whose boundary values their own routes' coverage phases already
+        # send; their own coverage phases would send them all again (/invocations': a third of the run,
+        # /vertex's: a fifth of the rest). Their examples and fuzzing phases stay.
+        "operations": [{"include-path": path, "phases": {"coverage": {"enabled": False}}}
+                       for path in ("/invocations", "/vertex")],
     })
     return schemathesis.openapi.from_url(server.url + SPEC_PATH, config=config)
 

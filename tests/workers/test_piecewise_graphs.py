@@ -23,6 +23,7 @@ from llmbus.workers.sampling import greedy
 # them for the GPU first (a runner built in-process by tests/bench or tests/supervisor).
 triton_kernels = interpreted_triton_kernels()
 VOCAB = 256
+SHORT = 7  # tokens per request where the kernels run interpreted for the wiring's or the ranks' sake
 
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
@@ -197,10 +198,13 @@ def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, mon
     run, head_run = piecewise_graphs._Plan.run, piecewise_graphs._LogitsPlan.run
     monkeypatch.setattr(piecewise_graphs._Plan, "run", lambda self, *a: replays.append(self.size) or run(self, *a))
     monkeypatch.setattr(piecewise_graphs._LogitsPlan, "run", lambda self: heads.append(self.rows) or head_run(self))
-    results = drive(runner, family_requests(prompts))
+    requests = family_requests(prompts)
+    for request in requests:  # the wiring, not the length: SHORT tokens each (r1 is still preempted after 5)
+        request.max_new_tokens = SHORT
+    results = drive(runner, requests)
     for i in range(len(prompts)):
-        assert results[f"r{i}"].tokens == expected.tokens[i], f"r{i}"
-    assert results["hit"].tokens == expected.tokens[4]
+        assert results[f"r{i}"].tokens == expected.tokens[i][:SHORT], f"r{i}"
+    assert results["hit"].tokens == expected.tokens[4][:SHORT]
     assert set(replays) == {8, 32}
     assert heads and len(heads) == len(replays)  # (no step of this batch has more than 32 logits rows)
 
@@ -233,28 +237,25 @@ def test_padding_rows_do_not_lengthen_the_last_sequence_under_longrope(tmp_path)
     torch.testing.assert_close(logits, eager)
 
 
-SHORT = 7  # tokens per request in the two-rank test
-
-
 def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path):
     """Tensor parallelism: the embedding's, each attention output's and each MLP's all-reduce run inside the
-    parts, over the padded rows too, on two gloo ranks, then in whole buckets (each rank's attention over its
-    own heads through its fixed index, as ``--full-graphs`` holds it); every request's tokens equal
-    transformers' both ways (each rank fails the run where no step took the parts padded)."""
+    parts, over the padded rows too, on two gloo ranks, in whole buckets (each rank's attention over its own
+    heads through its fixed index, as ``--full-graphs`` holds it); every request's tokens equal transformers'
+    (each rank fails the run where no step took the parts padded). The parts with their attention eager
+    between them run on one rank in ``test_a_continuous_batch_through_the_piecewise_parts_is_token_exact``:
+    the all-reduces in the parts are the same either way."""
     from llmbus.testing.runner_driver import drive_tensor_parallel
 
     prompts = make_prompts(VOCAB)
     expected = reference(llama_dir, prompts)
     requests = family_requests(prompts)
-    for request in requests:  # half the tokens (r1 is still preempted after 5): the kernels run interpreted, twice
+    for request in requests:  # half the tokens (r1 is still preempted after 5): the kernels run interpreted
         request.max_new_tokens = SHORT
-    both = drive_tensor_parallel(llama_dir, {"family": requests}, str(tmp_path),
-                                 attention_backend="triton", piecewise=(4, 8, 16, 32), whole=True)
-    assert set(both) == {"family", "family whole"}
-    for name, results in both.items():
-        for i in range(len(prompts)):
-            assert results[f"r{i}"][0] == expected.tokens[i][:SHORT], f"{name}: r{i}"
-        assert results["hit"][0] == expected.tokens[4][:SHORT], name
+    results = drive_tensor_parallel(llama_dir, {"family": requests}, str(tmp_path),
+                                    attention_backend="triton", piecewise=(4, 8, 16, 32), whole=True)["family"]
+    for i in range(len(prompts)):
+        assert results[f"r{i}"][0] == expected.tokens[i][:SHORT], f"r{i}"
+    assert results["hit"][0] == expected.tokens[4][:SHORT]
 
 
 def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | None = None):
