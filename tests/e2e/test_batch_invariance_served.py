@@ -99,12 +99,18 @@ def test_served_bf16_answers_alone_in_a_crowd_chunked_speculated_cached_and_pree
         raise next(start.exception() for start in starts if start.exception())
     plain, chunked, tight = (start.result() for start in starts)
     with plain, chunked, tight:
-        alone = one_by_one(plain, bodies)
-        outcomes = {"crowd": in_crowd(plain, bodies),
-                    # every second request of a prompt finds the first one's blocks cached
-                    "chunked+speculated+prefix hit": one_by_one(chunked, bodies),
-                    "chunked+speculated in the crowd": in_crowd(chunked, bodies),
-                    "tight pool (preempted) in the crowd": in_crowd(tight, bodies)}
+        # The servers are served side by side, each its requests in the order below: one server's steps never
+        # hold another's requests (separate processes), and one-at-a-time requests leave the cores idle between
+        # steps, which another server's steps fill. The plain server's crowd comes after its requests alone.
+        with ThreadPoolExecutor(3) as pool:
+            on_plain = pool.submit(lambda: (one_by_one(plain, bodies), in_crowd(plain, bodies)))
+            # every second request of a prompt finds the first one's blocks cached
+            on_chunked = pool.submit(lambda: (one_by_one(chunked, bodies), in_crowd(chunked, bodies)))
+            on_tight = pool.submit(in_crowd, tight, bodies)
+            (alone, crowd), (chunked_alone, chunked_crowd) = on_plain.result(), on_chunked.result()
+            outcomes = {"crowd": crowd, "chunked+speculated+prefix hit": chunked_alone,
+                        "chunked+speculated in the crowd": chunked_crowd,
+                        "tight pool (preempted) in the crowd": on_tight.result()}
         chunked_counters, tight_counters = metrics(chunked.url), metrics(tight.url)
         assert stop_all([plain, chunked, tight]) == [0, 0, 0]  # side by side; each exit's stop is then a no-op
     failures = {name: diff for name, got in outcomes.items() if (diff := differences(alone, got))}

