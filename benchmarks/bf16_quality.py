@@ -40,7 +40,8 @@ Targets (issue #35): identical answers, llmbus bf16 (kv auto) >= llama-server bf
 perplexity, llmbus bf16 (kv auto) <= 1.01x llmbus float32. The script prints PASS/FAIL per target and
 exits 0: it measures, it does not gate. Last line: the results as one JSON object.
 
-``--dry-run`` (for the test): a generated tiny demo model, 3 questions, 8 tokens, 40 perplexity tokens.
+``--dry-run`` (for the test): a generated tiny demo model (or ``--model-id``'s), 3 questions, 8 tokens, 40
+perplexity tokens.
 """
 
 from __future__ import annotations
@@ -385,8 +386,8 @@ def main() -> None:
                    help="torch threads of this process's own parts (references, perplexity; default: torch's); "
                    "servers keep theirs. 1 is faster on a machine others load")
     p.add_argument("--dry-run", action="store_true",
-                   help="a generated tiny model, 3 questions x 8 tokens, 40 perplexity tokens, the llmbus bf16 row "
-                   "alone unless --rows says otherwise (for the test)")
+                   help="a generated tiny model (or --model-id's), 3 questions x 8 tokens, 40 perplexity tokens, the "
+                   "llmbus bf16 row alone unless --rows says otherwise (for the test)")
     a = p.parse_args()
     if a.rows is None:
         a.rows = "llmbus-bf16" if a.dry_run else ",".join(ROWS)
@@ -409,7 +410,8 @@ def main() -> None:
         if a.dry_run:
             from llmbus.supervisor.demo_model import build_demo_model
 
-            folder = build_demo_model(Path(tmp) / "tiny", "tiny")
+            # --model-id: a tiny demo model built already (the test's), else built here
+            folder = Path(a.model_id) if a.model_id else build_demo_model(Path(tmp) / "tiny", "tiny")
             questions, a.max_tokens, a.ppl_tokens = questions[:3], 8, 40
         elif a.model_id:
             folder = Path(a.model_id)

@@ -37,14 +37,17 @@ BLOCK_SIZE = 16
 
 class LlmbusDecode:
     def __init__(self, model_dir: str, dtype: torch.dtype, max_batch: int, context: int, steps: int,
-                 quantize: str | None = None):
+                 quantize: str | None = None, least_pool: bool = False):
         keep_freed_memory()  # as the worker process does on CPU
         tokens_per_seq = context + steps + 1
         blocks_per_seq = -(-tokens_per_seq // BLOCK_SIZE)
         # The server's default pool (DEFAULT_KV_CACHE_BYTES), or more if the batches need it: the pool's
         # size decides whether decode attention may keep its gathered K/V between steps (attention.py).
+        # ``least_pool``: only the blocks the batches need (a dry run's: zeroing the default pool takes
+        # seconds of a loaded CPU host's time).
         self.runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE, max_batch_prefill_tokens=2048,
-                                  quantize=quantize)
+                                  quantize=quantize,
+                                  **({"num_blocks": max_batch * blocks_per_seq + 1} if least_pool else {}))
         if self.runner.num_blocks < max_batch * blocks_per_seq + 1:
             self.runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE,
                                       num_blocks=max_batch * blocks_per_seq + 1, max_batch_prefill_tokens=2048,

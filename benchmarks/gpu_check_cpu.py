@@ -77,7 +77,7 @@ class CpuOverlapPart:
         self.free()
         built_s = time.perf_counter() - t0
         budget = cpu_budget()
-        sweep = thread_sweep(model_dir, budget, steps=4 if self.dry else 32)
+        sweep = thread_sweep(model_dir, budget, steps=4 if self.dry else 32, least_pool=self.dry)
         print(f"6 cpu overlap: {budget.describe()}; default {budget.threads(1)} threads; batch-1 step by threads: "
               + ", ".join(f"{n}: {ms:.2f} ms" for n, ms in sweep["step_ms"].items()), flush=True)
         parser = argparse.ArgumentParser()
@@ -153,19 +153,19 @@ def _side_by_side(*launches: list[str], env: dict[str, str] | None = None):
             list(pool.map(Server.stop, servers))
 
 
-def thread_sweep(model_dir, budget: CpuBudget, steps: int) -> dict:
+def thread_sweep(model_dir, budget: CpuBudget, steps: int, least_pool: bool = False) -> dict:
     """The batch-1 float32 decode step of ``model_dir`` in this process at each thread count worth knowing
     (powers of two, the default, every core, every CPU), fastest of three rounds a count: whether the default
     thread count is the fast one on this host. With the CPU model, and the compute paths the runner took (a
     host without a C compiler decodes through torch's ops, much slower). The threads spin as libgomp's default
     has them, not at the ranks' ``GOMP_SPINCOUNT`` (read once, when torch loads it): steps back to back keep
-    them awake either way."""
+    them awake either way. ``least_pool``: the runner's KV pool only what the steps need (a dry run's)."""
     from decode_step import LlmbusDecode
 
     counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= budget.cpus}
                     | {budget.threads(1), budget.cores, budget.cpus})
     before = torch.get_num_threads()
-    decode = LlmbusDecode(str(model_dir), torch.float32, 1, 128, steps)
+    decode = LlmbusDecode(str(model_dir), torch.float32, 1, 128, steps, least_pool=least_pool)
     step_ms = {}
     try:
         for n in counts:

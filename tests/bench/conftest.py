@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def dry_run(tmp_path):
-    """``dry_run("benchmarks/x.py")``: run the script with ``--dry-run --out FILE`` from the repository root;
-    assert it exits 0 and return (the finished process, the JSON it wrote)."""
+    """``dry_run("benchmarks/x.py", *args)``: run the script with ``--dry-run --out FILE`` and ``args`` from the
+    repository root; assert it exits 0 and return (the finished process, the JSON it wrote)."""
 
-    def run(script: str) -> tuple[subprocess.CompletedProcess, dict]:
+    def run(script: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
         out = tmp_path / "report.json"
-        done = subprocess.run([sys.executable, script, "--dry-run", "--out", str(out)], cwd=ROOT,
+        done = subprocess.run([sys.executable, script, "--dry-run", "--out", str(out), *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done, json.loads(out.read_text())

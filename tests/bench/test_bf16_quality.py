@@ -10,8 +10,9 @@ import pytest
 
 
 
-def test_dry_run_measures_both_parts(dry_run):
-    done, result = dry_run("benchmarks/bf16_quality.py")
+def test_dry_run_measures_both_parts(dry_run, tiny_model_dir):
+    # the session's tiny demo model: what the dry run would otherwise build again, the same bytes
+    done, result = dry_run("benchmarks/bf16_quality.py", "--model-id", str(tiny_model_dir))
     assert result["dry_run"] is True
     (row,) = result["answers"].values()
     assert row["questions"] == 3 and 0 <= row["identical"] <= 3 and len(row["answers"]) == 3

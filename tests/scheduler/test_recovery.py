@@ -1,7 +1,7 @@
 """Worker ranks that die or hang are restarted and every request resumes: `llmbus up` on the tiny model.
 
-Chaos under 16 concurrent greedy streams: SIGKILL rank 0 before the first tokens (mid-prefill), mid-decode
-and twice in a row, SIGSTOP it past --step-timeout, and at --gpus 2 SIGKILL rank 1. Every stream must end
+Chaos under 16 concurrent greedy streams: SIGKILL rank 0 before the first tokens (mid-prefill), and
+mid-decode twice in a row, SIGSTOP it past --step-timeout, and at --gpus 2 SIGKILL rank 1. Every stream must end
 with exactly transformers' float32 tokens (the undisturbed run; the prompts' margins are checked decisive),
 /metrics counts the restarts and /health fails while the ranks are away. Then the ends: a crash loop
 stops the launch with a clear error and leaves nothing behind; a killed scheduler gets every client an
@@ -135,24 +135,19 @@ def test_killed_rank_0_before_first_tokens_mid_decode_and_twice_in_a_row(server,
     wait_restarted(server, 1)
     assert restarts(server) == 1
     assert get(f"{server.url}/health")[0] == 200
-    # mid-decode (or, where the streams outran the test, idle: restarted all the same)
+    # mid-decode (or, where the streams outran the test, idle: restarted all the same), then twice in a row:
+    # the new rank 0 dies as soon as it is ready, before computing anything. The streams resume after the
+    # second restart, mid-decode, which is what a single mid-decode loss asks of a restart too (a rank's
+    # restart is seconds of this test: one fewer than a case of its own).
     rank_0 = rank_pids(server)[0]
     started = streams(server)
     started[0].wait_tokens(4)
     os.kill(rank_0, signal.SIGKILL)
-    assert_undisturbed(started, expected)
     wait_restarted(server, 2)
-    assert restarts(server) == 2
-    # twice in a row: the new rank 0 dies as soon as it is ready, before computing anything
-    rank_0 = rank_pids(server)[0]
-    started = streams(server)
-    started[0].wait_tokens(2)
-    os.kill(rank_0, signal.SIGKILL)
-    wait_restarted(server, 3)
     os.kill(rank_pids(server)[0], signal.SIGKILL)
     assert_undisturbed(started, expected)
-    wait_restarted(server, 4)
-    assert restarts(server) == 4
+    wait_restarted(server, 3)
+    assert restarts(server) == 3
     assert "worker ranks lost: restarting them" in server.stderr.text
     # the figures, for whoever runs this with -s: how long each recovery took, and what it resumed
     print("\n".join(line for line in server.stderr.lines if "worker ranks back" in line))
@@ -201,18 +196,20 @@ def test_tp2_rank_1_and_a_frontend_restarted_then_a_crash_loop_stops_cleanly(tin
     server = Server(["--model-id", str(tiny_model_dir), *COMMON, "--gpus", "2", "--num-frontends", "2",
                      "--max-restarts", "1", "--run-dir", str(run_dir)])
     try:
-        # one of two frontends dies: the other serves meanwhile, and it comes back
+        # One of two frontends dies: the other serves meanwhile (the streams below start once the launcher
+        # saw it exit, so every one of them is frontend1's), and it comes back. Its restart runs beside the
+        # ranks' below: each takes seconds.
         frontend0 = next(p for p in descendants(server.proc.pid)
                          if "llmbus.frontend" in command_line(p) and "frontend0" in command_line(p))
         os.kill(frontend0, signal.SIGKILL)
         server.stderr.wait_for("restarting frontend0", WAIT)
-        while "] ready" not in server.stderr.wait_for("service=frontend0", WAIT):
-            pass
         # rank 1 dies mid-decode
         started = streams(server)
         started[0].wait_tokens(4)
         os.kill(rank_pids(server)[1], signal.SIGKILL)
         assert_undisturbed(started, expected)
+        while "] ready" not in server.stderr.wait_for("service=frontend0", WAIT):
+            pass
         wait_restarted(server, 1)  # the frontends learn it from the scheduler's next stats, which may come later
         assert restarts(server) == 1
         # a second loss within 60 s is one more than --max-restarts 1: the launch stops, loudly

@@ -68,30 +68,8 @@ def test_broken_checkpoint_fails_startup_with_the_workers_error(tmp_path, tiny_m
     assert "safetensors" in proc.stderr.lower() or "header" in proc.stderr.lower(), proc.stderr[-3000:]
 
 
-def test_sigterm_lets_inflight_stream_finish_then_exits_0(tiny_model_dir, tmp_path):
-    import json
-    import urllib.request
-
-    run_dir = tmp_path / "run"
-    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "512",
-                  "--num-blocks", "64", "--run-dir", str(run_dir)])
-    procs = descendants(srv.proc.pid)
-    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 300, "details": True}}
-    req = urllib.request.Request(f"{srv.url}/generate_stream", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        first = resp.readline()  # the first token event has arrived: the request is in flight
-        assert first.startswith(b"data: ")
-        srv.proc.send_signal(signal.SIGTERM)
-        rest = resp.read()
-    events = [json.loads(line[6:]) for line in (first + rest).split(b"\n") if line.startswith(b"data: ")]
-    assert events[-1]["generated_text"] is not None, events[-1]
-    assert events[-1]["details"]["generated_tokens"] == len(events)
-    assert len(events) == 300 or events[-1]["details"]["finish_reason"] == "eos_token"
-    assert srv.proc.wait(60) == 0, srv.stderr.text[-3000:]
-    srv.stop()
-    assert not [p for p in procs if process_alive(p)]
-    assert not run_dir.exists()
+# SIGTERM with a stream in flight (it finishes, the launch exits 0 and leaves no process and no run dir behind):
+# test_shutdown.py, on the one launch that also checks the drain refuses new requests.
 
 
 def _failed_launch(tiny_model_dir, *args, env: dict | None = None) -> str:

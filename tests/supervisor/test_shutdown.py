@@ -1,5 +1,6 @@
 """Graceful shutdown of the whole stack (`llmbus up` on the tiny model): SIGTERM while a stream runs lets
-the stream finish, answers new requests 503, and exits 0 with no rank reported lost."""
+the stream finish, answers new requests 503, and exits 0 with no rank reported lost, no process left and the
+run dir removed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import http.client
 import json
 import signal
 
+from llmbus.bus.procfs import command_line, descendants, process_alive
 from llmbus.testing import Server
 from llmbus.testing.http import post
 
@@ -16,10 +18,12 @@ MAX_NEW = 400
 DRAIN_TIMEOUT_S = 240
 
 
-def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(tiny_model_dir):
+def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
     server = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "2048",
-                     "--graceful-termination-timeout", str(DRAIN_TIMEOUT_S)])
+                     "--graceful-termination-timeout", str(DRAIN_TIMEOUT_S), "--run-dir", str(run_dir)])
     try:
+        procs = descendants(server.proc.pid)
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
         conn.request("POST", "/generate_stream", body=json.dumps({"inputs": "Hello", "parameters": {
             "max_new_tokens": MAX_NEW, "ignore_eos_token": True, "details": True}}),
@@ -42,6 +46,7 @@ def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(tiny_mo
         assert "error" not in events[-1], events[-1]
         assert [e["index"] for e in events] == list(range(1, MAX_NEW + 1))
         assert events[-1]["details"]["finish_reason"] == "length"
+        assert events[-1]["details"]["generated_tokens"] == MAX_NEW
         assert server.proc.wait(DRAIN_TIMEOUT_S) == 0, server.stderr.text[-3000:]
         server.stderr.join()
         # The ranks are stopped with the scheduler: their leaving is no loss to recover from (it asked for a
@@ -49,6 +54,9 @@ def test_sigterm_lets_the_running_stream_finish_and_refuses_new_requests(tiny_mo
         assert not server.log_lines("worker ranks lost", "not a worker rank left"), server.stderr.text[-3000:]
     finally:
         server.stop()
+    leftovers = [p for p in procs if process_alive(p)]
+    assert leftovers == [], [command_line(p) for p in leftovers]
+    assert not run_dir.exists()
 
 
 # A process on its way out ignores SIGTERM (bus/service.ignore_stop_signals), so an exit that hangs must not
