@@ -105,6 +105,12 @@ def test_greedy_and_logprobs_match_transformers(family):
 
 
 def test_tensor_parallel_2_matches_transformers(family, tmp_path):
+    # Two ranks for the families whose split differs: Llama's every optional bias (o_proj's and down_proj's added
+    # after the reduce) and Qwen2's q/k/v biases split with the heads, beside windowed and full layers. qwen2 is
+    # the same Qwen2 model and biases without windows, and mistral's window is qwen2_layer_types' windowed layers'
+    # (each rank's heads windowed alike); their TP=1 runs read their configs (as test_family_gguf skips likewise).
+    if family.name in ("qwen2", "mistral"):
+        pytest.skip("TP=2 splits it as qwen2_layer_types (Qwen2's biases, a sliding window on the ranks' heads)")
     results = drive_tensor_parallel(family.path, {"mixed": mixed_requests(family.prompts)}, str(tmp_path))
     _assert_matches(family.reference, family.prompts, results["mixed"])
 
