@@ -16,6 +16,12 @@ from tokenizers import Tokenizer
 # In a model folder made from a GGUF (supervisor/gguf_model.py): which file it is, its tensor types.
 GGUF_MANIFEST = "gguf.json"
 
+
+
+class GGUFError(ValueError):
+    """A GGUF file llmbus cannot serve; the message is one line naming the file and the reason."""
+
+
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
                 "n_ctx")
 

@@ -30,9 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from llmbus.bus.model_files import GGUF_MANIFEST, gguf_source, is_gguf_folder
-from llmbus.workers.gguf_checkpoint import (SUPPORTED_ARCHITECTURES, GGUFError, check_servable, field_value,
-                                            open_gguf)
+from llmbus.bus.model_files import GGUF_MANIFEST, GGUFError, gguf_source, is_gguf_folder
+
+# workers.gguf_checkpoint (the file's reader) imports torch, 2 s of CPU: only a folder not yet in the cache
+# needs it, so the functions that build one import it, and `llmbus up` on a cached GGUF (the default model,
+# every start after the first) does without.
 
 CACHE_ROOT = Path(os.environ.get("LLMBUS_CACHE", Path.home() / ".cache" / "llmbus")) / "gguf"
 FORMAT_VERSION = 2  # bump when the folder's contents change, so older caches are rebuilt
@@ -53,6 +55,8 @@ def materialize(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
     folder = root / f"{path.stem}-{key}"
     if (folder / GGUF_MANIFEST).is_file():
         return folder
+    from llmbus.workers.gguf_checkpoint import check_servable, open_gguf
+
     reader = open_gguf(path)
     summary = check_servable(reader, path)
     root.mkdir(parents=True, exist_ok=True)
@@ -134,6 +138,8 @@ def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
     loading of another width fails on the tensors' shapes). Phi-3: the share of each head RoPE turns
     (rope.dimension_count). Gemma 3: the query scale, 1/sqrt(head_dim) except
     for the 62-layer 27B's hidden/heads (168, what its config.json says); Gemma3TextConfig's default is 256."""
+    from llmbus.workers.gguf_checkpoint import field_value
+
     width = field_value(reader, f"{arch}.expert_feed_forward_length") if arch == "qwen3moe" else None
     if width:
         config["moe_intermediate_size"] = int(width)
@@ -152,6 +158,8 @@ def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
 def _rope_scaling(reader, path: Path, arch: str, config: dict) -> dict | None:
     """The file's RoPE frequency scaling as transformers' ``rope_parameters`` (without the theta), or None
     for plain RoPE. GGUFError for a scaling llmbus does not compute (YaRN, LongRoPE)."""
+    from llmbus.workers.gguf_checkpoint import field_value
+
     if any(t.name in ("rope_factors_long.weight", "rope_factors_short.weight") for t in reader.tensors):
         # Phi-3's long-context files: transformers' reading drops the factors, so no reference runs them
         raise GGUFError(f"{path}: RoPE scaling 'longrope' (rope_factors_long/short tensors) is not supported "
@@ -232,4 +240,4 @@ def _eos_ids(summary: dict, config: dict, tokenizer) -> list[int]:
     return out
 
 
-__all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "gguf_source", "is_gguf_folder", "materialize"]
+__all__ = ["GGUFError", "gguf_source", "is_gguf_folder", "materialize"]

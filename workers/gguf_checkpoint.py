@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmbus.bus.model_files import GGUFError  # defined without torch: the supervisor catches it
 from llmbus.workers import gguf_dequant, quant
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")
@@ -66,10 +67,6 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 # Tensors the native model computes itself: llama3's per-frequency RoPE factors become config.json's
 # rope_parameters when the folder is made (supervisor/gguf_model.py).
 _IGNORED = ("rope_freqs.weight",)
-
-
-class GGUFError(ValueError):
-    """A GGUF file llmbus cannot serve; the message is one line naming the file and the reason."""
 
 
 @dataclass(frozen=True)

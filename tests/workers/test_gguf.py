@@ -113,6 +113,17 @@ def test_model_folder_has_config_tokenizer_and_template(gguf_dir, tiny_model_dir
     assert manifest["tensor_types"] == {"F32": 9, "Q4_1": 30} and manifest["architecture"] == "llama"
 
 
+def test_a_cached_folder_is_found_without_importing_torch(gguf_dir):
+    """`llmbus up` on a GGUF it has served before (the default model, every start after the first) finds the
+    folder without importing the file reader's torch, 2 s of each start's CPU."""
+    path = gguf_dir / "tiny-Q4_1.gguf"
+    folder = materialize(path)
+    code = ("import sys; from llmbus.supervisor.gguf_model import materialize; "
+            f"print(materialize({str(path)!r}), 'torch' in sys.modules)")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert found == [str(folder), "False"]
+
+
 def test_k_quant_fixture_reads_as_transformers_reads_it():
     with GGUFCheckpointReader(K_QUANT_FIXTURE) as reader:
         types = {reader.qtype(n) for n in reader.names()}
