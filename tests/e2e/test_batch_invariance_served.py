@@ -1,12 +1,15 @@
-"""Batch invariance through the whole stack (issue #35 part 4): SmolLM2 in bfloat16 behind `llmbus up`, the
-8 chat prompts of ``llmbus.testing.invariance`` greedy and seeded, each served alone, then among 63 random
+"""Batch invariance through the whole stack (issue #35 part 4): SmolLM2 in bfloat16 behind `llmbus up`, 4 of
+the 8 chat prompts of ``llmbus.testing.invariance`` greedy and seeded, each served alone, then among 31 random
 requests; on a second server that prefills 16 tokens a step (``--max-batch-prefill-tokens 16``),
 speculates 4 tokens (``--speculate 4``) and caches prefixes, one by one and in the crowd; and on a third
 whose KV pool is too small for the crowd (so it preempts). Every answer must be token for token the one served alone.
 
 The in-process test (tests/workers/test_batch_invariance.py) runs each disturbance on its own in every form,
 which says which one breaks; this one checks the scheduler's side: its chunks, guesses, cached blocks and
-recomputations lead the ranks to the same tokens.
+recomputations lead the ranks to the same tokens. That needs fewer targets and a smaller crowd than the
+kernels' side does: 8 targets among 31 others still make steps of dozens of rows that mix prompt chunks and
+decodes, and the tight pool still holds only two targets at once. (Each server's prefills were most of
+this test's 70 s of CPU with all 8 prompts and 63 others.)
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ COMMON = ["--dtype", "bfloat16", "--block-size", str(invariance.BLOCK_SIZE), "--
 CHUNKED_SPECULATING = ["--max-batch-prefill-tokens", "16", "--speculate", str(invariance.SPECULATE)]
 # 12 blocks of 16: two or three requests' prompts and tokens at once, for a crowd of 79.
 TIGHT_POOL = ["--num-blocks", "12"]
+SERVED_QUESTIONS = range(3, 7)  # prompts of 34 to 50 tokens: 2-3 full blocks for a prefix hit, 3-4 chunks
+SERVED_CROWD = 31
 WORDS = ("the cat river seven blue quickly under market sings table winter code light open bread far "
          "number green slow paper house think").split()
 
 
 def target_bodies() -> dict[str, dict]:
     bodies = {}
-    for i, question in enumerate(invariance.QUESTIONS):
+    for i in SERVED_QUESTIONS:
+        question = invariance.QUESTIONS[i]
         for mode in invariance.MODES:
             parameters = {"max_new_tokens": invariance.MAX_NEW_TOKENS, "details": True, "ignore_eos_token": True}
             parameters |= ({"do_sample": False} if mode == "greedy" else
@@ -45,7 +51,7 @@ def target_bodies() -> dict[str, dict]:
 def crowd_bodies() -> list[dict]:
     rng = random.Random(35)
     bodies = []
-    for _ in range(invariance.CROWD):
+    for _ in range(SERVED_CROWD):
         parameters = {"max_new_tokens": rng.randrange(1, 13), "ignore_eos_token": True}
         if rng.random() < 0.5:
             parameters |= {"do_sample": True, "temperature": 1.0, "seed": rng.randrange(1 << 30)}
