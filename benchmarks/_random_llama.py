@@ -25,6 +25,48 @@ def meta_llama(config: dict):
                                                                         if k not in keys}))
 
 
+def llama_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of ``transformers.LlamaForCausalLM(config)``'s weights, worked out without
+    transformers: for a script that needs only a checkpoint ModelRunner loads, importing it costs seconds."""
+    hidden, intermediate, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    layer = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
+             "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+             "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+             "mlp.down_proj": (hidden, intermediate), "input_layernorm": (hidden,),
+             "post_attention_layernorm": (hidden,)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()})
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):  # (LlamaConfig's default: untied)
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def write_random_llama(folder: str, config: dict, std: float = 0.02) -> str:
+    """A Llama checkpoint folder of ``config`` (config.json's fields: the shapes and ``tie_word_embeddings``),
+    N(0, std) float32 weights (norms 1), written without transformers (``llama_weight_shapes``)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+              "dtype": "float32", **config}
+    generator = torch.Generator().manual_seed(0)
+    state = {name: torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=generator) * std
+             for name, shape in llama_weight_shapes(config).items()}
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
 def random_weights(config: dict, device: torch.device, dtype: torch.dtype, std: float) -> dict[str, torch.Tensor]:
     """Every weight of ``transformers.LlamaForCausalLM(config)``, N(0, std) (norms 1), made on ``device``."""
     model = meta_llama(config)

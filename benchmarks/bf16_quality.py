@@ -68,6 +68,7 @@ TEXT = DATA / "declaration.txt"
 ROWS = ("llmbus-bf16", "llmbus-f32", "llama-bf16", "llama-f32", "hf-bf16")  # the slowest, transformers, last
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 PPL_TARGET = 1.01
+DRY_KV_TOKENS = 4096  # a dry run's served pool (float32-sized): a question and its 8 tokens many times over
 
 
 # -- answers -------------------------------------------------------------------------------------
@@ -186,6 +187,10 @@ def answer_rows(a, folder: Path, questions: list[str], reference: dict, rows: di
                     args = ["--model-id", str(folder), "--dtype", "float32" if row == "llmbus-f32" else "bfloat16"]
                     if row == "llmbus-bf16":
                         args += ["--kv-cache-dtype", name.rsplit(" ", 1)[1]]
+                    if a.dry_run:  # a few short answers: the CPU default pool, 512 MiB, zeroed at the start, is waste
+                        from vs_llama_server import kv_bytes_for
+
+                        args += ["--kv-cache-memory", str(kv_bytes_for(folder, DRY_KV_TOKENS, "float32"))]
                     with Server(args, ready_timeout=READY_TIMEOUT_S) as srv:
                         result = served_answers(srv.url, questions, a.max_tokens)
                 else:

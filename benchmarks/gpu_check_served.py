@@ -22,6 +22,7 @@ import torch
 from _random_llama import random_weights
 from _server import client_session, exact_token_prompt, load_tokenizer, metrics, stream_tokens
 from stack_overhead import roles, summarize_profile, summarize_under
+from vs_llama_server import kv_bytes_for
 
 from llmbus.testing import Server
 from llmbus.frontend.token_pieces import byte_to_unicode
@@ -34,6 +35,7 @@ READY_TIMEOUT_S = 180
 # How long part 3 keeps the throughput wave's concurrency up to read the device's idle time: two of rank 0's
 # timeline windows and the one it starts in.
 SUSTAINED_S = 3 * TIMELINE_WINDOW_S
+DRY_KV_TOKENS = 4096  # a dry run's pool: its longest prompt, or its burst, many times over
 
 
 def random_llama_dir(out: Path, shape: dict, device: torch.device, dtype: torch.dtype) -> Path:
@@ -106,7 +108,8 @@ class ServedPart:
         if getattr(self.args, "full_graphs", False):
             args += ["--full-graphs"]
         if self.dry:
-            args += ["--dtype", "float32"]
+            # and a KV pool of what the tiny waves need: the CPU default, 512 MiB, is zeroed at the start
+            args += ["--dtype", "float32", "--kv-cache-memory", str(kv_bytes_for(model_dir, DRY_KV_TOKENS, "float32"))]
         peak = _DevicePeak(self.device)
         with peak, Server(args, ready_timeout=READY_TIMEOUT_S) as server:
             started_s = time.perf_counter() - t0
@@ -157,7 +160,7 @@ class ServedPart:
                             seconds=round(seconds, 1))
             timeline_before = len(server.log_lines("device timeline"))
             spies = self._start_host_profiles(server, SUSTAINED_S)
-            stages["sustained"] = asyncio.run(sustained(SUSTAINED_S if not self.dry else 1.0))
+            stages["sustained"] = asyncio.run(sustained(SUSTAINED_S if not self.dry else 0.5))
             timeline = server.log_lines("device timeline")[timeline_before:]
             host_profiles = self._host_profiles(spies)
             restarts = metrics(server.url).get(SERVED_RESTART_METRIC)

@@ -1,7 +1,7 @@
 """Compile the Triton attention kernels for a GPU on this machine, no GPU needed, and say what each variant takes:
 registers a thread and bytes spilled (ptxas -v), or why it does not compile.
 
-    python benchmarks/kernel_registers.py [--arch 90] [--json]
+    python benchmarks/kernel_registers.py [--arch 90] [--json] [--ptxas-cache DIR]
 
 triton's wheel carries its NVIDIA backend and ptxas, so ``triton.compile`` with a ``GPUTarget`` runs here as it
 would at a GPU's first launch. The interpreter (``TRITON_INTERPRET=1``), which tests the kernels' numerics in CI,
@@ -17,12 +17,14 @@ residual, SiLU-and-mul and the greedy choice's two kernels.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels decorated for the compiler, not the interpreter
 
@@ -61,7 +63,34 @@ def _others() -> list[tuple]:
     ]
 
 
-def _compile(fn, types: dict, constexprs: dict, warps: int, arch: int) -> dict:
+def _ptxas_report(ptx: str, arch: int, cache: Path | None) -> str:
+    """What ptxas -v says (its stderr) compiling ``ptx`` for ``sm_<arch>``. With ``cache``, a folder, the report
+    of a run on these exact bytes, flags and ptxas binary is read from it (and a new one written to it): the
+    triton cache holds the compiled kernels, and ptxas on the attention variants is most of a warm run."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    flags = ["-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}"]
+    cached = None
+    if cache is not None:
+        binary = os.stat(ptxas)
+        key = "\0".join([ptxas, str(binary.st_size), str(binary.st_mtime_ns), *flags, ptx])
+        cached = cache / f"{hashlib.sha256(key.encode()).hexdigest()}.txt"
+        if cached.exists():
+            return cached.read_text()
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx_file:
+        ptx_file.write(ptx)
+    done = subprocess.run([ptxas, *flags, ptx_file.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(ptx_file.name)
+    if cached is not None and done.returncode == 0:
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")  # whole or absent to a run reading it meanwhile
+        partial.write_text(done.stderr)
+        partial.replace(cached)
+    return done.stderr
+
+
+def _compile(fn, types: dict, constexprs: dict, warps: int, arch: int, ptxas_cache: Path | None = None) -> dict:
     """``fn`` compiled for ``sm_<arch>``: its registers and spilled bytes by ptxas -v, or the compiler's error."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -74,12 +103,7 @@ def _compile(fn, types: dict, constexprs: dict, warps: int, arch: int) -> dict:
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     except Exception as exc:  # noqa: BLE001  (what the compiler said is the row)
         return {"error": f"{type(exc).__name__}: {exc}"[-600:]}
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
-        ptx.write(compiled.asm["ptx"])
-    said = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
-                           ptx.name, "-o", os.devnull], capture_output=True, text=True).stderr
-    os.unlink(ptx.name)
+    said = _ptxas_report(compiled.asm["ptx"], arch, ptxas_cache)
     row = {}
     for line in said.splitlines():
         if "Used" in line and "registers" in line:
@@ -89,7 +113,7 @@ def _compile(fn, types: dict, constexprs: dict, warps: int, arch: int) -> dict:
     return row
 
 
-def compile_variants(arch: int) -> list[dict]:
+def compile_variants(arch: int, ptxas_cache: Path | None = None) -> list[dict]:
     from llmbus.workers.attention import triton_kernels as kernels
 
     fn = kernels._paged_attention_kernel
@@ -105,9 +129,9 @@ def compile_variants(arch: int) -> list[dict]:
                           SLIDING=sliding, PRECISION="ieee", NEG_START=kernels._NEG_START, UPCAST=False,
                           SPLITS=splits, NEW_KV=new_kv)
         # eight warps: paged_attention's choice for head dim 128
-        rows.append({"name": f"paged_attention {name}"} | _compile(fn, pointers, constexprs, 8, arch))
+        rows.append({"name": f"paged_attention {name}"} | _compile(fn, pointers, constexprs, 8, arch, ptxas_cache))
     for name, other, types, constexprs, warps in _others():
-        rows.append({"name": name} | _compile(other, types, constexprs, warps, arch))
+        rows.append({"name": name} | _compile(other, types, constexprs, warps, arch, ptxas_cache))
     return rows
 
 
@@ -115,8 +139,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--ptxas-cache", type=Path, default=None,
+                        help="a folder keeping ptxas -v's reports by their PTX, to reuse where a kernel is unchanged "
+                             "(the test's; default: ptxas runs on every kernel)")
     args = parser.parse_args()
-    rows = compile_variants(args.arch)
+    rows = compile_variants(args.arch, args.ptxas_cache)
     if args.json:
         print(json.dumps(rows))
         return 0

@@ -28,7 +28,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", str(MAX_TOTAL)])
+    # A pool of 4096 tokens of the tiny model in float32, eight of the longest requests many times over: the CPU
+    # default, 512 MiB, is zeroed at the start.
+    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", str(MAX_TOTAL),
+                  "--kv-cache-memory", str(8 << 20)])
     yield srv
     assert srv.stop() == 0, srv.stderr.text[-3000:]
 

@@ -79,11 +79,11 @@ def test_a_runner_whose_piecewise_graphs_fail_is_a_row_and_the_check_goes_on_wit
     import argparse
     import importlib
 
-    from llmbus.testing.runner_driver import save_tiny_llama
     from llmbus.workers.model_runner import ModelRunner
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     gpu_check = importlib.import_module("gpu_check")
+    write_random_llama = importlib.import_module("_random_llama").write_random_llama
     asked = []
     warmup = ModelRunner.warmup
 
@@ -99,9 +99,13 @@ def test_a_runner_whose_piecewise_graphs_fail_is_a_row_and_the_check_goes_on_wit
     check.args = argparse.Namespace(attention_backend="auto", cuda_graphs="0", piecewise_graphs="16,32")
     check.device, check.report = gpu_check.torch.device("cpu"), None
     check.row = lambda part, name, ok, summary, **details: rows.append((part, name, ok, summary))
-    save_tiny_llama(str(tmp_path / "m"), tied=True, vocab_size=256)
-    first = check.runner(str(tmp_path / "m"), gpu_check.torch.float32)
-    second = check.runner(str(tmp_path / "m"), gpu_check.torch.float32)
+    # A tiny Llama written without transformers, and part 1's pool: ModelRunner's default, 512 MiB zeroed for
+    # each of the three runners, took most of the test's time.
+    model = write_random_llama(str(tmp_path / "m"), dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=256, max_position_embeddings=256, tie_word_embeddings=True))
+    first = check.runner(model, gpu_check.torch.float32, num_blocks=gpu_check.NUM_BLOCKS)
+    second = check.runner(model, gpu_check.torch.float32, num_blocks=gpu_check.NUM_BLOCKS)
     assert first.piecewise is None and second.piecewise is None
     assert asked == [(16, 32), (), ()] and check.args.piecewise_graphs == "0"
     ((part, name, ok, summary),) = rows
