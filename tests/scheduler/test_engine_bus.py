@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,8 +30,9 @@ def engine():
     sup = SupervisorSocket(run_dir.path)
     env = dict(os.environ, **sup.env)
     common = ["--run-dir", str(run_dir.path)]
-    workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none", "--gpus", str(WORLD_SIZE),
-                    "--runner", "fake", "--num-blocks", "64", "--block-size", "4"]
+    # --device cpu: with "auto", the group imports torch itself to look for GPUs (seconds of each start)
+    workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none", "--device", "cpu",
+                    "--gpus", str(WORLD_SIZE), "--runner", "fake", "--num-blocks", "64", "--block-size", "4"]
     procs = [
         subprocess.Popen([sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", str(WORLD_SIZE),
                           "--max-restarts", str(MAX_RESTARTS)], env=env),
@@ -45,9 +47,19 @@ def engine():
         procs[1].wait()
         procs[1] = subprocess.Popen(workers_argv, env=env, start_new_session=True)
 
+    frontends: list[RawFrontend] = []
+
+    def frontend(frontend_id: str) -> RawFrontend:
+        """A frontend that stays connected until the scheduler has exited: at its exit the scheduler gives the
+        events queued for a frontend whose process still runs (this one) 2 s to leave, and a closed one's
+        heartbeats never would."""
+        fe = RawFrontend(run_dir, frontend_id)
+        frontends.append(fe)
+        return fe
+
     try:
         sup.wait_ready("scheduler", timeout=120)
-        yield run_dir, procs, sup, restart_workers
+        yield SimpleNamespace(procs=procs, sup=sup, restart_workers=restart_workers, frontend=frontend)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -55,18 +67,19 @@ def engine():
             p.wait(30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(procs[1].pid, signal.SIGKILL)  # ranks of a group the test started last
+        for fe in frontends:
+            fe.close()
         sup.close()
         run_dir.close()
 
 
 def test_hello_reports_kv_capacity(engine):
-    fe = RawFrontend(engine[0], "hello")
+    fe = engine.frontend("hello")
     assert fe.hello.max_batch_total_tokens == 64 * 4 and fe.hello.block_size == 4
-    fe.close()
 
 
 def test_concurrent_requests_batch_together_and_finish(engine):
-    fe = RawFrontend(engine[0], "batch")
+    fe = engine.frontend("batch")
     prompts = {str(i): list(range(1, 2 + i)) for i in range(8)}
     for rid, prompt in prompts.items():
         fe.add(rid, prompt, max_new_tokens=5)
@@ -78,11 +91,10 @@ def test_concurrent_requests_batch_together_and_finish(engine):
     assert batches < 8 * 5
     stats = fe.wait_for_idle_stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total == 64, stats
-    fe.close()
 
 
 def test_queue_time_rides_on_the_first_token_only(engine):
-    fe = RawFrontend(engine[0], "queue")
+    fe = engine.frontend("queue")
     arrived = time.time() - 5.0  # as if validation had taken 5 s: the scheduler counts from arrival
     send(fe.requests, m.AddRequest("queue-a", fe.id, [3, 4], m.SamplingParams(), m.StoppingParams(3, []),
                                    arrival_time=arrived))
@@ -91,11 +103,10 @@ def test_queue_time_rides_on_the_first_token_only(engine):
         ev = fe.next_event()
         queue_times += [q for rid, q in zip(ev.rids, ev.queue_times) if rid == "queue-a"]
     assert 5.0 <= queue_times[0] < 60 and queue_times[1:] == [0.0, 0.0]
-    fe.close()
 
 
 def test_eos_and_abort(engine):
-    fe = RawFrontend(engine[0], "abort")
+    fe = engine.frontend("abort")
     prompt = [5, 6, 7]
     eos_at_3 = expected_tokens(prompt, 3)[-1]
     fe.add("eos", prompt, max_new_tokens=10, eos=[eos_at_3])
@@ -127,19 +138,17 @@ def test_eos_and_abort(engine):
     assert "abort-long" not in order[order.index("abort-after"):], order
     stats = fe.wait_for_idle_stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total, "the aborted request kept its blocks"
-    fe.close()
 
 
 def test_malformed_frames_do_not_kill_the_scheduler(engine):
-    fe = RawFrontend(engine[0], "junk")
+    fe = engine.frontend("junk")
     fe.requests.send_multipart([b"\x01", b"\xc1not msgpack"])
     fe.requests.send_multipart([b"\xff", b"\x90"])
     fe.requests.send(b"single frame")
     fe.add("ok", [3, 4], max_new_tokens=2)
     tokens, reasons, _ = fe.collect(1)
     assert tokens["junk-ok"] == expected_tokens([3, 4], 2)
-    assert all(p.poll() is None for p in engine[1])
-    fe.close()
+    assert all(p.poll() is None for p in engine.procs)
 
 
 def _kill_a_rank(group: subprocess.Popen, which: int) -> None:
@@ -151,8 +160,8 @@ def _kill_a_rank(group: subprocess.Popen, which: int) -> None:
 def test_lost_ranks_are_restarted_and_requests_resume_until_a_crash_loop(engine):
     """Runs last in this module: it takes the engine down. The test plays the supervisor: on each
     RestartService it starts a new worker group."""
-    run_dir, procs, sup, restart_workers = engine
-    fe = RawFrontend(run_dir, "kill")
+    procs, sup = engine.procs, engine.sup
+    fe = engine.frontend("kill")
     fe.add("x", [1, 2], max_new_tokens=120)
     fe.add("y", [7, 8, 9], max_new_tokens=80)
     tokens: dict[str, list[int]] = {}
@@ -181,7 +190,7 @@ def test_lost_ranks_are_restarted_and_requests_resume_until_a_crash_loop(engine)
     _kill_a_rank(procs[1], -1)
     restart = sup.wait_for(m.RestartService)
     assert restart.service == "workers" and "worker rank" in restart.reason, restart
-    restart_workers()
+    engine.restart_workers()
     pump(lambda: restarts() == 1)  # the new ranks are ready: a loss from now on is theirs
     pump(lambda: len(finished) == 2)
     # every token exactly once, as an undisturbed run computes them
@@ -193,14 +202,11 @@ def test_lost_ranks_are_restarted_and_requests_resume_until_a_crash_loop(engine)
     ev = fe.next_event()
     assert isinstance(ev, m.EngineDead) and "giving up" in ev.reason and "worker rank 0" in ev.reason, ev
     assert procs[0].wait(30) == 1  # the scheduler exits non-zero so a supervisor tears everything down
-    fe.close()
 
 
 def test_events_for_a_frontend_that_exited_do_not_hold_the_schedulers_exit():
     """At exit a running frontend's sockets linger (its last tokens must get out), an exited one's do not: the
     heartbeats queued for it would hold the scheduler's close for the whole linger, at every stop."""
-    from types import SimpleNamespace
-
     import zmq
 
     from llmbus.scheduler.process import SchedulerService

@@ -167,11 +167,11 @@ def test_a_step_out_of_memory_fails_its_prompt_and_the_rest_go_on():
         assert fe.stats.worker_restarts == 0 and fe.stats.kv_blocks_free == fe.stats.kv_blocks_total == 64, fe.stats
         assert all(p.poll() is None for p in procs), "no process died"
     finally:
-        if fe is not None:
-            fe.close()
         for p in procs:
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(30)
+        if fe is not None:  # once the scheduler is gone: it lingers on events queued for a closed frontend
+            fe.close()
         sup.close()
         run_dir.close()
