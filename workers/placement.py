@@ -16,12 +16,25 @@ if TYPE_CHECKING:
     import torch
 
 
+# Where a GPU driver shows itself: NVIDIA's kernel module and its control device, ROCm's (torch.cuda is HIP
+# there), WSL's GPU paravirtualization. Where none is, torch.cuda cannot find a device either.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_driver_present() -> bool:
+    return any(os.path.exists(path) for path in GPU_DRIVER_PATHS)
+
+
 def gpu_shortage(device: str, world_size: int) -> str | None:
     """Why ``world_size`` ranks cannot each have a GPU of their own under ``device``, or None when they
     can (or run on CPU). Checked before any weights load: ranks sharing a GPU would only run out of
     memory later, and ``--device cuda`` without a GPU would fail in every rank at once."""
     if device == "cpu" or (device == "auto" and world_size == 1):
         return None  # auto with one rank: CUDA when there is one, CPU otherwise, never short
+    if device == "auto" and not gpu_driver_present():
+        # CPU ranks, known without importing torch: 2 s of the launcher's and the group's CPU at every
+        # start (and restart) of `--gpus N` on a machine without a GPU
+        return None
     import torch
 
     available = torch.cuda.is_available()

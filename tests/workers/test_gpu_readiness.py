@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from llmbus.workers import placement
 from llmbus.workers.kv_cache import bytes_per_block
 from llmbus.workers.memory_budget import CUDA_KV_HEADROOM, WarmupOutOfMemory
 from llmbus.workers.model_runner import ModelRunner
@@ -17,10 +18,11 @@ from llmbus.workers.placement import gpu_shortage
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """gpus(n): make torch see n CUDA devices (0: no CUDA at all)."""
+    """gpus(n): make torch see n CUDA devices (0: no CUDA at all), behind a GPU driver (none with 0)."""
     def see(n: int) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(placement, "gpu_driver_present", lambda: n > 0)
     return see
 
 
@@ -35,6 +37,14 @@ def test_gpu_shortage(gpus, monkeypatch):
     gpus(0)
     assert gpu_shortage("auto", 4) is None, "no CUDA: --gpus 4 is four CPU ranks"
     assert "needs 1 GPU, one per tensor-parallel rank, but 0 are visible" in gpu_shortage("cuda", 1)
+
+
+@pytest.mark.skipif(placement.gpu_driver_present(), reason="checks a machine without a GPU driver")
+def test_without_a_gpu_driver_auto_ranks_are_cpu_ranks_without_importing_torch():
+    code = ("import sys; from llmbus.workers.placement import gpu_shortage; "
+            "print(gpu_shortage('auto', 2), 'torch' in sys.modules)")
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert said == ["None", "False"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
