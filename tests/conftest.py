@@ -97,3 +97,66 @@ def smollm2_f32_server(request):
     server = Server(["--dtype", "float32", "--max-total-tokens", "2048", "--speculate", "4"])
     yield server
     assert server.stop() == 0, server.stderr.text[-3000:]
+
+
+# The modules that need a plain tiny-model server share these (one start per xdist worker, not one per
+# module). What they may do to it: send any request, read the log lines and /metrics counts their own requests
+# caused (from a line index or a before/after difference), speak to its run dir. A module that stops, kills or
+# restarts its server, or whose point is a flag, starts its own.
+TINY_MAX_TOTAL_TOKENS = 256  # the limit the refusals "must be <= 256" of the sharing modules name
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir, tmp_path_factory):
+    """`llmbus up` on the tiny model in float32 (greedy output equals transformers'), 256 tokens in all,
+    ``--max-best-of 2``, its run dir (``.run_dir``) made here so that tests can reach its sockets."""
+    from llmbus.testing import Server
+
+    run_dir = tmp_path_factory.mktemp("tiny-server") / "run"
+    server = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32",
+                     "--max-total-tokens", str(TINY_MAX_TOTAL_TOKENS), "--max-best-of", "2",
+                     "--run-dir", str(run_dir)])
+    server.run_dir = run_dir
+    yield server
+    assert server.stop() == 0, server.stderr.text[-3000:]
+
+
+@pytest.fixture(scope="session")
+def tiny_keyed_server(tiny_model_dir):
+    """`tiny_server`'s model and limit behind ``--api-key`` (``.api_key``), keeping only 2 stored responses
+    (``--responses-store-size 2``): for the tests of the key and of the store's eviction."""
+    from llmbus.testing import Server
+
+    api_key = "Secret-Key"
+    server = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32",
+                     "--max-total-tokens", str(TINY_MAX_TOTAL_TOKENS), "--api-key", api_key,
+                     "--responses-store-size", "2"])
+    server.api_key = api_key
+    yield server
+    assert server.stop() == 0, server.stderr.text[-3000:]
+
+
+@pytest.fixture(scope="session")
+def chat_format_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with the families' marker tokens and no chat template (``llmbus.testing.chat_formats``);
+    copy it before ``set_template``."""
+    from llmbus.testing.chat_formats import build_chat_format_model
+
+    return build_chat_format_model(tmp_path_factory.mktemp("chat-formats") / "base")
+
+
+@pytest.fixture(scope="session")
+def qwen3_chat_server(chat_format_model_dir, tmp_path_factory):
+    """`llmbus up` on that model with the Qwen3-like template (tool calls in Hermes' syntax, a reasoning section
+    and its ``enable_thinking`` switch), float32, 1024 tokens in all."""
+    import shutil
+
+    from llmbus.testing import Server
+    from llmbus.testing.chat_formats import set_template
+
+    folder = tmp_path_factory.mktemp("qwen3") / "model"
+    shutil.copytree(chat_format_model_dir, folder)
+    server = Server(["--model-id", str(set_template(folder, "qwen3")), "--dtype", "float32",
+                     "--max-total-tokens", "1024"])
+    yield server
+    assert server.stop() == 0, server.stderr.text[-3000:]

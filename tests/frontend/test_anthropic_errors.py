@@ -11,22 +11,20 @@ import pytest
 
 from llmbus.testing import Server, metrics, post
 
-KEY = "Secret-Key"
 HELLO = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hello"}]}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
-                  "--api-key", KEY])
-    yield srv
-    assert srv.stop() == 0, srv.stderr.text[-3000:]
+def server(tiny_keyed_server):
+    """The shared server behind ``--api-key`` (``.api_key``), ``--max-total-tokens 256`` (the refusal below
+    names it)."""
+    return tiny_keyed_server
 
 
 def _post(server: Server, body, path: str = "/v1/messages", *, raw: bytes | None = None,
           headers: dict | None = None):
-    return post(server.url + path, body, raw=raw, headers={"x-api-key": KEY, "anthropic-version": "2023-06-01",
-                                                            **(headers or {})})
+    return post(server.url + path, body, raw=raw, headers={
+        "x-api-key": server.api_key, "anthropic-version": "2023-06-01", **(headers or {})})
 
 
 def _envelope(answer) -> tuple[str, str]:
@@ -36,13 +34,13 @@ def _envelope(answer) -> tuple[str, str]:
 
 def test_either_key_header_is_taken(server):
     assert _post(server, HELLO)[0] == 200
-    status, _, answer = post(server.url + "/v1/messages", HELLO, headers={"Authorization": f"Bearer {KEY}"})
+    status, _, answer = post(server.url + "/v1/messages", HELLO, headers={"Authorization": f"Bearer {server.api_key}"})
     assert status == 200 and answer["type"] == "message"
-    status, _, answer = post(server.url + "/v1/messages/count_tokens", HELLO, headers={"x-api-key": KEY})
+    status, _, answer = post(server.url + "/v1/messages/count_tokens", HELLO, headers={"x-api-key": server.api_key})
     assert status == 200 and answer["input_tokens"] > 0
     # x-api-key opens the other generation routes too: one key, whichever header a client sends
     status, _, _ = post(server.url + "/v1/chat/completions", {"messages": HELLO["messages"], "max_tokens": 2},
-                        headers={"x-api-key": KEY})
+                        headers={"x-api-key": server.api_key})
     assert status == 200
 
 
@@ -59,7 +57,7 @@ def test_the_sdk_raises_its_typed_errors(server):
 
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(**HELLO)
-    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    client = anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as raised:
         client.messages.create(model="m", max_tokens=2, messages=[{"role": "system", "content": "hi"}])
     assert raised.value.status_code == 400 and raised.value.body["error"]["type"] == "invalid_request_error"

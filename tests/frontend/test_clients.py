@@ -11,7 +11,6 @@ import asyncio
 
 import pytest
 
-from llmbus.testing import Server
 
 MAX_NEW = 8
 PROMPT = "The quick brown fox"
@@ -19,11 +18,10 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
-                  "--max-best-of", "2"])
-    yield srv
-    assert srv.stop() == 0, srv.stderr.text[-3000:]
+def server(tiny_server):
+    """The shared tiny server: float32, ``--max-total-tokens 256`` (the refusal below names it) and
+    ``--max-best-of 2``."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

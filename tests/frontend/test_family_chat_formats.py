@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from llmbus.supervisor.demo_model import SPECIAL_TOKENS
-from llmbus.testing.chat_formats import build_chat_format_model, set_template
+from llmbus.testing.chat_formats import set_template
 
 WEATHER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "now": {"type": "boolean"}},
            "required": ["unit", "now"]}
@@ -35,14 +35,9 @@ CALL_SHAPES = {"qwen3": r'<tool_call>\n\{"name": "\w+", "arguments": \{.*\}\}\n<
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_chat_format_model(tmp_path_factory.mktemp("chat-formats") / "base")
-
-
-@pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
+def servers(chat_format_model_dir, tmp_path_factory, request):
     """(family, more flags) -> an SDK client of a server on the model with that family's template (started
-    when first asked)."""
+    when first asked; Qwen3's without flags is the session's, which test_reasoning_controls.py shares)."""
     from openai import OpenAI
 
     from llmbus.testing import Server, stop_all
@@ -51,11 +46,14 @@ def servers(model_dir, tmp_path_factory):
 
     def client(family: str, *flags: str):
         if (family, flags) not in clients:
-            folder = tmp_path_factory.mktemp(family) / "model"
-            shutil.copytree(model_dir, folder)
-            server = Server(["--model-id", str(set_template(folder, family)), "--dtype", "float32",
-                             "--max-total-tokens", "1024", *flags])
-            started.append(server)
+            if (family, flags) == ("qwen3", ()):
+                server = request.getfixturevalue("qwen3_chat_server")
+            else:
+                folder = tmp_path_factory.mktemp(family) / "model"
+                shutil.copytree(chat_format_model_dir, folder)
+                server = Server(["--model-id", str(set_template(folder, family)), "--dtype", "float32",
+                                 "--max-total-tokens", "1024", *flags])
+                started.append(server)
             clients[family, flags] = OpenAI(base_url=f"{server.url}/v1", api_key="-")
         return clients[family, flags]
 

@@ -22,7 +22,7 @@ from llmbus.frontend.openai_requests import parse_chat
 from llmbus.frontend.reasoning import find_markers, find_thinking_switch
 from llmbus.frontend.sampling_defaults import SamplingDefaults
 from llmbus.frontend.tool_formats import tool_format
-from llmbus.testing.chat_formats import LLAMA31_TEMPLATE, QWEN3_TEMPLATE, build_chat_format_model, set_template
+from llmbus.testing.chat_formats import LLAMA31_TEMPLATE, QWEN3_TEMPLATE
 from llmbus.testing.http import post
 
 QUESTION = [{"role": "user", "content": "Why is the sky blue?"}]
@@ -96,15 +96,8 @@ def test_an_effort_that_is_not_openais(value):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from llmbus.testing import Server
-
-    folder = tmp_path_factory.mktemp("reasoning-controls") / "model"
-    build_chat_format_model(folder)
-    srv = Server(["--model-id", str(set_template(folder, "qwen3")), "--dtype", "float32",
-                  "--max-total-tokens", "512"])
-    yield srv
-    assert srv.stop() == 0, srv.stderr.text[-3000:]
+def server(qwen3_chat_server):
+    return qwen3_chat_server
 
 
 @pytest.fixture(scope="module")

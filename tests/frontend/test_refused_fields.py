@@ -12,7 +12,6 @@ import jsonschema
 import pytest
 
 from llmbus.frontend.refused_fields import ANTHROPIC, OPENAI_CHAT, RESPONSES, VLLM_EXTRAS
-from llmbus.testing import Server
 from llmbus.testing.http import post
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -63,10 +62,8 @@ NO_OPS = [("/v1/chat/completions", CHAT | {"user": "u", "safety_identifier": "s"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256"])
-    yield srv
-    assert srv.stop() == 0, srv.stderr.text[-3000:]
+def server(tiny_server):
+    return tiny_server
 
 
 def ask(server, route, body):

@@ -14,16 +14,16 @@ import pytest
 
 from llmbus.testing import Server, post
 
-KEY = "Store-Key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
-                  "--api-key", KEY, "--responses-store-size", "2"])
-    yield srv
-    assert srv.stop() == 0, srv.stderr.text[-3000:]
+def server(tiny_keyed_server):
+    """The shared server run with ``--api-key`` and ``--responses-store-size 2``. Responses stored before these
+    tests are the least recently used: the first ones dropped, whatever the eviction order checked here."""
+    return tiny_keyed_server
+
+
+def _auth(server: Server) -> dict:
+    return {"Authorization": f"Bearer {server.api_key}"}
 
 
 def _call(server: Server, method: str, response_id: str, headers: dict | None = None) -> tuple[int, dict | None]:
@@ -39,33 +39,35 @@ def _call(server: Server, method: str, response_id: str, headers: dict | None = 
 
 def _create(server: Server, **body) -> dict:
     status, _, answer = post(server.url + "/v1/responses", {"input": "Hello", "max_output_tokens": 2, **body},
-                             headers=AUTH)
+                             headers=_auth(server))
     assert status == 200, answer
     return answer
 
 
 def test_the_least_recently_used_response_goes_first(server):
+    auth = _auth(server)
     a, b = _create(server), _create(server)
-    assert _call(server, "GET", a["id"], AUTH)[0] == 200  # a is now the most recently used
+    assert _call(server, "GET", a["id"], auth)[0] == 200  # a is now the most recently used
     c = _create(server)  # the store holds 2: b goes
-    assert _call(server, "GET", b["id"], AUTH)[0] == 404
-    assert _call(server, "GET", a["id"], AUTH)[1] == a and _call(server, "GET", c["id"], AUTH)[1] == c
+    assert _call(server, "GET", b["id"], auth)[0] == 404
+    assert _call(server, "GET", a["id"], auth)[1] == a and _call(server, "GET", c["id"], auth)[1] == c
     # continuing the dropped one is the same 404, in OpenAI's envelope
     status, _, answer = post(server.url + "/v1/responses", {"input": "More", "previous_response_id": b["id"]},
-                             headers=AUTH)
+                             headers=auth)
     assert status == 404 and answer["error"]["param"] == "response_id", answer
     # continuing a kept one works, and store: false keeps the newest out (a and c stay)
     d = _create(server, previous_response_id=c["id"], store=False)
     assert d["previous_response_id"] == c["id"] and d["usage"]["input_tokens"] > c["usage"]["input_tokens"]
-    assert _call(server, "GET", d["id"], AUTH)[0] == 404 and _call(server, "GET", a["id"], AUTH)[0] == 200
+    assert _call(server, "GET", d["id"], auth)[0] == 404 and _call(server, "GET", a["id"], auth)[0] == 200
 
 
 def test_reading_and_deleting_need_the_key(server):
+    auth = _auth(server)
     answer = _create(server)
     for method in ("GET", "DELETE"):
         assert _call(server, method, answer["id"])[0] == 401
         assert _call(server, method, answer["id"], {"Authorization": "Bearer wrong"})[0] == 401
-    assert _call(server, "DELETE", answer["id"], AUTH) == (200, {"id": answer["id"], "object": "response.deleted",
-                                                                 "deleted": True})
-    assert _call(server, "DELETE", answer["id"], AUTH)[0] == 404
+    assert _call(server, "DELETE", answer["id"], auth) == (200, {"id": answer["id"], "object": "response.deleted",
+                                                            "deleted": True})
+    assert _call(server, "DELETE", answer["id"], auth)[0] == 404
     assert post(server.url + "/v1/responses", {"input": "Hello"})[0] == 401

@@ -1,14 +1,17 @@
 """One launch with two tensor-parallel ranks and two HTTP frontends sharing a port: /metrics counts every
-request whichever frontend answers the scrape, and /health is 200 only while every rank answers."""
+request whichever frontend answers the scrape, and /health is 200 only while every rank answers; last, a rank
+killed takes the launch down loudly and cleanly (one two-rank launch for all three: the kill ends it)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 
+from llmbus.bus.procfs import command_line, descendants, process_alive
 from llmbus.testing import Server, rank_pids
 from llmbus.testing.http import get, metrics, post
 
@@ -17,9 +20,13 @@ REQUESTS = 16  # each on a new connection: the kernel spreads them over both fro
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
+    # --max-restarts 0 is TGI's behaviour, which the last test checks (test_recovery.py covers restarting);
+    # the tests before it kill nothing.
+    run_dir = tmp_path_factory.mktemp("scale") / "run"
     srv = Server(["--model-id", str(tiny_model_dir), "--dtype", "float32", "--max-total-tokens", "256",
-                  "--num-blocks", "64", "--run-dir", str(tmp_path_factory.mktemp("scale") / "run"),
+                  "--num-blocks", "64", "--run-dir", str(run_dir), "--max-restarts", "0",
                   "--gpus", "2", "--num-frontends", "2", "--health-check-timeout", "1"])
+    srv.run_dir = run_dir
     yield srv
     srv.stop()
 
@@ -60,3 +67,42 @@ def test_health_needs_every_rank(server):
     assert get(f"{server.url}/health")[0] == 200
     status, _, body = post(f"{server.url}/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
     assert status == 200, body
+
+
+# Last: it ends the module's launch.
+def test_killed_rank_stops_everything_within_10s_without_restarts(server):
+    # Two ranks: the survivor is inside a collective when its peer dies, the case that must not hang.
+    srv, run_dir = server, server.run_dir
+    assert srv.proc.poll() is None, "the launch must still be serving: this test kills it, and runs last"
+    try:
+        assert any(p.name.endswith(".sock") for p in run_dir.iterdir())
+        procs = descendants(srv.proc.pid)
+        ranks = sorted(p for p in procs if "--rank" in command_line(p))
+        assert len(ranks) == 2 and len(procs) >= 6  # scheduler, workers group, 2 ranks, 2 frontends
+        # a request in flight when the rank dies gets an error, not a hang
+        result = {}
+        t = threading.Thread(target=lambda: result.update(
+            r=post(f"{srv.url}/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 200}}, timeout=60)))
+        t.start()
+        killed_at = time.monotonic()
+        os.kill(ranks[1], signal.SIGKILL)
+        code = srv.proc.wait(60)
+        stopped_after = time.monotonic() - killed_at
+        t.join(60)
+    finally:
+        srv.stop()
+    assert code != 0
+    assert stopped_after < 10, f"the launch took {stopped_after:.1f}s to stop after a rank died"
+    log = srv.stderr.text
+    # Whoever notices first (the worker group, or the scheduler watching the ranks' control sockets)
+    # exits, and the launcher names the dead rank.
+    # (the group seeing its rank exit, the scheduler seeing the rank's socket close, or the surviving
+    # rank's collective failing: all three name a rank).
+    summary = [line for line in log.splitlines() if line.startswith("llmbus:")]
+    assert any("exited with code" in line for line in summary), log[-3000:]
+    assert "rank" in log.split("exited with code", 1)[1], log[-3000:]
+    leftovers = [p for p in procs if process_alive(p)]
+    assert leftovers == [], [command_line(p) for p in leftovers]
+    assert not run_dir.exists()
+    if "r" in result:  # the request either failed with 424 or its connection was closed
+        assert result["r"][0] in (200, 424), result
