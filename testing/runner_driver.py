@@ -27,6 +27,8 @@ MAX_NEW_TOKENS = 12
 MIN_MARGIN = 1e-3
 PROMPT_LENGTHS = (1, 3, 7, 19, 40)  # a 1-token prompt runs in the decode group; 40 is prefilled in chunks
 WEIGHT_STD = 0.3
+# A tensor-parallel rank's prefill budget (its warmup's tokens) where Triton's interpreter runs the kernels.
+INTERPRETED_PREFILL_TOKENS = 64
 
 
 def make_prompts(vocab_size: int) -> list[list[int]]:
@@ -254,11 +256,19 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
                batches: dict[str, list[Request]], lora_adapters: tuple[tuple[str, str], ...] = (),
                attention_backend: str = "auto", piecewise: tuple[int, ...] = (), whole: bool = False) -> None:
     torch.set_num_threads(1)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and attention_backend == "triton"
+    if interpreted:  # a spawned rank imports triton afresh
+        from llmbus.testing.triton_interpret import lighten_the_interpreter
+
+        lighten_the_interpreter()
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                          world_size=world_size)
     try:
+        # The warmup prefills this many tokens: interpreted, 256 would cost each rank more than its batch (a
+        # Triton program in Python per token and layer), and no step of the batches here has more than 64.
         tp_runner = ModelRunner(model_dir, rank=rank, world_size=world_size, block_size=BLOCK_SIZE,
-                                num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256, lora_adapters=lora_adapters,
+                                num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=INTERPRETED_PREFILL_TOKENS
+                                if interpreted else 256, lora_adapters=lora_adapters,
                                 attention_backend=attention_backend)
         tp_runner.warmup()
         piecewise_counts = uncaptured_piecewise(tp_runner, piecewise, whole=whole) if piecewise else []

@@ -10,7 +10,7 @@ import torch
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.testing.families import family_requests
-from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts, reference,
+from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts, mixed_requests, reference,
                                           uncaptured_piecewise)
 from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers.cuda_graphs import DecodeGraphs
@@ -28,6 +28,12 @@ SHORT = 7  # tokens per request where the kernels run interpreted for the wiring
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
 
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    """transformers' greedy tokens of ``make_prompts``, computed once for the module's tests."""
+    return reference(llama_dir, make_prompts(VOCAB))
+
+
 def _runner(model_dir: str, sizes: tuple[int, ...], decode_sizes: tuple[int, ...] = (), *,
             whole: bool = False) -> tuple[ModelRunner, list]:
     """A Triton-backend runner whose eager steps within ``sizes`` go through uncaptured piecewise graphs (with
@@ -43,15 +49,14 @@ def _runner(model_dir: str, sizes: tuple[int, ...], decode_sizes: tuple[int, ...
 
 @pytest.mark.parametrize("decode_graphs,whole", [(True, False), (False, True)],
                          ids=["beside decode graphs", "whole, alone"])
-def test_a_continuous_batch_through_the_piecewise_parts_is_token_exact(llama_dir, decode_graphs, whole):
+def test_a_continuous_batch_through_the_piecewise_parts_is_token_exact(llama_dir, plain, decode_graphs, whole):
     """Arrivals, chunked prompts beside decodes, a prefix hit and a preemption: the steps within the buckets
     take the parts, padded (token counts between buckets), and every request's tokens equal transformers'.
     Whole (``--full-graphs``): each bucket's attention over the fixed index too, its program map padded; alone,
     the decode-only steps take the buckets too (as they do over two ranks in
     ``test_piecewise_parts_over_two_ranks_are_token_exact``). SHORT tokens a request: r1 is still preempted
     after 5, the hit still arrives at step 9, and 4-token blocks are crossed within 7 tokens."""
-    prompts = make_prompts(VOCAB)
-    expected = reference(llama_dir, prompts)
+    prompts, expected = make_prompts(VOCAB), plain
     requests = family_requests(prompts)
     for request in requests:  # the kernels run interpreted: seconds a step
         request.max_new_tokens = SHORT
@@ -164,12 +169,14 @@ def test_the_setting_is_on_where_decode_graphs_are_unless_turned_off():
     assert parse_piecewise_graphs("32,16", parse_cuda_graphs("0")) == (16, 32)
 
 
-def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, monkeypatch):
+def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, plain, monkeypatch):
     """The captured path's wiring, on the CPU: each part's "graph" is a stand-in whose replay runs the part
     again and writes its outputs over the tensors the capture made (where a CUDA graph's kernels write), so a
     step reads only what the capture kept (the heads each attention takes, rotated in the parts; the head
     graphs' logits and greedy choices) and what each replay left there. The continuous batch stays token-exact
-    with transformers, its steps' tokens the head graphs' choices."""
+    with transformers, its steps' tokens the head graphs' choices. The batch is ``mixed_requests``' (arrivals,
+    a prompt in chunks over its cached blocks beside decodes): the plans keep nothing of a request between
+    steps, so the family batch's preemption and prefix hit would only add steps of shapes these already have."""
     from llmbus.workers import piecewise_graphs
 
     class Replayed:
@@ -191,8 +198,7 @@ def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, mon
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    prompts = make_prompts(VOCAB)
-    expected = reference(llama_dir, prompts)
+    prompts, expected = make_prompts(VOCAB), plain
     runner = ModelRunner(llama_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton")
     runner.piecewise = PiecewiseGraphs(runner.model, (8, 32))
     plan = runner.piecewise.plans[8]
@@ -202,13 +208,12 @@ def test_a_captured_plan_hands_each_part_what_the_one_before_left(llama_dir, mon
     run, head_run = piecewise_graphs._Plan.run, piecewise_graphs._LogitsPlan.run
     monkeypatch.setattr(piecewise_graphs._Plan, "run", lambda self, *a: replays.append(self.size) or run(self, *a))
     monkeypatch.setattr(piecewise_graphs._LogitsPlan, "run", lambda self: heads.append(self.rows) or head_run(self))
-    requests = family_requests(prompts)
-    for request in requests:  # the wiring, not the length: SHORT tokens each (r1 is still preempted after 5)
+    requests = mixed_requests(prompts)
+    for request in requests:  # the wiring, not the length: SHORT tokens each
         request.max_new_tokens = SHORT
     results = drive(runner, requests)
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == expected.tokens[i][:SHORT], f"r{i}"
-    assert results["hit"].tokens == expected.tokens[4][:SHORT]
     assert set(replays) == {8, 32}
     assert heads and len(heads) == len(replays)  # (no step of this batch has more than 32 logits rows)
 
@@ -241,25 +246,25 @@ def test_padding_rows_do_not_lengthen_the_last_sequence_under_longrope(tmp_path)
     torch.testing.assert_close(logits, eager)
 
 
-def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, tmp_path):
+def test_piecewise_parts_over_two_ranks_are_token_exact(llama_dir, plain, tmp_path):
     """Tensor parallelism: the embedding's, each attention output's and each MLP's all-reduce run inside the
     parts, over the padded rows too, on two gloo ranks, in whole buckets (each rank's attention over its own
     heads through its fixed index, as ``--full-graphs`` holds it); every request's tokens equal transformers'
     (each rank fails the run where no step took the parts padded). The parts with their attention eager
     between them run on one rank in ``test_a_continuous_batch_through_the_piecewise_parts_is_token_exact``:
-    the all-reduces in the parts are the same either way."""
+    the all-reduces in the parts are the same either way. The batch is ``mixed_requests``' (prompts padded to
+    buckets, a prompt in chunks over its cached blocks beside decodes, decode-only steps padded): the family
+    batch's preemption and prefix hit go through the same parts in the one-rank tests, and add no collective."""
     from llmbus.testing.runner_driver import drive_tensor_parallel
 
     prompts = make_prompts(VOCAB)
-    expected = reference(llama_dir, prompts)
-    requests = family_requests(prompts)
-    for request in requests:  # half the tokens (r1 is still preempted after 5): the kernels run interpreted
+    requests = mixed_requests(prompts)
+    for request in requests:  # the kernels run interpreted: seconds a step on each rank
         request.max_new_tokens = SHORT
-    results = drive_tensor_parallel(llama_dir, {"family": requests}, str(tmp_path),
-                                    attention_backend="triton", piecewise=(4, 8, 16, 32), whole=True)["family"]
+    results = drive_tensor_parallel(llama_dir, {"mixed": requests}, str(tmp_path),
+                                    attention_backend="triton", piecewise=(4, 8, 16, 32), whole=True)["mixed"]
     for i in range(len(prompts)):
-        assert results[f"r{i}"][0] == expected.tokens[i][:SHORT], f"r{i}"
-    assert results["hit"][0] == expected.tokens[4][:SHORT]
+        assert results[f"r{i}"][0] == plain.tokens[i][:SHORT], f"r{i}"
 
 
 def _warming_runner(monkeypatch, world_size: int, compile_error: Exception | None = None):
