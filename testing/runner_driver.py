@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import multiprocessing
 import os
 import random
 from dataclasses import dataclass, field
@@ -252,9 +253,13 @@ def uncaptured_piecewise(runner: ModelRunner, sizes: tuple[int, ...], *, whole: 
 # -- tensor parallelism --------------------------------------------------------------------------
 
 
-def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_file: str,
+def _tp_worker(rank: int, environ: dict[str, str], world_size: int, model_dir: str, init_file: str, out_file: str,
                batches: dict[str, list[Request]], lora_adapters: tuple[tuple[str, str], ...] = (),
                attention_backend: str = "auto", piecewise: tuple[int, ...] = (), whole: bool = False) -> None:
+    # The caller's environment, not the fork server's (started by an earlier test): TRITON_INTERPRET above all,
+    # read when the kernels are first imported, here
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and attention_backend == "triton"
     if interpreted:  # a spawned rank imports triton afresh
@@ -281,7 +286,7 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, init_file: str, out_f
         results = {name: {rid: [r.tokens, r.logprobs]
                           for rid, r in drive(tp_runner, copy.deepcopy(batch), share_tokens=share_tokens).items()}
                    for name, batch in batches.items()}
-        if piecewise and not set(piecewise_counts) - set(piecewise):  # raised in the caller by spawn
+        if piecewise and not set(piecewise_counts) - set(piecewise):  # raised in the caller by start_processes
             raise AssertionError(f"rank {rank}: no step ran piecewise padded to a bucket: {piecewise_counts}")
         if rank == 0:
             with open(out_file, "w") as f:
@@ -294,16 +299,21 @@ def drive_tensor_parallel(model_dir: str, batches: dict[str, list[Request]], wor
                           world_size: int = 2, lora_adapters: tuple[tuple[str, str], ...] = (),
                           attention_backend: str = "auto", piecewise: tuple[int, ...] = (), whole: bool = False
                           ) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
-    """``drive`` each batch in turn on ``world_size`` gloo ranks (one spawn for all of them), each rank loading
+    """``drive`` each batch in turn on ``world_size`` gloo ranks (one start for all of them), each rank loading
     ``lora_adapters`` and computing attention on ``attention_backend`` (ModelRunner's), its eager steps within
     ``piecewise`` token counts through uncaptured piecewise graphs (a rank where no step did, padded, fails), with
     ``whole`` their attention over the fixed index too (``--full-graphs``); per batch name, rank 0's
     ``{rid: (tokens, logprobs)}``."""
     out_file = os.path.join(work_dir, "tp_out.json")
     init_file = os.path.join(work_dir, "tp_init")
-    torch.multiprocessing.spawn(_tp_worker, args=(world_size, model_dir, init_file, out_file, batches,
-                                                  lora_adapters, attention_backend, piecewise, whole),
-                                 nprocs=world_size)
+    # The ranks fork from a server process that imported torch and the runner once, for every call of this
+    # process: a spawned rank imported them afresh, 2 s of CPU each, most of a small test's time (4.1 s -> 0.45 s
+    # a call after the first). The server imports no Triton: each rank imports it under the caller's environment.
+    multiprocessing.set_forkserver_preload([__name__])
+    torch.multiprocessing.start_processes(_tp_worker, args=(dict(os.environ), world_size, model_dir, init_file,
+                                                            out_file, batches, lora_adapters, attention_backend,
+                                                            piecewise, whole),
+                                          nprocs=world_size, start_method="forkserver")
     with open(out_file) as f:
         return {name: {rid: (tokens, logprobs) for rid, (tokens, logprobs) in results.items()}
                 for name, results in json.load(f).items()}
