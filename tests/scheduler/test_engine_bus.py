@@ -30,9 +30,8 @@ def engine():
     sup = SupervisorSocket(run_dir.path)
     env = dict(os.environ, **sup.env)
     common = ["--run-dir", str(run_dir.path)]
-    # --device cpu: with "auto", the group imports torch itself to look for GPUs (seconds of each start)
-    workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none", "--device", "cpu",
-                    "--gpus", str(WORLD_SIZE), "--runner", "fake", "--num-blocks", "64", "--block-size", "4"]
+    workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none", "--gpus", str(WORLD_SIZE),
+                    "--runner", "fake", "--num-blocks", "64", "--block-size", "4"]
     procs = [
         subprocess.Popen([sys.executable, "-m", "llmbus.scheduler", *common, "--world-size", str(WORLD_SIZE),
                           "--max-restarts", str(MAX_RESTARTS)], env=env),

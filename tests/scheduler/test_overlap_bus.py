@@ -43,9 +43,7 @@ class Engine:
         self.sup = SupervisorSocket(self.run_dir.path)
         self.env = dict(os.environ, **self.sup.env)
         common = ["--run-dir", str(self.run_dir.path)]
-        # --device cpu: with "auto", a group of two ranks imports torch itself to look for GPUs (seconds of
-        # every start and restart here)
-        self.workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none", "--device", "cpu",
+        self.workers_argv = [sys.executable, "-m", "llmbus.workers", *common, "--model-dir", "none",
                              "--gpus", str(ranks), "--runner", "fake", "--num-blocks", str(NUM_BLOCKS),
                              "--block-size", str(BLOCK_SIZE), "--device-feed", device_feed,
                              "--launch-depth", str(launch_depth)]

@@ -193,9 +193,8 @@ def test_killed_scheduler_gives_every_client_an_in_band_error_within_2s(server):
 
 def test_tp2_rank_1_and_a_frontend_restarted_then_a_crash_loop_stops_cleanly(tiny_model_dir, tmp_path, expected):
     run_dir = tmp_path / "run"
-    # --device cpu: with "auto", the launcher and the ranks' group each import torch to look for two GPUs
-    server = Server(["--model-id", str(tiny_model_dir), *COMMON, "--gpus", "2", "--device", "cpu",
-                     "--num-frontends", "2", "--max-restarts", "1", "--run-dir", str(run_dir)])
+    server = Server(["--model-id", str(tiny_model_dir), *COMMON, "--gpus", "2", "--num-frontends", "2",
+                     "--max-restarts", "1", "--run-dir", str(run_dir)])
     try:
         # One of two frontends dies: the other serves meanwhile (the streams below start once the launcher
         # saw it exit, so every one of them is frontend1's), and it comes back. Its restart runs beside the

@@ -343,11 +343,9 @@ def test_draft_model_through_the_stack_at_tp2(tiny_model_dir, reference):
 
     prompts = [SYSTEM + q for q in QUESTIONS[:8]]
     want = [reference(p, 20) for p in prompts]
-    # --device cpu: with "auto", the launcher and the ranks' group each import torch to look for two GPUs
     server = Server(["--model-id", str(tiny_model_dir), "--draft-model-id", str(tiny_model_dir), "--speculate", "3",
-                     "--gpus", "2", "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "96",
-                     "--max-input-tokens", "64", "--num-blocks", "40", "--block-size", "4",
-                     "--max-batch-prefill-tokens", "24"])
+                     "--gpus", "2", "--dtype", "float32", "--max-total-tokens", "96", "--max-input-tokens", "64",
+                     "--num-blocks", "40", "--block-size", "4", "--max-batch-prefill-tokens", "24"])
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: served_greedy(server, p, 20), prompts))
