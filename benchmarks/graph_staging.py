@@ -36,15 +36,14 @@ def main() -> None:
     from _random_llama import write_random_llama  # (imports the runner: after TRITON_INTERPRET is set)
 
     from llmbus.bus.messages import SamplingParams
-    from llmbus.testing.runner_driver import BLOCK_SIZE
+    from llmbus.testing.runner_driver import BLOCK_SIZE, TINY_LLAMA
     from llmbus.workers.cuda_graphs import DecodeGraphs
     from llmbus.workers.model_runner import ModelRunner, SeqInput
 
     # runner_driver's tiny Llama, written without importing transformers (most of a short run's time); its
     # weights' values do not matter to the staging. 256 positions: 200 steps from 16 to 31 fit.
-    folder = write_random_llama(tempfile.mkdtemp(prefix="graph-staging-"), dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False))
+    folder = write_random_llama(tempfile.mkdtemp(prefix="graph-staging-"),
+                                {**TINY_LLAMA, "vocab_size": 256, "tie_word_embeddings": False})
     context, steps = 256, 200
     runner = ModelRunner(folder, block_size=BLOCK_SIZE, num_blocks=args.rows * (context // BLOCK_SIZE + 1),
                          attention_backend="triton", device=torch.device(args.device))

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 GGUF_MANIFEST = "gguf.json"
 
 
-
 class GGUFError(ValueError):
     """A GGUF file llmbus cannot serve; the message is one line naming the file and the reason."""
 

@@ -262,7 +262,7 @@ def _tp_worker(rank: int, environ: dict[str, str], world_size: int, model_dir: s
     os.environ.update(environ)
     torch.set_num_threads(1)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and attention_backend == "triton"
-    if interpreted:  # a spawned rank imports triton afresh
+    if interpreted:  # each rank imports triton itself (the fork server has not)
         from llmbus.testing.triton_interpret import lighten_the_interpreter
 
         lighten_the_interpreter()
@@ -319,13 +319,18 @@ def drive_tensor_parallel(model_dir: str, batches: dict[str, list[Request]], wor
                 for name, results in json.load(f).items()}
 
 
+# save_tiny_llama's shape (with its vocabulary size and tying): benchmarks that need only a checkpoint the runner
+# loads write the same one without transformers (benchmarks/_random_llama.write_random_llama)
+TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=256)
+
+
 def save_tiny_llama(path: str, *, tied: bool, vocab_size: int) -> None:
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=tied,
+        **TINY_LLAMA, vocab_size=vocab_size, tie_word_embeddings=tied,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no EOS: generate runs all its tokens
     model = transformers.LlamaForCausalLM(config)
     widen_weights(model)

@@ -79,6 +79,7 @@ def test_a_runner_whose_piecewise_graphs_fail_is_a_row_and_the_check_goes_on_wit
     import argparse
     import importlib
 
+    from llmbus.testing.runner_driver import TINY_LLAMA
     from llmbus.workers.model_runner import ModelRunner
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -101,9 +102,7 @@ def test_a_runner_whose_piecewise_graphs_fail_is_a_row_and_the_check_goes_on_wit
     check.row = lambda part, name, ok, summary, **details: rows.append((part, name, ok, summary))
     # A tiny Llama written without transformers, and part 1's pool: ModelRunner's default, 512 MiB zeroed for
     # each of the three runners, took most of the test's time.
-    model = write_random_llama(str(tmp_path / "m"), dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=256, max_position_embeddings=256, tie_word_embeddings=True))
+    model = write_random_llama(str(tmp_path / "m"), {**TINY_LLAMA, "vocab_size": 256, "tie_word_embeddings": True})
     first = check.runner(model, gpu_check.torch.float32, num_blocks=gpu_check.NUM_BLOCKS)
     second = check.runner(model, gpu_check.torch.float32, num_blocks=gpu_check.NUM_BLOCKS)
     assert first.piecewise is None and second.piecewise is None

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmbus.testing.runner_driver import save_tiny_llama
+from llmbus.testing.runner_driver import make_prompts, reference, save_tiny_llama
 
 GRAPHS_VOCAB = 256
 
@@ -21,3 +21,9 @@ def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("graphs_llama")
     save_tiny_llama(str(path), tied=False, vocab_size=GRAPHS_VOCAB)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    """transformers' greedy tokens and logits of ``make_prompts`` on ``llama_dir``, computed once a module."""
+    return reference(llama_dir, make_prompts(GRAPHS_VOCAB))

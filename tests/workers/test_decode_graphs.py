@@ -29,12 +29,6 @@ SHORT = 7
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
 
 
-@pytest.fixture(scope="module")
-def plain(llama_dir):
-    """transformers' greedy tokens and logits of ``make_prompts``, computed once for the module's tests."""
-    return reference(llama_dir, make_prompts(VOCAB))
-
-
 def _short(requests: list) -> list:
     for request in requests:
         request.max_new_tokens = SHORT

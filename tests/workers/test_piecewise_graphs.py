@@ -10,7 +10,7 @@ import torch
 
 from llmbus.bus.messages import SamplingParams
 from llmbus.testing.families import family_requests
-from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts, mixed_requests, reference,
+from llmbus.testing.runner_driver import (BLOCK_SIZE, NUM_BLOCKS, drive, make_prompts, mixed_requests,
                                           uncaptured_piecewise)
 from llmbus.testing.triton_interpret import interpreted_triton_kernels
 from llmbus.workers.cuda_graphs import DecodeGraphs
@@ -26,12 +26,6 @@ VOCAB = 256
 SHORT = 7  # tokens per request where the kernels run interpreted for the wiring's or the ranks' sake
 
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
-
-
-@pytest.fixture(scope="module")
-def plain(llama_dir):
-    """transformers' greedy tokens of ``make_prompts``, computed once for the module's tests."""
-    return reference(llama_dir, make_prompts(VOCAB))
 
 
 def _runner(model_dir: str, sizes: tuple[int, ...], decode_sizes: tuple[int, ...] = (), *,
