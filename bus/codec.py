@@ -39,6 +39,7 @@ _SCALAR_CHECKS = {
     "int": _is_int,
     "float": lambda v: type(v) is float or _is_int(v),
     "str": lambda v: type(v) is str,
+    "bytes": lambda v: type(v) is bytes,
     "bool": lambda v: type(v) is bool,
     "list": lambda v: type(v) is list,
 }

@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 22  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 23  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -58,6 +58,8 @@ WIRE_VERSION = 22  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 #     sample from the unbiased logits
 # 22: vLLM's min_tokens (SamplingParams.min_new_tokens/min_tokens_masked_ids) and stop_token_ids
 #     (StoppingParams.request_stop_ids): a rank that ignored them would let a request end too early
+# 23: images (AddRequest.images, NewRequestData.images): a rank that ignored them would read the image
+#     placeholders' own embeddings
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -193,6 +195,33 @@ class FrontendHello(Message):
 
 
 @dataclass(slots=True)
+class ImageInput(Message):
+    """One image of a prompt (vision-language models). The frontend fetched it, checked that it decodes and
+    counted its placeholder tokens; every rank runs the model's image processor and vision encoder on it
+    (as TGI's shards do), whose output rows are the embeddings of those placeholders."""
+
+    offset: int  # index in the prompt of the first of its placeholder tokens
+    num_tokens: int  # placeholder tokens it fills: the encoder's output rows for it
+    data: bytes  # the image file as the client sent it (PNG, JPEG, WebP, GIF, ...)
+    # blake2b (16 bytes) of ``data``: the prefix cache tells two images' positions apart by it, so a prompt
+    # shares the K/V of an image only with a prompt that holds the same image at the same place
+    digest: bytes
+
+    def problem(self, prompt_len: int) -> str | None:
+        """What makes this image unsafe for the ranks, or None."""
+        if self.num_tokens < 1 or self.offset < 0 or self.offset + self.num_tokens > prompt_len:
+            return f"an image's {self.num_tokens} tokens at {self.offset} are not inside the {prompt_len}-token prompt"
+        if not self.data:
+            return "an image without data"
+        if len(self.digest) != IMAGE_DIGEST_BYTES:
+            return f"an image's digest must be {IMAGE_DIGEST_BYTES} bytes"
+        return None
+
+
+IMAGE_DIGEST_BYTES = 16
+
+
+@dataclass(slots=True)
 class AddRequest(Message):
     """A validated, tokenized generation request."""
 
@@ -207,6 +236,8 @@ class AddRequest(Message):
     traceparent: str = ""  # W3C trace context of the request's span (tracing on), so the scheduler's span joins it
     grammar: Grammar | None = None  # constrained decoding; None: any token may follow
     adapter: str = ""  # the LoRA adapter that computes this request (--lora-adapters' name); "": the base model
+    # its images, in prompt order, their placeholder runs apart (a vision-language model; [] for text)
+    images: list[ImageInput] = field(default_factory=list)
 
     def problem(self, vocab_size: int, lora_adapters: tuple[str, ...] | list[str] = ()) -> str | None:
         """What makes this request unsafe to take, or None: a rid outside its frontend's ids, or anything the
@@ -244,12 +275,21 @@ class AddRequest(Message):
             return f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}"
         if self.adapter and self.adapter not in lora_adapters:
             return f"adapter {self.adapter!r} is not loaded (loaded: {', '.join(lora_adapters) or 'none'})"
+        end = 0
+        for image in self.images:
+            problem = image.problem(len(self.input_ids))
+            if problem is None and image.offset < end:
+                problem = "images must be in prompt order, their tokens apart"
+            if problem is not None:
+                return problem
+            end = image.offset + image.num_tokens
         return None
 
 
 register_nested("AddRequest", "sampling", SamplingParams)
 register_nested("AddRequest", "grammar", Grammar)
 register_nested("AddRequest", "stopping", StoppingParams)
+register_nested("AddRequest", "images", ImageInput, many=True)
 
 
 @dataclass(slots=True)
@@ -322,9 +362,12 @@ class NewRequestData(Message):
     # it is given (cached_ids and prompt chunks), so a preempted request resumes where it was.
     grammar: Grammar | None = None
     adapter: str = ""  # AddRequest.adapter: every rank adds this LoRA adapter's deltas to the request's rows
+    # AddRequest.images whose tokens the ranks have yet to compute: those ending after the cached prefix
+    images: list[ImageInput] = field(default_factory=list)
 
 
 register_nested("NewRequestData", "sampling", SamplingParams)
+register_nested("NewRequestData", "images", ImageInput, many=True)
 register_nested("NewRequestData", "grammar", Grammar)
 
 

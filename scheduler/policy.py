@@ -347,8 +347,8 @@ class Scheduler:
                 break
             req = self.waiting[0]
             total = req.num_tokens
-            all_tokens = req.tokens(0, total)
-            cached_blocks = [] if req.wants_prompt_logprobs else kv.match(all_tokens, (total - 1) // kv.block_size,
+            cached_blocks = [] if req.wants_prompt_logprobs else kv.match(req.cache_keys(0, total),
+                                                                               (total - 1) // kv.block_size,
                                                                                self._cache_namespace(req))
             cached = len(cached_blocks) * kv.block_size
             todo = total - cached
@@ -370,7 +370,7 @@ class Scheduler:
             req.num_computed = cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            seq = ScheduledSeq(req, all_tokens[cached:cached + n], cached, n == todo)
+            seq = ScheduledSeq(req, req.tokens(cached, cached + n), cached, n == todo)
             admitted.append((req, seq))
             budget -= n
             prefill_tokens += n
@@ -417,7 +417,8 @@ class Scheduler:
             prompt_len = len(req.prompt_ids)
             if seq.num_computed < prompt_len <= req.num_computed:
                 # The prompt is in the cache now: later requests sharing it can skip it at once.
-                self.kv.insert(req.prompt_ids, req.block_table, releasing=False, namespace=self._cache_namespace(req))
+                self.kv.insert(req.cache_keys(0, prompt_len), req.block_table, releasing=False,
+                               namespace=self._cache_namespace(req))
             if not seq.sample:
                 continue
             kept = sampled[req.rid] if seq.num_spec else [sampled[req.rid]]
@@ -470,7 +471,7 @@ class Scheduler:
 
     def _release_blocks(self, req: Request) -> None:
         """Cache the request's computed full chunks, then drop its references."""
-        self.kv.insert(req.tokens(0, req.num_computed), req.block_table, releasing=True,
+        self.kv.insert(req.cache_keys(0, req.num_computed), req.block_table, releasing=True,
                        namespace=self._cache_namespace(req))
         self.kv.release(req.block_table)
         req.block_table = []

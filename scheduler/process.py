@@ -261,7 +261,7 @@ class SchedulerService:
         req = Request(rid=msg.rid, frontend_id=msg.frontend_id, prompt_ids=list(msg.input_ids),
                       sampling=msg.sampling, stopping=msg.stopping, prompt_logprobs=msg.prompt_logprobs,
                       arrival_time=msg.arrival_time, traceparent=msg.traceparent, grammar=msg.grammar,
-                      adapter=msg.adapter)
+                      adapter=msg.adapter, images=list(msg.images))
         try:
             if self.stopping:
                 raise ValueError("the server is shutting down")
@@ -304,7 +304,7 @@ class SchedulerService:
             new_requests=[m.NewRequestData(rid=r.rid, sampling=r.sampling, block_table=list(r.block_table),
                                            prompt_len=len(r.prompt_ids), prompt_logprobs=r.wants_prompt_logprobs,
                                            cached_ids=r.tokens(0, r.num_computed), grammar=r.grammar,
-                                           adapter=r.adapter)
+                                           adapter=r.adapter, images=r.images_from(r.num_computed))
                           for r in batch.new_requests],
             rids=[s.request.rid for s in batch.seqs],
             num_computed=[s.num_computed for s in batch.seqs],

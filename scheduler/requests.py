@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from llmbus.bus.messages import SAMPLED_LAST, FinishReason, Grammar, SamplingParams, StoppingParams
+from llmbus.bus.messages import SAMPLED_LAST, FinishReason, Grammar, ImageInput, SamplingParams, StoppingParams
 from llmbus.scheduler.speculation import GuessRate, NgramIndex
 
 
@@ -30,6 +30,9 @@ class Request:
     traceparent: str = ""  # the frontend's span of this request, when tracing (bus/tracing.py)
     grammar: Grammar | None = None  # passed to the ranks with the request; the policy never reads it
     adapter: str = ""  # its LoRA adapter ("": the base model); prefixes are shared within one adapter only
+    images: list[ImageInput] = field(default_factory=list)  # passed to the ranks; the policy reads prompt_keys
+    # prompt_ids as the prefix cache keys them: an image's placeholders by its digest (image_keys); None: the ids
+    prompt_keys: list[int] | None = None
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -49,6 +52,10 @@ class Request:
     ahead: int = 0
     pending: int = 0
     generation: int = 0
+
+    def __post_init__(self) -> None:
+        if self.images and self.prompt_keys is None:
+            self.prompt_keys = image_keys(self.prompt_ids, self.images)
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +94,28 @@ class Request:
         if start >= p:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    def cache_keys(self, start: int, end: int) -> list[int]:
+        """``tokens(start, end)`` as the prefix cache keys them (``prompt_keys``)."""
+        if self.prompt_keys is None:
+            return self.tokens(start, end)
+        p = len(self.prompt_ids)
+        return self.prompt_keys[start:min(end, p)] + self.output_ids[max(start - p, 0):max(end - p, 0)]
+
+    def images_from(self, position: int) -> list[ImageInput]:
+        """The images whose placeholders end after ``position``: what ranks computing from there must see."""
+        return [image for image in self.images if image.offset + image.num_tokens > position]
+
+
+def image_keys(prompt_ids: list[int], images: list[ImageInput]) -> list[int]:
+    """``prompt_ids`` with the j-th placeholder of each image replaced by a key of (its digest, j): negative,
+    so never a token id, and equal only for the same image at the same place in the same prefix, which the
+    radix tree's path already pins (as SGLang pads image positions with the image's hash)."""
+    keys = list(prompt_ids)
+    for image in images:
+        base = int.from_bytes(image.digest, "big") << 32
+        keys[image.offset:image.offset + image.num_tokens] = [-(base | j) - 3 for j in range(image.num_tokens)]
+    return keys
 
 
 @dataclass(slots=True)

@@ -118,6 +118,7 @@ class Request:
     speculate: int = 0
     oracle: list[int] = field(default_factory=list)
     kept_guesses: int = 0
+    images: list = field(default_factory=list)  # ImageInput of its prompt (NewRequestData.images)
 
     @property
     def done(self) -> bool:
@@ -184,7 +185,8 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None,
             seqs.append(SeqInput(rid=req.rid, token_ids=new_tokens, num_computed=req.computed,
                                  block_table=list(req.blocks), sample=sample, sampling=req.sampling,
                                  prompt_len=len(req.prompt), cached_ids=req.cached_ids, grammar=req.grammar,
-                                 num_spec=len(guesses), adapter=req.adapter))
+                                 num_spec=len(guesses), adapter=req.adapter,
+                                 images=req.images if req.computed < len(req.prompt) else []))
         feed = last_launched.feed(fed_rows, fed_rids) if fed_rows else None
         last_launched = runner.launch(seqs, feed)
         out = last_launched.result()

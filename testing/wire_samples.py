@@ -7,13 +7,14 @@ SAMPLING = m.SamplingParams(temperature=0.5, top_k=10, top_p=0.9, typical_p=1.0,
                             presence_penalty=0.5, min_p=0.05, frequency_per_count=True, logit_bias_ids=[7, 3],
                             logit_bias_values=[-100.0, 2.5], min_new_tokens=3, min_tokens_masked_ids=[2, 9])
 STOPPING = m.StoppingParams(max_new_tokens=20, stop_token_ids=[2], ignore_eos=False, request_stop_ids=[9])
+IMAGE = m.ImageInput(offset=1, num_tokens=2, data=b"\x89PNG\r\n\x1a\n", digest=bytes(range(16)))
 GRAMMAR = m.Grammar(kind="json_schema", source='{"type": "object", "properties": {"a": {"type": "integer"}}}')
 
 SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.FRONTEND_HELLO: m.FrontendHello("f0", "ipc:///tmp/llmbus-x/events-f0.sock"),
     m.Kind.ADD_REQUEST: m.AddRequest("f0-1", "f0", [1, 300, 301], SAMPLING, STOPPING, True, 1700000000.5,
                                      "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", GRAMMAR,
-                                     "sql-expert"),
+                                     "sql-expert", [IMAGE]),
     m.Kind.HEALTH_CHECK: m.HealthCheck("f0", 3, 5.0),
     m.Kind.FRONTEND_STATS: m.FrontendStats("f1", 10, 8, ["validation"], [2], ["duration"],
                                            [m.Histogram([0.01, 0.1], [1, 6, 1], 0.4)], ["/v1/messages"], [10],
@@ -24,7 +25,7 @@ SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.ABORT_REQUEST: m.AbortRequest(["f0-1", "f0-2"]),
     m.Kind.STEP: m.StepCommand(
         step_id=7, new_requests=[m.NewRequestData("f0-2", SAMPLING, [4, 5, 8], 36, False, list(range(16)),
-                                                         GRAMMAR, "sql-expert")],
+                                                         GRAMMAR, "sql-expert", [IMAGE])],
         rids=["f0-1", "f0-2"], num_computed=[33, 16], num_new=[1, 20], token_ids=[m.SAMPLED_LAST] + list(range(20)),
         sample=[True, True], added_blocks=[["f0-1", [6]]], finished_rids=["f0-0"], ahead=True),
     m.Kind.SHUTDOWN: m.Shutdown("scheduler stopped"),

@@ -26,7 +26,7 @@ import itertools
 import os
 import select
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -169,6 +169,7 @@ class _RequestState:
     cached_ids: list[int]  # NewRequestData.cached_ids: the prefix its first step found already computed
     grammar: m.Grammar | None = None
     adapter: str = ""
+    images: list[m.ImageInput] = field(default_factory=list)
     last_sampled: int | None = None  # rank 0: the last token sampled for it, for a step's SAMPLED_LAST
 
 
@@ -186,7 +187,8 @@ def runner_request_state(runner) -> dict[str, int]:
     counts = {"histories": len(getattr(runner, "histories", {})),
               "prompt_logprob_rows": len(getattr(runner, "pending_prompt_rows", {})),
               "grammar_matchers": len(grammar.requests) if grammar is not None else 0,
-              "draft_guesses": len(draft.uncomputed) if draft is not None else 0}
+              "draft_guesses": len(draft.uncomputed) if draft is not None else 0,
+              "encoded_images": len(getattr(runner, "images", None) or ())}
     if draft is not None:
         for name, n in runner_request_state(draft.runner).items():
             counts[name] += n
@@ -534,7 +536,8 @@ class Worker:
             self.runner.drop(restarted)
         for new in cmd.new_requests:
             self.states[new.rid] = _RequestState(new.sampling, list(new.block_table), new.prompt_len,
-                                                   new.prompt_logprobs, new.cached_ids, new.grammar, new.adapter)
+                                                   new.prompt_logprobs, new.cached_ids, new.grammar, new.adapter,
+                                                   new.images)
         for rid, blocks in cmd.added_blocks:
             self.states[rid].block_table.extend(blocks)
         seqs, offset = [], 0
@@ -547,7 +550,8 @@ class Worker:
                                  num_computed=num_computed, block_table=state.block_table, sample=sample,
                                  sampling=state.sampling, prompt_len=state.prompt_len,
                                  prompt_logprobs=state.prompt_logprobs, cached_ids=state.cached_ids,
-                                 grammar=state.grammar, num_spec=spec, adapter=state.adapter))
+                                 grammar=state.grammar, num_spec=spec, adapter=state.adapter,
+                                 images=state.images if num_computed < state.prompt_len else []))
             offset += num_new
         return seqs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmbus.bus.messages import Grammar, SamplingParams
+from llmbus.bus.messages import Grammar, ImageInput, SamplingParams
 
 
 @dataclass(slots=True)
@@ -30,3 +30,5 @@ class SeqInput:
     # with, then that sample (scheduler/speculation.py).
     num_spec: int = 0
     adapter: str = ""  # the LoRA adapter this sequence runs with (a name of lora_names); "": the base model
+    # the request's images yet to compute (NewRequestData.images): the placeholders among token_ids read theirs
+    images: list[ImageInput] = field(default_factory=list)

@@ -55,12 +55,14 @@ def test_older_versions_still_decode(path):
         assert all(new.sampling.presence_penalty == 0.0 or version >= 3 for new in msg.new_requests)
         assert all(new.sampling.min_p == 0.0 or version >= 9 for new in msg.new_requests)
         assert all(new.adapter == "" or version >= 15 for new in msg.new_requests)
+        assert all(new.images == [] or version >= 23 for new in msg.new_requests)
     if isinstance(msg, m.AddRequest):
         assert msg.sampling.presence_penalty == 0.0 or version >= 3
         assert msg.sampling.min_p == 0.0 or version >= 9
         assert msg.traceparent == "" or version >= 4
         assert msg.grammar is None or version >= 5
         assert msg.adapter == "" or version >= 15
+        assert msg.images == [] or version >= 23
     if isinstance(msg, m.FrontendStats):
         assert msg.adapter_names == [] or version >= 16
     if isinstance(msg, m.SchedulerStats) and version == 1:

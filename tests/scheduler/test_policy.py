@@ -302,6 +302,39 @@ def test_a_prefix_is_shared_within_one_lora_adapter_only():
     assert s.kv.num_free == s.kv.num_blocks  # every adapter's tree is evicted alike
 
 
+def test_a_prefix_holding_an_image_is_shared_only_with_the_same_image():
+    """An image's placeholders are the same token ids whatever the image: the prefix cache keys them by the
+    image's digest, so the blocks of one image serve the same image at the same place, never another one;
+    the text before it is shared all the same. The ranks get the token ids and the images, never the keys."""
+    from llmbus.bus.messages import ImageInput
+
+    s = make_scheduler(block_size=4)
+    worker = SimWorker(4)
+    prompt = list(range(100, 108)) + [9] * 8 + [1, 2, 3]  # text (2 blocks), an image (2 blocks), text
+
+    def image_request(rid, picture: bytes, offset=8):
+        return Request(rid=rid, frontend_id="f0", prompt_ids=list(prompt), sampling=SamplingParams(),
+                       stopping=StoppingParams(1, [2]),
+                       images=[ImageInput(offset=offset, num_tokens=8, data=picture, digest=picture * 16)])
+
+    s.add(image_request("cat", b"c"))
+    drive(s, worker)
+    # (request, tokens the cache serves, offsets of the images the ranks must still encode)
+    for request, computed, to_encode in ((image_request("cat again", b"c"), 16, []),
+                                         (image_request("dog", b"d"), 8, [8]),
+                                         (make_request("text", prompt=prompt, max_new_tokens=1), 8, []),
+                                         (image_request("cat later", b"c", offset=9), 8, [9])):
+        s.add(request)
+        batch = s.schedule()
+        seq = batch.seqs[0]
+        assert seq.num_computed == computed, request.rid
+        assert seq.token_ids == prompt[computed:]
+        new = batch.new_requests[0]
+        assert [image.offset for image in new.images_from(computed)] == to_encode
+        s.update(batch, worker.run(batch))
+        drive(s, worker)
+
+
 def _cached_tokens_of_new_requests(s):
     """``computed_for(rid, prompt)``: run a one-token request to the end, and say how many of its prompt's
     tokens the prefix cache served."""

@@ -25,7 +25,7 @@ from llmbus.bus.messages import Grammar, SamplingParams
 from llmbus.testing.runner_driver import Request, drive
 from llmbus.workers.process import runner_request_state
 
-IDLE = {"histories": 0, "prompt_logprob_rows": 0, "grammar_matchers": 0, "draft_guesses": 0}
+IDLE = {"histories": 0, "prompt_logprob_rows": 0, "grammar_matchers": 0, "draft_guesses": 0, "encoded_images": 0}
 
 KINDS = {
     "greedy": SamplingParams(),

@@ -372,13 +372,17 @@ class LlamaForCausalLM:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_index: torch.Tensor,
-                adapters: StepAdapters | None = None) -> torch.Tensor | None:
+                adapters: StepAdapters | None = None,
+                embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Run the flat batch ``input_ids [T]`` at ``positions [T]``; return float32 logits
         ``[len(logits_index), vocab]`` of the rows ``logits_index`` on rank 0, None elsewhere. ``adapters``:
-        which rows get which LoRA adapter's deltas (lora.py).
+        which rows get which LoRA adapter's deltas (lora.py). ``embeddings``: (rows, their embeddings) read in
+        place of those rows' token embeddings (an image's placeholders, ``vision.py``).
 
         Every rank must call this with the same shapes (the collectives pair up)."""
         hidden = self.embed(input_ids).to(RESIDUAL_DTYPE)
+        if embeddings is not None:
+            hidden.index_copy_(0, embeddings[0], embeddings[1].to(RESIDUAL_DTYPE))
         by_sequence = self.rotary.per_sequence or meta.sequence_horizons is not None
         cos, sin = self.rotary.cos_sin(positions, self.dtype, meta.start_mask(len(positions)) if by_sequence else None,
                                        meta.sequence_horizons if by_sequence else None)

@@ -1,0 +1,78 @@
+"""LLaVA through ModelRunner: transformers' LlavaForConditionalGeneration's greedy tokens and logprobs in
+float32, for prompts with images in a continuous batch whose prompt chunks cut an image, a preemption, and
+a prefix-cache hit that ends inside an image."""
+
+import hashlib
+
+import pytest
+import torch
+
+from llmbus.bus.messages import ImageInput
+from llmbus.testing import llava
+from llmbus.testing.runner_driver import BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def image_inputs(prompt: llava.ImagePrompt) -> list[ImageInput]:
+    return [ImageInput(offset=offset, num_tokens=llava.IMAGE_TOKENS, data=data,
+                       digest=hashlib.blake2b(data, digest_size=16).digest())
+            for offset, data in zip(prompt.image_offsets, prompt.images)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory):
+    """(model folder, prompts, transformers' (tokens, logprobs) of each)."""
+    from tokenizers import Tokenizer
+
+    path = llava.build_tiny_llava(tmp_path_factory.mktemp("llava"))
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    image_id = tok.token_to_id(llava.IMAGE_TOKEN)
+    words = [tok.encode(text).ids for text in ("USER: look at this", " and tell me what it shows",
+                                                "Two pictures:", " then", " which one is brighter?",
+                                                "A question without a picture, about the weather")]
+    prompts = [llava.image_prompt([words[0], words[1]], [llava.test_image(1)], image_id),
+               llava.image_prompt([words[2], words[3], words[4]], [llava.test_image(2, (30, 90)),
+                                                                    llava.test_image(3, fmt="JPEG")], image_id),
+               llava.image_prompt([words[5]], [], image_id),
+               llava.image_prompt([[], words[1]], [llava.test_image(4, (100, 100), "WEBP")], image_id)]
+    return path, prompts, llava.llava_reference(path, prompts, MAX_NEW_TOKENS, MIN_MARGIN)
+
+
+def test_images_in_a_continuous_batch_give_transformers_tokens(tiny_llava):
+    from llmbus.workers.model_runner import ModelRunner
+
+    path, prompts, expected = tiny_llava
+    runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+    runner.warmup()
+    assert runner.images is not None
+    requests = [Request(rid=f"r{i}", prompt=p.ids, images=image_inputs(p), arrival_step=step, prefill_chunk=chunk)
+                for i, (p, step, chunk) in enumerate(zip(prompts, (0, 1, 0, 2), (7, None, 5, 3)))]
+    # r1 is preempted once it has 5 tokens and resumes from its first block: its images are encoded again
+    requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
+    # "hit" starts from r0's first 3 blocks (12 tokens) computed: r0's image starts at token 4, so the
+    # cached prefix ends inside it and only its last placeholders are computed
+    lender = requests[0]
+    assert prompts[0].image_offsets[0] < 3 * BLOCK_SIZE < prompts[0].image_offsets[0] + llava.IMAGE_TOKENS
+    lender.blocks = [NUM_BLOCKS - 1, NUM_BLOCKS - 2, NUM_BLOCKS - 3]
+    requests.append(Request(rid="hit", prompt=prompts[0].ids, images=image_inputs(prompts[0]), arrival_step=9,
+                            computed=3 * BLOCK_SIZE, blocks=list(lender.blocks), prefill_chunk=6))
+    results = drive(runner, requests)
+    assert results["r1"].preemptions == 1
+    for rid, i in {"r0": 0, "r1": 1, "r2": 2, "r3": 3, "hit": 0}.items():
+        tokens, logprobs = expected[i]
+        assert results[rid].tokens == tokens, rid
+        torch.testing.assert_close(torch.tensor(results[rid].logprobs), torch.tensor(logprobs), rtol=0, atol=1e-4)
+    assert len(runner.images) == 0, "a finished request left its encoded images behind"
+
+
+def test_another_image_in_the_same_place_gives_other_tokens(tiny_llava):
+    """The image is read, not its placeholders' embeddings: one more image changes the continuation."""
+    from llmbus.workers.model_runner import ModelRunner
+
+    path, prompts, expected = tiny_llava
+    runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+    other = llava.ImagePrompt(ids=prompts[0].ids, images=[llava.test_image(99)], image_offsets=prompts[0].image_offsets)
+    results = drive(runner, [Request(rid="other", prompt=other.ids, images=image_inputs(other))])
+    assert results["other"].tokens == llava.llava_reference(path, [other], MAX_NEW_TOKENS, 0.0)[0][0]
+    assert results["other"].tokens != expected[0][0]
