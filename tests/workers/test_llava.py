@@ -39,6 +39,29 @@ def tiny_llava(tmp_path_factory):
     return path, prompts, llava.llava_reference(path, prompts, MAX_NEW_TOKENS, MIN_MARGIN)
 
 
+def image_requests(prompts: list[llava.ImagePrompt]) -> list[Request]:
+    """The prompts in a continuous batch whose chunks cut images, with r1 preempted once it has 5 tokens
+    (resuming from its first block: its images are encoded again) and "hit", which starts from r0's first 3
+    blocks (12 tokens) computed: r0's image starts at token 4, so the cached prefix ends inside it and only its
+    last placeholders are computed."""
+    requests = [Request(rid=f"r{i}", prompt=p.ids, images=image_inputs(p), arrival_step=step, prefill_chunk=chunk)
+                for i, (p, step, chunk) in enumerate(zip(prompts, (0, 1, 0, 2), (7, None, 5, 3)))]
+    requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
+    lender = requests[0]
+    assert prompts[0].image_offsets[0] < 3 * BLOCK_SIZE < prompts[0].image_offsets[0] + llava.IMAGE_TOKENS
+    lender.blocks = [NUM_BLOCKS - 1, NUM_BLOCKS - 2, NUM_BLOCKS - 3]
+    requests.append(Request(rid="hit", prompt=prompts[0].ids, images=image_inputs(prompts[0]), arrival_step=9,
+                            computed=3 * BLOCK_SIZE, blocks=list(lender.blocks), prefill_chunk=6))
+    return requests
+
+
+def assert_transformers_results(expected, results: dict[str, tuple[list[int], list[float]]]) -> None:
+    for rid, i in {"r0": 0, "r1": 1, "r2": 2, "r3": 3, "hit": 0}.items():
+        tokens, logprobs = expected[i]
+        assert results[rid][0] == tokens, rid
+        torch.testing.assert_close(torch.tensor(results[rid][1]), torch.tensor(logprobs), rtol=0, atol=1e-4)
+
+
 def test_images_in_a_continuous_batch_give_transformers_tokens(tiny_llava):
     from llmbus.workers.model_runner import ModelRunner
 
@@ -46,24 +69,20 @@ def test_images_in_a_continuous_batch_give_transformers_tokens(tiny_llava):
     runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
     runner.warmup()
     assert runner.images is not None
-    requests = [Request(rid=f"r{i}", prompt=p.ids, images=image_inputs(p), arrival_step=step, prefill_chunk=chunk)
-                for i, (p, step, chunk) in enumerate(zip(prompts, (0, 1, 0, 2), (7, None, 5, 3)))]
-    # r1 is preempted once it has 5 tokens and resumes from its first block: its images are encoded again
-    requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
-    # "hit" starts from r0's first 3 blocks (12 tokens) computed: r0's image starts at token 4, so the
-    # cached prefix ends inside it and only its last placeholders are computed
-    lender = requests[0]
-    assert prompts[0].image_offsets[0] < 3 * BLOCK_SIZE < prompts[0].image_offsets[0] + llava.IMAGE_TOKENS
-    lender.blocks = [NUM_BLOCKS - 1, NUM_BLOCKS - 2, NUM_BLOCKS - 3]
-    requests.append(Request(rid="hit", prompt=prompts[0].ids, images=image_inputs(prompts[0]), arrival_step=9,
-                            computed=3 * BLOCK_SIZE, blocks=list(lender.blocks), prefill_chunk=6))
-    results = drive(runner, requests)
+    results = drive(runner, image_requests(prompts))
     assert results["r1"].preemptions == 1
-    for rid, i in {"r0": 0, "r1": 1, "r2": 2, "r3": 3, "hit": 0}.items():
-        tokens, logprobs = expected[i]
-        assert results[rid].tokens == tokens, rid
-        torch.testing.assert_close(torch.tensor(results[rid].logprobs), torch.tensor(logprobs), rtol=0, atol=1e-4)
+    assert_transformers_results(expected, {rid: (r.tokens, r.logprobs) for rid, r in results.items()})
     assert len(runner.images) == 0, "a finished request left its encoded images behind"
+
+
+def test_two_tensor_parallel_ranks_read_the_same_images(tiny_llava, tmp_path):
+    """Every rank holds the whole vision side and puts the same rows in: the sharded decoder's result is
+    transformers' too."""
+    from llmbus.testing.runner_driver import drive_tensor_parallel
+
+    path, prompts, expected = tiny_llava
+    assert_transformers_results(expected, drive_tensor_parallel(str(path), {"llava": image_requests(prompts)},
+                                                                str(tmp_path))["llava"])
 
 
 def test_another_image_in_the_same_place_gives_other_tokens(tiny_llava):
