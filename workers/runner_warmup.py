@@ -119,6 +119,8 @@ class RunnerWarmup:
                            watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
                 if self.device.type == "cuda":
                     self._compile_short_queries(cache)
+                if self.images is not None:
+                    self.images.vision.warm()
         except torch.OutOfMemoryError as e:
             raise WarmupOutOfMemory(
                 f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "

@@ -77,20 +77,30 @@ class LlavaVision:
         self.processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
         self.device, self.dtype = device, dtype
 
-    @torch.inference_mode()
     def encode(self, image: ImageInput) -> torch.Tensor:
         """``[image.num_tokens, text hidden]``: the embeddings of the image's placeholders."""
         from PIL import Image
 
         with Image.open(io.BytesIO(image.data)) as picture:
-            pixels = self.processor(images=[picture], return_tensors="pt")["pixel_values"]
-        hidden = self.tower(pixels.to(self.device, self.dtype), output_hidden_states=True).hidden_states
-        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
-        selected = [hidden[i][:, 1:] if self.strategy == "default" else hidden[i] for i in layers]
-        features = self.projector(torch.cat(selected, dim=-1))[0]
+            features = self._features(picture)
         if features.shape[0] != image.num_tokens:
             raise ValueError(f"an image gave {features.shape[0]} embeddings for its {image.num_tokens} placeholders")
         return features
+
+    def warm(self) -> None:
+        """Encode a blank image: the vision side's first run (and, on CUDA, its memory peak) happen at warmup,
+        not in the first request's step."""
+        from PIL import Image
+
+        self._features(Image.new("RGB", (64, 64), (127, 127, 127)))
+
+    @torch.inference_mode()
+    def _features(self, picture) -> torch.Tensor:
+        pixels = self.processor(images=[picture], return_tensors="pt")["pixel_values"]
+        hidden = self.tower(pixels.to(self.device, self.dtype), output_hidden_states=True).hidden_states
+        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
+        selected = [hidden[i][:, 1:] if self.strategy == "default" else hidden[i] for i in layers]
+        return self.projector(torch.cat(selected, dim=-1))[0]
 
 
 class LlavaForConditionalGeneration:
