@@ -344,6 +344,8 @@ class ModelRunner(RunnerWarmup):
             received = (torch.empty(broadcast, dtype=torch.long, device=self.device)
                         if broadcast and self.rank != 0 else None)
             logits = self._forward(seqs, self.kv_cache, prompt_rows.logits_index if prompt_rows else None, feed)
+            # requests whose image the ranks could not read: every rank computed them alike; rank 0 fails them
+            image_errors = self.images.take_failures() if self.images is not None else []
             replayed = self._replayed
             clock.forward_done()
             self._collectives_done = True  # rank 0's sampling and grammar masks are its own
@@ -363,7 +365,8 @@ class ModelRunner(RunnerWarmup):
                 forward_time, sample_time = clock.times(wait=True)
                 if self.timeline is not None:
                     self.timeline.add(clock, forward_time + sample_time, len(seqs), replayed)
-                return LaunchedStep.finished(StepOutput([], [], [], forward_time, sample_time, prompt_logprobs))
+                return LaunchedStep.finished(StepOutput([], [], [], forward_time, sample_time, prompt_logprobs,
+                                                        errors=image_errors))
             errors = self._grammar.apply(logits, mask_job) if mask_job is not None else {}
             histories = self._record_histories(seqs, sampled, feed)
             if (self._graph_greedy is not None and mask_job is None
@@ -395,7 +398,7 @@ class ModelRunner(RunnerWarmup):
             return StepOutput(rids=out_rids, token_ids=token_list, logprobs=logprob_list,
                               forward_time=forward_time, sample_time=sample_time, prompt_logprobs=prompt_logprobs,
                               top_tokens=top_tokens,
-                              errors=[[rid, kind, why] for rid, (kind, why) in errors.items()],
+                              errors=[[rid, kind, why] for rid, (kind, why) in errors.items()] + image_errors,
                               num_tokens=num_tokens)
         # A speculating step's rows are positions, not requests: its tokens are not fed on.
         return LaunchedStep(finish, copy, None if speculating else out.token_ids, rids)

@@ -5,6 +5,11 @@ A prompt's chunks may split an image's placeholders (chunked prefill, a prefix-c
 one): the image is encoded at the first chunk that reaches it and its rows are kept, per request, until a
 chunk reaches its last placeholder, so each image is encoded once however its prompt is cut. A request that
 is dropped (finished, aborted, preempted) lets go of its rows; one computed again encodes its images again.
+
+An image the ranks cannot read (the frontend decoded it, but the image processor may still refuse a mode or
+size) fails its request, not the rank: every rank fails it alike (the same bytes, the same code), computes
+the step with the placeholders' own embeddings so the collectives stay paired, and rank 0 reports it in the
+step's errors, on which the scheduler fails the request.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ class StepImages:
         self.vision = vision  # a model's vision side: encode(ImageInput) -> [num_tokens, hidden]
         self.device = device
         self.encoded: dict[tuple[str, int], torch.Tensor] = {}  # (rid, image offset) -> its rows
+        self.failed: dict[str, str] = {}  # rid -> why one of its images could not be read, until it is dropped
+        self._new_failures: list[str] = []  # rids failed since take_failures
 
     def embeddings(self, seqs: list[SeqInput], query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of the flat batch, their embeddings) for every image placeholder this step computes; None when
@@ -29,7 +36,7 @@ class StepImages:
         first_row = 0
         for seq, n in zip(seqs, query_lens):
             start, end = seq.num_computed, seq.num_computed + n
-            for image in seq.images:
+            for image in seq.images if seq.rid not in self.failed else ():
                 image_end = image.offset + image.num_tokens
                 lo, hi = max(start, image.offset), min(end, image_end)
                 if lo >= hi:
@@ -37,7 +44,12 @@ class StepImages:
                 key = (seq.rid, image.offset)
                 encoded = self.encoded.get(key)
                 if encoded is None:
-                    encoded = self.encoded[key] = self.vision.encode(image)
+                    try:
+                        encoded = self.encoded[key] = self.vision.encode(image)
+                    except Exception as e:  # noqa: BLE001 - whatever the image processor raises fails the request
+                        self.failed[seq.rid] = f"invalid image content: {e}"
+                        self._new_failures.append(seq.rid)
+                        break
                 rows.append(torch.arange(first_row + lo - start, first_row + hi - start))
                 values.append(encoded[lo - image.offset:hi - image.offset])
                 if hi == image_end:  # the image's last placeholder is computed: its rows are not needed again
@@ -47,10 +59,19 @@ class StepImages:
             return None
         return torch.cat(rows).to(self.device), torch.cat(values)
 
+    def take_failures(self) -> list[list]:
+        """``[[rid, "validation", why]]`` of the requests whose image failed since the last call (a step's
+        errors)."""
+        failures = [[rid, "validation", self.failed[rid]] for rid in self._new_failures if rid in self.failed]
+        self._new_failures = []
+        return failures
+
     def drop(self, rids: list[str]) -> None:
         gone = set(rids)
         for key in [key for key in self.encoded if key[0] in gone]:
             del self.encoded[key]
+        for rid in gone:
+            self.failed.pop(rid, None)
 
     def __len__(self) -> int:
-        return len(self.encoded)
+        return len(self.encoded) + len(self.failed)

@@ -95,3 +95,26 @@ def test_another_image_in_the_same_place_gives_other_tokens(tiny_llava):
     results = drive(runner, [Request(rid="other", prompt=other.ids, images=image_inputs(other))])
     assert results["other"].tokens == llava.llava_reference(path, [other], MAX_NEW_TOKENS, 0.0)[0][0]
     assert results["other"].tokens != expected[0][0]
+
+
+def test_an_image_the_ranks_cannot_read_fails_its_request_alone(tiny_llava):
+    """The image processor refusing an image (here: bytes that are no image at all) fails that request in the
+    step's errors; the rank lives on and the request beside it gets its tokens."""
+    from llmbus.bus.messages import SamplingParams
+    from llmbus.workers.model_runner import ModelRunner, SeqInput
+
+    path, prompts, expected = tiny_llava
+    runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+    broken = [ImageInput(offset=prompts[0].image_offsets[0], num_tokens=llava.IMAGE_TOKENS, data=b"not an image",
+                         digest=bytes(16))]
+    blocks = -(-len(prompts[0].ids) // BLOCK_SIZE)
+    seqs = [SeqInput(rid=rid, token_ids=list(prompts[0].ids), num_computed=0, sample=True,
+                     block_table=list(range(first, first + blocks)), sampling=SamplingParams(),
+                     prompt_len=len(prompts[0].ids), images=images)
+            for rid, first, images in (("broken", 0, broken), ("fine", blocks, image_inputs(prompts[0])))]
+    out = runner.step(seqs)
+    assert [(rid, kind) for rid, kind, _ in out.errors] == [("broken", "validation")]
+    assert out.errors[0][2].startswith("invalid image content")
+    assert out.token_ids[out.rids.index("fine")] == expected[0][0][0]
+    runner.drop(["broken", "fine"])
+    assert len(runner.images) == 0
