@@ -120,8 +120,8 @@ def test_wrong_field_types_on_the_intake_never_stop_the_server(server):
 
 def test_requests_the_ranks_cannot_take_fail_alone(server):
     """A process that says hello as a frontend of its own gets a validation failure for an out-of-vocabulary
-    id, an impossible sampling parameter or logit bias, an unknown grammar kind or a LoRA adapter the ranks do
-    not hold; its good request still runs."""
+    id, an impossible sampling parameter or logit bias, an unknown grammar kind, a LoRA adapter the ranks do
+    not hold or images the ranks could not place; its good request still runs."""
     srv, run_dir = server
     peer = RawPeer(run_dir, "chaos")
     peer.push("requests.sock", m.FrontendHello("chaos", peer.endpoint))
@@ -145,6 +145,14 @@ def test_requests_the_ranks_cannot_take_fail_alone(server):
             logit_bias_ids=[4], logit_bias_values=[])),
         "chaos-bias-nan": dataclasses.replace(good, rid="chaos-bias-nan", sampling=m.SamplingParams(
             logit_bias_ids=[4], logit_bias_values=[float("nan")])),
+        # images whose placeholders lie outside the prompt, overlap, or that the prefix cache could not key
+        "chaos-image-out": dataclasses.replace(good, rid="chaos-image-out", images=[
+            m.ImageInput(offset=2, num_tokens=2, data=b"x", digest=bytes(16))]),
+        "chaos-image-overlap": dataclasses.replace(good, rid="chaos-image-overlap", images=[
+            m.ImageInput(offset=0, num_tokens=2, data=b"x", digest=bytes(16)),
+            m.ImageInput(offset=1, num_tokens=1, data=b"y", digest=bytes(16))]),
+        "chaos-image-digest": dataclasses.replace(good, rid="chaos-image-digest", images=[
+            m.ImageInput(offset=0, num_tokens=1, data=b"x", digest=b"short")]),
         # an id of the real frontend's: taken, it would make that frontend's own request a duplicate
         "f0-1": dataclasses.replace(good, rid="f0-1"),
     }
