@@ -219,6 +219,9 @@ class ImageInput(Message):
 
 
 IMAGE_DIGEST_BYTES = 16
+# A request's images together, as files (the frontend refuses more); the scheduler also keeps a step's new
+# requests' images under it past the first request, so a step command stays far below MAX_PAYLOAD_BYTES.
+MAX_IMAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -275,6 +278,8 @@ class AddRequest(Message):
             return f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}"
         if self.adapter and self.adapter not in lora_adapters:
             return f"adapter {self.adapter!r} is not loaded (loaded: {', '.join(lora_adapters) or 'none'})"
+        if sum(len(image.data) for image in self.images) > MAX_IMAGE_BYTES:
+            return f"a request's images must be at most {MAX_IMAGE_BYTES} bytes together"
         end = 0
         for image in self.images:
             problem = image.problem(len(self.input_ids))

@@ -55,7 +55,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from llmbus.bus.messages import DRAFT_GUESS, FinishReason
+from llmbus.bus.messages import DRAFT_GUESS, MAX_IMAGE_BYTES, FinishReason
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.kv_blocks import KVBlockManager
 from llmbus.scheduler.requests import Request, RequestStatus, ScheduledBatch, ScheduledSeq, TokenEvent
@@ -340,12 +340,16 @@ class Scheduler:
         # step): a prompt admitted beside them is not alone.
         prefill_tokens = sum(len(q.token_ids) for q in batch.seqs if not q.is_decode)
         admitted: list[tuple[Request, ScheduledSeq]] = []
+        image_bytes = 0  # of the requests admitted: the step command carries their images
         while self.waiting:
             if cfg.max_batch_size is not None and len(self.running) >= cfg.max_batch_size:
                 break
             if chunking and budget <= 0:
                 break
             req = self.waiting[0]
+            if admitted and image_bytes + req.image_bytes > MAX_IMAGE_BYTES:
+                break
+            image_bytes += req.image_bytes
             total = req.num_tokens
             cached_blocks = [] if req.wants_prompt_logprobs else kv.match(req.cache_keys(0, total),
                                                                                (total - 1) // kv.block_size,

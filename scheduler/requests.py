@@ -102,6 +102,10 @@ class Request:
         p = len(self.prompt_ids)
         return self.prompt_keys[start:min(end, p)] + self.output_ids[max(start - p, 0):max(end - p, 0)]
 
+    @property
+    def image_bytes(self) -> int:
+        return sum(len(image.data) for image in self.images)
+
     def images_from(self, position: int) -> list[ImageInput]:
         """The images whose placeholders end after ``position``: what ranks computing from there must see."""
         return [image for image in self.images if image.offset + image.num_tokens > position]

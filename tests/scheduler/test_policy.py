@@ -335,6 +335,24 @@ def test_a_prefix_holding_an_image_is_shared_only_with_the_same_image():
         drive(s, worker)
 
 
+def test_a_step_takes_new_images_up_to_the_limit_past_its_first_request():
+    """A step command carries its new requests' images: past the first request, admission stops before they
+    would exceed MAX_IMAGE_BYTES together, so the command stays far below the bus's payload limit."""
+    from llmbus.bus.messages import MAX_IMAGE_BYTES, ImageInput
+
+    s = make_scheduler(block_size=4)
+    big = b"x" * (MAX_IMAGE_BYTES * 3 // 5)
+    for rid in ("a", "b", "c"):
+        s.add(Request(rid=rid, frontend_id="f0", prompt_ids=[5] * 4, sampling=SamplingParams(),
+                      stopping=StoppingParams(3, [2]),
+                      images=[ImageInput(offset=0, num_tokens=4, data=big, digest=bytes(16))]))
+    s.add(make_request("text", prompt_len=4))
+    first = s.schedule()
+    assert [r.rid for r in first.new_requests] == ["a"]
+    s.update(first, {seq.request.rid: (100, -0.5) for seq in first.seqs if seq.sample})
+    assert [r.rid for r in s.schedule().new_requests] == ["b"]
+
+
 def _cached_tokens_of_new_requests(s):
     """``computed_for(rid, prompt)``: run a one-token request to the end, and say how many of its prompt's
     tokens the prefix cache served."""
