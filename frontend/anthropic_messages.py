@@ -232,10 +232,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """The prompt's tokens as ``/v1/messages`` would feed them to the model (template, tools and all)."""
+    """The prompt's tokens as ``/v1/messages`` would feed them to the model (template, tools, images' tokens
+    and all)."""
     state = request.app[STATE]
     chat = _read(await request.read(), state, count_only=True)
-    ids = await state.generator.tokenize(chat_prompt(state, chat), add_special_tokens=False)
+    ids, _ = await state.generator.prompt_ids(chat_prompt(state, chat), add_special_tokens=False)
     return json_response({"input_tokens": len(ids)})
 
 

@@ -11,7 +11,10 @@ is a string or blocks. Blocks map onto OpenAI's messages:
 - ``tool_result`` (user): a ``role: "tool"`` message answering ``tool_use_id``, which the tool machinery
   renders as the template allows; text after results becomes a user message of its own;
 - ``thinking`` / ``redacted_thinking`` (assistant): dropped, as reasoning templates drop earlier turns' sections;
-- ``image``, ``document`` and anything else: refused, naming the block (the models served read text).
+- ``image`` (user): for a vision-language model, the image as TGI writes one in a message's text
+  (``![](<url>)``: a ``base64`` source as a data URL, a ``url`` source as it is), which validation loads; a
+  text model refuses it, naming the block;
+- ``document`` and anything else: refused, naming the block (the models served read text).
 
 Structured outputs (``output_config.format``) become the chat route's ``response_format``; ``thinking`` sets
 the template's thinking switch (thinking_controls.py) and ``chat_template_kwargs`` (vLLM's extension) passes
@@ -26,6 +29,7 @@ import json
 from llmbus.frontend.chat import ChatFormat
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import validation_error
+from llmbus.frontend.images import markdown_image
 from llmbus.frontend.openai_requests import ChatRequest, parse_chat
 from llmbus.frontend.refused_fields import ANTHROPIC, ANTHROPIC_OUTPUT_CONFIG, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
@@ -55,7 +59,7 @@ def _text_blocks(value, where: str, param: str) -> str:
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind in ("image", "document"):
-            raise _not_text(here, kind, param)
+            raise _not_text(here, kind, param, in_text_only=True)
         else:
             raise _bad(here, "must be a text block ({\"type\": \"text\", \"text\": ...})", param)
     return "".join(texts)
@@ -67,8 +71,21 @@ def _blocks(content: list, where: str):
         yield f"{where}[{j}]", block.get("type") if isinstance(block, dict) else None, block
 
 
-def _user_messages(content, where: str) -> list[dict]:
-    """A user turn as OpenAI messages: each tool_result a ``tool`` message, text runs ``user`` messages."""
+def _image_url(block: dict, where: str) -> str:
+    """An image block's source as a URL: a ``base64`` source's data URL, a ``url`` source's URL."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise _bad(f"{where}.source", 'must be {"type": "base64", "media_type": ..., "data": ...} or {"type": "url", '
+                                  '"url": ...}', "messages")
+
+
+def _user_messages(content, where: str, images: bool) -> list[dict]:
+    """A user turn as OpenAI messages: each tool_result a ``tool`` message, text runs ``user`` messages (with
+    their images, for a model that reads ``images``)."""
     out: list[dict] = []
     text: list[str] = []
 
@@ -80,6 +97,8 @@ def _user_messages(content, where: str) -> list[dict]:
     for here, kind, block in _blocks(content, where):
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
+        elif kind == "image" and images:
+            text.append(markdown_image(_image_url(block, here)))
         elif kind == "tool_result":
             flush()
             tool_use_id = block.get("tool_use_id")
@@ -116,7 +135,10 @@ def _assistant_message(content, where: str) -> dict:
     return message | ({"tool_calls": calls} if calls else {})
 
 
-def _not_text(where: str, kind: str, param: str):
+def _not_text(where: str, kind: str, param: str, in_text_only: bool = False):
+    """``in_text_only``: a field that holds text whatever the model reads (the system prompt, a tool result)."""
+    if in_text_only and kind == "image":
+        return _bad(where, "is image content, which only a user message's own blocks may hold", param)
     return _bad(where, f"is {kind} content, which this model does not read: only text is supported", param)
 
 
@@ -128,7 +150,7 @@ def _unsupported(where: str, kind, role: str):
                 "messages")
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, images: bool) -> list[dict]:
     out: list[dict] = []
     system = body.get("system")
     if system is not None:
@@ -150,7 +172,7 @@ def _messages(body: dict) -> list[dict]:
             raise _bad(f"{where}.content", f"must be a string or an array of blocks, not {_kind(content)}",
                        "messages")
         elif message["role"] == "user":
-            out += _user_messages(content, f"{where}.content")
+            out += _user_messages(content, f"{where}.content", images)
         else:
             out.append(_assistant_message(content, f"{where}.content"))
     return out
@@ -231,11 +253,11 @@ def _output_format(body: dict, openai: dict) -> None:
     openai["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def to_openai(body: dict, *, count_only: bool = False) -> dict:
+def to_openai(body: dict, *, count_only: bool = False, images: bool = False) -> dict:
     """The chat route's OpenAI body for an Anthropic Messages body (``count_only``: count_tokens', which
-    has no ``max_tokens`` and generates nothing)."""
+    has no ``max_tokens`` and generates nothing; ``images``: the model reads images)."""
     refuse_unserved(body, ANTHROPIC)
-    openai: dict = {"messages": _messages(body)}
+    openai: dict = {"messages": _messages(body, images)}
     if body.get("chat_template_kwargs") is not None:
         openai["chat_template_kwargs"] = body["chat_template_kwargs"]
     tools = _tools(body)
@@ -283,5 +305,6 @@ def parse_messages(body: dict, limits: Limits, defaults: SamplingDefaults, *,
                    count_only: bool = False, chat_format: ChatFormat | None = None) -> ChatRequest:
     """The chat route's request for an Anthropic body: one choice, no logprobs; ``chat_format``: the
     model's tool syntax and thinking switch."""
-    return parse_chat(to_openai(body, count_only=count_only), limits, 1, defaults, chat_format,
+    images = chat_format is not None and chat_format.reads_images
+    return parse_chat(to_openai(body, count_only=count_only, images=images), limits, 1, defaults, chat_format,
                       anthropic_thinking(body.get("thinking")))

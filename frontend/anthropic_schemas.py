@@ -74,7 +74,11 @@ def anthropic_schemas(model_id: str) -> dict:
         _obj({"type": _t("string", const="tool_result"), "tool_use_id": _t("string"),
               "content": {"anyOf": [{"type": "string"}, array(_text_block())]},
               "is_error": _t("boolean")}, ("type", "tool_use_id"), "A user's answer to a call."),
-        _obj({"type": _t("string", const="image")}, ("type",), "Refused (400): the models served read text."),
+        _obj({"type": _t("string", const="image"), "source": _obj({
+            "type": _t("string", enum=["base64", "url"]), "media_type": _t("string", "With a base64 source."),
+            "data": _t("string", "With a base64 source."), "url": _t("string", "With a url source.")}, ("type",))},
+            ("type",), "A user message's image: read by a vision-language model (LLaVA); a text model refuses "
+                       "it (400)."),
     ]}
     tool = _obj({"name": _t("string", minLength=1), "description": _t("string"),
                  "input_schema": _t("object", "A JSON Schema of the tool's input."),

@@ -69,9 +69,13 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
                     min(config.max_concurrent_requests, max(config.max_client_batch_size, config.max_best_of)))
         state.generator = Generator(engine, state.tokenizer, limits, share,
                                     config.validation_workers, config.enable_prefill_logprobs,
-                                    on_finished=state.request_metrics.generation_finished)
+                                    on_finished=state.request_metrics.generation_finished, vision=state.vision,
+                                    max_image_fetch_size=config.max_image_fetch_size)
         log.info("limits", max_input_tokens=limits.max_input_tokens,
                  max_total_tokens=limits.max_total_tokens, eos_token_ids=state.tokenizer.eos_token_ids)
+        if state.vision is not None:
+            log.info("images", family=state.vision.family, image_token=state.vision.image_token,
+                     tokens_per_image=state.vision.tokens_per_image)
         stats_sender = asyncio.create_task(_send_request_stats(state), name="request-stats")
         yield
         stats_sender.cancel()

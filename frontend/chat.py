@@ -73,13 +73,15 @@ def _special_tokens(config: dict) -> dict[str, str]:
 @dataclass(frozen=True)
 class ChatFormat:
     """How the model writes: its tool-call syntax, its thinking markers and switch, and its added tokens by
-    text (a marker held as one token is allowed in grammars as that token too)."""
+    text (a marker held as one token is allowed in grammars as that token too); and whether it reads images
+    (a message's image parts become ``![](<url>)`` in its text, TGI's form, which validation loads)."""
 
     tools: ToolFormat
     reasoning: ReasoningMarkers | None
     added_tokens: dict[str, int]
     special_ids: frozenset[int] = frozenset()  # the ids a generated text leaves out
     thinking_switch: str | None = None  # the template variable that turns thinking on and off
+    reads_images: bool = False  # a vision-language model
 
     @property
     def reasons(self) -> bool:
@@ -111,16 +113,19 @@ class ChatTemplate:
         self.special_tokens = {**_special_tokens(_read_json(model_dir / "tokenizer_config.json")),
                                **_special_tokens(given)}
         self._render = None
-        self._format: tuple[str, ChatFormat] | None = None
+        self._format: tuple[tuple[str, bool], ChatFormat] | None = None
 
-    def chat_format(self, tool_call_parser: str, tokenizer, special_ids=frozenset()) -> ChatFormat:
+    def chat_format(self, tool_call_parser: str, tokenizer, special_ids=frozenset(),
+                    reads_images: bool = False) -> ChatFormat:
         """The model's ``ChatFormat`` under ``--tool-call-parser`` (``auto``: the template's), worked out
-        once. ``tokenizer``: a ``tokenizers.Tokenizer``; ``special_ids``: the ids its texts leave out."""
-        if self._format is None or self._format[0] != tool_call_parser:
+        once. ``tokenizer``: a ``tokenizers.Tokenizer``; ``special_ids``: the ids its texts leave out;
+        ``reads_images``: a vision-language model."""
+        key = (tool_call_parser, reads_images)
+        if self._format is None or self._format[0] != key:
             added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
-            self._format = (tool_call_parser, ChatFormat(tool_format(tool_call_parser, self.source),
-                                                         find_markers(self.source), added, frozenset(special_ids),
-                                                         find_thinking_switch(self.source)))
+            self._format = (key, ChatFormat(tool_format(tool_call_parser, self.source), find_markers(self.source),
+                                            added, frozenset(special_ids), find_thinking_switch(self.source),
+                                            reads_images))
         return self._format[1]
 
     @property

@@ -108,7 +108,12 @@ class FrontendConfig(ServiceSettings):
                                          help="seconds to wait for the scheduler's handshake")
     payload_limit: int = setting(2_000_000, env="PAYLOAD_LIMIT", ge=1,
                                  help="Largest request body in bytes; larger ones get 413.")
-    validation_workers: int = setting(2, env="VALIDATION_WORKERS", ge=1, help="Threads that tokenize long prompts.")
+    # TGI's router flag: an http(s) image is read up to this size and refused past it (frontend/images.py)
+    max_image_fetch_size: int = setting(1 << 30, env="MAX_IMAGE_FETCH_SIZE", ge=0,
+                                        help="Largest image in bytes a vision model's prompt may fetch from an "
+                                             "http(s) URL; a larger one gets 422.")
+    validation_workers: int = setting(2, env="VALIDATION_WORKERS", ge=1,
+                                      help="Threads that tokenize long prompts and decode images.")
     api_key: str | None = setting(None, env="API_KEY", secret=True,
                                   help="Require `Authorization: Bearer <key>` on the generation routes.")
     cors_allow_origin: list[str] = setting(env="CORS_ALLOW_ORIGIN", default_factory=list,

@@ -1,10 +1,11 @@
 """One generation request from validation to its last token.
 
 ``Generator.prepare`` takes an admission permit (429 when ``max_concurrent_requests`` are in flight),
-validates, tokenizes (long prompts on a worker thread) and checks lengths; ``Generation.start`` sends the
-``AddRequest``; ``Generation.next_tokens`` turns engine events into TGI tokens: incremental text,
-special flag, top tokens, and the finish reason, matching stop sequences on the text. ``close`` releases
-the permit and aborts the request in the scheduler unless it finished there.
+validates, loads a vision model's images (frontend/images.py), tokenizes (long prompts on a worker thread)
+and checks lengths; ``Generation.start`` sends the ``AddRequest``; ``Generation.next_tokens`` turns engine
+events into TGI tokens: incremental text, special flag, top tokens, and the finish reason, matching stop
+sequences on the text. ``close`` releases the permit and aborts the request in the scheduler unless it
+finished there.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from llmbus.bus.messages import FinishReason
 from llmbus.frontend.config import Limits
 from llmbus.frontend.engine_client import TIMED_OUT, EngineClient, EngineFailure, EngineTokens, Mailbox
 from llmbus.frontend.errors import ApiError, ErrorKind, generation_error, validation_error
+from llmbus.frontend.images import LoadedImage, PromptImages
 from llmbus.frontend.tokenizer import LONG_TEXT_CHARS, ModelTokenizer
 from llmbus.frontend.validation import GenerateParameters, ValidParameters, validate_lengths, validate_parameters
+from llmbus.frontend.vision_models import VisionSpec
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class Prepared:
     start_time: float  # time.monotonic() when the HTTP request arrived
     arrival_time: float  # time.time() likewise, for the scheduler
     prompt_logprobs: bool = False  # decoder_input_details
+    images: list[m.ImageInput] = field(default_factory=list)  # where input_ids hold images (a vision model)
 
 
 class Generator:
@@ -54,7 +58,9 @@ class Generator:
 
     def __init__(self, engine: EngineClient, tokenizer: ModelTokenizer, limits: Limits,
                  max_concurrent_requests: int, validation_workers: int = 2, enable_prefill_logprobs: bool = False,
-                 on_finished: Callable[["Generation"], None] | None = None):
+                 on_finished: Callable[["Generation"], None] | None = None, vision: VisionSpec | None = None,
+                 max_image_fetch_size: int = 1 << 30):
+        """``vision``: the served model's images (None: a text model, whose prompts' ``![](...)`` is text)."""
         self.engine = engine
         self.on_finished = on_finished  # called with each generation that finishes (metrics)
         self.enable_prefill_logprobs = enable_prefill_logprobs
@@ -67,6 +73,8 @@ class Generator:
         self._idle = asyncio.Event()
         self._idle.set()
         self._executor = ThreadPoolExecutor(max_workers=validation_workers, thread_name_prefix="tokenize")
+        # images decode on the tokenizing threads: both are a prompt's preparation, bounded alike
+        self.images = PromptImages(vision, max_image_fetch_size, self._executor) if vision is not None else None
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -125,11 +133,12 @@ class Generator:
         any starts; on an error the permits already taken are given back. ``name``: what an error calls the
         job it is about (``name[i]``: a request of several the client told apart)."""
         gens: list[Generation] = []
+        loaded: dict[str, LoadedImage] = {}  # the jobs' images (n choices of one prompt), fetched once
         try:
             for i, (inputs, parameters, add_special_tokens) in enumerate(jobs):
                 try:
                     gens.append(await self.prepare(inputs, parameters, start_time, arrival_time,
-                                                   add_special_tokens=add_special_tokens))
+                                                   add_special_tokens=add_special_tokens, loaded_images=loaded))
                 except ApiError as e:
                     raise (e if name is None else e.at(f"{name}[{i}]")) from None
         except BaseException:
@@ -155,29 +164,50 @@ class Generator:
         return dataclasses.replace(params, sampling=dataclasses.replace(params.sampling,
                                                                         min_tokens_masked_ids=masked))
 
+    async def expand_images(self, text: str, loaded_images: dict[str, LoadedImage] | None = None
+                            ) -> tuple[str, list[LoadedImage]]:
+        """For a vision model, ``text`` with each image's ``![](<url>)`` replaced by its placeholder tokens'
+        text, and the images, loaded (``loaded_images``: those of the request loaded already, added to);
+        ``text`` as it is for a text model."""
+        if self.images is None:
+            return text, []
+        return await self.images.expand(text, self.limits.max_input_tokens, loaded_images)
+
+    async def prompt_ids(self, text: str, add_special_tokens: bool = True,
+                         loaded_images: dict[str, LoadedImage] | None = None) -> tuple[list[int], list[LoadedImage]]:
+        """The token ids of a prompt's text, its images' placeholders included, and its images."""
+        text, images = await self.expand_images(text, loaded_images)
+        return await self.tokenize(text, add_special_tokens), images
+
     async def prepare(self, inputs: str | list[int], parameters: GenerateParameters, start_time: float,
-                      arrival_time: float, *, add_special_tokens: bool = True) -> "Generation":
+                      arrival_time: float, *, add_special_tokens: bool = True,
+                      loaded_images: dict[str, LoadedImage] | None = None) -> "Generation":
         """A Generation ready to start; raises ApiError (422, 429, 424). Holds a permit until closed.
 
         ``inputs``: text, or token ids fed as they are; ``add_special_tokens=False`` for text that already
-        carries them (a rendered chat template)."""
+        carries them (a rendered chat template). ``loaded_images``: images loaded for another job of the
+        request, by reference (added to)."""
         self.acquire()
         try:
             params = validate_parameters(inputs, parameters, self.limits, adapters=self.engine.lora_adapters)
+            images: list[LoadedImage] = []
             if isinstance(inputs, str):
-                ids = await self.tokenize(inputs, add_special_tokens)
+                ids, images = await self.prompt_ids(inputs, add_special_tokens, loaded_images)
             else:
                 ids = self.tokenizer.known_ids(inputs)
                 inputs = self.tokenizer.text_of(ids)
             input_length, max_new = validate_lengths(len(ids), params.truncate, params.max_new_tokens,
                                                      self.limits)
+            cut = len(ids) - input_length
+            # token ids given as they are may not hold image tokens either: no image stands behind them
+            placed = self.images.place(ids, images, cut) if self.images is not None else []
             params = self._with_token_lists(params, max_new)
             if self.engine.dead_reason is not None:
                 raise generation_error(self.engine.dead_reason)
-            prepared = Prepared(inputs=inputs, input_ids=ids[len(ids) - input_length:], params=params,
+            prepared = Prepared(inputs=inputs, input_ids=ids[cut:], params=params,
                                 max_new_tokens=max_new, start_time=start_time, arrival_time=arrival_time,
                                 prompt_logprobs=(parameters.decoder_input_details
-                                                 and self.enable_prefill_logprobs))
+                                                 and self.enable_prefill_logprobs), images=placed)
         except BaseException:
             self.release()
             raise
@@ -283,7 +313,8 @@ class Generation:
                                       stop_token_ids=list(self.generator.tokenizer.eos_token_ids),
                                       ignore_eos=p.params.ignore_eos, request_stop_ids=p.params.stop_token_ids),
             prompt_logprobs=p.prompt_logprobs, arrival_time=p.arrival_time,
-            traceparent=tracing.current_traceparent(), grammar=p.params.grammar, adapter=p.params.adapter)
+            traceparent=tracing.current_traceparent(), grammar=p.params.grammar, adapter=p.params.adapter,
+            images=p.images)
         self.timings.queued = time.monotonic()
         self._mailbox = await engine.submit(request)
 

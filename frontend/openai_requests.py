@@ -18,6 +18,7 @@ from llmbus.frontend.chat import ChatFormat
 from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
 from llmbus.frontend.grammar import response_format_grammar, vllm_grammar
+from llmbus.frontend.images import markdown_image
 from llmbus.frontend.reasoning import ReasoningPlan
 from llmbus.frontend.refused_fields import OPENAI_CHAT, VLLM_EXTRAS, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
@@ -250,7 +251,17 @@ def _set_top_logprobs(p: GenerateParameters, options: OpenAIOptions, count: int 
         p.top_n_tokens = count
 
 
-def _message_content(message: dict, index: int) -> str | None:
+def _image_url(part: dict, where: str) -> str:
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else None
+    if not isinstance(url, str) or not url:
+        raise validation_error(f"`{where}.image_url` must be an object with a string `url`", param="messages")
+    return url  # its `detail` asks OpenAI's tiling: a LLaVA image takes the same tokens whatever it says
+
+
+def _message_content(message: dict, index: int, images: bool) -> str | None:
+    """A message's content as one text: text parts joined, and for a model that reads ``images`` each
+    ``image_url`` part as TGI's ``![](<url>)``."""
     content = message.get("content")
     if content is None or isinstance(content, str):
         return content
@@ -258,21 +269,25 @@ def _message_content(message: dict, index: int) -> str | None:
         raise validation_error(f"`messages[{index}].content` must be a string or an array of content parts",
                                param="messages")
     texts = []
+    readable = "text and image_url parts are" if images else "only text parts are"
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if not isinstance(kind, str):
             raise validation_error(f"`messages[{index}].content[{j}]` must be a content part: an object with a "
                                    f"string `type`", param="messages")
+        if kind == "image_url" and images:
+            texts.append(markdown_image(_image_url(part, f"messages[{index}].content[{j}]")))
+            continue
         if kind != "text":
             raise validation_error(f"`messages[{index}].content`: {kind} content is not supported by this model; "
-                                   f"only text parts are", param="messages")
+                                   f"{readable}", param="messages")
         if not isinstance(part.get("text"), str):
             raise validation_error(f"`messages[{index}].content[{j}].text` must be a string", param="messages")
         texts.append(part["text"])
     return "".join(texts)
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, images: bool) -> list[dict]:
     messages = body_field(body, "messages", "array")
     if not messages:
         raise validation_error("`messages` must be a non-empty array", param="messages")
@@ -284,9 +299,9 @@ def _messages(body: dict) -> list[dict]:
             if message.get(key) is not None and not isinstance(message[key], str):
                 raise validation_error(f"`messages[{i}].{key}` must be a string. Given: "
                                        f"{json.dumps(message[key])}", param="messages")
-        # a plain copy for the template: text parts joined into one string, which every template reads
+        # a plain copy for the template: parts joined into one string, which every template reads (TGI's too)
         clean = dict(message)
-        clean["content"] = _message_content(message, i)
+        clean["content"] = _message_content(message, i, images)
         if clean["content"] is None and not (message["role"] == "assistant" and message.get("tool_calls")):
             # only an assistant's tool calls stand without content (OpenAI's rule; TGI's MessageBody too)
             raise validation_error(f"`messages[{i}]` must have a `content`", param="messages")
@@ -314,7 +329,7 @@ def parse_chat(body: dict, limits: Limits, max_choices: int, defaults: SamplingD
     template_kwargs = apply_thinking(thinking, chat_format, _template_kwargs(body))
     p, options = _common(body, max_choices, ("max_tokens", "max_completion_tokens"), defaults)
     _truncate_prompt_tokens(body, p, limits)
-    messages = _messages(body)
+    messages = _messages(body, chat_format is not None and chat_format.reads_images)
     if body_field(body, "logprobs", "boolean", False):
         _set_top_logprobs(p, options, body_field(body, "top_logprobs", "integer", 0), "top_logprobs", limits)
     elif body.get("top_logprobs") is not None:

@@ -146,8 +146,13 @@ def _usage(choices: list[Choice]) -> dict:
     prompts = {c.job.prompt_index: c.gen.input_length for c in choices}
     prompt_tokens = sum(prompts.values())
     completion_tokens = sum(len(c.gen.tokens) for c in choices)
+    # a prompt counts once: of its choices' prefills, what the prefix cache served each of them
+    cached: dict[int, int] = {}
+    for c in choices:
+        cached[c.job.prompt_index] = min(cached.get(c.job.prompt_index, c.gen.cached_tokens), c.gen.cached_tokens)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 # --- logprobs ---------------------------------------------------------------------------------------
@@ -406,7 +411,7 @@ def answer_parser(chat: ChatRequest, new_id=new_call_id) -> AnswerParser:
 def chat_format(state: FrontendState):
     """The served model's ``ChatFormat`` (its tool syntax and thinking markers)."""
     return state.chat_template.chat_format(state.config.tool_call_parser, state.tokenizer.tokenizer,
-                                           state.tokenizer.special_ids)
+                                           state.tokenizer.special_ids, reads_images=state.vision is not None)
 
 
 def chat_prompt(state: FrontendState, chat: ChatRequest) -> str:

@@ -26,15 +26,20 @@ def _const(value: str) -> dict:
     return {"type": "string", "const": value}
 
 
-def _text_parts() -> dict:
+def _text_parts(images: bool = False) -> dict:
+    """A string or parts: text, and where ``images`` an ``input_image``."""
     part = _obj({"type": {"type": "string", "enum": ["input_text", "output_text"]}, "text": _STR},
                 ("type", "text"))
-    return {"anyOf": [_STR, array(part)]}
+    image = _obj({"type": _const("input_image"), "image_url": {
+        "type": "string", "description": "An http(s) URL or a base64 data URL (`data:image/png;base64,...`)."},
+        "detail": {"type": "string", "description": "Accepted and ignored."}}, ("type", "image_url"),
+        "An image: read by a vision-language model (LLaVA); a text model refuses it (400).")
+    return {"anyOf": [_STR, array({"anyOf": [part, image]} if images else part)]}
 
 
 def _request_items() -> dict:
     message = _obj({"type": _const("message"), "role": {"type": "string", "enum": [
-        "user", "assistant", "system", "developer"]}, "content": _text_parts()}, ("role", "content"),
+        "user", "assistant", "system", "developer"]}, "content": _text_parts(images=True)}, ("role", "content"),
         "A message (developer messages are system messages to the model).")
     call = _obj({"type": _const("function_call"), "call_id": _STR, "name": _STR, "arguments": _STR},
                 ("type", "call_id", "name", "arguments"), "A function call of an earlier turn.")

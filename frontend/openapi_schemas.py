@@ -177,6 +177,10 @@ def _generate_parameters() -> dict:
     }, description="Generation settings. Unknown keys are ignored.")
 
 
+_INPUTS = ("The prompt. A vision-language model (LLaVA) reads each `![](<url>)` in it as an image (an http(s) "
+           "URL, fetched, or a base64 data URL), as TGI does; a text model reads it as text.")
+
+
 def _token(*, special: bool = True) -> dict:
     props = {"id": _t("integer", "Token id.", minimum=0), "text": _t("string", "Decoded text."),
              "logprob": _t("number", "Log probability; null where unknown.", nullable=True)}
@@ -212,11 +216,11 @@ def tgi_schemas() -> dict:
         "FinishReason": _FINISH_REASON,
         "GrammarType": _grammar_schema(),
         "GenerateParameters": _generate_parameters(),
-        "GenerateRequest": _obj({"inputs": _t("string", "The prompt.", minLength=1),
+        "GenerateRequest": _obj({"inputs": _t("string", _INPUTS, minLength=1),
                                  "parameters": ref("GenerateParameters")}, ("inputs",),
                                 example={"inputs": "My name is Olivier and I",
                                          "parameters": {"max_new_tokens": 20, "details": True}}),
-        "CompatGenerateRequest": _obj({"inputs": _t("string", "The prompt.", minLength=1),
+        "CompatGenerateRequest": _obj({"inputs": _t("string", _INPUTS, minLength=1),
                                        "parameters": ref("GenerateParameters"),
                                        "stream": _t("boolean", "Answer with an SSE stream.", default=False)},
                                       ("inputs",)),
@@ -375,8 +379,14 @@ def _openai_envelope(object_: str, choice: dict, *, usage_nullable: bool) -> dic
 
 def openai_schemas(model_id: str) -> dict:
     role = _t("string", "system, user, assistant or tool.")
-    # the models served are text-only: image parts are refused with 422
-    content_part = _obj({"type": _t("string", const="text"), "text": _t("string")}, ("type", "text"))
+    content_part = {"anyOf": [
+        _obj({"type": _t("string", const="text"), "text": _t("string")}, ("type", "text")),
+        _obj({"type": _t("string", const="image_url"), "image_url": _obj({
+            "url": _t("string", "An http(s) URL or a base64 data URL (`data:image/png;base64,...`)."),
+            "detail": _t("string", "Accepted and ignored: an image takes the tokens the model gives it.")},
+            ("url",))}, ("type", "image_url"),
+            "An image: read by a vision-language model (LLaVA), which sees it where it stands in the text; a "
+            "text model refuses it (422).")]}
     finish = _t("string", "`stop` (end-of-sequence token or stop sequence), `length`, or `tool_calls` (the "
                 "answer called tools); null until the choice ends.", nullable=True)
     function_call = _obj({"name": _t("string"), "arguments": _t("string", "The arguments as a JSON text.")},
@@ -452,8 +462,11 @@ def openai_schemas(model_id: str) -> dict:
             "best_of": _t("integer", "Accepted only equal to n: choosing among extra samples is not "
                           "supported.", nullable=True, minimum=1),
         }, ("prompt",), example={"model": model_id, "prompt": "What is deep learning?", "max_tokens": 20}),
-        "Usage": _obj({k: _t("integer", minimum=0) for k in ("prompt_tokens", "completion_tokens",
-                                                              "total_tokens")},
+        "Usage": _obj({**{k: _t("integer", minimum=0) for k in ("prompt_tokens", "completion_tokens",
+                                                                 "total_tokens")},
+                       "prompt_tokens_details": _obj({"cached_tokens": _t(
+                           "integer", "Prompt tokens the prefix cache held (a prompt of n choices: what it held "
+                                      "for each).", minimum=0)}, ("cached_tokens",))},
                       ("prompt_tokens", "completion_tokens", "total_tokens")),
         "ChatLogprobs": _obj({"content": array(_obj({
             "token": _t("string"), "logprob": _t("number"), "top_logprobs": array(top)},

@@ -107,8 +107,9 @@ async def _prepare(request: web.Request) -> _Answer:
     if previous_id is not None and not isinstance(previous_id, str):
         raise validation_error("`previous_response_id` must be a string", param="previous_response_id")
     previous = _store(request).get(previous_id).messages if previous_id is not None else None
-    req = parse_responses(body, previous)
-    chat = parse_chat(req.chat_body, state.limits, 1, state.sampling_defaults, chat_format(state), req.thinking)
+    fmt = chat_format(state)
+    req = parse_responses(body, previous, images=fmt.reads_images)
+    chat = parse_chat(req.chat_body, state.limits, 1, state.sampling_defaults, fmt, req.thinking)
     prompt = chat_prompt(state, chat)
     # the rendered template already holds the BOS and other special tokens
     job = Job(0, 0, prompt, chat.params, add_special_tokens=False)

@@ -4,7 +4,9 @@ grammar, ``response_format`` grammar, sampling defaults and limits. Only the sha
 
 - ``instructions`` is a system message first; ``input`` (a string, or items) and a previous response's
   stored conversation follow it. Message items of role ``developer`` are system messages (the chat
-  templates know no developer role); content parts ``input_text``/``output_text`` are joined text.
+  templates know no developer role); content parts ``input_text``/``output_text`` are joined text, and for a
+  vision-language model ``input_image`` parts (an ``image_url``, a URL or a data URL) join it as TGI writes an
+  image in a message's text, ``![](<url>)``, which validation loads.
 - ``function_call`` items become an assistant message's ``tool_calls`` (consecutive ones, and a message
   of the assistant's just before them, one message), ``function_call_output`` items ``role: "tool"``
   messages.
@@ -22,6 +24,7 @@ import json
 from dataclasses import dataclass, field
 
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+from llmbus.frontend.images import markdown_image
 from llmbus.frontend.refused_fields import RESPONSES, refuse_unserved
 from llmbus.frontend.thinking_controls import ThinkingAsk, responses_reasoning
 
@@ -55,9 +58,19 @@ def _check(body: dict, name: str, kinds: tuple[type, ...], what: str):
     return value
 
 
-def _text(content, where: str, whole: bool = False) -> str:
+def _image_url(part: dict, named: str) -> str:
+    if part.get("file_id") is not None:
+        raise unsupported(f"`{named}`: input_image parts by `file_id` are not supported (no files are stored); "
+                          f"give an `image_url`", param="input")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise validation_error(f"`{named}` input_image parts must have a string `image_url`", param="input")
+    return url
+
+
+def _text(content, where: str, whole: bool = False, images: bool = False) -> str:
     """A message's content (``where``: the message; ``whole``: the field itself), a string or text parts
-    joined."""
+    joined, with its images where the model reads ``images``."""
     named = where if whole else f"{where}.content"
     if isinstance(content, str):
         return content
@@ -68,9 +81,12 @@ def _text(content, where: str, whole: bool = False) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif kind == "input_image" and images:
+            texts.append(markdown_image(_image_url(part, named)))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise unsupported(f"`{named}`: {kind} parts are not supported by this model; only text "
-                              f"parts are", param="input")
+            readable = "text and input_image parts are" if images else "only text parts are"
+            raise unsupported(f"`{named}`: {kind} parts are not supported by this model; {readable}",
+                              param="input")
         else:
             raise validation_error(f"`{named}` parts must be input_text or output_text parts with a "
                                    f"string `text`", param="input")
@@ -85,8 +101,8 @@ def _function_call(item: dict, where: str) -> dict:
             "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
-def input_messages(raw) -> list[dict]:
-    """``input`` as chat messages."""
+def input_messages(raw, images: bool = False) -> list[dict]:
+    """``input`` as chat messages; ``images``: the model reads images."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list):
@@ -103,7 +119,7 @@ def input_messages(raw) -> list[dict]:
             if role is None:
                 raise validation_error(f"`{where}.role` must be one of user, assistant, system, developer",
                                        param="input")
-            out.append({"role": role, "content": _text(item.get("content"), where)})
+            out.append({"role": role, "content": _text(item.get("content"), where, images=images)})
         elif kind == "function_call":
             call = _function_call(item, where)
             last = out[-1] if out else None
@@ -177,15 +193,15 @@ def _response_format(text) -> dict | None:
     raise validation_error('`text.format.type` must be "text", "json_object" or "json_schema"', param="text")
 
 
-def parse_responses(body: dict, previous: list[dict] | None) -> ResponsesRequest:
+def parse_responses(body: dict, previous: list[dict] | None, images: bool = False) -> ResponsesRequest:
     """The chat body and the echoed fields of a Responses request; ``previous`` is the stored conversation
-    of ``previous_response_id`` (looked up by the caller), or None."""
+    of ``previous_response_id`` (looked up by the caller), or None; ``images``: the model reads images."""
     refuse_unserved(body, RESPONSES)
     thinking = responses_reasoning(body.get("reasoning"))
     instructions = _check(body, "instructions", (str,), "a string")
     if "input" not in body or body["input"] is None:
         raise validation_error("`input` is required", param="input")
-    history = list(previous or []) + input_messages(body["input"])
+    history = list(previous or []) + input_messages(body["input"], images)
     if not history:
         raise validation_error("`input` must hold a message or a function call output (reasoning items alone "
                                "give the model nothing to answer)", param="input")

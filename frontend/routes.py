@@ -166,8 +166,10 @@ async def tokenize(request: web.Request) -> web.Response:
     if other_shape(body):
         return await tokenize_other(request, body)
     req = generate_request(body)
-    spans = await state.generator.off_loop(state.tokenizer.encode_with_offsets, req.inputs)
-    return json_response(_token_spans(req.inputs, spans))
+    # a vision model's images as their placeholder tokens, each with the placeholder's text (TGI's tokens too)
+    text, _ = await state.generator.expand_images(req.inputs)
+    spans = await state.generator.off_loop(state.tokenizer.encode_with_offsets, text)
+    return json_response(_token_spans(text, spans))
 
 
 async def chat_tokenize(request: web.Request) -> web.Response:
@@ -176,8 +178,9 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     chat = parse_chat(read_json_object(await request.read(), "ChatRequest"), state.limits,
                       state.config.max_client_batch_size, state.sampling_defaults, chat_format(state))
     text = chat_prompt(state, chat)
-    spans = await state.generator.off_loop(state.tokenizer.encode_with_offsets, text, False)
-    return json_response({"tokenize_response": _token_spans(text, spans), "templated_text": text})
+    expanded, _ = await state.generator.expand_images(text)  # the spans are of the text the tokens come from
+    spans = await state.generator.off_loop(state.tokenizer.encode_with_offsets, expanded, False)
+    return json_response({"tokenize_response": _token_spans(expanded, spans), "templated_text": text})
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:

@@ -20,6 +20,7 @@ from llmbus.frontend.request_metrics import RequestMetrics
 from llmbus.frontend.responses import dumps
 from llmbus.frontend.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from llmbus.frontend.tokenizer import ModelTokenizer
+from llmbus.frontend.vision_models import VisionSpec, vision_spec
 
 try:
     VERSION = metadata.version("llmbus")
@@ -38,6 +39,7 @@ class FrontendState:
     request_metrics: RequestMetrics = field(init=False)
     chat_template: ChatTemplate = field(init=False)
     sampling_defaults: SamplingDefaults = field(init=False)
+    vision: VisionSpec | None = field(init=False)  # how the model reads images; None: a text model
 
     def __post_init__(self) -> None:
         self.request_metrics = RequestMetrics(
@@ -45,6 +47,8 @@ class FrontendState:
         self.metrics = make_registry(lambda: self.engine.stats if self.engine is not None else None,
                                      self.request_metrics)
         self.chat_template = ChatTemplate(self.config.model_dir, self.config.tokenizer_config_path)
+        # a vision model whose image tokens cannot be counted fails the start here, with the reason
+        self.vision = vision_spec(self.config.model_dir, self.tokenizer.tokenizer)
         c = self.config
         self.sampling_defaults = resolve_sampling_defaults(c.model_dir, c.generation_config, {
             "temperature": c.default_temperature, "top_k": c.default_top_k, "top_p": c.default_top_p,

@@ -49,6 +49,7 @@ async def tokenize_other(request: web.Request, body: dict) -> web.Response:
     else:
         text = _text(body, "prompt")
         special = body_field(body, "add_special_tokens", "boolean", True)
+    text, _ = await state.generator.expand_images(text)  # a vision model's images: their placeholder tokens
     ids = await state.generator.off_loop(state.tokenizer.encode, text, special)
     strs = state.tokenizer.token_texts(ids) if body_field(body, "return_token_strs", "boolean", False) else None
     return json_response({"count": len(ids), "max_model_len": state.limits.max_total_tokens, "tokens": ids,

@@ -92,6 +92,7 @@ class FakeScheduler:
         self.adds: dict[str, m.AddRequest] = {}
         self.aborts: list[str] = []
         self.fail_generations = False  # fail every request with a generation error
+        self.cached_tokens = 0  # the prompt tokens each request's first batch says the prefix cache held
         self.health = "ok"  # how HealthChecks are answered: "ok", "fail" (a rank missed the probe), "silent"
         self.health_checks: list[m.HealthCheck] = []
         self.frontend_stats: list[m.FrontendStats] = []
@@ -205,7 +206,8 @@ class FakeScheduler:
                                    [[[t] + [EOS] * (n_top - 1), [-1.5] + [-5.0] * (n_top - 1)]
                                     for t in req.input_ids[1:]] if n_top else []]]
                                  if start == 0 and req.prompt_logprobs else []),
-                queue_times=[0.002 if i == 0 else 0.0 for i in part])
+                queue_times=[0.002 if i == 0 else 0.0 for i in part],
+                cached_tokens=[[req.rid, self.cached_tokens]] if start == 0 and self.cached_tokens else [])
             send(self._push, batch)
 
 

@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
     "{% if item['type'] == 'image' or item['type'] == 'image_url' %}<image>\n"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
-    "{% if message['role'] != 'user' %}</s>{% endif %}\n"
+    "{% if message['role'] != 'user' %}</s>{% endif %}{{ '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
@@ -137,4 +137,31 @@ def llava_reference(model_dir: str | Path, prompts: list[ImagePrompt], max_new_t
         tokens = gen.sequences[0, ids.shape[1]:].tolist()
         logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
         out.append((tokens, logprobs))
+    return out
+
+
+def processor_reference(model_dir: str | Path, texts: list[tuple[str, list[bytes], bool]], max_new_tokens: int,
+                        min_margin: float) -> list[list[int]]:
+    """transformers' greedy tokens for each (text with an ``<image>`` where each image goes, images, whether the
+    tokenizer adds its special tokens), as a transformers user runs LLaVA: ``LlavaProcessor`` expands each
+    ``<image>`` and prepares the pixels, then ``generate`` in float32; every step's top-1/top-2 logit margin
+    must exceed ``min_margin``."""
+    import torch
+    import transformers
+    from PIL import Image
+
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token=IMAGE_TOKEN)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for text, images, add_special_tokens in texts:
+        inputs = processor(text=text, images=[Image.open(io.BytesIO(b)) for b in images] or None,
+                           add_special_tokens=add_special_tokens, return_tensors="pt")
+        gen = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=None)
+        top2 = torch.stack(gen.logits)[:, 0].float().topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min() > min_margin, "reference margins too thin to compare tokens"
+        out.append(gen.sequences[0, inputs["input_ids"].shape[1]:].tolist())
     return out

@@ -57,7 +57,8 @@ def test_chat_completion_shape_and_template(fe):
     assert add.sampling.do_sample, "OpenAI samples unless temperature is 0"
     usage = body["usage"]
     assert usage == {"prompt_tokens": len(add.input_ids), "completion_tokens": usage["completion_tokens"],
-                     "total_tokens": len(add.input_ids) + usage["completion_tokens"]}
+                     "total_tokens": len(add.input_ids) + usage["completion_tokens"],
+                     "prompt_tokens_details": {"cached_tokens": 0}}
     assert usage["completion_tokens"] == len(fe.sched.reply) + 1  # the EOS counts
     assert chat(fe)[2]["id"] != body["id"], "ids are unique"
 
@@ -429,6 +430,19 @@ def test_completions_echo_lists_each_prompt_tokens_top_logprobs(make_fe, model_d
     assert events[0]["text"] == "the fox" and events[0]["logprobs"]["top_logprobs"] == tops
     assert events[0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:prompt]
     assert [t for e in events for t in e["logprobs"]["tokens"]] == lp["tokens"]
+
+
+def test_usage_reports_the_prompt_tokens_the_cache_held(fe):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: what the scheduler says the prefix cache held, a
+    prompt counted once however many choices it has."""
+    fe.sched.cached_tokens = 3
+    assert chat(fe)[2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+    _, _, raw = fe.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 0.5, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert stream_events(raw)[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+    _, _, body = fe.post("/v1/completions", {"prompt": ["the fox", "a dog"], "max_tokens": 2, "n": 2})
+    assert len(body["choices"]) == 4 and body["usage"]["prompt_tokens_details"] == {"cached_tokens": 6}
 
 
 def test_completions_take_prompts_as_token_ids(fe):

@@ -1,0 +1,99 @@
+"""A vision-language model through the whole stack: `llmbus up` on the tiny LLaVA checkpoint, images sent as
+TGI's users send them (markdown in `/generate`'s inputs) and as OpenAI's SDK sends them (`image_url` parts
+of a chat message), real processes, sockets and HTTP.
+
+Each answer's greedy tokens equal transformers' as its users run LLaVA (``LlavaProcessor``, then
+``LlavaForConditionalGeneration.generate`` in float32). The prefix cache serves a prompt holding an image to
+the same image only: asked again with the same image the answer is the same and its prompt comes from the
+cache; asked with another image in the same place, the answer is that image's."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from llmbus.testing import Server
+from llmbus.testing import llava
+from llmbus.testing.http import post
+from llmbus.testing.runner_driver import MIN_MARGIN
+
+MAX_NEW = 12
+CAT, DOG = llava.test_image(11), llava.test_image(12, (80, 40), "JPEG")
+
+
+def data_url(image: bytes) -> str:
+    kind = "jpeg" if image[:2] == b"\xff\xd8" else "png"
+    return f"data:image/{kind};base64,{base64.b64encode(image).decode()}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return llava.build_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = Server(["--model-id", str(model_dir), "--dtype", "float32", "--max-total-tokens", "256",
+                  "--num-blocks", "128", "--block-size", "8"])
+    yield srv
+    assert srv.stop() == 0, srv.stderr.text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """transformers' tokens per asked (text, images): a /generate prompt (the tokenizer adds BOS), and the
+    chat template's rendering of a user message (its image part first, TGI's markdown in its place), which
+    the chat route tokenizes as it is (the template writes any special tokens; this one writes none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    generate_text = "USER: look at this<image> and tell me what it shows"
+    chat_text = "USER: <image>What is in the picture?\nASSISTANT:"
+    asked = [(generate_text, [CAT], True), (generate_text, [DOG], True), (chat_text, [CAT], False),
+             (chat_text, [DOG], False)]
+    tokens = llava.processor_reference(model_dir, asked, MAX_NEW, MIN_MARGIN)
+    return {"generate": {CAT: tokens[0], DOG: tokens[1]}, "chat": {CAT: tokens[2], DOG: tokens[3]},
+            "tokenizer": tokenizer}
+
+
+def generated_ids(server, image: bytes) -> tuple[list[int], dict]:
+    status, _, body = post(f"{server.url}/generate", {
+        "inputs": f"USER: look at this![]({data_url(image)}) and tell me what it shows",
+        "parameters": {"max_new_tokens": MAX_NEW, "details": True, "ignore_eos_token": True}})
+    assert status == 200, body
+    return [t["id"] for t in body["details"]["tokens"]], body
+
+
+def test_generate_reads_markdown_images_as_transformers_does(server, expected):
+    for image in (CAT, DOG):
+        ids, body = generated_ids(server, image)
+        assert ids == expected["generate"][image]
+        assert body["details"]["prefill"] == [] and body["details"]["generated_tokens"] == MAX_NEW
+    assert expected["generate"][CAT] != expected["generate"][DOG], "the image must change the answer"
+
+
+def test_openai_chat_image_parts_and_the_prefix_cache(server, expected):
+    """The OpenAI SDK's image_url parts; the same image again comes from the prefix cache with the same
+    answer, another image in its place is read afresh."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    tokenizer = expected["tokenizer"]
+
+    def ask(image: bytes):
+        return client.chat.completions.create(
+            model="tgi", max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                                   {"type": "text", "text": "What is in the picture?"}]}])
+
+    first, again, other = ask(CAT), ask(CAT), ask(DOG)
+    for answer, image in ((first, CAT), (again, CAT), (other, DOG)):
+        assert answer.choices[0].message.content == tokenizer.decode(expected["chat"][image],
+                                                                     skip_special_tokens=True)
+    prompt_tokens = first.usage.prompt_tokens
+    assert prompt_tokens > llava.IMAGE_TOKENS
+    # the cache holds the whole prompt's full blocks of 8 tokens, the image among them, for the same image;
+    # for another one only the blocks before it
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 8 * 8
+    assert other.usage.prompt_tokens_details.cached_tokens < 8
