@@ -12,11 +12,13 @@ prompt stops right after that message's content) instead of being answered.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmbus.frontend.errors import ApiError, ErrorKind
+from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+from llmbus.frontend.images import MARKDOWN_IMAGE
 from llmbus.frontend.reasoning import ReasoningMarkers, find_markers, find_thinking_switch
 from llmbus.frontend.tool_formats import ToolFormat, tool_format
 
@@ -140,11 +142,26 @@ class ChatTemplate:
             from transformers.utils.chat_template_utils import render_jinja_template
             self._render = render_jinja_template
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, extra: dict | None = None) -> str:
-        """The prompt; ``extra``: more variables for the template (a request's ``chat_template_kwargs``)."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None, extra: dict | None = None,
+               image_token: str | None = None) -> str:
+        """The prompt; ``extra``: more variables for the template (a request's ``chat_template_kwargs``).
+
+        ``image_token`` (a vision model's): messages hold their images as ``![](<url>)`` in their text, TGI's
+        form, which every template reads as text. A template that reads content parts (as vision models'
+        templates do: llava-hf's picks a message's parts by type, and would drop a plain string's text) gets
+        every message as text and ``{"type": "image"}`` parts instead, as transformers' processors hand it
+        (vLLM's "openai" content format); each image token it writes then becomes its image's reference
+        again, in order."""
         if self.source is None:
             raise template_error("template not found")
         self.load()
+        if image_token is None or not self.reads_content_parts:
+            return self._render_messages(messages, tools, extra)
+        references = [ref for msg in messages for ref in _image_references(msg)]
+        rendered = self._render_messages([_as_parts(msg) for msg in messages], tools, extra)
+        return _references_in_place(rendered, image_token, references)
+
+    def _render_messages(self, messages: list[dict], tools: list[dict] | None, extra: dict | None) -> str:
         continue_final = bool(messages) and messages[-1].get("role") == "assistant"
         try:
             rendered, _ = self._render(
@@ -155,3 +172,50 @@ class ChatTemplate:
             # raise_exception('...') in a template arrives here with the template's own words
             raise template_error(str(e) or type(e).__name__) from None
         return rendered[0]
+
+    @functools.cached_property
+    def reads_content_parts(self) -> bool:
+        """Whether the template writes a message's text given as ``[{"type": "text", "text": ...}]`` parts (a
+        template that prints the content as it is would write the list's repr instead)."""
+        if self.source is None:
+            return False
+        self.load()
+        probe = "llmbus-probe-7f3a"
+        try:
+            rendered = self._render_messages([{"role": "user", "content": [{"type": "text", "text": probe}]}],
+                                             None, None)
+        except ApiError:
+            return False
+        return probe in rendered and "'type'" not in rendered
+
+
+def _image_references(message: dict) -> list[str]:
+    content = message.get("content")
+    return MARKDOWN_IMAGE.findall(content) if isinstance(content, str) else []
+
+
+def _as_parts(message: dict) -> dict:
+    """``message`` with its text as content parts: text, and its image references as ``{"type": "image"}``."""
+    content = message.get("content")
+    if not isinstance(content, str):
+        return message
+    texts = MARKDOWN_IMAGE.split(content)
+    parts: list[dict] = [{"type": "text", "text": texts[0]}] if texts[0] else []
+    for text in texts[1:]:
+        parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return {**message, "content": parts}
+
+
+def _references_in_place(rendered: str, image_token: str, references: list[str]) -> str:
+    """``rendered`` with the i-th ``image_token`` the template wrote replaced by the i-th image's reference."""
+    pieces = rendered.split(image_token)
+    if len(pieces) - 1 != len(references):
+        raise validation_error(f"the chat template wrote {len(pieces) - 1} image tokens ({image_token}) for "
+                               f"the conversation's {len(references)} images: an image is sent as an image part, "
+                               f"and the image token may not appear in a message's text")
+    out = [pieces[0]]
+    for reference, after in zip(references, pieces[1:]):
+        out += [reference, after]
+    return "".join(out)

@@ -42,14 +42,18 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    """transformers' tokens per asked (text, images): a /generate prompt (the tokenizer adds BOS), and the
-    chat template's rendering of a user message (its image part first, TGI's markdown in its place), which
-    the chat route tokenizes as it is (the template writes any special tokens; this one writes none)."""
+    """transformers' tokens per asked (text, images): a /generate prompt (the tokenizer adds BOS), and a user
+    message of an image part and a text part through the chat template as transformers renders it (content
+    parts, the image as {"type": "image"}), which the chat route tokenizes as it is (the template writes any
+    special tokens; this one writes none)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     generate_text = "USER: look at this<image> and tell me what it shows"
-    chat_text = "USER: <image>What is in the picture?\nASSISTANT:"
+    chat_text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert chat_text.count(llava.IMAGE_TOKEN) == 1
     asked = [(generate_text, [CAT], True), (generate_text, [DOG], True), (chat_text, [CAT], False),
              (chat_text, [DOG], False)]
     tokens = llava.processor_reference(model_dir, asked, MAX_NEW, MIN_MARGIN)

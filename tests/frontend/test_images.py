@@ -535,13 +535,52 @@ def test_chat_image_parts_become_images(fe, tok, spec):
     status, _, body = fe.post("/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
                                                        "max_tokens": 5})
     assert status == 200, body
-    # the template saw one text, the image written as TGI writes it: what /chat_tokenize shows
+    # the template read content parts (it writes an image part as "<image>\n"), and the image's reference took
+    # the place of the image token it wrote: what /chat_tokenize shows
     _, _, tokenized = fe.post("/chat_tokenize", {"messages": [{"role": "user", "content": content}]})
     templated = tokenized["templated_text"]
-    assert templated.startswith(f"USER: Describe {md(data_url(PNG))} briefly")
+    assert templated.startswith(f"USER: Describe {md(data_url(PNG))}\n briefly")
     expected = tok.encode(templated.replace(md(data_url(PNG)), IMAGE_TOKEN * TOKENS), add_special_tokens=False).ids
     assert_images(last_add(fe), expected, [PNG], spec.image_token_id)
     assert [t["id"] for t in tokenized["tokenize_response"]] == expected
+
+
+# A template that prints a message's content as it is (TGI's form: the image a reference in the text); one that
+# picks a message's parts by type, images first (as llava-hf's templates do: a plain string's text would be
+# lost); one that writes text parts only (its images would be lost).
+STRING_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+PARTS_TEMPLATE = ("{% for m in messages %}{{ m['role'].upper() }}: "
+                  "{% for p in m['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+                  "{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p['text'] + ' ' }}{% endfor %}"
+                  "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+TEXT_ONLY_TEMPLATE = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
+                      "{% endif %}{% endfor %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, reads_parts, expected", [
+    (STRING_TEMPLATE, False, "user: Look: ![](a) and ![](b)!\n"),
+    (PARTS_TEMPLATE, True, "USER: ![](a)\n![](b)\nLook:   and  ! ASSISTANT:"),
+])
+def test_templates_get_images_as_they_read_them(tmp_path, template, reads_parts, expected):
+    from llmbus.frontend.chat import ChatTemplate
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chat = ChatTemplate(tmp_path)
+    assert chat.reads_content_parts is reads_parts
+    assert chat.render([{"role": "user", "content": "Look: ![](a) and ![](b)!"}], image_token=IMAGE_TOKEN) == expected
+
+
+def test_a_template_that_drops_images_is_refused(tmp_path):
+    from llmbus.frontend.chat import ChatTemplate
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEXT_ONLY_TEMPLATE}))
+    chat = ChatTemplate(tmp_path)
+    assert chat.reads_content_parts
+    with pytest.raises(ApiError) as caught:
+        chat.render([{"role": "user", "content": "Look: ![](a)"}], image_token=IMAGE_TOKEN)
+    assert "the chat template wrote 0 image tokens (<image>) for the conversation's 1 images" in str(caught.value)
+    # a message without images reaches it as a text part too: a plain string's text would be lost
+    assert chat.render([{"role": "user", "content": "Look"}], image_token=IMAGE_TOKEN) == "Look"
 
 
 def test_chat_choices_share_one_fetch(fe, server):
