@@ -77,7 +77,7 @@ def build_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
     return path
 
 
-def test_image(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "PNG") -> bytes:
+def encoded_image(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "PNG") -> bytes:
     """An encoded image of random pixels (``size``: width, height), distinct for each seed."""
     import numpy as np
     from PIL import Image

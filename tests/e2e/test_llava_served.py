@@ -19,7 +19,7 @@ from llmbus.testing.http import post
 from llmbus.testing.runner_driver import MIN_MARGIN
 
 MAX_NEW = 12
-CAT, DOG = llava.test_image(11), llava.test_image(12, (80, 40), "JPEG")
+CAT, DOG = llava.encoded_image(11), llava.encoded_image(12, (80, 40), "JPEG")
 
 
 def data_url(image: bytes) -> str:
@@ -28,8 +28,8 @@ def data_url(image: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return llava.build_tiny_llava(tmp_path_factory.mktemp("llava"))
+def model_dir(tiny_llava_dir):
+    return tiny_llava_dir
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,7 @@ from llmbus.frontend.images import (MARKDOWN_IMAGE, ImageFetcher, LoadedImage, P
                                     decode_data_url, markdown_image, refuse_decompression_bombs)
 from llmbus.frontend.vision_models import VisionModelError, vision_spec
 from llmbus.testing.fake_scheduler import WAIT, Frontend, last_rid
-from llmbus.testing.llava import IMAGE_TOKEN, IMAGE_TOKENS, build_tiny_llava
-from llmbus.testing.llava import test_image as encoded_image  # not a test
+from llmbus.testing.llava import IMAGE_TOKEN, IMAGE_TOKENS, encoded_image
 
 PNG = encoded_image(0)  # 64x48
 JPEG = encoded_image(1, (40, 30), "JPEG")
@@ -61,8 +60,8 @@ def validation_text(call) -> str:
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory) -> Path:
-    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+def llava_dir(tiny_llava_dir) -> Path:
+    return tiny_llava_dir
 
 
 @pytest.fixture(scope="module")

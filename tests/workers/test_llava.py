@@ -21,21 +21,21 @@ def image_inputs(prompt: llava.ImagePrompt) -> list[ImageInput]:
 
 
 @pytest.fixture(scope="module")
-def tiny_llava(tmp_path_factory):
+def tiny_llava(tiny_llava_dir):
     """(model folder, prompts, transformers' (tokens, logprobs) of each)."""
     from tokenizers import Tokenizer
 
-    path = llava.build_tiny_llava(tmp_path_factory.mktemp("llava"))
+    path = tiny_llava_dir
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     image_id = tok.token_to_id(llava.IMAGE_TOKEN)
     words = [tok.encode(text).ids for text in ("USER: look at this", " and tell me what it shows",
                                                 "Two pictures:", " then", " which one is brighter?",
                                                 "A question without a picture, about the weather")]
-    prompts = [llava.image_prompt([words[0], words[1]], [llava.test_image(1)], image_id),
-               llava.image_prompt([words[2], words[3], words[4]], [llava.test_image(2, (30, 90)),
-                                                                    llava.test_image(3, fmt="JPEG")], image_id),
+    prompts = [llava.image_prompt([words[0], words[1]], [llava.encoded_image(1)], image_id),
+               llava.image_prompt([words[2], words[3], words[4]], [llava.encoded_image(2, (30, 90)),
+                                                                    llava.encoded_image(3, fmt="JPEG")], image_id),
                llava.image_prompt([words[5]], [], image_id),
-               llava.image_prompt([[], words[1]], [llava.test_image(4, (100, 100), "WEBP")], image_id)]
+               llava.image_prompt([[], words[1]], [llava.encoded_image(4, (100, 100), "WEBP")], image_id)]
     return path, prompts, llava.llava_reference(path, prompts, MAX_NEW_TOKENS, MIN_MARGIN)
 
 
@@ -91,7 +91,8 @@ def test_another_image_in_the_same_place_gives_other_tokens(tiny_llava):
 
     path, prompts, expected = tiny_llava
     runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
-    other = llava.ImagePrompt(ids=prompts[0].ids, images=[llava.test_image(99)], image_offsets=prompts[0].image_offsets)
+    other = llava.ImagePrompt(ids=prompts[0].ids, images=[llava.encoded_image(99)],
+                              image_offsets=prompts[0].image_offsets)
     results = drive(runner, [Request(rid="other", prompt=other.ids, images=image_inputs(other))])
     assert results["other"].tokens == llava.llava_reference(path, [other], MAX_NEW_TOKENS, 0.0)[0][0]
     assert results["other"].tokens != expected[0][0]
