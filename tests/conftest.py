@@ -12,25 +12,6 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
-# xdist hands each worker whole modules (--dist loadscope), by default those of most tests first, which left
-# modules of a few long tests for the end, run by one worker while the other had finished. The longest go first
-# instead (longest processing time first; pyproject's addopts turn xdist's own order off): by the suite's
-# --durations on a 2-core Zen 3, longest first. Only an order: a module missing here runs all the same.
-LONGEST_MODULES = (
-    "tests/e2e/test_real_models.py", "tests/scheduler/test_overlap_bus.py", "tests/workers/test_piecewise_graphs.py",
-    "tests/workers/test_batch_invariance.py", "tests/e2e/test_batch_invariance_served.py",
-    "tests/workers/test_decode_graphs.py", "tests/scheduler/test_recovery.py", "tests/bench/test_gpu_check.py",
-    "tests/e2e/test_triton_served.py", "tests/bench/test_bf16_quality.py", "tests/frontend/test_schemathesis.py",
-    "tests/scheduler/test_speculation.py", "tests/supervisor/test_procfile.py",
-    "tests/frontend/test_structured_output.py", "tests/e2e/test_llava_served.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {module: i for i, module in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))  # stable: the rest as collected
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The demo model's `tiny` size, built once per test session (random weights, trained tokenizer)."""
