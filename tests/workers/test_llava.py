@@ -119,3 +119,32 @@ def test_an_image_the_ranks_cannot_read_fails_its_request_alone(tiny_llava):
     assert out.token_ids[out.rids.index("fine")] == expected[0][0][0]
     runner.drop(["broken", "fine"])
     assert len(runner.images) == 0
+
+
+def test_transformers_5s_flat_layout_reads_the_same_model(tiny_llava, tmp_path):
+    """The same weights named as transformers 5 keeps them in memory (model.language_model.*, lm_head.weight,
+    model.vision_tower.*, model.multi_modal_projector.*) give the same tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmbus.workers.model_runner import ModelRunner
+
+    path, prompts, expected = tiny_llava
+    flat = tmp_path / "flat"
+    shutil.copytree(path, flat)
+    state = load_file(str(flat / "model.safetensors"))
+    renamed = {}
+    for name, tensor in state.items():
+        if name.startswith("language_model.model."):
+            name = "model.language_model." + name.removeprefix("language_model.model.")
+        elif name.startswith("language_model."):
+            name = name.removeprefix("language_model.")
+        else:
+            name = "model." + name
+        renamed[name] = tensor
+    assert "lm_head.weight" in renamed and any(name.startswith("model.vision_tower.") for name in renamed)
+    save_file(renamed, str(flat / "model.safetensors"), metadata={"format": "pt"})
+    runner = ModelRunner(str(flat), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+    results = drive(runner, [Request(rid="flat", prompt=prompts[0].ids, images=image_inputs(prompts[0]))])
+    assert results["flat"].tokens == expected[0][0]

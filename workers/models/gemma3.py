@@ -33,7 +33,8 @@ from llmbus.workers.weight_builder import WeightBuilder
 
 class PrefixedReader:
     """A checkpoint reader whose names are another's under ``prefix`` (``model.norm.weight`` read as
-    ``language_model.model.norm.weight``)."""
+    ``language_model.model.norm.weight``). Every access goes through ``stored`` and ``shown``: a reader of
+    another renaming overrides those two."""
 
     def __init__(self, reader, prefix: str):
         self.reader, self.prefix = reader, prefix
@@ -44,31 +45,39 @@ class PrefixedReader:
     def __exit__(self, *exc) -> None:
         pass  # the wrapped reader is closed by whoever opened it
 
+    def stored(self, name: str) -> str:
+        """The wrapped reader's name of ``name``."""
+        return self.prefix + name
+
+    def shown(self, stored: str) -> str | None:
+        """The name this reader gives the wrapped reader's ``stored``; None for a tensor it does not show."""
+        return stored.removeprefix(self.prefix) if stored.startswith(self.prefix) else None
+
     def names(self) -> list[str]:
-        return [n.removeprefix(self.prefix) for n in self.reader.names() if n.startswith(self.prefix)]
+        return [shown for shown in map(self.shown, self.reader.names()) if shown is not None]
 
     def has(self, name: str) -> bool:
-        return self.reader.has(self.prefix + name)
+        return self.reader.has(self.stored(name))
 
     def shape(self, name: str) -> list[int]:
-        return self.reader.shape(self.prefix + name)
+        return self.reader.shape(self.stored(name))
 
     def read(self, name: str) -> torch.Tensor:
-        return self.reader.read(self.prefix + name)
+        return self.reader.read(self.stored(name))
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.reader.read_rows(self.prefix + name, start, stop)
+        return self.reader.read_rows(self.stored(name), start, stop)
 
     def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.reader.read_cols(self.prefix + name, start, stop)
+        return self.reader.read_cols(self.stored(name), start, stop)
 
     def __getattr__(self, attribute: str):
-        """The wrapped reader's optional methods (``qtype``, ``read_quantized``, ``dtype``) by prefixed name,
+        """The wrapped reader's optional methods (``qtype``, ``read_quantized``, ``dtype``) by stored name,
         where it has them: a quantized checkpoint's projections stay quantized under the prefix too."""
         if attribute not in ("qtype", "read_quantized", "dtype"):
             raise AttributeError(attribute)
         method = getattr(self.reader, attribute)
-        return lambda name, *args, **kwargs: method(self.prefix + name, *args, **kwargs)
+        return lambda name, *args, **kwargs: method(self.stored(name), *args, **kwargs)
 
 
 MULTIMODAL_TEXT_PREFIX = "language_model."  # where a Gemma3ForConditionalGeneration checkpoint keeps its text model

@@ -33,26 +33,15 @@ class FlatLayoutReader(PrefixedReader):
     ``model.language_model.X``; ``lm_head.weight`` keeps its name."""
 
     def __init__(self, reader):
-        super().__init__(reader, "")
+        super().__init__(reader, FLAT_TEXT_PREFIX)
 
-    def _name(self, name: str) -> str:
+    def stored(self, name: str) -> str:
         return FLAT_TEXT_PREFIX + name.removeprefix("model.") if name.startswith("model.") else name
 
-    def names(self) -> list[str]:
-        return [("model." + n.removeprefix(FLAT_TEXT_PREFIX)) if n.startswith(FLAT_TEXT_PREFIX) else n
-                for n in self.reader.names() if n.startswith(FLAT_TEXT_PREFIX) or n.startswith("lm_head.")]
-
-    def has(self, name: str) -> bool:
-        return self.reader.has(self._name(name))
-
-    def shape(self, name: str) -> list[int]:
-        return self.reader.shape(self._name(name))
-
-    def read(self, name: str) -> torch.Tensor:
-        return self.reader.read(self._name(name))
-
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.reader.read_rows(self._name(name), start, stop)
+    def shown(self, stored: str) -> str | None:
+        if stored.startswith(FLAT_TEXT_PREFIX):
+            return "model." + stored.removeprefix(FLAT_TEXT_PREFIX)
+        return stored if stored.startswith("lm_head.") else None
 
 
 class LlavaVision:
