@@ -116,6 +116,20 @@ def image_prompt(text_ids: list[list[int]], images: list[bytes], image_id: int) 
     return ImagePrompt(ids=ids, images=list(images), image_offsets=offsets)
 
 
+def _greedy(model, inputs: dict, max_new_tokens: int, min_margin: float) -> tuple[list[int], list[float]]:
+    """``model.generate``'s greedy tokens after ``inputs`` (input_ids, attention_mask, pixel_values) and their
+    logprobs; every step's top-1/top-2 logit margin must exceed ``min_margin``."""
+    import torch
+
+    gen = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
+                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=None)
+    logits = torch.stack(gen.logits)[:, 0].float()
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > min_margin, "reference margins too thin to compare tokens"
+    tokens = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return tokens, torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+
+
 def llava_reference(model_dir: str | Path, prompts: list[ImagePrompt], max_new_tokens: int,
                     min_margin: float) -> list[tuple[list[int], list[float]]]:
     """transformers' float32 greedy generate of each prompt, alone: (tokens, their logprobs); every step's
@@ -126,17 +140,11 @@ def llava_reference(model_dir: str | Path, prompts: list[ImagePrompt], max_new_t
     model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for prompt in prompts:
-        kwargs = {"pixel_values": pixel_values(model_dir, prompt.images)} if prompt.images else {}
         ids = torch.tensor([prompt.ids])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                             output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=None,
-                             **kwargs)
-        logits = torch.stack(gen.logits)[:, 0].float()
-        top2 = logits.topk(2, dim=-1).values
-        assert (top2[:, 0] - top2[:, 1]).min() > min_margin, "reference margins too thin to compare tokens"
-        tokens = gen.sequences[0, ids.shape[1]:].tolist()
-        logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
-        out.append((tokens, logprobs))
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if prompt.images:
+            inputs["pixel_values"] = pixel_values(model_dir, prompt.images)
+        out.append(_greedy(model, inputs, max_new_tokens, min_margin))
     return out
 
 
@@ -159,9 +167,5 @@ def processor_reference(model_dir: str | Path, texts: list[tuple[str, list[bytes
     for text, images, add_special_tokens in texts:
         inputs = processor(text=text, images=[Image.open(io.BytesIO(b)) for b in images] or None,
                            add_special_tokens=add_special_tokens, return_tensors="pt")
-        gen = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
-                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=None)
-        top2 = torch.stack(gen.logits)[:, 0].float().topk(2, dim=-1).values
-        assert (top2[:, 0] - top2[:, 1]).min() > min_margin, "reference margins too thin to compare tokens"
-        out.append(gen.sequences[0, inputs["input_ids"].shape[1]:].tolist())
+        out.append(_greedy(model, dict(inputs), max_new_tokens, min_margin)[0])
     return out
