@@ -80,32 +80,105 @@ def _processed_size(processor: dict) -> tuple[int, int]:
     return _square_or_box(size, "size")
 
 
-def _llava(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec:
-    """LLaVA (``LlavaForConditionalGeneration``): one embedding row per vision patch, the tower's CLS row
-    dropped by the "default" feature strategy; what transformers' ``LlavaProcessor`` counts."""
-    text, token_id = _image_token(config, tokenizer)
+@dataclass(frozen=True)
+class AnyresSpec(VisionSpec):
+    """LLaVA-NeXT's count ("anyres"): the base tile's rows, then the rows of the grid resolution
+    (``pinpoints``, (height, width) each) the image fits best, in tiles of ``tile`` pixels, cut back to the
+    image's aspect ratio, with one newline row after each row of patches; what transformers'
+    ``LlavaNextProcessor`` counts. ``tokens_per_image`` is the base tile's, which every image takes."""
+
+    tile: tuple[int, int] = (0, 0)  # (height, width) of a tile: the image processor's crop
+    patch: int = 1
+    pinpoints: tuple[tuple[int, int], ...] = ()
+
+    def tokens_for(self, width: int, height: int) -> int:
+        best_height, best_width = best_resolution(height, width, self.pinpoints)
+        rows = self.tile[0] // self.patch * (best_height // self.tile[0])
+        cols = self.tile[1] // self.patch * (best_width // self.tile[1])
+        if width / height > cols / rows:  # wider than the grid: its padding above and below is cut
+            rows -= (rows - int(round(height * (cols / width), 7))) // 2 * 2
+        else:
+            cols -= (cols - int(round(width * (rows / height), 7))) // 2 * 2
+        return self.tokens_per_image + rows * cols + rows
+
+
+def best_resolution(height: int, width: int, pinpoints) -> tuple[int, int]:
+    """The (height, width) of ``pinpoints`` an image is resized into: the most of its pixels kept, then the
+    least padding (transformers' ``select_best_resolution``)."""
+    best, most_kept, least_wasted = pinpoints[0], -1, float("inf")
+    for box_height, box_width in pinpoints:
+        scale = min(box_width / width, box_height / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = box_width * box_height - kept
+        if kept > most_kept or (kept == most_kept and wasted < least_wasted):
+            best, most_kept, least_wasted = (box_height, box_width), kept, wasted
+    return best
+
+
+def _patch_size(config: dict) -> int:
     vision = config.get("vision_config")
     if not isinstance(vision, dict):
         raise VisionModelError("config.json has no `vision_config`")
     patch = vision.get("patch_size")
     if not isinstance(patch, int) or isinstance(patch, bool) or patch < 1:
         raise VisionModelError(f"config.json's vision_config has no `patch_size`: {patch!r}")
+    return patch
+
+
+def _image_processor(model_dir: Path) -> dict:
     processor_path = model_dir / "preprocessor_config.json"
     if not processor_path.is_file():
         raise VisionModelError("no preprocessor_config.json: it says the size of the pixels an image becomes")
-    height, width = _processed_size(read_config(processor_path))
-    tokens = (height // patch) * (width // patch)
-    if vision.get("model_type") == "clip_vision_model":
-        tokens += 1  # CLIP's CLS row
-    if config.get("vision_feature_select_strategy", "default") == "default":
-        tokens -= 1  # which "default" drops (the first row)
+    return read_config(processor_path)
+
+
+def _extra_rows(config: dict) -> int:
+    """The rows a tile gives beyond its patches': CLIP's class row, which the "default" feature strategy
+    drops (it drops the first row of any tower)."""
+    extra = 1 if config["vision_config"].get("model_type") == "clip_vision_model" else 0
+    return extra - (config.get("vision_feature_select_strategy", "default") == "default")
+
+
+def _llava(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec:
+    """LLaVA (``LlavaForConditionalGeneration``): one embedding row per vision patch, the tower's CLS row
+    dropped by the "default" feature strategy; what transformers' ``LlavaProcessor`` counts."""
+    text, token_id = _image_token(config, tokenizer)
+    patch = _patch_size(config)
+    height, width = _processed_size(_image_processor(model_dir))
+    tokens = (height // patch) * (width // patch) + _extra_rows(config)
     if tokens < 1:
         raise VisionModelError(f"a {height}x{width} image in {patch}-pixel patches leaves no image tokens")
     return VisionSpec(family="llava", image_token=text, image_token_id=token_id, tokens_per_image=tokens)
 
 
+def _llava_next(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec:
+    """LLaVA-NeXT (``LlavaNextForConditionalGeneration``): ``AnyresSpec`` over the image processor's tile
+    and grid resolutions, which must be the model's."""
+    text, token_id = _image_token(config, tokenizer)
+    patch = _patch_size(config)
+    processor = _image_processor(model_dir)
+    tile = _processed_size(processor)
+    if tile != (config["vision_config"].get("image_size"),) * 2:
+        raise VisionModelError(f"the image processor's {tile[0]}x{tile[1]} tiles are not the vision tower's "
+                               f"image_size ({config['vision_config'].get('image_size')!r})")
+    pinpoints = processor.get("image_grid_pinpoints", config.get("image_grid_pinpoints"))
+    if (not isinstance(pinpoints, list) or not pinpoints
+            or not all(isinstance(box, list) and len(box) == 2 and all(isinstance(side, int) and side >= max(tile)
+                                                                       for side in box) for box in pinpoints)):
+        raise VisionModelError(f"`image_grid_pinpoints` is no list of [height, width] of at least a tile "
+                               f"({tile[0]}x{tile[1]}): {pinpoints!r}")
+    if config.get("image_grid_pinpoints", pinpoints) != pinpoints:
+        raise VisionModelError("preprocessor_config.json's `image_grid_pinpoints` are not config.json's: the "
+                               "image processor would cut images into other tiles than the model reads")
+    base = (tile[0] // patch) * (tile[1] // patch) + _extra_rows(config)
+    if base < 1:
+        raise VisionModelError(f"a {tile[0]}x{tile[1]} tile in {patch}-pixel patches leaves no image tokens")
+    return AnyresSpec(family="llava_next", image_token=text, image_token_id=token_id, tokens_per_image=base,
+                      tile=tile, patch=patch, pinpoints=tuple(tuple(box) for box in pinpoints))
+
+
 # config.json's model_type -> the reader of that family's VisionSpec
-FAMILIES: dict[str, Callable[[Path, dict, Tokenizer], VisionSpec]] = {"llava": _llava}
+FAMILIES: dict[str, Callable[[Path, dict, Tokenizer], VisionSpec]] = {"llava": _llava, "llava_next": _llava_next}
 
 
 def vision_spec(model_dir: str | Path, tokenizer: Tokenizer) -> VisionSpec | None:

@@ -1,11 +1,13 @@
-"""A tiny LLaVA checkpoint (transformers' ``LlavaForConditionalGeneration``, hub layout) and transformers'
-float32 greedy reference over prompts with images: what the vision tests compare llmbus with.
+"""Tiny LLaVA and LLaVA-NeXT checkpoints (transformers' ``LlavaForConditionalGeneration`` and
+``LlavaNextForConditionalGeneration``, hub layout) and transformers' float32 greedy reference over prompts with
+images: what the vision tests compare llmbus with.
 
 The text model is the demo ``tiny`` Llama (its trained tokenizer and weights, whose greedy margins are
-decisive), with ``<image>`` added to its vocabulary; the vision tower is a seeded random CLIP of 56-pixel
-images in 14-pixel patches: 16 image tokens an image (the CLS token is dropped, LLaVA's "default" strategy),
-through a random two-layer GELU projector. ``preprocessor_config.json`` is CLIP's image processor at 56
-pixels, and the chat template puts an image item's ``<image>`` where it stands.
+decisive), with ``<image>`` added to its vocabulary; the vision tower is a seeded random CLIP in 14-pixel
+patches through a random two-layer GELU projector, and the chat template puts an image item's ``<image>``
+where it stands. LLaVA's images are 56 pixels: 16 image tokens each (the CLS token is dropped, the "default"
+strategy). LLaVA-NeXT's are 42-pixel tiles over ``NEXT_PINPOINTS``, and an image takes as many tokens as its
+size gives (``image_token_counts``: transformers' processor's count).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 56
 PATCH_SIZE = 14
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # 16
+# LLaVA-NeXT: an image is its base tile and the tiles of the pinpoint resolution it fits best, 42 pixels each
+NEXT_TILE = 42
+NEXT_PINPOINTS = [[42, 84], [84, 42], [84, 84], [42, 126], [126, 42]]
 PROJECTOR_STD = 0.05  # the projector's weights: image rows of the embeddings' size, not a thousand times it
 
 CHAT_TEMPLATE = (
@@ -35,31 +40,29 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny LLaVA checkpoint, its tokenizer, image processor and chat template into ``path``."""
+def _tiny_text_model(path: Path):
+    """The demo ``tiny`` Llama written into ``path`` with ``<image>`` added to its vocabulary: (the text model,
+    the image token's id)."""
     import torch
     import transformers
     from tokenizers import AddedToken, Tokenizer
 
     from llmbus.supervisor.demo_model import build_demo_model
 
-    path = Path(path)
     build_demo_model(path, "tiny")
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
     tok.save(str(path / "tokenizer.json"))
-    image_id = tok.token_to_id(IMAGE_TOKEN)
-
     text = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     text.resize_token_embeddings(len(tok.get_vocab()), mean_resizing=False)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
-                                           projection_dim=32)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text.config, image_token_index=image_id,
-                                      image_seq_length=IMAGE_TOKENS, vision_feature_layer=-2,
-                                      vision_feature_select_strategy="default", projector_hidden_act="gelu")
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).eval()
+    return text, tok.token_to_id(IMAGE_TOKEN)
+
+
+def _save_tiny(path: Path, model, text, image_id: int, image_processor) -> Path:
+    """``model`` (a LLaVA family's ``...ForConditionalGeneration``) with ``text``'s decoder, a projector of
+    embedding-sized rows, and its image processor and chat template, saved over the demo model in ``path``."""
+    import torch
+
     with torch.no_grad():
         model.model.language_model.load_state_dict(text.model.state_dict())
         model.lm_head.load_state_dict(text.lm_head.state_dict())
@@ -68,13 +71,59 @@ def build_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
         model.lm_head.weight[image_id] = 0  # a placeholder is read, never written
     (path / "model.safetensors").unlink()
     model.save_pretrained(path)
-
-    transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
-                                    crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
+    image_processor.save_pretrained(path)
     tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return path
+
+
+def _tiny_clip(image_size: int):
+    import transformers
+
+    return transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, image_size=image_size, patch_size=PATCH_SIZE,
+                                         projection_dim=32)
+
+
+def build_tiny_llava(path: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny LLaVA checkpoint, its tokenizer, image processor and chat template into ``path``."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    text, image_id = _tiny_text_model(path)
+    config = transformers.LlavaConfig(vision_config=_tiny_clip(IMAGE_SIZE), text_config=text.config,
+                                      image_token_index=image_id, image_seq_length=IMAGE_TOKENS,
+                                      vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                      projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                                crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return _save_tiny(path, model, text, image_id, processor)
+
+
+def build_tiny_llava_next(path: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny LLaVA-NeXT checkpoint: the tiny LLaVA's parts with ``NEXT_TILE``-pixel tiles (9
+    patches each) over ``NEXT_PINPOINTS``, and a random ``image_newline``."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    text, image_id = _tiny_text_model(path)
+    config = transformers.LlavaNextConfig(vision_config=_tiny_clip(NEXT_TILE), text_config=text.config,
+                                          image_token_index=image_id, image_grid_pinpoints=NEXT_PINPOINTS,
+                                          vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                          projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.image_newline.normal_(0.0, PROJECTOR_STD)
+    processor = transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": NEXT_TILE}, crop_size={"height": NEXT_TILE, "width": NEXT_TILE},
+        image_grid_pinpoints=NEXT_PINPOINTS)
+    return _save_tiny(path, model, text, image_id, processor)
 
 
 def encoded_image(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "PNG") -> bytes:
@@ -88,37 +137,81 @@ def encoded_image(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "PNG")
     return out.getvalue()
 
 
-def pixel_values(model_dir: str | Path, images: list[bytes]):
-    """transformers' image processor's ``pixel_values`` of ``images`` (float32, ``[n, 3, H, W]``)."""
+def _family(model_dir: str | Path) -> str:
+    return json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+
+
+def _model(model_dir: str | Path):
+    """transformers' float32 model of the checkpoint (LLaVA or LLaVA-NeXT)."""
+    import torch
+    import transformers
+
+    cls = {"llava": transformers.LlavaForConditionalGeneration,
+           "llava_next": transformers.LlavaNextForConditionalGeneration}[_family(model_dir)]
+    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def processor(model_dir: str | Path):
+    """transformers' processor of the checkpoint, as its users build it (``LlavaProcessor`` or
+    ``LlavaNextProcessor``): it expands each ``<image>`` and prepares the pixels."""
+    import transformers
+
+    cls = {"llava": transformers.LlavaProcessor, "llava_next": transformers.LlavaNextProcessor}[_family(model_dir)]
+    return cls(image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
+               tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), patch_size=PATCH_SIZE,
+               vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token=IMAGE_TOKEN)
+
+
+def image_inputs(model_dir: str | Path, images: list[bytes]) -> dict:
+    """transformers' image processor's outputs for ``images``: ``pixel_values`` (float32), and LLaVA-NeXT's
+    ``image_sizes``."""
     import transformers
     from PIL import Image
 
-    processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-    return processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")["pixel_values"]
+    image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+    out = image_processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
+    return {key: out[key] for key in ("pixel_values", "image_sizes") if key in out}
+
+
+def image_token_counts(model_dir: str | Path, images: list[bytes]) -> list[int]:
+    """How many placeholders transformers' processor gives each image."""
+    from PIL import Image
+
+    proc = processor(model_dir)
+    image_id = proc.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    counts = []
+    for image in images:
+        ids = proc(text=IMAGE_TOKEN, images=[Image.open(io.BytesIO(image))], return_tensors="pt")["input_ids"][0]
+        counts.append(int((ids == image_id).sum()))
+    return counts
 
 
 @dataclass
 class ImagePrompt:
-    """A prompt's token ids with ``IMAGE_TOKENS`` placeholders for each of ``images`` at ``image_offsets``."""
+    """A prompt's token ids with ``image_tokens[i]`` placeholders for ``images[i]`` at ``image_offsets[i]``."""
 
     ids: list[int]
     images: list[bytes]
     image_offsets: list[int]
+    image_tokens: list[int]
 
 
-def image_prompt(text_ids: list[list[int]], images: list[bytes], image_id: int) -> ImagePrompt:
-    """``text_ids[0]``, then an image's placeholders and ``text_ids[i + 1]`` for each image."""
+def image_prompt(text_ids: list[list[int]], images: list[bytes], image_id: int,
+                 counts: list[int] | None = None) -> ImagePrompt:
+    """``text_ids[0]``, then an image's placeholders (``counts[i]``, or LLaVA's ``IMAGE_TOKENS``) and
+    ``text_ids[i + 1]`` for each image."""
     assert len(text_ids) == len(images) + 1
+    counts = [IMAGE_TOKENS] * len(images) if counts is None else counts
     ids, offsets = list(text_ids[0]), []
-    for after in text_ids[1:]:
+    for after, count in zip(text_ids[1:], counts):
         offsets.append(len(ids))
-        ids += [image_id] * IMAGE_TOKENS + list(after)
-    return ImagePrompt(ids=ids, images=list(images), image_offsets=offsets)
+        ids += [image_id] * count + list(after)
+    return ImagePrompt(ids=ids, images=list(images), image_offsets=offsets, image_tokens=list(counts))
 
 
 def _greedy(model, inputs: dict, max_new_tokens: int, min_margin: float) -> tuple[list[int], list[float]]:
-    """``model.generate``'s greedy tokens after ``inputs`` (input_ids, attention_mask, pixel_values) and their
-    logprobs; every step's top-1/top-2 logit margin must exceed ``min_margin``."""
+    """``model.generate``'s greedy tokens after ``inputs`` (input_ids, attention_mask, the image inputs) and
+    their logprobs; every step's top-1/top-2 logit margin must exceed ``min_margin``."""
     import torch
 
     gen = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
@@ -135,15 +228,14 @@ def llava_reference(model_dir: str | Path, prompts: list[ImagePrompt], max_new_t
     """transformers' float32 greedy generate of each prompt, alone: (tokens, their logprobs); every step's
     top-1/top-2 logit margin must exceed ``min_margin``."""
     import torch
-    import transformers
 
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _model(model_dir)
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt.ids])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if prompt.images:
-            inputs["pixel_values"] = pixel_values(model_dir, prompt.images)
+            inputs |= image_inputs(model_dir, prompt.images)
         out.append(_greedy(model, inputs, max_new_tokens, min_margin))
     return out
 
@@ -151,21 +243,15 @@ def llava_reference(model_dir: str | Path, prompts: list[ImagePrompt], max_new_t
 def processor_reference(model_dir: str | Path, texts: list[tuple[str, list[bytes], bool]], max_new_tokens: int,
                         min_margin: float) -> list[list[int]]:
     """transformers' greedy tokens for each (text with an ``<image>`` where each image goes, images, whether the
-    tokenizer adds its special tokens), as a transformers user runs LLaVA: ``LlavaProcessor`` expands each
+    tokenizer adds its special tokens), as a transformers user runs the model: its processor expands each
     ``<image>`` and prepares the pixels, then ``generate`` in float32; every step's top-1/top-2 logit margin
     must exceed ``min_margin``."""
-    import torch
-    import transformers
     from PIL import Image
 
-    processor = transformers.LlavaProcessor(
-        image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
-        tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token=IMAGE_TOKEN)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    proc, model = processor(model_dir), _model(model_dir)
     out = []
     for text, images, add_special_tokens in texts:
-        inputs = processor(text=text, images=[Image.open(io.BytesIO(b)) for b in images] or None,
-                           add_special_tokens=add_special_tokens, return_tensors="pt")
+        inputs = proc(text=text, images=[Image.open(io.BytesIO(b)) for b in images] or None,
+                      add_special_tokens=add_special_tokens, return_tensors="pt")
         out.append(_greedy(model, dict(inputs), max_new_tokens, min_margin)[0])
     return out

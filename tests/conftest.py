@@ -28,6 +28,14 @@ def tiny_llava_dir(tmp_path_factory) -> Path:
     return build_tiny_llava(tmp_path_factory.mktemp("models") / "tiny-llava")
 
 
+@pytest.fixture(scope="session")
+def tiny_llava_next_dir(tmp_path_factory) -> Path:
+    """The tiny LLaVA-NeXT checkpoint (llmbus.testing.llava), built once per test session; tests only read it."""
+    from llmbus.testing.llava import build_tiny_llava_next
+
+    return build_tiny_llava_next(tmp_path_factory.mktemp("models") / "tiny-llava-next")
+
+
 from llmbus.testing.runner_driver import MIN_MARGIN  # noqa: E402  (the margin every compared reference step must show)
 
 

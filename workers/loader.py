@@ -122,7 +122,8 @@ def native_builders() -> dict[str, type]:
     gemma3_family = ("gemma3_text", "gemma3")  # gemma3: the text model of the multimodal checkpoint
     return ({name: llama.LlamaForCausalLM for name in llama_family}
             | {name: gemma3.Gemma3ForCausalLM for name in gemma3_family}
-            | {"llava": llava.LlavaForConditionalGeneration})  # a decoder above, with a vision tower
+            | {"llava": llava.LlavaForConditionalGeneration,
+               "llava_next": llava.LlavaNextForConditionalGeneration})  # a decoder above, with a vision tower
 
 
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,

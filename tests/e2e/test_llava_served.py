@@ -1,11 +1,11 @@
-"""A vision-language model through the whole stack: `llmbus up` on the tiny LLaVA checkpoint, images sent as
-TGI's users send them (markdown in `/generate`'s inputs) and as OpenAI's SDK sends them (`image_url` parts
-of a chat message), real processes, sockets and HTTP.
+"""A vision-language model through the whole stack: `llmbus up` on the tiny LLaVA and LLaVA-NeXT checkpoints,
+images sent as TGI's users send them (markdown in `/generate`'s inputs) and as OpenAI's SDK sends them
+(`image_url` parts of a chat message), real processes, sockets and HTTP.
 
-Each answer's greedy tokens equal transformers' as its users run LLaVA (``LlavaProcessor``, then
-``LlavaForConditionalGeneration.generate`` in float32). The prefix cache serves a prompt holding an image to
-the same image only: asked again with the same image the answer is the same and its prompt comes from the
-cache; asked with another image in the same place, the answer is that image's."""
+Each answer's greedy tokens equal transformers' as its users run the model (``LlavaProcessor`` or
+``LlavaNextProcessor``, then the model's ``generate`` in float32). The prefix cache serves a prompt holding an
+image to the same image only: asked again with the same image the answer is the same and its prompt comes
+from the cache; asked with another image in the same place, the answer is that image's."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ def data_url(image: bytes) -> str:
     return f"data:image/{kind};base64,{base64.b64encode(image).decode()}"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_llava_dir):
-    return tiny_llava_dir
+@pytest.fixture(scope="module", params=["llava", "llava_next"])
+def model_dir(request):
+    """The tiny LLaVA, and the tiny LLaVA-NeXT, whose images take as many placeholders as their size gives."""
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
 @pytest.fixture(scope="module")

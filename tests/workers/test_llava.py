@@ -1,6 +1,8 @@
-"""LLaVA through ModelRunner: transformers' LlavaForConditionalGeneration's greedy tokens and logprobs in
-float32, for prompts with images in a continuous batch whose prompt chunks cut an image, a preemption, and
-a prefix-cache hit that ends inside an image."""
+"""LLaVA and LLaVA-NeXT through ModelRunner: transformers' LlavaForConditionalGeneration's and
+LlavaNextForConditionalGeneration's greedy tokens and logprobs in float32, for prompts with images in a
+continuous batch whose prompt chunks cut an image, a preemption, and a prefix-cache hit that ends inside an
+image. LLaVA-NeXT's images take as many placeholders as their size gives (the prompts' images are of five
+sizes and aspect ratios, so each grid resolution and both ways of cutting the padding back are met)."""
 
 import hashlib
 
@@ -15,27 +17,33 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def image_inputs(prompt: llava.ImagePrompt) -> list[ImageInput]:
-    return [ImageInput(offset=offset, num_tokens=llava.IMAGE_TOKENS, data=data,
+    return [ImageInput(offset=offset, num_tokens=count, data=data,
                        digest=hashlib.blake2b(data, digest_size=16).digest())
-            for offset, data in zip(prompt.image_offsets, prompt.images)]
+            for offset, count, data in zip(prompt.image_offsets, prompt.image_tokens, prompt.images)]
 
 
-@pytest.fixture(scope="module")
-def tiny_llava(tiny_llava_dir):
-    """(model folder, prompts, transformers' (tokens, logprobs) of each)."""
+def family_prompts(path) -> list[llava.ImagePrompt]:
     from tokenizers import Tokenizer
 
-    path = tiny_llava_dir
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     image_id = tok.token_to_id(llava.IMAGE_TOKEN)
     words = [tok.encode(text).ids for text in ("USER: look at this", " and tell me what it shows",
                                                 "Two pictures:", " then", " which one is brighter?",
                                                 "A question without a picture, about the weather")]
-    prompts = [llava.image_prompt([words[0], words[1]], [llava.encoded_image(1)], image_id),
-               llava.image_prompt([words[2], words[3], words[4]], [llava.encoded_image(2, (30, 90)),
-                                                                    llava.encoded_image(3, fmt="JPEG")], image_id),
-               llava.image_prompt([words[5]], [], image_id),
-               llava.image_prompt([[], words[1]], [llava.encoded_image(4, (100, 100), "WEBP")], image_id)]
+    texts_and_images = [([words[0], words[1]], [llava.encoded_image(1)]),
+                        ([words[2], words[3], words[4]], [llava.encoded_image(2, (30, 90)),
+                                                          llava.encoded_image(3, (200, 40), "JPEG")]),
+                        ([words[5]], []),
+                        ([[], words[1]], [llava.encoded_image(4, (100, 100), "WEBP")])]
+    return [llava.image_prompt(texts, images, image_id, llava.image_token_counts(path, images))
+            for texts, images in texts_and_images]
+
+
+@pytest.fixture(scope="module", params=["llava", "llava_next"])
+def tiny_llava(request):
+    """(model folder, prompts, transformers' (tokens, logprobs) of each), for each family."""
+    path = request.getfixturevalue(f"tiny_{request.param}_dir")
+    prompts = family_prompts(path)
     return path, prompts, llava.llava_reference(path, prompts, MAX_NEW_TOKENS, MIN_MARGIN)
 
 
@@ -48,18 +56,18 @@ def image_requests(prompts: list[llava.ImagePrompt]) -> list[Request]:
                 for i, (p, step, chunk) in enumerate(zip(prompts, (0, 1, 0, 2), (7, None, 5, 3)))]
     requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
     lender = requests[0]
-    assert prompts[0].image_offsets[0] < 3 * BLOCK_SIZE < prompts[0].image_offsets[0] + llava.IMAGE_TOKENS
+    assert prompts[0].image_offsets[0] < 3 * BLOCK_SIZE < prompts[0].image_offsets[0] + prompts[0].image_tokens[0]
     lender.blocks = [NUM_BLOCKS - 1, NUM_BLOCKS - 2, NUM_BLOCKS - 3]
     requests.append(Request(rid="hit", prompt=prompts[0].ids, images=image_inputs(prompts[0]), arrival_step=9,
                             computed=3 * BLOCK_SIZE, blocks=list(lender.blocks), prefill_chunk=6))
     return requests
 
 
-def assert_transformers_results(expected, results: dict[str, tuple[list[int], list[float]]]) -> None:
+def assert_transformers_results(expected, results: dict[str, tuple[list[int], list[float]]], atol=1e-4) -> None:
     for rid, i in {"r0": 0, "r1": 1, "r2": 2, "r3": 3, "hit": 0}.items():
         tokens, logprobs = expected[i]
         assert results[rid][0] == tokens, rid
-        torch.testing.assert_close(torch.tensor(results[rid][1]), torch.tensor(logprobs), rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(results[rid][1]), torch.tensor(logprobs), rtol=0, atol=atol)
 
 
 def test_images_in_a_continuous_batch_give_transformers_tokens(tiny_llava):
@@ -81,8 +89,10 @@ def test_two_tensor_parallel_ranks_read_the_same_images(tiny_llava, tmp_path):
     from llmbus.testing.runner_driver import drive_tensor_parallel
 
     path, prompts, expected = tiny_llava
-    assert_transformers_results(expected, drive_tensor_parallel(str(path), {"llava": image_requests(prompts)},
-                                                                str(tmp_path))["llava"])
+    results = drive_tensor_parallel(str(path), {"llava": image_requests(prompts)}, str(tmp_path))["llava"]
+    # two ranks sum the row-parallel products in another order: float32's rounding differences grow over the
+    # steps, to 1.2e-4 by the twelfth of LLaVA-NeXT's longer prompts (the tokens are still transformers')
+    assert_transformers_results(expected, results, atol=3e-4)
 
 
 def test_another_image_in_the_same_place_gives_other_tokens(tiny_llava):
@@ -92,7 +102,7 @@ def test_another_image_in_the_same_place_gives_other_tokens(tiny_llava):
     path, prompts, expected = tiny_llava
     runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
     other = llava.ImagePrompt(ids=prompts[0].ids, images=[llava.encoded_image(99)],
-                              image_offsets=prompts[0].image_offsets)
+                              image_offsets=prompts[0].image_offsets, image_tokens=prompts[0].image_tokens)
     results = drive(runner, [Request(rid="other", prompt=other.ids, images=image_inputs(other))])
     assert results["other"].tokens == llava.llava_reference(path, [other], MAX_NEW_TOKENS, 0.0)[0][0]
     assert results["other"].tokens != expected[0][0]
@@ -106,8 +116,8 @@ def test_an_image_the_ranks_cannot_read_fails_its_request_alone(tiny_llava):
 
     path, prompts, expected = tiny_llava
     runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
-    broken = [ImageInput(offset=prompts[0].image_offsets[0], num_tokens=llava.IMAGE_TOKENS, data=b"not an image",
-                         digest=bytes(16))]
+    broken = [ImageInput(offset=prompts[0].image_offsets[0], num_tokens=prompts[0].image_tokens[0],
+                         data=b"not an image", digest=bytes(16))]
     blocks = -(-len(prompts[0].ids) // BLOCK_SIZE)
     seqs = [SeqInput(rid=rid, token_ids=list(prompts[0].ids), num_computed=0, sample=True,
                      block_table=list(range(first, first + blocks)), sampling=SamplingParams(),

@@ -49,22 +49,34 @@ class LlavaVision:
 
     def __init__(self, hf_config: dict, model_dir: str, reader, *, dtype: torch.dtype, device: torch.device):
         import transformers
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-        config = transformers.LlavaConfig(**hf_config)
+        config = self._config(hf_config)
         self.feature_layer = config.vision_feature_layer
         self.strategy = config.vision_feature_select_strategy
         if self.strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {self.strategy!r}: LLaVA knows 'default' and 'full'")
         self.tower = transformers.AutoModel.from_config(config.vision_config)
-        self.projector = LlavaMultiModalProjector(config)
-        flat = reader.has(FLAT_VISION_PREFIXES[0] + next(iter(self.tower.state_dict())))
-        for module, prefix in zip((self.tower, self.projector), FLAT_VISION_PREFIXES if flat else HUB_VISION_PREFIXES):
+        self.projector = self._projector(config)
+        self.flat = reader.has(FLAT_VISION_PREFIXES[0] + next(iter(self.tower.state_dict())))
+        for module, prefix in zip((self.tower, self.projector),
+                                  FLAT_VISION_PREFIXES if self.flat else HUB_VISION_PREFIXES):
             state = {name: reader.read(prefix + name) for name in module.state_dict()}
             module.load_state_dict(state, strict=True)
             module.to(device=device, dtype=dtype).eval()
         self.processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
         self.device, self.dtype = device, dtype
+
+    @staticmethod
+    def _config(hf_config: dict):
+        import transformers
+
+        return transformers.LlavaConfig(**hf_config)
+
+    @staticmethod
+    def _projector(config):
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        return LlavaMultiModalProjector(config)
 
     def encode(self, image: ImageInput) -> torch.Tensor:
         """``[image.num_tokens, text hidden]``: the embeddings of the image's placeholders."""
@@ -85,15 +97,65 @@ class LlavaVision:
 
     @torch.inference_mode()
     def _features(self, picture) -> torch.Tensor:
-        pixels = self.processor(images=[picture], return_tensors="pt")["pixel_values"]
+        return self._project(self.processor(images=[picture], return_tensors="pt")["pixel_values"])[0]
+
+    def _project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[tiles, rows, text hidden]``: the projected features of ``[tiles, 3, H, W]`` pixels."""
         hidden = self.tower(pixels.to(self.device, self.dtype), output_hidden_states=True).hidden_states
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
         selected = [hidden[i][:, 1:] if self.strategy == "default" else hidden[i] for i in layers]
-        return self.projector(torch.cat(selected, dim=-1))[0]
+        return self.projector(torch.cat(selected, dim=-1))
+
+
+class LlavaNextVision(LlavaVision):
+    """LLaVA-NeXT's image side ("anyres", ``spatial_unpad``): the image is one base tile of the whole picture
+    and the tiles of the grid resolution (``image_grid_pinpoints``) it fits best. Its embeddings are the base
+    tile's rows, then the tiles' rows laid out as one feature map, cut back to the picture's aspect ratio,
+    with ``image_newline`` after each row of it; what ``LlavaNextModel.get_image_features`` computes, in the
+    order its placeholders stand."""
+
+    def __init__(self, hf_config: dict, model_dir: str, reader, *, dtype: torch.dtype, device: torch.device):
+        super().__init__(hf_config, model_dir, reader, dtype=dtype, device=device)
+        config = self._config(hf_config)
+        self.pinpoints = config.image_grid_pinpoints
+        self.tile = config.vision_config.image_size
+        self.tile_grid = self.tile // config.vision_config.patch_size
+        name = ("model." if self.flat else "") + "image_newline"
+        self.image_newline = reader.read(name).to(device=device, dtype=dtype)
+
+    @staticmethod
+    def _config(hf_config: dict):
+        import transformers
+
+        return transformers.LlavaNextConfig(**hf_config)
+
+    @staticmethod
+    def _projector(config):
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
+
+        return LlavaNextMultiModalProjector(config)
+
+    @torch.inference_mode()
+    def _features(self, picture) -> torch.Tensor:
+        from transformers.models.llava_next.modeling_llava_next import (get_anyres_image_grid_shape,
+                                                                       image_size_to_num_patches, unpad_image)
+
+        processed = self.processor(images=[picture], return_tensors="pt")
+        size = processed["image_sizes"][0].tolist()  # (height, width) of the picture
+        tiles = image_size_to_num_patches(size, self.pinpoints, self.tile)
+        features = self._project(processed["pixel_values"][0, :tiles])
+        rows, cols = get_anyres_image_grid_shape(size, self.pinpoints, self.tile)
+        grid = features[1:].view(rows, cols, self.tile_grid, self.tile_grid, -1)
+        grid = grid.permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)  # [hidden, rows * grid, cols * grid]
+        grid = unpad_image(grid, size)
+        grid = torch.cat((grid, self.image_newline[:, None, None].expand(*grid.shape[:-1], 1)), dim=-1)
+        return torch.cat((features[0], grid.flatten(1, 2).transpose(0, 1)))
 
 
 class LlavaForConditionalGeneration:
     """Builds a LLaVA checkpoint's model: its text family's decoder, with a ``vision`` (``LlavaVision``)."""
+
+    vision_class = LlavaVision
 
     @classmethod
     def from_checkpoint(cls, hf_config: dict, reader, *, dtype: torch.dtype, device: torch.device, **kwargs):
@@ -102,7 +164,7 @@ class LlavaForConditionalGeneration:
         text_config = dict(hf_config["text_config"])
         text_type = text_config.get("model_type", "llama")
         builder = native_builders().get(text_type)
-        if builder is None or builder is cls:
+        if builder is None or issubclass(builder, LlavaForConditionalGeneration):
             raise ValueError(f"a LLaVA checkpoint whose text model is {text_type!r}: llmbus runs LLaVA on its native "
                              f"decoders only")
         flat = reader.has(FLAT_TEXT_PREFIX + "embed_tokens.weight")
@@ -111,5 +173,11 @@ class LlavaForConditionalGeneration:
             raise ValueError("a LLaVA checkpoint without its text model's weights (language_model.model.*)")
         model = builder.from_checkpoint(text_config, text_reader, dtype=dtype, device=device, **kwargs)
         # the vision side computes in the decoder's dtype (bfloat16 weights are computed in float32 on CPU)
-        model.vision = LlavaVision(hf_config, reader.model_dir, reader, dtype=model.dtype, device=device)
+        model.vision = cls.vision_class(hf_config, reader.model_dir, reader, dtype=model.dtype, device=device)
         return model
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """Builds a LLaVA-NeXT checkpoint's model: LLaVA's, with LLaVA-NeXT's tiles (``LlavaNextVision``)."""
+
+    vision_class = LlavaNextVision
