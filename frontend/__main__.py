@@ -11,7 +11,7 @@ import os
 import sys
 
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints, ensure_run_dir_or_exit
-from llmbus.bus.settings import parsed_values
+from llmbus.bus.settings import declared, parsed_values
 from llmbus.frontend.app import run_frontend
 from llmbus.frontend.config import FrontendConfig
 
@@ -30,7 +30,9 @@ def from_args(argv: list[str] | None = None) -> tuple[FrontendConfig, str]:
     parser = build_parser()
     values = parsed_values(parser, argv)
     run_dir, service_name = values.pop("run_dir"), values.pop("service_name")
-    values["cors_allow_origin"] = values["cors_allow_origin"] or []
+    for d in declared(FrontendConfig):
+        if d.kind is list and values[d.name] is None:  # an append flag never given
+            values[d.name] = []
     if values["frontend_id"] is None:
         del values["frontend_id"]
     if run_dir:

@@ -22,6 +22,7 @@ from llmbus.frontend.config import FrontendConfig, resolve_limits
 from llmbus.frontend.engine_client import EngineClient
 from llmbus.frontend.errors import ApiError, ErrorKind
 from llmbus.frontend.generation import Generator
+from llmbus.frontend.images import FetchRules
 from llmbus.frontend.middleware import (auth_middleware, cors_middleware, error_middleware,
                                          request_metrics_middleware, tracing_middleware)
 from llmbus.frontend.routes import setup_routes
@@ -70,7 +71,8 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
         state.generator = Generator(engine, state.tokenizer, limits, share,
                                     config.validation_workers, config.enable_prefill_logprobs,
                                     on_finished=state.request_metrics.generation_finished, vision=state.vision,
-                                    max_image_fetch_size=config.max_image_fetch_size)
+                                    image_fetch=FetchRules.of(config.max_image_fetch_size,
+                                                              config.allowed_media_domains))
         log.info("limits", max_input_tokens=limits.max_input_tokens,
                  max_total_tokens=limits.max_total_tokens, eos_token_ids=state.tokenizer.eos_token_ids)
         if state.vision is not None:

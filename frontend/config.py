@@ -112,6 +112,10 @@ class FrontendConfig(ServiceSettings):
     max_image_fetch_size: int = setting(1 << 30, env="MAX_IMAGE_FETCH_SIZE", ge=0,
                                         help="Largest image in bytes a vision model's prompt may fetch from an "
                                              "http(s) URL; a larger one gets 422.")
+    # vLLM's flag: a server open to the internet fetches only from these hosts, not from its own network
+    allowed_media_domains: list[str] = setting(env="ALLOWED_MEDIA_DOMAINS", default_factory=list,
+                                               help="A host a vision model's prompt may fetch images from (repeat "
+                                                    "for several; redirects are checked too). Default: any.")
     validation_workers: int = setting(2, env="VALIDATION_WORKERS", ge=1,
                                       help="Threads that tokenize long prompts and decode images.")
     api_key: str | None = setting(None, env="API_KEY", secret=True,

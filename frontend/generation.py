@@ -23,7 +23,7 @@ from llmbus.bus.messages import FinishReason
 from llmbus.frontend.config import Limits
 from llmbus.frontend.engine_client import TIMED_OUT, EngineClient, EngineFailure, EngineTokens, Mailbox
 from llmbus.frontend.errors import ApiError, ErrorKind, generation_error, validation_error
-from llmbus.frontend.images import LoadedImage, PromptImages
+from llmbus.frontend.images import FetchRules, LoadedImage, PromptImages
 from llmbus.frontend.tokenizer import LONG_TEXT_CHARS, ModelTokenizer
 from llmbus.frontend.validation import GenerateParameters, ValidParameters, validate_lengths, validate_parameters
 from llmbus.frontend.vision_models import VisionSpec
@@ -59,8 +59,9 @@ class Generator:
     def __init__(self, engine: EngineClient, tokenizer: ModelTokenizer, limits: Limits,
                  max_concurrent_requests: int, validation_workers: int = 2, enable_prefill_logprobs: bool = False,
                  on_finished: Callable[["Generation"], None] | None = None, vision: VisionSpec | None = None,
-                 max_image_fetch_size: int = 1 << 30):
-        """``vision``: the served model's images (None: a text model, whose prompts' ``![](...)`` is text)."""
+                 image_fetch: FetchRules | None = None):
+        """``vision``: the served model's images (None: a text model, whose prompts' ``![](...)`` is text);
+        ``image_fetch``: what fetching its http(s) images may do (None: TGI's defaults)."""
         self.engine = engine
         self.on_finished = on_finished  # called with each generation that finishes (metrics)
         self.enable_prefill_logprobs = enable_prefill_logprobs
@@ -74,7 +75,8 @@ class Generator:
         self._idle.set()
         self._executor = ThreadPoolExecutor(max_workers=validation_workers, thread_name_prefix="tokenize")
         # images decode on the tokenizing threads: both are a prompt's preparation, bounded alike
-        self.images = PromptImages(vision, max_image_fetch_size, self._executor) if vision is not None else None
+        self.images = (PromptImages(vision, image_fetch or FetchRules(), self._executor) if vision is not None
+                       else None)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -29,6 +29,7 @@ from io import BytesIO
 
 import aiohttp
 from PIL import Image
+from yarl import URL
 
 from llmbus.bus import messages as m
 from llmbus.frontend.errors import validation_error
@@ -38,6 +39,8 @@ MARKDOWN_IMAGE = re.compile(r"!\[\]\([^)]*\)")
 # TGI's router fetches with reqwest's blocking client, whose whole request times out after 30 s
 FETCH_TIMEOUT_S = 30.0
 FETCH_CHUNK_BYTES = 64 * 1024
+MAX_REDIRECTS = 10  # reqwest's default, and aiohttp's
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 ECHOED_CHARS = 120  # of a reference echoed in its error: a bad data URL may be megabytes long
 # the declared types TGI decodes as that format (any other is guessed from the bytes), as Pillow names them
 _FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/gif": "GIF",
@@ -113,14 +116,35 @@ def check_image(data: bytes, mimetype: str | None = None) -> tuple[int, int]:
     return width, height
 
 
-class ImageFetcher:
-    """GETs of a request's ``http(s)`` images over one client session (``async with``): redirects followed,
-    the environment's proxies taken (as TGI's reqwest does), each whole fetch under ``timeout_s``, and the
-    body's size capped at ``max_bytes`` as it arrives (a larger one is never held whole)."""
+@dataclass(frozen=True)
+class FetchRules:
+    """What an ``http(s)`` image fetch may do: read up to ``max_bytes`` (``--max-image-fetch-size``) within
+    ``timeout_s``, from any host, or from the ``allowed_hosts`` alone (``--allowed-media-domains``; empty:
+    any, as TGI), every redirect's target included."""
 
-    def __init__(self, max_bytes: int, timeout_s: float = FETCH_TIMEOUT_S):
-        self.max_bytes = max_bytes
-        self.timeout_s = timeout_s
+    max_bytes: int = 1 << 30
+    timeout_s: float = FETCH_TIMEOUT_S
+    allowed_hosts: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, max_bytes: int, allowed_domains=(), timeout_s: float = FETCH_TIMEOUT_S) -> "FetchRules":
+        return cls(max_bytes, timeout_s, frozenset(domain.lower().rstrip(".") for domain in allowed_domains))
+
+    def check_host(self, url: URL) -> None:
+        host = (url.host or "").lower().rstrip(".")
+        if self.allowed_hosts and host not in self.allowed_hosts:
+            raise validation_error(f"Could not fetch image: {host or _echo(str(url))!r} is not one of the server's "
+                                   f"allowed media domains")
+
+
+class ImageFetcher:
+    """GETs of a request's ``http(s)`` images over one client session (``async with``) under ``FetchRules``:
+    redirects followed (each target's host checked before it is asked), the environment's proxies taken
+    (as TGI's reqwest does), each whole fetch under the rules' timeout, and the body's size capped as it
+    arrives (a larger one is never held whole)."""
+
+    def __init__(self, rules: FetchRules):
+        self.rules = rules
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "ImageFetcher":
@@ -133,26 +157,40 @@ class ImageFetcher:
 
     async def fetch(self, url: str) -> bytes:
         if self._session is None:
-            self._session = aiohttp.ClientSession(trust_env=True,
-                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(trust_env=True)
         try:
-            async with self._session.get(url) as resp:
-                if not 200 <= resp.status < 300:
-                    raise validation_error(f"Could not fetch image: HTTP status {resp.status} {resp.reason} "
-                                           f"for url ({_echo(url)})")
-                if resp.content_length is not None and resp.content_length > self.max_bytes:
-                    raise too_large(resp.content_length, self.max_bytes)
-                data = bytearray()
-                async for chunk in resp.content.iter_chunked(FETCH_CHUNK_BYTES):
-                    data += chunk
-                    if len(data) > self.max_bytes:
-                        raise too_large(self.max_bytes + 1, self.max_bytes)  # what TGI reads before it stops
-                return bytes(data)
-        except asyncio.TimeoutError:
-            raise validation_error(f"Could not fetch image: no answer within {self.timeout_s:g} s from "
+            async with asyncio.timeout(self.rules.timeout_s):  # the redirects' hops together
+                return await self._follow(URL(url))
+        except TimeoutError:
+            raise validation_error(f"Could not fetch image: no answer within {self.rules.timeout_s:g} s from "
                                    f"{_echo(url)}") from None
         except (aiohttp.ClientError, ValueError) as e:  # yarl's ValueError: a URL it cannot read
             raise validation_error(f"Could not fetch image: {e or type(e).__name__}") from None
+
+    async def _follow(self, url: URL) -> bytes:
+        for _ in range(MAX_REDIRECTS + 1):
+            self.rules.check_host(url)
+            async with self._session.get(url, allow_redirects=False) as resp:
+                location = resp.headers.get("Location")
+                if resp.status in REDIRECT_STATUSES and location:
+                    url = resp.url.join(URL(location))
+                    continue
+                return await self._body(resp, url)
+        raise validation_error(f"Could not fetch image: more than {MAX_REDIRECTS} redirects from {_echo(str(url))}")
+
+    async def _body(self, resp: aiohttp.ClientResponse, url: URL) -> bytes:
+        max_bytes = self.rules.max_bytes
+        if not 200 <= resp.status < 300:
+            raise validation_error(f"Could not fetch image: HTTP status {resp.status} {resp.reason} "
+                                   f"for url ({_echo(str(url))})")
+        if resp.content_length is not None and resp.content_length > max_bytes:
+            raise too_large(resp.content_length, max_bytes)
+        data = bytearray()
+        async for chunk in resp.content.iter_chunked(FETCH_CHUNK_BYTES):
+            data += chunk
+            if len(data) > max_bytes:
+                raise too_large(max_bytes + 1, max_bytes)  # what TGI reads before it stops
+        return bytes(data)
 
 
 def _read_image(data: bytes, mimetype: str | None) -> LoadedImage:
@@ -184,12 +222,10 @@ class PromptImages:
     """A vision model's side of preparing a prompt: ``expand`` its text, then ``place`` the images in its
     tokens. ``executor``: where images are decoded (the generator's tokenizing threads)."""
 
-    def __init__(self, spec: VisionSpec, max_fetch_bytes: int, executor: Executor,
-                 fetch_timeout_s: float = FETCH_TIMEOUT_S):
+    def __init__(self, spec: VisionSpec, fetch_rules: FetchRules, executor: Executor):
         refuse_decompression_bombs()
         self.spec = spec
-        self.max_fetch_bytes = max_fetch_bytes
-        self.fetch_timeout_s = fetch_timeout_s
+        self.fetch_rules = fetch_rules
         self._executor = executor
 
     async def expand(self, text: str, max_input_tokens: int,
@@ -217,7 +253,7 @@ class PromptImages:
     async def _load_all(self, refs: list[str]) -> list[LoadedImage]:
         """Each reference's image, loaded concurrently; the first failure stops the others, and of the
         failures the first in prompt order is raised."""
-        async with ImageFetcher(self.max_fetch_bytes, self.fetch_timeout_s) as fetcher:
+        async with ImageFetcher(self.fetch_rules) as fetcher:
             tasks = [asyncio.ensure_future(self._load(ref, fetcher)) for ref in refs]
             try:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -116,8 +116,7 @@ def up_options():
 def service_settings(service, values: dict, **fixed):
     """``service``'s settings from ``values`` (the `up` flags by name, resolved) and ``fixed`` (what the
     launch decides itself: run dir, model dir, ...)."""
-    names = {d.name for d in declared(service)}
-    picked = {k: v for k, v in values.items() if k in names}
-    if "cors_allow_origin" in picked:
-        picked["cors_allow_origin"] = list(picked["cors_allow_origin"])
+    kinds = {d.name: d.kind for d in declared(service)}
+    # click gives a repeated option's values as a tuple; the settings declare lists
+    picked = {k: list(v) if kinds[k] is list else v for k, v in values.items() if k in kinds}
     return service(**{**picked, **fixed})

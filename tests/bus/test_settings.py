@@ -55,6 +55,8 @@ def other_value(d):
         return (d.default or 0) + 3
     if d.kind is float:
         return round((d.default or 0.5) * 0.5, 3)
+    if d.kind is list:
+        return ["x.example", "y.example"]
     return "x"
 
 

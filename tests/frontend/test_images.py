@@ -12,24 +12,21 @@ import base64
 import hashlib
 import json
 import shutil
-import threading
 import time
 import warnings
 from pathlib import Path
 
 import pytest
-from aiohttp import web
-from click.testing import CliRunner
 from PIL import Image
 from tokenizers import Tokenizer
 
 from llmbus.bus import messages as m
-from llmbus.frontend.__main__ import from_args
 from llmbus.frontend.errors import ApiError
-from llmbus.frontend.images import (MARKDOWN_IMAGE, ImageFetcher, LoadedImage, PromptImages, check_image,
+from llmbus.frontend.images import (MARKDOWN_IMAGE, FetchRules, LoadedImage, PromptImages, check_image,
                                     decode_data_url, markdown_image, refuse_decompression_bombs)
 from llmbus.frontend.vision_models import VisionModelError, vision_spec
 from llmbus.testing.fake_scheduler import WAIT, Frontend, last_rid
+from llmbus.testing.image_server import ImageServer
 from llmbus.testing.llava import IMAGE_TOKEN, IMAGE_TOKENS, encoded_image
 
 PNG = encoded_image(0)  # 64x48
@@ -214,114 +211,11 @@ def test_decompression_bombs_are_invalid_images(monkeypatch, limit, served):
 # ------------------------------------------------------------------------------------------------
 
 
-class ImageServer:
-    """An aiohttp server on localhost, in a thread of its own: images, errors, a redirect, a body without a
-    length that never ends, and one that never answers (until the server stops). Counts each path's hits."""
-
-    def __init__(self):
-        self.hits: dict[str, int] = {}
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="image-server", daemon=True)
-        self._thread.start()
-        assert self._ready.wait(WAIT)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _app(self) -> web.Application:
-        async def count(request, handler):
-            self.hits[request.path] = self.hits.get(request.path, 0) + 1
-            return await handler(request)
-
-        async def endless(request):
-            resp = web.StreamResponse()  # chunked: no Content-Length to refuse it by
-            await resp.prepare(request)
-            while True:
-                await resp.write(b"\0" * 4096)
-
-        async def hang(request):
-            await self._stop.wait()
-            return web.Response()
-
-        app = web.Application(middlewares=[web.middleware(count)])
-        async def png(request):
-            return web.Response(body=PNG, content_type="image/png")
-
-        async def jpeg(request):
-            return web.Response(body=JPEG)
-
-        async def moved(request):
-            raise web.HTTPFound("/img.png")
-
-        async def text(request):
-            return web.Response(text="not an image")
-
-        app.router.add_get("/img.png", png)
-        app.router.add_get("/img.jpg", jpeg)
-        app.router.add_get("/moved", moved)
-        app.router.add_get("/text", text)
-        app.router.add_get("/endless", endless)
-        app.router.add_get("/hang", hang)
-        return app
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._stop = asyncio.Event()
-        runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=0.1)
-        self._loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = runner.addresses[0][1]
-        self._ready.set()
-        self._loop.run_until_complete(self._stop.wait())
-        self._loop.run_until_complete(runner.cleanup())
-        self._loop.close()
-
-    def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(WAIT)
-
-
 @pytest.fixture(scope="module")
 def server():
-    srv = ImageServer()
+    srv = ImageServer(PNG, JPEG)
     yield srv
     srv.close()
-
-
-def fetch(url: str, max_bytes: int = 1 << 20, timeout_s: float = WAIT) -> bytes:
-    async def run():
-        async with ImageFetcher(max_bytes, timeout_s) as fetcher:
-            return await fetcher.fetch(url)
-    return asyncio.run(run())
-
-
-def test_fetches_an_image_and_follows_redirects(server):
-    assert fetch(server.url + "/img.png") == PNG
-    assert fetch(server.url + "/moved") == PNG
-
-
-def test_the_size_cap_reads_no_further(server):
-    # announced: refused by its Content-Length; unannounced and endless: refused once past the cap (TGI's
-    # reader stops at cap + 1 bytes, and says so)
-    assert validation_text(lambda: fetch(server.url + "/img.png", max_bytes=100)) == (
-        f"Image size {len(PNG)} bytes exceeds maximum allowed size of 100 bytes")
-    assert validation_text(lambda: fetch(server.url + "/endless", max_bytes=100_000)) == (
-        "Image size 100001 bytes exceeds maximum allowed size of 100000 bytes")
-    assert fetch(server.url + "/img.png", max_bytes=len(PNG)) == PNG  # the cap itself is allowed
-
-
-def test_fetch_errors(server):
-    assert validation_text(lambda: fetch(server.url + "/nothing.png")) == (
-        f"Could not fetch image: HTTP status 404 Not Found for url ({server.url}/nothing.png)")
-    gone = ImageServer()
-    gone.close()
-    assert validation_text(lambda: fetch(gone.url + "/img.png")).startswith("Could not fetch image: Cannot connect")
-    assert validation_text(lambda: fetch("http://[::1/img.png")).startswith("Could not fetch image: ")
-
-
-def test_a_fetch_that_never_answers_times_out(server):
-    assert validation_text(lambda: fetch(server.url + "/hang", timeout_s=0.2)) == (
-        f"Could not fetch image: no answer within 0.2 s from {server.url}/hang")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -334,7 +228,7 @@ def images(spec):
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as executor:
-        yield PromptImages(spec, 1 << 20, executor, fetch_timeout_s=WAIT)
+        yield PromptImages(spec, FetchRules(1 << 20, WAIT), executor)
 
 
 def expand(images: PromptImages, text: str, max_input_tokens: int = 1000, loaded=None):
@@ -656,29 +550,3 @@ def test_an_uncountable_vision_model_does_not_start(llava_dir, tmp_path):
         shutil.copy(llava_dir / name, tmp_path)
     with pytest.raises(VisionModelError, match="no preprocessor_config.json"):
         Frontend(tmp_path).close()
-
-
-# ------------------------------------------------------------------------------------------------
-# --max-image-fetch-size: declared once, by the frontend; `llmbus up` passes it on
-# ------------------------------------------------------------------------------------------------
-
-
-def test_max_image_fetch_size_flag(tmp_path, monkeypatch):
-    argv = ["--model-dir", str(tmp_path), "--requests-endpoint", "ipc://r", "--events-endpoint", "ipc://e"]
-    assert from_args(argv)[0].max_image_fetch_size == 1073741824  # TGI's default
-    assert from_args([*argv, "--max-image-fetch-size", "77"])[0].max_image_fetch_size == 77
-    monkeypatch.setenv("MAX_IMAGE_FETCH_SIZE", "123")
-    config = from_args(argv)[0]
-    assert config.max_image_fetch_size == 123 and "--max-image-fetch-size" in config.to_argv()
-
-
-def test_up_passes_max_image_fetch_size_to_the_frontend(llava_dir, tmp_path):
-    from llmbus.supervisor.cli import main
-
-    result = CliRunner().invoke(main, ["procfile", "--model-id", str(llava_dir), "-o", str(tmp_path),
-                                       "--max-image-fetch-size", "4096", "--run-dir", str(tmp_path / "run")])
-    assert result.exit_code == 0, result.output
-    entries = dict(line.split(": ", 1) for line in (tmp_path / "Procfile").read_text().splitlines()
-                   if not line.startswith("#"))
-    assert "--max-image-fetch-size 4096" in entries["frontend"]
-    assert "--max-image-fetch-size" not in entries["scheduler"] + entries["workers"]
