@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 23  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 24  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -60,6 +60,8 @@ WIRE_VERSION = 23  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 #     (StoppingParams.request_stop_ids): a rank that ignored them would let a request end too early
 # 23: images (AddRequest.images, NewRequestData.images): a rank that ignored them would read the image
 #     placeholders' own embeddings
+# 24: ImageInput.grid (Qwen2-VL's M-RoPE positions); NewRequestData.images holds the cached prefix's images
+#     too, as stubs without data: a rank that ignored them would rotate the text after an image wrongly
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -206,16 +208,28 @@ class ImageInput(Message):
     # blake2b (16 bytes) of ``data``: the prefix cache tells two images' positions apart by it, so a prompt
     # shares the K/V of an image only with a prompt that holds the same image at the same place
     digest: bytes
+    # [rows, cols] its placeholders stand in, for a model whose positions follow the image's layout (Qwen2-VL's
+    # M-RoPE: a placeholder's position is its row and column, and the text after the image resumes at the
+    # image's first position plus max(rows, cols)); [] for the others
+    grid: list[int] = field(default_factory=list)
 
-    def problem(self, prompt_len: int) -> str | None:
-        """What makes this image unsafe for the ranks, or None."""
+    def problem(self, prompt_len: int, cached: int = 0) -> str | None:
+        """What makes this image unsafe for the ranks, or None. ``cached``: the prompt tokens already in the
+        KV cache (NewRequestData), whose images may come as ``stub``s."""
         if self.num_tokens < 1 or self.offset < 0 or self.offset + self.num_tokens > prompt_len:
             return f"an image's {self.num_tokens} tokens at {self.offset} are not inside the {prompt_len}-token prompt"
-        if not self.data:
+        if not self.data and self.offset + self.num_tokens > cached:
             return "an image without data"
         if len(self.digest) != IMAGE_DIGEST_BYTES:
             return f"an image's digest must be {IMAGE_DIGEST_BYTES} bytes"
+        if self.grid and (len(self.grid) != 2 or min(self.grid) < 1 or self.grid[0] * self.grid[1] != self.num_tokens):
+            return f"an image's grid must be [rows, cols] of its {self.num_tokens} tokens, not {self.grid}"
         return None
+
+    def stub(self) -> "ImageInput":
+        """This image without its file: where it stands, for a rank whose KV cache already holds it (its
+        placeholders are never computed, but the positions after them follow from it)."""
+        return ImageInput(self.offset, self.num_tokens, b"", self.digest, list(self.grid))
 
 
 IMAGE_DIGEST_BYTES = 16
@@ -367,7 +381,8 @@ class NewRequestData(Message):
     # it is given (cached_ids and prompt chunks), so a preempted request resumes where it was.
     grammar: Grammar | None = None
     adapter: str = ""  # AddRequest.adapter: every rank adds this LoRA adapter's deltas to the request's rows
-    # AddRequest.images whose tokens the ranks have yet to compute: those ending after the cached prefix
+    # AddRequest.images; those wholly in the cached prefix (``cached_ids``) as ``ImageInput.stub``s, without
+    # their files: the ranks never encode them, but a model whose positions follow its images reads their places
     images: list[ImageInput] = field(default_factory=list)
 
 

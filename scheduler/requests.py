@@ -107,8 +107,9 @@ class Request:
         return sum(len(image.data) for image in self.images)
 
     def images_from(self, position: int) -> list[ImageInput]:
-        """The images whose placeholders end after ``position``: what ranks computing from there must see."""
-        return [image for image in self.images if image.offset + image.num_tokens > position]
+        """What ranks computing from ``position`` must see of the images: whole, those whose placeholders end
+        after it; as ``stub``s (where they stand, without their files), those before it."""
+        return [image if image.offset + image.num_tokens > position else image.stub() for image in self.images]
 
 
 def image_keys(prompt_ids: list[int], images: list[ImageInput]) -> list[int]:

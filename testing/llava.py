@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 IMAGE_TOKEN = "<image>"
@@ -188,12 +188,14 @@ def image_token_counts(model_dir: str | Path, images: list[bytes]) -> list[int]:
 
 @dataclass
 class ImagePrompt:
-    """A prompt's token ids with ``image_tokens[i]`` placeholders for ``images[i]`` at ``image_offsets[i]``."""
+    """A prompt's token ids with ``image_tokens[i]`` placeholders for ``images[i]`` at ``image_offsets[i]``
+    (laid out in ``grids[i]``'s rows and columns, for a model whose positions follow them)."""
 
     ids: list[int]
     images: list[bytes]
     image_offsets: list[int]
     image_tokens: list[int]
+    grids: list[tuple[int, int]] = field(default_factory=list)
 
 
 def image_prompt(text_ids: list[list[int]], images: list[bytes], image_id: int,

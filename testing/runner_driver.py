@@ -186,7 +186,7 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None,
                                  block_table=list(req.blocks), sample=sample, sampling=req.sampling,
                                  prompt_len=len(req.prompt), cached_ids=req.cached_ids, grammar=req.grammar,
                                  num_spec=len(guesses), adapter=req.adapter,
-                                 images=req.images if req.computed < len(req.prompt) else []))
+                                 images=req.images))
         feed = last_launched.feed(fed_rows, fed_rids) if fed_rows else None
         last_launched = runner.launch(seqs, feed)
         out = last_launched.result()

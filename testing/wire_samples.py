@@ -7,7 +7,7 @@ SAMPLING = m.SamplingParams(temperature=0.5, top_k=10, top_p=0.9, typical_p=1.0,
                             presence_penalty=0.5, min_p=0.05, frequency_per_count=True, logit_bias_ids=[7, 3],
                             logit_bias_values=[-100.0, 2.5], min_new_tokens=3, min_tokens_masked_ids=[2, 9])
 STOPPING = m.StoppingParams(max_new_tokens=20, stop_token_ids=[2], ignore_eos=False, request_stop_ids=[9])
-IMAGE = m.ImageInput(offset=1, num_tokens=2, data=b"\x89PNG\r\n\x1a\n", digest=bytes(range(16)))
+IMAGE = m.ImageInput(offset=1, num_tokens=2, data=b"\x89PNG\r\n\x1a\n", digest=bytes(range(16)), grid=[1, 2])
 GRAMMAR = m.Grammar(kind="json_schema", source='{"type": "object", "properties": {"a": {"type": "integer"}}}')
 
 SAMPLES: dict[m.Kind, m.Message] = {
@@ -25,7 +25,7 @@ SAMPLES: dict[m.Kind, m.Message] = {
     m.Kind.ABORT_REQUEST: m.AbortRequest(["f0-1", "f0-2"]),
     m.Kind.STEP: m.StepCommand(
         step_id=7, new_requests=[m.NewRequestData("f0-2", SAMPLING, [4, 5, 8], 36, False, list(range(16)),
-                                                         GRAMMAR, "sql-expert", [IMAGE])],
+                                                         GRAMMAR, "sql-expert", [IMAGE.stub()])],
         rids=["f0-1", "f0-2"], num_computed=[33, 16], num_new=[1, 20], token_ids=[m.SAMPLED_LAST] + list(range(20)),
         sample=[True, True], added_blocks=[["f0-1", [6]]], finished_rids=["f0-0"], ahead=True),
     m.Kind.SHUTDOWN: m.Shutdown("scheduler stopped"),

@@ -116,14 +116,16 @@ class CheckpointReader:
 def native_builders() -> dict[str, type]:
     """``model_type`` -> the native model class that serves it (benchmarks/families.py empties it to time
     the fallback on the same checkpoints)."""
-    from llmbus.workers.models import gemma3, llama, llava
+    from llmbus.workers.models import gemma3, llama, llava, qwen2_vl
 
     llama_family = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
     gemma3_family = ("gemma3_text", "gemma3")  # gemma3: the text model of the multimodal checkpoint
     return ({name: llama.LlamaForCausalLM for name in llama_family}
             | {name: gemma3.Gemma3ForCausalLM for name in gemma3_family}
-            | {"llava": llava.LlavaForConditionalGeneration,
-               "llava_next": llava.LlavaNextForConditionalGeneration})  # a decoder above, with a vision tower
+            | {"llava": llava.LlavaForConditionalGeneration,  # a decoder above, with a vision tower
+               "llava_next": llava.LlavaNextForConditionalGeneration,
+               "qwen2_vl": qwen2_vl.Qwen2VLForConditionalGeneration,  # Qwen2's decoder with M-RoPE
+               "qwen2_5_vl": qwen2_vl.Qwen2VLForConditionalGeneration})
 
 
 def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: torch.dtype = torch.float32,

@@ -35,6 +35,7 @@ from llmbus.workers.launched_step import (DeviceFeed, LaunchedStep, ResultCopy, 
 from llmbus.workers.step_clock import DeviceTimeline, StepClock
 from llmbus.workers.runner_warmup import RunnerWarmup
 from llmbus.workers.seq_input import SeqInput
+from llmbus.workers.mrope import mrope_positions
 from llmbus.workers.vision import StepImages
 from llmbus.workers.step_rows import PromptLogprobRows, TokenHistory, keep_verified, one_token_rows
 
@@ -103,6 +104,7 @@ class ModelRunner(RunnerWarmup):
         # a vision-language model's image rows (vision.py); None for a text model
         vision = getattr(self.model, "vision", None)
         self.images = StepImages(vision, self.device) if vision is not None else None
+        self._mrope = getattr(getattr(self.model, "rotary", None), "mrope_section", None) is not None
         # whether the adapters' deltas are Triton kernels, which read each row's slot and no grouping of rows
         self._lora_kernels = bool(self._adapter_index) and self.model.active_adapters.kernels
         # What the model computes in: the weights' ``dtype``, or float32 over bfloat16 weights
@@ -203,8 +205,11 @@ class ModelRunner(RunnerWarmup):
         self._graph_greedy = None
         # a step that computes image placeholders reads their embeddings from the vision encoder: eagerly
         embeddings = self.images.embeddings(seqs, query_lens) if self.images is not None else None
+        # M-RoPE rows after an image rotate by other positions than their places: eagerly too (mrope.py)
+        rope_positions = mrope_positions(seqs, query_lens, self.device) if self._mrope else None
+        eager = embeddings is not None or rope_positions is not None
         self._replayed = (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
-                          and embeddings is None and self.graphs.applies(seqs))
+                          and not eager and self.graphs.applies(seqs))
         if self._replayed:
             logits = self.graphs.forward(seqs, feed)
             self._graph_greedy = self.graphs.greedy
@@ -221,7 +226,7 @@ class ModelRunner(RunnerWarmup):
         horizons = self._prompt_horizons(seqs, query_lens)
         block_tables = [s.block_table for s in seqs]
         # (the piecewise parts rotate by their captured start mask alone: a step with horizons runs eagerly)
-        piecewise = (self.piecewise is not None and horizons is None and embeddings is None
+        piecewise = (self.piecewise is not None and horizons is None and not eager
                      and self.piecewise.applies(len(input_ids), adapters, kv_cache, block_tables))
         if piecewise and self.piecewise.index is not None:  # graphs that attend too read the index in place
             meta = self.piecewise.stage(query_lens, [s.num_computed for s in seqs], block_tables)
@@ -231,9 +236,9 @@ class ModelRunner(RunnerWarmup):
                 kv_cache=kv_cache, device=self.device)
         if horizons is not None:
             meta.sequence_horizons = to_device(horizons, torch.long, self.device)
-        if embeddings is not None:
+        if eager:
             return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters,
-                                      embeddings=embeddings)
+                                      embeddings=embeddings, rope_positions=rope_positions)
         if adapters is None:
             if piecewise:
                 logits = self.piecewise.forward(input_ids, meta.positions, kv_cache, meta, logits_index)

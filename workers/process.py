@@ -551,7 +551,7 @@ class Worker:
                                  sampling=state.sampling, prompt_len=state.prompt_len,
                                  prompt_logprobs=state.prompt_logprobs, cached_ids=state.cached_ids,
                                  grammar=state.grammar, num_spec=spec, adapter=state.adapter,
-                                 images=state.images if num_computed < state.prompt_len else []))
+                                 images=state.images))
             offset += num_new
         return seqs
 

@@ -30,5 +30,6 @@ class SeqInput:
     # with, then that sample (scheduler/speculation.py).
     num_spec: int = 0
     adapter: str = ""  # the LoRA adapter this sequence runs with (a name of lora_names); "": the base model
-    # the request's images yet to compute (NewRequestData.images): the placeholders among token_ids read theirs
+    # the request's images (NewRequestData.images): the placeholders among token_ids read theirs; those in the
+    # cached prefix, stubs without their files, still place the positions after them (M-RoPE, mrope.py)
     images: list[ImageInput] = field(default_factory=list)

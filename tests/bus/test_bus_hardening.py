@@ -153,6 +153,11 @@ def test_requests_the_ranks_cannot_take_fail_alone(server):
             m.ImageInput(offset=1, num_tokens=1, data=b"y", digest=bytes(16))]),
         "chaos-image-digest": dataclasses.replace(good, rid="chaos-image-digest", images=[
             m.ImageInput(offset=0, num_tokens=1, data=b"x", digest=b"short")]),
+        # a grid that is not its tokens' rows and columns, and an image without its file
+        "chaos-image-grid": dataclasses.replace(good, rid="chaos-image-grid", images=[
+            m.ImageInput(offset=0, num_tokens=2, data=b"x", digest=bytes(16), grid=[2, 2])]),
+        "chaos-image-stub": dataclasses.replace(good, rid="chaos-image-stub", images=[
+            m.ImageInput(offset=0, num_tokens=1, data=b"", digest=bytes(16))]),
         # an id of the real frontend's: taken, it would make that frontend's own request a duplicate
         "f0-1": dataclasses.replace(good, rid="f0-1"),
     }

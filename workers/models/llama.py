@@ -78,6 +78,8 @@ class DecoderConfig:
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default"))
+        if rope["rope_type"] == "mrope":  # Qwen2-VL's older configs: default RoPE in M-RoPE's sections
+            rope["rope_type"] = "default"
         partial_rotary_factor = rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
         # Phi-3's LongRoPE was first called su, and Phi3Config reads yarn as longrope too.
         if rope["rope_type"] == "su" or (rope["rope_type"] == "yarn" and config.get("model_type") == "phi3"):
@@ -373,18 +375,21 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_index: torch.Tensor,
                 adapters: StepAdapters | None = None,
-                embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run the flat batch ``input_ids [T]`` at ``positions [T]``; return float32 logits
         ``[len(logits_index), vocab]`` of the rows ``logits_index`` on rank 0, None elsewhere. ``adapters``:
         which rows get which LoRA adapter's deltas (lora.py). ``embeddings``: (rows, their embeddings) read in
-        place of those rows' token embeddings (an image's placeholders, ``vision.py``).
+        place of those rows' token embeddings (an image's placeholders, ``vision.py``). ``rope_positions``: what
+        the rows are rotated by where it is not their place in the cache (M-RoPE's ``[3, T]``, ``mrope.py``).
 
         Every rank must call this with the same shapes (the collectives pair up)."""
         hidden = self.embed(input_ids).to(RESIDUAL_DTYPE)
         if embeddings is not None:
             hidden.index_copy_(0, embeddings[0], embeddings[1].to(RESIDUAL_DTYPE))
         by_sequence = self.rotary.per_sequence or meta.sequence_horizons is not None
-        cos, sin = self.rotary.cos_sin(positions, self.dtype, meta.start_mask(len(positions)) if by_sequence else None,
+        cos, sin = self.rotary.cos_sin(positions if rope_positions is None else rope_positions, self.dtype,
+                                       meta.start_mask(len(positions)) if by_sequence else None,
                                        meta.sequence_horizons if by_sequence else None)
         # The fused C layer adds the adapter rows' deltas itself (lora.py hands it the adapters); elsewhere the
         # torch layers' projections do, while the step's rows are being served.

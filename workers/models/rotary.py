@@ -71,6 +71,13 @@ class RotaryEmbedding:
             self.long_inv_freq = inv_freq / torch.tensor(scaling["long_factor"], dtype=torch.float32, device=device)
             inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32, device=device)
         self.inv_freq = inv_freq
+        # Qwen2-VL's M-RoPE: the rotary pairs in three sections, rotated by a token's temporal, row and column
+        # position (``cos_sin``'s [3, T] positions); a text token's three are equal, which is plain RoPE
+        self.mrope_section = scaling.get("mrope_section")
+        if self.mrope_section is not None:
+            if self.rope_type != "default" or sum(self.mrope_section) != self.rotary_dim // 2:
+                raise ValueError(f"mrope_section {self.mrope_section} must split the {self.rotary_dim // 2} rotary "
+                                 f"pairs of a default RoPE (rope type {self.rope_type!r})")
 
     @property
     def by_prompt_length(self) -> bool:
@@ -86,10 +93,15 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, starts: torch.Tensor | None = None,
                 horizons: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 1, rotary_dim]`` cos and signed sin for ``positions [T]``, broadcastable over heads. ``starts``
+        """``[T, 1, rotary_dim]`` cos and signed sin for ``positions [T]`` (or M-RoPE's ``[3, T]``), broadcastable
+        over heads. ``starts``
         ([T] bool, True at each sequence's first row; None: every row its own sequence) and ``horizons`` ([N],
         ``AttentionMetadata.sequence_horizons``) where ``per_sequence``, or where the runner gives a dynamic
         NTK step its sequences' prompts' last positions (both, or neither)."""
+        if positions.dim() == 2:  # M-RoPE's [3, T]: each section of the pairs by its own position
+            freqs = positions.float()[..., None] * self.inv_freq
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(freqs.split(self.mrope_section, dim=-1))], -1)
+            return self._cos_sin(freqs, dtype)
         pos = positions.float()[:, None]
         if self.rope_type == "dynamic":
             reach = (positions if horizons is None
@@ -103,6 +115,9 @@ class RotaryEmbedding:
             freqs = pos * torch.where(long, self.long_inv_freq[None, :], self.inv_freq[None, :])
         else:
             freqs = pos * self.inv_freq[None, :]
+        return self._cos_sin(freqs, dtype)
+
+    def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
