@@ -3,7 +3,9 @@
 ``data:`` URL), checked to decode as an image, and replaced by the model's image token repeated as many
 times as the image takes (vision_models.py). The tokenized prompt's runs of that token are where the images
 go: ``m.ImageInput``s with the file's bytes, which the ranks decode and process themselves (the frontend
-never runs transformers' image processors, which import torch).
+never runs transformers' image processors, which import torch). A model that marks where an image begins and
+ends (Qwen2-VL's ``<|vision_start|>``, ``<|vision_end|>``) has its placeholders between those marks, as TGI's
+router writes them; marks already there (a chat template writes them around the image token) are not doubled.
 
 TGI's texts are the errors' (422 ``Input validation error: ...``): "base64 encoding is invalid",
 "invalid image", "invalid image content", "Could not fetch image", "Image size {n} bytes exceeds maximum
@@ -235,7 +237,8 @@ class PromptImages:
         refs = [match.group() for match in MARKDOWN_IMAGE.finditer(text)]
         if not refs:
             return text, []
-        fewest = len(refs) * self.spec.tokens_per_image
+        start, end = self.spec.image_start, self.spec.image_end
+        fewest = len(refs) * (self.spec.tokens_per_image + bool(start) + bool(end))
         if fewest > max_input_tokens:  # refused before any fetch: the prompt can never fit
             raise validation_error(f"`inputs` holds {len(refs)} images, which take at least {fewest} tokens: "
                                    f"`inputs` must have less than {max_input_tokens} tokens")
@@ -246,8 +249,12 @@ class PromptImages:
         images = [loaded[ref] for ref in refs]
         pieces = MARKDOWN_IMAGE.split(text)
         out = [pieces[0]]
-        for image, after in zip(images, pieces[1:]):
-            out += [self.spec.image_token * self.spec.tokens_for(image.width, image.height), after]
+        for before, image, after in zip(pieces, images, pieces[1:]):
+            # a chat template that reads content parts wrote the marks around the image token that became this
+            # reference (as transformers' processor expects them): the model reads each mark once
+            out += ["" if before.endswith(start) else start,
+                    self.spec.image_token * self.spec.tokens_for(image.width, image.height),
+                    "" if after.startswith(end) else end, after]
         return "".join(out), images
 
     async def _load_all(self, refs: list[str]) -> list[LoadedImage]:
@@ -301,9 +308,13 @@ class PromptImages:
         if total > m.MAX_IMAGE_BYTES:  # the bus carries a request's images whole, in one message
             raise validation_error(f"a request's images must be at most {m.MAX_IMAGE_BYTES} bytes together. "
                                    f"Given: {total} bytes in {len(images)} images")
-        if spans and spans[0][0] < cut:
+        # the mark before an image's placeholders (expand wrote it, or found it there) is the image's too
+        first = spans[0][0] - bool(self.spec.image_start) if spans else None
+        if first is not None and first < cut:
             raise validation_error(f"`truncate` would cut into an image: the prompt's last {len(ids) - cut} "
-                                   f"tokens are kept, and its first image begins {len(ids) - spans[0][0]} "
+                                   f"tokens are kept, and its first image begins {len(ids) - first} "
                                    f"tokens from its end")
-        return [m.ImageInput(offset=start - cut, num_tokens=count, data=image.data, digest=image.digest)
-                for (start, count), image in zip(spans, images)]
+        grids = [self.spec.grid_for(image.width, image.height) for image in images]
+        return [m.ImageInput(offset=start - cut, num_tokens=count, data=image.data, digest=image.digest,
+                             grid=list(grid) if grid is not None else [])
+                for (start, count), image, grid in zip(spans, images, grids)]

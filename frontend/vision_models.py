@@ -1,5 +1,6 @@
 """Which served models read images, and how a prompt makes room for one: the placeholder token the model's
-embeddings of an image replace, and how many of them an image takes.
+embeddings of an image replace, how many of them an image takes (and, for Qwen2-VL, in how many rows and
+columns), and what marks where an image begins and ends.
 
 Read from the model folder (``config.json``, ``preprocessor_config.json``, ``tokenizer.json``), never from
 transformers' processors, which import torch. One reader per vision family (``FAMILIES``, by ``config.json``
@@ -9,6 +10,7 @@ tokens an image takes is refused at start (``VisionModelError``), where a reques
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from llmbus.bus.model_files import read_config
+from llmbus.frontend.errors import validation_error
 
 
 class VisionModelError(ValueError):
@@ -25,31 +28,50 @@ class VisionModelError(ValueError):
 @dataclass(frozen=True)
 class VisionSpec:
     """How a prompt holds an image of this model: ``image_token`` (its text; ``image_token_id``) repeated
-    ``tokens_for(width, height)`` times where the image stands. LLaVA's count is the same for every image;
-    a family whose count depends on the image's size overrides ``tokens_for``."""
+    ``tokens_for(width, height)`` times where the image stands, right after ``image_start`` and before
+    ``image_end`` (Qwen2-VL's ``<|vision_start|>`` and ``<|vision_end|>``; LLaVA's mark nothing). LLaVA's
+    count is the same for every image; a family whose count depends on the image's size overrides
+    ``tokens_for``, and one whose positions follow the placeholders' rows and columns ``grid_for``. Either
+    raises a validation error (422) for an image the model's image processor refuses."""
 
     family: str  # config.json's model_type
     image_token: str
     image_token_id: int
     tokens_per_image: int  # for a family whose count varies, the fewest an image takes
+    image_start: str = ""  # each a token of its own where not ""
+    image_end: str = ""
 
     def tokens_for(self, width: int, height: int) -> int:
         return self.tokens_per_image
+
+    def grid_for(self, width: int, height: int) -> tuple[int, int] | None:
+        """(rows, cols) of an image's placeholders, rows times cols of them; None for a model that reads them
+        as a sequence."""
+        return None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int, name: str) -> str:
+    """The text of config.json's ``name`` token (``token_id``), which must tokenize as exactly that token."""
+    text = tokenizer.id_to_token(token_id)
+    if text is None:
+        raise VisionModelError(f"config.json's {name} {token_id} is not in tokenizer.json's vocabulary")
+    if tokenizer.encode(text, add_special_tokens=False).ids != [token_id]:
+        # the prompt's placeholders are written as text: that text must come back as exactly this token
+        raise VisionModelError(f"the {name} {text!r} ({token_id}) does not tokenize as itself: tokenizer.json "
+                               f"must hold it as an added token")
+    return text
 
 
 def _image_token(config: dict, tokenizer: Tokenizer) -> tuple[str, int]:
     """The placeholder token's text and id: config.json's ``image_token_index`` (or ``image_token_id``)."""
     token_id = config.get("image_token_index", config.get("image_token_id"))
-    if not isinstance(token_id, int) or isinstance(token_id, bool):
+    if not _is_int(token_id):
         raise VisionModelError("config.json names no image token (`image_token_index` or `image_token_id`)")
-    text = tokenizer.id_to_token(token_id)
-    if text is None:
-        raise VisionModelError(f"config.json's image token {token_id} is not in tokenizer.json's vocabulary")
-    if tokenizer.encode(text, add_special_tokens=False).ids != [token_id]:
-        # the prompt's placeholders are written as text: that text must come back as exactly this token
-        raise VisionModelError(f"the image token {text!r} ({token_id}) does not tokenize as itself: tokenizer.json "
-                               f"must hold it as an added token")
-    return text, token_id
+    return _token_text(tokenizer, token_id, "image token"), token_id
 
 
 def _square_or_box(value, where: str) -> tuple[int, int]:
@@ -115,6 +137,56 @@ def best_resolution(height: int, width: int, pinpoints) -> tuple[int, int]:
     return best
 
 
+QWEN2_VL_MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses a longer side more than this times the other
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: float, max_pixels: float) -> tuple[int, int]:
+    """The (height, width) transformers' Qwen2-VL image processor resizes an image to: each side a multiple of
+    ``factor``, the pixels brought within ``min_pixels`` and ``max_pixels`` keeping the aspect ratio about
+    (transformers' ``smart_resize``, float operation for float operation, or a count would differ by an image's
+    row). An image whose aspect ratio transformers refuses is an invalid image (422)."""
+    if min(height, width) < 1:
+        raise validation_error(f"invalid image: a {width}x{height} image has no pixels")
+    if max(height, width) / min(height, width) > QWEN2_VL_MAX_ASPECT_RATIO:
+        raise validation_error(f"invalid image: its aspect ratio must be at most {QWEN2_VL_MAX_ASPECT_RATIO}:1 (the "
+                               f"model's image processor refuses a longer one). Given: {width}x{height} pixels")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class Qwen2VLSpec(VisionSpec):
+    """Qwen2-VL's and Qwen2.5-VL's count: the image resized (``smart_resize``) to sides of whole ``patch`` x
+    ``merge`` pixels with about ``min_pixels`` to ``max_pixels`` pixels in all, then one placeholder per
+    ``merge`` x ``merge`` of its ``patch``-pixel patches, in their rows and columns; what transformers'
+    ``Qwen2VLImageProcessor`` and ``Qwen2VLProcessor`` lay out. ``tokens_per_image``: a floor no image's
+    count goes under."""
+
+    patch: int = 14
+    merge: int = 2
+    temporal_patch: int = 2  # frames a patch spans (an image is repeated to fill them): no count depends on it
+    min_pixels: float = 56 * 56
+    max_pixels: float = 28 * 28 * 1280
+
+    def grid_for(self, width: int, height: int) -> tuple[int, int]:
+        resized_height, resized_width = smart_resize(height, width, self.patch * self.merge, self.min_pixels,
+                                                     self.max_pixels)
+        return resized_height // self.patch // self.merge, resized_width // self.patch // self.merge
+
+    def tokens_for(self, width: int, height: int) -> int:
+        rows, cols = self.grid_for(width, height)
+        return rows * cols
+
+
 def _patch_size(config: dict) -> int:
     vision = config.get("vision_config")
     if not isinstance(vision, dict):
@@ -177,8 +249,82 @@ def _llava_next(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSp
                       tile=tile, patch=patch, pinpoints=tuple(tuple(box) for box in pinpoints))
 
 
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _pixel_bounds(processor: dict) -> tuple[float, float]:
+    """(min_pixels, max_pixels) of a Qwen2-VL image processor, read as transformers reads them: ``size``'s
+    ``shortest_edge`` and ``longest_edge`` (transformers 5's names; its defaults where there is no ``size``),
+    each overridden by a top-level ``min_pixels`` or ``max_pixels`` (older checkpoints' names)."""
+    size = processor.get("size")
+    if size is None:
+        size = {"shortest_edge": Qwen2VLSpec.min_pixels, "longest_edge": Qwen2VLSpec.max_pixels}
+    if not isinstance(size, dict):
+        raise VisionModelError(f"preprocessor_config.json's `size` is no {{shortest_edge, longest_edge}} of pixels "
+                               f"(min and max): {size!r}")
+    bounds = []
+    for name, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        value = processor.get(name)
+        if value is None:
+            value = size.get(edge)
+        if not _positive_number(value):
+            # as transformers' image processor would fail on every image
+            raise VisionModelError(f"preprocessor_config.json gives no positive `{name}` (nor `size`'s `{edge}`): "
+                                   f"{value!r}")
+        bounds.append(value)
+    return bounds[0], bounds[1]
+
+
+def _qwen2_vl(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec:
+    """Qwen2-VL (``Qwen2VLForConditionalGeneration``) and Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``):
+    ``Qwen2VLSpec`` over the image processor's patches and pixel bounds (transformers' defaults where it
+    names none), whose patches must be the vision tower's; each image's placeholders between config.json's
+    ``vision_start_token_id`` and ``vision_end_token_id``, as transformers' chat templates write an image."""
+    text, token_id = _image_token(config, tokenizer)
+    ids = {"image_token_id": token_id}
+    for name in ("vision_start_token_id", "vision_end_token_id"):
+        mark_id = config.get(name)
+        if not _is_int(mark_id):
+            raise VisionModelError(f"config.json has no `{name}`: {mark_id!r}")
+        same = [other for other, other_id in ids.items() if other_id == mark_id]
+        if same:
+            raise VisionModelError(f"config.json's `{name}` ({mark_id}) is its `{same[0]}` too")
+        ids[name] = mark_id
+    start = _token_text(tokenizer, ids["vision_start_token_id"], "vision start token")
+    end = _token_text(tokenizer, ids["vision_end_token_id"], "vision end token")
+    processor = _image_processor(model_dir)
+    if not processor.get("do_resize", True):
+        raise VisionModelError("preprocessor_config.json does not resize images (`do_resize`): only an image whose "
+                               "sides are whole merged patches would be read")
+    vision = config.get("vision_config") or {}
+    sizes = []
+    for name, tower_name, default in (("patch_size", "patch_size", Qwen2VLSpec.patch),
+                                      ("merge_size", "spatial_merge_size", Qwen2VLSpec.merge),
+                                      ("temporal_patch_size", "temporal_patch_size", Qwen2VLSpec.temporal_patch)):
+        value = processor.get(name)
+        value = default if value is None else value
+        if not _is_int(value) or value < 1:
+            raise VisionModelError(f"preprocessor_config.json's `{name}` is no positive whole number: {value!r}")
+        tower = vision.get(tower_name, default) if isinstance(vision, dict) else None
+        if tower != value:
+            raise VisionModelError(f"the image processor's `{name}` ({value}) is not the vision tower's "
+                                   f"`{tower_name}` ({tower!r})")
+        sizes.append(value)
+    patch, merge, temporal_patch = sizes
+    min_pixels, max_pixels = _pixel_bounds(processor)
+    # an image enlarged or kept takes at least min_pixels' worth; one shrunk to max_pixels loses less than half
+    # of each side to the rounding down (a side is at least one merged patch)
+    merged = (patch * merge) ** 2
+    fewest = max(1, min(int(min_pixels // merged), int(max_pixels // merged // 4)))
+    return Qwen2VLSpec(family=config["model_type"], image_token=text, image_token_id=token_id,
+                       tokens_per_image=fewest, image_start=start, image_end=end, patch=patch, merge=merge,
+                       temporal_patch=temporal_patch, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
 # config.json's model_type -> the reader of that family's VisionSpec
-FAMILIES: dict[str, Callable[[Path, dict, Tokenizer], VisionSpec]] = {"llava": _llava, "llava_next": _llava_next}
+FAMILIES: dict[str, Callable[[Path, dict, Tokenizer], VisionSpec]] = {
+    "llava": _llava, "llava_next": _llava_next, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl}
 
 
 def vision_spec(model_dir: str | Path, tokenizer: Tokenizer) -> VisionSpec | None:

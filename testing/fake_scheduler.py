@@ -316,6 +316,12 @@ def last_rid(fe: Frontend) -> str:
         return list(fe.sched.adds)[-1]
 
 
+def last_add(fe: Frontend) -> m.AddRequest:
+    """The AddRequest the fake scheduler received last."""
+    with fe.sched.cond:
+        return list(fe.sched.adds.values())[-1]
+
+
 def chat(fe, **body):
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
     return fe.post("/v1/chat/completions", body)

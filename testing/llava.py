@@ -257,3 +257,15 @@ def processor_reference(model_dir: str | Path, texts: list[tuple[str, list[bytes
                       add_special_tokens=add_special_tokens, return_tensors="pt")
         out.append(_greedy(model, dict(inputs), max_new_tokens, min_margin)[0])
     return out
+
+
+def assert_reference_results(expected: list[tuple[list[int], list[float]]], results: dict, index_of: dict[str, int],
+                             atol: float = 1e-4) -> None:
+    """Each request's (tokens, logprobs) of ``results`` equals ``expected[index_of[rid]]``: the tokens exactly,
+    the logprobs within ``atol``."""
+    import torch
+
+    for rid, i in index_of.items():
+        tokens, logprobs = expected[i]
+        assert results[rid][0] == tokens, rid
+        torch.testing.assert_close(torch.tensor(results[rid][1]), torch.tensor(logprobs), rtol=0, atol=atol)

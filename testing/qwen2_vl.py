@@ -159,3 +159,32 @@ def qwen_reference(model_dir: str | Path, prompts: list, max_new_tokens: int,
             inputs |= image_inputs(model_dir, prompt.images)
         out.append(_greedy(model, inputs, max_new_tokens, min_margin))
     return out
+
+
+def processor_reference(model_dir: str | Path, texts: list[tuple[str, list[bytes], bool]], max_new_tokens: int,
+                        min_margin: float) -> list[list[int]]:
+    """transformers' greedy tokens for each (text with ``<|image_pad|>`` where each image goes, images, whether
+    the tokenizer adds its special tokens), prepared as ``Qwen2VLProcessor`` does: each image's one pad
+    repeated to its grid's placeholders, the text tokenized, the pixels from the image processor. (The
+    processor itself cannot be built here: it wants a video processor, which needs torchvision.)"""
+    import torch
+    import transformers
+
+    from llmbus.testing.llava import _greedy
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = _model(model_dir)
+    out = []
+    for text, images, add_special_tokens in texts:
+        pieces = text.split(IMAGE_TOKEN)
+        assert len(pieces) == len(images) + 1
+        grids = image_grids(model_dir, images)
+        expanded = pieces[0] + "".join(IMAGE_TOKEN * rows * cols + after
+                                       for (rows, cols), after in zip(grids, pieces[1:]))
+        ids = torch.tensor([tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                  "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+        if images:
+            inputs |= image_inputs(model_dir, images)
+        out.append(_greedy(model, inputs, max_new_tokens, min_margin)[0])
+    return out

@@ -36,6 +36,22 @@ def tiny_llava_next_dir(tmp_path_factory) -> Path:
     return build_tiny_llava_next(tmp_path_factory.mktemp("models") / "tiny-llava-next")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen2-VL checkpoint (llmbus.testing.qwen2_vl), built once per test session; tests only read it."""
+    from llmbus.testing.qwen2_vl import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl", "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen2.5-VL checkpoint (llmbus.testing.qwen2_vl), built once per test session; tests only read it."""
+    from llmbus.testing.qwen2_vl import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl", "qwen2_5_vl")
+
+
 from llmbus.testing.runner_driver import MIN_MARGIN  # noqa: E402  (the margin every compared reference step must show)
 
 

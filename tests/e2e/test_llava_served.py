@@ -1,9 +1,9 @@
-"""A vision-language model through the whole stack: `llmbus up` on the tiny LLaVA and LLaVA-NeXT checkpoints,
+"""A vision-language model through the whole stack: `llmbus up` on the tiny LLaVA, LLaVA-NeXT and Qwen2-VL checkpoints,
 images sent as TGI's users send them (markdown in `/generate`'s inputs) and as OpenAI's SDK sends them
 (`image_url` parts of a chat message), real processes, sockets and HTTP.
 
-Each answer's greedy tokens equal transformers' as its users run the model (``LlavaProcessor`` or
-``LlavaNextProcessor``, then the model's ``generate`` in float32). The prefix cache serves a prompt holding an
+Each answer's greedy tokens equal transformers' as its users run the model (its processor, then the model's
+``generate`` in float32). The prefix cache serves a prompt holding an
 image to the same image only: asked again with the same image the answer is the same and its prompt comes
 from the cache; asked with another image in the same place, the answer is that image's."""
 
@@ -14,7 +14,7 @@ import base64
 import pytest
 
 from llmbus.testing import Server
-from llmbus.testing import llava
+from llmbus.testing import llava, qwen2_vl
 from llmbus.testing.http import post
 from llmbus.testing.runner_driver import MIN_MARGIN
 
@@ -27,10 +27,23 @@ def data_url(image: bytes) -> str:
     return f"data:image/{kind};base64,{base64.b64encode(image).decode()}"
 
 
-@pytest.fixture(scope="module", params=["llava", "llava_next"])
-def model_dir(request):
-    """The tiny LLaVA, and the tiny LLaVA-NeXT, whose images take as many placeholders as their size gives."""
-    return request.getfixturevalue(f"tiny_{request.param}_dir")
+# the family's image in a prompt as transformers' processor reads it, and the reference that runs it
+FAMILIES = {"llava": (llava.IMAGE_TOKEN, llava.processor_reference),
+            "llava_next": (llava.IMAGE_TOKEN, llava.processor_reference),
+            "qwen2_vl": (qwen2_vl.VISION_START + qwen2_vl.IMAGE_TOKEN + qwen2_vl.VISION_END,
+                         qwen2_vl.processor_reference)}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(request, family):
+    """The tiny LLaVA; the tiny LLaVA-NeXT, whose images take as many placeholders as their size gives; the
+    tiny Qwen2-VL, whose text after an image is rotated by M-RoPE's positions."""
+    return request.getfixturevalue(f"tiny_{family}_dir")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +55,7 @@ def server(model_dir):
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
+def expected(model_dir, family):
     """transformers' tokens per asked (text, images): a /generate prompt (the tokenizer adds BOS), and a user
     message of an image part and a text part through the chat template as transformers renders it (content
     parts, the image as {"type": "image"}), which the chat route tokenizes as it is (the template writes any
@@ -50,14 +63,15 @@ def expected(model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    generate_text = "USER: look at this<image> and tell me what it shows"
+    image_text, reference = FAMILIES[family]
+    generate_text = f"USER: look at this{image_text} and tell me what it shows"
     chat_text = tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}],
         tokenize=False, add_generation_prompt=True)
-    assert chat_text.count(llava.IMAGE_TOKEN) == 1
+    assert chat_text.count(image_text) == 1
     asked = [(generate_text, [CAT], True), (generate_text, [DOG], True), (chat_text, [CAT], False),
              (chat_text, [DOG], False)]
-    tokens = llava.processor_reference(model_dir, asked, MAX_NEW, MIN_MARGIN)
+    tokens = reference(model_dir, asked, MAX_NEW, MIN_MARGIN)
     return {"generate": {CAT: tokens[0], DOG: tokens[1]}, "chat": {CAT: tokens[2], DOG: tokens[3]},
             "tokenizer": tokenizer}
 

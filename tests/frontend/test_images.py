@@ -25,7 +25,7 @@ from llmbus.frontend.errors import ApiError
 from llmbus.frontend.images import (MARKDOWN_IMAGE, FetchRules, LoadedImage, PromptImages, check_image,
                                     decode_data_url, markdown_image, refuse_decompression_bombs)
 from llmbus.frontend.vision_models import VisionModelError, vision_spec
-from llmbus.testing.fake_scheduler import WAIT, Frontend, last_rid
+from llmbus.testing.fake_scheduler import WAIT, Frontend, last_add
 from llmbus.testing.image_server import ImageServer
 from llmbus.testing.llava import IMAGE_TOKEN, IMAGE_TOKENS, encoded_image
 
@@ -354,12 +354,6 @@ def fe(llava_dir):
     frontend = Frontend(llava_dir, max_input_tokens=200, max_total_tokens=256, max_image_fetch_size=2000)
     yield frontend
     frontend.close()
-
-
-def last_add(fe: Frontend) -> m.AddRequest:
-    rid = last_rid(fe)
-    with fe.sched.cond:
-        return fe.sched.adds[rid]
 
 
 def assert_images(add: m.AddRequest, expected_ids: list[int], datas: list[bytes], image_id: int) -> None:
