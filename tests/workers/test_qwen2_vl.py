@@ -108,3 +108,25 @@ def test_positions_are_transformers_rope_index(tiny_qwen):
     assert (ours[:, :len(prompt.ids)] == positions[:, 0].numpy()).all()
     generated = np.arange(len(prompt.ids), 118) + int(delta)
     assert (ours[:, len(prompt.ids):] == generated).all()
+
+
+def test_transformers_5s_flat_layout_reads_the_same_model(tiny_qwen, tmp_path):
+    """The same weights named as transformers 5 keeps them in memory (model.language_model.*, model.visual.*,
+    lm_head.weight) give the same tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmbus.workers.model_runner import ModelRunner
+
+    path, prompts, expected = tiny_qwen
+    flat = tmp_path / "flat"
+    shutil.copytree(path, flat)
+    state = load_file(str(flat / "model.safetensors"))
+    renamed = {("model.language_model." + name.removeprefix("model.") if name.startswith("model.")
+                else "model." + name if name.startswith("visual.") else name): tensor for name, tensor in state.items()}
+    assert "lm_head.weight" in renamed and any(name.startswith("model.visual.") for name in renamed)
+    save_file(renamed, str(flat / "model.safetensors"), metadata={"format": "pt"})
+    runner = ModelRunner(str(flat), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+    results = drive(runner, [Request(rid="flat", prompt=prompts[0].ids, images=image_inputs(prompts[0]))])
+    assert results["flat"].tokens == expected[0][0]
