@@ -233,6 +233,7 @@ class ImageInput(Message):
 
 
 IMAGE_DIGEST_BYTES = 16
+IMAGE_LAYOUTS = ("", "sequence", "grid")  # WorkerReady.images
 # A request's images together, as files (the frontend refuses more); the scheduler also keeps a step's new
 # requests' images under it past the first request, so a step command stays far below MAX_PAYLOAD_BYTES.
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
@@ -256,10 +257,12 @@ class AddRequest(Message):
     # its images, in prompt order, their placeholder runs apart (a vision-language model; [] for text)
     images: list[ImageInput] = field(default_factory=list)
 
-    def problem(self, vocab_size: int, lora_adapters: tuple[str, ...] | list[str] = ()) -> str | None:
+    def problem(self, vocab_size: int, lora_adapters: tuple[str, ...] | list[str] = (),
+                images: str | None = None) -> str | None:
         """What makes this request unsafe to take, or None: a rid outside its frontend's ids, or anything the
         ranks (which trust what they are given) cannot run. The frontend never sends such a request; any
-        other local process might. ``vocab_size`` 0: unknown; ``lora_adapters``: the adapters the ranks hold."""
+        other local process might. ``vocab_size`` 0: unknown; ``lora_adapters``: the adapters the ranks hold;
+        ``images``: the images the model reads (``WorkerReady.images``; None: unknown)."""
         if not self.rid.startswith(f"{self.frontend_id}-"):
             # rids are unique across frontends only through their prefix: one outside it could take the id
             # another frontend's next request will have, which would then fail as a duplicate
@@ -292,6 +295,10 @@ class AddRequest(Message):
             return f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}"
         if self.adapter and self.adapter not in lora_adapters:
             return f"adapter {self.adapter!r} is not loaded (loaded: {', '.join(lora_adapters) or 'none'})"
+        if self.images and images == "":
+            return "the model reads no images"
+        if images == "grid" and any(not image.grid for image in self.images):
+            return "the model places an image by its grid: every image needs one"
         if sum(len(image.data) for image in self.images) > MAX_IMAGE_BYTES:
             return f"a request's images must be at most {MAX_IMAGE_BYTES} bytes together"
         end = 0
@@ -517,6 +524,10 @@ class WorkerReady(Message):
     rope_split_tokens: int = 0
     # dynamic NTK: such a prompt's base follows its own length, so prompts of each length are kept apart
     rope_split_by_length: bool = False
+    # The images the model reads (IMAGE_LAYOUTS): "" none (a text model), "sequence" (each image's embeddings in
+    # place of its placeholders, in order: LLaVA), "grid" (and its placeholders' grid places the positions
+    # after it: Qwen2-VL's M-RoPE); the scheduler refuses requests whose images the ranks could not read
+    images: str = ""
 
 
 @dataclass(slots=True)

@@ -82,6 +82,7 @@ class SchedulerService:
         self.policy: Scheduler | None = None
         self.kv_info: tuple[int, int] | None = None  # (num_blocks, block_size)
         self.compute: dict = {}  # SchedulerHello's dtype, attention_backend and devices, from the ranks
+        self.image_layout: str | None = None  # WorkerReady.images (None until the ranks are ready)
         self._stats_dirty = True
         self._stats_sent_at = 0.0
         self._stats_force = False  # a request joined or left in the last step: its gauges go out next
@@ -136,6 +137,7 @@ class SchedulerService:
         self.compute = dict(dtype=ready[0].dtype, attention_backend=ready[0].attention_backend,
                             devices=[ready[rank].device for rank in sorted(ready)],
                             lora_adapters=list(ready[0].lora_adapters))
+        self.image_layout = ready[0].images  # the images the model reads: requests with others are refused
         slowest = max(ready.values(), key=lambda r: r.warmup_step_s)
         self.warmup_step_tokens = max(slowest.warmup_step_tokens, 1)
         self.warmup_s_per_token = slowest.warmup_step_s / self.warmup_step_tokens
@@ -252,7 +254,7 @@ class SchedulerService:
         self.log.info("frontend connected", frontend=msg.frontend_id)
 
     def _add(self, msg: m.AddRequest) -> None:
-        problem = msg.problem(self.vocab_size, self.compute.get("lora_adapters", ()))
+        problem = msg.problem(self.vocab_size, self.compute.get("lora_adapters", ()), self.image_layout)
         if problem is not None:
             log_dropped("AddRequest", "request the ranks cannot take; failed", rid=msg.rid, reason=problem)
             self._to_frontend(msg.frontend_id, m.RequestFailed(rid=msg.rid, error_type="validation",

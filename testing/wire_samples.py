@@ -40,7 +40,7 @@ SAMPLES: dict[m.Kind, m.Message] = {
                                        max_position_embeddings=2048, warmup_step_s=0.75, warmup_step_tokens=256,
                                        vocab_size=49152, attention_backend="triton", onednn_cache_capacity=64,
                                        lora_adapters=["sql-expert", "poet"], rope_split_tokens=4096,
-                                       rope_split_by_length=True),
+                                       rope_split_by_length=True, images="grid"),
     m.Kind.WORKER_FATAL: m.WorkerFatal(rank=1, error="RuntimeError: boom"),
     m.Kind.SCHEDULER_HELLO: m.SchedulerHello(max_batch_total_tokens=16384, block_size=16, dtype="bfloat16",
                                              attention_backend="triton", devices=["cuda:0", "cuda:1"],

@@ -249,6 +249,11 @@ class ModelRunner(RunnerWarmup):
         return self.model.forward(input_ids, meta.positions, kv_cache, meta, logits_index, adapters=adapters)
 
     @property
+    def image_layout(self) -> str:
+        """The images this model reads (``WorkerReady.images``): "" none, "sequence", or "grid" (M-RoPE)."""
+        return "" if self.images is None else "grid" if self._mrope else "sequence"
+
+    @property
     def replayed_last(self) -> bool:
         """Whether the step launched last replayed a decode graph (the worker's timeline counts the rest apart)."""
         return self._replayed

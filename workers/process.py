@@ -325,7 +325,8 @@ class Worker:
                                          onednn_cache_capacity=self.onednn_cache_capacity,
                                          lora_adapters=list(getattr(self.runner, "lora_names", [])),
                                          rope_split_tokens=getattr(self.runner, "rope_split_tokens", 0),
-                                         rope_split_by_length=getattr(self.runner, "rope_split_by_length", False)))
+                                         rope_split_by_length=getattr(self.runner, "rope_split_by_length", False),
+                                         images=getattr(self.runner, "image_layout", "")))
 
     def _heap_on_huge_pages(self) -> None:
         """The loaded weights onto 2 MB pages (host_memory.heap_on_huge_pages), logged with what it gave."""

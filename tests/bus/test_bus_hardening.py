@@ -158,6 +158,9 @@ def test_requests_the_ranks_cannot_take_fail_alone(server):
             m.ImageInput(offset=0, num_tokens=2, data=b"x", digest=bytes(16), grid=[2, 2])]),
         "chaos-image-stub": dataclasses.replace(good, rid="chaos-image-stub", images=[
             m.ImageInput(offset=0, num_tokens=1, data=b"", digest=bytes(16))]),
+        # a well-formed image, for a model that reads none (the ranks would read its placeholders as text)
+        "chaos-image-text-model": dataclasses.replace(good, rid="chaos-image-text-model", images=[
+            m.ImageInput(offset=0, num_tokens=1, data=b"x", digest=bytes(16))]),
         # an id of the real frontend's: taken, it would make that frontend's own request a duplicate
         "f0-1": dataclasses.replace(good, rid="f0-1"),
     }
@@ -233,3 +236,16 @@ def test_a_stop_signal_during_decoding_is_not_a_malformed_message(monkeypatch):
     monkeypatch.setattr(msgpack, "unpackb", interrupted)
     with pytest.raises(Terminate):
         m.decode(m.encode(m.Shutdown(reason="stopping")))
+
+
+def test_images_the_ranks_cannot_read_are_refused():
+    """WorkerReady.images says what the model reads: images for a text model, and images without a grid for
+    a model that places them by it (M-RoPE), are refused; unknown (None) and LLaVA's layout take them."""
+    image = m.ImageInput(offset=0, num_tokens=2, data=b"x", digest=bytes(16))
+    request = m.AddRequest("f0-1", "f0", [5, 5, 7], m.SamplingParams(), m.StoppingParams(3), images=[image])
+    assert request.problem(100, images="") == "the model reads no images"
+    assert request.problem(100, images="grid") == "the model places an image by its grid: every image needs one"
+    assert request.problem(100, images="sequence") is None and request.problem(100) is None
+    gridded = dataclasses.replace(request, images=[dataclasses.replace(image, grid=[1, 2])])
+    assert gridded.problem(100, images="grid") is None
+    assert dataclasses.replace(request, images=[]).problem(100, images="") is None

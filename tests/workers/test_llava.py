@@ -72,7 +72,7 @@ def test_images_in_a_continuous_batch_give_transformers_tokens(tiny_llava):
     path, prompts, expected = tiny_llava
     runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
     runner.warmup()
-    assert runner.images is not None
+    assert runner.images is not None and runner.image_layout == "sequence"
     results = drive(runner, image_requests(prompts))
     assert results["r1"].preemptions == 1
     assert_transformers_results(expected, {rid: (r.tokens, r.logprobs) for rid, r in results.items()})
