@@ -28,10 +28,22 @@ def mrope_positions(seqs: list[SeqInput], query_lens: list[int], device: torch.d
     if not any(image.grid for seq in seqs for image in seq.images):
         return None
     out = np.empty((3, sum(query_lens)), dtype=np.int64)
+    plain_rows, plain_positions = [], []  # rows past all their sequence's images: one shift, three equal
     row = 0
     for seq, n in zip(seqs, query_lens):
-        out[:, row:row + n] = sequence_positions(seq.images, seq.num_computed, n)
+        images = seq.images
+        if not images or seq.num_computed >= images[-1].offset + images[-1].num_tokens:
+            shift = sum(max(image.grid or (1, image.num_tokens)) - image.num_tokens for image in images)
+            if n == 1:  # a decode row: kept off numpy's per-call cost, which a large batch would pay per row
+                plain_rows.append(row)
+                plain_positions.append(seq.num_computed + shift)
+            else:
+                out[:, row:row + n] = np.arange(seq.num_computed + shift, seq.num_computed + shift + n)
+        else:
+            out[:, row:row + n] = sequence_positions(images, seq.num_computed, n)
         row += n
+    if plain_rows:
+        out[:, plain_rows] = plain_positions
     return torch.from_numpy(out).to(device)
 
 
