@@ -213,12 +213,12 @@ class ImageInput(Message):
     # image's first position plus max(rows, cols)); [] for the others
     grid: list[int] = field(default_factory=list)
 
-    def problem(self, prompt_len: int, cached: int = 0) -> str | None:
-        """What makes this image unsafe for the ranks, or None. ``cached``: the prompt tokens already in the
-        KV cache (NewRequestData), whose images may come as ``stub``s."""
+    def problem(self, prompt_len: int) -> str | None:
+        """What makes this image of an AddRequest unsafe for the ranks, or None (only the scheduler sends
+        ``stub``s, of images the ranks' cache holds)."""
         if self.num_tokens < 1 or self.offset < 0 or self.offset + self.num_tokens > prompt_len:
             return f"an image's {self.num_tokens} tokens at {self.offset} are not inside the {prompt_len}-token prompt"
-        if not self.data and self.offset + self.num_tokens > cached:
+        if not self.data:
             return "an image without data"
         if len(self.digest) != IMAGE_DIGEST_BYTES:
             return f"an image's digest must be {IMAGE_DIGEST_BYTES} bytes"
@@ -233,7 +233,6 @@ class ImageInput(Message):
 
 
 IMAGE_DIGEST_BYTES = 16
-IMAGE_LAYOUTS = ("", "sequence", "grid")  # WorkerReady.images
 # A request's images together, as files (the frontend refuses more); the scheduler also keeps a step's new
 # requests' images under it past the first request, so a step command stays far below MAX_PAYLOAD_BYTES.
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
@@ -524,7 +523,7 @@ class WorkerReady(Message):
     rope_split_tokens: int = 0
     # dynamic NTK: such a prompt's base follows its own length, so prompts of each length are kept apart
     rope_split_by_length: bool = False
-    # The images the model reads (IMAGE_LAYOUTS): "" none (a text model), "sequence" (each image's embeddings in
+    # The images the model reads: "" none (a text model), "sequence" (each image's embeddings in
     # place of its placeholders, in order: LLaVA), "grid" (and its placeholders' grid places the positions
     # after it: Qwen2-VL's M-RoPE); the scheduler refuses requests whose images the ranks could not read
     images: str = ""
