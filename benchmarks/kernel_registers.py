@@ -60,6 +60,10 @@ def _others() -> list[tuple]:
         ("greedy combine", ops._greedy_combine_kernel,
          dict(max_ptr="*fp32", index_ptr="*i32", sum_ptr="*fp32", ids_ptr="*i64", logprobs_ptr="*fp32"),
          dict(BLOCK_C=64), 1),
+        # the decode graphs' first kernel with every optional field: an adapter slot and M-RoPE's shift
+        ("unpack decode rows", ops._unpack_decode_rows_kernel,
+         dict(staged_ptr="*i32", fed_ptr="*i64", small_ptr="*i64", tables_ptr="*i64", slot_tables_ptr="*i64"),
+         dict(ROW_FIELDS=5, BLOCK=128), 1),
     ]
 
 

@@ -269,3 +269,16 @@ def assert_reference_results(expected: list[tuple[list[int], list[float]]], resu
         tokens, logprobs = expected[i]
         assert results[rid][0] == tokens, rid
         torch.testing.assert_close(torch.tensor(results[rid][1]), torch.tensor(logprobs), rtol=0, atol=atol)
+
+
+def bus_images(prompt: ImagePrompt, stub_before: int = 0):
+    """The prompt's images as the scheduler sends them (``ImageInput``s, with their grids where the prompt has
+    them); those ending at or before ``stub_before`` as a cached prefix's: stubs without their files."""
+    import hashlib
+
+    from llmbus.bus.messages import ImageInput
+
+    grids = prompt.grids or [()] * len(prompt.images)
+    images = [ImageInput(offset, count, data, hashlib.blake2b(data, digest_size=16).digest(), list(grid))
+              for offset, count, data, grid in zip(prompt.image_offsets, prompt.image_tokens, prompt.images, grids)]
+    return [image.stub() if image.offset + image.num_tokens <= stub_before else image for image in images]

@@ -245,8 +245,8 @@ def _unpack_decode_rows_kernel(staged_ptr, fed_ptr, small_ptr, tables_ptr, slot_
         token = tl.load(fed_ptr + pick - 1)
     tl.store(small_ptr + row, token)
     tl.store(small_ptr + stride_small + row, position)
-    if ROW_FIELDS == 4:
-        tl.store(small_ptr + 3 * stride_small + row, tl.load(fields + 3 * batch).to(tl.int64))
+    for field in tl.static_range(3, ROW_FIELDS):  # the optional ones: adapter slot, rotation shift
+        tl.store(small_ptr + field * stride_small + row, tl.load(fields + field * batch).to(tl.int64))
     # The row's table: the slot's first ``known`` blocks (on the device since earlier steps), then the ones
     # staged for it, which the slot keeps for the next steps. Only this row's program touches its slot.
     blocks = staged_ptr + (ROW_FIELDS + 4) * batch + offset - known

@@ -26,6 +26,9 @@ row, not per block, and a replayed step launches two copies and the graph (on ru
 c=64, the same work as nine torch operations after the copy took 0.37 ms of host time a step). Steps with prompt
 rows, speculative rows or prompt logprobs, and decode steps larger than the largest size, run eagerly.
 
+**M-RoPE** (Qwen2-VL, ``workers/mrope.py``): a decode row past its images rotates by its position plus its
+request's shift, staged as one more field of the row; the graph adds the two.
+
 **LoRA adapters** (``workers/lora.py``): with adapters loaded each size is captured twice, without them and
 with their Triton kernels reading each row's adapter from the buffers (``StepAdapters.slots``: staged with the
 ids). A step with an adapter row replays the second, any other the first, so base traffic pays nothing.
@@ -48,6 +51,7 @@ from llmbus.workers.attention.base import AttentionMetadata, DecodeGraphInputs
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.launched_step import DeviceFeed, pack
 from llmbus.workers.lora import StepAdapters
+from llmbus.workers.mrope import text_shift
 from llmbus.workers.sampling import greedy
 
 if TYPE_CHECKING:
@@ -91,8 +95,13 @@ class DecodeGraphs:
         active = getattr(model, "active_adapters", None)
         self.adapter_index = adapter_index if adapter_index and active is not None and active.kernels else {}
         # What a replay reads: token ids, positions and KV slots (rows of one buffer), each row's adapter slot
-        # where adapters replay, and the block tables.
+        # where adapters replay, its rotation's shift from its position where the model's M-RoPE shifts the
+        # text after an image (mrope.py: a decode row past its images rotates by its place plus that), and the
+        # block tables.
         self.row_fields = 4 if self.adapter_index else 3
+        self.shift_field = None
+        if getattr(getattr(model, "rotary", None), "mrope_section", None) is not None:
+            self.shift_field, self.row_fields = self.row_fields, self.row_fields + 1
         self.small = torch.zeros(self.row_fields, max_batch, dtype=torch.long, device=device)
         self.adapter_rows = StepAdapters(None, self.small[3]) if self.adapter_index else None
         self.small[2].fill_(self.spare_block * self.block_size)
@@ -164,9 +173,11 @@ class DecodeGraphs:
         """``greedy_outputs`` of the step's logits (``greedy`` takes its choices)."""
         self._unpack(batch)
         meta = self.metadata[batch]
+        kwargs = {"adapters": self.adapter_rows} if adapters else {}
+        if self.shift_field is not None:
+            kwargs["rope_positions"] = meta.positions + self.small[self.shift_field, :batch]
         return greedy_outputs(self.model.forward(
-            self.small[0, :batch], meta.positions, self.kv_cache, meta, self.logits_index[:batch],
-            **({"adapters": self.adapter_rows} if adapters else {})))
+            self.small[0, :batch], meta.positions, self.kv_cache, meta, self.logits_index[:batch], **kwargs))
 
     def _capture(self) -> None:
         """Largest first, sharing one memory pool: a smaller graph's activations fit in the larger's."""
@@ -262,6 +273,8 @@ class DecodeGraphs:
                 + slots + [self.padding_slot] * (batch - count))
         if self.lora:
             rows += [self.adapter_index[s.adapter] + 1 if s.adapter else 0 for s in seqs] + padding
+        if self.shift_field is not None:  # a sampled row is past its images (an image row is never replayed)
+            rows += [text_shift(s.images) for s in seqs] + padding
         rows += known_blocks + ones + lengths + ones + offsets + padding + picks + padding
         used = len(rows) + len(blocks)
         stage_values[:used] = rows + blocks

@@ -205,15 +205,15 @@ class ModelRunner(RunnerWarmup):
         self._graph_greedy = None
         # a step that computes image placeholders reads their embeddings from the vision encoder: eagerly
         embeddings = self.images.embeddings(seqs, query_lens) if self.images is not None else None
-        # M-RoPE rows after an image rotate by other positions than their places: eagerly too (mrope.py)
-        rope_positions = mrope_positions(seqs, query_lens, self.device) if self._mrope else None
-        eager = embeddings is not None or rope_positions is not None
         self._replayed = (logits_index is None and kv_cache is self.kv_cache and self.graphs is not None
-                          and not eager and self.graphs.applies(seqs))
-        if self._replayed:
+                          and embeddings is None and self.graphs.applies(seqs))
+        if self._replayed:  # (decode rows of M-RoPE past their images too: the graph adds their shift)
             logits = self.graphs.forward(seqs, feed)
             self._graph_greedy = self.graphs.greedy
             return logits
+        # M-RoPE rows after an image rotate by other positions than their places: eagerly (mrope.py)
+        rope_positions = mrope_positions(seqs, query_lens, self.device) if self._mrope else None
+        eager = embeddings is not None or rope_positions is not None
         # the logits of the sampled rows alone: a head graph's greedy choices are then those rows' own
         sampled_rows_only = logits_index is None
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,

@@ -31,20 +31,31 @@ def mrope_positions(seqs: list[SeqInput], query_lens: list[int], device: torch.d
     plain_rows, plain_positions = [], []  # rows past all their sequence's images: one shift, three equal
     row = 0
     for seq, n in zip(seqs, query_lens):
-        images = seq.images
-        if not images or seq.num_computed >= images[-1].offset + images[-1].num_tokens:
-            shift = sum(max(image.grid or (1, image.num_tokens)) - image.num_tokens for image in images)
+        if past_images(seq):
+            shift = text_shift(seq.images)
             if n == 1:  # a decode row: kept off numpy's per-call cost, which a large batch would pay per row
                 plain_rows.append(row)
                 plain_positions.append(seq.num_computed + shift)
             else:
                 out[:, row:row + n] = np.arange(seq.num_computed + shift, seq.num_computed + shift + n)
         else:
-            out[:, row:row + n] = sequence_positions(images, seq.num_computed, n)
+            out[:, row:row + n] = sequence_positions(seq.images, seq.num_computed, n)
         row += n
     if plain_rows:
         out[:, plain_rows] = plain_positions
     return torch.from_numpy(out).to(device)
+
+
+def past_images(seq: SeqInput) -> bool:
+    """Whether the sequence's rows this step are all past its images: their three positions are then equal, their
+    place plus ``text_shift`` (what a replayed decode graph takes, ``cuda_graphs.py``)."""
+    images = seq.images
+    return not images or seq.num_computed >= images[-1].offset + images[-1].num_tokens
+
+
+def text_shift(images: list[ImageInput]) -> int:
+    """How far the rotary positions of the text after ``images`` are from its places."""
+    return sum(max(image.grid or (1, image.num_tokens)) - image.num_tokens for image in images)
 
 
 def sequence_positions(images: list[ImageInput], start: int, count: int) -> np.ndarray:

@@ -4,7 +4,6 @@ continuous batch whose prompt chunks cut an image, a preemption, and a prefix-ca
 image. LLaVA-NeXT's images take as many placeholders as their size gives (the prompts' images are of five
 sizes and aspect ratios, so each grid resolution and both ways of cutting the padding back are met)."""
 
-import hashlib
 
 import pytest
 
@@ -13,12 +12,6 @@ from llmbus.testing import llava
 from llmbus.testing.runner_driver import BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def image_inputs(prompt: llava.ImagePrompt) -> list[ImageInput]:
-    return [ImageInput(offset=offset, num_tokens=count, data=data,
-                       digest=hashlib.blake2b(data, digest_size=16).digest())
-            for offset, count, data in zip(prompt.image_offsets, prompt.image_tokens, prompt.images)]
 
 
 def family_prompts(path) -> list[llava.ImagePrompt]:
@@ -51,13 +44,13 @@ def image_requests(prompts: list[llava.ImagePrompt]) -> list[Request]:
     (resuming from its first block: its images are encoded again) and "hit", which starts from r0's first 3
     blocks (12 tokens) computed: r0's image starts at token 4, so the cached prefix ends inside it and only its
     last placeholders are computed."""
-    requests = [Request(rid=f"r{i}", prompt=p.ids, images=image_inputs(p), arrival_step=step, prefill_chunk=chunk)
+    requests = [Request(rid=f"r{i}", prompt=p.ids, images=llava.bus_images(p), arrival_step=step, prefill_chunk=chunk)
                 for i, (p, step, chunk) in enumerate(zip(prompts, (0, 1, 0, 2), (7, None, 5, 3)))]
     requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
     lender = requests[0]
     assert prompts[0].image_offsets[0] < 3 * BLOCK_SIZE < prompts[0].image_offsets[0] + prompts[0].image_tokens[0]
     lender.blocks = [NUM_BLOCKS - 1, NUM_BLOCKS - 2, NUM_BLOCKS - 3]
-    requests.append(Request(rid="hit", prompt=prompts[0].ids, images=image_inputs(prompts[0]), arrival_step=9,
+    requests.append(Request(rid="hit", prompt=prompts[0].ids, images=llava.bus_images(prompts[0]), arrival_step=9,
                             computed=3 * BLOCK_SIZE, blocks=list(lender.blocks), prefill_chunk=6))
     return requests
 
@@ -99,7 +92,7 @@ def test_another_image_in_the_same_place_gives_other_tokens(tiny_llava):
     runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
     other = llava.ImagePrompt(ids=prompts[0].ids, images=[llava.encoded_image(99)],
                               image_offsets=prompts[0].image_offsets, image_tokens=prompts[0].image_tokens)
-    results = drive(runner, [Request(rid="other", prompt=other.ids, images=image_inputs(other))])
+    results = drive(runner, [Request(rid="other", prompt=other.ids, images=llava.bus_images(other))])
     assert results["other"].tokens == llava.llava_reference(path, [other], MAX_NEW_TOKENS, 0.0)[0][0]
     assert results["other"].tokens != expected[0][0]
 
@@ -118,7 +111,7 @@ def test_an_image_the_ranks_cannot_read_fails_its_request_alone(tiny_llava):
     seqs = [SeqInput(rid=rid, token_ids=list(prompts[0].ids), num_computed=0, sample=True,
                      block_table=list(range(first, first + blocks)), sampling=SamplingParams(),
                      prompt_len=len(prompts[0].ids), images=images)
-            for rid, first, images in (("broken", 0, broken), ("fine", blocks, image_inputs(prompts[0])))]
+            for rid, first, images in (("broken", 0, broken), ("fine", blocks, llava.bus_images(prompts[0])))]
     out = runner.step(seqs)
     assert [(rid, kind) for rid, kind, _ in out.errors] == [("broken", "validation")]
     assert out.errors[0][2].startswith("invalid image content")
@@ -152,5 +145,5 @@ def test_transformers_5s_flat_layout_reads_the_same_model(tiny_llava, tmp_path):
     assert "lm_head.weight" in renamed and any(name.startswith("model.vision_tower.") for name in renamed)
     save_file(renamed, str(flat / "model.safetensors"), metadata={"format": "pt"})
     runner = ModelRunner(str(flat), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
-    results = drive(runner, [Request(rid="flat", prompt=prompts[0].ids, images=image_inputs(prompts[0]))])
+    results = drive(runner, [Request(rid="flat", prompt=prompts[0].ids, images=llava.bus_images(prompts[0]))])
     assert results["flat"].tokens == expected[0][0]

@@ -4,27 +4,16 @@ batch whose prompt chunks cut images, with a preemption, a prefix-cache hit that
 one that ends after it (the rank then holds that image as a stub without its file: only its place and grid),
 and over two tensor-parallel ranks."""
 
-import hashlib
 
 import numpy as np
 import pytest
 import torch
 
-from llmbus.bus.messages import ImageInput
 from llmbus.testing import llava, qwen2_vl
 from llmbus.testing.llava import encoded_image
 from llmbus.testing.runner_driver import BLOCK_SIZE, MAX_NEW_TOKENS, MIN_MARGIN, NUM_BLOCKS, Request, drive
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def image_inputs(prompt, stub_before: int = 0) -> list[ImageInput]:
-    """The prompt's ImageInputs; those ending at or before ``stub_before`` as the scheduler sends a cached
-    prefix's images, without their files."""
-    images = [ImageInput(offset, count, data, hashlib.blake2b(data, digest_size=16).digest(), list(grid))
-              for offset, count, data, grid in zip(prompt.image_offsets, prompt.image_tokens, prompt.images,
-                                                    prompt.grids)]
-    return [image.stub() if image.offset + image.num_tokens <= stub_before else image for image in images]
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -50,16 +39,16 @@ def image_requests(prompts) -> list[Request]:
     """The prompts in a continuous batch whose chunks cut images, r1 preempted once it has 5 tokens (it
     resumes from its first block), and two prefix-cache hits on r1's prompt: "inside" starts with 8 tokens
     computed, inside its first image, "after" with 16, past it (its first image comes as a stub)."""
-    requests = [Request(rid=f"r{i}", prompt=p.ids, images=image_inputs(p), arrival_step=step, prefill_chunk=chunk)
+    requests = [Request(rid=f"r{i}", prompt=p.ids, images=llava.bus_images(p), arrival_step=step, prefill_chunk=chunk)
                 for i, (p, step, chunk) in enumerate(zip(prompts, (0, 1, 0, 2), (7, None, 5, 3)))]
     requests[1].preempt_after, requests[1].resume_cached_blocks = 5, 1
     lender, first = requests[1], prompts[1].image_offsets[0]
     assert first < 2 * BLOCK_SIZE < first + prompts[1].image_tokens[0] <= 4 * BLOCK_SIZE < prompts[1].image_offsets[1]
     lender.blocks = [NUM_BLOCKS - 1 - i for i in range(4)]
     for rid, blocks, step in (("inside", 2, 9), ("after", 4, 10)):
-        requests.append(Request(rid=rid, prompt=prompts[1].ids, images=image_inputs(prompts[1], blocks * BLOCK_SIZE),
-                                arrival_step=step, computed=blocks * BLOCK_SIZE, blocks=lender.blocks[:blocks],
-                                prefill_chunk=6))
+        requests.append(Request(rid=rid, prompt=prompts[1].ids,
+                                images=llava.bus_images(prompts[1], blocks * BLOCK_SIZE), arrival_step=step,
+                                computed=blocks * BLOCK_SIZE, blocks=lender.blocks[:blocks], prefill_chunk=6))
     assert not requests[-1].images[0].data, "the hit past the first image holds it as a stub"
     return requests
 
@@ -103,7 +92,7 @@ def test_positions_are_transformers_rope_index(tiny_qwen):
     grid_thw = qwen2_vl.image_inputs(path, prompt.images)["image_grid_thw"]
     positions, delta = model.model.get_rope_index(ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
                                                   image_grid_thw=grid_thw)
-    images = image_inputs(prompt)
+    images = llava.bus_images(prompt)
     ours = np.concatenate([sequence_positions(images, start, n) for start, n in ((0, 5), (5, 13), (18, 100))], 1)
     assert (ours[:, :len(prompt.ids)] == positions[:, 0].numpy()).all()
     generated = np.arange(len(prompt.ids), 118) + int(delta)
@@ -128,5 +117,5 @@ def test_transformers_5s_flat_layout_reads_the_same_model(tiny_qwen, tmp_path):
     assert "lm_head.weight" in renamed and any(name.startswith("model.visual.") for name in renamed)
     save_file(renamed, str(flat / "model.safetensors"), metadata={"format": "pt"})
     runner = ModelRunner(str(flat), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
-    results = drive(runner, [Request(rid="flat", prompt=prompts[0].ids, images=image_inputs(prompts[0]))])
+    results = drive(runner, [Request(rid="flat", prompt=prompts[0].ids, images=llava.bus_images(prompts[0]))])
     assert results["flat"].tokens == expected[0][0]
