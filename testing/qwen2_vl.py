@@ -161,30 +161,34 @@ def qwen_reference(model_dir: str | Path, prompts: list, max_new_tokens: int,
     return out
 
 
+def processor(model_dir: str | Path):
+    """transformers' ``Qwen2VLProcessor`` over ``model_dir``'s image processor and tokenizer, as its users build
+    it, with the tiny checkpoints' chat template; without a video processor, whose class check of an absent one
+    looks up torchvision's video processors (not installed here)."""
+    import transformers
+
+    class Processor(transformers.Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    return Processor(image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
+                     tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), chat_template=CHAT_TEMPLATE)
+
+
 def processor_reference(model_dir: str | Path, texts: list[tuple[str, list[bytes], bool]], max_new_tokens: int,
                         min_margin: float) -> list[list[int]]:
     """transformers' greedy tokens for each (text with ``<|image_pad|>`` where each image goes, images, whether
-    the tokenizer adds its special tokens), prepared as ``Qwen2VLProcessor`` does: each image's one pad
-    repeated to its grid's placeholders, the text tokenized, the pixels from the image processor. (The
-    processor itself cannot be built here: it wants a video processor, which needs torchvision.)"""
-    import torch
-    import transformers
+    the tokenizer adds its special tokens), as a transformers user runs Qwen2-VL: its processor expands each
+    image's pad to its placeholders and prepares the pixels, then ``generate`` in float32; every step's
+    top-1/top-2 logit margin must exceed ``min_margin``."""
+    from PIL import Image
 
     from llmbus.testing.llava import _greedy
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = _model(model_dir)
+    proc, model = processor(model_dir), _model(model_dir)
     out = []
     for text, images, add_special_tokens in texts:
-        pieces = text.split(IMAGE_TOKEN)
-        assert len(pieces) == len(images) + 1
-        grids = image_grids(model_dir, images)
-        expanded = pieces[0] + "".join(IMAGE_TOKEN * rows * cols + after
-                                       for (rows, cols), after in zip(grids, pieces[1:]))
-        ids = torch.tensor([tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]])
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                  "mm_token_type_ids": (ids == model.config.image_token_id).int()}
-        if images:
-            inputs |= image_inputs(model_dir, images)
-        out.append(_greedy(model, inputs, max_new_tokens, min_margin)[0])
+        inputs = proc(text=text, images=[Image.open(io.BytesIO(b)) for b in images] or None,
+                      add_special_tokens=add_special_tokens, return_tensors="pt")
+        out.append(_greedy(model, dict(inputs), max_new_tokens, min_margin)[0])
     return out

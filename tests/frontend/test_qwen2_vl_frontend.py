@@ -62,28 +62,9 @@ def spec(qwen_dir, tok) -> Qwen2VLSpec:
     return vision_spec(qwen_dir, tok)
 
 
-def _processor_class():
-    import transformers
-
-    class Processor(transformers.Qwen2VLProcessor):
-        """transformers' Qwen2-VL processor without a video processor: the class check of an absent one looks up
-        torchvision's video processors, which this environment lacks."""
-
-        def check_argument_for_proper_class(self, argument_name, argument):
-            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
-
-    return Processor
-
-
 @functools.cache
 def processor(model_dir: Path):
-    """transformers' ``Qwen2VLProcessor`` over ``model_dir``'s image processor and tokenizer, with the tiny
-    checkpoints' chat template."""
-    import transformers
-
-    return _processor_class()(image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
-                              tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir),
-                              chat_template=qwen2_vl.CHAT_TEMPLATE)
+    return qwen2_vl.processor(model_dir)
 
 
 def transformers_layout(model_dir: Path, height: int, width: int) -> tuple[int, tuple[int, int]] | None:
