@@ -119,3 +119,36 @@ def test_transformers_5s_flat_layout_reads_the_same_model(tiny_qwen, tmp_path):
     runner = ModelRunner(str(flat), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
     results = drive(runner, [Request(rid="flat", prompt=prompts[0].ids, images=llava.bus_images(prompts[0]))])
     assert results["flat"].tokens == expected[0][0]
+
+
+def test_the_hubs_flat_config_reads_the_same_model(tiny_qwen, tmp_path):
+    """Qwen2-VL's and Qwen2.5-VL's published config.json keep the text model's fields at the top level, with
+    M-RoPE as ``rope_scaling: {"type": "mrope", ...}`` and the vision config in the names of the time
+    (``in_chans``): the same weights so configured give the same tokens, and the frontend the same count."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from llmbus.frontend.vision_models import vision_spec
+    from llmbus.workers.model_runner import ModelRunner
+
+    path, prompts, expected = tiny_qwen
+    hub = tmp_path / "hub"
+    shutil.copytree(path, hub)
+    config = json.loads((hub / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key in ("model_type", "layer_types", "dtype"):
+        text.pop(key, None)
+    vision = config["vision_config"]
+    vision["in_chans"] = vision.pop("in_channels")
+    vision.pop("model_type")
+    config |= text | {"rope_theta": rope["rope_theta"],
+                      "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    (hub / "config.json").write_text(json.dumps(config))
+    runner = ModelRunner(str(hub), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=256)
+    results = drive(runner, [Request(rid="hub", prompt=prompts[1].ids, images=llava.bus_images(prompts[1]))])
+    assert results["hub"].tokens == expected[1][0]
+    tok = Tokenizer.from_file(str(hub / "tokenizer.json"))
+    assert vision_spec(hub, tok) == vision_spec(path, tok)
