@@ -1,6 +1,6 @@
 """Tiny LLaVA and LLaVA-NeXT checkpoints (transformers' ``LlavaForConditionalGeneration`` and
-``LlavaNextForConditionalGeneration``, hub layout) and transformers' float32 greedy reference over prompts with
-images: what the vision tests compare llmbus with.
+``LlavaNextForConditionalGeneration``, hub layout) and transformers' float32 greedy references over prompts with
+images, for these and Qwen2-VL's (``qwen2_vl.py``): what the vision tests compare llmbus with.
 
 The text model is the demo ``tiny`` Llama (its trained tokenizer and weights, whose greedy margins are
 decisive), with ``<image>`` added to its vocabulary; the vision tower is a seeded random CLIP in 14-pixel
@@ -142,20 +142,27 @@ def _family(model_dir: str | Path) -> str:
 
 
 def _model(model_dir: str | Path):
-    """transformers' float32 model of the checkpoint (LLaVA or LLaVA-NeXT)."""
+    """transformers' float32 model of the checkpoint (LLaVA, LLaVA-NeXT, Qwen2-VL or Qwen2.5-VL)."""
     import torch
     import transformers
 
-    cls = {"llava": transformers.LlavaForConditionalGeneration,
-           "llava_next": transformers.LlavaNextForConditionalGeneration}[_family(model_dir)]
-    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from llmbus.testing import qwen2_vl
+
+    names = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration"} | {
+        family: classes[1] for family, classes in qwen2_vl.FAMILIES.items()}
+    return getattr(transformers, names[_family(model_dir)]).from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def processor(model_dir: str | Path):
-    """transformers' processor of the checkpoint, as its users build it (``LlavaProcessor`` or
-    ``LlavaNextProcessor``): it expands each ``<image>`` and prepares the pixels."""
+    """transformers' processor of the checkpoint, as its users build it (``LlavaProcessor``,
+    ``LlavaNextProcessor``, or Qwen2-VL's: ``qwen2_vl.processor``): it expands each image's placeholder and
+    prepares the pixels."""
     import transformers
 
+    from llmbus.testing import qwen2_vl
+
+    if _family(model_dir) in qwen2_vl.FAMILIES:
+        return qwen2_vl.processor(model_dir)
     cls = {"llava": transformers.LlavaProcessor, "llava_next": transformers.LlavaNextProcessor}[_family(model_dir)]
     return cls(image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
                tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), patch_size=PATCH_SIZE,
@@ -164,13 +171,13 @@ def processor(model_dir: str | Path):
 
 def image_inputs(model_dir: str | Path, images: list[bytes]) -> dict:
     """transformers' image processor's outputs for ``images``: ``pixel_values`` (float32), and LLaVA-NeXT's
-    ``image_sizes``."""
+    ``image_sizes`` or Qwen2-VL's ``image_grid_thw``."""
     import transformers
     from PIL import Image
 
     image_processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
     out = image_processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
-    return {key: out[key] for key in ("pixel_values", "image_sizes") if key in out}
+    return {key: out[key] for key in ("pixel_values", "image_sizes", "image_grid_thw") if key in out}
 
 
 def image_token_counts(model_dir: str | Path, images: list[bytes]) -> list[int]:
@@ -225,17 +232,23 @@ def _greedy(model, inputs: dict, max_new_tokens: int, min_margin: float) -> tupl
     return tokens, torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
 
 
-def llava_reference(model_dir: str | Path, prompts: list[ImagePrompt], max_new_tokens: int,
-                    min_margin: float) -> list[tuple[list[int], list[float]]]:
+def generate_reference(model_dir: str | Path, prompts: list[ImagePrompt], max_new_tokens: int,
+                       min_margin: float) -> list[tuple[list[int], list[float]]]:
     """transformers' float32 greedy generate of each prompt, alone: (tokens, their logprobs); every step's
-    top-1/top-2 logit margin must exceed ``min_margin``."""
+    top-1/top-2 logit margin must exceed ``min_margin``. (Qwen2-VL's generate also takes which tokens are an
+    image's, for its M-RoPE positions, as its processor gives them.)"""
     import torch
 
+    from llmbus.testing import qwen2_vl
+
     model = _model(model_dir)
+    marks_images = _family(model_dir) in qwen2_vl.FAMILIES
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt.ids])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if marks_images:
+            inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         if prompt.images:
             inputs |= image_inputs(model_dir, prompt.images)
         out.append(_greedy(model, inputs, max_new_tokens, min_margin))

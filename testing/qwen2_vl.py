@@ -1,6 +1,6 @@
 """Tiny Qwen2-VL and Qwen2.5-VL checkpoints (transformers' ``Qwen2VLForConditionalGeneration`` and
-``Qwen2_5_VLForConditionalGeneration``) and transformers' float32 greedy reference over prompts with images:
-what the M-RoPE tests compare llmbus with.
+``Qwen2_5_VLForConditionalGeneration``), their prompts' layout and their processor: what the M-RoPE tests
+compare llmbus with, through ``llava.py``'s references (which serve every vision family).
 
 The text model is the demo ``tiny`` Llama's weights in Qwen2-VL's text model (zero QKV biases, the demo's
 norms and MLP: the same function, so its greedy margins stay decisive), with ``<|vision_start|>``,
@@ -13,7 +13,6 @@ takes one placeholder per 28x28 pixels of the size its processor resizes it to (
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from pathlib import Path
 
@@ -99,27 +98,11 @@ def build_tiny_qwen2_vl(path: str | Path, family: str = "qwen2_vl", *, seed: int
     return path
 
 
-def _model(model_dir: str | Path):
-    import torch
-    import transformers
-
-    family = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-    return getattr(transformers, FAMILIES[family][1]).from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def image_inputs(model_dir: str | Path, images: list[bytes]) -> dict:
-    """transformers' image processor's ``pixel_values`` (float32) and ``image_grid_thw`` for ``images``."""
-    import transformers
-    from PIL import Image
-
-    processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-    out = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
-    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-
-
 def image_grids(model_dir: str | Path, images: list[bytes]) -> list[tuple[int, int]]:
     """(rows, cols) of each image's placeholders, as transformers' image processor lays them out."""
-    grid = image_inputs(model_dir, images)["image_grid_thw"] if images else []
+    from llmbus.testing import llava
+
+    grid = llava.image_inputs(model_dir, images)["image_grid_thw"] if images else []
     return [(int(h) // MERGE, int(w) // MERGE) for _, h, w in grid]
 
 
@@ -140,27 +123,6 @@ def image_prompt(model_dir: str | Path, text_ids: list[list[int]], images: list[
     return dataclasses.replace(prompt, grids=grids)
 
 
-def qwen_reference(model_dir: str | Path, prompts: list, max_new_tokens: int,
-                   min_margin: float) -> list[tuple[list[int], list[float]]]:
-    """transformers' float32 greedy generate of each prompt (``image_prompt``), alone: (tokens, their
-    logprobs); every step's top-1/top-2 logit margin must exceed ``min_margin``."""
-    import torch
-
-    from llmbus.testing.llava import _greedy
-
-    model = _model(model_dir)
-    image_id = model.config.image_token_id
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt.ids])
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                  "mm_token_type_ids": (ids == image_id).int()}
-        if prompt.images:
-            inputs |= image_inputs(model_dir, prompt.images)
-        out.append(_greedy(model, inputs, max_new_tokens, min_margin))
-    return out
-
-
 def processor(model_dir: str | Path):
     """transformers' ``Qwen2VLProcessor`` over ``model_dir``'s image processor and tokenizer, as its users build
     it, with the tiny checkpoints' chat template; without a video processor, whose class check of an absent one
@@ -173,22 +135,3 @@ def processor(model_dir: str | Path):
 
     return Processor(image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
                      tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), chat_template=CHAT_TEMPLATE)
-
-
-def processor_reference(model_dir: str | Path, texts: list[tuple[str, list[bytes], bool]], max_new_tokens: int,
-                        min_margin: float) -> list[list[int]]:
-    """transformers' greedy tokens for each (text with ``<|image_pad|>`` where each image goes, images, whether
-    the tokenizer adds its special tokens), as a transformers user runs Qwen2-VL: its processor expands each
-    image's pad to its placeholders and prepares the pixels, then ``generate`` in float32; every step's
-    top-1/top-2 logit margin must exceed ``min_margin``."""
-    from PIL import Image
-
-    from llmbus.testing.llava import _greedy
-
-    proc, model = processor(model_dir), _model(model_dir)
-    out = []
-    for text, images, add_special_tokens in texts:
-        inputs = proc(text=text, images=[Image.open(io.BytesIO(b)) for b in images] or None,
-                      add_special_tokens=add_special_tokens, return_tensors="pt")
-        out.append(_greedy(model, dict(inputs), max_new_tokens, min_margin)[0])
-    return out

@@ -36,7 +36,7 @@ def tiny_llava(request):
     """(model folder, prompts, transformers' (tokens, logprobs) of each), for each family."""
     path = request.getfixturevalue(f"tiny_{request.param}_dir")
     prompts = family_prompts(path)
-    return path, prompts, llava.llava_reference(path, prompts, MAX_NEW_TOKENS, MIN_MARGIN)
+    return path, prompts, llava.generate_reference(path, prompts, MAX_NEW_TOKENS, MIN_MARGIN)
 
 
 def image_requests(prompts: list[llava.ImagePrompt]) -> list[Request]:
@@ -93,7 +93,7 @@ def test_another_image_in_the_same_place_gives_other_tokens(tiny_llava):
     other = llava.ImagePrompt(ids=prompts[0].ids, images=[llava.encoded_image(99)],
                               image_offsets=prompts[0].image_offsets, image_tokens=prompts[0].image_tokens)
     results = drive(runner, [Request(rid="other", prompt=other.ids, images=llava.bus_images(other))])
-    assert results["other"].tokens == llava.llava_reference(path, [other], MAX_NEW_TOKENS, 0.0)[0][0]
+    assert results["other"].tokens == llava.generate_reference(path, [other], MAX_NEW_TOKENS, 0.0)[0][0]
     assert results["other"].tokens != expected[0][0]
 
 

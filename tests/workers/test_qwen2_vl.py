@@ -32,7 +32,7 @@ def tiny_qwen(request):
                qwen2_vl.image_prompt(path, [words[5]], []),
                qwen2_vl.image_prompt(path, [[], words[1]], [encoded_image(4, (100, 100), "WEBP")])]
     assert [p.grids for p in prompts] == [[(2, 2)], [(4, 2), (1, 7)], [], [(4, 4)]]
-    return path, prompts, qwen2_vl.qwen_reference(path, prompts, MAX_NEW_TOKENS, MIN_MARGIN)
+    return path, prompts, llava.generate_reference(path, prompts, MAX_NEW_TOKENS, MIN_MARGIN)
 
 
 def image_requests(prompts) -> list[Request]:
@@ -86,10 +86,10 @@ def test_positions_are_transformers_rope_index(tiny_qwen):
     from llmbus.workers.mrope import sequence_positions
 
     path, prompts, _ = tiny_qwen
-    model = qwen2_vl._model(path)
+    model = llava._model(path)
     prompt = prompts[1]
     ids = torch.tensor([prompt.ids])
-    grid_thw = qwen2_vl.image_inputs(path, prompt.images)["image_grid_thw"]
+    grid_thw = llava.image_inputs(path, prompt.images)["image_grid_thw"]
     positions, delta = model.model.get_rope_index(ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
                                                   image_grid_thw=grid_thw)
     images = llava.bus_images(prompt)

@@ -25,7 +25,7 @@ def test_decode_rows_past_their_images_replay_the_graphs(tiny_qwen2_vl_dir):
     prompts = [qwen2_vl.image_prompt(path, [[5, 6, 7], [8, 9]], [encoded_image(2, (30, 90))]),
                qwen2_vl.image_prompt(path, [[10, 11], [12], [13, 14]],
                                      [encoded_image(3, (200, 40)), encoded_image(1, (64, 48))])]
-    expected = qwen2_vl.qwen_reference(path, prompts, 6, MIN_MARGIN)
+    expected = llava.generate_reference(path, prompts, 6, MIN_MARGIN)
     runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend="triton",
                          max_batch_prefill_tokens=256)
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, (1, 2), 64, capture=False)
