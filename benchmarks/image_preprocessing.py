@@ -13,18 +13,11 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import time
+
+from _timing import fastest_s
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-
-def fastest_ms(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1000
 
 
 def jpeg(width: int, height: int) -> bytes:
@@ -66,7 +59,7 @@ def main() -> None:
             with Image.open(io.BytesIO(data)) as image:
                 processor(images=[image], return_tensors="pt")
 
-        decode_ms, process_ms = fastest_ms(decode, args.repeats), fastest_ms(process, args.repeats)
+        decode_ms, process_ms = fastest_s(decode, args.repeats) * 1000, fastest_s(process, args.repeats) * 1000
         print(f"| {width}x{height} JPEG | {len(data) / 1e6:.2f} MB | {decode_ms:.1f} ms | {process_ms:.1f} ms | "
               f"{process_ms / decode_ms:.2f}x |")
     if args.tower:
@@ -89,7 +82,7 @@ def main() -> None:
         threads = len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
         print(f"llava-1.5 vision side (CLIP ViT-L/14-336 + projector), float32, {threads} threads: "
-              f"{fastest_ms(encode, max(args.repeats // 2, 1)):.0f} ms an image")
+              f"{fastest_s(encode, max(args.repeats // 2, 1)) * 1000:.0f} ms an image")
 
 
 if __name__ == "__main__":

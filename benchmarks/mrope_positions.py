@@ -14,20 +14,13 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import time
+
+from _timing import fastest_s
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
 BLOCK_SIZE = 16
-
-
-def fastest_us(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
 
 
 def sequence(rid: str, computed: int, new: int, images: int):
@@ -70,8 +63,8 @@ def main() -> None:
         metadata = functools.partial(backend.build_metadata, query_lens=lens,
                                      num_computed=[s.num_computed for s in seqs],
                                      block_tables=[s.block_table for s in seqs], kv_cache=kv_cache, device=device)
-        meta_us = fastest_us(metadata, args.repeats)
-        mrope_us = fastest_us(functools.partial(mrope_positions, seqs, lens, device), args.repeats)
+        meta_us = fastest_s(metadata, args.repeats) * 1e6
+        mrope_us = fastest_s(functools.partial(mrope_positions, seqs, lens, device), args.repeats) * 1e6
         print(f"{name:<14} {meta_us:>12.1f} {mrope_us:>10.1f} {mrope_us / meta_us:>7.2f}")
 
 if __name__ == "__main__":
