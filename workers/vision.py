@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from llmbus.workers.mrope import past_images
 from llmbus.workers.seq_input import SeqInput
 
 
@@ -35,6 +36,9 @@ class StepImages:
         rows, values = [], []
         first_row = 0
         for seq, n in zip(seqs, query_lens):
+            if past_images(seq):  # a decode row (a sequence carries its images at every step, for M-RoPE)
+                first_row += n
+                continue
             start, end = seq.num_computed, seq.num_computed + n
             for image in seq.images if seq.rid not in self.failed else ():
                 image_end = image.offset + image.num_tokens
