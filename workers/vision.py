@@ -10,21 +10,56 @@ An image the ranks cannot read (the frontend decoded it, but the image processor
 size) fails its request, not the rank: every rank fails it alike (the same bytes, the same code), computes
 the step with the placeholders' own embeddings so the collectives stay paired, and rank 0 reports it in the
 step's errors, on which the scheduler fails the request.
+
+A model's vision side is a ``VisionEncoder``: it says what an image's pixels become (``_features``), and
+the encoder checks them against the placeholders the frontend counted.
 """
 
 from __future__ import annotations
 
+import io
+
 import torch
 
+from llmbus.bus.messages import ImageInput
 from llmbus.workers.mrope import past_images
 from llmbus.workers.seq_input import SeqInput
+
+
+class VisionEncoder:
+    """A vision-language model's image side (``model.vision``). A family implements ``_features``: an opened
+    image's embeddings ``[placeholders, text hidden]`` in its placeholders' order, and their [rows, cols]
+    where the model's positions follow them (``ImageInput.grid``), else None."""
+
+    def _features(self, picture) -> tuple[torch.Tensor, list[int] | None]:
+        raise NotImplementedError
+
+    def encode(self, image: ImageInput) -> torch.Tensor:
+        """``[image.num_tokens, text hidden]``: the embeddings of the image's placeholders. Raises
+        ``ValueError`` where they are not the placeholders the frontend counted and laid out."""
+        from PIL import Image
+
+        with Image.open(io.BytesIO(image.data)) as picture:
+            features, grid = self._features(picture)
+        if features.shape[0] != image.num_tokens:
+            raise ValueError(f"an image gave {features.shape[0]} embeddings for its {image.num_tokens} placeholders")
+        if grid is not None and image.grid and grid != list(image.grid):
+            raise ValueError(f"an image's placeholders lie in a {grid[0]}x{grid[1]} grid, not in {image.grid}")
+        return features
+
+    def warm(self) -> None:
+        """Encode a blank image: the vision side's first run (and, on CUDA, its memory peak) happen at warmup,
+        not in the first request's step."""
+        from PIL import Image
+
+        self._features(Image.new("RGB", (64, 64), (127, 127, 127)))
 
 
 class StepImages:
     """The encoded images of the requests in their prompt: ``embeddings`` per step, ``drop`` per request."""
 
     def __init__(self, vision, device: torch.device):
-        self.vision = vision  # a model's vision side: encode(ImageInput) -> [num_tokens, hidden]
+        self.vision = vision  # the model's VisionEncoder
         self.device = device
         self.encoded: dict[tuple[str, int], torch.Tensor] = {}  # (rid, image offset) -> its rows
         self.failed: dict[str, str] = {}  # rid -> why one of its images could not be read, until it is dropped

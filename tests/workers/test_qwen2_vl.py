@@ -152,3 +152,20 @@ def test_the_hubs_flat_config_reads_the_same_model(tiny_qwen, tmp_path):
     assert results["hub"].tokens == expected[1][0]
     tok = Tokenizer.from_file(str(hub / "tokenizer.json"))
     assert vision_spec(hub, tok) == vision_spec(path, tok)
+
+
+def test_an_image_laid_out_otherwise_than_the_frontend_said_is_refused(tiny_qwen):
+    """The vision side checks the placeholders' count and grid it computes against the ones the frontend sent:
+    a grid of the same count but another shape would rotate the text after it wrongly, so it fails the image."""
+    import dataclasses
+
+    from llmbus.workers.model_runner import ModelRunner
+
+    path, prompts, _ = tiny_qwen
+    vision = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS).model.vision
+    image = llava.bus_images(prompts[0])[0]
+    assert image.grid == [2, 2] and vision.encode(image).shape[0] == 4
+    with pytest.raises(ValueError, match="lie in a 2x2 grid, not in"):
+        vision.encode(dataclasses.replace(image, grid=[1, 4]))
+    with pytest.raises(ValueError, match="gave 4 embeddings for its 5 placeholders"):
+        vision.encode(dataclasses.replace(image, num_tokens=5, grid=[]))

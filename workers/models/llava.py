@@ -13,12 +13,11 @@ processor is the checkpoint's (``preprocessor_config.json``), as TGI's shards an
 
 from __future__ import annotations
 
-import io
 
 import torch
 
-from llmbus.bus.messages import ImageInput
 from llmbus.workers.models.gemma3 import PrefixedReader
+from llmbus.workers.vision import VisionEncoder
 
 # Where a checkpoint keeps the text model: the hub's layout (transformers 4's save_pretrained, and 5's) and
 # transformers 5's in-memory one, in case a checkpoint was written from its state dict.
@@ -44,7 +43,7 @@ class FlatLayoutReader(PrefixedReader):
         return stored if stored.startswith("lm_head.") else None
 
 
-class LlavaVision:
+class LlavaVision(VisionEncoder):
     """The image side of a LLaVA checkpoint: ``encode`` turns an image into its placeholders' embeddings."""
 
     def __init__(self, hf_config: dict, model_dir: str, reader, *, dtype: torch.dtype, device: torch.device):
@@ -78,26 +77,9 @@ class LlavaVision:
 
         return LlavaMultiModalProjector(config)
 
-    def encode(self, image: ImageInput) -> torch.Tensor:
-        """``[image.num_tokens, text hidden]``: the embeddings of the image's placeholders."""
-        from PIL import Image
-
-        with Image.open(io.BytesIO(image.data)) as picture:
-            features = self._features(picture)
-        if features.shape[0] != image.num_tokens:
-            raise ValueError(f"an image gave {features.shape[0]} embeddings for its {image.num_tokens} placeholders")
-        return features
-
-    def warm(self) -> None:
-        """Encode a blank image: the vision side's first run (and, on CUDA, its memory peak) happen at warmup,
-        not in the first request's step."""
-        from PIL import Image
-
-        self._features(Image.new("RGB", (64, 64), (127, 127, 127)))
-
     @torch.inference_mode()
-    def _features(self, picture) -> torch.Tensor:
-        return self._project(self.processor(images=[picture], return_tensors="pt")["pixel_values"])[0]
+    def _features(self, picture) -> tuple[torch.Tensor, None]:
+        return self._project(self.processor(images=[picture], return_tensors="pt")["pixel_values"])[0], None
 
     def _project(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[tiles, rows, text hidden]``: the projected features of ``[tiles, 3, H, W]`` pixels."""
@@ -136,7 +118,7 @@ class LlavaNextVision(LlavaVision):
         return LlavaNextMultiModalProjector(config)
 
     @torch.inference_mode()
-    def _features(self, picture) -> torch.Tensor:
+    def _features(self, picture) -> tuple[torch.Tensor, None]:
         from transformers.models.llava_next.modeling_llava_next import (get_anyres_image_grid_shape,
                                                                        image_size_to_num_patches, unpad_image)
 
@@ -149,7 +131,7 @@ class LlavaNextVision(LlavaVision):
         grid = grid.permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)  # [hidden, rows * grid, cols * grid]
         grid = unpad_image(grid, size)
         grid = torch.cat((grid, self.image_newline[:, None, None].expand(*grid.shape[:-1], 1)), dim=-1)
-        return torch.cat((features[0], grid.flatten(1, 2).transpose(0, 1)))
+        return torch.cat((features[0], grid.flatten(1, 2).transpose(0, 1))), None
 
 
 class LlavaForConditionalGeneration:

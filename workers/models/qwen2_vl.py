@@ -11,12 +11,11 @@ projects into the decoder's width) with the checkpoint's weights, held whole by 
 
 from __future__ import annotations
 
-import io
 
 import torch
 
-from llmbus.bus.messages import ImageInput
 from llmbus.workers.models.llava import FLAT_TEXT_PREFIX, FlatLayoutReader
+from llmbus.workers.vision import VisionEncoder
 
 # Where a checkpoint keeps the vision tower: the hub's layout, and transformers 5's in-memory one
 HUB_VISION_PREFIX, FLAT_VISION_PREFIX = "visual.", "model.visual."
@@ -26,7 +25,7 @@ TOWERS = {"qwen2_vl": ("Qwen2VLConfig", "transformers.models.qwen2_vl.modeling_q
                          "Qwen2_5_VisionTransformerPretrainedModel")}
 
 
-class Qwen2VLVision:
+class Qwen2VLVision(VisionEncoder):
     """The image side of a Qwen2-VL checkpoint: ``encode`` turns an image into its placeholders' embeddings,
     in the order of its grid's rows."""
 
@@ -45,23 +44,6 @@ class Qwen2VLVision:
         self.tower.to(device=device, dtype=dtype).eval()
         self.processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
         self.device, self.dtype = device, dtype
-
-    def encode(self, image: ImageInput) -> torch.Tensor:
-        """``[image.num_tokens, text hidden]``: the embeddings of the image's placeholders."""
-        from PIL import Image
-
-        with Image.open(io.BytesIO(image.data)) as picture:
-            features, grid = self._features(picture)
-        if features.shape[0] != image.num_tokens or (image.grid and grid != list(image.grid)):
-            raise ValueError(f"an image gave {features.shape[0]} embeddings in a {grid[0]}x{grid[1]} grid for its "
-                             f"{image.num_tokens} placeholders in {image.grid or 'no grid'}")
-        return features
-
-    def warm(self) -> None:
-        """Encode a blank image: the tower's first run happens at warmup, not in the first request's step."""
-        from PIL import Image
-
-        self._features(Image.new("RGB", (64, 64), (127, 127, 127)))
 
     @torch.inference_mode()
     def _features(self, picture) -> tuple[torch.Tensor, list[int]]:
