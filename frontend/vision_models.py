@@ -54,6 +54,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _positive_int(value) -> bool:
+    return _is_int(value) and value > 0
+
+
 def _token_text(tokenizer: Tokenizer, token_id: int, name: str) -> str:
     """The text of config.json's ``name`` token (``token_id``), which must tokenize as exactly that token."""
     text = tokenizer.id_to_token(token_id)
@@ -77,7 +81,7 @@ def _image_token(config: dict, tokenizer: Tokenizer) -> tuple[str, int]:
 def _square_or_box(value, where: str) -> tuple[int, int]:
     """(height, width) of an image processor's size field: ``{"height", "width"}``, an int, or
     ``{"shortest_edge"}`` (square where the processor crops to it)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+    if _positive_int(value):
         return value, value
     if isinstance(value, dict):
         height, width = value.get("height"), value.get("width")
@@ -192,7 +196,7 @@ def _patch_size(config: dict) -> int:
     if not isinstance(vision, dict):
         raise VisionModelError("config.json has no `vision_config`")
     patch = vision.get("patch_size")
-    if not isinstance(patch, int) or isinstance(patch, bool) or patch < 1:
+    if not _positive_int(patch):
         raise VisionModelError(f"config.json's vision_config has no `patch_size`: {patch!r}")
     return patch
 
@@ -304,7 +308,7 @@ def _qwen2_vl(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec
                                       ("temporal_patch_size", "temporal_patch_size", Qwen2VLSpec.temporal_patch)):
         value = processor.get(name)
         value = default if value is None else value
-        if not _is_int(value) or value < 1:
+        if not _positive_int(value):
             raise VisionModelError(f"preprocessor_config.json's `{name}` is no positive whole number: {value!r}")
         tower = vision.get(tower_name, default) if isinstance(vision, dict) else None
         if tower != value:
