@@ -125,13 +125,13 @@ def compile_variants(arch: int, ptxas_cache: Path | None = None) -> list[dict]:
                 "program_seq_ptr": "*i32", "program_row_ptr": "*i32", "query_starts_ptr": "*i64",
                 "query_lens_ptr": "*i64", "num_computed_ptr": "*i64", "partial_out_ptr": "*fp32",
                 "partial_ml_ptr": "*fp32", "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "slots_ptr": "*i64",
-                "qk_scale": "fp32"}
+                "key_limits_ptr": "*i64", "qk_scale": "fp32"}
     rows = []
     for name, new_kv, block_q, block_h, splits, sliding in VARIANTS:
         constexprs = dict(HEAD_DIM=128, BLOCK_D=128, QUERIES_PER_KV=4, BLOCK_H=block_h, BLOCK_Q=block_q,
                           BLOCK_N=kernels.NEW_KV_BLOCK_N if new_kv else kernels.BLOCK_N, BLOCK_SIZE=16,
                           SLIDING=sliding, PRECISION="ieee", NEG_START=kernels._NEG_START, UPCAST=False,
-                          SPLITS=splits, NEW_KV=new_kv)
+                          SPLITS=splits, NEW_KV=new_kv, LIMITS=False)
         # eight warps: paged_attention's choice for head dim 128
         rows.append({"name": f"paged_attention {name}"} | _compile(fn, pointers, constexprs, 8, arch, ptxas_cache))
     for name, other, types, constexprs, warps in _others():

@@ -322,10 +322,17 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
-                       kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
+                       kv_cache: PagedKVCache, device: torch.device,
+                       key_limits: list[int] | None = None) -> AttentionMetadata:
         """Index tensors for one step: sequence ``i`` brings ``query_lens[i]`` new tokens after
         ``num_computed[i]`` cached ones, in the blocks ``block_tables[i]``; the flat token batch holds the
-        sequences' tokens one after the other, in this order."""
+        sequences' tokens one after the other, in this order.
+
+        ``key_limits`` (None: every token is causal): per token of the flat batch, the last position of its
+        sequence it attends; its own position for a causal token, the image's last placeholder for an image's
+        (Gemma 3's placeholders attend their whole image both ways, transformers' ``blockwise_overlay``). A
+        limit past a token's own position is a position of the same step (the scheduler computes such an image in
+        one step: ``vision.image_key_limits``), and a sliding window still starts from the token's own position."""
 
     def decode_graph_metadata(self, inputs: DecodeGraphInputs, batch: int) -> AttentionMetadata | None:
         """Metadata of a decode step of ``batch`` rows (one new token each, every row sampled) that reads

@@ -24,6 +24,7 @@ from llmbus.workers.attention.base import (AttentionMetadata, KernelRows, StepIn
 from llmbus.workers.attention.decode_kernel import DecodeAttentionKernel, decode_attention_kernel
 from llmbus.workers.attention.torch_sdpa import TorchSDPABackend
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.launched_step import to_device
 
 class CPUKernelBackend(TorchSDPABackend):
     """Paged attention on CPU: the C decode kernel over the pool in place, the portable path for the rest."""
@@ -43,7 +44,8 @@ class CPUKernelBackend(TorchSDPABackend):
         self.kernel = kernel
 
     def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
-                       kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
+                       kv_cache: PagedKVCache, device: torch.device,
+                       key_limits: list[int] | None = None) -> AttentionMetadata:
         if max(query_lens) == 1 and self._takes(kv_cache):
             return self._decodes_metadata(num_computed, block_tables, kv_cache, device)
         if (self.prompt_rows and max(query_lens) > 1 and kv_cache.compute_dtype == torch.float32
@@ -54,15 +56,17 @@ class CPUKernelBackend(TorchSDPABackend):
             index = step_index(query_lens, num_computed, block_tables, kv_cache, device)
             rows = torch.repeat_interleave(torch.arange(len(query_lens), device=device), index.query_lens,
                                            output_size=sum(query_lens))
-            context_lens = index.positions + 1
+            # the kernel writes every row's K/V before any row attends: a row may see later rows of its step
+            context_lens = (index.positions if key_limits is None
+                            else to_device(key_limits, torch.long, device)) + 1
             group = KernelRows(
                 token_index=None, block_index=index.tables[rows][:, :-(-max_context // kv_cache.block_size)],
-                context_lens=context_lens, window_starts=self._window_starts(context_lens),
+                context_lens=context_lens, window_starts=self._window_starts(index.positions + 1),
                 max_context=max_context)
             return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[group],
                                      kernel_rows=group, sequence_starts=index.query_starts)
         return super().build_metadata(query_lens=query_lens, num_computed=num_computed, block_tables=block_tables,
-                                      kv_cache=kv_cache, device=device)
+                                      kv_cache=kv_cache, device=device, key_limits=key_limits)
 
     def _decodes_metadata(self, num_computed: list[int], block_tables: list[list[int]], kv_cache: PagedKVCache,
                           device: torch.device) -> AttentionMetadata:
@@ -83,8 +87,9 @@ class CPUKernelBackend(TorchSDPABackend):
         return AttentionMetadata(positions=positions, groups=[group], kernel_rows=group,
                                  slot_mapping=torch.tensor(slots, dtype=torch.long, device=device))
 
-    def _window_starts(self, context_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros_like(context_lens) if window is None else (context_lens - window).clamp_(min=0)
+    def _window_starts(self, own_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each row's first visible key per window, from ``own_lens``: its position + 1 (not its limit's)."""
+        return tuple(torch.zeros_like(own_lens) if window is None else (own_lens - window).clamp_(min=0)
                      for window in self.windows)
 
     @classmethod

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from llmbus.workers.attention.base import (AttentionBackend, AttentionMetadata, StepIndex, exclusive_cumsum,
                                            group_token_index, into, step_index)
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.launched_step import to_device
 
 # Groups whose sequences bring at most this many query tokens attend with two batched matmuls instead of
 # SDPA: a short chunk of a long prompt (chunked prefill beside decodes) is faster that way on CPU at a long
@@ -77,14 +78,17 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
     def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
-                       kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
+                       kv_cache: PagedKVCache, device: torch.device,
+                       key_limits: list[int] | None = None) -> AttentionMetadata:
         index = step_index(query_lens, num_computed, block_tables, kv_cache, device)
         decodes = [i for i, n in enumerate(query_lens) if n == 1]
         prefills = [i for i, n in enumerate(query_lens) if n > 1]
+        # (a decode row's limit is its own position: a limit past it lies in the same step)
         groups = [self._decode_group(index, members, query_lens, num_computed, kv_cache, device)
                   for members in self._decode_groups(decodes, query_lens, num_computed, kv_cache)]
         if prefills:
-            groups.append(self._padded_group(index, prefills, query_lens, num_computed, kv_cache, device))
+            ahead = None if key_limits is None else to_device(key_limits, torch.long, device) - index.positions
+            groups.append(self._padded_group(index, prefills, query_lens, num_computed, kv_cache, device, ahead))
         return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=groups,
                                  sequence_starts=index.query_starts)
 
@@ -100,7 +104,9 @@ class TorchSDPABackend(AttentionBackend):
         return self._padded_group(index, members, query_lens, num_computed, kv_cache, device)
 
     def _padded_group(self, index: StepIndex, members: list[int], query_lens: list[int], num_computed: list[int],
-                      kv_cache: PagedKVCache, device: torch.device) -> AttentionGroup:
+                      kv_cache: PagedKVCache, device: torch.device,
+                      ahead: torch.Tensor | None = None) -> AttentionGroup:
+        """``ahead [T]``: how far past its own position each token of the step attends (``key_limits``)."""
         block_size = kv_cache.block_size
         max_query_len = max(query_lens[i] for i in members)
         ctx_blocks = -(-max(num_computed[i] + query_lens[i] for i in members) // block_size)
@@ -120,9 +126,18 @@ class TorchSDPABackend(AttentionBackend):
         key_pos = torch.arange(max_ctx, device=device)
         in_context = key_pos[None, :] < context_lens[:, None]  # [B, max_ctx]
         query_pos = computed[:, None] + torch.arange(max_query_len, device=device)[None, :]  # [B, max_q]
+        limit_pos = query_pos
+        if ahead is not None:
+            padded_ahead = torch.zeros(batch * max_query_len, dtype=torch.long, device=device)
+            group_ahead = ahead if token_index is None else ahead.index_select(0, token_index)
+            if padded_row is None:
+                padded_ahead.copy_(group_ahead)
+            else:
+                padded_ahead.index_copy_(0, padded_row, group_ahead)
+            limit_pos = query_pos + padded_ahead.view(batch, max_query_len)
         # Padded query rows (beyond a sequence's length) still see its whole context: never a fully
         # masked row, so SDPA returns finite values that are then dropped.
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]
+        mask = (key_pos[None, None, :] <= limit_pos[:, :, None]) & in_context[:, None, :]
         masks = tuple(_windowed(mask, key_pos, query_pos, context_lens, window).unsqueeze(1)
                       for window in self.windows)
         matmul_biases = ()

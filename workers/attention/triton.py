@@ -33,6 +33,7 @@ from llmbus.workers.attention.base import (AttentionBackend, AttentionMetadata, 
                                            step_index)
 from llmbus.workers.gpu_ops import interpreting
 from llmbus.workers.kv_cache import PagedKVCache
+from llmbus.workers.launched_step import to_device
 
 
 @dataclass(slots=True)
@@ -45,6 +46,9 @@ class TritonStep:
     query_starts: torch.Tensor  # [N] int64 each sequence's first row of the flat token batch
     query_lens: torch.Tensor  # [N] int64
     num_computed: torch.Tensor  # [N] int64 tokens already in the cache before this step's
+    # [T] int64 each row's last visible position (build_metadata's key_limits); None: its own. Graphs' steps
+    # have none: a step with an image's rows runs eagerly.
+    key_limits: torch.Tensor | None = None
 
 
 @functools.cache
@@ -91,12 +95,21 @@ class TritonAttentionBackend(AttentionBackend):
         return interpreting() or (device.type == "cuda" and torch.cuda.is_available())
 
     def build_metadata(self, *, query_lens: list[int], num_computed: list[int], block_tables: list[list[int]],
-                       kv_cache: PagedKVCache, device: torch.device) -> AttentionMetadata:
+                       kv_cache: PagedKVCache, device: torch.device,
+                       key_limits: list[int] | None = None) -> AttentionMetadata:
+        """``key_limits`` go over in a copy of their own (``step_index`` sends a fixed set of fields) and reach
+        the kernel, which then compiles with them (``LIMITS``); None keeps the causal kernel."""
         block_q = self.kernels.query_tile(max(query_lens))
         index = step_index(query_lens, num_computed, block_tables, kv_cache, device, query_tile=block_q)
+        limits = None
+        if key_limits is not None:
+            if len(key_limits) != index.positions.shape[0]:  # the kernel would read past them
+                raise ValueError(f"key_limits has {len(key_limits)} values for a step of "
+                                 f"{index.positions.shape[0]} tokens")
+            limits = to_device(key_limits, torch.long, device)
         step = TritonStep(tables=index.tables, programs=index.programs,
                           block_q=block_q, query_starts=index.query_starts, query_lens=index.query_lens,
-                          num_computed=index.num_computed)
+                          num_computed=index.num_computed, key_limits=limits)
         return AttentionMetadata(positions=index.positions, slot_mapping=index.slot_mapping, groups=[step],
                                  sequence_starts=index.query_starts)
 
@@ -164,4 +177,4 @@ class TritonAttentionBackend(AttentionBackend):
         return self.kernels.paged_attention(
             query, key_blocks, value_blocks, step.tables, step.programs, step.block_q, step.query_starts,
             step.query_lens, step.num_computed, scale, self.windows[self.window_index(layer)], out=out,
-            new_kv=new_kv)
+            new_kv=new_kv, key_limits=step.key_limits)

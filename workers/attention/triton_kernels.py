@@ -2,10 +2,12 @@
 
 One kernel, ``paged_attention``, attends every query row of a step in one launch per layer: decode rows,
 prompt chunks over their cached blocks and speculative rows alike, each query token attending its own
-sequence's keys up to its own position (within the layer's sliding window, if any). It reads K/V where
-they lie in the paged pool, through each sequence's block table, one tile of keys at a time with an online
-softmax (flash attention's running maximum and sum), so no step materializes a mask, a padded gather or a
-``[query, context]`` score matrix: its memory is the output alone, whatever the step's shape.
+sequence's keys up to its own position, or up to its limit where the step gives ``key_limits`` (Gemma 3's
+image rows see their whole image; the kernel is compiled apart for such steps, ``LIMITS``), within the layer's
+sliding window if any. It reads K/V where they lie in the paged pool, through each sequence's block table, one
+tile of keys at a time with an online softmax (flash attention's running maximum and sum), so no step
+materializes a mask, a padded gather or a ``[query, context]`` score matrix: its memory is the output alone,
+whatever the step's shape.
 
 A program is one tile of up to ``BLOCK_Q`` consecutive query tokens of one sequence under one KV head, and
 all the query heads that share that KV head (GQA): its ``BLOCK_Q * BLOCK_H`` rows are token-major, so the
@@ -66,7 +68,7 @@ def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, program_seq_ptr, program_row_ptr,
         query_starts_ptr, query_lens_ptr, num_computed_ptr,
         partial_out_ptr, partial_ml_ptr,
-        new_k_ptr, new_v_ptr, slots_ptr,
+        new_k_ptr, new_v_ptr, slots_ptr, key_limits_ptr,
         qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, stride_table,
@@ -74,7 +76,7 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr,
         PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr,
-        NEW_KV: tl.constexpr):
+        NEW_KV: tl.constexpr, LIMITS: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,6 +107,12 @@ def _paged_attention_kernel(
     # Keys the tile's rows can see: up to its last row's position; from its first row's window start.
     last_row = tl.minimum(first_row + BLOCK_Q, seq_end) - 1
     kv_end = computed + last_row - seq_start + 1
+    key_last = query_pos  # each row's last visible key
+    if LIMITS:
+        # An image's rows see up to its last placeholder, which may lie past the tile's last row (a later row
+        # of the step); kept within the sequence's keys, so that a wrong limit reads no other sequence's.
+        key_last = tl.load(key_limits_ptr + rows, mask=rows < seq_end, other=0)
+        kv_end = tl.minimum(tl.max(key_last, 0) + 1, computed + seq_end - seq_start)
     kv_start = kv_end * 0
     if SLIDING:
         kv_start = tl.maximum(computed + first_row - seq_start - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -159,8 +167,8 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [M, N], log2 units
-        visible = (offs_n[None, :] <= query_pos[:, None]) & n_valid[None, :]
-        if SLIDING:
+        visible = (offs_n[None, :] <= key_last[:, None]) & n_valid[None, :]
+        if SLIDING:  # from the row's own position, whatever its limit
             visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -292,7 +300,8 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
                     tables: torch.Tensor, programs: torch.Tensor, block_q: int, query_starts: torch.Tensor,
                     query_lens: torch.Tensor, num_computed: torch.Tensor, scale: float,
                     window: int | None, out: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    key_limits: torch.Tensor | None = None) -> torch.Tensor:
     """``query [T, Hq, D]`` of a step over one layer's pool -> ``[T, Hq, D]`` in ``query``'s dtype (``out``
     where given, rows of unit-stride heads).
 
@@ -303,7 +312,9 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
     many positions behind a query are visible (None: all). ``new_kv``: (``key``, ``value`` ``[T, Hkv, D]``,
     ``slot_mapping [T]``) of the step's tokens in the pool's dtype, which the launch writes into the pool at
     their slots as it attends (the pool must not hold them yet: the cached positions are read from it, the
-    step's from these), in tiles of ``NEW_KV_BLOCK_N`` keys; None: the pool holds them already."""
+    step's from these), in tiles of ``NEW_KV_BLOCK_N`` keys; None: the pool holds them already.
+    ``key_limits [T]`` int64: each row's last visible position (``AttentionBackend.build_metadata``'s), at most its
+    sequence's last; None: its own (causal). The window still starts from the row's own position."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = key_blocks.shape
     if query.stride(-1) != 1:
@@ -340,20 +351,21 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
             raise ValueError(f"paged_attention's new keys and values must have the pool's dtype "
                              f"({key_blocks.dtype}), not {new_key.dtype}: write them first")
         new_strides = (*key_strides[:2], *value_strides[:2])
+    limits = query if key_limits is None else key_limits  # unread without LIMITS, as new_kv's
     grid = (programs.shape[1], num_kv_heads, splits)
     # (NEW_KV's tiles are half as many keys: choosing each key's row took registers that at 64 keys ptxas found
     # only by spilling, 488 bytes at head dim 128 in bfloat16; at 32, none)
     # (each stride() a call into torch: the tuples once, ~0.2 us a call saved about 12 times a launch)
     _paged_attention_kernel[grid](
         query, key_blocks, value_blocks, out, tables, programs[0], programs[1],
-        query_starts, query_lens, num_computed, partial_out, partial_ml, new_key, new_value, slots,
+        query_starts, query_lens, num_computed, partial_out, partial_ml, new_key, new_value, slots, limits,
         scale * LOG2E, window or 0, *query.stride()[:2], *out.stride()[:2], *key_blocks.stride()[:3],
         *value_blocks.stride()[:3], tables.stride(0), *new_strides,
         HEAD_DIM=head_dim, BLOCK_D=block_d, QUERIES_PER_KV=per_kv, BLOCK_H=block_h, BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N if new_kv is None else NEW_KV_BLOCK_N, BLOCK_SIZE=block_size,
         SLIDING=window is not None, PRECISION=precision,
         NEG_START=_NEG_START, UPCAST=query.dtype == torch.bfloat16 and interpreted(), SPLITS=splits,
-        NEW_KV=new_kv is not None, num_warps=8 if rows > 64 or block_d >= 128 else 4)
+        NEW_KV=new_kv is not None, LIMITS=key_limits is not None, num_warps=8 if rows > 64 or block_d >= 128 else 4)
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](partial_out, partial_ml, out, out.stride(0), out.stride(1),
                                                         num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
