@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus.bus.codec import Message, ProtocolError, register_nested  # ProtocolError: part of this module's API
 
-WIRE_VERSION = 24  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
+WIRE_VERSION = 25  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, preemption and batch metrics
 # 3: SamplingParams.presence_penalty
 # 4: rank health probes (HealthCheck/HealthProbe/HealthAck/HealthReply), FrontendStats, AddRequest.traceparent
 # 5: Grammar (AddRequest.grammar, NewRequestData.grammar): a rank that ignored it would sample unconstrained
@@ -62,6 +62,8 @@ WIRE_VERSION = 24  # 2: NewRequestData.cached_ids; SchedulerStats prefix-cache, 
 #     placeholders' own embeddings
 # 24: ImageInput.grid (Qwen2-VL's M-RoPE positions); NewRequestData.images holds the cached prefix's images
 #     too, as stubs without data: a rank that ignored them would rotate the text after an image wrongly
+# 25: WorkerReady.images "whole" (Gemma 3: an image's placeholders attend each other both ways, so a step computes
+#     all of them): a scheduler that ignored it would cut an image between steps, which such ranks refuse
 
 # Decoders refuse payloads above this size instead of allocating for them; a step with a few
 # thousand prompts of max length stays far below it.
@@ -525,7 +527,9 @@ class WorkerReady(Message):
     rope_split_by_length: bool = False
     # The images the model reads: "" none (a text model), "sequence" (each image's embeddings in
     # place of its placeholders, in order: LLaVA), "grid" (and its placeholders' grid places the positions
-    # after it: Qwen2-VL's M-RoPE); the scheduler refuses requests whose images the ranks could not read
+    # after it: Qwen2-VL's M-RoPE), "whole" (as "sequence", and an image's placeholders attend each other both
+    # ways, so a step computes all of those it computes any of: Gemma 3); the scheduler refuses requests whose
+    # images the ranks could not read
     images: str = ""
 
 

@@ -246,6 +246,8 @@ class Scheduler:
             computed = req.scheduled_computed
             remaining = req.scheduled_tokens - computed
             n = 1 if remaining == 1 else min(remaining, budget)
+            if n > 0:
+                n = req.chunk_end(computed, computed + n) - computed
             if (n <= 0 or req.pending > self.config.steps_ahead
                     or len(req.output_ids) + req.pending >= req.stopping.max_new_tokens):
                 # (scheduled ahead: each pending token but the newest is fed already, and the newest is the
@@ -357,7 +359,7 @@ class Scheduler:
             cached = len(cached_blocks) * kv.block_size
             todo = total - cached
             if chunking:
-                n = min(todo, budget)
+                n = req.chunk_end(cached, cached + min(todo, budget)) - cached
             else:
                 if prefill_tokens and todo > budget:
                     break  # alone, a prompt may exceed the budget; recomputed requests can be that long

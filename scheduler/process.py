@@ -263,7 +263,7 @@ class SchedulerService:
         req = Request(rid=msg.rid, frontend_id=msg.frontend_id, prompt_ids=list(msg.input_ids),
                       sampling=msg.sampling, stopping=msg.stopping, prompt_logprobs=msg.prompt_logprobs,
                       arrival_time=msg.arrival_time, traceparent=msg.traceparent, grammar=msg.grammar,
-                      adapter=msg.adapter, images=list(msg.images))
+                      adapter=msg.adapter, images=list(msg.images), whole_images=self.image_layout == "whole")
         try:
             if self.stopping:
                 raise ValueError("the server is shutting down")

@@ -31,6 +31,9 @@ class Request:
     grammar: Grammar | None = None  # passed to the ranks with the request; the policy never reads it
     adapter: str = ""  # its LoRA adapter ("": the base model); prefixes are shared within one adapter only
     images: list[ImageInput] = field(default_factory=list)  # passed to the ranks; the policy reads prompt_keys
+    # the ranks compute an image's placeholders in one step (WorkerReady.images "whole": Gemma 3's attend each
+    # other both ways); the policy ends its chunks by ``chunk_end``
+    whole_images: bool = False
     # prompt_ids as the prefix cache keys them: an image's placeholders by its digest (image_keys); None: the ids
     prompt_keys: list[int] | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -106,10 +109,27 @@ class Request:
     def image_bytes(self) -> int:
         return sum(len(image.data) for image in self.images)
 
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a step that computes this request's tokens from ``start`` ends, given it would end at ``end``
+        (``images_chunk_end`` where the ranks compute images whole)."""
+        return images_chunk_end(self.images, start, end) if self.whole_images else end
+
     def images_from(self, position: int) -> list[ImageInput]:
         """What ranks computing from ``position`` must see of the images: whole, those whose placeholders end
         after it; as ``stub``s (where they stand, without their files), those before it."""
         return [image if image.offset + image.num_tokens > position else image.stub() for image in self.images]
+
+
+def images_chunk_end(images: list[ImageInput], start: int, end: int) -> int:
+    """Where a step that computes a prompt's tokens from ``start`` ends, given it would end at ``end``, so that it
+    computes all of any image's placeholders it computes one of: at ``end``, unless that is inside an image; then
+    at the image's first placeholder where the step starts before it, else at the image's end, past ``end`` (a
+    step over the prefill budget by at most the rest of one image, as a whole prompt may be without chunking)."""
+    for image in images:
+        first, stop = image.offset, image.offset + image.num_tokens
+        if first < end < stop:
+            return first if first > start else stop
+    return end
 
 
 def image_keys(prompt_ids: list[int], images: list[ImageInput]) -> list[int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmbus.bus.messages import DRAFT_GUESS, SAMPLED_LAST, Grammar, SamplingParams
+from llmbus.scheduler.requests import images_chunk_end
 from llmbus.workers.model_runner import ModelRunner, SeqInput
 
 BLOCK_SIZE = 4  # small, so sequences span many non-contiguous blocks
@@ -119,6 +120,7 @@ class Request:
     oracle: list[int] = field(default_factory=list)
     kept_guesses: int = 0
     images: list = field(default_factory=list)  # ImageInput of its prompt (NewRequestData.images)
+    whole_images: bool = False  # chunks never end inside an image (ranks whose WorkerReady.images is "whole")
 
     @property
     def done(self) -> bool:
@@ -162,6 +164,8 @@ def drive(runner: ModelRunner, requests: list[Request], share_tokens=None,
             sequence = req.prompt + req.tokens
             remaining = len(sequence) - req.computed
             take = remaining if req.prefill_chunk is None else min(req.prefill_chunk, remaining)
+            if req.whole_images:  # as the scheduler cuts chunks for such ranks
+                take = images_chunk_end(req.images, req.computed, req.computed + take) - req.computed
             new_tokens = sequence[req.computed:req.computed + take]
             guesses = []
             if req.speculate and remaining == 1 and req.tokens:
