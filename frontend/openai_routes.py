@@ -425,7 +425,7 @@ def chat_prompt(state: FrontendState, chat: ChatRequest) -> str:
     else:  # tool_choice "none": a template that declares tools still sees them
         tools = chat.tools if chat.tools and takes_tools(source) else None
     prompt = state.chat_template.render(messages, tools, chat.template_kwargs,
-                                        image_token=state.vision.image_token if state.vision is not None else None)
+                                        image_token=state.vision.template_token if state.vision is not None else None)
     fmt = chat_format(state)
     if fmt.reasoning is not None and chat.reasoning is None:  # (rendered once: the grammar is wrapped once)
         chat.reasoning = ReasoningPlan(fmt.reasoning, opening(fmt.reasoning, prompt))

@@ -1,6 +1,6 @@
 """Which served models read images, and how a prompt makes room for one: the placeholder token the model's
 embeddings of an image replace, how many of them an image takes (and, for Qwen2-VL, in how many rows and
-columns), and what marks where an image begins and ends.
+columns), what marks where an image begins and ends, and what a chat template writes for an image.
 
 Read from the model folder (``config.json``, ``preprocessor_config.json``, ``tokenizer.json``), never from
 transformers' processors, which import torch. One reader per vision family (``FAMILIES``, by ``config.json``
@@ -29,17 +29,27 @@ class VisionModelError(ValueError):
 class VisionSpec:
     """How a prompt holds an image of this model: ``image_token`` (its text; ``image_token_id``) repeated
     ``tokens_for(width, height)`` times where the image stands, right after ``image_start`` and before
-    ``image_end`` (Qwen2-VL's ``<|vision_start|>`` and ``<|vision_end|>``; LLaVA's mark nothing). LLaVA's
-    count is the same for every image; a family whose count depends on the image's size overrides
-    ``tokens_for``, and one whose positions follow the placeholders' rows and columns ``grid_for``. Either
-    raises a validation error (422) for an image the model's image processor refuses."""
+    ``image_end`` (Qwen2-VL's ``<|vision_start|>`` and ``<|vision_end|>``; Gemma 3's ``\\n\\n<start_of_image>``
+    and ``<end_of_image>\\n\\n``; LLaVA's mark nothing). LLaVA's count is the same for every image; a family
+    whose count depends on the image's size overrides ``tokens_for``, and one whose positions follow the
+    placeholders' rows and columns ``grid_for``. Either raises a validation error (422) for an image the
+    model's image processor refuses. A chat template writes ``template_token`` for an image part: the image
+    token, or (Gemma 3) the mark transformers' processor expands into the whole image."""
 
     family: str  # config.json's model_type
     image_token: str
     image_token_id: int
     tokens_per_image: int  # for a family whose count varies, the fewest an image takes
-    image_start: str = ""  # each a token of its own where not ""
+    # where not "": image_start ends in a mark token of its own, the placeholders' neighbour (truncation keeps it
+    # with the image), and image_end begins with one; text around the marks (Gemma 3's blank lines) is the image's
+    image_start: str = ""
     image_end: str = ""
+    chat_image: str = ""  # what a chat template writes for an image where that is not image_token
+
+    @property
+    def template_token(self) -> str:
+        """The text a chat template writes where an image stands, which the image's ``![](<url>)`` replaces."""
+        return self.chat_image or self.image_token
 
     def tokens_for(self, width: int, height: int) -> int:
         return self.tokens_per_image
@@ -326,9 +336,67 @@ def _qwen2_vl(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec
                        temporal_patch=temporal_patch, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
+# transformers' Gemma3Config, for what a config.json leaves out (as the model reads it)
+GEMMA3_DEFAULTS = {"image_token_index": 262144, "boi_token_index": 255999, "eoi_token_index": 256000,
+                   "mm_tokens_per_image": 256}
+GEMMA3_BLANK_LINE = "\n\n"  # transformers' Gemma3Processor sets an image apart from the text around it
+
+
+def _gemma3(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec:
+    """Gemma 3 (``Gemma3ForConditionalGeneration``): ``mm_tokens_per_image`` placeholders (``image_token_index``,
+    ``<image_soft_token>``) whatever the image's size, its tower's patches average-pooled to that many, laid out
+    as transformers' ``Gemma3Processor`` expands the ``<start_of_image>`` (``boi_token_index``) its chat template
+    writes for an image: ``\\n\\n<start_of_image>``, the placeholders, ``<end_of_image>\\n\\n``
+    (``eoi_token_index``). Pan-and-scan, which adds crops of an image with placeholders of their own, is not
+    served."""
+    ids: dict[str, int] = {}
+    for name in ("image_token_index", "boi_token_index", "eoi_token_index"):
+        token_id = config.get(name, GEMMA3_DEFAULTS[name])
+        if not _is_int(token_id):
+            raise VisionModelError(f"config.json's `{name}` is no token id: {token_id!r}")
+        same = [other for other, other_id in ids.items() if other_id == token_id]
+        if same:
+            raise VisionModelError(f"config.json's `{name}` ({token_id}) is its `{same[0]}` too")
+        ids[name] = token_id
+    text = _token_text(tokenizer, ids["image_token_index"], "image token")
+    boi = _token_text(tokenizer, ids["boi_token_index"], "start of image token")
+    eoi = _token_text(tokenizer, ids["eoi_token_index"], "end of image token")
+    tokens = config.get("mm_tokens_per_image", GEMMA3_DEFAULTS["mm_tokens_per_image"])
+    if not _positive_int(tokens):
+        raise VisionModelError(f"config.json's `mm_tokens_per_image` is no positive whole number: {tokens!r}")
+    vision = config.get("vision_config")
+    image_size = vision.get("image_size") if isinstance(vision, dict) else None
+    if not _positive_int(image_size):
+        raise VisionModelError(f"config.json's vision_config has no `image_size`: {image_size!r}")
+    # the projector's pooling, as transformers' Gemma3MultiModalProjector sizes it: any other count of embeddings
+    # would not fit the placeholders
+    patches, side = image_size // _patch_size(config), math.isqrt(tokens)
+    kernel = patches // side
+    if side * side != tokens or kernel < 1 or patches // kernel != side:
+        raise VisionModelError(f"the vision tower's {patches}x{patches} patches do not pool into "
+                               f"`mm_tokens_per_image` ({tokens}) embeddings")
+    processor = _image_processor(model_dir)
+    if processor.get("do_pan_and_scan"):
+        raise VisionModelError("preprocessor_config.json turns on pan-and-scan (`do_pan_and_scan`), which is not "
+                               "served: set it to false")
+    if not processor.get("do_resize", True) or _square_or_box(processor.get("size"), "size") != (image_size,) * 2:
+        raise VisionModelError(f"the image processor does not resize images to the vision tower's image_size "
+                               f"({image_size}): {processor.get('size')!r}")
+    for name, written in (("processor_config.json", read_config(model_dir / "processor_config.json")),
+                          ("preprocessor_config.json", processor)):
+        length = written.get("image_seq_length")
+        if length is not None and length != tokens:
+            # transformers' processor writes its own count, the model embeds mm_tokens_per_image
+            raise VisionModelError(f"{name}'s `image_seq_length` ({length!r}) is not config.json's "
+                                   f"`mm_tokens_per_image` ({tokens})")
+    return VisionSpec(family="gemma3", image_token=text, image_token_id=ids["image_token_index"],
+                      tokens_per_image=tokens, image_start=GEMMA3_BLANK_LINE + boi,
+                      image_end=eoi + GEMMA3_BLANK_LINE, chat_image=boi)
+
+
 # config.json's model_type -> the reader of that family's VisionSpec
 FAMILIES: dict[str, Callable[[Path, dict, Tokenizer], VisionSpec]] = {
-    "llava": _llava, "llava_next": _llava_next, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl}
+    "llava": _llava, "llava_next": _llava_next, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl, "gemma3": _gemma3}
 
 
 def vision_spec(model_dir: str | Path, tokenizer: Tokenizer) -> VisionSpec | None:

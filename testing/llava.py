@@ -1,6 +1,7 @@
 """Tiny LLaVA and LLaVA-NeXT checkpoints (transformers' ``LlavaForConditionalGeneration`` and
 ``LlavaNextForConditionalGeneration``, hub layout) and transformers' float32 greedy references over prompts with
-images, for these and Qwen2-VL's (``qwen2_vl.py``): what the vision tests compare llmbus with.
+images, for these, Qwen2-VL's (``qwen2_vl.py``) and Gemma 3's (``gemma3_vl.py``): what the vision tests compare
+llmbus with.
 
 The text model is the demo ``tiny`` Llama (its trained tokenizer and weights, whose greedy margins are
 decisive), with ``<image>`` added to its vocabulary; the vision tower is a seeded random CLIP in 14-pixel
@@ -148,7 +149,8 @@ def _model(model_dir: str | Path):
 
     from llmbus.testing import qwen2_vl
 
-    names = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration"} | {
+    names = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+             "gemma3": "Gemma3ForConditionalGeneration"} | {
         family: classes[1] for family, classes in qwen2_vl.FAMILIES.items()}
     return getattr(transformers, names[_family(model_dir)]).from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -159,10 +161,12 @@ def processor(model_dir: str | Path):
     prepares the pixels."""
     import transformers
 
-    from llmbus.testing import qwen2_vl
+    from llmbus.testing import gemma3_vl, qwen2_vl
 
     if _family(model_dir) in qwen2_vl.FAMILIES:
         return qwen2_vl.processor(model_dir)
+    if _family(model_dir) == "gemma3":
+        return gemma3_vl.processor(model_dir)
     cls = {"llava": transformers.LlavaProcessor, "llava_next": transformers.LlavaNextProcessor}[_family(model_dir)]
     return cls(image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
                tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), patch_size=PATCH_SIZE,
@@ -233,22 +237,25 @@ def _greedy(model, inputs: dict, max_new_tokens: int, min_margin: float) -> tupl
 
 
 def generate_reference(model_dir: str | Path, prompts: list[ImagePrompt], max_new_tokens: int,
-                       min_margin: float) -> list[tuple[list[int], list[float]]]:
+                       min_margin: float, both_ways: bool = True) -> list[tuple[list[int], list[float]]]:
     """transformers' float32 greedy generate of each prompt, alone: (tokens, their logprobs); every step's
     top-1/top-2 logit margin must exceed ``min_margin``. (Qwen2-VL's generate also takes which tokens are an
-    image's, for its M-RoPE positions, as its processor gives them.)"""
+    image's, for its M-RoPE positions, and Gemma 3's, whose image tokens attend each other both ways, as their
+    processors give them; ``both_ways=False``: not Gemma 3's, whose image tokens then attend causally.)"""
     import torch
 
     from llmbus.testing import qwen2_vl
 
     model = _model(model_dir)
-    marks_images = _family(model_dir) in qwen2_vl.FAMILIES
+    family = _family(model_dir)
+    marks = ("mm_token_type_ids" if family in qwen2_vl.FAMILIES
+             else "token_type_ids" if family == "gemma3" and both_ways else None)
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt.ids])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if marks_images:
-            inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+        if marks is not None:
+            inputs[marks] = (ids == model.config.image_token_id).int()
         if prompt.images:
             inputs |= image_inputs(model_dir, prompt.images)
         out.append(_greedy(model, inputs, max_new_tokens, min_margin))

@@ -52,6 +52,15 @@ def tiny_qwen2_5_vl_dir(tmp_path_factory) -> Path:
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl", "qwen2_5_vl")
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_vl_dir(tmp_path_factory) -> Path:
+    """The tiny Gemma 3 vision-language checkpoint (llmbus.testing.gemma3_vl), built once per test session; tests
+    only read it."""
+    from llmbus.testing.gemma3_vl import build_tiny_gemma3_vl
+
+    return build_tiny_gemma3_vl(tmp_path_factory.mktemp("models") / "tiny-gemma3-vl")
+
+
 from llmbus.testing.runner_driver import MIN_MARGIN  # noqa: E402  (the margin every compared reference step must show)
 
 

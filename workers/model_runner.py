@@ -36,7 +36,7 @@ from llmbus.workers.step_clock import DeviceTimeline, StepClock
 from llmbus.workers.runner_warmup import RunnerWarmup
 from llmbus.workers.seq_input import SeqInput
 from llmbus.workers.mrope import mrope_positions
-from llmbus.workers.vision import StepImages
+from llmbus.workers.vision import StepImages, image_key_limits
 from llmbus.workers.step_rows import PromptLogprobRows, TokenHistory, keep_verified, one_token_rows
 
 
@@ -105,6 +105,7 @@ class ModelRunner(RunnerWarmup):
         vision = getattr(self.model, "vision", None)
         self.images = StepImages(vision, self.device) if vision is not None else None
         self._mrope = getattr(getattr(self.model, "rotary", None), "mrope_section", None) is not None
+        self._images_both_ways = getattr(self.model, "images_attend_both_ways", False)
         # whether the adapters' deltas are Triton kernels, which read each row's slot and no grouping of rows
         self._lora_kernels = bool(self._adapter_index) and self.model.active_adapters.kernels
         # What the model computes in: the weights' ``dtype``, or float32 over bfloat16 weights
@@ -213,7 +214,9 @@ class ModelRunner(RunnerWarmup):
             return logits
         # M-RoPE rows after an image rotate by other positions than their places: eagerly (mrope.py)
         rope_positions = mrope_positions(seqs, query_lens, self.device) if self._mrope else None
-        eager = embeddings is not None or rope_positions is not None
+        # Gemma 3's image rows attend their whole image: their own masks, eagerly
+        key_limits = image_key_limits(seqs, query_lens) if self._images_both_ways else None
+        eager = embeddings is not None or rope_positions is not None or key_limits is not None
         # the logits of the sampled rows alone: a head graph's greedy choices are then those rows' own
         sampled_rows_only = logits_index is None
         adapters = StepAdapters.of([s.adapter for s in seqs], query_lens, self._adapter_index, self.device,
@@ -233,7 +236,7 @@ class ModelRunner(RunnerWarmup):
         else:
             meta = self.model.attention_backend.build_metadata(
                 query_lens=query_lens, num_computed=[s.num_computed for s in seqs], block_tables=block_tables,
-                kv_cache=kv_cache, device=self.device)
+                kv_cache=kv_cache, device=self.device, key_limits=key_limits)
         if horizons is not None:
             meta.sequence_horizons = to_device(horizons, torch.long, self.device)
         if eager:
@@ -250,8 +253,10 @@ class ModelRunner(RunnerWarmup):
 
     @property
     def image_layout(self) -> str:
-        """The images this model reads (``WorkerReady.images``): "" none, "sequence", or "grid" (M-RoPE)."""
-        return "" if self.images is None else "grid" if self._mrope else "sequence"
+        """The images this model reads (``WorkerReady.images``): "" none, "sequence", "grid" (M-RoPE), or "whole"
+        (each image's placeholders in one step: they attend each other both ways)."""
+        return ("" if self.images is None else "grid" if self._mrope else "whole" if self._images_both_ways
+                else "sequence")
 
     @property
     def replayed_last(self) -> bool:

@@ -13,6 +13,10 @@ step's errors, on which the scheduler fails the request.
 
 A model's vision side is a ``VisionEncoder``: it says what an image's pixels become (``_features``), and
 the encoder checks them against the placeholders the frontend counted.
+
+Where a model's image placeholders attend each other both ways (Gemma 3), ``image_key_limits`` gives each row of
+a step the last position it attends; the scheduler computes such an image's placeholders in one step
+(``WorkerReady.images`` "whole"), so an image's later keys are in the step with its earlier queries.
 """
 
 from __future__ import annotations
@@ -114,3 +118,31 @@ class StepImages:
 
     def __len__(self) -> int:
         return len(self.encoded) + len(self.failed)
+
+
+def image_key_limits(seqs: list[SeqInput], query_lens: list[int]) -> list[int] | None:
+    """Per row of the flat batch, the last position it attends (``AttentionBackend.build_metadata``'s
+    ``key_limits``) where an image's placeholders attend their whole image: an image's last placeholder for its
+    rows, its own position for the others; None when the step computes no image's placeholders. Raises
+    ``ValueError`` for a step that ends inside an image: its later placeholders would be missing from the keys."""
+    spans = []  # (first row, end row, the image's last position)
+    first_row = 0
+    for seq, n in zip(seqs, query_lens):
+        start, end = seq.num_computed, seq.num_computed + n
+        for image in () if past_images(seq) else seq.images:
+            last = image.offset + image.num_tokens - 1
+            lo, hi = max(start, image.offset), min(end, last + 1)
+            if lo >= hi:
+                continue
+            if last >= end:
+                raise ValueError(f"{seq.rid}: a step ends inside an image whose placeholders attend each other "
+                                 f"both ways (at {end}, the image ends at {last + 1})")
+            spans.append((first_row + lo - start, first_row + hi - start, last))
+        first_row += n
+    if not spans:
+        return None
+    limits = [position for seq, n in zip(seqs, query_lens)
+              for position in range(seq.num_computed, seq.num_computed + n)]
+    for lo, hi, last in spans:
+        limits[lo:hi] = [last] * (hi - lo)
+    return limits

@@ -1,6 +1,8 @@
 """Gemma 3 text models (``model_type`` gemma3_text) on the native decoder of ``llama.py``, and the text
 model inside a multimodal Gemma 3 checkpoint (``model_type`` gemma3 with a ``text_config``: its
-``language_model.*`` weights; the vision tower is not loaded, so such a model serves text only).
+``language_model.*`` weights, and its vision side, ``llava.Gemma3Vision``, where the checkpoint has an image processor
+(``preprocessor_config.json``; without one it serves text only). An image's placeholders attend each other both
+ways (``images_attend_both_ways``: the runner gives their rows key limits, ``vision.image_key_limits``).
 
 What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
 
@@ -23,6 +25,7 @@ Attention-logit soft-capping and bidirectional attention (not used by Gemma 3's 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -122,6 +125,7 @@ def _layer_types(config: dict) -> list[str]:
 class Gemma3ForCausalLM(LlamaForCausalLM):
     FUSED_DECODE = False
     norm_class = GemmaRMSNorm
+    images_attend_both_ways = False  # True where the vision side is loaded (from_checkpoint)
 
     def __init__(self, *, config: DecoderConfig, device: torch.device, dtype: torch.dtype, **kwargs):
         super().__init__(config=config, device=device, dtype=dtype, **kwargs)
@@ -139,7 +143,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                            "tie_word_embeddings": hf_config.get("tie_word_embeddings", True)}
             if not reader.has(MULTIMODAL_TEXT_PREFIX + "model.embed_tokens.weight"):
                 raise ValueError(f"a multimodal Gemma 3 checkpoint without {MULTIMODAL_TEXT_PREFIX}model.* weights")
-            return super().from_checkpoint(text_config, PrefixedReader(reader, MULTIMODAL_TEXT_PREFIX), **kwargs)
+            model = super().from_checkpoint(text_config, PrefixedReader(reader, MULTIMODAL_TEXT_PREFIX), **kwargs)
+            model_dir = getattr(reader, "model_dir", None)
+            if model_dir is not None and os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
+                from llmbus.workers.models.llava import Gemma3Vision
+
+                # the vision side computes in the decoder's dtype, as LLaVA's (llava.py)
+                model.vision = Gemma3Vision(hf_config, model_dir, reader, dtype=model.dtype, device=kwargs["device"])
+                model.images_attend_both_ways = True
+            return model
         return super().from_checkpoint(hf_config, reader, **kwargs)
 
     @classmethod

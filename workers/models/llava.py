@@ -43,6 +43,25 @@ class FlatLayoutReader(PrefixedReader):
         return stored if stored.startswith("lm_head.") else None
 
 
+def load_tower_and_projector(reader, tower, projector, *, dtype: torch.dtype, device: torch.device) -> bool:
+    """The checkpoint's weights into ``tower`` and ``projector`` (transformers modules), moved to ``device`` and
+    ``dtype``; returns whether the checkpoint has transformers 5's flat layout (``model.vision_tower.*``). A CLIP or
+    SigLIP tower's weights may sit under ``vision_model.`` (the published checkpoints, transformers 4's modules) or
+    not (transformers 5's, which dropped that level)."""
+    first = next(iter(tower.state_dict()))
+    for flat, (tower_prefix, projector_prefix) in ((False, HUB_VISION_PREFIXES), (True, FLAT_VISION_PREFIXES)):
+        for infix in ("", "vision_model."):
+            if reader.has(tower_prefix + infix + first):
+                break
+        else:
+            continue
+        for module, prefix in ((tower, tower_prefix + infix), (projector, projector_prefix)):
+            module.load_state_dict({name: reader.read(prefix + name) for name in module.state_dict()}, strict=True)
+            module.to(device=device, dtype=dtype).eval()
+        return flat
+    raise ValueError(f"a vision-language checkpoint without its vision tower's weights ({HUB_VISION_PREFIXES[0]}*)")
+
+
 class LlavaVision(VisionEncoder):
     """The image side of a LLaVA checkpoint: ``encode`` turns an image into its placeholders' embeddings."""
 
@@ -50,20 +69,18 @@ class LlavaVision(VisionEncoder):
         import transformers
 
         config = self._config(hf_config)
+        self._read_options(config)
+        self.tower = transformers.AutoModel.from_config(config.vision_config)
+        self.projector = self._projector(config)
+        self.flat = load_tower_and_projector(reader, self.tower, self.projector, dtype=dtype, device=device)
+        self.processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+        self.device, self.dtype = device, dtype
+
+    def _read_options(self, config) -> None:
         self.feature_layer = config.vision_feature_layer
         self.strategy = config.vision_feature_select_strategy
         if self.strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {self.strategy!r}: LLaVA knows 'default' and 'full'")
-        self.tower = transformers.AutoModel.from_config(config.vision_config)
-        self.projector = self._projector(config)
-        self.flat = reader.has(FLAT_VISION_PREFIXES[0] + next(iter(self.tower.state_dict())))
-        for module, prefix in zip((self.tower, self.projector),
-                                  FLAT_VISION_PREFIXES if self.flat else HUB_VISION_PREFIXES):
-            state = {name: reader.read(prefix + name) for name in module.state_dict()}
-            module.load_state_dict(state, strict=True)
-            module.to(device=device, dtype=dtype).eval()
-        self.processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-        self.device, self.dtype = device, dtype
 
     @staticmethod
     def _config(hf_config: dict):
@@ -163,3 +180,36 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     """Builds a LLaVA-NeXT checkpoint's model: LLaVA's, with LLaVA-NeXT's tiles (``LlavaNextVision``)."""
 
     vision_class = LlavaNextVision
+
+
+class Gemma3Vision(LlavaVision):
+    """Gemma 3's image side: a SigLIP tower whose last hidden state is average-pooled, normalised and projected
+    into ``mm_tokens_per_image`` rows (``Gemma3MultiModalProjector``), one image size for every picture; what
+    ``Gemma3Model.get_image_features`` computes. Its placeholders attend each other both ways
+    (``Gemma3ForCausalLM.images_attend_both_ways``)."""
+
+    def __init__(self, hf_config: dict, model_dir: str, reader, *, dtype: torch.dtype, device: torch.device):
+        super().__init__(hf_config, model_dir, reader, dtype=dtype, device=device)
+        if getattr(self.processor, "do_pan_and_scan", False):  # its crops are images the frontend does not lay out
+            raise ValueError("Gemma 3's pan-and-scan crops are not served (do_pan_and_scan in "
+                             "preprocessor_config.json)")
+
+    def _read_options(self, config) -> None:
+        pass  # the tower's last hidden state, every patch
+
+    @staticmethod
+    def _config(hf_config: dict):
+        import transformers
+
+        return transformers.Gemma3Config(**hf_config)
+
+    @staticmethod
+    def _projector(config):
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        return Gemma3MultiModalProjector(config)
+
+    @torch.inference_mode()
+    def _features(self, picture) -> tuple[torch.Tensor, None]:
+        pixels = self.processor(images=[picture], return_tensors="pt")["pixel_values"]
+        return self.projector(self.tower(pixel_values=pixels.to(self.device, self.dtype)).last_hidden_state)[0], None
