@@ -130,3 +130,25 @@ def test_the_published_layout_reads_the_same_model(tiny_gemma3, tmp_path):
     assert results["hub"].tokens == expected[1][0]
     torch.testing.assert_close(torch.tensor(results["hub"].logprobs), torch.tensor(expected[1][1]), rtol=0,
                                atol=1e-4)
+
+
+def test_the_warmup_step_of_an_image_runs_the_key_limits(tiny_gemma3):
+    """On a GPU the warmup runs one step of a blank image (``_compile_image_rows``), so the Triton kernel's
+    key-limits variant compiles at start: here on the CPU, that step's rows reach the backend with their image's
+    limits, and it leaves no image behind."""
+    from llmbus.workers.model_runner import ModelRunner
+
+    path, _, _ = tiny_gemma3
+    runner = ModelRunner(str(path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    backend, seen = runner.model.attention_backend, []
+    build = backend.build_metadata
+
+    def spy(**kwargs):
+        seen.append(kwargs.get("key_limits"))
+        return build(**kwargs)
+
+    backend.build_metadata = spy
+    runner._compile_image_rows(runner.kv_cache)
+    tokens = gemma3_vl.IMAGE_TOKENS
+    assert seen == [[0] + [tokens] * tokens + [tokens + 1]]
+    assert len(runner.images) == 0

@@ -195,7 +195,7 @@ class Gemma3Vision(LlavaVision):
                              "preprocessor_config.json)")
 
     def _read_options(self, config) -> None:
-        pass  # the tower's last hidden state, every patch
+        self.tokens_per_image = config.mm_tokens_per_image  # (the tower's last hidden state, every patch, pooled)
 
     @staticmethod
     def _config(hf_config: dict):
