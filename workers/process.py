@@ -42,7 +42,8 @@ from llmbus.bus.shared_settings import (DEFAULT_MAX_BATCH_PREFILL_TOKENS, PREFIL
                                         QUANTIZE_HELP)
 from llmbus.workers.graph_sizes import (cuda_graphs_problem, parse_cuda_graphs, parse_piecewise_graphs,
                                         piecewise_graphs_problem)
-from llmbus.workers.host_memory import bound_onednn_caches, heap_on_huge_pages, keep_freed_memory
+from llmbus.workers.host_memory import (MIN_HUGE_HEAP_BYTES, bound_onednn_caches, heap_on_huge_pages,
+                                        keep_freed_memory)
 from llmbus.workers.placement import (cpu_budget, cpu_threads, cuda_float32_math, default_block_size,
                                       process_group_backend, resolve_device, resolve_dtype)
 
@@ -333,9 +334,11 @@ class Worker:
         from llmbus.bus.procfs import anon_huge_pages_bytes
 
         before, started = anon_huge_pages_bytes(os.getpid()), time.monotonic()
-        span = heap_on_huge_pages()
+        pool = getattr(self.runner, "kv_cache", None)
+        span = heap_on_huge_pages(MIN_HUGE_HEAP_BYTES, besides=pool.nbytes if pool is not None else 0)
         if span is None:
-            self.log.info("heap left on the pages it has: no transparent huge pages here")
+            self.log.info("heap left on the pages it has: no transparent huge pages here, or under "
+                          f"{MIN_HUGE_HEAP_BYTES >> 20} MB of it besides the KV pool")
             return
         after = anon_huge_pages_bytes(os.getpid())
         self.log.info("heap on 2 MB pages", span_mb=span >> 20, seconds=round(time.monotonic() - started, 2),
