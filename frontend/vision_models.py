@@ -342,13 +342,16 @@ GEMMA3_DEFAULTS = {"image_token_index": 262144, "boi_token_index": 255999, "eoi_
 GEMMA3_BLANK_LINE = "\n\n"  # transformers' Gemma3Processor sets an image apart from the text around it
 
 
-def _gemma3(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec:
+def _gemma3(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec | None:
     """Gemma 3 (``Gemma3ForConditionalGeneration``): ``mm_tokens_per_image`` placeholders (``image_token_index``,
     ``<image_soft_token>``) whatever the image's size, its tower's patches average-pooled to that many, laid out
     as transformers' ``Gemma3Processor`` expands the ``<start_of_image>`` (``boi_token_index``) its chat template
     writes for an image: ``\\n\\n<start_of_image>``, the placeholders, ``<end_of_image>\\n\\n``
     (``eoi_token_index``). Pan-and-scan, which adds crops of an image with placeholders of their own, is not
-    served."""
+    served. A checkpoint without an image processor (``preprocessor_config.json``) is served as a text model,
+    as its ranks serve it (``workers/models/gemma3.py``): None."""
+    if not (model_dir / "preprocessor_config.json").is_file():
+        return None
     ids: dict[str, int] = {}
     for name in ("image_token_index", "boi_token_index", "eoi_token_index"):
         token_id = config.get(name, GEMMA3_DEFAULTS[name])
@@ -394,8 +397,8 @@ def _gemma3(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec:
                       image_end=eoi + GEMMA3_BLANK_LINE, chat_image=boi)
 
 
-# config.json's model_type -> the reader of that family's VisionSpec
-FAMILIES: dict[str, Callable[[Path, dict, Tokenizer], VisionSpec]] = {
+# config.json's model_type -> the reader of that family's VisionSpec (None: the folder is served as text)
+FAMILIES: dict[str, Callable[[Path, dict, Tokenizer], VisionSpec | None]] = {
     "llava": _llava, "llava_next": _llava_next, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl, "gemma3": _gemma3}
 
 

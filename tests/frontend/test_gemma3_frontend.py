@@ -208,6 +208,14 @@ def test_a_gemma3_the_frontend_cannot_lay_out_is_refused(tiny_gemma3_vl_dir, tmp
     assert message in str(raised.value) and "a gemma3 model whose image tokens" in str(raised.value)
 
 
+def test_a_gemma3_folder_without_an_image_processor_is_a_text_model(tiny_gemma3_vl_dir, tmp_path):
+    """As its ranks serve it (text only, the vision side not loaded): no spec, so the frontend starts as a text
+    model's and refuses images, instead of refusing the folder."""
+    variant = _variant(tiny_gemma3_vl_dir, tmp_path)
+    (variant / "preprocessor_config.json").unlink()
+    assert vision_spec(variant, Tokenizer.from_file(str(variant / "tokenizer.json"))) is None
+
+
 @pytest.mark.parametrize("pan_and_scan", [None, False])
 def test_pan_and_scan_off_is_served(tiny_gemma3_vl_dir, tmp_path, pan_and_scan):
     variant = _variant(tiny_gemma3_vl_dir, tmp_path, processor_config={"do_pan_and_scan": pan_and_scan},
