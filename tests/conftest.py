@@ -12,10 +12,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
-# xdist (--dist loadscope) hands whole modules to its workers in collection order, the next one to whichever
-# finishes first: directories of long modules first (the end-to-end runs, the model runners), of short ones last
-# (the bus's), so that the run ends on short modules instead of one worker finishing a long one while the
-# other waits (59 of the 620 s the suite took were that wait, directories in name order).
+# xdist (--dist loadscope --no-loadscope-reorder, pyproject's addopts) hands whole modules to its workers in
+# collection order, the next one to whichever finishes first: directories of long modules first (the end-to-end
+# runs, the model runners), of short ones last (the bus's), so that the run ends on short modules. By default
+# xdist orders modules by their count of tests instead, which put the long modules of few tests (a served
+# end-to-end run of two tests takes 30 s) last: one worker finished them while the other waited.
 DIRECTORIES_BY_LENGTH = ("e2e", "workers", "scheduler", "bench", "frontend", "supervisor", "bus")
 
 
