@@ -211,6 +211,20 @@ def _patch_size(config: dict) -> int:
     return patch
 
 
+def _distinct_ids(config: dict, names: tuple[str, ...], known: dict[str, int] | None = None) -> dict[str, int]:
+    """``known`` and config.json's token ids ``names``: each a whole number, none of them another's."""
+    ids = dict(known or {})
+    for name in names:
+        token_id = config.get(name)
+        if not _is_int(token_id):
+            raise VisionModelError(f"config.json has no `{name}`: {token_id!r}")
+        same = [other for other, other_id in ids.items() if other_id == token_id]
+        if same:
+            raise VisionModelError(f"config.json's `{name}` ({token_id}) is its `{same[0]}` too")
+        ids[name] = token_id
+    return ids
+
+
 def _image_processor(model_dir: Path) -> dict:
     processor_path = model_dir / "preprocessor_config.json"
     if not processor_path.is_file():
@@ -296,15 +310,7 @@ def _qwen2_vl(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec
     names none), whose patches must be the vision tower's; each image's placeholders between config.json's
     ``vision_start_token_id`` and ``vision_end_token_id``, as transformers' chat templates write an image."""
     text, token_id = _image_token(config, tokenizer)
-    ids = {"image_token_id": token_id}
-    for name in ("vision_start_token_id", "vision_end_token_id"):
-        mark_id = config.get(name)
-        if not _is_int(mark_id):
-            raise VisionModelError(f"config.json has no `{name}`: {mark_id!r}")
-        same = [other for other, other_id in ids.items() if other_id == mark_id]
-        if same:
-            raise VisionModelError(f"config.json's `{name}` ({mark_id}) is its `{same[0]}` too")
-        ids[name] = mark_id
+    ids = _distinct_ids(config, ("vision_start_token_id", "vision_end_token_id"), {"image_token_id": token_id})
     start = _token_text(tokenizer, ids["vision_start_token_id"], "vision start token")
     end = _token_text(tokenizer, ids["vision_end_token_id"], "vision end token")
     processor = _image_processor(model_dir)
@@ -352,15 +358,7 @@ def _gemma3(model_dir: Path, config: dict, tokenizer: Tokenizer) -> VisionSpec |
     as its ranks serve it (``workers/models/gemma3.py``): None."""
     if not (model_dir / "preprocessor_config.json").is_file():
         return None
-    ids: dict[str, int] = {}
-    for name in ("image_token_index", "boi_token_index", "eoi_token_index"):
-        token_id = config.get(name, GEMMA3_DEFAULTS[name])
-        if not _is_int(token_id):
-            raise VisionModelError(f"config.json's `{name}` is no token id: {token_id!r}")
-        same = [other for other, other_id in ids.items() if other_id == token_id]
-        if same:
-            raise VisionModelError(f"config.json's `{name}` ({token_id}) is its `{same[0]}` too")
-        ids[name] = token_id
+    ids = _distinct_ids({**GEMMA3_DEFAULTS, **config}, ("image_token_index", "boi_token_index", "eoi_token_index"))
     text = _token_text(tokenizer, ids["image_token_index"], "image token")
     boi = _token_text(tokenizer, ids["boi_token_index"], "start of image token")
     eoi = _token_text(tokenizer, ids["eoi_token_index"], "end of image token")

@@ -192,7 +192,7 @@ def test_each_image_stands_between_one_start_and_one_end(images, text, expected)
     ({"mm_tokens_per_image": "16"}, None, None, "`mm_tokens_per_image` is no positive whole number: '16'"),
     ({"boi_token_index": 4097}, None, None, "`boi_token_index` (4097) is its `image_token_index` too"),
     ({"eoi_token_index": 99999}, None, None, "end of image token 99999 is not in tokenizer.json's vocabulary"),
-    ({"image_token_index": None}, None, None, "`image_token_index` is no token id: None"),
+    ({"image_token_index": None}, None, None, "config.json has no `image_token_index`: None"),
     (None, {"size": {"height": 64, "width": 64}}, None, "does not resize images to the vision tower's image_size"),
     (None, {"do_resize": False}, None, "does not resize images to the vision tower's image_size (32)"),
     (None, {"image_seq_length": 256}, None, "preprocessor_config.json's `image_seq_length` (256) is not config.json's "
