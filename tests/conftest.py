@@ -11,6 +11,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(
         1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+# The servers the tests start get a 128 MiB KV pool on the CPU (--kv-cache-memory's variable), not the 512 MiB
+# default: a rank zero-fills its pool at start, about a second of CPU for 512 MiB, and the suite starts a
+# hundred-odd ranks for tiny models and short prompts (SmolLM2 still holds 2,900 float32 tokens). A test that
+# gives --kv-cache-memory or --num-blocks decides for itself.
+os.environ.setdefault("KV_CACHE_MEMORY", str(128 * 1024 * 1024))
+
 
 # xdist (--dist loadscope --no-loadscope-reorder, pyproject's addopts) hands whole modules to its workers in
 # collection order, the next one to whichever finishes first: directories of long modules first (the end-to-end
