@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 from llmbus.bus.messages import DRAFT_GUESS, MAX_IMAGE_BYTES, FinishReason
 from llmbus.bus.shared_settings import DEFAULT_MAX_BATCH_PREFILL_TOKENS
 from llmbus.scheduler.kv_blocks import KVBlockManager
-from llmbus.scheduler.requests import Request, RequestStatus, ScheduledBatch, ScheduledSeq, TokenEvent
+from llmbus.scheduler.requests import (Request, RequestStatus, ScheduledBatch, ScheduledSeq, TokenEvent,
+                                      images_chunk_end)
 from llmbus.scheduler.speculation import GuessRate, NgramIndex
 
 
@@ -80,6 +81,9 @@ class SchedulerConfig:
     # dynamic NTK (WorkerReady.rope_split_by_length): such a prompt's K/V follow its own length, so each length's
     # blocks are cached apart too
     rope_split_by_length: bool = False
+    # WorkerReady.images "whole" (Gemma 3's placeholders attend each other both ways): a step computes all of an
+    # image's placeholders it computes any of (``_chunk_end``)
+    whole_images: bool = False
     # The bounds of these values are checked where they are set: the scheduler's declared settings
     # (scheduler/config.py, SchedulerProcessConfig).
 
@@ -247,7 +251,7 @@ class Scheduler:
             remaining = req.scheduled_tokens - computed
             n = 1 if remaining == 1 else min(remaining, budget)
             if n > 0:
-                n = req.chunk_end(computed, computed + n) - computed
+                n = self._chunk_end(req, computed, computed + n) - computed
             if (n <= 0 or req.pending > self.config.steps_ahead
                     or len(req.output_ids) + req.pending >= req.stopping.max_new_tokens):
                 # (scheduled ahead: each pending token but the newest is fed already, and the newest is the
@@ -291,6 +295,11 @@ class Scheduler:
                                            is_decode=is_decode, watched_guess=watched))
             i += 1
         return preempted, budget
+
+    def _chunk_end(self, req: Request, start: int, end: int) -> int:
+        """Where a step computing ``req``'s tokens from ``start`` ends, given it would end at ``end``: there, or
+        where ``images_chunk_end`` moves it for ranks that compute an image's placeholders in one step."""
+        return images_chunk_end(req.images, start, end) if self.config.whole_images and req.images else end
 
     def _guess(self, req: Request, budget: int, batch: ScheduledBatch) -> ScheduledSeq | int | None:
         """A decode of ``req`` with guessed tokens after its last one, if it may speculate, its recent
@@ -359,7 +368,7 @@ class Scheduler:
             cached = len(cached_blocks) * kv.block_size
             todo = total - cached
             if chunking:
-                n = req.chunk_end(cached, cached + min(todo, budget)) - cached
+                n = self._chunk_end(req, cached, cached + min(todo, budget)) - cached
             else:
                 if prefill_tokens and todo > budget:
                     break  # alone, a prompt may exceed the budget; recomputed requests can be that long

@@ -158,7 +158,8 @@ class SchedulerService:
                             speculate=cfg.speculate, speculate_max_batch=cfg.speculate_max_batch,
                             speculate_method=cfg.speculate_method, steps_ahead=self.steps_ahead,
                             rope_split_tokens=ready[0].rope_split_tokens,
-                            rope_split_by_length=ready[0].rope_split_by_length),
+                            rope_split_by_length=ready[0].rope_split_by_length,
+                            whole_images=ready[0].images == "whole"),
             kv)
         self.log.info("workers ready", ranks=n, kv_blocks=num_blocks, block_size=block_size,
                       max_batch_total_tokens=capacity, dtype=ready[0].dtype, device=ready[0].device,
@@ -263,7 +264,7 @@ class SchedulerService:
         req = Request(rid=msg.rid, frontend_id=msg.frontend_id, prompt_ids=list(msg.input_ids),
                       sampling=msg.sampling, stopping=msg.stopping, prompt_logprobs=msg.prompt_logprobs,
                       arrival_time=msg.arrival_time, traceparent=msg.traceparent, grammar=msg.grammar,
-                      adapter=msg.adapter, images=list(msg.images), whole_images=self.image_layout == "whole")
+                      adapter=msg.adapter, images=list(msg.images))
         try:
             if self.stopping:
                 raise ValueError("the server is shutting down")

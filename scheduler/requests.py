@@ -31,9 +31,6 @@ class Request:
     grammar: Grammar | None = None  # passed to the ranks with the request; the policy never reads it
     adapter: str = ""  # its LoRA adapter ("": the base model); prefixes are shared within one adapter only
     images: list[ImageInput] = field(default_factory=list)  # passed to the ranks; the policy reads prompt_keys
-    # the ranks compute an image's placeholders in one step (WorkerReady.images "whole": Gemma 3's attend each
-    # other both ways); the policy ends its chunks by ``chunk_end``
-    whole_images: bool = False
     # prompt_ids as the prefix cache keys them: an image's placeholders by its digest (image_keys); None: the ids
     prompt_keys: list[int] | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -108,11 +105,6 @@ class Request:
     @property
     def image_bytes(self) -> int:
         return sum(len(image.data) for image in self.images)
-
-    def chunk_end(self, start: int, end: int) -> int:
-        """Where a step that computes this request's tokens from ``start`` ends, given it would end at ``end``
-        (``images_chunk_end`` where the ranks compute images whole)."""
-        return images_chunk_end(self.images, start, end) if self.whole_images else end
 
     def images_from(self, position: int) -> list[ImageInput]:
         """What ranks computing from ``position`` must see of the images: whole, those whose placeholders end

@@ -117,7 +117,7 @@ def test_whole_images_are_never_cut_between_steps(num_blocks, block_size, prefil
     from llmbus.bus.messages import ImageInput
 
     kv = KVBlockManager(num_blocks, block_size, prefix_caching=caching)
-    s = Scheduler(SchedulerConfig(prefill, None, prefill_chunking=True), kv)
+    s = Scheduler(SchedulerConfig(prefill, None, prefill_chunking=True, whole_images=True), kv)
     worker = SimWorker(block_size, eos=EOS)
     requests, refused = [], set()
     for i, spec in enumerate(specs):
@@ -127,8 +127,7 @@ def test_whole_images_are_never_cut_between_steps(num_blocks, block_size, prefil
                                      digest=spec["picture"] * 16))
             prompt += [9] * size + text
         requests.append((spec, Request(rid=f"r{i}", frontend_id="f", prompt_ids=prompt, sampling=SamplingParams(),
-                                       stopping=StoppingParams(spec["max_new_tokens"], [EOS]), images=images,
-                                       whole_images=True)))
+                                       stopping=StoppingParams(spec["max_new_tokens"], [EOS]), images=images)))
     step = 0
     while step < 2000:
         for spec, req in requests:
