@@ -87,27 +87,27 @@ class RunnerWarmup:
                                     block_table=list(range(-(-length // self.block_size))), sample=True,
                                     sampling=SamplingParams())], cache)
 
-    def _compile_image_rows(self, cache: PagedKVCache) -> None:
+    def _compile_image_rows(self, cache: PagedKVCache) -> bool:
         """A prompt step holding one blank image whose rows attend it whole (Gemma 3), so that the attention's
         key-limits kernel compiles at start, not in the first image request's step; its rows are then dropped.
-        Skipped where the scratch pool cannot hold it (a prefill budget under an image)."""
+        Returns whether it ran: not where the scratch pool cannot hold it (a prefill budget under an image)."""
         import io
 
-        from PIL import Image
-
         from llmbus.bus.messages import ImageInput
+        from llmbus.workers.vision import blank_image
 
-        picture = io.BytesIO()
-        Image.new("RGB", (64, 64), (127, 127, 127)).save(picture, "PNG")
         count = self.images.vision.tokens_per_image
         length, rid = count + 2, f"{WARMUP_RID_PREFIX}image"
         blocks = -(-length // self.block_size)
         if blocks > cache.num_blocks:
-            return
+            return False
+        picture = io.BytesIO()
+        blank_image().save(picture, "PNG")
         image = ImageInput(offset=1, num_tokens=count, data=picture.getvalue(), digest=bytes(16))
         self._forward([SeqInput(rid=rid, token_ids=[0] * length, num_computed=0, block_table=list(range(blocks)),
                                 sample=True, sampling=SamplingParams(), images=[image])], cache)
         self.images.drop([rid])
+        return True
 
     def warmup(self) -> int:
         """A real worst-case prefill (all ``max_batch_prefill_tokens`` at once; a short one on CPU, see
@@ -141,10 +141,10 @@ class RunnerWarmup:
                            watermark_gamma=self.watermark_gamma, watermark_delta=self.watermark_delta)
                 if self.device.type == "cuda":
                     self._compile_short_queries(cache)
-                if self.images is not None:
+                # (a step of an image runs the vision side too: its first run, its memory peak)
+                if self.images is not None and not (self.device.type == "cuda" and self._images_both_ways
+                                                    and self._compile_image_rows(cache)):
                     self.images.vision.warm()
-                    if self.device.type == "cuda" and self._images_both_ways:
-                        self._compile_image_rows(cache)
         except torch.OutOfMemoryError as e:
             raise WarmupOutOfMemory(
                 f"Not enough memory to handle {self.max_batch_prefill_tokens} prefill tokens. "

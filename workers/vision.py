@@ -30,6 +30,13 @@ from llmbus.workers.mrope import past_images
 from llmbus.workers.seq_input import SeqInput
 
 
+def blank_image():
+    """A grey picture, what the warmup encodes."""
+    from PIL import Image
+
+    return Image.new("RGB", (64, 64), (127, 127, 127))
+
+
 class VisionEncoder:
     """A vision-language model's image side (``model.vision``). A family implements ``_features``: an opened
     image's embeddings ``[placeholders, text hidden]`` in its placeholders' order, and their [rows, cols]
@@ -54,9 +61,7 @@ class VisionEncoder:
     def warm(self) -> None:
         """Encode a blank image: the vision side's first run (and, on CUDA, its memory peak) happen at warmup,
         not in the first request's step."""
-        from PIL import Image
-
-        self._features(Image.new("RGB", (64, 64), (127, 127, 127)))
+        self._features(blank_image())
 
 
 class StepImages:

@@ -148,7 +148,7 @@ def test_the_warmup_step_of_an_image_runs_the_key_limits(tiny_gemma3):
         return build(**kwargs)
 
     backend.build_metadata = spy
-    runner._compile_image_rows(runner.kv_cache)
+    assert runner._compile_image_rows(runner.kv_cache)
     tokens = gemma3_vl.IMAGE_TOKENS
     assert seen == [[0] + [tokens] * tokens + [tokens + 1]]
     assert len(runner.images) == 0
