@@ -11,6 +11,12 @@ worker holds when it starts serving. Then, once as it is and once after ``freeze
    two arrivals a step, chunked prompts beside decodes), the collections counted by ``GcPauses``: how many full ones the
    steps' own garbage brings, and their time.
 The ratio printed is the full collection's pause without the freeze over with it.
+
+    python benchmarks/gc_pauses.py --startup 5
+
+A worker's start instead, in fresh processes taking turns: the CPU time from its first import of torch to the
+collection before serving (imports, a small runner built and warmed up, ``freeze_startup_heap``), with those imports
+made inside ``imports_frozen`` (as the worker makes them) and without; the medians and their ratio.
 """
 
 from __future__ import annotations
@@ -61,12 +67,52 @@ def measure(freeze: bool, requests: int, new_tokens: int) -> dict:
                     drive_s=seconds, **counter.take())
 
 
+def startup_cpu_s(frozen_imports: bool) -> float:
+    """CPU seconds of a worker's start in this fresh process (see the module's docstring)."""
+    import contextlib
+
+    started = time.process_time()
+    from llmbus.bus.gc_pauses import freeze_startup_heap, imports_frozen
+
+    with imports_frozen() if frozen_imports else contextlib.nullcontext():
+        import torch  # noqa: F401
+
+        from llmbus.testing.runner_driver import BLOCK_SIZE, save_tiny_llama
+        from llmbus.workers.model_runner import ModelRunner
+    with tempfile.TemporaryDirectory() as model_dir:
+        save_tiny_llama(model_dir, tied=False, vocab_size=512)
+        ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=64).warmup()
+        freeze_startup_heap()
+    return time.process_time() - started
+
+
+def compare_startups(rounds: int) -> None:
+    cpu: dict[str, list[float]] = {"as before": [], "imports frozen": []}
+    for _ in range(rounds):
+        for which in cpu:
+            done = subprocess.run([sys.executable, __file__, "--one-startup", which], capture_output=True, text=True,
+                                  check=True)
+            cpu[which].append(float(done.stdout.strip().splitlines()[-1]))
+    for which, seconds in cpu.items():
+        print(f"{which:15} median {statistics.median(seconds):.3f} CPU s  ({', '.join(f'{s:.3f}' for s in seconds)})")
+    before, after = (statistics.median(seconds) for seconds in cpu.values())
+    print(f"a worker's start with its imports frozen: {after / before:.3f}x the CPU ({before - after:.3f} s less)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--startup", type=int, metavar="ROUNDS", help="measure a worker's start instead")
     parser.add_argument("--one", choices=("frozen", "unfrozen"), help=argparse.SUPPRESS)  # a child's measurement
+    parser.add_argument("--one-startup", choices=("as before", "imports frozen"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_startup:
+        print(startup_cpu_s(args.one_startup == "imports frozen"))
+        return 0
+    if args.startup:
+        compare_startups(args.startup)
+        return 0
     if args.one:
         print(json.dumps(measure(args.one == "frozen", args.requests, args.new_tokens)))
         return 0

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from llmbus.bus import messages as m
-from llmbus.bus.gc_pauses import freeze_startup_heap
+from llmbus.bus.gc_pauses import freeze_startup_heap, imports_frozen
 from llmbus.bus.model_files import ROPE_SCALINGS, lora_entries, rope_override
 from llmbus.bus.rundir import ENV_RUN_DIR, Endpoints
 from llmbus.bus.service import (ServiceContext, ServiceError, Terminate, ignore_stop_signals, install_stop_signals,
@@ -223,7 +223,12 @@ class Worker:
     def start(self) -> None:
         # before any torch operation: the first oneDNN one reads the caches' capacities (CPU only; harmless on CUDA)
         onednn_caches = bound_onednn_caches(self.cfg.onednn_cache_capacity)
-        import torch
+        with imports_frozen():  # they live as long as the process: no collection walks them (bus/gc_pauses.py)
+            import torch
+
+            from llmbus.workers.fake import FakeRunner
+            from llmbus.workers.loader import MissingWeight
+            from llmbus.workers.model_runner import ModelRunner, SeqInput
 
         send(self.control, m.WorkerHello(rank=self.cfg.rank, world_size=self.cfg.world_size, pid=os.getpid()))
         device = resolve_device(self.cfg.device, self.cfg.rank)
@@ -261,10 +266,6 @@ class Worker:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=init, rank=self.cfg.rank, world_size=self.cfg.world_size)
-        from llmbus.workers.fake import FakeRunner
-        from llmbus.workers.loader import MissingWeight
-        from llmbus.workers.model_runner import ModelRunner, SeqInput
-
         self._seq_input = SeqInput  # torch-importing module: loaded here, not at import of this one
 
         t0 = time.monotonic()
