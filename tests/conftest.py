@@ -26,8 +26,49 @@ os.environ.setdefault("KV_CACHE_MEMORY", str(128 * 1024 * 1024))
 DIRECTORIES_BY_LENGTH = ("e2e", "workers", "scheduler", "bench", "frontend", "supervisor", "bus")
 
 
+# The session's shared servers (fixtures below) start once in each xdist worker whose tests ask for one: the
+# modules using one run on one worker, as one of loadscope's units, so that it starts once in the run (a SmolLM2
+# server is 8 s of CPU). Collection checks that every module asking for one is listed here.
+SHARED_SERVER_MODULES = {
+    "smollm2_server": ("e2e/test_real_models.py", "e2e/test_sampling_defaults_served.py",
+                       "workers/test_host_memory.py", "scheduler/test_speculation.py",
+                       "frontend/test_tool_calls.py", "frontend/test_openai_frequency_penalty.py",
+                       "frontend/test_responses_api.py", "frontend/test_structured_output.py",
+                       "frontend/test_strict_schema.py", "frontend/test_anthropic_messages.py"),
+    "tiny_server": ("frontend/test_clients.py", "frontend/test_refused_fields.py", "bus/test_bus_hardening.py"),
+    "tiny_keyed_server": ("frontend/test_responses_store.py", "frontend/test_anthropic_errors.py"),
+    "qwen3_chat_server": ("frontend/test_family_chat_formats.py", "frontend/test_reasoning_controls.py"),
+}
+
+
+def shared_server_units() -> dict[str, str]:
+    """Each listed module's unit: the shared server it asks for (a module asks for one at most)."""
+    units = {f"tests/{module}": fixture for fixture, modules in SHARED_SERVER_MODULES.items() for module in modules}
+    assert len(units) == sum(map(len, SHARED_SERVER_MODULES.values())), "a module listed under two servers"
+    return units
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    units = shared_server_units()
+
+    class SharedServerScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return units.get(nodeid.split("::", 1)[0]) or super()._split_scope(nodeid)
+
+    return SharedServerScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).parent
+    unlisted = sorted({f"{item.nodeid.split('::')[0]} ({fixture})" for item in items
+                       for fixture in SHARED_SERVER_MODULES if fixture in getattr(item, "fixturenames", ())
+                       and str(Path(str(item.fspath)).relative_to(tests)) not in SHARED_SERVER_MODULES[fixture]})
+    if unlisted:
+        raise pytest.UsageError("tests/conftest.py SHARED_SERVER_MODULES lacks " + ", ".join(unlisted))
 
     def directory_rank(item) -> int:
         parts = Path(str(item.fspath)).relative_to(tests).parts
@@ -202,10 +243,10 @@ def smollm2_f32_server(request):
     assert server.stop() == 0, server.stderr.text[-3000:]
 
 
-# The modules that need a plain tiny-model server share these (one start per xdist worker, not one per
-# module). What they may do to it: send any request, read the log lines and /metrics counts their own requests
-# caused (from a line index or a before/after difference), speak to its run dir. A module that stops, kills or
-# restarts its server, or whose point is a flag, starts its own.
+# The modules that need a plain tiny-model server share these (one start in the run: SHARED_SERVER_MODULES).
+# What they may do to it: send any request, read the log lines and /metrics counts their own requests caused
+# (from a line index or a before/after difference), speak to its run dir. A module that stops, kills or restarts
+# its server, or whose point is a flag, starts its own.
 TINY_MAX_TOTAL_TOKENS = 256  # the limit the refusals "must be <= 256" of the sharing modules name
 
 
