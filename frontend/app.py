@@ -51,12 +51,10 @@ def make_app(config: FrontendConfig, *, tokenizer: ModelTokenizer | None = None,
     state.sampling_defaults.log_line()
 
     async def engine_ctx(app: web.Application):
-        # the chat template's renderer loads while the scheduler answers
-        template_loaded = asyncio.get_running_loop().run_in_executor(None, state.chat_template.load)
+        state.chat_template.load()  # compiled now, not in the first chat request
         engine = EngineClient(config.requests_endpoint, config.events_endpoint, config.frontend_id, zmq_ctx,
                               hang_timeout_s=config.scheduler_hang_timeout_s)
         hello = await engine.start(config.scheduler_timeout_s)
-        await template_loaded
         try:
             limits = resolve_limits(config, state.tokenizer.model_max_length, hello.max_batch_total_tokens)
         except ValueError:

@@ -1,5 +1,6 @@
-"""The model's chat template: found where transformers looks for it, rendered by transformers' own
-Jinja renderer, so a conversation becomes exactly the text ``tokenizer.apply_chat_template`` would give.
+"""The model's chat template: found where transformers looks for it, rendered as transformers' renderer
+renders it (chat_render.py), so a conversation becomes exactly the text ``tokenizer.apply_chat_template``
+would give.
 
 Where to look, first hit wins (transformers 5 and TGI agree on the order): ``chat_template.jinja``,
 ``chat_template.json``, then ``tokenizer_config.json`` ``chat_template`` (a string, or a list of named
@@ -12,11 +13,13 @@ prompt stops right after that message's content) instead of being answered.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmbus.frontend.chat_render import compiled, render_chat
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend.images import MARKDOWN_IMAGE
 from llmbus.frontend.reasoning import ReasoningMarkers, find_markers, find_thinking_switch
@@ -114,7 +117,6 @@ class ChatTemplate:
         self.source = _pick(given.get("chat_template")) or find_chat_template(model_dir)
         self.special_tokens = {**_special_tokens(_read_json(model_dir / "tokenizer_config.json")),
                                **_special_tokens(given)}
-        self._render = None
         self._format: tuple[tuple[str, bool], ChatFormat] | None = None
 
     def chat_format(self, tool_call_parser: str, tokenizer, special_ids=frozenset(),
@@ -135,12 +137,11 @@ class ChatTemplate:
         return self.source is not None
 
     def load(self) -> None:
-        """Import transformers' renderer (sandboxed Jinja with its filters and raise_exception), a cost the
-        frontend pays at start-up, off its event loop, rather than in the first chat request, where it would
-        stall every stream (design notes, "Every service starts at once")."""
-        if self.source is not None and self._render is None:
-            from transformers.utils.chat_template_utils import render_jinja_template
-            self._render = render_jinja_template
+        """Compile the template (a few ms for a large one) at start-up rather than in the first chat request.
+        A template that does not compile does not stop the start: each chat request reports its error."""
+        if self.source is not None:
+            with contextlib.suppress(Exception):  # the error is the template's, told at each render
+                compiled(self.source)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, extra: dict | None = None,
                image_token: str | None = None) -> str:
@@ -154,7 +155,6 @@ class ChatTemplate:
         again, in order."""
         if self.source is None:
             raise template_error("template not found")
-        self.load()
         if image_token is None or not self.reads_content_parts:
             return self._render_messages(messages, tools, extra)
         references = [ref for msg in messages for ref in _image_references(msg)]
@@ -164,14 +164,12 @@ class ChatTemplate:
     def _render_messages(self, messages: list[dict], tools: list[dict] | None, extra: dict | None) -> str:
         continue_final = bool(messages) and messages[-1].get("role") == "assistant"
         try:
-            rendered, _ = self._render(
-                [messages], tools=tools or None, chat_template=self.source,
-                add_generation_prompt=not continue_final, continue_final_message=continue_final,
-                **{**self.special_tokens, **(extra or {})})
+            return render_chat(self.source, messages, tools or None, add_generation_prompt=not continue_final,
+                               continue_final_message=continue_final,
+                               variables={**self.special_tokens, **(extra or {})})
         except Exception as e:  # noqa: BLE001 - any template failure is the template's error, not ours
             # raise_exception('...') in a template arrives here with the template's own words
             raise template_error(str(e) or type(e).__name__) from None
-        return rendered[0]
 
     @functools.cached_property
     def reads_content_parts(self) -> bool:
@@ -179,7 +177,6 @@ class ChatTemplate:
         template that prints the content as it is would write the list's repr instead)."""
         if self.source is None:
             return False
-        self.load()
         probe = "llmbus-probe-7f3a"
         try:
             rendered = self._render_messages([{"role": "user", "content": [{"type": "text", "text": probe}]}],
