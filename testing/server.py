@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import shlex
 import signal
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from llmbus.bus.procfs import command_words, descendants, process_alive
 
@@ -24,8 +26,32 @@ STOP_TIMEOUT_S = 60.0
 LEFTOVER_GRACE_S = 5.0
 
 
+# Ports the kernel never hands out as a connection's own (below its ephemeral range): a port the kernel picked
+# for us (bind to 0) comes from that range, so the tests' own requests could take it as their source port
+# before the server binds it ("address already in use", seen with two frontends sharing a port).
+LOWEST_PORT = 10000
+
+
+def _ephemeral_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):  # not Linux: IANA's dynamic range
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A local port nothing listens on, outside the ephemeral range where the system has one."""
+    ephemeral = _ephemeral_ports()
+    candidates = range(LOWEST_PORT, ephemeral.start) if ephemeral.start > LOWEST_PORT + 1000 else range(0)
+    for port in random.sample(candidates, min(50, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
