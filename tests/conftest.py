@@ -64,9 +64,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).parent
-    unlisted = sorted({f"{item.nodeid.split('::')[0]} ({fixture})" for item in items
-                       for fixture in SHARED_SERVER_MODULES if fixture in getattr(item, "fixturenames", ())
-                       and str(Path(str(item.fspath)).relative_to(tests)) not in SHARED_SERVER_MODULES[fixture]})
+    units = shared_server_units()  # keyed as the scheduler looks them up: a node id's module
+    unlisted = sorted({f"{module} ({fixture})" for item in items
+                       for module in [item.nodeid.split("::")[0]] for fixture in SHARED_SERVER_MODULES
+                       if fixture in getattr(item, "fixturenames", ()) and units.get(module) != fixture})
     if unlisted:
         raise pytest.UsageError("tests/conftest.py SHARED_SERVER_MODULES lacks " + ", ".join(unlisted))
 
