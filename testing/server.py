@@ -32,18 +32,17 @@ LEFTOVER_GRACE_S = 5.0
 LOWEST_PORT = 10000
 
 
-def _ephemeral_ports() -> range:
+def _ephemeral_start() -> int:
     try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):  # not Linux: IANA's dynamic range
-        low, high = 49152, 65535
-    return range(low, high + 1)
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: IANA's dynamic range
+        return 49152
 
 
 def free_port() -> int:
     """A local port nothing listens on, outside the ephemeral range where the system has one."""
-    ephemeral = _ephemeral_ports()
-    candidates = range(LOWEST_PORT, ephemeral.start) if ephemeral.start > LOWEST_PORT + 1000 else range(0)
+    start = _ephemeral_start()
+    candidates = range(LOWEST_PORT, start) if start > LOWEST_PORT + 1000 else range(0)
     for port in random.sample(candidates, min(50, len(candidates))):
         with socket.socket() as s:
             try:
