@@ -9,7 +9,9 @@ runs Python instead: a kernel it runs can still fail to compile (a value the key
 shape), or spill registers to local memory. The variants are ``paged_attention``'s on Llama-3.1-8B's heads (head
 dim 128, four query heads a KV head) in bfloat16: decode rows (one query token a program, keys split or not) and
 prompt tiles of 16 tokens, each without and with a sliding window, with the pool already written and with the
-step's keys written by the launch (``NEW_KV``). Then the other kernels a step's graphs hold, once each at those
+step's keys written by the launch (``NEW_KV``); and three that other models' layers compile: prompt tiles with
+an image's key limits (Gemma 3, ``LIMITS``), and decode rows with soft-capped scores (Gemma 2, ``SOFTCAP``) or
+sinks and a window (gpt-oss, ``SINKS``). Then the other kernels a step's graphs hold, once each at those
 shapes: RoPE with the K/V write, the split keys' merge, RoPE alone (the piecewise parts'), RMSNorm with the
 residual, SiLU-and-mul and the greedy choice's two kernels.
 """
@@ -28,11 +30,17 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels decorated for the compiler, not the interpreter
 
-# (name, NEW_KV, query tokens a program, query heads a program's rows hold, key splits, sliding window)
+# (name, NEW_KV, query tokens a program, query heads a program's rows hold, key splits, sliding window, and the
+# constexprs of other models' layers that are on)
 VARIANTS = [(f"{'new_kv' if new_kv else 'written'} q{block_q} s{splits}{' window' if sliding else ''}",
-             new_kv, block_q, block_h, splits, sliding)
+             new_kv, block_q, block_h, splits, sliding, ())
             for new_kv in (False, True) for block_q, block_h, splits in ((1, 16, 1), (1, 16, 4), (16, 4, 1))
-            for sliding in (False, True)]
+            for sliding in (False, True)] + [
+    ("written q16 s1 limits", False, 16, 4, 1, False, ("LIMITS",)),
+    ("new_kv q1 s4 softcap", True, 1, 16, 4, False, ("SOFTCAP",)),
+    ("new_kv q1 s4 sinks window", True, 1, 16, 4, True, ("SINKS",)),
+]
+SHAPING = ("LIMITS", "SOFTCAP", "SINKS")
 
 
 def _others() -> list[tuple]:
@@ -47,8 +55,8 @@ def _others() -> list[tuple]:
          dict(qk_ptr=bf16, value_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, slots_ptr="*i64", query_ptr=bf16,
               key_slots_ptr=bf16, value_slots_ptr=bf16), dict(HALF=64, BLOCK_H=16, BLOCK_D=64), 4),
         ("combine_splits", kernels._combine_splits_kernel,
-         dict(partial_out_ptr="*fp32", partial_ml_ptr="*fp32", out_ptr=bf16),
-         dict(HEAD_DIM=128, BLOCK_D=128, SPLITS=16), 4),
+         dict(partial_out_ptr="*fp32", partial_ml_ptr="*fp32", out_ptr=bf16, sinks_ptr="*fp32"),
+         dict(HEAD_DIM=128, BLOCK_D=128, SPLITS=16, SINKS=True), 4),
         ("rotary", ops._rotary_kernel, dict(x_ptr=bf16, cos_ptr=bf16, sin_ptr=bf16, out_ptr=bf16),
          dict(HALF=64, BLOCK_H=16, BLOCK_D=64), 4),
         ("rms_norm residual", ops._rms_norm_kernel,
@@ -125,13 +133,13 @@ def compile_variants(arch: int, ptxas_cache: Path | None = None) -> list[dict]:
                 "program_seq_ptr": "*i32", "program_row_ptr": "*i32", "query_starts_ptr": "*i64",
                 "query_lens_ptr": "*i64", "num_computed_ptr": "*i64", "partial_out_ptr": "*fp32",
                 "partial_ml_ptr": "*fp32", "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "slots_ptr": "*i64",
-                "key_limits_ptr": "*i64", "qk_scale": "fp32"}
+                "key_limits_ptr": "*i64", "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32"}
     rows = []
-    for name, new_kv, block_q, block_h, splits, sliding in VARIANTS:
+    for name, new_kv, block_q, block_h, splits, sliding, shaping in VARIANTS:
         constexprs = dict(HEAD_DIM=128, BLOCK_D=128, QUERIES_PER_KV=4, BLOCK_H=block_h, BLOCK_Q=block_q,
                           BLOCK_N=kernels.NEW_KV_BLOCK_N if new_kv else kernels.BLOCK_N, BLOCK_SIZE=16,
                           SLIDING=sliding, PRECISION="ieee", NEG_START=kernels._NEG_START, UPCAST=False,
-                          SPLITS=splits, NEW_KV=new_kv, LIMITS=False)
+                          SPLITS=splits, NEW_KV=new_kv, **{flag: flag in shaping for flag in SHAPING})
         # eight warps: paged_attention's choice for head dim 128
         rows.append({"name": f"paged_attention {name}"} | _compile(fn, pointers, constexprs, 8, arch, ptxas_cache))
     for name, other, types, constexprs, warps in _others():

@@ -3,7 +3,9 @@
 Model types without a native implementation run through transformers' modeling code with a registered
 paged attention function. Tiny GPT-2 (learned absolute positions) and GPT-NeoX (partial rotary)
 checkpoints go through ``ModelRunner`` in a continuous batch and must give transformers' greedy tokens
-and log-probabilities; one GPT-2 serves through the whole ``llmbus up`` stack.
+and log-probabilities; so do Gemma 2 (soft-capped attention scores) and gpt-oss (attention sinks, alternating
+sliding windows, a mixture of experts), whose attention shapings the backends apply; one gpt-oss serves through
+the whole ``llmbus up`` stack.
 
 As in ``test_model_runner.py``, weights are re-initialised with a wide normal and every compared
 reference step must have a top-1/top-2 logit margin above ``MIN_MARGIN``, so a match is meaningful.
@@ -47,6 +49,20 @@ def _tiny_config(family: str, vocab_size: int, **special_tokens):
         return transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           intermediate_size=128, max_position_embeddings=256, rotary_pct=0.5,
                                           vocab_size=vocab_size, **special_tokens)
+    if family == "gemma2":
+        # A cap of 2 bends these scores (Gemma 2's own 50 would leave random weights' scores almost straight);
+        # untied and without the final cap, random weights do not just repeat the last token.
+        return transformers.Gemma2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                         max_position_embeddings=256, sliding_window=8, attn_logit_softcapping=2.0,
+                                         final_logit_softcapping=None, query_pre_attn_scalar=16,
+                                         tie_word_embeddings=False, vocab_size=vocab_size, **special_tokens)
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4,
+                                         num_experts_per_tok=2, max_position_embeddings=256, sliding_window=8,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         vocab_size=vocab_size, **special_tokens)
     raise ValueError(family)
 
 
@@ -56,9 +72,11 @@ def _save_tiny(path, config) -> None:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() > 1:
                 param.normal_(0.0, WEIGHT_STD)
+            elif name.endswith(".sinks"):  # wide enough to take a visible share of each row's softmax
+                param.normal_(0.0, 2.0)
     model.save_pretrained(path)
 
 
@@ -123,6 +141,35 @@ def test_tensor_parallelism_is_refused_clearly(batched):
     with pytest.raises(ValueError, match=r"runs through the transformers fallback, which does not support "
                                          r"tensor parallelism; use --gpus 1"):
         ModelRunner(path, rank=0, world_size=2, num_blocks=8)
+
+
+@pytest.mark.parametrize("family,softcaps,sinks", [("gemma2", (2.0, 2.0), False), ("gpt_oss", (None, None), True)])
+def test_soft_caps_and_sinks_match_transformers(family, softcaps, sinks, tmp_path):
+    """The probe finds each layer's soft cap or sinks and hands them to the attention backend, which applies
+    them to every kind of row: a chunked prompt, prompts beside decodes, a preempted and recomputed sequence."""
+    import transformers
+
+    _save_tiny(str(tmp_path), _tiny_config(family, VOCAB_SIZE, bos_token_id=None, eos_token_id=None,
+                                           pad_token_id=None))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n, _, _ in WORKLOAD]
+    references = [_greedy(model, prompt) for prompt in prompts]
+    runner = ModelRunner(str(tmp_path), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=300)
+    backend = runner.model.attention_backend
+    assert backend.softcaps == softcaps and backend.windows == (8, None)
+    assert [s is not None for s in backend.sinks] == [sinks, sinks]
+    if sinks:
+        torch.testing.assert_close(backend.layer_sinks(1), model.model.layers[1].self_attn.sinks, rtol=0, atol=0)
+    requests = [Request(rid=f"r{i}", prompt=p, arrival_step=arrival, prefill_chunk=chunk,
+                        max_new_tokens=MAX_NEW_TOKENS)
+                for i, (p, (_, arrival, chunk)) in enumerate(zip(prompts, WORKLOAD))]
+    requests[4].preempt_after = 3
+    results = drive(runner, requests)
+    assert results["r4"].preemptions == 1
+    for i, (expected, logprobs) in enumerate(references):
+        assert results[f"r{i}"].tokens == expected, f"prompt {i} (length {len(prompts[i])})"
+        torch.testing.assert_close(torch.tensor(results[f"r{i}"].logprobs), logprobs, rtol=0, atol=1e-4)
 
 
 def test_sliding_window_layers_match_transformers(tmp_path):
@@ -216,27 +263,27 @@ E2E_MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def gpt2_folder(tiny_model_dir, tmp_path_factory):
-    """A tiny GPT-2 with the demo model's tokenizer (vocabulary 4096; <s>=0, </s>=1, <pad>=2)."""
+def gpt_oss_folder(tiny_model_dir, tmp_path_factory):
+    """A tiny gpt-oss with the demo model's tokenizer (vocabulary 4096; <s>=0, </s>=1, <pad>=2)."""
     import transformers
 
-    path = tmp_path_factory.mktemp("gpt2-served")
+    path = tmp_path_factory.mktemp("gpt-oss-served")
     special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    _save_tiny(path, _tiny_config("gpt2", 4096, **special))
+    _save_tiny(path, _tiny_config("gpt_oss", 4096, **special))
     transformers.GenerationConfig(**special).save_pretrained(path)
     for name in TOKENIZER_FILES:
         shutil.copy(tiny_model_dir / name, path / name)
     return path
 
 
-def test_served_end_to_end_matches_transformers(gpt2_folder):
+def test_served_end_to_end_matches_transformers(gpt_oss_folder):
     import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gpt2_folder, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gpt_oss_folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_folder, dtype=torch.float32).eval()
     expected = [_greedy(model, tokenizer(p).input_ids, E2E_MAX_NEW) for p in E2E_PROMPTS]
 
-    server = Server(["--model-id", str(gpt2_folder), "--dtype", "float32", "--max-total-tokens", "256",
+    server = Server(["--model-id", str(gpt_oss_folder), "--dtype", "float32", "--max-total-tokens", "256",
                      "--max-input-tokens", "128", "--max-batch-prefill-tokens", "256", "--num-blocks", "64",
                      "--block-size", "16"])
     try:

@@ -91,7 +91,12 @@ def attention_backend_class(name: str, device: torch.device) -> type[AttentionBa
 
 def make_attention_backend(device: torch.device,
                            sliding_windows: list[int | None] | tuple[int | None, ...] = (), *,
-                           prompt_rows: bool = False, name: str = "auto") -> AttentionBackend:
+                           prompt_rows: bool = False, name: str = "auto",
+                           softcaps: list[float | None] | tuple[float | None, ...] = (),
+                           sinks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] = ()
+                           ) -> AttentionBackend:
     """Backend ``name`` (``attention_backend_class``) on ``device``, told each layer's sliding window
-    (None: full attention) and whether to give steps with prompts as kernel rows (``AttentionBackend``)."""
-    return attention_backend_class(name, device)(sliding_windows, prompt_rows=prompt_rows)
+    (None: full attention), soft cap and sinks, and whether to give steps with prompts as kernel rows
+    (``AttentionBackend``)."""
+    return attention_backend_class(name, device)(sliding_windows, prompt_rows=prompt_rows, softcaps=softcaps,
+                                                 sinks=sinks)

@@ -21,6 +21,11 @@ Sliding-window attention (Mistral, Qwen2's windowed layers) is given per layer w
 a query at position ``q`` sees the keys ``k`` with ``q - window < k <= q``, transformers'
 ``sliding_window_overlay``. Keys outside the window stay in the cache (the scheduler frees a request's
 blocks only when it ends); they are masked, or skipped.
+
+Two more per-layer shapings of the scores are given the same way, as transformers' eager attention applies
+them: a soft cap (Gemma 2: each scaled score ``s`` becomes ``cap * tanh(s / cap)`` before the mask), and
+sinks (gpt-oss: one learned logit per query head that joins each row's softmax and carries no value, so a
+row's weights sum to less than one). Every backend computes both.
 """
 
 from __future__ import annotations
@@ -301,19 +306,40 @@ class AttentionBackend(ABC):
     gives_kernel_rows: ClassVar[bool] = False
 
     def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = (), *,
-                 prompt_rows: bool = False):
+                 prompt_rows: bool = False, softcaps: list[float | None] | tuple[float | None, ...] = (),
+                 sinks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] = ()):
         """``sliding_windows[layer]``: that layer's window in tokens, None for full attention (layers not
         listed attend fully). ``prompt_rows``: give steps with prompts as kernel rows too, every token a row
         of its own, where the backend can (``gives_kernel_rows``): for a native layer that takes steps of
-        any size; the torch layers would gain nothing."""
+        any size; the torch layers would gain nothing. ``softcaps[layer]``: that layer's soft cap of the
+        scaled scores, None for none; ``sinks[layer]``: its ``[Hq]`` sink logits (this rank's query heads, on
+        the device), None for none (layers not listed have neither)."""
         self.prompt_rows = prompt_rows
         windows = list(dict.fromkeys(sliding_windows)) or [None]
         self.windows: tuple[int | None, ...] = tuple(windows)
         self.window_of_layer: tuple[int, ...] = tuple(windows.index(w) for w in sliding_windows)
+        if any(cap is not None and not cap > 0 for cap in softcaps):
+            raise ValueError(f"attention soft caps must be positive, not {list(softcaps)}")
+        self.softcaps: tuple[float | None, ...] = tuple(None if cap is None else float(cap) for cap in softcaps)
+        self.sinks: tuple[torch.Tensor | None, ...] = tuple(
+            None if s is None else s.detach().to(torch.float32).contiguous() for s in sinks)
 
     def window_index(self, layer: int) -> int:
         """Which of ``windows`` the layer attends with."""
         return self.window_of_layer[layer] if len(self.windows) > 1 else 0
+
+    def layer_softcap(self, layer: int) -> float | None:
+        """The layer's soft cap of its scaled scores (``cap * tanh(score / cap)``), None for none."""
+        return self.softcaps[layer] if layer < len(self.softcaps) else None
+
+    def layer_sinks(self, layer: int) -> torch.Tensor | None:
+        """The layer's float32 ``[Hq]`` sink logits, None for none."""
+        return self.sinks[layer] if layer < len(self.sinks) else None
+
+    @property
+    def shapes_scores(self) -> bool:
+        """Whether any layer caps its scores or has sinks."""
+        return any(cap is not None for cap in self.softcaps) or any(s is not None for s in self.sinks)
 
     @classmethod
     def available(cls, device: torch.device) -> bool:

@@ -33,11 +33,13 @@ class CPUKernelBackend(TorchSDPABackend):
     gives_kernel_rows = True
 
     def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = (),
-                 kernel: DecodeAttentionKernel | None = None, *, prompt_rows: bool = False):
+                 kernel: DecodeAttentionKernel | None = None, *, prompt_rows: bool = False,
+                 softcaps: list[float | None] | tuple[float | None, ...] = (),
+                 sinks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] = ()):
         """``prompt_rows``: every token of a float32 step with prompts as a kernel row of its own, attending
         its sequence's keys up to itself (the kernel writes all rows' K/V before it attends), so that such a
         step is one group of kernel rows: what the fused layer (fused_decode.py) takes in one native call."""
-        super().__init__(sliding_windows, prompt_rows=prompt_rows)
+        super().__init__(sliding_windows, prompt_rows=prompt_rows, softcaps=softcaps, sinks=sinks)
         kernel = kernel or decode_attention_kernel()
         if kernel is None:
             raise RuntimeError("the CPU decode attention kernel could not be built")
@@ -130,7 +132,8 @@ class CPUKernelBackend(TorchSDPABackend):
             key_blocks, value_blocks = kv_cache.layer_blocks(layer)
             return into(out, self.kernel(query, key_blocks, value_blocks, group.block_index, group.context_lens,
                                          group.window_starts[self.window_index(layer)], group.max_context, scale,
-                                         new=(key, value, meta.slot_mapping)))
+                                         new=(key, value, meta.slot_mapping), softcap=self.layer_softcap(layer),
+                                         sinks=self.layer_sinks(layer)))
         return super().forward(layer, query, key, value, kv_cache, meta, scale, out)
 
     def _write(self, layer: int, kv_cache: PagedKVCache, slots: torch.Tensor, key: torch.Tensor,
@@ -157,4 +160,5 @@ class CPUKernelBackend(TorchSDPABackend):
         # Beside other groups: ``_write`` has put every new token in the pool already.
         key_blocks, value_blocks = kv_cache.layer_blocks(layer)
         return self.kernel(queries, key_blocks, value_blocks, group.block_index, group.context_lens,
-                           group.window_starts[window], group.max_context, scale)
+                           group.window_starts[window], group.max_context, scale,
+                           softcap=self.layer_softcap(layer), sinks=self.layer_sinks(layer))

@@ -98,13 +98,16 @@ class DecodeAttentionKernel:
 
     def __call__(self, query: torch.Tensor, pool_key: torch.Tensor, pool_value: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, starts: torch.Tensor, max_len: int, scale: float,
-                 new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``query [B, Hq, D]`` of each sequence's new token; ``pool_key``/``pool_value``: one layer's
         contiguous ``[Hkv, blocks, block_size, D]`` pool in the kernel's layout for their dtype; ``tables
         [B, n]`` int64 each sequence's blocks in order; ``lens``/``starts [B]`` int64 each sequence's
         context length with this token, and its first visible key; ``max_len`` the largest of ``lens``.
         ``new = (key, value, slots)``: each sequence's new ``[B, Hkv, D]`` K/V, written at ``slots [B]``
-        first; without it the pool already holds them. Returns the attended ``[B, Hq, D]``."""
+        first; without it the pool already holds them. ``softcap``: the scaled scores become ``softcap *
+        tanh(score / softcap)``; ``sinks``: float32 ``[Hq]`` logits that join each head's softmax (None: neither).
+        Returns the attended ``[B, Hq, D]``."""
         batch, num_heads, head_dim = query.shape
         num_kv_heads, pool_blocks, block_size = pool_key.shape[0], pool_key.shape[1], pool_key.shape[2]
         _check_activations(query, pool_key)
@@ -116,12 +119,17 @@ class DecodeAttentionKernel:
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.float32)
         out = query.new_empty(batch, num_heads, head_dim)
+        if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,)
+                                  or not sinks.is_contiguous()):
+            raise ValueError(f"sinks must be a contiguous float32 [{num_heads}] tensor, not {sinks.dtype} "
+                             f"{tuple(sinks.shape)}")
         status = self._attend[pool_key.dtype](
             query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
             pool_key.data_ptr(), pool_value.data_ptr(), pool_blocks, block_size,
             slots.data_ptr() if slots is not None else None, tables.data_ptr(), tables.stride(0),
             out.data_ptr(), lens.data_ptr(), starts.data_ptr(),
-            batch, num_heads, num_kv_heads, head_dim, scale, self._scratch.data_ptr(), scores_stride)
+            batch, num_heads, num_kv_heads, head_dim, scale, softcap or 0.0,
+            sinks.data_ptr() if sinks is not None else None, self._scratch.data_ptr(), scores_stride)
         if status != 0:
             raise ValueError(f"decode attention cannot take {num_heads} heads over {num_kv_heads} KV heads "
                              f"of dimension {head_dim} in blocks of {block_size}")

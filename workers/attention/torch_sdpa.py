@@ -141,7 +141,7 @@ class TorchSDPABackend(AttentionBackend):
         masks = tuple(_windowed(mask, key_pos, query_pos, context_lens, window).unsqueeze(1)
                       for window in self.windows)
         matmul_biases = ()
-        if max_query_len <= SMALL_QUERY_MAX:
+        if max_query_len <= SMALL_QUERY_MAX or self.shapes_scores:  # SDPA can neither cap nor sink
             shape = (batch, 1, max_ctx) if max_query_len == 1 else (batch, max_query_len, 1, max_ctx)
             matmul_biases = tuple(
                 torch.zeros(m.shape, dtype=kv_cache.compute_dtype, device=device).masked_fill_(~m, float("-inf"))
@@ -183,7 +183,8 @@ class TorchSDPABackend(AttentionBackend):
         """One group's ``queries [Tg, Hq, D]`` over its context -> ``[Tg, Hq, D]``."""
         keys, values = (t.to(kv_cache.compute_dtype) for t in self._context(layer, kv_cache, group.block_index))
         if group.matmul_biases:
-            return _matmul(queries, keys.flatten(0, 1), values.flatten(0, 1), group, window, scale)
+            return _matmul(queries, keys.flatten(0, 1), values.flatten(0, 1), group, window, scale,
+                           self.layer_softcap(layer), self.layer_sinks(layer))
         return _sdpa(queries, keys.transpose(0, 1), values.transpose(0, 1), group, window, scale)
 
 
@@ -205,11 +206,14 @@ def _windowed(mask: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor
     return mask & (key_pos[None, None, :] > (last_pos - window)[:, :, None])
 
 
-def _matmul(queries, keys, values, group: AttentionGroup, window: int, scale: float) -> torch.Tensor:
+def _matmul(queries, keys, values, group: AttentionGroup, window: int, scale: float,
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Few queries per sequence, over ``keys``/``values [Hkv * B, ctx, D]``: two batched matmuls with each
     sequence's queries times the GQA group as rows, softmax in float32 (as transformers' eager
     attention). A fused SDPA kernel tiles for long queries and is several times slower on CPU for decodes
-    at batch 64 (design notes, "Attention backends")."""
+    at batch 64 (design notes, "Attention backends"). The layer's ``softcap`` and ``sinks`` (which SDPA
+    cannot apply) shape the scores as transformers' eager attention does: capped before the mask, and the
+    sinks a column of the softmax that is dropped after it."""
     batch, max_q = group.batch, group.max_query_len
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     num_kv_heads = keys.shape[0] // batch
@@ -219,6 +223,8 @@ def _matmul(queries, keys, values, group: AttentionGroup, window: int, scale: fl
     q = padded.view(batch, max_q, num_kv_heads, per_kv, head_dim).permute(2, 0, 1, 3, 4)
     q = q.reshape(num_kv_heads * batch, max_q * per_kv, head_dim)
     bias = group.matmul_biases[window]
+    if softcap is not None or sinks is not None:
+        return _shaped(q, keys, values, group, bias, scale, softcap, sinks, num_kv_heads, per_kv)
     if max_q == 1 and batch <= SDPA_DECODE_MAX_BATCH:
         # Each [Hkv * B] row is a batch entry with one head; its GQA group's queries are the rows.
         attended = F.scaled_dot_product_attention(q[:, None], keys[:, None], values[:, None],
@@ -231,9 +237,35 @@ def _matmul(queries, keys, values, group: AttentionGroup, window: int, scale: fl
         scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
         scores.view(num_kv_heads * batch, max_q, per_kv, -1).add_(bias)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    attended = torch.bmm(probs, values)  # [Hkv * B, max_q * per_kv, D]
+    return _heads(torch.bmm(probs, values), group, num_kv_heads, per_kv)
+
+
+def _heads(attended: torch.Tensor, group: AttentionGroup, num_kv_heads: int, per_kv: int) -> torch.Tensor:
+    """The batched matmuls' ``[Hkv * B, max_q * per_kv, D]`` as the group's ``[Tg, Hq, D]`` rows."""
+    batch, max_q, head_dim = group.batch, group.max_query_len, attended.shape[-1]
     attended = attended.view(num_kv_heads, batch, max_q, per_kv, head_dim).permute(1, 2, 0, 3, 4)
-    return _unpadded(attended.reshape(batch * max_q, num_heads, head_dim), group)
+    return _unpadded(attended.reshape(batch * max_q, num_kv_heads * per_kv, head_dim), group)
+
+
+def _shaped(q, keys, values, group: AttentionGroup, bias: torch.Tensor, scale: float, softcap: float | None,
+            sinks: torch.Tensor | None, num_kv_heads: int, per_kv: int) -> torch.Tensor:
+    """``_matmul``'s rows ``q [Hkv * B, max_q * per_kv, D]`` with a soft cap and/or sinks."""
+    batch, max_q = group.batch, group.max_query_len
+    scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    if max_q == 1:
+        scores.add_(bias)
+    else:
+        scores.view(num_kv_heads * batch, max_q, per_kv, -1).add_(bias)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        # row (h, b, q, g) of the scores is query head h * per_kv + g
+        column = sinks.view(num_kv_heads, 1, 1, per_kv).expand(num_kv_heads, batch, max_q, per_kv)
+        combined = torch.cat((scores.float(), column.reshape(num_kv_heads * batch, max_q * per_kv, 1)), dim=-1)
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return _heads(torch.bmm(probs.to(values.dtype), values), group, num_kv_heads, per_kv)
 
 
 def _sdpa(queries, keys, values, group: AttentionGroup, window: int, scale: float) -> torch.Tensor:

@@ -78,10 +78,11 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, sliding_windows: list[int | None] | tuple[int | None, ...] = (), *,
-                 prompt_rows: bool = False):
+                 prompt_rows: bool = False, softcaps: list[float | None] | tuple[float | None, ...] = (),
+                 sinks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...] = ()):
         """``prompt_rows`` is accepted for the interface and has no effect: this backend gives no kernel rows
         (``gives_kernel_rows`` is False), every step is one launch already."""
-        super().__init__(sliding_windows, prompt_rows=prompt_rows)
+        super().__init__(sliding_windows, prompt_rows=prompt_rows, softcaps=softcaps, sinks=sinks)
         if not triton_importable():
             raise RuntimeError("the triton attention backend needs triton (pip install triton; torch's CUDA "
                                "wheels ship it)")
@@ -177,4 +178,5 @@ class TritonAttentionBackend(AttentionBackend):
         return self.kernels.paged_attention(
             query, key_blocks, value_blocks, step.tables, step.programs, step.block_q, step.query_starts,
             step.query_lens, step.num_computed, scale, self.windows[self.window_index(layer)], out=out,
-            new_kv=new_kv, key_limits=step.key_limits)
+            new_kv=new_kv, key_limits=step.key_limits, softcap=self.layer_softcap(layer),
+            sinks=self.layer_sinks(layer))

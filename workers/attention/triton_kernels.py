@@ -4,10 +4,11 @@ One kernel, ``paged_attention``, attends every query row of a step in one launch
 prompt chunks over their cached blocks and speculative rows alike, each query token attending its own
 sequence's keys up to its own position, or up to its limit where the step gives ``key_limits`` (Gemma 3's
 image rows see their whole image; the kernel is compiled apart for such steps, ``LIMITS``), within the layer's
-sliding window if any. It reads K/V where they lie in the paged pool, through each sequence's block table, one
-tile of keys at a time with an online softmax (flash attention's running maximum and sum), so no step
-materializes a mask, a padded gather or a ``[query, context]`` score matrix: its memory is the output alone,
-whatever the step's shape.
+sliding window if any, its scores soft-capped (Gemma 2, ``SOFTCAP``) and its softmax joined by the layer's sink
+logits (gpt-oss, ``SINKS``) where the layer has them. It reads K/V where they lie in the paged pool, through each
+sequence's block table, one tile of keys at a time with an online softmax (flash attention's running maximum and
+sum), so no step materializes a mask, a padded gather or a ``[query, context]`` score matrix: its memory is the
+output alone, whatever the step's shape.
 
 A program is one tile of up to ``BLOCK_Q`` consecutive query tokens of one sequence under one KV head, and
 all the query heads that share that KV head (GQA): its ``BLOCK_Q * BLOCK_H`` rows are token-major, so the
@@ -68,15 +69,15 @@ def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, program_seq_ptr, program_row_ptr,
         query_starts_ptr, query_lens_ptr, num_computed_ptr,
         partial_out_ptr, partial_ml_ptr,
-        new_k_ptr, new_v_ptr, slots_ptr, key_limits_ptr,
-        qk_scale, window,
+        new_k_ptr, new_v_ptr, slots_ptr, key_limits_ptr, sinks_ptr,
+        qk_scale, window, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs, stride_table,
         stride_nkt, stride_nkh, stride_nvt, stride_nvh,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr,
         PRECISION: tl.constexpr, NEG_START: tl.constexpr, UPCAST: tl.constexpr, SPLITS: tl.constexpr,
-        NEW_KV: tl.constexpr, LIMITS: tl.constexpr):
+        NEW_KV: tl.constexpr, LIMITS: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,6 +168,8 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [M, N], log2 units
+        if SOFTCAP:  # softcap in log2 units too: cap * tanh(s / cap) scales with its argument's units
+            scores = softcap * _tanh(scores / softcap)
         visible = (offs_n[None, :] <= key_last[:, None]) & n_valid[None, :]
         if SLIDING:  # from the row's own position, whatever its limit
             visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
@@ -197,6 +200,12 @@ def _paged_attention_kernel(
         tl.store(partial_ml_ptr + at * 2, m_i, mask=row_valid)
         tl.store(partial_ml_ptr + at * 2 + 1, l_i, mask=row_valid)
     else:
+        if SINKS:  # one more term of each row's softmax, with no value
+            sink = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0) * 1.4426950408889634
+            m_final = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_final)
+            l_i = l_i * alpha + tl.math.exp2(sink - m_final)
+            acc = acc * alpha[:, None]
         # Every valid row sees at least its own key; padded rows (never stored) may have summed nothing.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -204,9 +213,18 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits_kernel(partial_out_ptr, partial_ml_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
-    """One (token, head): the splits' online-softmax states merged, as one program over all keys would."""
+def _tanh(x):
+    """tanh from exp2 (Triton has no tanh of its own that its interpreter runs too); exact at both ends, within
+    a few float32 ulps of 1 elsewhere."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2.885... = 2 / ln 2
+
+
+@triton.jit
+def _combine_splits_kernel(partial_out_ptr, partial_ml_ptr, out_ptr, sinks_ptr, stride_ot, stride_oh, num_heads,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+                           SINKS: tl.constexpr):
+    """One (token, head): the splits' online-softmax states merged, as one program over all keys would, with
+    the head's sink (``SINKS``) a term of the sum."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_heads + head) * SPLITS
@@ -215,8 +233,14 @@ def _combine_splits_kernel(partial_out_ptr, partial_ml_ptr, out_ptr, stride_ot, 
     sums = tl.load(partial_ml_ptr + (base + splits) * 2 + 1)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.load(partial_out_ptr + (base + splits)[:, None] * BLOCK_D + offs_d[None, :])
-    weight = tl.math.exp2(maxima - tl.max(maxima, 0))
+    maximum = tl.max(maxima, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        maximum = tl.maximum(maximum, sink)
+    weight = tl.math.exp2(maxima - maximum)
     total = tl.sum(sums * weight, 0)
+    if SINKS:
+        total += tl.math.exp2(sink - maximum)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -301,7 +325,8 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
                     query_lens: torch.Tensor, num_computed: torch.Tensor, scale: float,
                     window: int | None, out: torch.Tensor | None = None,
                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    key_limits: torch.Tensor | None = None) -> torch.Tensor:
+                    key_limits: torch.Tensor | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``query [T, Hq, D]`` of a step over one layer's pool -> ``[T, Hq, D]`` in ``query``'s dtype (``out``
     where given, rows of unit-stride heads).
 
@@ -314,7 +339,9 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
     their slots as it attends (the pool must not hold them yet: the cached positions are read from it, the
     step's from these), in tiles of ``NEW_KV_BLOCK_N`` keys; None: the pool holds them already.
     ``key_limits [T]`` int64: each row's last visible position (``AttentionBackend.build_metadata``'s), at most its
-    sequence's last; None: its own (causal). The window still starts from the row's own position."""
+    sequence's last; None: its own (causal). The window still starts from the row's own position. ``softcap``:
+    each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``; ``sinks [Hq]`` float32: a logit per head
+    that joins its softmax with no value (None: neither; each compiles a kernel of its own)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = key_blocks.shape
     if query.stride(-1) != 1:
@@ -352,6 +379,10 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
                              f"({key_blocks.dtype}), not {new_key.dtype}: write them first")
         new_strides = (*key_strides[:2], *value_strides[:2])
     limits = query if key_limits is None else key_limits  # unread without LIMITS, as new_kv's
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,)):
+        raise ValueError(f"paged_attention's sinks must be float32 [{num_heads}], not {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")
+    sink_logits = query if sinks is None else sinks
     grid = (programs.shape[1], num_kv_heads, splits)
     # (NEW_KV's tiles are half as many keys: choosing each key's row took registers that at 64 keys ptxas found
     # only by spilling, 488 bytes at head dim 128 in bfloat16; at 32, none)
@@ -359,17 +390,18 @@ def paged_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks:
     _paged_attention_kernel[grid](
         query, key_blocks, value_blocks, out, tables, programs[0], programs[1],
         query_starts, query_lens, num_computed, partial_out, partial_ml, new_key, new_value, slots, limits,
-        scale * LOG2E, window or 0, *query.stride()[:2], *out.stride()[:2], *key_blocks.stride()[:3],
-        *value_blocks.stride()[:3], tables.stride(0), *new_strides,
+        sink_logits, scale * LOG2E, window or 0, (softcap or 1.0) * LOG2E, *query.stride()[:2], *out.stride()[:2],
+        *key_blocks.stride()[:3], *value_blocks.stride()[:3], tables.stride(0), *new_strides,
         HEAD_DIM=head_dim, BLOCK_D=block_d, QUERIES_PER_KV=per_kv, BLOCK_H=block_h, BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N if new_kv is None else NEW_KV_BLOCK_N, BLOCK_SIZE=block_size,
         SLIDING=window is not None, PRECISION=precision,
         NEG_START=_NEG_START, UPCAST=query.dtype == torch.bfloat16 and interpreted(), SPLITS=splits,
-        NEW_KV=new_kv is not None, LIMITS=key_limits is not None, num_warps=8 if rows > 64 or block_d >= 128 else 4)
+        NEW_KV=new_kv is not None, LIMITS=key_limits is not None, SOFTCAP=softcap is not None,
+        SINKS=sinks is not None, num_warps=8 if rows > 64 or block_d >= 128 else 4)
     if splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](partial_out, partial_ml, out, out.stride(0), out.stride(1),
-                                                        num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                                                        SPLITS=splits, num_warps=4)
+        _combine_splits_kernel[(num_tokens, num_heads)](partial_out, partial_ml, out, sink_logits, out.stride(0),
+                                                        out.stride(1), num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                                                        SPLITS=splits, SINKS=sinks is not None, num_warps=4)
     return out
 
 

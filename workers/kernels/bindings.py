@@ -96,7 +96,9 @@ _ATTENTION = [_P, _I64, _P, _I64, _P, _I64,  # query, new key, new value (+ row 
               _P, _P, _I64, _I64,  # pool K/V, pool blocks, block size
               _P, _P, _I64,  # slots (or null), block tables (+ row stride)
               _P, _P, _P,  # out, lens, starts
-              _I64, _I64, _I64, _I64, _F32, _P, _I64]  # batch, heads, kv heads, head dim, scale, scratch
+              _I64, _I64, _I64, _I64, _F32,  # batch, heads, kv heads, head dim, scale
+              _F32, _P,  # soft cap (0: none), sinks [Hq] float32 (or null)
+              _P, _I64]  # scratch (+ row stride)
 _WRITE_KV = [_P, _I64, _P, _I64,  # new key, new value (+ row strides)
              _P, _P, _I64, _I64,  # pool K/V, pool blocks, block size
              _P, _I64, _I64, _I64]  # slots, tokens, kv heads, head dim

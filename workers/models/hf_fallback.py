@@ -18,12 +18,13 @@ Only the rows the runner asks for reach the LM head: they are handed to the mode
 ``logits_to_keep``, so model-specific logit scaling or capping still applies.
 
 At load time one single-token probe forward records what the model sends to attention (layer indices,
-K/V heads, head size, sliding windows, soft-capping, sinks, masks), so the KV layout comes from the
-model as it runs rather than from the config's naming conventions. Sliding windows go to the attention
-backend per layer. Models that cannot run this way fail at startup with a clear message instead of
-producing wrong tokens: modeling code that does not take a registered attention function (GPT-J,
-GPT-Neo, BLOOM, Falcon, MPT, CodeGen in transformers 5.23), hybrid recurrent layers, soft-capping
-(Gemma 2), attention sinks (gpt-oss), ALiBi-style masks. Tensor parallelism is not supported here.
+K/V heads, head size, sliding windows, soft caps, sinks, masks), so the KV layout comes from the
+model as it runs rather than from the config's naming conventions. Sliding windows, soft caps of the scores
+(Gemma 2's ``softcap``) and attention sinks (gpt-oss's ``s_aux``, one logit per query head) go to the
+attention backend per layer. Models that cannot run this
+way fail at startup with a clear message instead of producing wrong tokens: modeling code that does not take
+a registered attention function (GPT-J, GPT-Neo, BLOOM, Falcon, MPT, CodeGen in transformers 5.23), hybrid
+recurrent layers, ALiBi-style masks. Tensor parallelism is not supported here.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class _LayerProbe:
     head_dim: int
     value_head_dim: int
     sliding_window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None  # [Hq] the module's sink logits
 
 
 @dataclass(slots=True)
@@ -91,14 +94,16 @@ def _probe_attention(module, query, key, value, attention_mask, probe: _Probe, k
         layer = -1 - len(probe.layers)
     if attention_mask is not None:
         probe.problems.append("the model passes its own attention mask or bias (e.g. ALiBi) to attention")
-    if kwargs.get("softcap") is not None:
-        probe.problems.append("attention logit soft-capping")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        probe.problems.append("attention sinks")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],)):
+        probe.problems.append(f"attention sinks of shape {getattr(sinks, 'shape', type(sinks).__name__)}, not one "
+                              f"per query head")
+        sinks = None
     if layer in probe.layers:
         probe.problems.append(f"attention layer {layer} is called more than once per forward")
     probe.layers[layer] = _LayerProbe(num_kv_heads=key.shape[1], head_dim=key.shape[-1],
-                                      value_head_dim=value.shape[-1], sliding_window=kwargs.get("sliding_window"))
+                                      value_head_dim=value.shape[-1], sliding_window=kwargs.get("sliding_window"),
+                                      softcap=kwargs.get("softcap"), sinks=sinks)
     batch, _, num_tokens, _ = query.shape
     return query.new_zeros(batch, num_tokens, query.shape[1], value.shape[-1])
 
@@ -146,8 +151,11 @@ class HFFallbackForCausalLM:
         self.dtype = next(model.parameters()).dtype
         self.device = device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.config, windows = self._probe(model_type)
-        self.attention_backend = make_attention_backend(self.device, windows, name=attention_backend)
+        self.config, layers = self._probe(model_type)
+        windows = [layer.sliding_window for layer in layers]
+        self.attention_backend = make_attention_backend(
+            self.device, windows, name=attention_backend, softcaps=[layer.softcap for layer in layers],
+            sinks=[layer.sinks for layer in layers])
         self.num_layers = self.config.num_layers
         self.num_local_kv_heads = self.config.num_kv_heads
         self.max_position_embeddings = self.config.max_position_embeddings
@@ -155,6 +163,8 @@ class HFFallbackForCausalLM:
             log.info("transformers fallback loaded", architecture=type(model).__name__,
                      num_layers=self.num_layers, num_kv_heads=self.num_local_kv_heads,
                      head_dim=self.config.head_dim, sliding_windows=sorted({w for w in windows if w is not None}),
+                     soft_caps=sorted({layer.softcap for layer in layers if layer.softcap is not None}),
+                     sinks=any(layer.sinks is not None for layer in layers),
                      max_position_embeddings=self.max_position_embeddings)
 
     @classmethod
@@ -192,9 +202,9 @@ class HFFallbackForCausalLM:
             _running.step = None
         return out.logits[0]
 
-    def _probe(self, model_type: str) -> tuple[FallbackConfig, list[int | None]]:
+    def _probe(self, model_type: str) -> tuple[FallbackConfig, list[_LayerProbe]]:
         """One single-token forward that records what each attention call receives; the config and
-        each layer's sliding window (None: full attention)."""
+        what each layer's attention is given (its sliding window, soft cap and sinks)."""
         probe = _Probe()
         one = torch.zeros(1, dtype=torch.long, device=self.device)
         try:
@@ -222,7 +232,7 @@ class HFFallbackForCausalLM:
         config = FallbackConfig(model_type=model_type, vocab_size=vocab_size, num_layers=len(probe.layers),
                                 num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
                                 max_position_embeddings=_max_positions(hf_config))
-        return config, [probe.layers[i].sliding_window for i in range(len(probe.layers))]
+        return config, [probe.layers[i] for i in range(len(probe.layers))]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,10 @@
  * multiplying V, as torch's CPU attention does for bf16 (and llmbus' torch path, whose bmm takes them
  * in the value dtype). The output is rounded once to the storage dtype.
  *
+ * Two per-layer shapings of the scores, as transformers' eager attention applies them: a soft cap (Gemma 2:
+ * each scaled score s becomes softcap * tanh(s / softcap) before the softmax; 0 for none) and sinks (gpt-oss:
+ * per query head a logit that joins the softmax's maximum and sum and carries no value; null for none).
+ *
  * Built on first use by workers/kernels/build.py with the C compiler and OpenMP; the threads are torch's own
  * (both link the libgomp torch loaded). float32 with a head dim that is a multiple of 64 has an AVX2 path;
  * without AVX-512 (bf16) or AVX2 (float32) the portable loops below do the same, slower.
@@ -35,11 +39,22 @@
 #include <stdint.h>
 #include <string.h>
 
-/* scores[start..len) <- softmax; returns nothing, the probabilities replace the scores. */
-static inline void softmax_in_place(float *scores, int64_t start, int64_t len) {
-    float maximum = -INFINITY, sum = 0.0f;
+/* scores[start..len) <- softcap * tanh(score / softcap), where softcap > 0. */
+static inline void cap_scores(float *scores, int64_t start, int64_t len, float softcap) {
+    if (softcap <= 0.0f) return;
+    for (int64_t j = start; j < len; j++) scores[j] = tanhf(scores[j] / softcap) * softcap;
+}
+
+/* The sink logit of head g of a group whose first head's is sinks[0]; -inf (no term) without sinks. */
+static inline float sink_of(const float *sinks, int64_t g) { return sinks ? sinks[g] : -INFINITY; }
+
+/* scores[start..len) <- softmax, with ``sink`` (-inf: none) a term of the maximum and the sum that has no
+ * score of its own; returns nothing, the probabilities replace the scores. */
+static inline void softmax_in_place(float *scores, int64_t start, int64_t len, float sink) {
+    float maximum = sink, sum = 0.0f;
 #pragma omp simd reduction(max:maximum)
     for (int64_t j = start; j < len; j++) maximum = scores[j] > maximum ? scores[j] : maximum;
+    if (sink > -INFINITY) sum = exp_nonpositive(sink - maximum);
 #pragma omp simd reduction(+:sum)
     for (int64_t j = start; j < len; j++) {
         float e = exp_nonpositive(scores[j] - maximum);
@@ -61,8 +76,8 @@ static inline float bf16_prob(float value) { return bf16_to_f32(f32_to_bf16(valu
  * blocks. Queries and output of type A, the pool of type P. */
 #define DEFINE_PORTABLE_PAIR(NAME, A, P, LOAD_A, LOAD, KEY_AT, VALUE_AT, PROB, ROUND)                       \
 static void NAME(const A *query, const P *keys, const P *values, const int64_t *table, int64_t block_size, \
-                 int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,  \
-                 int64_t scores_stride, A *out) {                                                          \
+                 int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float softcap,  \
+                 const float *sinks, float *scores, int64_t scores_stride, A *out) {                       \
     float acc[head_dim];                                                                                    \
     const int64_t block_elems = block_size * head_dim;                                                      \
     const int64_t first_block = start / block_size, last_block = (len - 1) / block_size;                   \
@@ -81,7 +96,8 @@ static void NAME(const A *query, const P *keys, const P *values, const int64_t *
                 row[base + w] = dot * scale;                                                                \
             }                                                                                               \
         }                                                                                                   \
-        softmax_in_place(row, start, len);                                                                  \
+        cap_scores(row, start, len, softcap);                                                               \
+        softmax_in_place(row, start, len, sink_of(sinks, g));                                               \
         for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;                                               \
         for (int64_t i = first_block; i <= last_block; i++) {                                               \
             const P *block = values + table[i] * block_elems;                                               \
@@ -176,8 +192,8 @@ static inline __attribute__((always_inline)) void weighted_values(
  * ``benchmarks/decode_attention_ab.py --context 192 --tables served``). */
 static inline __attribute__((always_inline)) void avx2_pair(
         const float *query, const void *keys, const void *values, const int64_t *table, int64_t block_size,
-        int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,
-        int64_t scores_stride, float *out, const int half) {
+        int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float softcap, const float *sinks,
+        float *scores, int64_t scores_stride, float *out, const int half) {
     const int64_t block_elems = block_size * head_dim;
     const int64_t first_block = start / block_size, last_block = (len - 1) / block_size;
     /* q.k: every head of the group over each chunk of 8 keys while the chunk is in L1 */
@@ -213,7 +229,10 @@ static inline __attribute__((always_inline)) void avx2_pair(
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) softmax_in_place(scores + g * scores_stride, start, len);
+    for (int64_t g = 0; g < group; g++) {
+        cap_scores(scores + g * scores_stride, start, len, softcap);
+        softmax_in_place(scores + g * scores_stride, start, len, sink_of(sinks, g));
+    }
     /* p.V: up to 3 heads of the group at a time, each V row read once for all of them */
     int64_t g0 = 0;
     for (; g0 + 3 <= group; g0 += 3)
@@ -229,9 +248,10 @@ static inline __attribute__((always_inline)) void avx2_pair(
 
 static void avx2_f32(const float *query, const float *keys, const float *values, const int64_t *table,
                      int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
-                     float scale, float *scores, int64_t scores_stride, float *out) {
-    avx2_pair(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
-              out, 0);
+                     float scale, float softcap, const float *sinks, float *scores, int64_t scores_stride,
+                     float *out) {
+    avx2_pair(query, keys, values, table, block_size, start, len, head_dim, group, scale, softcap, sinks, scores,
+              scores_stride, out, 0);
 }
 
 #if defined(__F16C__)
@@ -239,9 +259,10 @@ static void avx2_f32(const float *query, const float *keys, const float *values,
  * all of them measured slower (design notes, "A float16 KV cache for float32 models"). */
 static void avx2_f16kv(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
                        int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
-                       float scale, float *scores, int64_t scores_stride, float *out) {
-    avx2_pair(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
-              out, 1);
+                       float scale, float softcap, const float *sinks, float *scores, int64_t scores_stride,
+                       float *out) {
+    avx2_pair(query, keys, values, table, block_size, start, len, head_dim, group, scale, softcap, sinks, scores,
+              scores_stride, out, 1);
 }
 #endif
 #endif
@@ -249,31 +270,33 @@ static void avx2_f16kv(const float *query, const uint16_t *keys, const uint16_t 
 /* One (kv head, sequence) pair in float32 (decode_layer.c attends through it too). */
 void pair_f32(const float *query, const float *keys, const float *values, const int64_t *table,
                             int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
-                            float scale, float *scores, int64_t scores_stride, float *out) {
+                            float scale, float softcap, const float *sinks, float *scores, int64_t scores_stride,
+                            float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (head_dim % 64 == 0) {
-        avx2_f32(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
-                 out);
+        avx2_f32(query, keys, values, table, block_size, start, len, head_dim, group, scale, softcap, sinks, scores,
+                 scores_stride, out);
         return;
     }
 #endif
-    portable_f32(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
-                 out);
+    portable_f32(query, keys, values, table, block_size, start, len, head_dim, group, scale, softcap, sinks, scores,
+                 scores_stride, out);
 }
 
 /* One (kv head, sequence) pair of float32 queries over a float16 pool. */
 void pair_f16kv(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
                               int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group,
-                              float scale, float *scores, int64_t scores_stride, float *out) {
+                              float scale, float softcap, const float *sinks, float *scores,
+                              int64_t scores_stride, float *out) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (head_dim % 64 == 0) {
-        avx2_f16kv(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride,
-                   out);
+        avx2_f16kv(query, keys, values, table, block_size, start, len, head_dim, group, scale, softcap, sinks,
+                   scores, scores_stride, out);
         return;
     }
 #endif
-    portable_f16kv(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores,
-                   scores_stride, out);
+    portable_f16kv(query, keys, values, table, block_size, start, len, head_dim, group, scale, softcap, sinks,
+                   scores, scores_stride, out);
 }
 DEFINE_PORTABLE_PAIR(portable_bf16, uint16_t, uint16_t, bf16_load, bf16_load, BF16_KEY, BF16_VALUE, bf16_prob,
                      f32_to_bf16)
@@ -308,9 +331,9 @@ static inline __mmask16 block_mask(int64_t j, int64_t start, int64_t len) {
 /* The softmax of scores[start..len), then every 16-key block from start's to len's as bf16 probabilities,
  * zero outside start..len-1, written over the floats they come from (a block's 32 bytes land at or
  * before the 64 it was read from). */
-static inline void softmax_to_bf16(float *scores, int64_t start, int64_t len) {
+static inline void softmax_to_bf16(float *scores, int64_t start, int64_t len, float sink) {
     const int64_t first = start & ~(int64_t)15, end = (len + 15) & ~(int64_t)15;
-    __m512 maxima = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
+    __m512 maxima = _mm512_set1_ps(sink), sums = _mm512_setzero_ps();
     for (int64_t j = first; j < end; j += 16)
         maxima = _mm512_mask_max_ps(maxima, block_mask(j, start, len), maxima, _mm512_loadu_ps(scores + j));
     __m512 maximum = _mm512_set1_ps(_mm512_reduce_max_ps(maxima));
@@ -320,7 +343,8 @@ static inline void softmax_to_bf16(float *scores, int64_t start, int64_t len) {
         _mm512_storeu_ps(scores + j, e);
         sums = _mm512_add_ps(sums, e);
     }
-    __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
+    float sink_term = sink > -INFINITY ? exp_nonpositive(sink - _mm512_cvtss_f32(maximum)) : 0.0f;
+    __m512 inverse = _mm512_set1_ps(1.0f / (_mm512_reduce_add_ps(sums) + sink_term));
     for (int64_t j = first; j < end; j += 16)
         _mm256_storeu_si256((__m256i *)((uint16_t *)scores + j),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(scores + j), inverse)));
@@ -333,8 +357,8 @@ static inline void softmax_to_bf16(float *scores, int64_t start, int64_t len) {
  * multiple of 16, so a chunk never straddles two blocks. */
 #define DEFINE_FAST_PAIR(NAME, HEAD_DIM)                                                                    \
 static void NAME(const uint16_t *query, const uint16_t *keys, const uint16_t *values, const int64_t *table, \
-                 int64_t block_size, int64_t start, int64_t len, int64_t group, float scale, float *scores, \
-                 int64_t scores_stride, uint16_t *out) {                                                    \
+                 int64_t block_size, int64_t start, int64_t len, int64_t group, float scale, float softcap, \
+                 const float *sinks, float *scores, int64_t scores_stride, uint16_t *out) {                 \
     enum { PAIRS = HEAD_DIM / 2, CHUNKS = HEAD_DIM / 16 };                                                  \
     const int64_t first = start & ~(int64_t)15, block_elems = block_size * HEAD_DIM;                        \
     for (int64_t j = first; j < len; j += 16) {                                                             \
@@ -362,7 +386,10 @@ static void NAME(const uint16_t *query, const uint16_t *keys, const uint16_t *va
             _mm512_storeu_ps(scores + g * scores_stride + j, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));    \
         }                                                                                                   \
     }                                                                                                       \
-    for (int64_t g = 0; g < group; g++) softmax_to_bf16(scores + g * scores_stride, start, len);           \
+    for (int64_t g = 0; g < group; g++) {                                                                   \
+        cap_scores(scores + g * scores_stride, start, len, softcap);                                        \
+        softmax_to_bf16(scores + g * scores_stride, start, len, sink_of(sinks, g));                         \
+    }                                                                                                       \
     float totals[group][HEAD_DIM];                                                                          \
     memset(totals, 0, sizeof totals);                                                                       \
     for (int64_t j0 = first; j0 < len; j0 += 16) {                                                          \
@@ -394,14 +421,17 @@ DEFINE_FAST_PAIR(fast_bf16_128, 128)
 
 static void pair_bf16(const uint16_t *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
                       int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale,
-                      float *scores, int64_t scores_stride, uint16_t *out) {
+                      float softcap, const float *sinks, float *scores, int64_t scores_stride, uint16_t *out) {
 #if FAST_BF16
     if (head_dim == 64)
-        return fast_bf16_64(query, keys, values, table, block_size, start, len, group, scale, scores, scores_stride, out);
+        return fast_bf16_64(query, keys, values, table, block_size, start, len, group, scale, softcap, sinks, scores,
+                            scores_stride, out);
     if (head_dim == 128)
-        return fast_bf16_128(query, keys, values, table, block_size, start, len, group, scale, scores, scores_stride, out);
+        return fast_bf16_128(query, keys, values, table, block_size, start, len, group, scale, softcap, sinks, scores,
+                             scores_stride, out);
 #endif
-    portable_bf16(query, keys, values, table, block_size, start, len, head_dim, group, scale, scores, scores_stride, out);
+    portable_bf16(query, keys, values, table, block_size, start, len, head_dim, group, scale, softcap, sinks, scores,
+                  scores_stride, out);
 }
 
 /* Arguments of both entries:
@@ -411,6 +441,7 @@ static void pair_bf16(const uint16_t *query, const uint16_t *keys, const uint16_
  *   already holds them (written by write_kv beside other groups);
  *   tables [B, table_stride]: each sequence's blocks, in order; lens [B] its context with this token;
  *   starts [B] its first visible key (a sliding window); out [B, Hq, D];
+ *   softcap: the layer's soft cap of the scaled scores, 0 for none; sinks [Hq] its sink logits, or null;
  *   scratch float32 [attention_threads(), group, scores_stride] (one slot a thread), scores_stride >=
  *   max(lens) rounded up to 16.
  * Returns 0, or -1 for a shape it cannot take. */
@@ -436,8 +467,8 @@ LLMBUS_DECODE_ATTENTION(NAME, A, P) {                                           
             int64_t kv_head = pair / batch, seq = pair % batch;                                             \
             PAIR(query + seq * query_stride + kv_head * group * head_dim, pool_key + kv_head * head_elems,  \
                  pool_value + kv_head * head_elems, tables + seq * table_stride, block_size, starts[seq],   \
-                 lens[seq], head_dim, group, scale, scratch + omp_get_thread_num() * group * scores_stride,  \
-                 scores_stride,                                                                              \
+                 lens[seq], head_dim, group, scale, softcap, sinks ? sinks + kv_head * group : 0,            \
+                 scratch + omp_get_thread_num() * group * scores_stride, scores_stride,                      \
                  out + (seq * num_heads + kv_head * group) * head_dim);                                     \
         }                                                                                                   \
     }                                                                                                       \

@@ -66,11 +66,11 @@ static inline void attend_pair(const StepArgs *s, const LayerPool *l, int64_t pa
     if (s->pool_f16)
         pair_f16kv(query, (const uint16_t *)l->pool_key + kv_head * head_elems,
                    (const uint16_t *)l->pool_value + kv_head * head_elems, table, s->block_size, l->starts[b],
-                   s->lens[b], D, group, s->scale, scores, s->scores_stride, out);
+                   s->lens[b], D, group, s->scale, 0.0f, 0, scores, s->scores_stride, out);
     else
         pair_f32(query, (const float *)l->pool_key + kv_head * head_elems,
                  (const float *)l->pool_value + kv_head * head_elems, table, s->block_size, l->starts[b], s->lens[b],
-                 D, group, s->scale, scores, s->scores_stride, out);
+                 D, group, s->scale, 0.0f, 0, scores, s->scores_stride, out);
 }
 
 /* RoPE on the step's queries and keys, the new K/V into the pool, and attention, for every (kv head, row)

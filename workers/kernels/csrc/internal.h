@@ -86,13 +86,14 @@ DEFINE_WRITE(write_bf16, uint16_t, uint16_t, BF16_KEY, BF16_VALUE, u16_identity)
 DEFINE_WRITE(write_f16kv, float, uint16_t, F32_KEY, F32_VALUE, f32_to_f16)
 
 /* decode_attention.c: one (kv head, sequence) pair of float32 queries over a float32 pool, or a float16 one:
- * every query head of the GQA group over keys start..len-1 read through the sequence's block ``table``. */
+ * every query head of the GQA group over keys start..len-1 read through the sequence's block ``table``,
+ * its scores soft-capped (softcap > 0) and its softmax with the group's sinks (non-null). */
 void pair_f32(const float *query, const float *keys, const float *values, const int64_t *table, int64_t block_size,
-              int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float *scores,
-              int64_t scores_stride, float *out);
+              int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale, float softcap,
+              const float *sinks, float *scores, int64_t scores_stride, float *out);
 void pair_f16kv(const float *query, const uint16_t *keys, const uint16_t *values, const int64_t *table,
                 int64_t block_size, int64_t start, int64_t len, int64_t head_dim, int64_t group, float scale,
-                float *scores, int64_t scores_stride, float *out);
+                float softcap, const float *sinks, float *scores, int64_t scores_stride, float *out);
 
 /* quant_kernels.c, for the fused decode layer's tiled projections (both no-ops where no tiled kernel runs,
  * where none is made): one float32 input row of k as its bf16 hi and lo rows (k_padded apart) and, for int4,

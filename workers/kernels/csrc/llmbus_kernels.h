@@ -122,7 +122,7 @@ LLMBUS_API int64_t llmbus_kernels_abi(const char *name);
                         int64_t pool_blocks, int64_t block_size, const int64_t *slots, const int64_t *tables, \
                         int64_t table_stride, A *out, const int64_t *lens, const int64_t *starts,           \
                         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,           \
-                        float scale, float *scratch, int64_t scores_stride)
+                        float scale, float softcap, const float *sinks, float *scratch, int64_t scores_stride)
 LLMBUS_DECODE_ATTENTION(decode_attention_bf16, uint16_t, uint16_t);
 LLMBUS_DECODE_ATTENTION(decode_attention_f32, float, float);
 LLMBUS_DECODE_ATTENTION(decode_attention_f16kv, float, uint16_t);
