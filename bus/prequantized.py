@@ -1,5 +1,5 @@
-"""Checkpoints published already quantized (GPTQ, AWQ, FP8): what a model folder says about its quantization,
-and whether llmbus reads it.
+"""Checkpoints published already quantized (GPTQ, AWQ, FP8, MXFP4): what a model folder says about its
+quantization, and whether llmbus reads it.
 
 A GPTQ or AWQ checkpoint stores each projection ``X`` of the decoder as packed integers instead of
 ``X.weight``: ``X.qweight`` (int32 words of 32 / bits values), ``X.scales`` (one per output and group of
@@ -20,6 +20,11 @@ one per output row, or one per block of outputs and inputs; a weight is ``w8 * s
 despite its name), Meta's ``fbgemm_fp8`` (``X.weight_scale`` per row) and llm-compressor's ``compressed-tensors``
 in its ``float-quantized`` format (``X.weight_scale`` per tensor, row or block). Activations' scales (the FP8
 GEMMs' inputs) are not used: llmbus computes with the model's dtype.
+
+MXFP4 (gpt-oss, the only form its weights are published in) stores each expert projection ``X`` of the mixture
+as ``X_blocks`` (two 4-bit e2m1 values a byte, 32 a block) and ``X_scales`` (one power of two a block, e8m0); the
+attention, router, embeddings and head stay bf16. Such a model runs on the transformers fallback, which has
+transformers expand the experts to the model's dtype at load (its ``Mxfp4Config(dequantize=True)``).
 
 Where it is said: ``quantization_config`` in ``config.json`` (what transformers writes), else the
 ``quantize_config.json`` of AutoGPTQ or the ``quant_config.json`` of AutoAWQ beside it (older uploads), read
@@ -45,8 +50,8 @@ class UnsupportedQuantization(ValueError):
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    method: str  # one of CHECKPOINT_METHODS: "gptq", "awq", "fp8", "compressed-tensors"
-    bits: int  # 4 (GPTQ, AWQ) or 8 (GPTQ, FP8)
+    method: str  # one of CHECKPOINT_METHODS: "gptq", "awq", "fp8", "compressed-tensors", "mxfp4"
+    bits: int  # 4 (GPTQ, AWQ, MXFP4) or 8 (GPTQ, FP8)
     group_size: int | None = None  # inputs sharing a scale and zero point; None: all of a row's (GPTQ's -1)
     zero_offset: int = 0  # added to each stored zero point (1 for GPTQ's original format, which stores zero - 1)
     scale_name: str = "weight_scale"  # FP8: the scale tensor beside X.weight
@@ -63,8 +68,15 @@ class CheckpointQuantization:
 
     @property
     def label(self) -> str:
-        """How the startup log names a tensor stored so: "gptq int4", "float8 e4m3"."""
+        """How the startup log names a tensor stored so: "gptq int4", "float8 e4m3", "mxfp4"."""
+        if self.method == "mxfp4":
+            return "mxfp4"
         return f"{self.method} int{self.bits}" if self.packed else "float8 e4m3"
+
+    @property
+    def native(self) -> bool:
+        """Whether the native models read it (MXFP4 is gpt-oss's, which transformers' modeling code runs)."""
+        return self.method != "mxfp4"
 
 
 def checkpoint_quantization(model_dir: str | Path) -> CheckpointQuantization | None:
@@ -116,9 +128,11 @@ def _from_section(section: dict, source: str) -> CheckpointQuantization:
         return _fp8(section, where)
     if method == "compressed-tensors":
         return _compressed_tensors(section, where)
+    if method == "mxfp4":
+        return CheckpointQuantization("mxfp4", 4, group_size=32)
     if method not in CHECKPOINT_METHODS:
         raise UnsupportedQuantization(
-            f"{where} says quant_method {method or '(none)'!r}: llmbus reads GPTQ, AWQ and FP8 checkpoints "
+            f"{where} says quant_method {method or '(none)'!r}: llmbus reads GPTQ, AWQ, FP8 and MXFP4 checkpoints "
             f"({', '.join(CHECKPOINT_METHODS)}); serve the model's float weights, quantized at load with "
             f"--quantize int8 or int4 if memory is short")
     bits, group_size = section.get("bits"), section.get("group_size", -1)

@@ -8,11 +8,11 @@ from __future__ import annotations
 QUANTIZE_METHODS = ("int8", "int4")
 # --quantize's names for a checkpoint published quantized (bus/prequantized.py): read from the checkpoint
 # whether given or not, as TGI's launcher reads them from its config
-CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
+CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "mxfp4")
 QUANTIZE_CHOICES = QUANTIZE_METHODS + CHECKPOINT_METHODS
 QUANTIZE_HELP = ("int8 or int4: weight-only quantization of the linear layers at load, in groups of 32 inputs. "
-                 "gptq, awq, fp8 or compressed-tensors: a checkpoint published so, as its config says (read "
-                 "without the flag too). GGUF files keep their Q8_0/Q4_0/Q4_1 tensors quantized either way.")
+                 "gptq, awq, fp8, compressed-tensors or mxfp4: a checkpoint published so, as its config says "
+                 "(read without the flag too). GGUF files keep their Q8_0/Q4_0/Q4_1 tensors quantized either way.")
 
 # Tokens one step computes (prompt chunks + decodes) unless --max-batch-prefill-tokens says otherwise.
 DEFAULT_MAX_BATCH_PREFILL_TOKENS = 4096

@@ -1,4 +1,5 @@
-"""GPTQ, AWQ and FP8 checkpoints written for tests, from a float checkpoint, with the float checkpoint they hold.
+"""GPTQ, AWQ, FP8 and MXFP4 checkpoints written for tests, from a float checkpoint, with the float checkpoint they
+hold.
 
 Each projection of the decoder layers is put on a grid, ``scale * (q - zero)`` per output and group of inputs
 (float16 scales, as the formats store them), and packed as AutoGPTQ/GPTQModel (``gptq``, its original format
@@ -180,3 +181,48 @@ def write_float8(path: str, out: str, reference_out: str, writer: str, block: tu
 
 
 __all__ = ["FLOAT8_WRITERS", "grid", "pack_awq", "pack_gptq", "write_float8", "write_prequantized"]
+
+
+# e2m1's magnitudes, by their 3-bit code; the 4th bit is the sign (OCP's MX formats, gpt-oss's experts)
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_BLOCK = 32  # values sharing one power-of-two scale
+MXFP4_UNCONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [..., K]`` in blocks of 32 along K: (``blocks [..., K/32, 16]`` uint8, two codes a byte, the even
+    value's in the low nibble; ``scales [..., K/32]`` uint8, e8m0: 127 + each block's exponent, the smallest that
+    brings its largest magnitude within 6; the values those hold, float32 ``[..., K]``)."""
+    magnitudes = torch.tensor(FP4_MAGNITUDES)
+    grouped = weight.float().reshape(*weight.shape[:-1], -1, MXFP4_BLOCK)
+    largest = grouped.abs().amax(-1).clamp(min=2.0 ** -100)
+    exponents = torch.ceil(torch.log2(largest / 6.0)).to(torch.int32)
+    scaled = grouped / torch.ldexp(torch.ones_like(largest), exponents)[..., None]
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
+    values = magnitudes[codes] * torch.where(scaled < 0, -1.0, 1.0)
+    codes = (codes | ((scaled < 0).long() << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    held = torch.ldexp(values, exponents[..., None].expand_as(values)).reshape(weight.shape)
+    return blocks, (exponents + 127).to(torch.uint8), held
+
+
+def write_mxfp4(path: str, out: str, reference_out: str) -> dict:
+    """The float gpt-oss checkpoint in ``path`` (one ``model.safetensors``) with its experts' projections as
+    gpt-oss publishes them (``X_blocks``/``X_scales`` of the transposed ``[experts, outputs, inputs]`` weight) in
+    ``out``, and the values they hold as float weights in ``reference_out``; the quantization_config written."""
+    from safetensors.torch import load_file, save_file
+
+    for folder in (out, reference_out):
+        shutil.copytree(path, folder)
+    state = load_file(os.path.join(path, "model.safetensors"))
+    packed, reference = {}, dict(state)
+    for name, weight in state.items():
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            packed[name] = weight
+            continue
+        blocks, scales, held = mxfp4_pack(weight.transpose(1, 2))  # stored [experts, outputs, inputs]
+        packed |= {f"{name}_blocks": blocks.contiguous(), f"{name}_scales": scales.contiguous()}
+        reference[name] = held.transpose(1, 2).to(weight.dtype).contiguous()
+    save_file(packed, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, os.path.join(reference_out, "model.safetensors"), metadata={"format": "pt"})
+    return _declare(out, {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_UNCONVERTED})

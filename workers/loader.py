@@ -146,8 +146,11 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
         raise ValueError(problem)
     if quantize in CHECKPOINT_METHODS:  # TGI's way to say what the checkpoint says: nothing to do at load
         quantize = None
+    if prequantized is not None and not prequantized.native and model_type in builders:
+        raise ValueError(f"a {prequantized.method} checkpoint is read through the transformers fallback (gpt-oss's "
+                         f"experts), not by the native {model_type}")
     if model_type not in builders:
-        if prequantized is not None:
+        if prequantized is not None and prequantized.native:
             raise ValueError(f"a {prequantized.method} checkpoint is read by the native models only "
                              f"({', '.join(sorted(builders))}), not {model_type}")
         if quantize is not None:
@@ -160,10 +163,15 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
                  native=", ".join(sorted(builders)))
         if torch.device(device).type == "cpu":
             log.warning("batch invariance not promised", why="transformers fallback: torch's kernels")
-        return HFFallbackForCausalLM.from_pretrained(model_dir, model_type=model_type, rank=rank,
-                                                     world_size=world_size, dtype=dtype, device=device, log=log,
-                                                     trust_remote_code=trust_remote_code,
-                                                     attention_backend=attention_backend, rope_scaling=rope_scaling)
+        model = HFFallbackForCausalLM.from_pretrained(model_dir, model_type=model_type, rank=rank,
+                                                      world_size=world_size, dtype=dtype, device=device, log=log,
+                                                      trust_remote_code=trust_remote_code,
+                                                      attention_backend=attention_backend, rope_scaling=rope_scaling,
+                                                      prequantized=prequantized)
+        if prequantized is not None:
+            log.info("weights", quantize=prequantized.method,
+                     formats=f"{prequantized.label} -> {str(dtype).removeprefix('torch.')} (expanded by transformers)")
+        return model
     log.info("model path", model_type=model_type, path="native")
     plan = compute_plan(torch.device(device), dtype, quantize)
     with _open_checkpoint(model_dir, prequantized) as reader:

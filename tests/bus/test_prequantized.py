@@ -50,6 +50,9 @@ def folder(tmp_path, config: dict | None = None, **beside: dict):
     ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
         "group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}, "targets": ["Linear"]}}}},
      {}, CheckpointQuantization("compressed-tensors", 8)),
+    # gpt-oss's experts (the transformers fallback reads them)
+    ({"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}, {},
+     CheckpointQuantization("mxfp4", 4, 32)),
 ])
 def test_where_each_tool_says_it(tmp_path, config, beside, expected):
     assert checkpoint_quantization(folder(tmp_path, config, **beside)) == expected
@@ -57,7 +60,7 @@ def test_where_each_tool_says_it(tmp_path, config, beside, expected):
 
 @pytest.mark.parametrize("section, message", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes': llmbus reads GPTQ"),
-    ({"quant_method": "hqq"}, "quant_method 'hqq': llmbus reads GPTQ, AWQ and FP8"),
+    ({"quant_method": "hqq"}, "quant_method 'hqq': llmbus reads GPTQ, AWQ, FP8 and MXFP4"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "FP8 weights in 'e5m2' are not read"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "FP8 block size [128] is not two positive integers"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {

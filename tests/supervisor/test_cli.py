@@ -277,7 +277,8 @@ def test_a_published_quantization_is_checked_before_anything_starts(tiny_model_d
         (["--model-id", gptq, "--quantize", "awq"], 2, "--quantize awq was given, but the checkpoint is quantized "
                                                        "with gptq"),
         (["--model-id", str(tiny_model_dir), "--quantize", "gptq"], 2, "this one has float weights"),
-        (["--model-id", bnb], 1, "says quant_method 'bitsandbytes': llmbus reads GPTQ, AWQ and FP8 checkpoints"),
+        (["--model-id", bnb], 1, "says quant_method 'bitsandbytes': llmbus reads GPTQ, AWQ, FP8 and MXFP4 "
+                                 "checkpoints"),
     ]
     for argv, code, message in cases:
         result = CliRunner().invoke(main, ["up", *argv])

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmbus.bus.model_files import config_max_positions, config_rope_scaling, scaled_positions
+from llmbus.bus.prequantized import CheckpointQuantization
 from llmbus.workers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from llmbus.workers.kv_cache import PagedKVCache
 from llmbus.workers.models.fallback_rotary import wrap_length_rotaries
@@ -171,7 +172,10 @@ class HFFallbackForCausalLM:
     def from_pretrained(cls, model_dir: str, *, model_type: str, rank: int = 0, world_size: int = 1,
                         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                         log=None, trust_remote_code: bool = False, attention_backend: str = "auto",
-                        rope_scaling: tuple[str, float] | None = None) -> "HFFallbackForCausalLM":
+                        rope_scaling: tuple[str, float] | None = None,
+                        prequantized: CheckpointQuantization | None = None) -> "HFFallbackForCausalLM":
+        """``prequantized``: the checkpoint's published quantization (``bus.prequantized``), of which the fallback
+        reads MXFP4, expanded to ``dtype`` by transformers as it loads."""
         if world_size > 1:
             raise ValueError(f"model_type {model_type!r} runs through the transformers fallback, which does not "
                              f"support tensor parallelism; use --gpus 1")
@@ -181,7 +185,8 @@ class HFFallbackForCausalLM:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION,
-                trust_remote_code=trust_remote_code, **_rope_config(model_dir, rope_scaling, trust_remote_code))
+                trust_remote_code=trust_remote_code, **_rope_config(model_dir, rope_scaling, trust_remote_code),
+                **_expanded_quantization(prequantized))
         except (KeyError, NotImplementedError, ValueError) as e:
             # e.g. a model_type transformers does not know, or modeling code with a fixed set of
             # attention classes (GPT-Neo) that cannot take a registered attention function.
@@ -257,6 +262,18 @@ def _silence_padding_check(model) -> None:
 
 def _no_padding_warning(input_ids, attention_mask) -> None:
     return None
+
+
+def _expanded_quantization(prequantized: CheckpointQuantization | None) -> dict:
+    """``from_pretrained``'s ``quantization_config`` for a checkpoint published in MXFP4: expanded to the model's
+    dtype at load, always. Left to itself, transformers picks by what is installed (its Triton MXFP4 kernels
+    need the ``kernels`` package, which fetches them from the hub), so a server would run one way or the other
+    by its environment; none otherwise."""
+    if prequantized is None or prequantized.method != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def _rope_config(model_dir: str, rope_scaling: tuple[str, float] | None, trust_remote_code: bool) -> dict:
