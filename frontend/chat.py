@@ -21,8 +21,9 @@ from pathlib import Path
 
 from llmbus.frontend.chat_render import compiled, render_chat
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+from llmbus.frontend.harmony import TEXT_MARKERS, is_harmony
 from llmbus.frontend.images import MARKDOWN_IMAGE
-from llmbus.frontend.reasoning import ReasoningMarkers, find_markers, find_thinking_switch
+from llmbus.frontend.reasoning import ReasoningMarkers, find_effort_variable, find_markers, find_thinking_switch
 from llmbus.frontend.tool_formats import ToolFormat, tool_format
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
@@ -87,11 +88,14 @@ class ChatFormat:
     special_ids: frozenset[int] = frozenset()  # the ids a generated text leaves out
     thinking_switch: str | None = None  # the template variable that turns thinking on and off
     reads_images: bool = False  # a vision-language model
+    harmony: bool = False  # the template writes OpenAI's harmony format (gpt-oss: harmony.py)
+    effort_variable: str | None = None  # the template variable that takes a reasoning effort (gpt-oss's)
 
     @property
     def reasons(self) -> bool:
-        """Whether the model reasons: its template writes thinking markers or has a switch for thinking."""
-        return self.reasoning is not None or self.thinking_switch is not None
+        """Whether the model reasons: its template writes thinking markers or has a switch for thinking (or
+        writes harmony, whose analysis channel is its reasoning)."""
+        return self.reasoning is not None or self.thinking_switch is not None or self.harmony
 
     def token_of(self, marker: str) -> int | None:
         return self.added_tokens.get(marker)
@@ -103,6 +107,7 @@ class ChatFormat:
         fmt, reasoning = self.tools, self.reasoning
         found = [fmt.lead, fmt.optional_tag, *(fmt.tags or ())]
         found += [reasoning.start, reasoning.end] if reasoning else []
+        found += TEXT_MARKERS if self.harmony else []
         return frozenset(m for m in found if m and self.added_tokens.get(m) in self.special_ids)
 
 
@@ -127,9 +132,10 @@ class ChatTemplate:
         key = (tool_call_parser, reads_images)
         if self._format is None or self._format[0] != key:
             added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+            harmony = is_harmony(self.source)
             self._format = (key, ChatFormat(tool_format(tool_call_parser, self.source), find_markers(self.source),
                                             added, frozenset(special_ids), find_thinking_switch(self.source),
-                                            reads_images))
+                                            reads_images, harmony, find_effort_variable(self.source)))
         return self._format[1]
 
     @property

@@ -19,6 +19,7 @@ from llmbus.frontend.config import Limits
 from llmbus.frontend.errors import ApiError, ErrorKind, body_type_error, validation_error
 from llmbus.frontend.grammar import response_format_grammar, vllm_grammar
 from llmbus.frontend.images import markdown_image
+from llmbus.frontend.harmony import HarmonyPlan
 from llmbus.frontend.reasoning import ReasoningPlan
 from llmbus.frontend.refused_fields import OPENAI_CHAT, VLLM_EXTRAS, refuse_unserved
 from llmbus.frontend.sampling_defaults import SamplingDefaults
@@ -92,7 +93,8 @@ class ChatRequest:
     tool_prompt: str | None = None  # TGI's: the instruction appended with the tools (None: ours)
     template_kwargs: dict | None = None  # chat_template_kwargs, and the thinking switch a reasoning control set
     chat_format: ChatFormat | None = None  # the model's syntaxes (None: Hermes, no reasoning)
-    reasoning: ReasoningPlan | None = None  # set once the prompt is rendered (openai_routes.chat_prompt)
+    # set once the prompt is rendered (openai_routes.chat_prompt)
+    reasoning: ReasoningPlan | HarmonyPlan | None = None
 
 
 @dataclass

@@ -28,7 +28,9 @@ from llmbus.frontend.generation import Generation, TokenOut, cancel_and_close, r
 from llmbus.frontend.middleware import mark_failed
 from llmbus.frontend.openai_requests import (ChatRequest, CompletionRequest, OpenAIOptions, parse_chat,
                                              parse_completion, read_json_object)
-from llmbus.frontend.reasoning import AnswerParser, ReasoningPlan, grammar_after_reasoning, opening, parse_answer
+from llmbus.frontend.harmony import HarmonyPlan
+from llmbus.frontend.reasoning import (AnswerParser, ReasoningPlan, grammar_after_reasoning, grammar_in_harmony,
+                                       opening, parse_answer)
 from llmbus.frontend.responses import KEEPALIVE, dumps, f32, prompt_tokens, stream_headers, summed_headers
 from llmbus.frontend.state import STATE, FrontendState, json_response
 from llmbus.frontend.tokenizer import ModelTokenizer
@@ -417,7 +419,9 @@ def chat_format(state: FrontendState):
 def chat_prompt(state: FrontendState, chat: ChatRequest) -> str:
     """The conversation through the model's template, tools shown to the model as the template allows.
     Where the template has thinking markers, it also settles ``chat.reasoning`` (where the generation
-    starts) and lets the request's grammar begin after the reasoning section."""
+    starts) and lets the request's grammar begin after the reasoning section; where it writes harmony, the
+    answer is read as harmony and a grammar holds its final message (a tool plan's grammar is harmony's
+    already)."""
     source = state.chat_template.source
     messages = prepare_messages(chat.messages, chat.plan, source, chat.tool_prompt)
     if chat.plan is not None:
@@ -427,7 +431,11 @@ def chat_prompt(state: FrontendState, chat: ChatRequest) -> str:
     prompt = state.chat_template.render(messages, tools, chat.template_kwargs,
                                         image_token=state.vision.template_token if state.vision is not None else None)
     fmt = chat_format(state)
-    if fmt.reasoning is not None and chat.reasoning is None:  # (rendered once: the grammar is wrapped once)
+    if fmt.harmony and chat.reasoning is None:
+        chat.reasoning = HarmonyPlan(calls=chat.plan is not None)
+        if chat.plan is None:
+            chat.params.constraint = grammar_in_harmony(chat.params.constraint, fmt.token_of)
+    elif fmt.reasoning is not None and chat.reasoning is None:  # (rendered once: the grammar is wrapped once)
         chat.reasoning = ReasoningPlan(fmt.reasoning, opening(fmt.reasoning, prompt))
         others = set(fmt.added_tokens.values()) - set(state.tokenizer.eos_token_ids)
         chat.params.constraint = grammar_after_reasoning(chat.params.constraint, chat.reasoning, fmt.token_of,

@@ -33,6 +33,8 @@ import jinja2.meta
 
 from llmbus.bus.grammar import JSON_OPTIONS
 from llmbus.bus.messages import Grammar
+from llmbus.frontend import harmony
+from llmbus.frontend.harmony import HarmonyPlan
 from llmbus.frontend.tool_formats import ToolFormat
 from llmbus.frontend.tools import ToolCallStream, new_call_id, parse_tool_output
 
@@ -58,20 +60,32 @@ def find_markers(template_source: str | None) -> ReasoningMarkers | None:
 # the variables templates turn thinking on and off with: Qwen3's, GLM-4.5's and SmolLM3's; DeepSeek-V3.1's
 # and Granite 3.2's
 THINKING_SWITCHES = ("enable_thinking", "thinking")
+# the variables templates take a reasoning effort in ("low", "medium", "high"): gpt-oss's
+EFFORT_VARIABLES = ("reasoning_effort",)
 
 
-def find_thinking_switch(template_source: str | None) -> str | None:
-    """The thinking switch a chat template reads from its variables, if any. Read from the template's syntax
-    tree (a ``thinking`` the template sets itself, or a ``message.thinking``, is no switch); a template
-    Jinja cannot parse with the standard extensions is searched for the names as words."""
-    if not template_source:
-        return None
+def _read_variables(template_source: str, names: tuple[str, ...]) -> set[str]:
+    """Which of ``names`` the template reads as variables. From its syntax tree (a variable the template sets
+    itself, or an attribute such as ``message.thinking``, is not read); a template Jinja cannot parse with the
+    standard extensions is searched for the names as words."""
     try:
         environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
         read = jinja2.meta.find_undeclared_variables(environment.parse(template_source))
     except jinja2.TemplateSyntaxError:  # an extension tag of transformers' ({% generation %})
-        read = set(re.findall(r"\b(?:" + "|".join(THINKING_SWITCHES) + r")\b", template_source))
+        read = set(re.findall(r"\b(?:" + "|".join(names) + r")\b", template_source))
+    return read & set(names)
+
+
+def find_thinking_switch(template_source: str | None) -> str | None:
+    """The thinking switch a chat template reads from its variables, if any."""
+    read = _read_variables(template_source, THINKING_SWITCHES) if template_source else set()
     return next((name for name in THINKING_SWITCHES if name in read), None)
+
+
+def find_effort_variable(template_source: str | None) -> str | None:
+    """The variable a chat template reads a reasoning effort from, if any."""
+    read = _read_variables(template_source, EFFORT_VARIABLES) if template_source else set()
+    return next((name for name in EFFORT_VARIABLES if name in read), None)
 
 
 def opening(markers: ReasoningMarkers, prompt: str) -> str:
@@ -172,21 +186,32 @@ def split_reasoning(text: str, plan: ReasoningPlan | None) -> tuple[str | None, 
 class AnswerParser:
     """A generation's text in (any fragments), chat-completion deltas out: ``reasoning_content`` of its
     reasoning section, then ``content`` and ``tool_calls`` of the answer (calls in ``tools``' syntax, when
-    the request offered tools). The chat, Responses and Messages routes all read answers through it."""
+    the request offered tools). The chat, Responses and Messages routes all read answers through it. A
+    harmony answer (``HarmonyPlan``) says itself which of its messages are calls."""
 
-    def __init__(self, reasoning: ReasoningPlan | None, tools: ToolFormat | None, new_id=new_call_id):
+    def __init__(self, reasoning: ReasoningPlan | HarmonyPlan | None, tools: ToolFormat | None,
+                 new_id=new_call_id):
         self.reasoning = reasoning.stream() if reasoning is not None else None
-        self.tools = ToolCallStream(new_id, tools) if tools is not None else None
+        harmony = isinstance(reasoning, HarmonyPlan)
+        self.tools = ToolCallStream(new_id, tools) if tools is not None and not harmony else None
+        self._new_id = new_id
+        self._calls = 0  # harmony's calls
 
     @property
     def has_calls(self) -> bool:
-        return self.tools is not None and self.tools.has_calls
+        return self._calls > 0 or self.tools is not None and self.tools.has_calls
 
     def _deltas(self, pieces: list[tuple[str, str]]) -> list[dict]:
         out: list[dict] = []
         for kind, piece in pieces:
             if kind == "reasoning":
                 out.append({"reasoning_content": piece})
+            elif kind == "call":
+                out.append({"tool_calls": [{"index": self._calls, "id": self._new_id(), "type": "function",
+                                            "function": {"name": piece, "arguments": ""}}]})
+                self._calls += 1
+            elif kind == "arguments":
+                out.append({"tool_calls": [{"index": self._calls - 1, "function": {"arguments": piece}}]})
             elif self.tools is not None:
                 out += self.tools.feed(piece)
             else:
@@ -201,14 +226,41 @@ class AnswerParser:
         return out + (self.tools.finish() if self.tools is not None else [])
 
 
-def parse_answer(text: str, reasoning: ReasoningPlan | None, tools: ToolFormat | None,
+def parse_answer(text: str, reasoning: ReasoningPlan | HarmonyPlan | None, tools: ToolFormat | None,
                  new_id=new_call_id) -> tuple[str | None, str | None, list[dict]]:
     """(reasoning, content, tool_calls) of a finished generation; content None when calls took it all."""
+    if isinstance(reasoning, HarmonyPlan):
+        return _joined_answer(AnswerParser(reasoning, tools, new_id), text)
     thought, text = split_reasoning(text, reasoning)
     if tools is None:
         return thought, text, []
     content, calls = parse_tool_output(text, new_id, tools)
     return thought, content, calls
+
+
+def _joined_answer(parser: AnswerParser, text: str) -> tuple[str | None, str | None, list[dict]]:
+    """``parse_answer``'s triple from ``parser``'s deltas over the whole ``text`` (a stream and a whole answer
+    agree). A call whose arguments do not parse as JSON (cut by max_tokens) is dropped, as in the other formats."""
+    reasoning, content, calls = [], [], []
+    for delta in parser.feed(text) + parser.finish():
+        reasoning.append(delta.get("reasoning_content", ""))
+        content.append(delta.get("content", ""))
+        for call in delta.get("tool_calls", ()):
+            if "id" in call:
+                calls.append({"id": call["id"], "type": "function", "function": dict(call["function"])})
+            else:
+                calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+    calls = [c for c in calls if _parses(c["function"]["arguments"])]
+    reasoned = parser.reasoning is not None and parser.reasoning.reasoned
+    return ("".join(reasoning) if reasoned else None), ("".join(content) or (None if calls else "")), calls
+
+
+def _parses(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 # --- the grammar ------------------------------------------------------------------------------------
@@ -245,6 +297,13 @@ def _token_ranges(ids) -> str:
         else:
             runs.append([i, i])
     return "<[" + ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs) + "]>"
+
+
+def grammar_in_harmony(grammar: Grammar | None, token_of) -> Grammar | None:
+    """``grammar`` as the body of a harmony answer's final message (harmony.answer_grammar); as it is where its
+    rules cannot be renamed (a Lark grammar that names its start rule more than once)."""
+    answer = _answer_rule(grammar) if grammar is not None else None
+    return harmony.answer_grammar(answer, token_of) if answer is not None else grammar
 
 
 def grammar_after_reasoning(grammar: Grammar | None, plan: ReasoningPlan | None, token_of,

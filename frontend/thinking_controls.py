@@ -8,6 +8,9 @@ on or off, and a model whose template has a switch (Qwen3's ``enable_thinking``,
   ``"medium"``, ``"high"`` and ``"xhigh"`` turn it on. A switch has no degrees: every effort that asks for
   reasoning is on, and ``"minimal"`` (OpenAI's "very few reasoning tokens", for the fastest first token) is
   off, the nearest a switch comes to it. The section's length is the model's.
+- A template that reads an effort (gpt-oss's ``reasoning_effort``: "low", "medium", "high") gets the effort
+  itself: ``"xhigh"`` is its "high" and ``"minimal"`` its "low" (such a model always reasons, so ``"none"`` is
+  refused, as below).
 - ``reasoning.summary`` (and the deprecated ``generate_summary``): a no-op where the model reasons; no
   summary is written, the whole section comes back as ``reasoning_text`` content instead (as vLLM answers).
 - ``thinking``: ``{"type": "enabled", "budget_tokens": N}`` and ``{"type": "adaptive"}`` on,
@@ -31,6 +34,8 @@ from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 
 # reasoning_effort's values (OpenAI's), as thinking on or off
 EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
+# ... as the degree a template with an effort variable takes (gpt-oss's three), where it reasons at all
+TEMPLATE_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 SUMMARIES = ("auto", "concise", "detailed")
 THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
 
@@ -44,6 +49,7 @@ class ThinkingAsk:
     on: bool | None
     field: str
     value: str
+    effort: str | None = None  # an effort control's value ("low", ...), for a template that takes a degree
 
 
 def _choice(value, field: str, allowed) -> str:
@@ -58,7 +64,7 @@ def openai_effort(value, field: str = "reasoning_effort") -> ThinkingAsk | None:
     if value is None:
         return None
     effort = _choice(value, field, EFFORTS)
-    return ThinkingAsk(EFFORTS[effort], field, json.dumps(effort))
+    return ThinkingAsk(EFFORTS[effort], field, json.dumps(effort), effort)
 
 
 def responses_reasoning(value) -> ThinkingAsk | None:
@@ -102,6 +108,9 @@ def apply_thinking(ask: ThinkingAsk | None, chat_format: ChatFormat | None,
             return template_kwargs
         raise ApiError(ErrorKind.UNSUPPORTED, f"`{ask.field}`: the served model does not reason (its chat template "
                                               f"has no thinking markers or switch)", param=ask.field)
+    degree = TEMPLATE_EFFORTS.get(ask.effort) if chat_format.effort_variable else None
+    if degree is not None and chat_format.thinking_switch is None:
+        return _set_variable(template_kwargs, chat_format.effort_variable, degree, ask)
     switch = chat_format.thinking_switch
     if ask.on is None or switch is None and ask.on:
         return template_kwargs
@@ -115,3 +124,14 @@ def apply_thinking(ask: ThinkingAsk | None, chat_format: ChatFormat | None,
                                f"`chat_template_kwargs.{switch}` is {json.dumps(given)}: set one of them",
                                param=ask.field)
     return {**(template_kwargs or {}), switch: ask.on}
+
+
+def _set_variable(template_kwargs: dict | None, name: str, value: str, ask: ThinkingAsk) -> dict:
+    """The request's template variables with ``name`` set to ``value``; a ``chat_template_kwargs`` value that
+    disagrees is a validation error naming both."""
+    given = (template_kwargs or {}).get(name, value)
+    if given != value:
+        raise validation_error(f"`{ask.field}` {ask.value} sets the template's {name} to {json.dumps(value)}, but "
+                               f"`chat_template_kwargs.{name}` is {json.dumps(given)}: set one of them",
+                               param=ask.field)
+    return {**(template_kwargs or {}), name: value}

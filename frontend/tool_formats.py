@@ -16,6 +16,8 @@ parser (``tools.ToolCallStream``) reads that syntax back into OpenAI ``tool_call
 - ``mistral`` (Mistral v0.3 / Nemo / Small tokenizers): ``[TOOL_CALLS]`` then a JSON array of
   ``{"name", "arguments"}`` objects.
 - ``phi4_mini`` (Phi-4-mini): ``functools`` then the same JSON array.
+- ``harmony`` (gpt-oss): a message of its own, ``<|channel|>commentary to=functions.get_weather
+  <|constrain|>json<|message|>{"city": "Paris"}``, one a turn: harmony.py reads it and makes its grammar.
 
 Gemma 3's and Phi-4's (14B) templates define no tool syntax: they get Hermes with our instruction, as any
 model whose template shows none. The format is read from the chat template's markers at start-up (the
@@ -31,7 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "phi4_mini")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "phi4_mini", "harmony")
 
 # Text without the lead marker, for the grammar's plain answer; (.|\n) is valid UTF-8 only, which the
 # negation alone would not be
@@ -143,13 +145,18 @@ MISTRAL = ToolFormat("mistral", lead="[TOOL_CALLS]", arguments_key="arguments", 
                      before_calls="[", separator=", ", after_calls="]", markers=("[TOOL_CALLS]",))
 PHI4_MINI = ToolFormat("phi4_mini", lead="functools", arguments_key="arguments", opener="{",
                        before_calls="[", separator=", ", after_calls="]", markers=("functools", "<|tool|>"))
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI)}
+# the name and markers only: harmony's calls are messages of their own, which harmony.py reads and constrains
+HARMONY = ToolFormat("harmony", lead=None, arguments_key="arguments", opener="",
+                     markers=("<|channel|>commentary", "to=functions."))
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI, HARMONY)}
 
 
 def detect_tool_format(template_source: str | None) -> ToolFormat:
     """The syntax the chat template teaches, from its markers (Hermes when it shows none). Llama's
     "parameters" counts only in a Llama 3 template (its header tokens), where it is the call's key."""
     source = template_source or ""
+    if "<|channel|>" in source and "<|message|>" in source:
+        return HARMONY
     for fmt in (HERMES, MISTRAL, PHI4_MINI):
         if fmt.shown_in(source):
             return fmt

@@ -43,6 +43,7 @@ from typing import Callable
 from llmbus.bus.grammar import JSON_OPTIONS
 from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
+from llmbus.frontend import harmony
 from llmbus.frontend.grammar import compile_error
 from llmbus.frontend.strict_schema import strict_schema
 from llmbus.frontend.tool_formats import HERMES, ToolFormat, detect_tool_format
@@ -148,8 +149,8 @@ def parse_tools(body: dict, *, strict: bool = False, fmt: ToolFormat = HERMES,
     if choice == "function" and function not in names:
         raise ApiError(ErrorKind.TOOL, f"Tool with name {function} not found")
     # a named function means exactly one call, as in OpenAI's API and vLLM: with more allowed, a small model
-    # repeats the same call until max_tokens
-    parallel = parallel is not False and choice != "function"
+    # repeats the same call until max_tokens. Harmony calls once a turn: <|call|> ends the generation.
+    parallel = parallel is not False and choice != "function" and fmt.name != "harmony"
     plan = ToolPlan(tools, choice, function, parallel, Grammar("lark", ""), fmt)
     offered = plan.offered
     if strict:
@@ -203,6 +204,8 @@ def tool_grammar(tools: list[dict], choice: str, parallel: bool, fmt: ToolFormat
     """The Lark grammar of a generation under ``choice`` in ``fmt``'s syntax; the same tools give the same
     source (the engine caches compiled grammars by source), as key order is kept, never sorted: it is the
     properties' order."""
+    if fmt.name == "harmony":
+        return harmony.tool_grammar(tools, choice, token_of)
     body = "%json " + json.dumps(call_schema(tools, fmt.arguments_key))
     return Grammar("lark", fmt.grammar(body, choice, parallel, token_of))
 

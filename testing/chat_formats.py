@@ -150,3 +150,70 @@ def grammar_accepts(llg_tokenizer, grammar, ids: list[int]) -> bool:
 
     matcher = llguidance.LLMatcher(llg_tokenizer, llguidance_grammar(grammar), log_level=0)
     return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+# --- harmony (gpt-oss) ----------------------------------------------------------------------------------
+
+HARMONY_MARKERS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+HARMONY_ENDS = ["<|return|>", "<|call|>"]  # its end-of-sequence tokens (gpt-oss's generation_config)
+
+# A gpt-oss-like template, written for these tests: a system message with the reasoning effort, the developer
+# message with the instructions and the functions (as one JSON line each, where gpt-oss writes TypeScript),
+# past turns' answers on the final channel, calls on commentary with the recipient before the channel (the
+# history form), results from functions.NAME, and a generation prompt that opens an assistant message.
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>You are a tiny test model.\n"
+    "Reasoning: {{ reasoning_effort if reasoning_effort is defined else 'medium' }}\n\n"
+    "# Valid channels: analysis, commentary, final.<|end|>"
+    "{% set rest = messages %}"
+    "{% if messages and messages[0].role in ('system', 'developer') %}{% set rest = messages[1:] %}{% endif %}"
+    "{% if rest is not sameas messages or tools %}<|start|>developer<|message|>"
+    "{% if rest is not sameas messages %}# Instructions\n\n{{ messages[0].content }}\n\n{% endif %}"
+    "{% if tools %}# Tools\n\nnamespace functions {\n"
+    "{% for tool in tools %}{{ tool.function.name }}: {{ tool.function.parameters | tojson }}\n{% endfor %}"
+    "} // namespace functions{% endif %}<|end|>{% endif %}"
+    "{% set last = namespace(call='') %}{% for m in rest %}"
+    "{% if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'assistant' and m.tool_calls %}{% set call = m.tool_calls[0].function %}"
+    "<|start|>assistant to=functions.{{ call.name }}<|channel|>commentary json<|message|>"
+    "{{ call.arguments | tojson }}<|call|>{% set last.call = call.name %}"
+    "{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'tool' %}<|start|>functions.{{ last.call }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content | tojson }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def build_harmony_model(model_dir: Path) -> Path:
+    """The demo ``tiny`` model speaking harmony: its markers added as special tokens, <|return|> and <|call|> its
+    end-of-sequence ids, the harmony template. The weights are noise; tests hold its answers with grammars, and
+    the <|end|> row of the output layer is scaled up so that an analysis message ends within a few tokens."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from llmbus.supervisor.demo_model import build_demo_model
+
+    model_dir = Path(model_dir)
+    build_demo_model(model_dir, "tiny")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in HARMONY_MARKERS])
+    tok.save(str(model_dir / "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.resize_token_embeddings(tok.get_vocab_size(with_added_tokens=True), mean_resizing=False)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+            rows = layer.weight[-len(HARMONY_MARKERS):]
+            rows.copy_(torch.randn(rows.shape, generator=generator) * 0.5)
+        # an analysis message, free text, ends within a few tokens (as </think> in build_chat_format_model)
+        model.get_output_embeddings().weight[tok.token_to_id("<|end|>")] *= END_THINK_SCALE
+    model.save_pretrained(model_dir)
+    ends = [tok.token_to_id(m) for m in HARMONY_ENDS]
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": ends}))
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": HARMONY_TEMPLATE, "eos_token": "<|return|>"}))
+    return model_dir
