@@ -1,6 +1,6 @@
 """Decode speed of the natively served model families against transformers' fallback, and MoE against dense.
 
-    python benchmarks/families.py [--families llama,qwen3,phi3,gemma3,mixtral,qwen3_moe] [--batches 1,64]
+    python benchmarks/families.py [--families llama,qwen3,phi3,gemma3,gemma2,mixtral,qwen3_moe] [--batches 1,64]
     python benchmarks/families.py --dry-run      # a tiny shape, to check the script runs
 
 Each family is a random checkpoint made with transformers' own config class at the same shape (hidden
@@ -49,6 +49,7 @@ def family_configs(shape: dict) -> dict[str, tuple[str, dict]]:
         "qwen3": ("Qwen3Config", dict(head_dim=head_dim)),
         "phi3": ("Phi3Config", {}),
         "gemma3": ("Gemma3TextConfig", dict(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=512)),
+        "gemma2": ("Gemma2Config", dict(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=512)),
         "mixtral": ("MixtralConfig", dict(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
                                           intermediate_size=expert)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=head_dim, num_experts=EXPERTS, num_experts_per_tok=TOP_K,

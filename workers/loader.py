@@ -122,6 +122,7 @@ def native_builders() -> dict[str, type]:
     gemma3_family = ("gemma3_text", "gemma3")  # gemma3: the text model of the multimodal checkpoint
     return ({name: llama.LlamaForCausalLM for name in llama_family}
             | {name: gemma3.Gemma3ForCausalLM for name in gemma3_family}
+            | {"gemma2": gemma3.Gemma2ForCausalLM}
             | {"llava": llava.LlavaForConditionalGeneration,  # a decoder above, with a vision tower
                "llava_next": llava.LlavaNextForConditionalGeneration,
                "qwen2_vl": qwen2_vl.Qwen2VLForConditionalGeneration,  # Qwen2's decoder with M-RoPE

@@ -2,8 +2,9 @@
 in the torch layers and in the fused CPU decode layer), Phi-3/Phi-4 (the checkpoint's fused
 ``qkv_proj``/``gate_up_proj`` split per TP rank, LongRoPE, partial rotation), Gemma 3 text (interleaved
 local/global layers with their two RoPE bases, QK-norm, (1 + weight) norms around attention and MLP, GeGLU,
-scaled embeddings, soft-capped logits). Each is token- and logprob-exact against transformers in float32 at
-TP=1 and TP=2 on a mixed batch with a chunked prefill, a preemption and a prefix hit (the multi-query Llama's
+scaled embeddings, soft-capped logits), Gemma 2 (Gemma 3's decoder without QK-norm, one RoPE, and its
+attention scores soft-capped in the attention backend). Each is token- and logprob-exact against transformers in
+float32 at TP=1 and TP=2 on a mixed batch with a chunked prefill, a preemption and a prefix hit (the multi-query Llama's
 one K/V head replicated on both ranks); Qwen3 also under ``--quantize int8`` against transformers on the
 re-quantized weights."""
 
@@ -42,6 +43,11 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+    # Gemma 2's own layer order (local first), a score cap low enough to bend these scores (its own is 50), and
+    # untied embeddings (tied ones make random weights repeat the last token)
+    "gemma2": ("Gemma2Config", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=30.0, tie_word_embeddings=False)),
 }
 # Partial rotation (half of each 16-wide head) and an original length of 16 that prompts and generations
 # cross, so long factors are used.
@@ -64,13 +70,16 @@ def test_matches_transformers_through_fused_and_torch_layers(family, runner):
         assert runner.model.layers[0].attention.q_norm is not None
     if name == "phi3":
         assert runner.model.rotary.rope_type == "longrope" and runner.model.rotary.attention_factor > 1
-    if name == "gemma3":
+    if name in ("gemma3", "gemma2"):
         assert runner.model.config.sliding_windows == (8, None, 8) and runner.model.fused_decode is None
+    if name == "gemma2":
+        assert runner.model.layers[0].attention.q_norm is None
+        assert runner.model.attention_backend.softcaps == (2.0, 2.0, 2.0)
     fused = runner.model.fused_decode
     runner.model.fused_decode = None
     assert_matches_reference(ref, prompts, run_family(runner, prompts))
-    if fused is None:  # Gemma 3's layer is not decode_layer.c's; the others' is, where the library builds
-        assert name == "gemma3" or bindings.library() is None
+    if fused is None:  # Gemma's layer is not decode_layer.c's; the others' is, where the library builds
+        assert name in ("gemma3", "gemma2") or bindings.library() is None
         return
     ran = []
     fused.run = lambda *args, run=fused.run: ran.append(run(*args)) or ran[-1]

@@ -1,8 +1,9 @@
-"""Gemma 3 text models (``model_type`` gemma3_text) on the native decoder of ``llama.py``, and the text
-model inside a multimodal Gemma 3 checkpoint (``model_type`` gemma3 with a ``text_config``: its
-``language_model.*`` weights, and its vision side, ``llava.Gemma3Vision``, where the checkpoint has an image processor
-(``preprocessor_config.json``; without one it serves text only). An image's placeholders attend each other both
-ways (``images_attend_both_ways``: the runner gives their rows key limits, ``vision.image_key_limits``).
+"""Gemma 3 text models (``model_type`` gemma3_text) on the native decoder of ``llama.py``, Gemma 2 beside them
+(``Gemma2ForCausalLM``), and the text model inside a multimodal Gemma 3 checkpoint (``model_type`` gemma3 with a
+``text_config``: its ``language_model.*`` weights, and its vision side, ``llava.Gemma3Vision``, where the checkpoint
+has an image processor (``preprocessor_config.json``; without one it serves text only). An image's placeholders
+attend each other both ways (``images_attend_both_ways``: the runner gives their rows key limits,
+``vision.image_key_limits``).
 
 What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
 
@@ -17,9 +18,13 @@ What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
   (``gelu_pytorch_tanh``); logits are soft-capped (``tanh(x / cap) * cap``) when
   ``final_logit_softcapping`` is set.
 
-The fused CPU decode layer (decode_layer.c) computes Llama's layer, so Gemma 3 runs the torch layers. Its
+Gemma 2 is the same decoder without QK-norm, with one RoPE for every layer (local and global alike) and its
+attention scores soft-capped (``attn_logit_softcapping``: ``tanh(s / cap) * cap`` before the mask), which the
+attention backend applies per layer.
+
+The fused CPU decode layer (decode_layer.c) computes Llama's layer, so Gemma runs the torch layers. Its
 attention and MLP are Llama's classes, so LoRA adapters reach them as they reach Llama's (``lora.py``).
-Attention-logit soft-capping and bidirectional attention (not used by Gemma 3's text models) are refused.
+Bidirectional attention (not used by Gemma's text models) is refused.
 """
 
 from __future__ import annotations
@@ -156,8 +161,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_config(cls, hf_config: dict) -> DecoderConfig:
-        if hf_config.get("attn_logit_softcapping") is not None:
-            raise ValueError("attention logit soft-capping is not supported natively")
         if hf_config.get("use_bidirectional_attention"):
             raise ValueError("bidirectional attention is not supported natively")
         layer_types = _layer_types(hf_config)
@@ -180,6 +183,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             query_pre_attn_scalar=float(hf_config.get("query_pre_attn_scalar", config.head_dim)),
             local_rope_theta=float(local_theta),
             final_logit_softcapping=hf_config.get("final_logit_softcapping"),
+            attn_logit_softcapping=hf_config.get("attn_logit_softcapping"),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
 
     @classmethod
@@ -211,3 +215,33 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _gemma2_layer_types(config: dict) -> list[str]:
+    """Each layer's kind, as Gemma2Config derives it when config.json does not list them: local first, then
+    alternating."""
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(config["num_hidden_layers"])]
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2 (``model_type`` gemma2): Gemma 3's decoder with soft-capped attention scores, no QK-norm (its
+    checkpoints have none, which ``build_attention`` reads as none) and one RoPE for all layers."""
+
+    def __init__(self, *, config: DecoderConfig, device: torch.device, dtype: torch.dtype, **kwargs):
+        super().__init__(config=config, device=device, dtype=dtype, **kwargs)
+        self.local_rotary = self.rotary  # the sliding layers rotate as the global ones, scaling included
+
+    @classmethod
+    def make_config(cls, hf_config: dict) -> DecoderConfig:
+        rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", hf_config.get("rope_theta", 10_000.0))
+        as_gemma3 = {**hf_config, "layer_types": _gemma2_layer_types(hf_config),
+                     "rope_parameters": {"full_attention": rope, "sliding_attention": rope}}
+        return super().make_config(as_gemma3)
+
+    def run_layers(self, hidden, positions, cos, sin, kv_cache, meta):
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, self.attention_backend, kv_cache, meta)
+        return hidden

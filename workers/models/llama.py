@@ -62,11 +62,18 @@ class DecoderConfig:
     model_type: str = "llama"
     partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates (Phi-4-mini: 0.75)
     hidden_act: str = "silu"  # the gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
-    # Gemma 3 (models/gemma3.py): attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5,
-    # the sliding layers' RoPE base, and tanh soft-capping of the logits.
+    # Gemma 2 and 3 (models/gemma3.py): attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5,
+    # the sliding layers' RoPE base, and tanh soft-capping of the logits and (Gemma 2) of every layer's
+    # attention scores.
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+
+    @property
+    def attention_softcaps(self) -> tuple[float | None, ...]:
+        """Each layer's soft cap of its attention scores (the attention backend's ``softcaps``)."""
+        return (self.attn_logit_softcapping,) * self.num_layers if self.attn_logit_softcapping else ()
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -344,7 +351,8 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings, device, config.partial_rotary_factor)
         self.max_position_embeddings = self.rotary.max_positions
-        self.attention_backend = make_attention_backend(device, config.sliding_windows, name=attention_backend)
+        self.attention_backend = make_attention_backend(device, config.sliding_windows, name=attention_backend,
+                                                        softcaps=config.attention_softcaps)
         self.dtype = dtype
         self.device = device
         self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
@@ -356,7 +364,7 @@ class LlamaForCausalLM:
             # no slower and faster for short prompts (design notes, "Small decode steps"), from a backend
             # that gives them as kernel rows (the layer keeps the same windows' order).
             self.attention_backend = make_attention_backend(device, config.sliding_windows, prompt_rows=True,
-                                                            name=attention_backend)
+                                                            name=attention_backend, softcaps=config.attention_softcaps)
 
     @property
     def num_layers(self) -> int:
