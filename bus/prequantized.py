@@ -23,8 +23,9 @@ GEMMs' inputs) are not used: llmbus computes with the model's dtype.
 
 MXFP4 (gpt-oss, the only form its weights are published in) stores each expert projection ``X`` of the mixture
 as ``X_blocks`` (two 4-bit e2m1 values a byte, 32 a block) and ``X_scales`` (one power of two a block, e8m0); the
-attention, router, embeddings and head stay bf16. Such a model runs on the transformers fallback, which has
-transformers expand the experts to the model's dtype at load (its ``Mxfp4Config(dequantize=True)``).
+attention, router, embeddings and head stay bf16. The native gpt-oss expands the experts to the model's dtype as
+it reads them (``workers/mxfp4.py``); on the transformers fallback transformers does (its
+``Mxfp4Config(dequantize=True)``), to the same numbers.
 
 Where it is said: ``quantization_config`` in ``config.json`` (what transformers writes), else the
 ``quantize_config.json`` of AutoGPTQ or the ``quant_config.json`` of AutoAWQ beside it (older uploads), read
@@ -73,10 +74,6 @@ class CheckpointQuantization:
             return "mxfp4"
         return f"{self.method} int{self.bits}" if self.packed else "float8 e4m3"
 
-    @property
-    def native(self) -> bool:
-        """Whether the native models read it (MXFP4 is gpt-oss's, which transformers' modeling code runs)."""
-        return self.method != "mxfp4"
 
 
 def checkpoint_quantization(model_dir: str | Path) -> CheckpointQuantization | None:

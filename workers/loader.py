@@ -116,13 +116,13 @@ class CheckpointReader:
 def native_builders() -> dict[str, type]:
     """``model_type`` -> the native model class that serves it (benchmarks/families.py empties it to time
     the fallback on the same checkpoints)."""
-    from llmbus.workers.models import gemma3, llama, llava, qwen2_vl
+    from llmbus.workers.models import gemma3, gpt_oss, llama, llava, qwen2_vl
 
     llama_family = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
     gemma3_family = ("gemma3_text", "gemma3")  # gemma3: the text model of the multimodal checkpoint
     return ({name: llama.LlamaForCausalLM for name in llama_family}
             | {name: gemma3.Gemma3ForCausalLM for name in gemma3_family}
-            | {"gemma2": gemma3.Gemma2ForCausalLM}
+            | {"gemma2": gemma3.Gemma2ForCausalLM, "gpt_oss": gpt_oss.GptOssForCausalLM}
             | {"llava": llava.LlavaForConditionalGeneration,  # a decoder above, with a vision tower
                "llava_next": llava.LlavaNextForConditionalGeneration,
                "qwen2_vl": qwen2_vl.Qwen2VLForConditionalGeneration,  # Qwen2's decoder with M-RoPE
@@ -147,11 +147,12 @@ def load_model(model_dir: str, *, rank: int = 0, world_size: int = 1, dtype: tor
         raise ValueError(problem)
     if quantize in CHECKPOINT_METHODS:  # TGI's way to say what the checkpoint says: nothing to do at load
         quantize = None
-    if prequantized is not None and not prequantized.native and model_type in builders:
-        raise ValueError(f"a {prequantized.method} checkpoint is read through the transformers fallback (gpt-oss's "
-                         f"experts), not by the native {model_type}")
+    if prequantized is not None and prequantized.method == "mxfp4" and model_type in builders \
+            and model_type != "gpt_oss":
+        raise ValueError(f"a {prequantized.method} checkpoint is read for gpt-oss's experts (gpt_oss), not by the "
+                         f"native {model_type}")
     if model_type not in builders:
-        if prequantized is not None and prequantized.native:
+        if prequantized is not None and prequantized.method != "mxfp4":
             raise ValueError(f"a {prequantized.method} checkpoint is read by the native models only "
                              f"({', '.join(sorted(builders))}), not {model_type}")
         if quantize is not None:
@@ -220,6 +221,6 @@ def _open_checkpoint(model_dir: str, prequantized: CheckpointQuantization | None
     if is_gguf_folder(model_dir):
         return GGUFCheckpointReader(gguf_source(model_dir)["path"])
     reader = CheckpointReader(model_dir, device="cpu")
-    if prequantized is None:
+    if prequantized is None or prequantized.method == "mxfp4":  # gpt-oss's reader expands MXFP4 (models/gpt_oss.py)
         return reader
     return (PackedCheckpointReader if prequantized.packed else Float8CheckpointReader)(reader, prequantized)

@@ -225,6 +225,7 @@ class LlamaAttention:
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.tp = tp
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.sinks: torch.Tensor | None = None  # [num_heads] this rank's sink logits (gpt-oss), for the backend
 
     def __call__(self, hidden, cos, sin, backend, kv_cache: PagedKVCache, meta: AttentionMetadata):
         qk, value = self.project(hidden)
@@ -351,8 +352,10 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings, device, config.partial_rotary_factor)
         self.max_position_embeddings = self.rotary.max_positions
+        # each layer's sink logits (gpt-oss), this rank's query heads'
+        self.attention_sinks = [layer.attention.sinks for layer in layers]
         self.attention_backend = make_attention_backend(device, config.sliding_windows, name=attention_backend,
-                                                        softcaps=config.attention_softcaps)
+                                                        softcaps=config.attention_softcaps, sinks=self.attention_sinks)
         self.dtype = dtype
         self.device = device
         self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
@@ -364,7 +367,8 @@ class LlamaForCausalLM:
             # no slower and faster for short prompts (design notes, "Small decode steps"), from a backend
             # that gives them as kernel rows (the layer keeps the same windows' order).
             self.attention_backend = make_attention_backend(device, config.sliding_windows, prompt_rows=True,
-                                                            name=attention_backend, softcaps=config.attention_softcaps)
+                                                            name=attention_backend, softcaps=config.attention_softcaps,
+                                                            sinks=self.attention_sinks)
 
     @property
     def num_layers(self) -> int:

@@ -41,6 +41,7 @@ class MoEConfig:
     sparse_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP of intermediate_size
     block: str  # the MLP's name in the layer: "block_sparse_moe" (Mixtral) or "mlp" (Qwen3-MoE)
     expert_names: tuple[str, str, str]  # gate, up and down projections of one expert
+    swiglu: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU: (alpha, limit); None: SwiGLU
 
     @classmethod
     def from_hf(cls, config: dict) -> "MoEConfig | None":
@@ -62,16 +63,27 @@ class MoEConfig:
                        expert_intermediate_size=config["moe_intermediate_size"],
                        renormalize=bool(config.get("norm_topk_prob", False)), sparse_layers=sparse, block="mlp",
                        expert_names=("gate_proj", "up_proj", "down_proj"))
+        if model_type == "gpt_oss":  # experts as models/gpt_oss.py's reader shows them; softmax over the top k
+            return cls(num_experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
+                       expert_intermediate_size=config["intermediate_size"], renormalize=True,
+                       sparse_layers=(True,) * num_layers, block="mlp",
+                       expert_names=("gate_proj", "up_proj", "down_proj"),
+                       swiglu=(float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))))
         return None
 
 
 class SparseMoE:
-    """Top-k routed SwiGLU experts over a flat ``[T, hidden]`` batch, with one all-reduce after."""
+    """Top-k routed SwiGLU experts over a flat ``[T, hidden]`` batch, with one all-reduce after. A family whose
+    experts differ (gpt-oss: a biased router, its own gate, biased experts) subclasses ``route``,
+    ``activate`` and gives ``down_biases``."""
 
     def __init__(self, *, router: torch.Tensor, gate_ups: list, downs: list, intermediate: int, top_k: int,
-                 renormalize: bool, tp):
+                 renormalize: bool, tp, router_bias: torch.Tensor | None = None,
+                 down_biases: torch.Tensor | None = None):
         self.router = router  # [num_experts, hidden], replicated
+        self.router_bias = router_bias  # [num_experts] or None
         self.gate_ups, self.downs = gate_ups, downs  # per expert: this rank's fused gate/up and down slices
+        self.down_biases = down_biases  # [num_experts, hidden], added once after the all-reduce; None: none
         self.intermediate = intermediate  # each expert's width on this rank
         self.num_experts = len(gate_ups)
         self.top_k, self.renormalize = top_k, renormalize
@@ -79,7 +91,7 @@ class SparseMoE:
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights ``[T, k]`` in ``hidden``'s dtype, chosen experts ``[T, k]``)."""
-        probs = torch.softmax(F.linear(hidden, self.router).float(), dim=-1)
+        probs = torch.softmax(F.linear(hidden, self.router, self.router_bias).float(), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -104,10 +116,18 @@ class SparseMoE:
                 continue
             rows = tokens[start:start + count]
             gate, up = self.gate_ups[expert](hidden.index_select(0, rows)).chunk(2, dim=-1)
-            expert_out = self.downs[expert](F.silu(gate).mul_(up))
+            expert_out = self.downs[expert](self.activate(gate, up))
             out.index_add_(0, rows, expert_out * pair_weights[start:start + count])
             start += count
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        if self.down_biases is None:
+            return out
+        # each chosen expert's bias, weighted as its output is: once, after the ranks' partial sums are added
+        return out + (weights[:, :, None] * self.down_biases[chosen]).sum(dim=1)
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation of an expert's gate and up projections (SwiGLU)."""
+        return F.silu(gate).mul_(up)
 
 
 def build_sparse_moe(build, config: MoEConfig, layer_prefix: str, world_size: int, tp) -> SparseMoE:

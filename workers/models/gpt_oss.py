@@ -1,0 +1,190 @@
+"""gpt-oss (``model_type`` gpt_oss) on the native decoder of ``llama.py``, sharded over ``--gpus N``.
+
+What differs from Llama, as transformers' GptOssForCausalLM computes it:
+
+- attention has biases on all four projections and one learned sink logit per query head
+  (``self_attn.sinks``), which the attention backend adds to each row's softmax; each rank holds its query
+  heads' sinks. Sliding (128) and full layers alternate (``layer_types``); RoPE is YaRN;
+- the MLP is a mixture of experts (``moe.SparseMoE``): the router has a bias and its top ``k`` logits are
+  softmaxed (the same weights as renormalising the top ``k`` of a softmax over all); each expert's gate and up
+  projections have biases and are stored interleaved in one ``[experts, hidden, 2 * width]`` tensor
+  (``gate_up_proj``: gate in the even columns, up in the odd), its down projection ``[experts, width, hidden]``
+  with a bias; the gate is gpt-oss's clamped SwiGLU: ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``,
+  ``g = min(gate, 7)``;
+- the experts are published in MXFP4 (``X_blocks``/``X_scales``), expanded to the model's dtype here
+  (``workers/mxfp4.py``), or as floats.
+
+``GptOssReader`` shows the experts to ``WeightBuilder`` as per-expert projections under Mixtral-like names, so
+tensor parallelism splits each expert's width as it splits any MLP's, and one expert at a time is read (and
+expanded) from the checkpoint. The layers run in torch (the fused CPU decode layer computes Llama's layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llmbus.workers import mxfp4
+from llmbus.workers.models.llama import (DecoderConfig, LlamaDecoderLayer, LlamaForCausalLM, RMSNorm,
+                                         TensorParallel)
+from llmbus.workers.models.moe import MoEConfig, SparseMoE
+from llmbus.workers.weight_builder import WeightBuilder
+
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+class GptOssReader:
+    """A checkpoint reader that shows each layer's experts as ``mlp.experts.<e>.<gate_proj|up_proj|down_proj>``
+    ``.weight``/``.bias`` (``[width, hidden]``, ``[hidden, width]``), read from the stored ``gate_up_proj`` /
+    ``down_proj`` (or their MXFP4 blocks) one expert at a time; every other name is the wrapped reader's."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self._cached: tuple[str, int, torch.Tensor] | None = None  # the last expert read of a stored tensor
+
+    def __enter__(self) -> "GptOssReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass  # the wrapped reader is closed by whoever opened it
+
+    @staticmethod
+    def _split(name: str) -> tuple[str, int, str, str] | None:
+        """(the layer's experts prefix, expert, part, "weight" | "bias") of a shown expert name, else None."""
+        head, sep, rest = name.partition("mlp.experts.")
+        pieces = rest.split(".")
+        if not sep or len(pieces) != 3 or not pieces[0].isdigit() or pieces[1] not in EXPERT_PARTS:
+            return None
+        return head + "mlp.experts.", int(pieces[0]), pieces[1], pieces[2]
+
+    def _stored_expert(self, name: str, expert: int) -> torch.Tensor:
+        """Expert ``expert`` of the stored 3-D tensor ``name`` (``[hidden, 2 * width]`` or ``[width, hidden]``),
+        expanded from its MXFP4 blocks where it has them; the last one read is kept (gate and up share it)."""
+        if self._cached is not None and self._cached[:2] == (name, expert):
+            return self._cached[2]
+        if self.reader.has(name):
+            tensor = self.reader.read_rows(name, expert, expert + 1)[0]
+        else:  # stored [outputs, inputs / 32, 16] of the transposed weight
+            blocks = self.reader.read_rows(name + "_blocks", expert, expert + 1)[0]
+            scales = self.reader.read_rows(name + "_scales", expert, expert + 1)[0]
+            tensor = mxfp4.dequantize(blocks, scales).T
+        self._cached = (name, expert, tensor)
+        return tensor
+
+    def _expert(self, prefix: str, expert: int, part: str, kind: str) -> torch.Tensor:
+        if part == "down_proj":
+            if kind == "bias":
+                return self.reader.read_rows(prefix + "down_proj_bias", expert, expert + 1)[0]
+            return self._stored_expert(prefix + "down_proj", expert).T  # [hidden, width]
+        column = 0 if part == "gate_proj" else 1  # interleaved: gate in the even columns, up in the odd
+        if kind == "bias":
+            return self.reader.read_rows(prefix + "gate_up_proj_bias", expert, expert + 1)[0][column::2]
+        return self._stored_expert(prefix + "gate_up_proj", expert)[:, column::2].T  # [width, hidden]
+
+    def has(self, name: str) -> bool:
+        split = self._split(name)
+        if split is None:
+            return self.reader.has(name)
+        prefix, _, part, kind = split
+        stored = prefix + ("down_proj" if part == "down_proj" else "gate_up_proj")
+        if kind == "bias":
+            return self.reader.has(stored + "_bias")
+        return self.reader.has(stored) or self.reader.has(stored + "_blocks")
+
+    def names(self) -> list[str]:
+        return self.reader.names()
+
+    def shape(self, name: str) -> list[int]:
+        split = self._split(name)
+        return self.reader.shape(name) if split is None else list(self._expert(*split).shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        split = self._split(name)
+        return self.reader.read(name) if split is None else self._expert(*split).contiguous()
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        split = self._split(name)
+        return self.reader.read_rows(name, start, stop) if split is None else self._expert(*split)[start:stop]
+
+    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        split = self._split(name)
+        return self.reader.read_cols(name, start, stop) if split is None else self._expert(*split)[:, start:stop]
+
+    def qtype(self, name: str) -> str:
+        """How ``name`` is stored, for the startup log's ``weights`` line."""
+        split = self._split(name)
+        if split is not None and split[3] == "weight":
+            stored = split[0] + ("down_proj" if split[2] == "down_proj" else "gate_up_proj")
+            if not self.reader.has(stored):
+                return "mxfp4"
+        return "safetensors"
+
+
+class GptOssMoE(SparseMoE):
+    """gpt-oss's experts: softmax over the top ``k`` router logits, its clamped SwiGLU, biased projections."""
+
+    def __init__(self, *, alpha: float, limit: float, **kwargs):
+        super().__init__(**kwargs)
+        self.alpha, self.limit = alpha, limit
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(hidden, self.router, self.router_bias)
+        top, chosen = logits.topk(self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), chosen
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    FUSED_DECODE = False
+
+    @classmethod
+    def from_checkpoint(cls, hf_config: dict, reader, **kwargs) -> "GptOssForCausalLM":
+        return super().from_checkpoint(hf_config, GptOssReader(reader), **kwargs)
+
+    @classmethod
+    def make_config(cls, hf_config: dict) -> DecoderConfig:
+        num_layers = hf_config["num_hidden_layers"]
+        layer_types = hf_config.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
+        window = hf_config.get("sliding_window", 128)
+        config = DecoderConfig.from_hf(hf_config)
+        return dataclasses.replace(
+            config, sliding_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types))
+
+    @classmethod
+    def build_layer(cls, build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel,
+                    moe) -> LlamaDecoderLayer:
+        prefix = f"model.layers.{i}."
+        attention = cls.build_attention(build, config, i, tp)
+        heads = config.num_heads // tp.world_size
+        attention.sinks = build.vector(prefix + "self_attn.sinks")[tp.rank * heads:(tp.rank + 1) * heads]
+        return LlamaDecoderLayer(
+            input_norm=RMSNorm(build.vector(prefix + "input_layernorm.weight"), config.rms_norm_eps),
+            attention=attention,
+            post_attention_norm=RMSNorm(build.vector(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps),
+            mlp=cls.build_experts(build, moe, i, tp))
+
+    @classmethod
+    def build_experts(cls, build: WeightBuilder, moe: MoEConfig, i: int, tp: TensorParallel) -> GptOssMoE:
+        width = moe.expert_intermediate_size
+        if width % tp.world_size:
+            raise ValueError(f"tensor parallelism over {tp.world_size} ranks needs the experts' intermediate size "
+                             f"({width}) divisible by {tp.world_size}")
+        rows = width // tp.world_size
+        block = f"model.layers.{i}.mlp."
+        gate_ups, downs, down_biases = [], [], []
+        for expert in range(moe.num_experts):
+            prefix = f"{block}experts.{expert}."
+            gate_ups.append(build.column_parallel([(prefix + "gate_proj", rows), (prefix + "up_proj", rows)]))
+            down, down_bias = build.row_parallel(prefix + "down_proj", rows)
+            downs.append(down)
+            down_biases.append(down_bias)
+        return GptOssMoE(router=build.vector(block + "router.weight"), router_bias=build.vector(block + "router.bias"),
+                         gate_ups=gate_ups, downs=downs, down_biases=torch.stack(down_biases), intermediate=rows,
+                         top_k=moe.top_k, renormalize=True, tp=tp, alpha=moe.swiglu[0], limit=moe.swiglu[1])

@@ -1,0 +1,23 @@
+"""MXFP4 blocks expanded to floats: gpt-oss's experts as published (``bus/prequantized.py`` describes the
+layout). A block is 32 values that share one power of two: 16 bytes of two 4-bit e2m1 codes each (the even
+value's in the low nibble) and one e8m0 scale byte (the exponent plus 127). Every such value is exact in
+float32 and bfloat16, so expanding rounds nothing: the numbers are transformers' (``convert_moe_packed_tensors``)."""
+
+from __future__ import annotations
+
+import torch
+
+# e2m1's values by code: the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated (the 4th bit)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+BLOCK = 32
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> float32 ``[..., G * 32]``."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = blocks.to(torch.uint8)
+    values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1)
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values.flatten(-2), exponents[..., None]).flatten(-2)
