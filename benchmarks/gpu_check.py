@@ -13,8 +13,9 @@ keeps what it measured. Every row names the attention backend it ran on.
 1. float32, TF32 off: greedy tokens equal transformers' on the same device, for a mixed continuous batch
    (``llmbus.testing.runner_driver.drive``: arrivals mid-way, a chunked prompt beside decodes, a prefix-cache
    hit on a running request's blocks, a preemption resumed from one cached block) on a 4-layer GQA Llama with
-   llama3 RoPE, a Mistral with a window shorter than the sequences, a Qwen2 (q/k/v biases), a Qwen3 (QK-norm)
-   and a Mixtral (routed experts). Each runs with the decode CUDA graphs and again eagerly ("... eager").
+   llama3 RoPE, a Mistral with a window shorter than the sequences, a Qwen2 (q/k/v biases), a Qwen3 (QK-norm),
+   a Mixtral (routed experts), a Gemma 2 (soft-capped scores) and a gpt-oss (sinks). Each runs with the decode
+   CUDA graphs and again eagerly ("... eager").
    Then the Llama with two LoRA adapters (every projection; queries and values), three of the batch's six
    sequences on them: every sequence's tokens equal PEFT's (CPU, float32) with its adapter or transformers'.
 2. bfloat16 teacher-forced on part 1's float32 tokens (prompt rows, then one decode row per sequence per step):
@@ -94,6 +95,14 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=2), 0),
     "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32), 0),  # QK-norm
     "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2), 0),
+    # the Triton kernel's SOFTCAP and SINKS variants (a cap low enough to bend these scores; untied, so that
+    # random weights do not repeat the last token)
+    "gemma2_softcap": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=32, sliding_window=24,
+                                            attn_logit_softcapping=5.0, final_logit_softcapping=None,
+                                            query_pre_attn_scalar=32, tie_word_embeddings=False), 0),
+    "gpt_oss_sinks": ("GptOssConfig", dict(num_hidden_layers=2, head_dim=32, sliding_window=24, num_local_experts=4,
+                                           num_experts_per_tok=2,
+                                           layer_types=["sliding_attention", "full_attention"]), 0),
 }
 # A dry run tests this script, not the families: one dense family and the one whose steps are not captured.
 DRY_FAMILIES = ("llama3_gqa", "mixtral")
