@@ -161,3 +161,26 @@ def test_triton_backend_equals_transformers_eager(interpreted_triton, dtype, tol
     backend = TritonAttentionBackend(layers[0], softcaps=layers[1], sinks=layers[2])
     assert interpreted_triton.key_splits(3, NUM_KV_HEADS, 1, torch.device("cpu")) > 1
     run_schedule(backend, _cache(dtype, 16, 64), layers, tolerance)
+
+
+def test_long_queries_are_shaped_a_slice_at_a_time(monkeypatch):
+    """A soft-capped or sinked group's scores are computed a few queries at a time (here two: the bound set to
+    two queries' scores over the longest context), with the same results as transformers' in one piece."""
+    from llmbus.workers.attention import torch_sdpa
+
+    layers = _layers()
+    longest = -(-max(sum(step.get(r, 0) for step in SCHEDULE) for r in "abc") // 4) * 4  # blocks of 4
+    per_query = 4 * NUM_KV_HEADS * (NUM_HEADS // NUM_KV_HEADS) * longest
+    monkeypatch.setattr(torch_sdpa, "SHAPED_SCORES_BYTES", 2 * per_query)
+    backend = TorchSDPABackend(layers[0], softcaps=layers[1], sinks=layers[2])
+    cache = _cache(torch.float32, 4, 64)
+    run_schedule(backend, cache, layers, 1e-5)
+    # one 12-token prompt (12 blocks of context at most): six slices of two queries, two products each
+    meta = backend.build_metadata(query_lens=[12], num_computed=[0], block_tables=[[60, 61, 62]], kv_cache=cache,
+                                  device=torch.device("cpu"))
+    monkeypatch.setattr(torch_sdpa, "SHAPED_SCORES_BYTES", 2 * 4 * NUM_KV_HEADS * (NUM_HEADS // NUM_KV_HEADS) * 12)
+    calls = []
+    monkeypatch.setattr(torch_sdpa.torch, "bmm", lambda *a, bmm=torch.bmm, **k: calls.append(1) or bmm(*a, **k))
+    q, k = torch.randn(12, NUM_HEADS, 64), torch.randn(12, NUM_KV_HEADS, 64)
+    backend.forward(0, q, k, k, cache, meta, scale=0.125)
+    assert len(calls) == 2 * 6

@@ -34,6 +34,9 @@ SDPA_DECODE_MAX_BATCH = 2
 # A decode group's gathered context (every sequence padded to the group's longest) may be at most this
 # many times its sequences' own: longer contexts go to a group of their own.
 PADDING_LIMIT = 2.0
+# The float32 scores a soft-capped or sinked group holds at once (``_shaped``): a long prompt's are computed a
+# slice of queries at a time, as a 4k-token chunk over an 8k context would otherwise take gigabytes.
+SHAPED_SCORES_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -249,23 +252,31 @@ def _heads(attended: torch.Tensor, group: AttentionGroup, num_kv_heads: int, per
 
 def _shaped(q, keys, values, group: AttentionGroup, bias: torch.Tensor, scale: float, softcap: float | None,
             sinks: torch.Tensor | None, num_kv_heads: int, per_kv: int) -> torch.Tensor:
-    """``_matmul``'s rows ``q [Hkv * B, max_q * per_kv, D]`` with a soft cap and/or sinks."""
+    """``_matmul``'s rows ``q [Hkv * B, max_q * per_kv, D]`` with a soft cap and/or sinks, as many queries at a
+    time as ``SHAPED_SCORES_BYTES`` of scores hold (each query's GQA rows together)."""
     batch, max_q = group.batch, group.max_query_len
-    scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
-    if softcap is not None:
-        scores = scores.div_(softcap).tanh_().mul_(softcap)
-    if max_q == 1:
-        scores.add_(bias)
-    else:
-        scores.view(num_kv_heads * batch, max_q, per_kv, -1).add_(bias)
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    else:
-        # row (h, b, q, g) of the scores is query head h * per_kv + g
-        column = sinks.view(num_kv_heads, 1, 1, per_kv).expand(num_kv_heads, batch, max_q, per_kv)
-        combined = torch.cat((scores.float(), column.reshape(num_kv_heads * batch, max_q * per_kv, 1)), dim=-1)
-        probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return _heads(torch.bmm(probs.to(values.dtype), values), group, num_kv_heads, per_kv)
+    pairs, context = q.shape[0], keys.shape[1]
+    per_slice = max(1, SHAPED_SCORES_BYTES // (4 * pairs * per_kv * context))  # queries
+    # row (h, b, q, g) of the scores is query head h * per_kv + g
+    column = None if sinks is None else sinks.view(num_kv_heads, 1, 1, per_kv).expand(
+        num_kv_heads, batch, max_q, per_kv).reshape(pairs, max_q * per_kv, 1)
+    out = q.new_empty(pairs, max_q * per_kv, values.shape[-1])
+    for first in range(0, max_q, per_slice):
+        last = min(first + per_slice, max_q)
+        rows = slice(first * per_kv, last * per_kv)
+        scores = torch.bmm(q[:, rows], keys.transpose(1, 2)).mul_(scale)
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        if max_q == 1:
+            scores.add_(bias)
+        else:
+            scores.view(pairs, last - first, per_kv, -1).add_(bias[:, first:last])
+        if column is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        else:
+            probs = torch.softmax(torch.cat((scores.float(), column[:, rows]), dim=-1), dim=-1)[..., :-1]
+        torch.bmm(probs.to(values.dtype), values, out=out[:, rows])
+    return _heads(out, group, num_kv_heads, per_kv)
 
 
 def _sdpa(queries, keys, values, group: AttentionGroup, window: int, scale: float) -> torch.Tensor:
