@@ -21,10 +21,10 @@ At load time one single-token probe forward records what the model sends to atte
 K/V heads, head size, sliding windows, soft caps, sinks, masks), so the KV layout comes from the
 model as it runs rather than from the config's naming conventions. Sliding windows, soft caps of the scores
 (Gemma 2's ``softcap``) and attention sinks (gpt-oss's ``s_aux``, one logit per query head) go to the
-attention backend per layer. Models that cannot run this
-way fail at startup with a clear message instead of producing wrong tokens: modeling code that does not take
-a registered attention function (GPT-J, GPT-Neo, BLOOM, Falcon, MPT, CodeGen in transformers 5.23), hybrid
-recurrent layers, ALiBi-style masks. Tensor parallelism is not supported here.
+attention backend per layer. Models that cannot run this way fail at startup with a clear message instead of
+producing wrong tokens: modeling code that does not take a registered attention function (GPT-J, GPT-Neo,
+BLOOM, Falcon, MPT, CodeGen in transformers 5.23), hybrid recurrent layers, ALiBi-style masks. Tensor
+parallelism is not supported here.
 """
 
 from __future__ import annotations
