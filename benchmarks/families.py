@@ -1,6 +1,6 @@
 """Decode speed of the natively served model families against transformers' fallback, and MoE against dense.
 
-    python benchmarks/families.py [--families llama,qwen3,phi3,gemma3,gemma2,mixtral,qwen3_moe] [--batches 1,64]
+    python benchmarks/families.py [--families llama,qwen3,phi3,gemma3,gemma2,mixtral,qwen3_moe,gpt_oss] [--batches 1,64]
     python benchmarks/families.py --dry-run      # a tiny shape, to check the script runs
 
 Each family is a random checkpoint made with transformers' own config class at the same shape (hidden
@@ -54,6 +54,8 @@ def family_configs(shape: dict) -> dict[str, tuple[str, dict]]:
                                           intermediate_size=expert)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=head_dim, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                                              moe_intermediate_size=expert, norm_topk_prob=True)),
+        "gpt_oss": ("GptOssConfig", dict(head_dim=head_dim, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                         intermediate_size=expert, sliding_window=128)),
     }
 
 
