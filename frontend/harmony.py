@@ -44,6 +44,7 @@ FUNCTIONS = "functions."
 # that does not write the format, or writes it wrong, still answers).
 MAX_HEADER = 256
 _RECIPIENT = re.compile(r"\bto=(\S+)")
+_MARKER_TEXT = "|".join(re.escape(marker) for marker in (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL))
 
 
 def is_harmony(template_source: str | None) -> bool:
@@ -113,9 +114,16 @@ class HarmonyStream:
     def _step(self, out: list[tuple[str, str]]) -> bool:
         text = self._text
         if self._state == "between":
+            # a message ended: the next one starts with <|start|>; text before it (a model off the format) is
+            # shown as content rather than lost
             at = text.find(START)
+            limit = at if at != -1 else len(text) - _held(text)
+            head = re.sub(_MARKER_TEXT, "", text[:limit])
+            shown = head.rstrip()  # whitespace before the next message is not shown; before more text it is
+            if shown:
+                out.append(("content", shown))
             if at == -1:
-                self._text = text[len(text) - _held(text):]
+                self._text = head[len(shown):] + text[limit:]
                 return False
             self._text, self._state = text[at + len(START):], "header"
             return True

@@ -59,9 +59,13 @@ def _pieces(text: str, calls: bool = True, size: int | None = None) -> list[tupl
                                 ("content", "Done.")]),
     # cut by max_tokens inside the analysis: what there is, as reasoning
     ("<|channel|>analysis<|message|>Thinking about <|", True, [("reasoning", "Thinking about <|")]),
-    # a model that does not write the format: its text is the answer
+    # a model that does not write the format: its text is the answer; text off the format between messages is
+    # shown, not lost (whitespace before the next message is not shown)
     ("Just an answer.", True, [("content", "Just an answer.")]),
-], ids=["analysis-final", "call", "history-form-call", "call-without-tools", "preamble-builtin", "cut", "no-format"])
+    ("<|channel|>final<|message|>Hi.<|end|> And more.<|end|>\n<|start|>assistant<|channel|>final<|message|> Bye.",
+     True, [("content", "Hi. And more. Bye.")]),
+], ids=["analysis-final", "call", "history-form-call", "call-without-tools", "preamble-builtin", "cut", "no-format",
+        "off-format-between"])
 def test_stream_reads_each_message_kind(text, calls, expected, size):
     assert _pieces(text, calls, size) == expected
 
