@@ -212,15 +212,18 @@ def release_freed_memory() -> None:
 
 
 def _open_checkpoint(model_dir: str, prequantized: CheckpointQuantization | None):
-    """The weights of ``model_dir``: its safetensors (a GPTQ/AWQ checkpoint's unpacked, an FP8 one's scaled), or
-    the GGUF file a folder made from one names."""
+    """The weights of ``model_dir``: its safetensors (a GPTQ/AWQ checkpoint's unpacked, an FP8 one's scaled, an
+    MXFP4 one's expanded), or the GGUF file a folder made from one names."""
     from llmbus.bus.model_files import gguf_source, is_gguf_folder
     from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader
-    from llmbus.workers.prequantized_checkpoint import Float8CheckpointReader, PackedCheckpointReader
+    from llmbus.workers.prequantized_checkpoint import (Float8CheckpointReader, Mxfp4CheckpointReader,
+                                                        PackedCheckpointReader)
 
     if is_gguf_folder(model_dir):
         return GGUFCheckpointReader(gguf_source(model_dir)["path"])
     reader = CheckpointReader(model_dir, device="cpu")
-    if prequantized is None or prequantized.method == "mxfp4":  # gpt-oss's reader expands MXFP4 (models/gpt_oss.py)
+    if prequantized is None:
         return reader
-    return (PackedCheckpointReader if prequantized.packed else Float8CheckpointReader)(reader, prequantized)
+    kind = (PackedCheckpointReader if prequantized.packed else
+            Mxfp4CheckpointReader if prequantized.method == "mxfp4" else Float8CheckpointReader)
+    return kind(reader, prequantized)

@@ -1,5 +1,9 @@
-"""Reading a GPTQ, AWQ or FP8 checkpoint (``bus/prequantized.py`` says what it is): each quantized projection
-reads under its float name (``X.weight``), so the models build from it as from any checkpoint.
+"""Reading a GPTQ, AWQ, FP8 or MXFP4 checkpoint (``bus/prequantized.py`` says what it is): each quantized tensor
+reads under its float name (``X.weight``; gpt-oss's ``X``), so the models build from it as from any checkpoint.
+
+MXFP4 (``Mxfp4CheckpointReader``): a tensor stored as ``X_blocks``/``X_scales`` (gpt-oss's experts, each the
+``[outputs, inputs]`` transpose of ``X``'s matrix) reads as ``X`` in float32, expanded exactly
+(``workers/mxfp4.py``); ``read_rows`` of its first dimension (one expert) expands only those rows.
 
 FP8 (``Float8CheckpointReader``): a float8 weight with a scale beside it reads as float32 ``w8 * scale``, the
 product of two exact numbers rounded once. It is expanded to the model's dtype (llmbus has no FP8 kernel;
@@ -23,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from llmbus.bus.prequantized import CheckpointQuantization
-from llmbus.workers import quant
+from llmbus.workers import mxfp4, quant
 
 _PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output a word's j-th value belongs to, in a run of eight
@@ -245,3 +249,48 @@ class Float8CheckpointReader(_ReaderOver):
             raise ValueError(f"{self.model_dir}: {scale_name} has shape {list(scale.shape)}, which is neither one "
                              f"scale, one per row of {n}, nor one per block of the config's {block}")
         return scale[row_ids // block[0]][:, col_ids // block[1]]
+
+
+class Mxfp4CheckpointReader(_ReaderOver):
+    """A ``loader.CheckpointReader``'s interface over an MXFP4 checkpoint read by ``base``: each ``X_blocks`` and
+    ``X_scales`` pair reads as ``X``, float32, in the layout the float checkpoint would hold it."""
+
+    def __init__(self, base, quantization: CheckpointQuantization):
+        super().__init__(base, quantization)
+        self._blocks = {name.removesuffix("_blocks") for name in base.names() if name.endswith("_blocks")}
+
+    def names(self) -> list[str]:
+        return [name.removesuffix("_blocks") if name.removesuffix("_blocks") in self._blocks else name
+                for name in self.base.names()
+                if not (name.endswith("_scales") and name.removesuffix("_scales") in self._blocks)]
+
+    def has(self, name: str) -> bool:
+        return name in self._blocks or self.base.has(name)
+
+    def qtype(self, name: str) -> str:
+        return self.q.label if name in self._blocks else "safetensors"
+
+    def shape(self, name: str) -> list[int]:
+        if name not in self._blocks:
+            return self.base.shape(name)
+        *lead, outputs, groups, _ = self.base.shape(name + "_blocks")
+        return [*lead, groups * mxfp4.BLOCK, outputs]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.base.read(name) if name not in self._blocks else self._expanded(name, None)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name not in self._blocks:
+            return self.base.read_rows(name, start, stop)
+        return self._expanded(name, (start, stop))
+
+    def read_cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name not in self._blocks:
+            return self.base.read_cols(name, start, stop)
+        return self._expanded(name, None)[:, start:stop]
+
+    def _expanded(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        """``name``'s stored ``[..., outputs, inputs / 32, 16]`` blocks (rows of the first dimension only, where
+        given) as ``[..., inputs, outputs]``."""
+        read = self.base.read if rows is None else lambda n: self.base.read_rows(n, *rows)
+        return mxfp4.dequantize(read(name + "_blocks"), read(name + "_scales")).transpose(-1, -2)

@@ -11,8 +11,8 @@ What differs from Llama, as transformers' GptOssForCausalLM computes it:
   (``gate_up_proj``: gate in the even columns, up in the odd), its down projection ``[experts, width, hidden]``
   with a bias; the gate is gpt-oss's clamped SwiGLU: ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``,
   ``g = min(gate, 7)``;
-- the experts are published in MXFP4 (``X_blocks``/``X_scales``), expanded to the model's dtype here
-  (``workers/mxfp4.py``), or as floats.
+- the experts are published in MXFP4 (``X_blocks``/``X_scales``), which the checkpoint's reader expands
+  (``prequantized_checkpoint.Mxfp4CheckpointReader``), or as floats.
 
 ``GptOssReader`` shows the experts to ``WeightBuilder`` as per-expert projections under Mixtral-like names, so
 tensor parallelism splits each expert's width as it splits any MLP's, and one expert at a time is read (and
@@ -25,7 +25,6 @@ import dataclasses
 
 import torch
 
-from llmbus.workers import mxfp4
 from llmbus.workers.models.llama import (DecoderConfig, LlamaDecoderLayer, LlamaForCausalLM, RMSNorm,
                                          TensorParallel)
 from llmbus.workers.models.moe import MoEConfig, SparseMoE
@@ -37,7 +36,7 @@ EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 class GptOssReader:
     """A checkpoint reader that shows each layer's experts as ``mlp.experts.<e>.<gate_proj|up_proj|down_proj>``
     ``.weight``/``.bias`` (``[width, hidden]``, ``[hidden, width]``), read from the stored ``gate_up_proj`` /
-    ``down_proj`` (or their MXFP4 blocks) one expert at a time; every other name is the wrapped reader's."""
+    ``down_proj`` one expert at a time; every other name is the wrapped reader's."""
 
     def __init__(self, reader):
         self.reader = reader
@@ -59,18 +58,11 @@ class GptOssReader:
         return head + "mlp.experts.", int(pieces[0]), pieces[1], pieces[2]
 
     def _stored_expert(self, name: str, expert: int) -> torch.Tensor:
-        """Expert ``expert`` of the stored 3-D tensor ``name`` (``[hidden, 2 * width]`` or ``[width, hidden]``),
-        expanded from its MXFP4 blocks where it has them; the last one read is kept (gate and up share it)."""
-        if self._cached is not None and self._cached[:2] == (name, expert):
-            return self._cached[2]
-        if self.reader.has(name):
-            tensor = self.reader.read_rows(name, expert, expert + 1)[0]
-        else:  # stored [outputs, inputs / 32, 16] of the transposed weight
-            blocks = self.reader.read_rows(name + "_blocks", expert, expert + 1)[0]
-            scales = self.reader.read_rows(name + "_scales", expert, expert + 1)[0]
-            tensor = mxfp4.dequantize(blocks, scales).T
-        self._cached = (name, expert, tensor)
-        return tensor
+        """Expert ``expert`` of the stored 3-D tensor ``name`` (``[hidden, 2 * width]`` or ``[width, hidden]``);
+        the last one read is kept (gate and up share it, and an MXFP4 expert is expanded once)."""
+        if self._cached is None or self._cached[:2] != (name, expert):
+            self._cached = (name, expert, self.reader.read_rows(name, expert, expert + 1)[0])
+        return self._cached[2]
 
     def _expert(self, prefix: str, expert: int, part: str, kind: str) -> torch.Tensor:
         if part == "down_proj":
@@ -88,9 +80,7 @@ class GptOssReader:
             return self.reader.has(name)
         prefix, _, part, kind = split
         stored = prefix + ("down_proj" if part == "down_proj" else "gate_up_proj")
-        if kind == "bias":
-            return self.reader.has(stored + "_bias")
-        return self.reader.has(stored) or self.reader.has(stored + "_blocks")
+        return self.reader.has(stored + "_bias" if kind == "bias" else stored)
 
     def names(self) -> list[str]:
         return self.reader.names()
@@ -112,13 +102,13 @@ class GptOssReader:
         return self.reader.read_cols(name, start, stop) if split is None else self._expert(*split)[:, start:stop]
 
     def qtype(self, name: str) -> str:
-        """How ``name`` is stored, for the startup log's ``weights`` line."""
+        """How ``name`` is stored, for the startup log's ``weights`` line: as the wrapped reader says of the
+        tensor it comes from."""
+        qtype = getattr(self.reader, "qtype", None)
         split = self._split(name)
-        if split is not None and split[3] == "weight":
-            stored = split[0] + ("down_proj" if split[2] == "down_proj" else "gate_up_proj")
-            if not self.reader.has(stored):
-                return "mxfp4"
-        return "safetensors"
+        if split is not None:
+            name = split[0] + ("down_proj" if split[2] == "down_proj" else "gate_up_proj")
+        return qtype(name) if qtype is not None else "safetensors"
 
 
 class GptOssMoE(SparseMoE):
