@@ -34,7 +34,8 @@ import os
 
 import torch
 
-from llmbus.workers.models.llama import DecoderConfig, LlamaAttention, LlamaForCausalLM, LlamaMLP, TensorParallel
+from llmbus.workers.models.llama import (DecoderConfig, LlamaAttention, LlamaForCausalLM, LlamaMLP, TensorParallel,
+                                         alternating_layer_types)
 from llmbus.workers.models.rotary import RotaryEmbedding
 from llmbus.workers.weight_builder import WeightBuilder
 
@@ -217,14 +218,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def _gemma2_layer_types(config: dict) -> list[str]:
-    """Each layer's kind, as Gemma2Config derives it when config.json does not list them: local first, then
-    alternating."""
-    if config.get("layer_types"):
-        return list(config["layer_types"])
-    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(config["num_hidden_layers"])]
-
-
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
     """Gemma 2 (``model_type`` gemma2): Gemma 3's decoder with soft-capped attention scores, no QK-norm (its
     checkpoints have none, which ``build_attention`` reads as none) and one RoPE for all layers."""
@@ -237,7 +230,7 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     def make_config(cls, hf_config: dict) -> DecoderConfig:
         rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
         rope.setdefault("rope_theta", hf_config.get("rope_theta", 10_000.0))
-        as_gemma3 = {**hf_config, "layer_types": _gemma2_layer_types(hf_config),
+        as_gemma3 = {**hf_config, "layer_types": alternating_layer_types(hf_config),
                      "rope_parameters": {"full_attention": rope, "sliding_attention": rope}}
         return super().make_config(as_gemma3)
 

@@ -4,8 +4,10 @@ What differs from Llama, as transformers' GptOssForCausalLM computes it:
 
 - attention has biases on all four projections and one learned sink logit per query head
   (``self_attn.sinks``), which the attention backend adds to each row's softmax; each rank holds its query
-  heads' sinks. Sliding (128) and full layers alternate (``layer_types``); RoPE is YaRN;
-- the MLP is a mixture of experts (``moe.SparseMoE``): the router has a bias and its top ``k`` logits are
+  heads' sinks (``LlamaForCausalLM.build_attention`` reads them, as any bias, where the checkpoint has them).
+  Sliding (128) and full layers alternate (``layer_types``: ``llama._sliding_windows``); RoPE is YaRN;
+- the MLP is a mixture of experts (``moe.GptOssMoE``, built by ``moe.build_sparse_moe`` as Mixtral's are from
+  ``moe.MoEConfig``): the router has a bias and its top ``k`` logits are
   softmaxed (the same weights as renormalising the top ``k`` of a softmax over all); each expert's gate and up
   projections have biases and are stored interleaved in one ``[experts, hidden, 2 * width]`` tensor
   (``gate_up_proj``: gate in the even columns, up in the odd), its down projection ``[experts, width, hidden]``
@@ -16,19 +18,15 @@ What differs from Llama, as transformers' GptOssForCausalLM computes it:
 
 ``GptOssReader`` shows the experts to ``WeightBuilder`` as per-expert projections under Mixtral-like names, so
 tensor parallelism splits each expert's width as it splits any MLP's, and one expert at a time is read (and
-expanded) from the checkpoint. The layers run in torch (the fused CPU decode layer computes Llama's layer).
+expanded) from the checkpoint. The layers run in torch (the fused CPU decode layer computes Llama's layer):
+what this class adds to Llama's is the reader and that.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from llmbus.workers.models.llama import (DecoderConfig, LlamaDecoderLayer, LlamaForCausalLM, RMSNorm,
-                                         TensorParallel)
-from llmbus.workers.models.moe import MoEConfig, SparseMoE
-from llmbus.workers.weight_builder import WeightBuilder
+from llmbus.workers.models.llama import LlamaForCausalLM
 
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -111,70 +109,9 @@ class GptOssReader:
         return qtype(name) if qtype is not None else "safetensors"
 
 
-class GptOssMoE(SparseMoE):
-    """gpt-oss's experts: softmax over the top ``k`` router logits, its clamped SwiGLU, biased projections."""
-
-    def __init__(self, *, alpha: float, limit: float, **kwargs):
-        super().__init__(**kwargs)
-        self.alpha, self.limit = alpha, limit
-
-    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = torch.nn.functional.linear(hidden, self.router, self.router_bias)
-        top, chosen = logits.topk(self.top_k, dim=-1)
-        return torch.softmax(top, dim=-1), chosen
-
-    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate = gate.clamp(max=self.limit)
-        return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-
 class GptOssForCausalLM(LlamaForCausalLM):
     FUSED_DECODE = False
 
     @classmethod
     def from_checkpoint(cls, hf_config: dict, reader, **kwargs) -> "GptOssForCausalLM":
         return super().from_checkpoint(hf_config, GptOssReader(reader), **kwargs)
-
-    @classmethod
-    def make_config(cls, hf_config: dict) -> DecoderConfig:
-        num_layers = hf_config["num_hidden_layers"]
-        layer_types = hf_config.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-        if len(layer_types) != num_layers:
-            raise ValueError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
-        window = hf_config.get("sliding_window", 128)
-        config = DecoderConfig.from_hf(hf_config)
-        return dataclasses.replace(
-            config, sliding_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types))
-
-    @classmethod
-    def build_layer(cls, build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel,
-                    moe) -> LlamaDecoderLayer:
-        prefix = f"model.layers.{i}."
-        attention = cls.build_attention(build, config, i, tp)
-        heads = config.num_heads // tp.world_size
-        attention.sinks = build.vector(prefix + "self_attn.sinks")[tp.rank * heads:(tp.rank + 1) * heads]
-        return LlamaDecoderLayer(
-            input_norm=RMSNorm(build.vector(prefix + "input_layernorm.weight"), config.rms_norm_eps),
-            attention=attention,
-            post_attention_norm=RMSNorm(build.vector(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps),
-            mlp=cls.build_experts(build, moe, i, tp))
-
-    @classmethod
-    def build_experts(cls, build: WeightBuilder, moe: MoEConfig, i: int, tp: TensorParallel) -> GptOssMoE:
-        width = moe.expert_intermediate_size
-        if width % tp.world_size:
-            raise ValueError(f"tensor parallelism over {tp.world_size} ranks needs the experts' intermediate size "
-                             f"({width}) divisible by {tp.world_size}")
-        rows = width // tp.world_size
-        block = f"model.layers.{i}.mlp."
-        gate_ups, downs, down_biases = [], [], []
-        for expert in range(moe.num_experts):
-            prefix = f"{block}experts.{expert}."
-            gate_ups.append(build.column_parallel([(prefix + "gate_proj", rows), (prefix + "up_proj", rows)]))
-            down, down_bias = build.row_parallel(prefix + "down_proj", rows)
-            downs.append(down)
-            down_biases.append(down_bias)
-        return GptOssMoE(router=build.vector(block + "router.weight"), router_bias=build.vector(block + "router.bias"),
-                         gate_ups=gate_ups, downs=downs, down_biases=torch.stack(down_biases), intermediate=rows,
-                         top_k=moe.top_k, renormalize=True, tp=tp, alpha=moe.swiglu[0], limit=moe.swiglu[1])

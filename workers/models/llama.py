@@ -13,7 +13,8 @@ time (one QKV matmul, one gate/up matmul) so a layer runs two matmuls before att
 
 Variants fit through ``DecoderConfig``: biases are loaded whenever the checkpoint has them (Llama's
 ``attention_bias``/``mlp_bias``, Qwen2's q/k/v biases); Qwen3's per-head RMSNorm of queries and keys
-before RoPE (``q_norm``/``k_norm``) whenever the checkpoint has those weights; a layer's MLP may be a
+before RoPE (``q_norm``/``k_norm``) whenever the checkpoint has those weights, and gpt-oss's per-head
+attention sinks (``self_attn.sinks``, handed to the attention backend) likewise; a layer's MLP may be a
 routed mixture of experts (``moe.py``); and each layer's sliding window (Mistral's ``sliding_window``,
 Qwen2's and Qwen3's ``layer_types`` or ``use_sliding_window``/``max_window_layers``) is a mask term in
 the attention backend. Keys that slide out of a window keep their KV blocks until the request ends (the
@@ -146,7 +147,21 @@ def _sliding_windows(config: dict) -> tuple[int | None, ...]:
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if model_type == "gpt_oss":  # GptOssConfig: layer_types, local first where it lists none
+        window = config.get("sliding_window", 128)
+        return tuple(window if kind == "sliding_attention" else None for kind in alternating_layer_types(config))
     return (None,) * num_layers
+
+
+def alternating_layer_types(config: dict) -> list[str]:
+    """Each layer's kind: config.json's ``layer_types``, else sliding and full layers alternating, sliding first
+    (how Gemma2Config and GptOssConfig derive them)."""
+    num_layers = config["num_hidden_layers"]
+    layer_types = list(config.get("layer_types") or
+                       ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)])
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
+    return layer_types
 
 
 # The residual stream (embeddings, each layer's sum) is kept in float32 whatever the weights' dtype, as
@@ -479,11 +494,15 @@ class LlamaForCausalLM:
             (cls.norm_class(build.vector(attn + "q_norm.weight"), config.rms_norm_eps),
              cls.norm_class(build.vector(attn + "k_norm.weight"), config.rms_norm_eps))
             if build.reader.has(attn + "q_norm.weight") else (None, None))
-        return LlamaAttention(
+        attention = LlamaAttention(
             layer=i, qkv=build.column_parallel(qkv_parts), o_proj=o_proj, o_bias=o_bias,
             lora_sites={"qkv": build.row_spans(qkv_parts), "o_proj": [build.column_span(attn + "o_proj", o_width)]},
             num_heads=config.num_heads // world_size, num_kv_heads=kv_heads_per_rank(config.num_kv_heads, world_size),
             head_dim=config.head_dim, tp=tp, q_norm=q_norm, k_norm=k_norm, scale=scale)
+        if build.reader.has(attn + "sinks"):  # gpt-oss: this rank's query heads' sink logits
+            heads = attention.num_heads
+            attention.sinks = build.vector(attn + "sinks")[tp.rank * heads:(tp.rank + 1) * heads]
+        return attention
 
     @staticmethod
     def build_dense_mlp(build: WeightBuilder, config: DecoderConfig, i: int, tp: TensorParallel) -> LlamaMLP:

@@ -1,4 +1,4 @@
-"""Routed mixture-of-experts MLP blocks (Mixtral, Qwen3-MoE) for the native decoder (``llama.py``).
+"""Routed mixture-of-experts MLP blocks (Mixtral, Qwen3-MoE, gpt-oss) for the native decoder (``llama.py``).
 
 A router scores every expert per token (softmax in float32), the top ``k`` are kept, and Mixtral (always)
 or Qwen3-MoE (``norm_topk_prob``) rescales those ``k`` to sum to one, as transformers does. The experts run
@@ -42,6 +42,8 @@ class MoEConfig:
     block: str  # the MLP's name in the layer: "block_sparse_moe" (Mixtral) or "mlp" (Qwen3-MoE)
     expert_names: tuple[str, str, str]  # gate, up and down projections of one expert
     swiglu: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU: (alpha, limit); None: SwiGLU
+    router: str = "gate"  # the router's name in the block ("router": gpt-oss's, which has a bias)
+    expert_biases: bool = False  # the experts' projections have biases (gpt-oss's)
 
     @classmethod
     def from_hf(cls, config: dict) -> "MoEConfig | None":
@@ -68,7 +70,8 @@ class MoEConfig:
                        expert_intermediate_size=config["intermediate_size"], renormalize=True,
                        sparse_layers=(True,) * num_layers, block="mlp",
                        expert_names=("gate_proj", "up_proj", "down_proj"),
-                       swiglu=(float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))))
+                       swiglu=(float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))),
+                       router="router", expert_biases=True)
         return None
 
 
@@ -130,6 +133,23 @@ class SparseMoE:
         return F.silu(gate).mul_(up)
 
 
+class GptOssMoE(SparseMoE):
+    """gpt-oss's experts: softmax over the top ``k`` router logits, its clamped SwiGLU, biased projections."""
+
+    def __init__(self, *, alpha: float, limit: float, **kwargs):
+        super().__init__(**kwargs)
+        self.alpha, self.limit = alpha, limit
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden, self.router, self.router_bias)
+        top, chosen = logits.topk(self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), chosen
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def build_sparse_moe(build, config: MoEConfig, layer_prefix: str, world_size: int, tp) -> SparseMoE:
     """Layer ``layer_prefix``'s experts from ``build`` (a ``WeightBuilder``), each expert's intermediate
     dimension split over ``world_size`` ranks."""
@@ -139,13 +159,21 @@ def build_sparse_moe(build, config: MoEConfig, layer_prefix: str, world_size: in
     rows = config.expert_intermediate_size // world_size
     block = f"{layer_prefix}{config.block}."
     gate_name, up_name, down_name = config.expert_names
-    gate_ups, downs = [], []
+    gate_ups, downs, down_biases = [], [], []
     for expert in range(config.num_experts):
         prefix = f"{block}experts.{expert}."
         gate_ups.append(build.column_parallel([(prefix + gate_name, rows), (prefix + up_name, rows)]))
         down, down_bias = build.row_parallel(prefix + down_name, rows)
-        if down_bias is not None:
-            raise ValueError(f"{prefix + down_name}: expert biases are not supported")
+        if (down_bias is not None) != config.expert_biases:
+            raise ValueError(f"{prefix + down_name}: expert biases are "
+                             f"{'missing' if config.expert_biases else 'not supported'}")
         downs.append(down)
-    return SparseMoE(router=build.vector(f"{block}gate.weight"), gate_ups=gate_ups, downs=downs, intermediate=rows,
-                     top_k=config.top_k, renormalize=config.renormalize, tp=tp)
+        down_biases.append(down_bias)
+    router = f"{block}{config.router}."
+    router_bias = build.vector(router + "bias") if build.reader.has(router + "bias") else None
+    common = dict(router=build.vector(router + "weight"), router_bias=router_bias, gate_ups=gate_ups, downs=downs,
+                  down_biases=torch.stack(down_biases) if config.expert_biases else None, intermediate=rows,
+                  top_k=config.top_k, renormalize=config.renormalize, tp=tp)
+    if config.swiglu is not None:
+        return GptOssMoE(alpha=config.swiglu[0], limit=config.swiglu[1], **common)
+    return SparseMoE(**common)
