@@ -21,7 +21,7 @@ from pathlib import Path
 
 from llmbus.frontend.chat_render import compiled, render_chat
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
-from llmbus.frontend.harmony import TEXT_MARKERS, is_harmony
+from llmbus.frontend.harmony import TEXT_MARKERS
 from llmbus.frontend.images import MARKDOWN_IMAGE
 from llmbus.frontend.reasoning import ReasoningMarkers, find_effort_variable, find_markers, find_thinking_switch
 from llmbus.frontend.tool_formats import ToolFormat, tool_format
@@ -88,8 +88,13 @@ class ChatFormat:
     special_ids: frozenset[int] = frozenset()  # the ids a generated text leaves out
     thinking_switch: str | None = None  # the template variable that turns thinking on and off
     reads_images: bool = False  # a vision-language model
-    harmony: bool = False  # the template writes OpenAI's harmony format (gpt-oss: harmony.py)
     effort_variable: str | None = None  # the template variable that takes a reasoning effort (gpt-oss's)
+
+    @property
+    def harmony(self) -> bool:
+        """Whether answers are OpenAI's harmony messages (gpt-oss: harmony.py), read with its tool syntax: the
+        template's (``tool_formats.detect_tool_format``) or ``--tool-call-parser harmony``."""
+        return self.tools.name == "harmony"
 
     @property
     def reasons(self) -> bool:
@@ -132,10 +137,9 @@ class ChatTemplate:
         key = (tool_call_parser, reads_images)
         if self._format is None or self._format[0] != key:
             added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
-            harmony = is_harmony(self.source)
             self._format = (key, ChatFormat(tool_format(tool_call_parser, self.source), find_markers(self.source),
                                             added, frozenset(special_ids), find_thinking_switch(self.source),
-                                            reads_images, harmony, find_effort_variable(self.source)))
+                                            reads_images, find_effort_variable(self.source)))
         return self._format[1]
 
     @property

@@ -38,13 +38,14 @@ START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 # the markers a generated text keeps for this parser (<|return|> and <|call|> end it)
 TEXT_MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN)
+MARKERS = (*TEXT_MARKERS, RETURN, CALL)
 _ENDS = (END, RETURN, CALL)
 FUNCTIONS = "functions."
 # Header text a model may write before <|message|>; past it, the text is taken for a plain answer (a model
 # that does not write the format, or writes it wrong, still answers).
 MAX_HEADER = 256
 _RECIPIENT = re.compile(r"\bto=(\S+)")
-_MARKER_TEXT = "|".join(re.escape(marker) for marker in (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL))
+_MARKER_TEXT = "|".join(re.escape(marker) for marker in MARKERS)
 
 
 def is_harmony(template_source: str | None) -> bool:
@@ -67,7 +68,7 @@ def _held(text: str) -> int:
     """The length of the longest tail of ``text`` that may begin a marker."""
     for n in range(min(len(CONSTRAIN) - 1, len(text)), 0, -1):
         tail = text[-n:]
-        if any(marker.startswith(tail) for marker in (*TEXT_MARKERS, RETURN, CALL)):
+        if any(marker.startswith(tail) for marker in MARKERS):
             return n
     return 0
 

@@ -36,7 +36,7 @@ from llmbus.bus.messages import Grammar
 from llmbus.frontend import harmony
 from llmbus.frontend.harmony import HarmonyPlan
 from llmbus.frontend.tool_formats import ToolFormat
-from llmbus.frontend.tools import ToolCallStream, new_call_id, parse_tool_output
+from llmbus.frontend.tools import ToolCallStream, is_json, new_call_id, parse_tool_output
 
 INSIDE, MAY_OPEN, CLOSED = "inside", "may_open", "closed"
 
@@ -250,17 +250,9 @@ def _joined_answer(parser: AnswerParser, text: str) -> tuple[str | None, str | N
                 calls.append({"id": call["id"], "type": "function", "function": dict(call["function"])})
             else:
                 calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
-    calls = [c for c in calls if _parses(c["function"]["arguments"])]
+    calls = [c for c in calls if is_json(c["function"]["arguments"])]
     reasoned = parser.reasoning is not None and parser.reasoning.reasoned
     return ("".join(reasoning) if reasoned else None), ("".join(content) or (None if calls else "")), calls
-
-
-def _parses(arguments: str) -> bool:
-    try:
-        json.loads(arguments)
-    except ValueError:
-        return False
-    return True
 
 
 # --- the grammar ------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from llmbus.frontend.harmony import is_harmony
+
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "phi4_mini", "harmony")
 
 # Text without the lead marker, for the grammar's plain answer; (.|\n) is valid UTF-8 only, which the
@@ -155,7 +157,7 @@ def detect_tool_format(template_source: str | None) -> ToolFormat:
     """The syntax the chat template teaches, from its markers (Hermes when it shows none). Llama's
     "parameters" counts only in a Llama 3 template (its header tokens), where it is the call's key."""
     source = template_source or ""
-    if "<|channel|>" in source and "<|message|>" in source:
+    if is_harmony(source):
         return HARMONY
     for fmt in (HERMES, MISTRAL, PHI4_MINI):
         if fmt.shown_in(source):

@@ -356,7 +356,7 @@ class ToolCallStream:
     def tool_calls(self) -> list[dict]:
         """The whole calls so far (ended, with arguments that parse), in OpenAI's shape."""
         return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in self._calls if c.ended and _loads(c.arguments) is not _BAD]
+                for c in self._calls if c.ended and is_json(c.arguments)]
 
     def feed(self, text: str) -> list[dict]:
         self._text += text
@@ -483,6 +483,11 @@ def _loads(text: str):
         return json.loads(text)
     except ValueError:
         return _BAD
+
+
+def is_json(text: str) -> bool:
+    """Whether ``text`` parses as JSON (a call's arguments that do not, cut by max_tokens, are dropped)."""
+    return _loads(text) is not _BAD
 
 
 def _prefix_held(text: str, marker: str) -> int:

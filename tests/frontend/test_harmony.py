@@ -167,7 +167,7 @@ def harmony_format():
     from llmbus.frontend.tool_formats import tool_format
 
     assert find_thinking_switch(HARMONY_TEMPLATE) is None
-    return ChatFormat(tool_format("auto", HARMONY_TEMPLATE), None, {}, harmony=True,
+    return ChatFormat(tool_format("auto", HARMONY_TEMPLATE), None, {},
                       effort_variable=find_effort_variable(HARMONY_TEMPLATE))
 
 
