@@ -367,10 +367,9 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       config.max_position_embeddings, device, config.partial_rotary_factor)
         self.max_position_embeddings = self.rotary.max_positions
-        # each layer's sink logits (gpt-oss), this rank's query heads'
-        self.attention_sinks = [layer.attention.sinks for layer in layers]
+        sinks = [layer.attention.sinks for layer in layers]  # each layer's (gpt-oss), this rank's query heads'
         self.attention_backend = make_attention_backend(device, config.sliding_windows, name=attention_backend,
-                                                        softcaps=config.attention_softcaps, sinks=self.attention_sinks)
+                                                        softcaps=config.attention_softcaps, sinks=sinks)
         self.dtype = dtype
         self.device = device
         self.weight_summary = weight_summary  # what each checkpoint tensor became (weight_builder.py)
@@ -383,7 +382,7 @@ class LlamaForCausalLM:
             # that gives them as kernel rows (the layer keeps the same windows' order).
             self.attention_backend = make_attention_backend(device, config.sliding_windows, prompt_rows=True,
                                                             name=attention_backend, softcaps=config.attention_softcaps,
-                                                            sinks=self.attention_sinks)
+                                                            sinks=sinks)
 
     @property
     def num_layers(self) -> int:
