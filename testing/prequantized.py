@@ -17,6 +17,8 @@ import shutil
 
 import torch
 
+from llmbus.workers import mxfp4
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -183,9 +185,9 @@ def write_float8(path: str, out: str, reference_out: str, writer: str, block: tu
 __all__ = ["FLOAT8_WRITERS", "grid", "pack_awq", "pack_gptq", "write_float8", "write_prequantized"]
 
 
-# e2m1's magnitudes, by their 3-bit code; the 4th bit is the sign (OCP's MX formats, gpt-oss's experts)
-FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-MXFP4_BLOCK = 32  # values sharing one power-of-two scale
+# e2m1's magnitudes by their 3-bit code (the 4th bit is the sign), and the values sharing one scale
+FP4_MAGNITUDES = mxfp4.FP4_VALUES[:8]
+MXFP4_BLOCK = mxfp4.BLOCK
 MXFP4_UNCONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
