@@ -182,7 +182,8 @@ def write_float8(path: str, out: str, reference_out: str, writer: str, block: tu
     return _declare(out, section)
 
 
-__all__ = ["FLOAT8_WRITERS", "grid", "pack_awq", "pack_gptq", "write_float8", "write_prequantized"]
+__all__ = ["FLOAT8_WRITERS", "grid", "mxfp4_pack", "mxfp4_weight", "pack_awq", "pack_gptq", "write_float8",
+           "write_mxfp4", "write_prequantized"]
 
 
 # e2m1's magnitudes by their 3-bit code (the 4th bit is the sign), and the values sharing one scale
@@ -206,6 +207,17 @@ def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     held = torch.ldexp(values, exponents[..., None].expand_as(values)).reshape(weight.shape)
     return blocks, (exponents + 127).to(torch.uint8), held
+
+
+def mxfp4_weight(weight: torch.Tensor):
+    """A float ``[N, K]`` weight rounded to MXFP4 as ``quant.Mxfp4Weight`` (its last block padded with zeros,
+    then cut back to K columns)."""
+    from llmbus.workers import quant
+
+    k = weight.shape[1]
+    blocks, scales, _ = mxfp4_pack(torch.nn.functional.pad(weight, (0, -k % MXFP4_BLOCK)))
+    packed = quant.Mxfp4Weight.from_blocks(blocks, scales)
+    return quant.Mxfp4Weight(packed.codes[:, :k].contiguous(), packed.scale)
 
 
 def write_mxfp4(path: str, out: str, reference_out: str) -> dict:

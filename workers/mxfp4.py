@@ -12,12 +12,27 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 BLOCK = 32
 
 
+def codes(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks [..., G, 16]`` -> uint8 codes ``[..., G * 32]`` in weight order."""
+    if blocks.shape[-1] != BLOCK // 2:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} are not 16 bytes each")
+    packed = blocks.to(torch.uint8)
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-3)
+
+
+def e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Codes -> their float32 values."""
+    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+
+
+def scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """e8m0 scales (uint8, the exponent plus 127) -> float32 powers of two (2^-127 .. 2^127: all exact)."""
+    return torch.ldexp(torch.ones(scales.shape, device=scales.device), scales.to(torch.int32) - 127)
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> float32 ``[..., G * 32]``."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
+    if blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = blocks.to(torch.uint8)
-    values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1)
-    exponents = scales.to(torch.int32) - 127
-    return torch.ldexp(values.flatten(-2), exponents[..., None]).flatten(-2)
+    groups = scales.shape[-1]
+    return (e2m1(codes(blocks)).unflatten(-1, (groups, BLOCK)) * scale_values(scales)[..., None]).flatten(-2)

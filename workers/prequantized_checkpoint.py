@@ -4,6 +4,7 @@ reads under its float name (``X.weight``; gpt-oss's ``X``), so the models build 
 MXFP4 (``Mxfp4CheckpointReader``): a tensor stored as ``X_blocks``/``X_scales`` (gpt-oss's experts, each the
 ``[outputs, inputs]`` transpose of ``X``'s matrix) reads as ``X`` in float32, expanded exactly
 (``workers/mxfp4.py``); ``read_rows`` of its first dimension (one expert) expands only those rows.
+``read_mxfp4`` gives one expert's matrix as it is stored, ``quant.Mxfp4Weight``, for the CPU's kernels.
 
 FP8 (``Float8CheckpointReader``): a float8 weight with a scale beside it reads as float32 ``w8 * scale``, the
 product of two exact numbers rounded once. It is expanded to the model's dtype (llmbus has no FP8 kernel;
@@ -288,6 +289,14 @@ class Mxfp4CheckpointReader(_ReaderOver):
         if name not in self._blocks:
             return self.base.read_cols(name, start, stop)
         return self._expanded(name, None)[:, start:stop]
+
+    def read_mxfp4(self, name: str, index: int) -> quant.Mxfp4Weight | None:
+        """Matrix ``index`` of ``name``'s first dimension (one expert) as stored, ``[outputs, inputs]``: the
+        transpose of what ``read_rows`` expands. None where ``name`` is not stored in MXFP4."""
+        if name not in self._blocks:
+            return None
+        read = lambda n: self.base.read_rows(n, index, index + 1)[0]  # noqa: E731
+        return quant.Mxfp4Weight.from_blocks(read(name + "_blocks"), read(name + "_scales"))
 
     def _expanded(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         """``name``'s stored ``[..., outputs, inputs / 32, 16]`` blocks (rows of the first dimension only, where

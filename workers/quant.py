@@ -1,6 +1,6 @@
-"""Weight-only quantized projections: int8 (per row or per group of inputs) and int4 (affine, per group).
+"""Weight-only quantized projections: int8 (per row or per group of inputs), int4 (affine, per group) and MXFP4.
 
-Two representations, each a plain tensor set that concatenates along output rows (a fused QKV or gate/up
+Three representations, each a plain tensor set that concatenates along output rows (a fused QKV or gate/up
 projection is built from separately stored parts) and is sliced along input columns at group boundaries
 (a row-parallel layer on one tensor-parallel rank):
 
@@ -9,11 +9,13 @@ projection is built from separately stored parts) and is sliced along input colu
 - ``Int4Weight``: ``values`` uint8 ``[N, K]`` holding 0..15, and per row and group a float32 ``scale`` and
   offset ``low``: w = values * scale + low (an affine grid, which Q4_1 is exactly and Q4_0,
   w = d * (q - 8), is with low = -8 d).
+- ``Mxfp4Weight``: ``codes`` uint8 ``[N, K]`` holding e2m1 codes (``workers/mxfp4.py``), and per row and group
+  of 32 a float32 power of two ``scale``: w = e2m1(code) * scale. gpt-oss's experts as published, kept.
 
 Where K is not a multiple of the group the last group is shorter ([N, ceil(K / group)] scales).
 
-They come from a float weight (``quantize_int8``/``quantize_int4``, for ``--quantize``) or from a GGUF
-file's raw blocks (``from_gguf``), all three exactly: Q8_0 is int8 in groups of 32 with its float16 scales,
+The first two come from a float weight (``quantize_int8``/``quantize_int4``, for ``--quantize``) or from a
+GGUF file's raw blocks (``from_gguf``), all three exactly: Q8_0 is int8 in groups of 32 with its float16 scales,
 Q4_0 and Q4_1 are int4 in groups of 32; every float16 of the file is exact in the float32 scales.
 
 ``QuantizedLinear`` computes with ``quant_kernels.c``'s tiled kernel (AVX512-BF16, or the same numbers from
@@ -21,7 +23,8 @@ AVX2 + FMA in ``quant_kernels_avx2.c``; built on first use with the other kernel
 bfloat16 and float32 activations. Where that kernel cannot run (no compiler, no AVX2 + FMA,
 ``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
 (``_weight_int8pack_mm``, per-row scales, ``_weight_int4pack_mm_for_cpu``), with bf16 scales, and for
-float32 to a dense float32 weight. Why: docs/design-notes.md, "Weight-only quantization".
+float32 (and MXFP4, which torch has no CPU kernel for) to a dense weight. Why: docs/design-notes.md,
+"Weight-only quantization".
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from llmbus.bus.shared_settings import QUANTIZE_METHODS
+from llmbus.workers import mxfp4
 from llmbus.workers.kernels import bindings
 from llmbus.workers.linear import Linear
 
@@ -147,7 +151,41 @@ class Bf16Weight:
         return Bf16Weight(torch.cat([p.values for p in parts]))
 
 
-QuantizedWeight = Int8Weight | Int4Weight | Bf16Weight
+@dataclass(eq=False)
+class Mxfp4Weight:
+    codes: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15
+    scale: torch.Tensor  # float32 [N, G]: each block's power of two
+    group: int = mxfp4.BLOCK
+    packs: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, scales: torch.Tensor) -> "Mxfp4Weight":
+        """MXFP4 as stored: ``blocks [N, K/32, 16]`` and e8m0 ``scales [N, K/32]`` (uint8)."""
+        return cls(mxfp4.codes(blocks), mxfp4.scale_values(scales))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return mxfp4.e2m1(self.codes) * _expand(self.scale, self.shape[1], self.group)
+
+    def rows(self, selected) -> "Mxfp4Weight":
+        """The weight's rows ``selected`` (a slice, or indices)."""
+        return Mxfp4Weight(self.codes[selected].contiguous(), self.scale[selected].contiguous(), self.group)
+
+    def cols(self, start: int, stop: int) -> "Mxfp4Weight":
+        _check_cut(start, stop, self.shape[1], self.group)
+        g0, g1 = start // self.group, -(-stop // self.group)
+        return Mxfp4Weight(self.codes[:, start:stop].contiguous(), self.scale[:, g0:g1].contiguous(), self.group)
+
+    @staticmethod
+    def cat(parts: list["Mxfp4Weight"]) -> "Mxfp4Weight":
+        group = _cat_groups(parts)
+        return Mxfp4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), group)
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Bf16Weight | Mxfp4Weight
 
 
 def _grouped(weight: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -279,7 +317,8 @@ class _KernelPack:
         n, k = weight.shape
         self.n, self.k, self.is_int4 = n, k, isinstance(weight, Int4Weight)
         self.kind = (bindings.TILED_BF16 if isinstance(weight, Bf16Weight)
-                     else bindings.TILED_INT4 if self.is_int4 else bindings.TILED_INT8)
+                     else bindings.TILED_INT4 if self.is_int4
+                     else bindings.TILED_MXFP4 if isinstance(weight, Mxfp4Weight) else bindings.TILED_INT8)
         self.group = weight.group if weight.group is not None else k + k % 2
         self.k_padded = _groups(k, self.group) * self.group
         self.scale = self.low = None
@@ -287,10 +326,11 @@ class _KernelPack:
             padded = F.pad(weight.values.view(torch.int16), (0, self.k_padded - k, 0, -n % TILE))
             self.values = padded.view(-1, TILE, self.k_padded // 2, 2).transpose(1, 2).contiguous()
             return
-        tiles = _tiles(weight.values, self.k_padded)  # [T, Kp, 16]
-        pairs = tiles.view(tiles.shape[0], self.k_padded // 2, 2, TILE)
-        # int8: [T, Kp/2, 2, 16]; int4: one byte per row and column pair, the even column low.
-        self.values = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous() if self.is_int4 else pairs
+        nibbles = self.kind in (bindings.TILED_INT4, bindings.TILED_MXFP4)
+        tiles = _tiles(weight.codes if self.kind == bindings.TILED_MXFP4 else weight.values, self.k_padded)
+        pairs = tiles.view(tiles.shape[0], self.k_padded // 2, 2, TILE)  # [T, Kp, 16] as column pairs
+        # int8: [T, Kp/2, 2, 16]; int4, MXFP4: one byte per row and column pair, the even column low.
+        self.values = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous() if nibbles else pairs
         self.scale = _tiles(weight.scale)
         self.low = _tiles(weight.low) if self.is_int4 else None
 
@@ -315,6 +355,11 @@ class _KernelPack:
                 x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
                 self.values.data_ptr(), self.n, self.k_padded,
                 bias_pointer, y.data_ptr(), rows.data_ptr())
+        elif self.kind == bindings.TILED_MXFP4:
+            status = _library().mxfp4_matmul(
+                x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
+                self.values.data_ptr(), self.scale.data_ptr(),
+                self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(), rows.data_ptr())
         elif self.is_int4:
             sums = _scratch_of("sums", prepared * (self.k_padded // self.group))
             status = _library().int4_matmul(
@@ -363,6 +408,8 @@ class _TorchPack:
     def takes(weight: QuantizedWeight) -> bool:
         # Outside these sizes torch 2.13's kernels refuse, or return garbage (int8 with K = 100) or crash.
         n, k = weight.shape
+        if isinstance(weight, Mxfp4Weight):
+            return False
         if isinstance(weight, Int8Weight):
             return k % 32 == 0
         return weight.group in (32, 64, 128, 256) and k % weight.group == 0 and n % 16 == 0
@@ -414,6 +461,9 @@ def _pack(weight: QuantizedWeight, dtype: torch.dtype):
     return weight.packs[kind]
 
 
+_METHODS = {Int8Weight: "int8", Int4Weight: "int4", Bf16Weight: "bf16", Mxfp4Weight: "mxfp4"}
+
+
 class QuantizedLinear:
     """``y = x @ w.T + bias`` for 2-D ``x`` of ``dtype`` with a quantized ``w``, keeping only the form the
     kernel reads (``linear.Linear``'s call contract). ``bf16_inputs``: float32 ``x`` enters the tiled kernel
@@ -425,8 +475,7 @@ class QuantizedLinear:
                  dtype: torch.dtype = torch.bfloat16, *, bf16_inputs: bool = False):
         self.split = not bf16_inputs
         self.out_features = weight.shape[0]
-        self.method = ("int4" if isinstance(weight, Int4Weight) else "bf16" if isinstance(weight, Bf16Weight)
-                       else "int8")
+        self.method = _METHODS[type(weight)]
         self.bias = bias
         self._pack = _pack(weight, dtype)
         # Our kernel adds a float32 bias before rounding to the output dtype.

@@ -7,7 +7,8 @@ kept and what was converted:
 
 - a GGUF tensor stored as Q4_0/Q4_1 stays 4-bit and Q8_0 int8, both in groups of 32 with exactly its
   values (``quant.from_gguf``), when the activations are bfloat16/float16 on CPU, and so does a GPTQ/AWQ
-  projection (``prequantized_checkpoint.py``): the reader's ``read_quantized`` gives the form. In float32
+  projection (``prequantized_checkpoint.py``) and a gpt-oss MXFP4 expert (``models/gpt_oss.py``): the
+  reader's ``read_quantized`` gives the form. In float32
   (the reference precision) and on a GPU every tensor is dequantized, as transformers does.
 - any other float or dequantized tensor is quantized when ``--quantize`` asks, else kept dense.
 - the embedding and the LM head become int8 (never int4: the logits are the most sensitive product)
@@ -97,7 +98,7 @@ class WeightBuilder:
             except ValueError:  # parts of different forms (an int8 and an int4 part) cannot be fused
                 weight = None
             if weight is not None:
-                self._count(weight_names, f"{'int4 (kept)' if isinstance(weight, quant.Int4Weight) else 'int8'}")
+                self._count(weight_names, _KEPT_LABELS[type(weight)])
                 return quant.QuantizedLinear(weight, bias, self.dtype, bf16_inputs=self.bf16_inputs)
         dense = floats()
         if self.quantize is not None:
@@ -232,6 +233,7 @@ def _cat(parts: list) -> quant.QuantizedWeight:
 
 
 _FORM_LABELS = {"bf16": "bfloat16"}
+_KEPT_LABELS = {quant.Int4Weight: "int4 (kept)", quant.Int8Weight: "int8", quant.Mxfp4Weight: "mxfp4 (kept)"}
 
 
 def _dtype_label(dtype: torch.dtype) -> str:

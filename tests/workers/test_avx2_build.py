@@ -2,7 +2,7 @@
 AVX2-only CPU runs (gemm.c's GEMMs, quant_kernels_avx2.c's tiled forms), built and run on whatever x86 CPU
 the suite runs on, AVX-512 ones included.
 
-- The AVX2 tiled products (bf16, int8, int4) equal the AVX512-BF16 kernel's bit for bit, where this CPU
+- The AVX2 tiled products (bf16, int8, int4, MXFP4) equal the AVX512-BF16 kernel's bit for bit, where this CPU
   has that kernel to compare with: quant_kernels_avx2.c claims its numbers, not just its accuracy.
 - gemm.c's own tests (tests/workers/test_linear.py, the fused layer's large batches), which skip on an
   AVX-512 CPU, in a pytest subprocess of the AVX2 build.
@@ -26,6 +26,7 @@ import torch
 
 from llmbus.bus.procfs import cpu_flags
 from llmbus.testing import invariance
+from llmbus.testing.prequantized import mxfp4_weight
 from llmbus.workers import quant
 from llmbus.workers.kernels import bindings, build
 
@@ -86,12 +87,13 @@ SHAPES = ((64, 128), (37, 96), (50, 70))
 ROWS = (1, 2, 3, 4, 5, 8, 9, 17, 70)
 
 
-@pytest.mark.parametrize("form", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("form", ["bf16", "int8", "int4", "mxfp4"])
 def test_avx2_tiled_products_equal_avx512s_bit_for_bit(form, avx2_library, avx512_library, monkeypatch):
     generator = torch.Generator().manual_seed(0)
     checked = 0
     for n, k in SHAPES:
-        pack = quant._KernelPack(quant.quantize(torch.randn(n, k, generator=generator) * 0.05, form))
+        w = torch.randn(n, k, generator=generator) * 0.05
+        pack = quant._KernelPack(mxfp4_weight(w) if form == "mxfp4" else quant.quantize(w, form))
         for m in ROWS:
             x = torch.randn(m, k, generator=generator)
             bias = torch.randn(n, generator=generator) if m % 2 else None

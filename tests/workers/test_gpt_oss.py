@@ -2,20 +2,27 @@
 sliding and full layers, YaRN, and routed experts with biases and gpt-oss's clamped SwiGLU, read from float
 weights and from MXFP4 blocks as gpt-oss publishes them. Token- and logprob-exact against transformers in
 float32 at TP=1 (speculative rows too) and TP=2 (each expert's width and the sinks split over the ranks) on the
-families' mixed batch with a chunked prefill, a preemption and a prefix hit; and one served through ``llmbus
-up`` from an MXFP4 checkpoint."""
+families' mixed batch with a chunked prefill, a preemption and a prefix hit; in bfloat16 on CPU with the MXFP4
+experts kept as stored (the same tokens as their expanded values); and one served through ``llmbus up`` from
+an MXFP4 checkpoint."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from llmbus.bus.prequantized import checkpoint_quantization
 from llmbus.testing.families import (assert_matches_reference, assert_speculation_matches_reference, family_runner,
                                      make_prompts, reference, run_family, run_family_tensor_parallel)
 from llmbus.testing.prequantized import write_mxfp4
 from llmbus.testing.runner_driver import widen_weights
+from llmbus.workers import quant
+from llmbus.workers.loader import CheckpointReader
+from llmbus.workers.models.gpt_oss import GptOssReader
+from llmbus.workers.prequantized_checkpoint import Mxfp4CheckpointReader
 
 # Local, global, local layers (a window of 8 inside the longer prompts); four experts, two a token.
 CONFIG = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -70,6 +77,44 @@ def test_mxfp4_experts_match_transformers(gpt_oss):
     runner = family_runner(path)
     assert "mxfp4 -> float32" in runner.model.weight_summary
     assert_matches_reference(held, prompts, run_family(runner, prompts))
+
+
+def test_mxfp4_experts_read_quantized_as_their_expanded_values(gpt_oss):
+    """``read_quantized`` of an expert's gate, up and down projections (a rank's rows or columns) holds exactly
+    the numbers ``read_rows``/``read_cols`` expand; a float checkpoint's experts have no quantized form."""
+    float_path, path, *_ = gpt_oss
+    with Mxfp4CheckpointReader(CheckpointReader(path), checkpoint_quantization(path)) as base:
+        reader = GptOssReader(base)
+        for expert in (0, 3):
+            prefix = f"model.layers.1.mlp.experts.{expert}."
+            for part in ("gate_proj", "up_proj"):  # [64, 64]: rows 32..64 as a second rank's shard
+                kept = reader.read_quantized(prefix + part + ".weight", rows=(32, 64))
+                assert isinstance(kept, quant.Mxfp4Weight) and kept.shape == (32, 64)
+                assert torch.equal(kept.dequantize(), reader.read_rows(prefix + part + ".weight", 32, 64))
+            kept = reader.read_quantized(prefix + "down_proj.weight", cols=(32, 64))
+            assert torch.equal(kept.dequantize(), reader.read_cols(prefix + "down_proj.weight", 32, 64))
+        assert reader.read_quantized("model.layers.1.mlp.experts.0.gate_proj.bias") is None
+        assert reader.read_quantized("model.layers.1.self_attn.q_proj.weight") is None
+    with CheckpointReader(float_path) as base:
+        assert GptOssReader(base).read_quantized("model.layers.1.mlp.experts.0.gate_proj.weight") is None
+
+
+def test_bfloat16_keeps_the_mxfp4_experts(gpt_oss):
+    """bfloat16 on CPU: every expert computes from its MXFP4 codes and scales (quant_kernels.c's MXFP4 form, a
+    quarter of bf16's bytes), giving the tokens of the same model with those values expanded to bfloat16, and
+    log-probabilities within the two sums' different orders (per block, then scaled; or one long sum)."""
+    _, path, prompts, _, _ = gpt_oss
+    if not quant.tiled_forms():
+        pytest.skip("no tiled kernel on this CPU: bfloat16 computes in torch's bf16")
+    kept_runner = family_runner(path, dtype=torch.bfloat16)
+    assert kept_runner.model.weight_summary.startswith("36 mxfp4 -> mxfp4 (kept)"), kept_runner.model.weight_summary
+    kept = run_family(kept_runner, prompts)
+    expanded_runner = family_runner(str(Path(path).parent / "held"), dtype=torch.bfloat16)
+    assert "mxfp4" not in expanded_runner.model.weight_summary
+    expanded = run_family(expanded_runner, prompts)
+    for rid, (tokens, logprobs) in expanded.items():
+        assert kept[rid][0] == tokens, rid
+        torch.testing.assert_close(torch.tensor(kept[rid][1]), torch.tensor(logprobs), rtol=0, atol=5e-3)
 
 
 def test_tensor_parallel_2_matches_transformers(gpt_oss, tmp_path):

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4: every kernel (quant_kernels.c, torch's, the dense fallback) against a
+"""Weight-only int8 / int4 / MXFP4: every kernel (quant_kernels.c, torch's, the dense fallback) against a
 dequantize-then-matmul reference, the GGUF block conversions against the gguf package's own dequantizers,
 and the forms' algebra (fusing rows, slicing columns) against the same operations on float weights."""
 
@@ -8,7 +8,8 @@ import gguf
 import pytest
 import torch
 
-from llmbus.workers import quant
+from llmbus.testing.prequantized import mxfp4_weight as to_mxfp4
+from llmbus.workers import mxfp4, quant
 from llmbus.workers.gguf_checkpoint import GGUFRaw
 from llmbus.workers.kernels import bindings, build
 from llmbus.workers.linear import Linear
@@ -39,7 +40,8 @@ def backend(request, monkeypatch):
 
 
 FORMS = {"int8 row": lambda w: quant.quantize_int8(w, None), "int8 g32": lambda w: quant.quantize_int8(w, 32),
-         "int4 g32": lambda w: quant.quantize_int4(w, 32), "int4 g64": lambda w: quant.quantize_int4(w, 64)}
+         "int4 g32": lambda w: quant.quantize_int4(w, 32), "int4 g64": lambda w: quant.quantize_int4(w, 64),
+         "mxfp4": to_mxfp4}
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -66,6 +68,25 @@ def test_our_kernel_takes_strided_rows_and_ragged_outputs():
     linear = quant.QuantizedLinear(w, None, torch.float32)
     x = torch.randn(5, 200)[:, 10:106]  # rows 200 apart
     torch.testing.assert_close(linear(x), reference(x, w, None), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="quant_kernels.c does not run here")
+@pytest.mark.parametrize("dtype, bf16_inputs", [(torch.float32, False), (torch.float32, True),
+                                                (torch.bfloat16, False)])
+def test_mxfp4_kernel_equals_int8_kernel_on_the_same_numbers_bit_for_bit(dtype, bf16_inputs):
+    """An MXFP4 weight and the int8 weight of twice its e2m1 values at half its scales hold the same numbers,
+    and every product and sum of the two kernels is then the same up to an exact power of two: the outputs
+    are equal bit for bit, every code's value and sign included (the int8 form is the checked reference)."""
+    w = to_mxfp4(weight(100, 160) * torch.logspace(-3, 1, 160))  # blocks of very different scales
+    assert set(w.codes.unique().tolist()) == set(range(16))
+    doubled = quant.Int8Weight((mxfp4.e2m1(w.codes) * 2).to(torch.int8), w.scale / 2, mxfp4.BLOCK)
+    assert torch.equal(doubled.dequantize(), w.dequantize())
+    bias = torch.randn(100)
+    for rows in (1, 5, 9, 70):
+        x = torch.randn(rows, 160).to(dtype)
+        ours = quant.QuantizedLinear(w, bias, dtype, bf16_inputs=bf16_inputs)(x)
+        theirs = quant.QuantizedLinear(doubled, bias, dtype, bf16_inputs=bf16_inputs)(x)
+        assert torch.equal(ours, theirs), rows
 
 
 def test_quantizers_stay_within_half_a_step():

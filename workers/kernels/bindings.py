@@ -26,14 +26,14 @@ _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 
 
 # quant_kernels.c's tiled forms (Tiled.kind)
-TILED_INT8, TILED_INT4, TILED_BF16 = 1, 2, 3
+TILED_INT8, TILED_INT4, TILED_BF16, TILED_MXFP4 = 1, 2, 3, 4
 # which tiled kernel a build has (tiled_kernel_isa): none, quant_kernels_avx2.c's, quant_kernels.c's VDPBF16PS
 TILED_ISA_NONE, TILED_ISA_AVX2, TILED_ISA_AVX512_BF16 = 0, 1, 2
 TILED_ISA_NAMES = {TILED_ISA_NONE: None, TILED_ISA_AVX2: "AVX2", TILED_ISA_AVX512_BF16: "AVX512-BF16"}
 
 
 class Tiled(ctypes.Structure):
-    """A projection in quant_kernels.c's tiled layout: int8/int4 with group scales, or bf16."""
+    """A projection in quant_kernels.c's tiled layout: int8/int4/MXFP4 with group scales, or bf16."""
 
     _fields_ = [("values", _P), ("scale", _P), ("low", _P), ("kind", _I64), ("k_padded", _I64), ("group", _I64),
                 ("split", _I64)]
@@ -128,6 +128,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # x, x is float32, split float32 x, m, k, x stride, values, n, k padded, bias, y, rows
     "bf16_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P], _INT),
     "int4_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
+    "mxfp4_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),  # int8's
     "greedy_f32": ([_P, _I64, _I64, _I64, _P, _P], _INT),  # logits, rows, vocab, stride, ids, logprobs
     # logits, raw, rows, vocab, stride, sampled, temperatures, uniforms, scratch, scratch rows, ids, logprobs
     "sample_f32": ([_P, _P, _I64, _I64, _I64] + [_P] * 4 + [_I64] + [_P] * 2, _INT),
@@ -149,7 +150,7 @@ def abi_expectations() -> dict[str, int]:
             "sizeof(StepArgs)": ctypes.sizeof(StepArgs), "sizeof(LoraSite)": ctypes.sizeof(LoraSite),
             "sizeof(LayerLora)": ctypes.sizeof(LayerLora),
             "MAX_ROWS": MAX_ROWS, "QUANT_TILE": QUANT_TILE, "TILED_INT8": TILED_INT8, "TILED_INT4": TILED_INT4,
-            "TILED_BF16": TILED_BF16, "TILED_ISA_AVX2": TILED_ISA_AVX2,
+            "TILED_BF16": TILED_BF16, "TILED_MXFP4": TILED_MXFP4, "TILED_ISA_AVX2": TILED_ISA_AVX2,
             "TILED_ISA_AVX512_BF16": TILED_ISA_AVX512_BF16}
 
 

@@ -14,7 +14,9 @@ What differs from Llama, as transformers' GptOssForCausalLM computes it:
   with a bias; the gate is gpt-oss's clamped SwiGLU: ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``,
   ``g = min(gate, 7)``;
 - the experts are published in MXFP4 (``X_blocks``/``X_scales``), which the checkpoint's reader expands
-  (``prequantized_checkpoint.Mxfp4CheckpointReader``), or as floats.
+  (``prequantized_checkpoint.Mxfp4CheckpointReader``), or as floats. Where the builder keeps quantized
+  weights (bfloat16 on CPU), ``read_quantized`` gives each expert's projections as ``quant.Mxfp4Weight``
+  instead, the stored codes and scales, for quant_kernels.c's MXFP4 form.
 
 ``GptOssReader`` shows the experts to ``WeightBuilder`` as per-expert projections under Mixtral-like names, so
 tensor parallelism splits each expert's width as it splits any MLP's, and one expert at a time is read (and
@@ -39,6 +41,7 @@ class GptOssReader:
     def __init__(self, reader):
         self.reader = reader
         self._cached: tuple[str, int, torch.Tensor] | None = None  # the last expert read of a stored tensor
+        self._cached_mxfp4: tuple[str, int, object] | None = None  # the same, as stored in MXFP4
 
     def __enter__(self) -> "GptOssReader":
         return self
@@ -71,6 +74,30 @@ class GptOssReader:
         if kind == "bias":
             return self.reader.read_rows(prefix + "gate_up_proj_bias", expert, expert + 1)[0][column::2]
         return self._stored_expert(prefix + "gate_up_proj", expert)[:, column::2].T  # [width, hidden]
+
+    def read_quantized(self, name: str, rows: tuple[int, int] | None = None,
+                       cols: tuple[int, int] | None = None):
+        """An expert's projection (its rows and columns) as ``quant.Mxfp4Weight`` where the checkpoint stores it
+        in MXFP4, else None (the builder then reads floats); any other name as the wrapped reader gives it."""
+        split = self._split(name)
+        if split is None:
+            read_quantized = getattr(self.reader, "read_quantized", None)
+            return None if read_quantized is None else read_quantized(name, rows, cols)
+        prefix, expert, part, kind = split
+        read_mxfp4 = getattr(self.reader, "read_mxfp4", None)
+        if kind != "weight" or read_mxfp4 is None:
+            return None
+        stored = prefix + ("down_proj" if part == "down_proj" else "gate_up_proj")
+        if self._cached_mxfp4 is None or self._cached_mxfp4[:2] != (stored, expert):
+            self._cached_mxfp4 = (stored, expert, read_mxfp4(stored, expert))
+        weight = self._cached_mxfp4[2]  # [outputs, inputs]: gate_up's outputs interleaved
+        if weight is None:
+            return None
+        if part != "down_proj":
+            weight = weight.rows(slice(0 if part == "gate_proj" else 1, None, 2))
+        if rows is not None:
+            weight = weight.rows(slice(*rows))
+        return weight if cols is None else weight.cols(*cols)
 
     def has(self, name: str) -> bool:
         split = self._split(name)

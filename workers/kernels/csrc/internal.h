@@ -122,7 +122,7 @@ typedef struct {
 
 static inline TileAt tile_at(const Tiled *w, int64_t t) {
     const int64_t groups = w->k_padded / w->group;
-    const int64_t bytes = w->kind == TILED_INT4 ? w->k_padded / 2 * QUANT_TILE
+    const int64_t bytes = w->kind == TILED_INT4 || w->kind == TILED_MXFP4 ? w->k_padded / 2 * QUANT_TILE
                         : w->kind == TILED_INT8 ? w->k_padded * QUANT_TILE : w->k_padded * QUANT_TILE * 2;
     TileAt at = {(const uint8_t *)w->values + t * bytes, w->kind == TILED_BF16 ? 0 : w->scale + t * groups * QUANT_TILE,
                  w->kind == TILED_INT4 ? w->low + t * groups * QUANT_TILE : 0};

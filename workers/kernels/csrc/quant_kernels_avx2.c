@@ -1,4 +1,4 @@
-/* The tiled int8 / int4 / bf16 forms on AVX2 + FMA, for CPUs without AVX512-BF16 (Zen 3, Haswell to
+/* The tiled int8 / int4 / MXFP4 / bf16 forms on AVX2 + FMA, for CPUs without AVX512-BF16 (Zen 3, Haswell to
  * Alder Lake, and AVX-512 CPUs without BF16): quant_kernels.c's layouts (its header) read as they are, so
  * quant.py packs one form for both, and the same numbers as its VDPBF16PS kernel.
  *
@@ -12,7 +12,8 @@
  *
  * A bf16 value is the top half of a float32, so weights and inputs widen to float32 with a shift (the pair's
  * even column, its low half) or a mask (the odd column); int8 widens through a float conversion; int4 q
- * becomes 128 + q by OR-ing the nibble under the bits of 128.0f, as the AVX-512 kernel does in bf16.
+ * becomes 128 + q by OR-ing the nibble under the bits of 128.0f, as the AVX-512 kernel does in bf16; an MXFP4
+ * code's magnitude is looked up in an 8-lane table (VPERMPS reads the low 3 bits) and its 4th bit is the sign.
  * Registers: a 16-row tile is two ymm vectors, so ROW_BLOCK 4 rows' accumulators (8), one widened pair (4)
  * and a row's two broadcast inputs fit AVX2's 16; the int8 / int4 totals, touched once a group, spill to L1.
  */
@@ -67,6 +68,22 @@ static inline Pair widen_int4(const uint8_t *pair) {
     return w;
 }
 
+static inline Pair widen_mxfp4(const uint8_t *pair) {
+    const __m256 magnitudes = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    Pair w;
+    for (int h = 0; h < 2; h++) {
+        __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pair + h * 8)));
+        __m256i odd = _mm256_srli_epi32(bytes, 4);
+        /* the code's bit 3 (even column) or bit 7 (odd) moved to the float's sign */
+        __m256i even_sign = _mm256_and_si256(_mm256_slli_epi32(bytes, 28), sign);
+        __m256i odd_sign = _mm256_and_si256(_mm256_slli_epi32(bytes, 24), sign);
+        w.even[h] = _mm256_or_ps(_mm256_permutevar8x32_ps(magnitudes, bytes), _mm256_castsi256_ps(even_sign));
+        w.odd[h] = _mm256_or_ps(_mm256_permutevar8x32_ps(magnitudes, odd), _mm256_castsi256_ps(odd_sign));
+    }
+    return w;
+}
+
 /* acc (+)= x . w for one pair: the odd column's product first, as VDPBF16PS adds them. */
 static inline void pair_fma(const Pair *w, uint32_t x_pair, __m256 acc[2]) {
     __m256i x = _mm256_set1_epi32((int)x_pair);
@@ -91,13 +108,14 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         return;
     }
-    const int is_int4 = kind == TILED_INT4;
+    const int is_int4 = kind == TILED_INT4, is_mxfp4 = kind == TILED_MXFP4;
     for (int64_t g = 0; g < groups; g++) {
         __m256 acc[ROW_BLOCK][2];
         for (int i = 0; i < count; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; p++) {
-            const Pair w = is_int4 ? widen_int4((const uint8_t *)at.values + p * TILE)
-                                   : widen_int8((const int8_t *)at.values + p * 2 * TILE);
+            const Pair w = is_int4    ? widen_int4((const uint8_t *)at.values + p * TILE)
+                           : is_mxfp4 ? widen_mxfp4((const uint8_t *)at.values + p * TILE)
+                                      : widen_int8((const int8_t *)at.values + p * 2 * TILE);
             for (int i = 0; i < count; i++) pair_fma(&w, x[i * stride + p], acc[i]);
         }
         for (int h = 0; h < 2; h++) {
