@@ -13,7 +13,7 @@
  * A bf16 value is the top half of a float32, so weights and inputs widen to float32 with a shift (the pair's
  * even column, its low half) or a mask (the odd column); int8 widens through a float conversion; int4 q
  * becomes 128 + q by OR-ing the nibble under the bits of 128.0f, as the AVX-512 kernel does in bf16; an MXFP4
- * code's magnitude is looked up in an 8-lane table (VPERMPS reads the low 3 bits) and its 4th bit is the sign.
+ * code becomes twice its value as an int8 (one PSHUFB for 16 codes), then widens as int8 does.
  * Registers: a 16-row tile is two ymm vectors, so ROW_BLOCK 4 rows' accumulators (8), one widened pair (4)
  * and a row's two broadcast inputs fit AVX2's 16; the int8 / int4 totals, touched once a group, spill to L1.
  */
@@ -68,19 +68,18 @@ static inline Pair widen_int4(const uint8_t *pair) {
     return w;
 }
 
+/* Twice each code's e2m1 value, as the int8 -12..12 (a byte lookup), widened as int8 is: tile_rows halves the
+ * block's scale to match, and every product and sum is then the AVX-512 kernel's times two, exactly. */
 static inline Pair widen_mxfp4(const uint8_t *pair) {
-    const __m256 magnitudes = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-    Pair w;
-    for (int h = 0; h < 2; h++) {
-        __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pair + h * 8)));
-        __m256i odd = _mm256_srli_epi32(bytes, 4);
-        /* the code's bit 3 (even column) or bit 7 (odd) moved to the float's sign */
-        __m256i even_sign = _mm256_and_si256(_mm256_slli_epi32(bytes, 28), sign);
-        __m256i odd_sign = _mm256_and_si256(_mm256_slli_epi32(bytes, 24), sign);
-        w.even[h] = _mm256_or_ps(_mm256_permutevar8x32_ps(magnitudes, bytes), _mm256_castsi256_ps(even_sign));
-        w.odd[h] = _mm256_or_ps(_mm256_permutevar8x32_ps(magnitudes, odd), _mm256_castsi256_ps(odd_sign));
-    }
+    const __m128i doubled = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)pair);
+    __m128i even = _mm_shuffle_epi8(doubled, _mm_and_si128(bytes, nibble));
+    __m128i odd = _mm_shuffle_epi8(doubled, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+    Pair w = {{_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(even)),
+               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(even, even)))},
+              {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(odd)),
+               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(odd, odd)))}};
     return w;
 }
 
@@ -119,7 +118,8 @@ static inline __attribute__((always_inline)) void tile_rows(
             for (int i = 0; i < count; i++) pair_fma(&w, x[i * stride + p], acc[i]);
         }
         for (int h = 0; h < 2; h++) {
-            const __m256 scale = _mm256_loadu_ps(at.scale + g * TILE + h * 8);
+            __m256 scale = _mm256_loadu_ps(at.scale + g * TILE + h * 8);
+            if (is_mxfp4) scale = _mm256_mul_ps(scale, _mm256_set1_ps(0.5f)); /* widen_mxfp4's doubling */
             if (is_int4) {
                 const __m256 low = _mm256_loadu_ps(at.low + g * TILE + h * 8);
                 for (int i = 0; i < count; i++) {
