@@ -323,8 +323,10 @@ class _KernelPack:
         self.k_padded = _groups(k, self.group) * self.group
         self.scale = self.low = None
         if self.kind == bindings.TILED_BF16:  # [T, Kp/2, 16, 2]: 16 rows' pairs of columns, as VDPBF16PS reads
-            padded = F.pad(weight.values.view(torch.int16), (0, self.k_padded - k, 0, -n % TILE))
-            self.values = padded.view(-1, TILE, self.k_padded // 2, 2).transpose(1, 2).contiguous()
+            values = weight.values.view(torch.int16)
+            if self.k_padded != k or n % TILE:  # else no padded copy: a vocabulary matrix is a GB or more
+                values = F.pad(values, (0, self.k_padded - k, 0, -n % TILE))
+            self.values = values.view(-1, TILE, self.k_padded // 2, 2).transpose(1, 2).contiguous()
             return
         nibbles = self.kind in (bindings.TILED_INT4, bindings.TILED_MXFP4)
         tiles = _tiles(weight.codes if self.kind == bindings.TILED_MXFP4 else weight.values, self.k_padded)
