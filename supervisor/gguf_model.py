@@ -81,7 +81,7 @@ def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
 
     transformers.logging.set_verbosity_error()  # its GGUF loader narrates every tensor
     try:
-        with _parsed_once(path, reader):
+        with _parsed_once(path, _FieldsHidden(reader, _MISREAD_FIELDS.get(summary["architecture"], ()))):
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, KeyError, OSError) as e:
@@ -111,6 +111,22 @@ def _write_folder(path: Path, out: Path, summary: dict, reader) -> None:
     (out / GGUF_MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
+# Metadata transformers' GGUF reading gets wrong, hidden from it (the folder reads them itself): transformers 5's
+# gpt-oss code takes a rope.scaling field's first part (the key's length) for its value, and fails on it.
+_MISREAD_FIELDS = {"gpt-oss": ("gpt-oss.rope.scaling.",)}
+
+
+class _FieldsHidden:
+    """``reader`` with the metadata fields whose names start with one of ``prefixes`` left out."""
+
+    def __init__(self, reader, prefixes: tuple[str, ...]):
+        self._reader = reader
+        self.fields = {k: v for k, v in reader.fields.items() if not (prefixes and k.startswith(prefixes))}
+
+    def __getattr__(self, name: str):
+        return getattr(self._reader, name)
+
+
 @contextlib.contextmanager
 def _parsed_once(path: Path, reader):
     """transformers parses the file afresh for the config and again for the tokenizer, each as long as our
@@ -137,7 +153,8 @@ def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
     Qwen3-MoE: the expert width (Qwen3MoeConfig's 768 is right for Qwen3-30B-A3B only; transformers' own
     loading of another width fails on the tensors' shapes). Phi-3: the share of each head RoPE turns
     (rope.dimension_count). Gemma 3: the query scale, 1/sqrt(head_dim) except
-    for the 62-layer 27B's hidden/heads (168, what its config.json says); Gemma3TextConfig's default is 256."""
+    for the 62-layer 27B's hidden/heads (168, what its config.json says); Gemma3TextConfig's default is 256.
+    gpt-oss: the head and expert widths (key_length, expert_feed_forward_length) and the window."""
     from llmbus.workers.gguf_checkpoint import field_value
 
     width = field_value(reader, f"{arch}.expert_feed_forward_length") if arch == "qwen3moe" else None
@@ -153,11 +170,18 @@ def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
         heads = config["num_attention_heads"]
         config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == 62
                                            else config["head_dim"])
+    if arch == "gpt-oss":  # GptOssConfig's defaults (head 64, experts 2880 wide, window 128) are gpt-oss-20b's
+        config["head_dim"] = int(field_value(reader, f"{arch}.attention.key_length") or config["head_dim"])
+        width = field_value(reader, f"{arch}.expert_feed_forward_length")
+        config["intermediate_size"] = int(width or config["intermediate_size"])
+        window = field_value(reader, f"{arch}.attention.sliding_window")  # transformers looks for .sliding_window
+        config["sliding_window"] = int(window or config["sliding_window"])
 
 
 def _rope_scaling(reader, path: Path, arch: str, config: dict) -> dict | None:
     """The file's RoPE frequency scaling as transformers' ``rope_parameters`` (without the theta), or None
-    for plain RoPE. GGUFError for a scaling llmbus does not compute (YaRN, LongRoPE)."""
+    for plain RoPE. GGUFError for a scaling not served from a GGUF: LongRoPE, and YaRN outside gpt-oss (Qwen's
+    long-context files take another ``truncate``, and no test file of theirs checks it yet)."""
     from llmbus.workers.gguf_checkpoint import field_value
 
     if any(t.name in ("rope_factors_long.weight", "rope_factors_short.weight") for t in reader.tensors):
@@ -176,7 +200,17 @@ def _rope_scaling(reader, path: Path, arch: str, config: dict) -> dict | None:
     factor = field_value(reader, f"{arch}.rope.scaling.factor")
     if kind == "linear" and factor:
         return {"rope_type": "linear", "factor": float(factor)}
-    raise GGUFError(f"{path}: RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "yarn" and factor and arch == "gpt-oss":
+        # gpt-oss's YaRN as its own config.json has it: the file keeps the factor and the trained length; the
+        # betas are llama.cpp's defaults where absent, and its frequencies are not truncated (truncate: false)
+        beta_fast = field_value(reader, f"{arch}.rope.scaling.yarn_beta_fast") or 32.0
+        beta_slow = field_value(reader, f"{arch}.rope.scaling.yarn_beta_slow") or 1.0
+        original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": float(factor), "beta_fast": float(beta_fast),
+                "beta_slow": float(beta_slow), "truncate": False,
+                "original_max_position_embeddings": int(original or config["max_position_embeddings"])}
+    raise GGUFError(f"{path}: RoPE scaling {kind!r} is not supported (supported: linear, llama3; yarn in "
+                    f"gpt-oss files)")
 
 
 # Llama 3.1's own values; a file whose factors need others has them recovered from the factors
@@ -222,7 +256,7 @@ def _llama3_factors(wavelen: np.ndarray, params: dict) -> np.ndarray:
 def _causal_lm_class(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM"}[model_type]
+            "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[model_type]
 
 
 def _eos_ids(summary: dict, config: dict, tokenizer) -> list[int]:

@@ -1,7 +1,8 @@
 """Writing GGUF files for tests with the ``gguf`` package's own writer, from a Llama Hugging Face folder
 (the generated demo model): its config as metadata, its byte-level BPE tokenizer and chat template, and
 its weights laid out as llama.cpp's converter lays them (query/key rows interleaved per head), the
-matrices in the type asked for (F32, F16, BF16, Q8_0, Q4_0, Q4_1 via ``gguf.quants``).
+matrices in the type asked for (F32, F16, BF16, Q8_0, Q4_0, Q4_1, MXFP4 via ``gguf.quants``). gpt-oss's
+experts are split as llama.cpp's converter splits them: gate and up apart, each ``[experts, out, in]``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
           "mlp.down_proj.weight": "ffn_down.weight",
-          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+          "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+          "self_attn.v_proj.bias": "attn_v.bias"}
 # The families whose llama.cpp names differ from a Llama's (gguf.MODEL_TENSORS of each architecture)
 _FAMILY_LAYER = {
     "qwen3moe": {"mlp.gate.weight": "ffn_gate_inp.weight"},
@@ -30,7 +33,11 @@ _FAMILY_LAYER = {
     "gemma3": {"pre_feedforward_layernorm.weight": "ffn_norm.weight",
                "post_attention_layernorm.weight": "post_attention_norm.weight",
                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "self_attn.o_proj.bias": "attn_output.bias", "self_attn.sinks": "attn_sinks.weight",
+                "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias"},
 }
+_GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -40,14 +47,16 @@ def interleave_heads(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architecture: str = "llama",
-               overrides: dict | None = None, extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """``hf_dir`` as a GGUF at ``out`` with every 2-D weight stored as ``matrix_type``; ``overrides`` maps a
-    GGUF tensor name to its type (to mix types, or to name one llmbus cannot read); ``extra_tensors`` are
-    added as they are, by their GGUF names (tensors of layouts llmbus refuses)."""
+               overrides: dict | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
+               expert_type: str | None = None) -> Path:
+    """``hf_dir`` as a GGUF at ``out`` with every 2-D weight stored as ``matrix_type`` (routed experts as
+    ``expert_type``, where given); ``overrides`` maps a GGUF tensor name to its type (to mix types, or to name
+    one llmbus cannot read); ``extra_tensors`` are added as they are, by their GGUF names (tensors of layouts
+    llmbus refuses)."""
     config = json.loads((hf_dir / "config.json").read_text())
     tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
     tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    weights = _stack_experts(load_file(str(hf_dir / "model.safetensors")))
+    weights = _stack_experts(_split_gpt_oss_experts(load_file(str(hf_dir / "model.safetensors"))))
     writer = gguf.GGUFWriter(str(out), architecture)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -69,12 +78,16 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
     if config.get("num_local_experts"):
         writer.add_expert_count(config["num_local_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    if architecture == "gemma3":
+        writer.add_expert_feed_forward_length(config.get("moe_intermediate_size", config["intermediate_size"]))
+    if architecture in ("gemma3", "gpt-oss"):
         writer.add_sliding_window(config["sliding_window"])
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes it: the factor and the trained length
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer, tokenizer, tokenizer_config, config)
@@ -89,12 +102,37 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
             tensor = interleave_heads(tensor, heads)
         if name.endswith("k_proj.weight") and architecture == "llama":
             tensor = interleave_heads(tensor, kv_heads)
-        kind = types.get(gguf_name, matrix_type if tensor.ndim >= 2 else "F32")
+        kind = matrix_type if tensor.ndim >= 2 and not gguf_name.endswith(".bias") else "F32"
+        if expert_type is not None and gguf_name.endswith("_exps.weight"):
+            kind = expert_type
+        kind = types.get(gguf_name, kind)
         _add(writer, gguf_name, tensor, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _split_gpt_oss_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """gpt-oss's fused experts (``gate_up_proj [experts, hidden, 2 * width]``, gate in the even columns, and
+    ``down_proj [experts, width, hidden]``, with their biases) as llama.cpp stores them: ``ffn_{gate,up,down}
+    _exps`` weights ``[experts, out, in]`` and biases ``[experts, out]``. Other weights pass through."""
+    out = {}
+    for name, tensor in weights.items():
+        match = _GPT_OSS_EXPERTS.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        layer, stored, bias = match.groups()
+        kind = "bias" if bias else "weight"
+        if stored == "down_proj":
+            out[f"blk.{layer}.ffn_down_exps.{kind}"] = tensor if bias else tensor.transpose(0, 2, 1)
+            continue
+        for projection, column in (("gate", 0), ("up", 1)):
+            part = tensor[..., column::2]
+            out[f"blk.{layer}.ffn_{projection}_exps.{kind}"] = np.ascontiguousarray(
+                part if bias else part.transpose(0, 2, 1))
     return out
 
 

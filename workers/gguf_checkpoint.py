@@ -5,11 +5,12 @@ The same interface as ``loader.CheckpointReader`` (``names``, ``has``, ``shape``
 metadata): a rank touches only the rows or the column blocks it asks for. Quantized tensors come back
 dequantized to float32 (``gguf_dequant.py``: gguf's numpy arithmetic, in torch), or, through
 ``read_quantized``, with their own values in llmbus's quantized forms for the types llmbus computes with
-directly (Q8_0, Q4_0, Q4_1: ``quant.from_gguf`` of their raw blocks, ``GGUFRaw``).
+directly (Q8_0, Q4_0, Q4_1, MXFP4: ``quant.from_gguf`` of their raw blocks, ``GGUFRaw``).
 
 Families whose llama.cpp layout differs from Hugging Face's are read into the names the native models load:
-Qwen3-MoE's stacked experts (``ffn_*_exps``, one 3-D tensor per layer) as one matrix per expert, Phi-3's
-fused ``attn_qkv``/``ffn_up`` as ``qkv_proj``/``gate_up_proj``, Gemma 3's norms less the one llama.cpp adds.
+Qwen3-MoE's and gpt-oss's stacked experts (``ffn_*_exps``, one 3-D tensor per layer; gpt-oss's biases one 2-D
+tensor) as one matrix (vector) per expert, Phi-3's fused ``attn_qkv``/``ffn_up`` as ``qkv_proj``/
+``gate_up_proj``, Gemma 3's norms less the one llama.cpp adds.
 
 llama.cpp's converter reorders the rows of each attention head's query and key projections for its RoPE
 layout (the two halves of a head interleaved) in Llama-architecture files; reading undoes it, per head, so
@@ -27,10 +28,10 @@ import torch
 from llmbus.bus.model_files import GGUFError  # defined without torch: the supervisor catches it
 from llmbus.workers import gguf_dequant, quant
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")
-# Types with a dequantizer here. Q8_0/Q4_0/Q4_1 can also stay quantized (KEPT_TYPES).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "gpt-oss")
+# Types with a dequantizer here. Q8_0/Q4_0/Q4_1 and MXFP4 can also stay quantized (KEPT_TYPES).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "MXFP4")
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "MXFP4")
 # Architectures whose files carry llama.cpp's interleaved query/key rows (its Qwen2 and Qwen3 writers leave them).
 PERMUTED_QK = ("llama", "mistral")
 
@@ -54,11 +55,17 @@ _FAMILY_LAYER_NAMES = {
     "gemma3": {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
                "post_attention_norm.weight": "post_attention_layernorm.weight",
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    # gpt-oss: its FFN's input norm, the output projection's bias, the sinks and the biased router
+    "gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
+                "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"},
 }
-# Mixture-of-experts files stack a layer's experts in one 3-D tensor; each expert reads as its own matrix.
-_STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
-                    "ffn_down_exps.weight": "down_proj"}
-MOE_ARCHITECTURES = ("qwen3moe",)
+# Mixture-of-experts files stack a layer's experts in one 3-D tensor (gpt-oss's biases in one 2-D tensor);
+# each expert reads as its own matrix (vector), under models/gpt_oss.py's and Qwen3-MoE's per-expert names.
+_STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
+                    "ffn_down_exps.weight": "down_proj.weight", "ffn_gate_exps.bias": "gate_proj.bias",
+                    "ffn_up_exps.bias": "up_proj.bias", "ffn_down_exps.bias": "down_proj.bias"}
+MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
 # llama.cpp's Gemma 3 converter stores every RMSNorm weight plus one (its norm multiplies by the weight, the
 # Hugging Face one by 1 + weight); reading takes the one back off.
 _NORMS_PLUS_ONE = ("gemma3",)
@@ -172,9 +179,9 @@ class _ExpertMatrix:
 
 def _expert_matrices(t, prefix: str) -> dict[str, _ExpertMatrix]:
     projection = _STACKED_EXPERTS[t.name.split(".", 2)[2]]
-    shape = tuple(int(d) for d in t.shape[:2])
-    return {f"{prefix}{e}.{projection}.weight": _ExpertMatrix(t.tensor_type, shape, t.data[e])
-            for e in range(int(t.shape[2]))}
+    shape = tuple(int(d) for d in t.shape[:-1])  # the experts are the outermost (last listed) dimension
+    return {f"{prefix}{e}.{projection}": _ExpertMatrix(t.tensor_type, shape, t.data[e])
+            for e in range(int(t.shape[-1]))}
 
 
 class GGUFCheckpointReader:
@@ -196,7 +203,7 @@ class GGUFCheckpointReader:
         self._tensors = {}
         for t in self._reader.tensors:
             name = hf_name(t.name, arch)
-            if name is not None and len(t.shape) == 3 and name.endswith(".experts."):
+            if name is not None and name.endswith(".experts."):
                 self._tensors.update(_expert_matrices(t, name))
             elif name is not None and len(t.shape) < 3:
                 self._tensors[name] = t

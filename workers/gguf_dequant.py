@@ -59,6 +59,16 @@ def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_nibbles(blocks[:, 4:]).view(-1, 32)).mul_(_half(blocks, 0)).add_(_half(blocks, 2))
 
 
+# ggml's MXFP4 values by code: twice e2m1's, from an int8 table (so code 8, e2m1's -0, is +0 here)
+_MXFP4_KVALUES = torch.tensor((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), dtype=torch.float32)
+
+
+def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # times half the block's power of two, 2^(e - 128), as ggml_e8m0_to_fp32_half (exact: e = 255 is 2^127)
+    half_scale = torch.ldexp(torch.ones(blocks.shape[0], 1), blocks[:, :1].to(torch.int32) - 128)
+    out.copy_(_MXFP4_KVALUES[_nibbles(blocks[:, 1:]).view(-1, 32).long()]).mul_(half_scale)
+
+
 def _q5(blocks: torch.Tensor, qh_at: int) -> torch.Tensor:
     """The 5-bit codes of a Q5_0/Q5_1 block (uint8): a nibble from ``qs``, the fifth bit from ``qh``."""
     low = _nibbles(blocks[:, qh_at + 4:]).view(-1, 32)
@@ -108,7 +118,7 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 _DEQUANTIZE = {"BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
 IMPLEMENTED = ("F32", "F16", *_DEQUANTIZE)  # what ``dequantize`` takes
 
 

@@ -242,6 +242,8 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
 # Q8_0 block (34 bytes): float16 d, then 32 int8 q; w = d * q.
 # Q4_0 block (18 bytes): float16 d, then 16 bytes of 4-bit q; w = d * (q - 8).
 # Q4_1 block (20 bytes): float16 d, float16 m, then 16 bytes; w = d * q + m.
+# MXFP4 block (17 bytes): e8m0 e, then 16 bytes of 4-bit codes; w = kvalue(q) * 2^(e - 128), ggml's kvalues
+# being twice e2m1's, so w = e2m1(q) * 2^(e - 127): the same code and scale as gpt-oss's safetensors.
 # Within a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
 
 
@@ -256,10 +258,13 @@ def _half(raw: torch.Tensor) -> torch.Tensor:
 
 
 def from_gguf(raw) -> QuantizedWeight:
-    """Raw GGUF blocks as a quantized weight: anything with ``.qtype`` ("Q8_0", "Q4_0", "Q4_1"),
+    """Raw GGUF blocks as a quantized weight: anything with ``.qtype`` ("Q8_0", "Q4_0", "Q4_1", "MXFP4"),
     ``.data`` (uint8 ``[N, row bytes]``) and ``.shape`` (``(N, K)``), such as ``gguf_checkpoint.GGUFRaw``."""
     rows, cols = raw.shape
     blocks = raw.data.view(rows, cols // 32, -1)
+    if raw.qtype == "MXFP4":  # e8m0 byte, then 16 bytes of codes (twice e2m1's values at half the scale)
+        return Mxfp4Weight(_nibbles(blocks[..., 1:17]).reshape(rows, cols).contiguous(),
+                           mxfp4.scale_values(blocks[..., 0]))
     d = _half(blocks[..., 0:2])
     if raw.qtype == "Q8_0":
         return Int8Weight(blocks[..., 2:34].contiguous().view(torch.int8).reshape(rows, cols), d, 32)

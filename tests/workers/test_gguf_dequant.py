@@ -20,7 +20,7 @@ QUANTIZED = tuple(t for t in SUPPORTED_TYPES if t not in ("F32", "F16"))
 # byte offsets of each type's float16 fields in a block: random bytes there could be NaN or inf, whose
 # products say nothing about the formulas
 HALF_FIELDS = {"BF16": (), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
 
 
 def reference(data: np.ndarray, type_name: str) -> torch.Tensor:
@@ -87,7 +87,9 @@ def test_blocks_gguf_py_quantized(type_name):
         pytest.skip(f"gguf-py cannot quantize {type_name}")
     got = gguf_dequant.dequantize(data, type_name)
     assert_same_bits(got, reference(data, type_name))
-    assert torch.allclose(got, torch.from_numpy(weights), atol=0.5)  # and it is the weights, roughly
+    # and it is the weights, roughly (gguf-py's MXFP4 takes the block's power of two below its largest weight:
+    # the top of a block is cut to 1.5 times it, up to 0.8 off for standard normal weights)
+    assert torch.allclose(got, torch.from_numpy(weights), atol=1.0 if type_name == "MXFP4" else 0.5)
 
 
 def test_bf16_bit_patterns():

@@ -3,8 +3,9 @@ sliding and full layers, YaRN, and routed experts with biases and gpt-oss's clam
 weights and from MXFP4 blocks as gpt-oss publishes them. Token- and logprob-exact against transformers in
 float32 at TP=1 (speculative rows too) and TP=2 (each expert's width and the sinks split over the ranks) on the
 families' mixed batch with a chunked prefill, a preemption and a prefix hit; in bfloat16 on CPU with the MXFP4
-experts kept as stored (the same tokens as their expanded values); and one served through ``llmbus up`` from
-an MXFP4 checkpoint."""
+experts kept as stored (the same tokens as their expanded values); from a GGUF file in llama.cpp's layout
+(gate and up experts apart, MXFP4 blocks in ggml's order, YaRN in the metadata); and served through ``llmbus
+up`` from an MXFP4 checkpoint and from that GGUF."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import pytest
 import torch
 
 from llmbus.bus.prequantized import checkpoint_quantization
+from llmbus.supervisor.gguf_model import materialize
 from llmbus.testing.families import (assert_matches_reference, assert_speculation_matches_reference, family_runner,
                                      make_prompts, reference, run_family, run_family_tensor_parallel)
+from llmbus.testing.gguf_files import write_gguf
 from llmbus.testing.prequantized import write_mxfp4
 from llmbus.testing.runner_driver import widen_weights
 from llmbus.workers import quant
+from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader
 from llmbus.workers.loader import CheckpointReader
 from llmbus.workers.models.gpt_oss import GptOssReader
 from llmbus.workers.prequantized_checkpoint import Mxfp4CheckpointReader
@@ -127,8 +131,6 @@ def test_served_from_mxfp4_end_to_end(tiny_model_dir, tmp_path):
     of the blocks), the startup log's weights line and /info's quantize."""
     import transformers
 
-    from llmbus.testing import Server
-    from llmbus.testing.http import get, post
 
     special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
     save_tiny_gpt_oss(str(tmp_path / "float"), 4096, **special)
@@ -137,16 +139,27 @@ def test_served_from_mxfp4_end_to_end(tiny_model_dir, tmp_path):
     transformers.GenerationConfig(**special).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tiny_model_dir / name, folder / name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
-    prompt = "The quick brown fox jumps over the lazy dog"
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                              eos_token_id=None)[0, ids.shape[1]:].tolist()
+    server, info = assert_served_greedy(str(folder), folder, model)
+    assert "path=native" in server.stderr.text and "mxfp4 -> float32" in server.stderr.text
+    assert info[0] == 200 and info[1]["quantize"] == "mxfp4", info
 
-    server = Server(["--model-id", str(folder), "--dtype", "float32", "--max-total-tokens", "256",
-                     "--max-input-tokens", "128", "--num-blocks", "64"])
+
+def assert_served_greedy(model_id: str, tokenizer_dir, model, env: dict | None = None):
+    """``llmbus up --model-id model_id`` in float32 answers a prompt with ``model``'s (transformers') greedy
+    tokens, up to the EOS it stops at; (the stopped server, its /info)."""
+    import transformers
+
+    from llmbus.testing import Server
+    from llmbus.testing.http import get, post
+
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)(prompt, return_tensors="pt").input_ids
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                              eos_token_id=None, pad_token_id=None)[0, ids.shape[1]:].tolist()
+    server = Server(["--model-id", model_id, "--dtype", "float32", "--max-total-tokens", "256",
+                     "--max-input-tokens", "128", "--num-blocks", "64"], env=env)
     try:
         status, _, body = post(f"{server.url}/generate", {"inputs": prompt, "parameters": {
             "max_new_tokens": 12, "details": True}})
@@ -157,5 +170,76 @@ def test_served_from_mxfp4_end_to_end(tiny_model_dir, tmp_path):
     assert status == 200, body
     got = [t["id"] for t in body["details"]["tokens"]]
     assert got == expected[:len(got)] and got, (got, expected)  # the server stops at EOS; the reference does not
-    assert "path=native" in server.stderr.text and "mxfp4 -> float32" in server.stderr.text
-    assert info[0] == 200 and info[1]["quantize"] == "mxfp4", info
+    return server, info
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(tiny_model_dir, tmp_path_factory):
+    """(the folder llmbus makes of a gpt-oss GGUF with MXFP4 experts, the file, the float checkpoint holding the
+    values the file's blocks hold, prompts, that checkpoint's reference)."""
+    import json
+
+    root = tmp_path_factory.mktemp("gpt-oss-gguf")
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    save_tiny_gpt_oss(str(root / "float"), vocab_size)
+    write_mxfp4(str(root / "float"), str(root / "mxfp4"), str(root / "held"))  # values on MXFP4's grid
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, root / "held" / name)
+    gguf_path = write_gguf(root / "held", root / "tiny-gpt-oss.gguf", "F32", architecture="gpt-oss",
+                           expert_type="MXFP4")
+    folder = materialize(gguf_path, cache_root=root / "cache")
+    prompts = make_prompts(vocab_size)
+    return str(folder), gguf_path, str(root / "held"), prompts, reference(str(root / "held"), prompts)
+
+
+def test_gguf_reads_as_the_checkpoint_it_was_written_from(gpt_oss_gguf):
+    """The folder made of the file has the checkpoint's widths, windows and YaRN; every tensor the native model
+    loads (each expert's gate, up and down and their biases, the router, the sinks) reads as the checkpoint's,
+    the MXFP4 experts through their blocks exactly, and kept in bfloat16 as ``quant.Mxfp4Weight``."""
+    import json
+
+    folder, gguf_path, held, *_ = gpt_oss_gguf
+    ours, theirs = (json.loads(open(f"{path}/config.json").read()) for path in (folder, held))
+    for key in ("model_type", "head_dim", "intermediate_size", "num_local_experts", "num_experts_per_tok",
+                "sliding_window", "layer_types", "num_key_value_heads"):
+        assert ours[key] == theirs[key], key
+    for key in ("rope_type", "factor", "beta_fast", "beta_slow", "truncate", "original_max_position_embeddings",
+                "rope_theta"):
+        assert ours["rope_parameters"][key] == theirs["rope_parameters"][key], key
+    with GGUFCheckpointReader(gguf_path) as gguf_reader, CheckpointReader(held) as base:
+        file, checkpoint = GptOssReader(gguf_reader), GptOssReader(base)
+        layer = "model.layers.1."
+        names = [f"{layer}mlp.experts.{e}.{part}.{kind}" for e in range(4)
+                 for part in ("gate_proj", "up_proj", "down_proj") for kind in ("weight", "bias")]
+        names += [f"{layer}{n}" for n in ("mlp.router.weight", "mlp.router.bias", "self_attn.sinks",
+                                          "self_attn.o_proj.bias", "self_attn.q_proj.bias",
+                                          "post_attention_layernorm.weight")]
+        for name in names:
+            assert torch.equal(file.read(name), checkpoint.read(name)), name
+        assert gguf_reader.qtype(f"{layer}mlp.experts.2.up_proj.weight") == "MXFP4"
+        kept = file.read_quantized(f"{layer}mlp.experts.2.down_proj.weight", cols=(32, 64))
+        assert isinstance(kept, quant.Mxfp4Weight)
+        assert torch.equal(kept.dequantize(), checkpoint.read(f"{layer}mlp.experts.2.down_proj.weight")[:, 32:])
+
+
+def test_gguf_serves_as_the_checkpoint_it_was_written_from(gpt_oss_gguf):
+    folder, _, _, prompts, ref = gpt_oss_gguf
+    runner = family_runner(folder)
+    assert type(runner.model).__name__ == "GptOssForCausalLM"
+    assert "MXFP4 -> float32" in runner.model.weight_summary
+    assert_matches_reference(ref, prompts, run_family(runner, prompts))
+    if quant.tiled_forms():
+        kept = family_runner(folder, dtype=torch.bfloat16)
+        assert kept.model.weight_summary.startswith("36 MXFP4 -> mxfp4 (kept)"), kept.model.weight_summary
+
+
+def test_served_from_a_gguf_end_to_end(gpt_oss_gguf, tmp_path):
+    """``llmbus up --model-id FILE.gguf`` on the gpt-oss file: the greedy tokens of the checkpoint it was
+    written from, through the tokenizer and config the file carries; the startup log names the model and how
+    its experts are read."""
+    import transformers
+
+    _, gguf_path, held, _, _ = gpt_oss_gguf
+    model = transformers.AutoModelForCausalLM.from_pretrained(held, dtype=torch.float32).eval()
+    server, _ = assert_served_greedy(str(gguf_path), held, model, env={"LLMBUS_CACHE": str(tmp_path / "cache")})
+    assert "model_type=gpt_oss path=native" in server.stderr.text and "MXFP4 -> float32" in server.stderr.text

@@ -20,7 +20,8 @@ What differs from Llama, as transformers' GptOssForCausalLM computes it:
 
 ``GptOssReader`` shows the experts to ``WeightBuilder`` as per-expert projections under Mixtral-like names, so
 tensor parallelism splits each expert's width as it splits any MLP's, and one expert at a time is read (and
-expanded) from the checkpoint. The layers run in torch (the fused CPU decode layer computes Llama's layer):
+expanded) from the checkpoint. A reader that has those names itself (a GGUF file's: llama.cpp stores gate and
+up apart) is passed through. The layers run in torch (the fused CPU decode layer computes Llama's layer):
 what this class adds to Llama's is the reader and that.
 """
 
@@ -49,9 +50,11 @@ class GptOssReader:
     def __exit__(self, *exc) -> None:
         pass  # the wrapped reader is closed by whoever opened it
 
-    @staticmethod
-    def _split(name: str) -> tuple[str, int, str, str] | None:
-        """(the layer's experts prefix, expert, part, "weight" | "bias") of a shown expert name, else None."""
+    def _split(self, name: str) -> tuple[str, int, str, str] | None:
+        """(the layer's experts prefix, expert, part, "weight" | "bias") of a shown expert name the wrapped
+        reader does not have, else None."""
+        if self.reader.has(name):
+            return None
         head, sep, rest = name.partition("mlp.experts.")
         pieces = rest.split(".")
         if not sep or len(pieces) != 3 or not pieces[0].isdigit() or pieces[1] not in EXPERT_PARTS:
