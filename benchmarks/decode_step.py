@@ -90,6 +90,19 @@ class LlmbusDecode:
         return statistics.median(times)
 
 
+def best_medians(sides: dict[str, LlmbusDecode], batches: list[int], steps: int,
+                 repeats: int) -> dict[str, dict[int, float]]:
+    """{side: {batch: the best of ``repeats`` median step seconds}}, the sides taking turns at each batch size
+    so that the machine's drift hits them alike."""
+    best: dict[str, dict[int, float]] = {name: {} for name in sides}
+    for _ in range(repeats):
+        for batch in batches:
+            for name, side in sides.items():
+                seconds = side.time_steps(batch, steps)
+                best[name][batch] = min(best[name].get(batch, float("inf")), seconds)
+    return best
+
+
 class TransformersDecode:
     def __init__(self, model_dir: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM

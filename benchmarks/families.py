@@ -27,7 +27,7 @@ import tempfile
 
 import torch
 
-from decode_step import LlmbusDecode
+from decode_step import LlmbusDecode, best_medians
 
 from llmbus.testing.runner_driver import widen_weights
 from llmbus.workers import loader
@@ -87,13 +87,7 @@ def measure(path: str, dtype: torch.dtype, batches: list[int], context: int, ste
     if compare_fallback:
         with fallback_only():
             sides["fallback"] = LlmbusDecode(path, dtype, max(batches), context, steps)
-    best: dict[str, dict[int, float]] = {name: {} for name in sides}
-    for _ in range(repeats):
-        for batch in batches:
-            for name, side in sides.items():
-                seconds = side.time_steps(batch, steps)
-                best[name][batch] = min(best[name].get(batch, float("inf")), seconds)
-    return best
+    return best_medians(sides, batches, steps, repeats)
 
 
 def main() -> None:
