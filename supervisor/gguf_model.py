@@ -154,7 +154,8 @@ def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
     loading of another width fails on the tensors' shapes). Phi-3: the share of each head RoPE turns
     (rope.dimension_count). Gemma 3: the query scale, 1/sqrt(head_dim) except
     for the 62-layer 27B's hidden/heads (168, what its config.json says); Gemma3TextConfig's default is 256.
-    gpt-oss: the head and expert widths (key_length, expert_feed_forward_length) and the window."""
+    Gemma 2: the same query scale (its 27B has 46 layers) and the soft caps. gpt-oss: the head and expert widths
+    (key_length, expert_feed_forward_length) and the window."""
     from llmbus.workers.gguf_checkpoint import field_value
 
     width = field_value(reader, f"{arch}.expert_feed_forward_length") if arch == "qwen3moe" else None
@@ -170,6 +171,14 @@ def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
         heads = config["num_attention_heads"]
         config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == 62
                                            else config["head_dim"])
+    if arch == "gemma2":  # as llama.cpp: the 46-layer 27B scales by hidden/heads (144), the others by head_dim
+        heads = config["num_attention_heads"]
+        config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == 46
+                                           else config["head_dim"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = field_value(reader, f"{arch}.{key}")
+            if cap is not None:
+                config[key] = float(cap)
     if arch == "gpt-oss":  # GptOssConfig's defaults (head 64, experts 2880 wide, window 128) are gpt-oss-20b's
         config["head_dim"] = int(field_value(reader, f"{arch}.attention.key_length") or config["head_dim"])
         width = field_value(reader, f"{arch}.expert_feed_forward_length")
@@ -256,7 +265,8 @@ def _llama3_factors(wavelen: np.ndarray, params: dict) -> np.ndarray:
 def _causal_lm_class(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[model_type]
+            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "gpt_oss": "GptOssForCausalLM"}[model_type]
 
 
 def _eos_ids(summary: dict, config: dict, tokenizer) -> list[int]:

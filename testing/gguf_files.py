@@ -26,13 +26,15 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
           "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
           "self_attn.v_proj.bias": "attn_v.bias"}
+_GEMMA_NORMS = {"pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_attention_layernorm.weight": "post_attention_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 # The families whose llama.cpp names differ from a Llama's (gguf.MODEL_TENSORS of each architecture)
 _FAMILY_LAYER = {
     "qwen3moe": {"mlp.gate.weight": "ffn_gate_inp.weight"},
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
-    "gemma3": {"pre_feedforward_layernorm.weight": "ffn_norm.weight",
-               "post_attention_layernorm.weight": "post_attention_norm.weight",
-               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
     "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight",
                 "self_attn.o_proj.bias": "attn_output.bias", "self_attn.sinks": "attn_sinks.weight",
                 "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias"},
@@ -79,8 +81,11 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
         writer.add_expert_count(config["num_local_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config.get("moe_intermediate_size", config["intermediate_size"]))
-    if architecture in ("gemma3", "gpt-oss"):
+    if architecture in ("gemma2", "gemma3", "gpt-oss"):
         writer.add_sliding_window(config["sliding_window"])
+    if architecture == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -96,8 +101,8 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", *, architectur
     for name, tensor in weights.items():
         gguf_name = _gguf_name(name, architecture)
         tensor = tensor.astype(np.float32)
-        if architecture == "gemma3" and name.endswith("norm.weight"):
-            tensor = tensor + 1  # llama.cpp's Gemma 3 converter: its norm multiplies by the weight alone
+        if architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            tensor = tensor + 1  # llama.cpp's Gemma converters: its norm multiplies by the weight alone
         if name.endswith("q_proj.weight") and architecture == "llama":
             tensor = interleave_heads(tensor, heads)
         if name.endswith("k_proj.weight") and architecture == "llama":

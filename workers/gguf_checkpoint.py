@@ -10,7 +10,7 @@ directly (Q8_0, Q4_0, Q4_1, MXFP4: ``quant.from_gguf`` of their raw blocks, ``GG
 Families whose llama.cpp layout differs from Hugging Face's are read into the names the native models load:
 Qwen3-MoE's and gpt-oss's stacked experts (``ffn_*_exps``, one 3-D tensor per layer; gpt-oss's biases one 2-D
 tensor) as one matrix (vector) per expert, Phi-3's fused ``attn_qkv``/``ffn_up`` as ``qkv_proj``/
-``gate_up_proj``, Gemma 3's norms less the one llama.cpp adds.
+``gate_up_proj``, Gemma 2's and 3's norms less the one llama.cpp adds.
 
 llama.cpp's converter reorders the rows of each attention head's query and key projections for its RoPE
 layout (the two halves of a head interleaved) in Llama-architecture files; reading undoes it, per head, so
@@ -28,7 +28,7 @@ import torch
 from llmbus.bus.model_files import GGUFError  # defined without torch: the supervisor catches it
 from llmbus.workers import gguf_dequant, quant
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "gpt-oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
 # Types with a dequantizer here. Q8_0/Q4_0/Q4_1 and MXFP4 can also stay quantized (KEPT_TYPES).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "MXFP4")
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "MXFP4")
@@ -47,14 +47,17 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 2's and 3's four norms a layer: llama.cpp's ffn_norm is the pre-FFN one
+_GEMMA_NORMS = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_attention_norm.weight": "post_attention_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 # Where a family's llama.cpp names mean other Hugging Face tensors than a Llama's.
 _FAMILY_LAYER_NAMES = {
     "qwen3moe": {"ffn_gate_inp.weight": "mlp.gate.weight"},  # the router
     # Phi-3 keeps its fused projections: ffn_up holds gate_up_proj's gate rows then its up rows
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
-    "gemma3": {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
-               "post_attention_norm.weight": "post_attention_layernorm.weight",
-               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
     # gpt-oss: its FFN's input norm, the output projection's bias, the sinks and the biased router
     "gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight",
                 "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
@@ -66,9 +69,9 @@ _STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.wei
                     "ffn_down_exps.weight": "down_proj.weight", "ffn_gate_exps.bias": "gate_proj.bias",
                     "ffn_up_exps.bias": "up_proj.bias", "ffn_down_exps.bias": "down_proj.bias"}
 MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
-# llama.cpp's Gemma 3 converter stores every RMSNorm weight plus one (its norm multiplies by the weight, the
-# Hugging Face one by 1 + weight); reading takes the one back off.
-_NORMS_PLUS_ONE = ("gemma3",)
+# llama.cpp's Gemma 2 and 3 converters store every RMSNorm weight plus one (its norm multiplies by the weight,
+# the Hugging Face one by 1 + weight); reading takes the one back off.
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 # Tensors the native model computes itself: llama3's per-frequency RoPE factors become config.json's

@@ -1,6 +1,6 @@
 """GGUF files of the native families (written with the ``gguf`` package's writer in llama.cpp's layout:
-Qwen3's QK-norm, Qwen3-MoE's stacked experts and router, Phi-3's fused projections, Gemma 3's norms stored
-plus one) load through the same path as a Llama one: the folder made from the file has the config
+Qwen3's QK-norm, Qwen3-MoE's stacked experts and router, Phi-3's fused projections, Gemma 2's and 3's norms
+stored plus one) load through the same path as a Llama one: the folder made from the file has the config
 transformers derives from it, our reader's tensors equal transformers' reading of the file, and the native
 model's greedy tokens and logprobs equal transformers' own reading of the file, at TP=1 (and TP=2 for
 Qwen3 and Qwen3-MoE), on the mixed batch of ``llmbus.testing.families``.
@@ -33,6 +33,7 @@ FAMILIES = {
                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768, head_dim=32)),
     "phi3": ("Phi3Config", "phi3", "phi3", dict(pad_token_id=0)),  # else Phi3Config's 32000, past the vocabulary
     "gemma3": ("Gemma3TextConfig", "gemma3", "gemma3_text", dict(num_hidden_layers=6, sliding_window=8)),
+    "gemma2": ("Gemma2Config", "gemma2", "gemma2", dict(sliding_window=8)),
 }
 
 
@@ -126,6 +127,10 @@ FILE_OVER_DEFAULTS = {
     "phi3-partial-rotary": ("Phi3Config", "phi3",  # seed 0: margins too thin
                             dict(pad_token_id=0, partial_rotary_factor=0.5, seed=1)),
     # and the query scale llama.cpp takes from the head width (Gemma3TextConfig's default: 256)
+    # the soft caps the file says (transformers' reading keeps Gemma2Config's 50 and 30)
+    "gemma2-caps-and-scale": ("Gemma2Config", "gemma2", dict(
+        sliding_window=8, head_dim=32, query_pre_attn_scalar=32, attn_logit_softcapping=20.0,
+        final_logit_softcapping=15.0)),
     "gemma3-linear-rope": ("Gemma3TextConfig", "gemma3", dict(
         num_hidden_layers=6, sliding_window=8, head_dim=32, query_pre_attn_scalar=32,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
@@ -148,6 +153,9 @@ def test_gguf_serves_what_transformers_reading_drops(case, tiny_model_dir, tmp_p
         assert config["moe_intermediate_size"] == 96
     elif architecture == "phi3":
         assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
+    elif architecture == "gemma2":
+        assert (config["query_pre_attn_scalar"], config["attn_logit_softcapping"],
+                config["final_logit_softcapping"]) == (32, 20.0, 15.0)
     else:
         assert config["rope_parameters"]["full_attention"]["factor"] == 8.0
         assert "factor" not in config["rope_parameters"]["sliding_attention"]

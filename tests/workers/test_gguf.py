@@ -175,8 +175,8 @@ def test_unknown_tensor_type_is_one_clear_error(tiny_model_dir, tmp_path):
 
 
 def test_unsupported_architecture_is_one_clear_error(tiny_model_dir, tmp_path):
-    path = write_gguf(tiny_model_dir, tmp_path / "gemma2.gguf", "F32", architecture="gemma2")
-    with pytest.raises(ModelNotFound, match=r"architecture 'gemma2' is not supported \(supported: llama"):
+    path = write_gguf(tiny_model_dir, tmp_path / "starcoder2.gguf", "F32", architecture="starcoder2")
+    with pytest.raises(ModelNotFound, match=r"architecture 'starcoder2' is not supported \(supported: llama"):
         resolve_model(str(path))
 
 
