@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from llmbus.bus.grammar import JSON_OPTIONS
 from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import ApiError, ErrorKind
+from llmbus.frontend.marker_tails import held_tail
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
@@ -62,15 +63,6 @@ class HarmonyPlan:
 
     def stream(self) -> HarmonyStream:
         return HarmonyStream(self.calls)
-
-
-def _held(text: str) -> int:
-    """The length of the longest tail of ``text`` that may begin a marker."""
-    for n in range(min(len(CONSTRAIN) - 1, len(text)), 0, -1):
-        tail = text[-n:]
-        if any(marker.startswith(tail) for marker in MARKERS):
-            return n
-    return 0
 
 
 def _header_parts(header: str) -> tuple[str, str | None]:
@@ -118,7 +110,7 @@ class HarmonyStream:
             # a message ended: the next one starts with <|start|>; text before it (a model off the format) is
             # shown as content rather than lost
             at = text.find(START)
-            limit = at if at != -1 else len(text) - _held(text)
+            limit = at if at != -1 else len(text) - held_tail(text, MARKERS)
             head = re.sub(_MARKER_TEXT, "", text[:limit])
             shown = head.rstrip()  # whitespace before the next message is not shown; before more text it is
             if shown:
@@ -145,7 +137,7 @@ class HarmonyStream:
                 out.append((self._kind, text[:at]))
             self._text, self._state = text[at + len(marker):], "between"
             return True
-        keep = _held(text)
+        keep = held_tail(text, MARKERS)
         if len(text) > keep:
             out.append((self._kind, text[:len(text) - keep]))
         self._text = text[len(text) - keep:]

@@ -35,6 +35,7 @@ from llmbus.bus.grammar import JSON_OPTIONS
 from llmbus.bus.messages import Grammar
 from llmbus.frontend import harmony
 from llmbus.frontend.harmony import HarmonyPlan
+from llmbus.frontend.marker_tails import held_tail
 from llmbus.frontend.tool_formats import ToolFormat
 from llmbus.frontend.tools import ToolCallStream, is_json, new_call_id, parse_tool_output
 
@@ -111,14 +112,6 @@ class ReasoningPlan:
 # --- the output -------------------------------------------------------------------------------------
 
 
-def _held(text: str, marker: str) -> int:
-    """The length of the longest tail of ``text`` that begins ``marker`` (it may become one)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ReasoningStream:
     """Generated text in (any fragments), ``("reasoning" | "content", text)`` pieces out. The markers are
     never shown; a piece that could still begin one is held back; the whitespace between the end marker
@@ -158,7 +151,7 @@ class ReasoningStream:
                     out.append(("reasoning", text[:at]))
                 self._state, text = "after", text[at + len(self.markers.end):]
                 continue
-            keep = _held(text, self.markers.end)
+            keep = held_tail(text, (self.markers.end,))
             if len(text) > keep:
                 out.append(("reasoning", text[:len(text) - keep]))
             self._held = text[len(text) - keep:]

@@ -45,6 +45,7 @@ from llmbus.bus.messages import Grammar
 from llmbus.frontend.errors import ApiError, ErrorKind, validation_error
 from llmbus.frontend import harmony
 from llmbus.frontend.grammar import compile_error
+from llmbus.frontend.marker_tails import held_tail
 from llmbus.frontend.strict_schema import strict_schema
 from llmbus.frontend.tool_formats import HERMES, ToolFormat, detect_tool_format
 
@@ -390,7 +391,7 @@ class ToolCallStream:
         if self._state in ("text", "between"):
             marker = self._fmt.lead if self._state == "text" else self._fmt.opener
             at = text.find(marker, self._pos)
-            end = at if at != -1 else len(text) - _prefix_held(text, marker)
+            end = at if at != -1 else len(text) - held_tail(text, (marker,))
             if self._state == "text":
                 shown = end
                 while shown > self._sent and text[shown - 1].isspace():
@@ -488,14 +489,6 @@ def _loads(text: str):
 def is_json(text: str) -> bool:
     """Whether ``text`` parses as JSON (a call's arguments that do not, cut by max_tokens, are dropped)."""
     return _loads(text) is not _BAD
-
-
-def _prefix_held(text: str, marker: str) -> int:
-    """The length of the longest tail of ``text`` that begins ``marker`` (held back: it may become one)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def parse_tool_output(text: str, new_id: Callable[[], str] = new_call_id,
