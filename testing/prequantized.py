@@ -217,7 +217,7 @@ def mxfp4_weight(weight: torch.Tensor):
     k = weight.shape[1]
     blocks, scales, _ = mxfp4_pack(torch.nn.functional.pad(weight, (0, -k % MXFP4_BLOCK)))
     packed = quant.Mxfp4Weight.from_blocks(blocks, scales)
-    return quant.Mxfp4Weight(packed.codes[:, :k].contiguous(), packed.scale)
+    return quant.Mxfp4Weight(packed.values[:, :k].contiguous(), packed.scale)
 
 
 def write_mxfp4(path: str, out: str, reference_out: str) -> dict:

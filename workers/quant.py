@@ -9,7 +9,7 @@ projection is built from separately stored parts) and is sliced along input colu
 - ``Int4Weight``: ``values`` uint8 ``[N, K]`` holding 0..15, and per row and group a float32 ``scale`` and
   offset ``low``: w = values * scale + low (an affine grid, which Q4_1 is exactly and Q4_0,
   w = d * (q - 8), is with low = -8 d).
-- ``Mxfp4Weight``: ``codes`` uint8 ``[N, K]`` holding e2m1 codes (``workers/mxfp4.py``), and per row and group
+- ``Mxfp4Weight``: ``values`` uint8 ``[N, K]`` holding e2m1 codes (``workers/mxfp4.py``), and per row and group
   of 32 a float32 power of two ``scale``: w = e2m1(code) * scale. gpt-oss's experts as published, kept.
 
 Where K is not a multiple of the group the last group is shorter ([N, ceil(K / group)] scales).
@@ -153,7 +153,7 @@ class Bf16Weight:
 
 @dataclass(eq=False)
 class Mxfp4Weight:
-    codes: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15
+    values: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15 (not its value: quant_kernels.c looks it up)
     scale: torch.Tensor  # float32 [N, G]: each block's power of two
     group: int = mxfp4.BLOCK
     packs: dict = field(default_factory=dict, repr=False)
@@ -165,24 +165,24 @@ class Mxfp4Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        return tuple(self.values.shape)
 
     def dequantize(self) -> torch.Tensor:
-        return mxfp4.e2m1(self.codes) * _expand(self.scale, self.shape[1], self.group)
+        return mxfp4.e2m1(self.values) * _expand(self.scale, self.shape[1], self.group)
 
     def rows(self, selected) -> "Mxfp4Weight":
         """The weight's rows ``selected`` (a slice, or indices)."""
-        return Mxfp4Weight(self.codes[selected].contiguous(), self.scale[selected].contiguous(), self.group)
+        return Mxfp4Weight(self.values[selected].contiguous(), self.scale[selected].contiguous(), self.group)
 
     def cols(self, start: int, stop: int) -> "Mxfp4Weight":
         _check_cut(start, stop, self.shape[1], self.group)
         g0, g1 = start // self.group, -(-stop // self.group)
-        return Mxfp4Weight(self.codes[:, start:stop].contiguous(), self.scale[:, g0:g1].contiguous(), self.group)
+        return Mxfp4Weight(self.values[:, start:stop].contiguous(), self.scale[:, g0:g1].contiguous(), self.group)
 
     @staticmethod
     def cat(parts: list["Mxfp4Weight"]) -> "Mxfp4Weight":
         group = _cat_groups(parts)
-        return Mxfp4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), group)
+        return Mxfp4Weight(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), group)
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Bf16Weight | Mxfp4Weight
@@ -334,7 +334,7 @@ class _KernelPack:
             self.values = values.view(-1, TILE, self.k_padded // 2, 2).transpose(1, 2).contiguous()
             return
         nibbles = self.kind in (bindings.TILED_INT4, bindings.TILED_MXFP4)
-        tiles = _tiles(weight.codes if self.kind == bindings.TILED_MXFP4 else weight.values, self.k_padded)
+        tiles = _tiles(weight.values, self.k_padded)
         pairs = tiles.view(tiles.shape[0], self.k_padded // 2, 2, TILE)  # [T, Kp, 16] as column pairs
         # int8: [T, Kp/2, 2, 16]; int4, MXFP4: one byte per row and column pair, the even column low.
         self.values = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous() if nibbles else pairs

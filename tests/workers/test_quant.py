@@ -78,8 +78,8 @@ def test_mxfp4_kernel_equals_int8_kernel_on_the_same_numbers_bit_for_bit(dtype, 
     and every product and sum of the two kernels is then the same up to an exact power of two: the outputs
     are equal bit for bit, every code's value and sign included (the int8 form is the checked reference)."""
     w = to_mxfp4(weight(100, 160) * torch.logspace(-3, 1, 160))  # blocks of very different scales
-    assert set(w.codes.unique().tolist()) == set(range(16))
-    doubled = quant.Int8Weight((mxfp4.e2m1(w.codes) * 2).to(torch.int8), w.scale / 2, mxfp4.BLOCK)
+    assert set(w.values.unique().tolist()) == set(range(16))
+    doubled = quant.Int8Weight((mxfp4.e2m1(w.values) * 2).to(torch.int8), w.scale / 2, mxfp4.BLOCK)
     assert torch.equal(doubled.dequantize(), w.dequantize())
     bias = torch.randn(100)
     for rows in (1, 5, 9, 70):
