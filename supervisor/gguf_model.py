@@ -148,6 +148,11 @@ def _parsed_once(path: Path, reader):
         gguf.GGUFReader = opens
 
 
+# The Gemma size llama.cpp scales queries by hidden/heads (the 27Bs, by their layer count: Gemma 2's 46 layers
+# give 144, Gemma 3's 62 give 168); every other size by the head width.
+_QUERY_SCALE_BY_WIDTH_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
 def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
     """Hyperparameters transformers' reading leaves at its config class's default, as llama.cpp takes them.
     Qwen3-MoE: the expert width (Qwen3MoeConfig's 768 is right for Qwen3-30B-A3B only; transformers' own
@@ -167,14 +172,11 @@ def _read_what_transformers_drops(reader, arch: str, config: dict) -> None:
         factor = rotary / head_dim
         config["partial_rotary_factor"] = factor
         config["rope_parameters"] = {**(config.get("rope_parameters") or {}), "partial_rotary_factor": factor}
-    if arch == "gemma3":
+    if arch in _QUERY_SCALE_BY_WIDTH_LAYERS:
         heads = config["num_attention_heads"]
-        config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == 62
-                                           else config["head_dim"])
-    if arch == "gemma2":  # as llama.cpp: the 46-layer 27B scales by hidden/heads (144), the others by head_dim
-        heads = config["num_attention_heads"]
-        config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == 46
-                                           else config["head_dim"])
+        by_width = config["num_hidden_layers"] == _QUERY_SCALE_BY_WIDTH_LAYERS[arch]
+        config["query_pre_attn_scalar"] = config["hidden_size"] // heads if by_width else config["head_dim"]
+    if arch == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             cap = field_value(reader, f"{arch}.{key}")
             if cap is not None:
