@@ -41,8 +41,8 @@ class GptOssReader:
 
     def __init__(self, reader):
         self.reader = reader
-        self._cached: tuple[str, int, torch.Tensor] | None = None  # the last expert read of a stored tensor
-        self._cached_mxfp4: tuple[str, int, object] | None = None  # the same, as stored in MXFP4
+        # the last expert read of a stored tensor, expanded or as MXFP4: (form, name, expert, what was read)
+        self._cached: tuple[str, str, int, object] | None = None
 
     def __enter__(self) -> "GptOssReader":
         return self
@@ -64,9 +64,13 @@ class GptOssReader:
     def _stored_expert(self, name: str, expert: int) -> torch.Tensor:
         """Expert ``expert`` of the stored 3-D tensor ``name`` (``[hidden, 2 * width]`` or ``[width, hidden]``);
         the last one read is kept (gate and up share it, and an MXFP4 expert is expanded once)."""
-        if self._cached is None or self._cached[:2] != (name, expert):
-            self._cached = (name, expert, self.reader.read_rows(name, expert, expert + 1)[0])
-        return self._cached[2]
+        return self._last("float", name, expert, lambda: self.reader.read_rows(name, expert, expert + 1)[0])
+
+    def _last(self, form: str, name: str, expert: int, read):
+        """``read()``, or what it gave for the same expert last time (gate and up share one stored tensor)."""
+        if self._cached is None or self._cached[:3] != (form, name, expert):
+            self._cached = (form, name, expert, read())
+        return self._cached[3]
 
     def _expert(self, prefix: str, expert: int, part: str, kind: str) -> torch.Tensor:
         if part == "down_proj":
@@ -91,9 +95,7 @@ class GptOssReader:
         if kind != "weight" or read_mxfp4 is None:
             return None
         stored = prefix + ("down_proj" if part == "down_proj" else "gate_up_proj")
-        if self._cached_mxfp4 is None or self._cached_mxfp4[:2] != (stored, expert):
-            self._cached_mxfp4 = (stored, expert, read_mxfp4(stored, expert))
-        weight = self._cached_mxfp4[2]  # [outputs, inputs]: gate_up's outputs interleaved
+        weight = self._last("mxfp4", stored, expert, lambda: read_mxfp4(stored, expert))  # [outputs, inputs]
         if weight is None:
             return None
         if part != "down_proj":
