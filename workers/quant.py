@@ -20,7 +20,8 @@ Q4_0 and Q4_1 are int4 in groups of 32; every float16 of the file is exact in th
 
 ``QuantizedLinear`` computes with ``quant_kernels.c``'s tiled kernel (AVX512-BF16, or the same numbers from
 AVX2 + FMA in ``quant_kernels_avx2.c``; built on first use with the other kernels, ``workers/kernels``) for
-bfloat16 and float32 activations. Where that kernel cannot run (no compiler, no AVX2 + FMA,
+bfloat16 and float32 activations; MXFP4 with ``mxfp4_kernels.c``'s integer products, its activations quantized
+to 16 bits in blocks of 32 (one implementation for both). Where that kernel cannot run (no compiler, no AVX2 + FMA,
 ``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
 (``_weight_int8pack_mm``, per-row scales, ``_weight_int4pack_mm_for_cpu``), with bf16 scales, and for
 float32 (and MXFP4, which torch has no CPU kernel for) to a dense weight. Why: docs/design-notes.md,
@@ -153,7 +154,7 @@ class Bf16Weight:
 
 @dataclass(eq=False)
 class Mxfp4Weight:
-    values: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15 (not its value: quant_kernels.c looks it up)
+    values: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15 (not its value: mxfp4_kernels.c looks it up)
     scale: torch.Tensor  # float32 [N, G]: each block's power of two
     group: int = mxfp4.BLOCK
     packs: dict = field(default_factory=dict, repr=False)
@@ -362,11 +363,12 @@ class _KernelPack:
                 x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
                 self.values.data_ptr(), self.n, self.k_padded,
                 bias_pointer, y.data_ptr(), rows.data_ptr())
-        elif self.kind == bindings.TILED_MXFP4:
+        elif self.kind == bindings.TILED_MXFP4:  # 16-bit integer activations (mxfp4_kernels.c), split or not
+            block_scales = _scratch_of("sums", m * (self.k_padded // self.group))
             status = _library().mxfp4_matmul(
-                x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
-                self.values.data_ptr(), self.scale.data_ptr(),
-                self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(), rows.data_ptr())
+                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.scale.data_ptr(),
+                self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(), rows.data_ptr(),
+                block_scales.data_ptr())
         elif self.is_int4:
             sums = _scratch_of("sums", prepared * (self.k_padded // self.group))
             status = _library().int4_matmul(

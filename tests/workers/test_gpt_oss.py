@@ -3,9 +3,9 @@ sliding and full layers, YaRN, and routed experts with biases and gpt-oss's clam
 weights and from MXFP4 blocks as gpt-oss publishes them. Token- and logprob-exact against transformers in
 float32 at TP=1 (speculative rows too) and TP=2 (each expert's width and the sinks split over the ranks) on the
 families' mixed batch with a chunked prefill, a preemption and a prefix hit; in bfloat16 on CPU with the MXFP4
-experts kept as stored (the same tokens as their expanded values); from a GGUF file in llama.cpp's layout
-(gate and up experts apart, MXFP4 blocks in ggml's order, YaRN in the metadata); and served through ``llmbus
-up`` from an MXFP4 checkpoint and from that GGUF."""
+experts kept as stored (as close to float32 as their values expanded to bfloat16); from a GGUF file in
+llama.cpp's layout (gate and up experts apart, MXFP4 blocks in ggml's order, YaRN in the metadata); and served
+through ``llmbus up`` from an MXFP4 checkpoint and from that GGUF."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmbus.bus.messages import SamplingParams
 from llmbus.bus.prequantized import checkpoint_quantization
 from llmbus.supervisor.gguf_model import materialize
 from llmbus.testing.families import (assert_matches_reference, assert_speculation_matches_reference, family_runner,
@@ -27,6 +28,7 @@ from llmbus.workers.gguf_checkpoint import GGUFCheckpointReader
 from llmbus.workers.loader import CheckpointReader
 from llmbus.workers.models.gpt_oss import GptOssReader
 from llmbus.workers.prequantized_checkpoint import Mxfp4CheckpointReader
+from llmbus.workers.seq_input import SeqInput
 
 # Local, global, local layers (a window of 8 inside the longer prompts); four experts, two a token.
 CONFIG = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -103,22 +105,37 @@ def test_mxfp4_experts_read_quantized_as_their_expanded_values(gpt_oss):
         assert GptOssReader(base).read_quantized("model.layers.1.mlp.experts.0.gate_proj.weight") is None
 
 
+def teacher_forced(runner, prompts: list[list[int]], ref) -> torch.Tensor:
+    """``runner``'s log-probabilities of ``ref``'s greedy tokens, each prompt with its tokens in one prefill
+    (``prompt_logprobs``): ``[prompts, new tokens]``, on the same token paths whatever ``runner`` would choose."""
+    rows = []
+    for i, prompt in enumerate(prompts):
+        tokens = prompt + ref.tokens[i]
+        blocks = list(range(-(-len(tokens) // runner.block_size)))
+        step = runner.step([SeqInput(rid="forced", token_ids=tokens, num_computed=0, block_table=blocks, sample=False,
+                                     sampling=SamplingParams(), prompt_len=len(tokens), prompt_logprobs=True)])
+        runner.drop(["forced"])
+        rows.append(torch.tensor(step.prompt_logprobs[0][1][-len(ref.tokens[i]):]))
+    return torch.stack(rows)
+
+
 def test_bfloat16_keeps_the_mxfp4_experts(gpt_oss):
-    """bfloat16 on CPU: every expert computes from its MXFP4 codes and scales (quant_kernels.c's MXFP4 form, a
-    quarter of bf16's bytes), giving the tokens of the same model with those values expanded to bfloat16, and
-    log-probabilities within the two sums' different orders (per block, then scaled; or one long sum)."""
-    _, path, prompts, _, _ = gpt_oss
+    """bfloat16 on CPU: every expert computes from its MXFP4 codes and scales (mxfp4_kernels.c, against
+    activations quantized to 16 bits), and the model stays as close to float32 as the same values expanded to
+    bfloat16 do: on transformers' float32 greedy paths, the mean distance of its log-probabilities from
+    transformers' is within 1.25 times the expanded model's (plus 0.01). (Greedy tokens may part where this
+    tiny random model's top two are near-tied; int8 activations, llama.cpp's, measured 1.9 times.)"""
+    _, path, prompts, _, held_ref = gpt_oss
     if not quant.tiled_forms():
         pytest.skip("no tiled kernel on this CPU: bfloat16 computes in torch's bf16")
     kept_runner = family_runner(path, dtype=torch.bfloat16)
     assert kept_runner.model.weight_summary.startswith("36 mxfp4 -> mxfp4 (kept)"), kept_runner.model.weight_summary
-    kept = run_family(kept_runner, prompts)
     expanded_runner = family_runner(str(Path(path).parent / "held"), dtype=torch.bfloat16)
     assert "mxfp4" not in expanded_runner.model.weight_summary
-    expanded = run_family(expanded_runner, prompts)
-    for rid, (tokens, logprobs) in expanded.items():
-        assert kept[rid][0] == tokens, rid
-        torch.testing.assert_close(torch.tensor(kept[rid][1]), torch.tensor(logprobs), rtol=0, atol=5e-3)
+    truth = torch.stack([held_ref.greedy_logprobs(i) for i in range(len(prompts))])
+    kept_gap = (teacher_forced(kept_runner, prompts, held_ref) - truth).abs().mean().item()
+    expanded_gap = (teacher_forced(expanded_runner, prompts, held_ref) - truth).abs().mean().item()
+    assert 0 < kept_gap <= 1.25 * expanded_gap + 0.01, (kept_gap, expanded_gap)
 
 
 def test_tensor_parallel_2_matches_transformers(gpt_oss, tmp_path):

@@ -70,23 +70,55 @@ def test_our_kernel_takes_strided_rows_and_ragged_outputs():
     torch.testing.assert_close(linear(x), reference(x, w, None), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif(not HAS_KERNEL, reason="quant_kernels.c does not run here")
-@pytest.mark.parametrize("dtype, bf16_inputs", [(torch.float32, False), (torch.float32, True),
-                                                (torch.bfloat16, False)])
-def test_mxfp4_kernel_equals_int8_kernel_on_the_same_numbers_bit_for_bit(dtype, bf16_inputs):
-    """An MXFP4 weight and the int8 weight of twice its e2m1 values at half its scales hold the same numbers,
-    and every product and sum of the two kernels is then the same up to an exact power of two: the outputs
-    are equal bit for bit, every code's value and sign included (the int8 form is the checked reference)."""
-    w = to_mxfp4(weight(100, 160) * torch.logspace(-3, 1, 160))  # blocks of very different scales
+def int16_reference(x: torch.Tensor, w: quant.Mxfp4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What mxfp4_kernels.c computes, exactly (float64): x quantized to 16 bits per block of 32 (d = max|x| /
+    32767, q = x * (1 / d) rounded half away from zero, in float32), times the weight's exact values."""
+    blocks = x.float().reshape(x.shape[0], -1, mxfp4.BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 32767
+    scaled = (blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d))).double()
+    q = scaled.sign() * (scaled.abs() + 0.5).floor()
+    y = (q * d.double()).reshape(x.shape) @ w.dequantize().double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_kernel_multiplies_16_bit_activations(dtype):
+    """MXFP4 weights multiply activations quantized to 16 bits in blocks of 32 (mxfp4_kernels.c): up to float32
+    accumulation, the kernel gives the exact product of those int8 values with the weights' values, every code's
+    value and sign included, in blocks of very different scales, for any number of rows."""
+    w = to_mxfp4(weight(100, 160) * torch.logspace(-3, 1, 160))
     assert set(w.values.unique().tolist()) == set(range(16))
-    doubled = quant.Int8Weight((mxfp4.e2m1(w.values) * 2).to(torch.int8), w.scale / 2, mxfp4.BLOCK)
-    assert torch.equal(doubled.dequantize(), w.dequantize())
     bias = torch.randn(100)
     for rows in (1, 5, 9, 70):
-        x = torch.randn(rows, 160).to(dtype)
-        ours = quant.QuantizedLinear(w, bias, dtype, bf16_inputs=bf16_inputs)(x)
-        theirs = quant.QuantizedLinear(doubled, bias, dtype, bf16_inputs=bf16_inputs)(x)
-        assert torch.equal(ours, theirs), rows
+        x = torch.randn(rows, 160) * torch.logspace(1, -2, 160)  # a block's values far below its largest, too
+        # a block whose largest is 32767 / 8: d = 1/8, and q = 8x are halves, which round away from zero
+        x[0, 32:64] = torch.cat((torch.arange(-15.5, 15.5) / 8, torch.tensor([32767 / 8])))
+        ours = quant.QuantizedLinear(w, bias, dtype)(x.to(dtype)).double()
+        expected = int16_reference(x.to(dtype), w, bias)
+        exact = reference(x.to(dtype).float(), w, bias).double()
+        tolerance = 1e-6 if dtype == torch.float32 else 2 ** -8  # float32 sums; bf16 outputs
+        torch.testing.assert_close(ours, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+        assert (exact - expected).abs().max() > 1e-6 * expected.abs().max()  # the check tells them apart
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
+def test_mxfp4_rows_do_not_depend_on_the_rows_beside_them():
+    """A row's result is the same bits alone or among others (each row's blocks are quantized and summed by
+    themselves), and a row holding an infinity or a NaN comes out NaN without touching the rest; a zero row
+    gives the bias."""
+    w = to_mxfp4(weight(37, 96))  # 37 outputs: not whole tiles of 16
+    bias = torch.randn(37)
+    linear = quant.QuantizedLinear(w, bias, torch.float32)
+    x = torch.randn(11, 96)
+    x[3] = 0
+    x[7, 40], x[8, 2] = float("inf"), float("nan")
+    together = linear(x)
+    for row in range(11):
+        alone = linear(x[row:row + 1])
+        assert torch.equal(alone, together[row:row + 1]) or (row in (7, 8) and alone.isnan().all()), row
+    assert together[7:9].isnan().all() and not together[[0, 1, 2, 3, 4, 5, 6, 9, 10]].isnan().any()
+    assert torch.equal(together[3], bias)
 
 
 def test_quantizers_stay_within_half_a_step():

@@ -1,8 +1,8 @@
-/* Weight-only int8 / int4 / MXFP4 matmul for CPU: y[M, N] = x[M, K] @ dequantize(w)[N, K]^T (+ bias).
+/* Weight-only int8 / int4 matmul for CPU: y[M, N] = x[M, K] @ dequantize(w)[N, K]^T (+ bias).
  *
  * All forms run on AVX512-BF16's VDPBF16PS, which multiplies pairs of bf16 values into float32 lanes:
- * 4- and 8-bit integers and e2m1's values are exact in bf16 and the products of bf16 values are exact in float32, so the
- * only rounding is float32 accumulation (and the output's dtype). Vectors run along the output rows:
+ * 4- and 8-bit integers are exact in bf16 and the products of bf16 values are exact in float32, so the only
+ * rounding is float32 accumulation (and the output's dtype). Vectors run along the output rows:
  * a tile is 16 rows of the weight, and one instruction adds x[m][k..k+1] . w[16 rows][k..k+1] into 16
  * float32 lanes. Each unpacked weight vector is used for up to 8 activation rows held in registers,
  * and a tile (16 rows x K) stays in L1 while all rows of x pass over it.
@@ -14,11 +14,11 @@
  *          scale and low [N/16][G][16] float32: w = q * scale + low.
  *   mxfp4: values as int4's, each nibble an e2m1 code (bit 3 the sign, bits 0..2 the magnitude's index in
  *          0, 0.5, 1, 1.5, 2, 3, 4, 6); scale [N/16][G][16] float32 (MXFP4's power of two): w = e2m1 * scale.
+ *          mxfp4_kernels.c computes it, against int8 activations.
  *   bf16:  values [N/16][K/2][16][2]: each row's pair of columns as VDPBF16PS reads it; one group, no scale.
  * int8 values become bf16 through float32 (exact); int4 values q become the bf16 number 128 + q by
  * OR-ing the bf16 bits of 128 (0x4300) into the nibble, two integer ops for 32 weights, and the group's
- * sum of x times 128 is taken off afterwards. MXFP4 codes become their bf16 values by a table lookup (one
- * permute of 32 words), and the group's sum is scaled as int8's is.
+ * sum of x times 128 is taken off afterwards.
  *
  * Activations: bf16 rows are used as they are. A float32 row x is split into two bf16 rows, hi = bf16(x)
  * and lo = bf16(x - hi), and its result is the sum of theirs: x is then carried to about 2^-17 of
@@ -100,18 +100,6 @@ static inline __m512i unpack_int4(const uint8_t *pair) {
     return _mm512_ternarylogic_epi32(spread, _mm512_set1_epi32(0x000F000F), _mm512_set1_epi32(0x43004300), 0xEA);
 }
 
-/* e2m1's 16 values by code as bf16 bits (twice: VPERMW reads 5 bits of each index, the nibble's 4 and a 0). */
-#define E2M1_BF16 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, \
-                  0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0
-
-static inline __m512i unpack_mxfp4(const uint8_t *pair) {
-    static const uint16_t table[32] __attribute__((aligned(64))) = {E2M1_BF16, E2M1_BF16};
-    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)pair));
-    __m512i codes = _mm512_and_si512(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)),
-                                     _mm512_set1_epi32(0x000F000F)); /* low nibble in bits 0..3, high in 16..19 */
-    return _mm512_permutexvar_epi16(codes, _mm512_load_si512((const void *)table));
-}
-
 /* One tile (16 output rows) for `count` consecutive prepared rows starting at `first`. Each lane's sum runs
  * over the pairs of inputs in order, one group after another, whatever `count` and `first` are: a row's
  * result does not depend on the rows beside it. */
@@ -132,14 +120,13 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         return;
     }
-    const int is_int4 = kind == TILED_INT4, is_mxfp4 = kind == TILED_MXFP4;
+    const int is_int4 = kind == TILED_INT4;
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc[ROW_BLOCK];
         for (int i = 0; i < count; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; p++) {
-            __m512i w = is_int4    ? unpack_int4((const uint8_t *)tile_values + p * TILE)
-                        : is_mxfp4 ? unpack_mxfp4((const uint8_t *)tile_values + p * TILE)
-                                   : unpack_int8((const int8_t *)tile_values + p * 2 * TILE);
+            __m512i w = is_int4 ? unpack_int4((const uint8_t *)tile_values + p * TILE)
+                                : unpack_int8((const int8_t *)tile_values + p * 2 * TILE);
             for (int i = 0; i < count; i++) {
                 __m512i xx = _mm512_set1_epi32((int)x_pairs[(first + i) * (k_padded / 2) + p]);
                 acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)xx, (__m512bh)w);
@@ -252,13 +239,6 @@ int int4_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, in
                 int64_t group, const float *bias, void *y, uint16_t *rows, float *sums) {
     Tiled w = {values, scale, low, TILED_INT4, k_padded, group, split};
     return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, sums);
-}
-
-int mxfp4_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
-                 const uint8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
-                 const float *bias, void *y, uint16_t *rows) {
-    Tiled w = {values, scale, NULL, TILED_MXFP4, k_padded, group, split};
-    return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, NULL);
 }
 
 int bf16_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,

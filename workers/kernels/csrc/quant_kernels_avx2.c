@@ -1,4 +1,4 @@
-/* The tiled int8 / int4 / MXFP4 / bf16 forms on AVX2 + FMA, for CPUs without AVX512-BF16 (Zen 3, Haswell to
+/* The tiled int8 / int4 / bf16 forms on AVX2 + FMA, for CPUs without AVX512-BF16 (Zen 3, Haswell to
  * Alder Lake, and AVX-512 CPUs without BF16): quant_kernels.c's layouts (its header) read as they are, so
  * quant.py packs one form for both, and the same numbers as its VDPBF16PS kernel.
  *
@@ -12,9 +12,7 @@
  *
  * A bf16 value is the top half of a float32, so weights and inputs widen to float32 with a shift (the pair's
  * even column, its low half) or a mask (the odd column); int8 widens through a float conversion; int4 q
- * becomes 128 + q by OR-ing the nibble under the bits of 128.0f, as the AVX-512 kernel does in bf16; an MXFP4
- * code becomes twice its value as an int8 (one PSHUFB for 32 codes), sign-extended by shifts within 32-bit
- * lanes (widen_mxfp4: a tile's even and odd rows apart).
+ * becomes 128 + q by OR-ing the nibble under the bits of 128.0f, as the AVX-512 kernel does in bf16.
  * Registers: a 16-row tile is two ymm vectors, so ROW_BLOCK 4 rows' accumulators (8), one widened pair (4)
  * and a row's two broadcast inputs fit AVX2's 16; the int8 / int4 totals, touched once a group, spill to L1.
  */
@@ -69,40 +67,6 @@ static inline Pair widen_int4(const uint8_t *pair) {
     return w;
 }
 
-/* Twice each code's e2m1 value, as the int8 -12..12 (a byte lookup), widened as int8 is: tile_rows halves the
- * block's scale to match, and every product and sum is then the AVX-512 kernel's times two, exactly.
- * The 16 bytes (a row's two codes each) spread to 16-bit words, one lane-crossing shuffle; the word's two
- * nibbles become its two bytes; one PSHUFB looks all 32 codes up. A 32-bit lane then holds two rows' values,
- * [even, odd] of row 2j and of row 2j+1, which shifts sign-extend without shuffles: so the Pair's vectors
- * hold the even rows ([0]: 0, 2, .., 14) and the odd ones ([1]), and tile_rows takes the scales and gives
- * the sums in that order (rows_by_parity, rows_in_order). Two shuffles where widening bytes took eight. */
-static inline Pair widen_mxfp4(const uint8_t *pair) {
-    const __m256i doubled = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pair));
-    __m256i codes = _mm256_and_si256(_mm256_or_si256(words, _mm256_slli_epi16(words, 4)), _mm256_set1_epi16(0x0F0F));
-    __m256i v = _mm256_shuffle_epi8(doubled, codes);
-    Pair w = {{_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)),
-               _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24))},
-              {_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24)),
-               _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24))}};
-    return w;
-}
-
-/* A tile's 16 float32 values (a row each) as the even rows and the odd rows, widen_mxfp4's order. */
-static inline void rows_by_parity(const float *tile, __m256 out[2]) {
-    __m256 first = _mm256_loadu_ps(tile), second = _mm256_loadu_ps(tile + 8);
-    __m256 low = _mm256_permute2f128_ps(first, second, 0x20), high = _mm256_permute2f128_ps(first, second, 0x31);
-    out[0] = _mm256_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0));
-    out[1] = _mm256_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1));
-}
-
-/* rows_by_parity undone: rows 0..7 and 8..15. */
-static inline void rows_in_order(__m256 v[2]) {
-    __m256 low = _mm256_unpacklo_ps(v[0], v[1]), high = _mm256_unpackhi_ps(v[0], v[1]);
-    v[0] = _mm256_permute2f128_ps(low, high, 0x20), v[1] = _mm256_permute2f128_ps(low, high, 0x31);
-}
-
 /* acc (+)= x . w for one pair: the odd column's product first, as VDPBF16PS adds them. */
 static inline void pair_fma(const Pair *w, uint32_t x_pair, __m256 acc[2]) {
     __m256i x = _mm256_set1_epi32((int)x_pair);
@@ -127,21 +91,17 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         return;
     }
-    const int is_int4 = kind == TILED_INT4, is_mxfp4 = kind == TILED_MXFP4;
+    const int is_int4 = kind == TILED_INT4;
     for (int64_t g = 0; g < groups; g++) {
         __m256 acc[ROW_BLOCK][2];
         for (int i = 0; i < count; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; p++) {
-            const Pair w = is_int4    ? widen_int4((const uint8_t *)at.values + p * TILE)
-                           : is_mxfp4 ? widen_mxfp4((const uint8_t *)at.values + p * TILE)
-                                      : widen_int8((const int8_t *)at.values + p * 2 * TILE);
+            const Pair w = is_int4 ? widen_int4((const uint8_t *)at.values + p * TILE)
+                                   : widen_int8((const int8_t *)at.values + p * 2 * TILE);
             for (int i = 0; i < count; i++) pair_fma(&w, x[i * stride + p], acc[i]);
         }
-        __m256 scales[2];
-        if (is_mxfp4) rows_by_parity(at.scale + g * TILE, scales);
         for (int h = 0; h < 2; h++) {
-            __m256 scale = is_mxfp4 ? _mm256_mul_ps(scales[h], _mm256_set1_ps(0.5f)) /* widen_mxfp4's doubling */
-                                    : _mm256_loadu_ps(at.scale + g * TILE + h * 8);
+            const __m256 scale = _mm256_loadu_ps(at.scale + g * TILE + h * 8);
             if (is_int4) {
                 const __m256 low = _mm256_loadu_ps(at.low + g * TILE + h * 8);
                 for (int i = 0; i < count; i++) {
@@ -155,8 +115,6 @@ static inline __attribute__((always_inline)) void tile_rows(
             }
         }
     }
-    if (is_mxfp4)
-        for (int i = 0; i < count; i++) rows_in_order(total[i]);
 }
 
 /* Row `row` of y, columns column..column+15 (fewer at the edge): v (+ bias), added to y's values with

@@ -1,0 +1,174 @@
+/* MXFP4 weights against 16-bit activations: y[M, N] = x[M, K] @ dequantize(w)[N, K]^T (+ bias), for gpt-oss's
+ * experts kept as published (quant.Mxfp4Weight).
+ *
+ * Why integers: on AVX2 the float forms (quant_kernels_avx2.c's FMAs over widened bf16 pairs) spend about 24
+ * vector instructions on a pair of columns of a tile, and a one-row product was bound by them, at twice the
+ * time its bytes take to read. Here a pair costs about 12, and each further row 5: a 256-bit PSHUFB turns 32
+ * codes into twice their values, shifts sign-extend them to 16 bits, and VPMADDWD multiplies them with the
+ * activations' 16-bit integers and adds each row's two products, all exact.
+ * The activations are quantized in blocks of 32 (MXFP4's, so a block's integer sum meets one weight scale):
+ * d = max|x| / 32767, q = round(x / d). That and float32 accumulation are the only roundings: each block's
+ * integer sum is exact, then scaled and added to its row's float32 total block after block. A value is then
+ * carried to within 2^-16 of its block's largest, where rounding it to bfloat16 (what the tiled float forms
+ * multiply in the bfloat16 plan) carries it to 2^-9 of itself. (llama.cpp quantizes to 8 bits, Q8_0: a fifth
+ * less time a one-row product here, at 2^-8 of the block's largest.)
+ *
+ * One implementation for every CPU with a tiled kernel (AVX2 + FMA; AVX-512 CPUs run it too), so every such
+ * CPU gives the same numbers bit for bit, and a row's result does not depend on the rows beside it.
+ *
+ * Layout: quant_kernels.c's header (values [N/16][K/2][16] bytes, a row's codes of a pair of columns in one
+ * byte, the even column low; scale [N/16][K/32][16] float32 powers of two). The lookup gives 2e (e the e2m1
+ * value), so a block's scale is halved to match. The pair's even and odd values of a row, interleaved as
+ * 16-bit pairs, put rows 0..3 and 8..11 in one vector and 4..7 and 12..15 in the other: the order the block
+ * scales are taken in and the totals put back from (rows_apart, rows_in_order). */
+#include "internal.h"
+
+#include <math.h>
+#include <stdint.h>
+
+#if TILED_KERNEL
+
+enum { TILE = QUANT_TILE, BLOCK = 32, PAIRS = BLOCK / 2, ROW_BLOCK = 4, LARGEST = 32767 };
+
+/* One row of x (float32, or bf16) as 16-bit blocks: each pair of columns' two values in a 32-bit word (the
+ * even column low, VPMADDWD's order), and each block's d. A block holding a NaN or an infinity gets d = NaN,
+ * so the rows it reaches come out NaN, as a float product's would. */
+static void quantize_row(const void *x_row, int x_is_f32, int64_t k, int64_t k_padded, uint32_t *pairs, float *d) {
+    for (int64_t b = 0; b < k_padded / BLOCK; b++) {
+        float values[BLOCK], largest = 0.0f;
+        int finite = 1;
+        for (int j = 0; j < BLOCK; j++) {
+            const int64_t column = b * BLOCK + j;
+            values[j] = column >= k ? 0.0f
+                        : x_is_f32  ? ((const float *)x_row)[column]
+                                    : bf16_to_f32(((const uint16_t *)x_row)[column]);
+            finite &= isfinite(values[j]) != 0;
+            largest = fmaxf(largest, fabsf(values[j]));
+        }
+        const float scale = largest / (float)LARGEST, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        for (int j = 0; j < PAIRS; j++) {
+            const int16_t even = finite ? (int16_t)roundf(values[2 * j] * inverse) : 0;
+            const int16_t odd = finite ? (int16_t)roundf(values[2 * j + 1] * inverse) : 0;
+            pairs[b * PAIRS + j] = (uint32_t)(uint16_t)even | (uint32_t)(uint16_t)odd << 16;
+        }
+        d[b] = finite ? scale : NAN;
+    }
+}
+
+/* A pair of columns of a tile's 16 rows as 16-bit integers, twice their e2m1 values: [0] the even column's
+ * and the odd column's of rows 0..3 and 8..11 interleaved, [1] of rows 4..7 and 12..15. One lane-crossing
+ * shuffle spreads the bytes to words, one PSHUFB looks all 32 codes up, shifts sign-extend them. */
+static inline void doubled_values(const uint8_t *pair, __m256i out[2]) {
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pair));
+    /* the low nibble stays in the low byte, the high one moves to the high byte */
+    __m256i codes = _mm256_and_si256(_mm256_or_si256(words, _mm256_slli_epi16(words, 4)), _mm256_set1_epi16(0x0F0F));
+    __m256i values = _mm256_shuffle_epi8(table, codes);
+    __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(values, 8), 8), odd = _mm256_srai_epi16(values, 8);
+    out[0] = _mm256_unpacklo_epi16(even, odd), out[1] = _mm256_unpackhi_epi16(even, odd);
+}
+
+/* A tile's 16 float32 values (a row each) as the sums hold them: rows 0..3 and 8..11, rows 4..7 and 12..15. */
+static inline void rows_apart(const float *tile, __m256 out[2]) {
+    __m256 first = _mm256_loadu_ps(tile), second = _mm256_loadu_ps(tile + 8);
+    out[0] = _mm256_permute2f128_ps(first, second, 0x20), out[1] = _mm256_permute2f128_ps(first, second, 0x31);
+}
+
+/* rows_apart undone: rows 0..7 and 8..15. */
+static inline void rows_in_order(__m256 v[2]) {
+    __m256 low = _mm256_permute2f128_ps(v[0], v[1], 0x20), high = _mm256_permute2f128_ps(v[0], v[1], 0x31);
+    v[0] = low, v[1] = high;
+}
+
+/* One tile against `count` consecutive quantized rows from `first`: each row's total, block after block. */
+static inline __attribute__((always_inline)) void block_rows(const uint8_t *values, const float *scale,
+                                                            const uint32_t *pairs, const float *d, int64_t first,
+                                                            const int count, int64_t k_padded, __m256 total[][2]) {
+    const int64_t blocks = k_padded / BLOCK, stride = k_padded / 2;
+    const uint32_t *x = pairs + first * stride;
+    for (int i = 0; i < count; i++) total[i][0] = total[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i sum[ROW_BLOCK][2];
+        for (int i = 0; i < count; i++) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+        for (int64_t p = b * PAIRS; p < (b + 1) * PAIRS; p++) {
+            __m256i w[2];
+            doubled_values(values + p * TILE, w);
+            for (int i = 0; i < count; i++) {
+                const __m256i xx = _mm256_set1_epi32((int)x[i * stride + p]);
+                for (int h = 0; h < 2; h++) sum[i][h] = _mm256_add_epi32(sum[i][h], _mm256_madd_epi16(w[h], xx));
+            }
+        }
+        __m256 block_scale[2];
+        rows_apart(scale + b * TILE, block_scale);
+        for (int i = 0; i < count; i++) {
+            const __m256 half_d = _mm256_set1_ps(0.5f * d[(first + i) * blocks + b]); /* the values are doubled */
+            for (int h = 0; h < 2; h++)
+                total[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][h]), _mm256_mul_ps(block_scale[h], half_d),
+                                              total[i][h]);
+        }
+    }
+    for (int i = 0; i < count; i++) rows_in_order(total[i]);
+}
+
+/* Row `row` of y, columns column..column+15 (fewer at the edge): v (+ bias), as float32 or bf16. */
+static void store_row(void *y, int y_is_f32, int64_t n, int64_t row, int64_t column, const __m256 v[2],
+                      const float *bias) {
+    float lanes[TILE];
+    _mm256_storeu_ps(lanes, v[0]), _mm256_storeu_ps(lanes + 8, v[1]);
+    const int64_t width = n - column < TILE ? n - column : TILE;
+    for (int64_t j = 0; j < width; j++) {
+        const float out = bias != NULL ? lanes[j] + bias[column + j] : lanes[j];
+        if (y_is_f32)
+            ((float *)y)[row * n + column + j] = out;
+        else
+            ((uint16_t *)y)[row * n + column + j] = f32_to_bf16(out);
+    }
+}
+
+static void block_tile(const uint8_t *values, const float *scale, int64_t t, const uint32_t *pairs,
+                       const float *d, int64_t m, int64_t n, int64_t k_padded, const float *bias, void *y,
+                       int y_is_f32) {
+    const int64_t blocks = k_padded / BLOCK;
+    values += t * (k_padded / 2) * TILE, scale += t * blocks * TILE;
+    for (int64_t first = 0; first < m; first += ROW_BLOCK) {
+        __m256 total[ROW_BLOCK][2];
+        const int64_t count = m - first < ROW_BLOCK ? m - first : ROW_BLOCK;
+        switch (count) { /* constant counts keep the sums in registers */
+#define ROWS_CASE(c) case c: block_rows(values, scale, pairs, d, first, c, k_padded, total); break;
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+#undef ROWS_CASE
+        }
+        for (int64_t i = 0; i < count; i++) store_row(y, y_is_f32, n, first + i, t * TILE, total[i], bias);
+    }
+}
+
+/* x: m rows of k (bf16, or float32 where x_is_f32; x_stride apart); y: m x n of x's dtype; group: 32;
+ * pairs: scratch of m * k_padded / 2 words; d: of m * k_padded / 32 floats. */
+int mxfp4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint8_t *values,
+                 const float *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
+                 uint32_t *pairs, float *d) {
+    if (group != BLOCK || k_padded % BLOCK || k > k_padded) return -2;
+    const int64_t blocks = k_padded / BLOCK, tiles = (n + TILE - 1) / TILE, size = x_is_f32 ? 4 : 2;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            quantize_row((const char *)x + i * x_stride * size, x_is_f32, k, k_padded, pairs + i * (k_padded / 2),
+                         d + i * blocks);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            block_tile(values, scale, t, pairs, d, m, n, k_padded, bias, y, x_is_f32);
+    }
+    return 0;
+}
+
+#else
+
+int mxfp4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint8_t *values,
+                 const float *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
+                 uint32_t *pairs, float *d) {
+    return -1;
+}
+
+#endif
