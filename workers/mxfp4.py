@@ -30,6 +30,15 @@ def scale_values(scales: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(scales.shape, device=scales.device), scales.to(torch.int32) - 127)
 
 
+def scale_bytes(values: torch.Tensor) -> torch.Tensor:
+    """``scale_values`` undone: float32 powers of two (2^-127 .. 2^128) -> their e8m0 bytes. Raises ValueError
+    for a value that is not one."""
+    stored = ((values.float().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    if not torch.equal(scale_values(stored), values.float()):
+        raise ValueError("MXFP4 scales must be powers of two from 2^-127 to 2^128")
+    return stored
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> float32 ``[..., G * 32]``."""
     if blocks.shape[:-1] != scales.shape:

@@ -339,7 +339,8 @@ class _KernelPack:
         pairs = tiles.view(tiles.shape[0], self.k_padded // 2, 2, TILE)  # [T, Kp, 16] as column pairs
         # int8: [T, Kp/2, 2, 16]; int4, MXFP4: one byte per row and column pair, the even column low.
         self.values = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous() if nibbles else pairs
-        self.scale = _tiles(weight.scale)
+        # MXFP4's powers of two as their e8m0 bytes, as published: a quarter of float32's bytes
+        self.scale = _tiles(mxfp4.scale_bytes(weight.scale) if self.kind == bindings.TILED_MXFP4 else weight.scale)
         self.low = _tiles(weight.low) if self.is_int4 else None
 
     def tiled(self, split: bool = True) -> bindings.Tiled:

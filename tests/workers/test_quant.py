@@ -89,6 +89,7 @@ def test_mxfp4_kernel_multiplies_16_bit_activations(dtype):
     value and sign included, in blocks of very different scales, for any number of rows."""
     w = to_mxfp4(weight(100, 160) * torch.logspace(-3, 1, 160))
     assert set(w.values.unique().tolist()) == set(range(16))
+    w.scale[0, :2], w.scale[1, 2] = 2.0 ** -127, 2.0 ** 100  # e8m0's subnormal end, and far from 1
     bias = torch.randn(100)
     for rows in (1, 5, 9, 70):
         x = torch.randn(rows, 160) * torch.logspace(1, -2, 160)  # a block's values far below its largest, too
@@ -100,6 +101,22 @@ def test_mxfp4_kernel_multiplies_16_bit_activations(dtype):
         tolerance = 1e-6 if dtype == torch.float32 else 2 ** -8  # float32 sums; bf16 outputs
         torch.testing.assert_close(ours, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
         assert (exact - expected).abs().max() > 1e-6 * expected.abs().max()  # the check tells them apart
+
+
+def test_mxfp4_scales_pack_as_their_e8m0_bytes():
+    """The kernel keeps MXFP4's scales as the bytes gpt-oss publishes (a quarter of float32's memory): every
+    e8m0 value goes there and back exactly, and a scale that is no power of two is refused."""
+    every = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(mxfp4.scale_bytes(mxfp4.scale_values(every)), every)
+    with pytest.raises(ValueError, match="powers of two"):
+        mxfp4.scale_bytes(torch.tensor([0.75]))
+    if HAS_KERNEL:
+        pack = quant.QuantizedLinear(to_mxfp4(weight(20, 64)), None, torch.bfloat16)._pack
+        assert pack.scale.dtype == torch.uint8 and pack.scale.shape == (2, 2, 16)
+        # byte 0 is 2^-127 (a float32 subnormal), not 0: 32 weights of 6 * 2^-127 against 2^120 give 1.5
+        smallest = quant.Mxfp4Weight(torch.full((1, 32), 7, dtype=torch.uint8), torch.tensor([[2.0 ** -127]]))
+        out = quant.QuantizedLinear(smallest, None, torch.float32)(torch.full((1, 32), 2.0 ** 120))
+        assert out.item() == 1.5
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")

@@ -172,7 +172,7 @@ LLMBUS_API int int4_matmul(const void *x, int x_is_f32, int split, int64_t m, in
 /* mxfp4_kernels.c: MXFP4 weights (the tiled int4 layout of e2m1 codes) against activations quantized to 16
  * bits in blocks of 32, where this build has a tiled kernel (-1 where not). */
 LLMBUS_API int mxfp4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
-                            const uint8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
+                            const uint8_t *values, const uint8_t *scale, int64_t n, int64_t k_padded, int64_t group,
                             const float *bias, void *y, uint32_t *pairs, float *d);
 
 /* sampling.c: the greedy choice and the inverse-CDF draw over float32 logits rows. */

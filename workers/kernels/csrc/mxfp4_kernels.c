@@ -16,11 +16,12 @@
  * One implementation for every CPU with a tiled kernel (AVX2 + FMA; AVX-512 CPUs run it too), so every such
  * CPU gives the same numbers bit for bit, and a row's result does not depend on the rows beside it.
  *
- * Layout: quant_kernels.c's header (values [N/16][K/2][16] bytes, a row's codes of a pair of columns in one
- * byte, the even column low; scale [N/16][K/32][16] float32 powers of two). The lookup gives 2e (e the e2m1
- * value), so a block's scale is halved to match. The pair's even and odd values of a row, interleaved as
+ * Layout: quant_kernels.c's header for the values ([N/16][K/2][16] bytes, a row's codes of a pair of columns in
+ * one byte, the even column low); the scales as published, e8m0 bytes [N/16][K/32][16] (2^(byte - 127); byte 0
+ * is 2^-127, a float32 subnormal). The lookup gives 2e (e the e2m1 value), so a block's scale is halved to
+ * match. The pair's even and odd values of a row, interleaved as
  * 16-bit pairs, put rows 0..3 and 8..11 in one vector and 4..7 and 12..15 in the other: the order the block
- * scales are taken in and the totals put back from (rows_apart, rows_in_order). */
+ * scales are taken in and the totals put back from (scales_apart, rows_in_order). */
 #include "internal.h"
 
 #include <math.h>
@@ -69,20 +70,25 @@ static inline void doubled_values(const uint8_t *pair, __m256i out[2]) {
     out[0] = _mm256_unpacklo_epi16(even, odd), out[1] = _mm256_unpackhi_epi16(even, odd);
 }
 
-/* A tile's 16 float32 values (a row each) as the sums hold them: rows 0..3 and 8..11, rows 4..7 and 12..15. */
-static inline void rows_apart(const float *tile, __m256 out[2]) {
-    __m256 first = _mm256_loadu_ps(tile), second = _mm256_loadu_ps(tile + 8);
+/* A tile's 16 e8m0 scales (a row each) as float32, in the order the sums hold the rows: 0..3 and 8..11, 4..7 and
+ * 12..15. A byte shifted into a float's exponent is its power of two, but for byte 0's subnormal 2^-127. */
+static inline void scales_apart(const uint8_t *tile, __m256 out[2]) {
+    const __m256i smallest = _mm256_set1_epi32(0x00400000); /* 2^-127 */
+    __m256 first = _mm256_castsi256_ps(_mm256_max_epi32(
+        _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)tile)), 23), smallest));
+    __m256 second = _mm256_castsi256_ps(_mm256_max_epi32(
+        _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 8))), 23), smallest));
     out[0] = _mm256_permute2f128_ps(first, second, 0x20), out[1] = _mm256_permute2f128_ps(first, second, 0x31);
 }
 
-/* rows_apart undone: rows 0..7 and 8..15. */
+/* scales_apart's order undone: rows 0..7 and 8..15. */
 static inline void rows_in_order(__m256 v[2]) {
     __m256 low = _mm256_permute2f128_ps(v[0], v[1], 0x20), high = _mm256_permute2f128_ps(v[0], v[1], 0x31);
     v[0] = low, v[1] = high;
 }
 
 /* One tile against `count` consecutive quantized rows from `first`: each row's total, block after block. */
-static inline __attribute__((always_inline)) void block_rows(const uint8_t *values, const float *scale,
+static inline __attribute__((always_inline)) void block_rows(const uint8_t *values, const uint8_t *scale,
                                                             const uint32_t *pairs, const float *d, int64_t first,
                                                             const int count, int64_t k_padded, __m256 total[][2]) {
     const int64_t blocks = k_padded / BLOCK, stride = k_padded / 2;
@@ -100,7 +106,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *valu
             }
         }
         __m256 block_scale[2];
-        rows_apart(scale + b * TILE, block_scale);
+        scales_apart(scale + b * TILE, block_scale);
         for (int i = 0; i < count; i++) {
             const __m256 half_d = _mm256_set1_ps(0.5f * d[(first + i) * blocks + b]); /* the values are doubled */
             for (int h = 0; h < 2; h++)
@@ -126,7 +132,7 @@ static void store_row(void *y, int y_is_f32, int64_t n, int64_t row, int64_t col
     }
 }
 
-static void block_tile(const uint8_t *values, const float *scale, int64_t t, const uint32_t *pairs,
+static void block_tile(const uint8_t *values, const uint8_t *scale, int64_t t, const uint32_t *pairs,
                        const float *d, int64_t m, int64_t n, int64_t k_padded, const float *bias, void *y,
                        int y_is_f32) {
     const int64_t blocks = k_padded / BLOCK;
@@ -146,7 +152,7 @@ static void block_tile(const uint8_t *values, const float *scale, int64_t t, con
 /* x: m rows of k (bf16, or float32 where x_is_f32; x_stride apart); y: m x n of x's dtype; group: 32;
  * pairs: scratch of m * k_padded / 2 words; d: of m * k_padded / 32 floats. */
 int mxfp4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint8_t *values,
-                 const float *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
+                 const uint8_t *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
                  uint32_t *pairs, float *d) {
     if (group != BLOCK || k_padded % BLOCK || k > k_padded) return -2;
     const int64_t blocks = k_padded / BLOCK, tiles = (n + TILE - 1) / TILE, size = x_is_f32 ? 4 : 2;
@@ -166,7 +172,7 @@ int mxfp4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_st
 #else
 
 int mxfp4_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, const uint8_t *values,
-                 const float *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
+                 const uint8_t *scale, int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y,
                  uint32_t *pairs, float *d) {
     return -1;
 }

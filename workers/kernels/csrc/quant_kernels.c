@@ -13,8 +13,8 @@
  *   int4:  values [N/16][K/2][16] bytes, low nibble column 2p and high nibble column 2p+1, each 0..15;
  *          scale and low [N/16][G][16] float32: w = q * scale + low.
  *   mxfp4: values as int4's, each nibble an e2m1 code (bit 3 the sign, bits 0..2 the magnitude's index in
- *          0, 0.5, 1, 1.5, 2, 3, 4, 6); scale [N/16][G][16] float32 (MXFP4's power of two): w = e2m1 * scale.
- *          mxfp4_kernels.c computes it, against int8 activations.
+ *          0, 0.5, 1, 1.5, 2, 3, 4, 6); scale [N/16][G][16] e8m0 bytes (MXFP4's power of two): w = e2m1 *
+ *          2^(scale - 127). mxfp4_kernels.c computes it, against activations quantized to 16 bits.
  *   bf16:  values [N/16][K/2][16][2]: each row's pair of columns as VDPBF16PS reads it; one group, no scale.
  * int8 values become bf16 through float32 (exact); int4 values q become the bf16 number 128 + q by
  * OR-ing the bf16 bits of 128 (0x4300) into the nibble, two integer ops for 32 weights, and the group's
