@@ -10,8 +10,8 @@
  * d = max|x| / 32767, q = round(x / d). That and float32 accumulation are the only roundings: each block's
  * integer sum is exact, then scaled and added to its row's float32 total block after block. A value is then
  * carried to within 2^-16 of its block's largest, where rounding it to bfloat16 (what the tiled float forms
- * multiply in the bfloat16 plan) carries it to 2^-9 of itself. (llama.cpp quantizes to 8 bits, Q8_0: a fifth
- * less time a one-row product here, at 2^-8 of the block's largest.)
+ * multiply in the bfloat16 plan) carries it to 2^-9 of itself. (llama.cpp quantizes to 8 bits, Q8_0: 8% less
+ * time a one-row product here, at 2^-8 of the block's largest; docs/design-notes.md has the measurements.)
  *
  * One implementation for every CPU with a tiled kernel (AVX2 + FMA; AVX-512 CPUs run it too), so every such
  * CPU gives the same numbers bit for bit, and a row's result does not depend on the rows beside it.
