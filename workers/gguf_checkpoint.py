@@ -5,7 +5,7 @@ The same interface as ``loader.CheckpointReader`` (``names``, ``has``, ``shape``
 metadata): a rank touches only the rows or the column blocks it asks for. Quantized tensors come back
 dequantized to float32 (``gguf_dequant.py``: gguf's numpy arithmetic, in torch), or, through
 ``read_quantized``, with their own values in llmbus's quantized forms for the types llmbus computes with
-directly (Q8_0, Q4_0, Q4_1, MXFP4: ``quant.from_gguf`` of their raw blocks, ``GGUFRaw``).
+directly (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, MXFP4: ``quant.from_gguf`` of their raw blocks, ``GGUFRaw``).
 
 Families whose llama.cpp layout differs from Hugging Face's are read into the names the native models load:
 Qwen3-MoE's and gpt-oss's stacked experts (``ffn_*_exps``, one 3-D tensor per layer; gpt-oss's biases one 2-D
@@ -29,9 +29,9 @@ from llmbus.bus.model_files import GGUFError  # defined without torch: the super
 from llmbus.workers import gguf_dequant, quant
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
-# Types with a dequantizer here. Q8_0/Q4_0/Q4_1 and MXFP4 can also stay quantized (KEPT_TYPES).
+# Types with a dequantizer here. Q8_0/Q4_0/Q4_1, Q4_K/Q6_K and MXFP4 can also stay quantized (KEPT_TYPES).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "MXFP4")
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "MXFP4")
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "MXFP4")
 # Architectures whose files carry llama.cpp's interleaved query/key rows (its Qwen2 and Qwen3 writers leave them).
 PERMUTED_QK = ("llama", "mistral")
 
@@ -298,7 +298,8 @@ class GGUFCheckpointReader:
     def read_quantized(self, name: str, rows: tuple[int, int] | None = None,
                        cols: tuple[int, int] | None = None) -> quant.QuantizedWeight | None:
         """``name`` (rows and/or columns sliced) as its own values in llmbus's quantized form when it is stored
-        as a KEPT_TYPES type, else None. Column bounds must fall on block boundaries (32 weights)."""
+        as a KEPT_TYPES type, else None; None too for columns that do not fall on the type's blocks (a K-quant's
+        256 weights), which the caller expands."""
         qtype = self.qtype(name)
         if qtype not in KEPT_TYPES:
             return None
@@ -309,8 +310,7 @@ class GGUFCheckpointReader:
         if (col_start, col_stop) != (0, num_cols):
             block = self._block_size(name)
             if col_start % block or col_stop % block:
-                raise GGUFError(f"{self.path}: {name} ({qtype}) cannot be split at columns {col_start}:{col_stop}"
-                                f" (blocks of {block}): use fewer ranks")
+                return None
             bytes_per_block = data.shape[1] // (num_cols // block)
             data = data[:, col_start // block * bytes_per_block:col_stop // block * bytes_per_block]
         # a copy: a view would keep the file's memory map (and its pages) alive, and it is read-only

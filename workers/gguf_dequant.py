@@ -94,9 +94,15 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             mn.float().mul_(_half(blocks, 2)).unsqueeze(-1))
 
 
-def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K block's (4-bit codes ``[blocks, 8, 32]`` uint8, scales and mins ``[blocks, 8, 1]``): w = q *
+    scale - min, sub-block by sub-block (``quant.from_gguf`` keeps them as int4 in groups of 32)."""
     scale, low = _k_scales(blocks)
-    q = _nibbles(blocks[:, 16:].view(-1, 4, 32)).view(-1, 8, 32)
+    return _nibbles(blocks[:, 16:].view(-1, 4, 32)).view(-1, 8, 32), scale, low
+
+
+def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    q, scale, low = q4_k_parts(blocks)
     out.view(-1, 8, 32).copy_(q).mul_(scale).sub_(low)
 
 
@@ -108,13 +114,19 @@ def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.view(-1, 8, 32).copy_(q | (high << 4)).mul_(scale).sub_(low)
 
 
-def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q6_K block's (signed 6-bit codes ``[blocks, 16, 16]`` int8, scales ``[blocks, 16, 1]``): w = q * scale,
+    16 weights a scale (``quant.from_gguf`` keeps them as int8 in groups of 16)."""
     scale = blocks[:, 192:208].view(torch.int8).float().mul_(_half(blocks, 208)).unsqueeze(-1)
     low = _nibbles(blocks[:, :128].reshape(-1, 2, 64)).view(-1, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
     high = ((blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).view(-1, 8, 32)
-    q = (low | (high << 4)).view(torch.int8) - 32
-    out.view(-1, 16, 16).copy_(q.view(-1, 16, 16)).mul_(scale)
+    return ((low | (high << 4)).view(torch.int8) - 32).view(-1, 16, 16), scale
+
+
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    q, scale = q6_k_parts(blocks)
+    out.view(-1, 16, 16).copy_(q).mul_(scale)
 
 
 _DEQUANTIZE = {"BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from llmbus.bus.shared_settings import QUANTIZE_METHODS
-from llmbus.workers import mxfp4
+from llmbus.workers import gguf_dequant, mxfp4
 from llmbus.workers.kernels import bindings
 from llmbus.workers.linear import Linear
 
@@ -246,6 +246,9 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
 # MXFP4 block (17 bytes): e8m0 e, then 16 bytes of 4-bit codes; w = kvalue(q) * 2^(e - 128), ggml's kvalues
 # being twice e2m1's, so w = e2m1(q) * 2^(e - 127): the same code and scale as gpt-oss's safetensors.
 # Within a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+# Q4_K and Q6_K super-blocks (256 weights; gguf_dequant unpacks them): Q4_K is w = q * scale - min in
+# sub-blocks of 32 (int4 in groups of 32, low = -min), Q6_K w = q * scale with signed 6-bit q in sub-blocks of
+# 16 (int8 in groups of 16); every scale and min is a float16 times a 6- or 8-bit integer, exact in float32.
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -259,9 +262,16 @@ def _half(raw: torch.Tensor) -> torch.Tensor:
 
 
 def from_gguf(raw) -> QuantizedWeight:
-    """Raw GGUF blocks as a quantized weight: anything with ``.qtype`` ("Q8_0", "Q4_0", "Q4_1", "MXFP4"),
-    ``.data`` (uint8 ``[N, row bytes]``) and ``.shape`` (``(N, K)``), such as ``gguf_checkpoint.GGUFRaw``."""
+    """Raw GGUF blocks as a quantized weight: anything with ``.qtype`` ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K",
+    "MXFP4"), ``.data`` (uint8 ``[N, row bytes]``) and ``.shape`` (``(N, K)``), such as ``gguf_checkpoint.GGUFRaw``."""
     rows, cols = raw.shape
+    if raw.qtype in ("Q4_K", "Q6_K"):
+        super_blocks = raw.data.reshape(rows * (cols // gguf_dequant.QK_K), -1)
+        if raw.qtype == "Q4_K":
+            q, scale, low = gguf_dequant.q4_k_parts(super_blocks)
+            return Int4Weight(q.reshape(rows, cols), scale.reshape(rows, -1), -low.reshape(rows, -1), 32)
+        q, scale = gguf_dequant.q6_k_parts(super_blocks)
+        return Int8Weight(q.reshape(rows, cols), scale.reshape(rows, -1), 16)
     blocks = raw.data.view(rows, cols // 32, -1)
     if raw.qtype == "MXFP4":  # e8m0 byte, then 16 bytes of codes (twice e2m1's values at half the scale)
         return Mxfp4Weight(_nibbles(blocks[..., 1:17]).reshape(rows, cols).contiguous(),

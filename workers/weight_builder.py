@@ -5,11 +5,11 @@ A model names what it needs (fused column-parallel parts, a row-parallel column 
 shard); the builder decides each one's form and counts what it did, so the startup log can say what was
 kept and what was converted:
 
-- a GGUF tensor stored as Q4_0/Q4_1 stays 4-bit and Q8_0 int8, both in groups of 32 with exactly its
-  values (``quant.from_gguf``), when the activations are bfloat16/float16 on CPU, and so does a GPTQ/AWQ
-  projection (``prequantized_checkpoint.py``) and a gpt-oss MXFP4 expert (``models/gpt_oss.py``): the
-  reader's ``read_quantized`` gives the form. In float32
-  (the reference precision) and on a GPU every tensor is dequantized, as transformers does.
+- a GGUF tensor stored as Q4_0/Q4_1 stays 4-bit and Q8_0 int8, both in groups of 32, Q4_K 4-bit in groups of 32
+  and Q6_K int8 in groups of 16, all with exactly its values (``quant.from_gguf``), when the activations are
+  bfloat16/float16 on CPU, and so does a GPTQ/AWQ projection (``prequantized_checkpoint.py``) and a gpt-oss
+  MXFP4 expert (``models/gpt_oss.py``): the reader's ``read_quantized`` gives the form. In float32 (the
+  reference precision) and on a GPU every tensor is dequantized, as transformers does.
 - any other float or dequantized tensor is quantized when ``--quantize`` asks, else kept dense.
 - the embedding and the LM head become int8 (never int4: the logits are the most sensitive product)
   when quantizing, or when the file stores them quantized; a tied pair shares the one int8 matrix.
@@ -27,7 +27,7 @@ from llmbus.workers import quant
 from llmbus.workers.linear import Linear, onednn_packs
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "safetensors")  # how _stored names float tensors
-QUANT_BLOCK = 32  # weights per block of the GGUF types kept quantized (Q8_0, Q4_0, Q4_1)
+QUANT_BLOCK = 32  # the smallest block of the GGUF types kept quantized (a K-quant's is 256: its reader says)
 # With ``keep_plain``, the share of the host's available memory that second (oneDNN-packed) copies of dense
 # projections may take, where oneDNN computes them (not float32 where gemm.c runs). Before gemm.c they made
 # a 2-core AVX2 machine's GEMMs faster (design notes, "Dense projections on CPU"); a small model's copies
@@ -173,7 +173,7 @@ class WeightBuilder:
         start = min(self.rank * per_rank, vocab_size)
         stop = min(start + per_rank, vocab_size)
         stored_quantized = self.keep_quantized and self._stored(name) not in FLOAT_TYPES
-        if stored_quantized and self._stored(name) == "Q8_0":  # int8 in groups of 32: its own values
+        if stored_quantized and self._stored(name) in ("Q8_0", "Q6_K"):  # int8 (groups of 32, 16): its own values
             kept = self.reader.read_quantized(name, rows=(start, stop))
             padding = per_rank - (stop - start)
             if padding:

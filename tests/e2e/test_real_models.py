@@ -68,9 +68,10 @@ def test_gguf_served_in_float32_equals_transformers_on_the_file(q4_gguf, gguf_ca
     assert formats and "Q4_1 -> float32" in formats[0], formats
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_gguf_kept_quantized_in_bf16_serves_and_streams(q4_gguf, gguf_cache, ranks):
-    server = serve(["--model-id", str(q4_gguf), "--dtype", "bfloat16", "--gpus", str(ranks)], gguf_cache)
+def serve_in_bf16_and_stream(gguf: Path, gguf_cache: dict[str, str], ranks: int) -> str:
+    """``gguf`` served with bfloat16 over ``ranks`` ranks: 8 tokens, whole and streamed the same; the
+    worker's ``weights`` line."""
+    server = serve(["--model-id", str(gguf), "--dtype", "bfloat16", "--gpus", str(ranks)], gguf_cache)
     try:
         body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 8, "ignore_eos_token": True}}
         status, _, whole = post(f"{server.url}/generate", {**body, "parameters": {**body["parameters"],
@@ -80,13 +81,33 @@ def test_gguf_kept_quantized_in_bf16_serves_and_streams(q4_gguf, gguf_cache, ran
         assert [e["token"]["id"] for e in events] == [t["id"] for t in whole["details"]["tokens"]]
     finally:
         assert server.stop() == 0, server.stderr.text[-3000:]
-    formats = next(line for line in server.stderr.lines if "formats=" in line)
+    return next(line for line in server.stderr.lines if "formats=" in line)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_gguf_kept_quantized_in_bf16_serves_and_streams(q4_gguf, gguf_cache, ranks):
+    formats = serve_in_bf16_and_stream(q4_gguf, gguf_cache, ranks)
     # 4 layers x 7 matrices; blk.0's fused qkv has an F16 part, so its q and k are expanded with it; the
     # Q8_0 embedding and the Q4_1 LM head become int8. Over 2 ranks each down projection's 176 columns
     # are not whole blocks of 32: those 4 are expanded too.
     expected = (["25 Q4_1 -> int4 (kept)", "2 Q4_1 -> bfloat16"] if ranks == 1
                 else ["21 Q4_1 -> int4 (kept)", "6 Q4_1 -> bfloat16"])
     for part in (*expected, "1 F16 -> bfloat16", "1 Q8_0 -> int8", "1 Q4_1 -> int8"):
+        assert part in formats, formats
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_k_quant_gguf_kept_in_bf16_serves(gguf_cache, ranks):
+    """llama.cpp's Q4_K_M (the committed K-quant fixture, made by llama-quantize): with bfloat16 its Q4_K
+    matrices stay int4 and its Q6_K ones int8, over one rank and two, and the answer streams as it generates."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "gguf" / "tiny-q4_k_m.gguf"
+    formats = serve_in_bf16_and_stream(fixture, gguf_cache, ranks)
+    # 2 layers x 7 matrices; blk.1's v (Q6_K) is fused with its Q4_K q and k, so the three are expanded; the Q6_K
+    # down projection and LM head keep their int8 values; the Q4_K embedding becomes int8. Over 2 ranks each
+    # o_proj's 128 columns are half a super-block: expanded too.
+    expected = (["10 Q4_K -> int4 (kept)", "2 Q4_K -> bfloat16", "2 Q6_K -> int8", "1 Q6_K -> bfloat16"]
+                if ranks == 1 else ["8 Q4_K -> int4 (kept)", "4 Q4_K -> bfloat16", "2 Q6_K -> int8"])
+    for part in (*expected, "1 Q4_K -> int8"):
         assert part in formats, formats
 
 

@@ -87,9 +87,29 @@ def test_raw_blocks_become_quantized_weights(kind, gguf_dir):
         assert reader.read_quantized("model.layers.0.input_layernorm.weight") is None
 
 
-def test_column_slices_must_fall_on_blocks(gguf_dir):
-    with GGUFCheckpointReader(gguf_dir / "tiny-Q4_0.gguf") as reader, pytest.raises(GGUFError, match="blocks of 32"):
-        reader.read_quantized("model.layers.0.mlp.down_proj.weight", cols=(0, 176))
+def test_column_slices_off_the_blocks_are_left_to_expand(gguf_dir):
+    with GGUFCheckpointReader(gguf_dir / "tiny-Q4_0.gguf") as reader:
+        assert reader.read_quantized("model.layers.0.mlp.down_proj.weight", cols=(0, 176)) is None
+
+
+def test_k_quant_blocks_become_quantized_weights():
+    """llama.cpp's Q4_K becomes int4 in groups of 32 (each sub-block's scale, minus its min) and Q6_K int8 in
+    groups of 16, holding the file's values exactly: whole, and as a rank's rows and whole super-blocks of
+    columns; columns off a super-block (256 weights) are left to be expanded."""
+    with GGUFCheckpointReader(K_QUANT_FIXTURE) as reader:
+        for name in reader.names():
+            kind = reader.qtype(name)
+            if kind in ("Q4_K", "Q6_K"):
+                weight = reader.read_quantized(name)
+                assert isinstance(weight, quant.Int4Weight if kind == "Q4_K" else quant.Int8Weight), name
+                assert weight.group == (32 if kind == "Q4_K" else 16)
+                assert torch.equal(weight.dequantize(), reader.read(name)), name
+        for layer, kind in ((0, "Q4_K"), (1, "Q6_K")):
+            name = f"model.layers.{layer}.mlp.down_proj.weight"  # [256, 512]
+            assert reader.qtype(name) == kind
+            part = reader.read_quantized(name, rows=(8, 24), cols=(256, 512))
+            assert torch.equal(part.dequantize(), reader.read(name)[8:24, 256:512]), kind
+            assert reader.read_quantized(name, cols=(0, 128)) is None
 
 
 def test_model_folder_has_config_tokenizer_and_template(gguf_dir, tiny_model_dir):
