@@ -102,10 +102,10 @@ def _default_bf16_budget(library: ctypes.CDLL) -> int:
 
 
 def _tiled_pack(projection) -> _KernelPack | None:
-    """The tiled kernel form behind a ``QuantizedLinear`` (int8, int4 or bf16 where quant_kernels.c runs; not
-    MXFP4, whose 16-bit activations decode_layer.c does not make)."""
+    """The tiled kernel form behind a ``QuantizedLinear`` (int8, int4, MXFP4 or bf16 where the tiled kernels
+    run)."""
     pack = getattr(projection, "_pack", None)
-    return pack if isinstance(pack, _KernelPack) and pack.kind != bindings.TILED_MXFP4 else None
+    return pack if isinstance(pack, _KernelPack) else None
 
 
 def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> Proj | None:

@@ -20,8 +20,9 @@ Q4_0 and Q4_1 are int4 in groups of 32; every float16 of the file is exact in th
 
 ``QuantizedLinear`` computes with ``quant_kernels.c``'s tiled kernel (AVX512-BF16, or the same numbers from
 AVX2 + FMA in ``quant_kernels_avx2.c``; built on first use with the other kernels, ``workers/kernels``) for
-bfloat16 and float32 activations; MXFP4 with ``mxfp4_kernels.c``'s integer products, its activations quantized
-to 16 bits in blocks of 32 (one implementation for both). Where that kernel cannot run (no compiler, no AVX2 + FMA,
+bfloat16 and float32 activations; MXFP4, and int4 with activations at bfloat16's precision, with
+``nibble_products.c``'s integer products, the activations quantized to 16 bits in blocks of 32 (one
+implementation for both). Where that kernel cannot run (no compiler, no AVX2 + FMA,
 ``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
 (``_weight_int8pack_mm``, per-row scales, ``_weight_int4pack_mm_for_cpu``), with bf16 scales, and for
 float32 (and MXFP4, which torch has no CPU kernel for) to a dense weight. Why: docs/design-notes.md,
@@ -48,6 +49,7 @@ INT4_GROUP = 32  # Q4_0/Q4_1's block: the most accurate group, and as fast as 64
 # scales lose measurable perplexity on SmolLM2 and groups of 32 do not (design notes, "Weight-only
 # quantization: an AVX512-BF16 kernel of our own").
 INT8_GROUP = 32
+NIBBLE_BLOCK = 32  # nibble_products.c quantizes activations in blocks of 32: int4 groups must be whole blocks
 TILE = bindings.QUANT_TILE  # output rows per vector in quant_kernels.c
 
 log = structlog.get_logger("llmbus.workers.quant")
@@ -154,7 +156,7 @@ class Bf16Weight:
 
 @dataclass(eq=False)
 class Mxfp4Weight:
-    values: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15 (not its value: mxfp4_kernels.c looks it up)
+    values: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15 (not its value: nibble_products.c looks it up)
     scale: torch.Tensor  # float32 [N, G]: each block's power of two
     group: int = mxfp4.BLOCK
     packs: dict = field(default_factory=dict, repr=False)
@@ -374,12 +376,15 @@ class _KernelPack:
                 x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
                 self.values.data_ptr(), self.n, self.k_padded,
                 bias_pointer, y.data_ptr(), rows.data_ptr())
-        elif self.kind == bindings.TILED_MXFP4:  # 16-bit integer activations (mxfp4_kernels.c), split or not
-            block_scales = _scratch_of("sums", m * (self.k_padded // self.group))
-            status = _library().mxfp4_matmul(
-                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.values.data_ptr(), self.scale.data_ptr(),
-                self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(), rows.data_ptr(),
-                block_scales.data_ptr())
+        elif self.kind == bindings.TILED_MXFP4 or (self.is_int4 and not (is_f32 and split)
+                                                    and self.group % NIBBLE_BLOCK == 0):
+            # integer products against activations quantized to 16 bits (nibble_products.c): MXFP4 always, int4
+            # where x enters at bfloat16's precision (float32's hi + lo rows carry it further: the float form)
+            block_stats = _scratch_of("sums", 2 * m * (self.k_padded // NIBBLE_BLOCK))
+            status = _library().nibble_matmul(
+                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.kind, self.values.data_ptr(),
+                self.scale.data_ptr(), None if self.low is None else self.low.data_ptr(), self.n, self.k_padded,
+                self.group, bias_pointer, y.data_ptr(), rows.data_ptr(), block_stats.data_ptr())
         elif self.is_int4:
             sums = _scratch_of("sums", prepared * (self.k_padded // self.group))
             status = _library().int4_matmul(

@@ -10,6 +10,7 @@ import torch
 
 from llmbus.workers import fused_decode
 from llmbus.workers.kernels import bindings
+from llmbus.testing.prequantized import mxfp4_weight
 from llmbus.workers.quant import QuantizedLinear, as_bf16, quantize_int4, quantize_int8, tiled_forms
 
 LIBRARY = bindings.library()
@@ -108,14 +109,16 @@ def test_no_bfloat16_copy_of_float32_values_or_past_the_budget():
 
 @pytest.mark.skipif(not tiled_forms(), reason="the tiled kernel needs AVX512-BF16 or AVX2 + FMA")
 @pytest.mark.parametrize("bf16_inputs", [False, True])
-@pytest.mark.parametrize("form", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("form", ["bf16", "int8", "int4", "mxfp4"])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (67, 128), (5, 32)])
 def test_tiled_rows_are_the_kernels_bits_whatever_the_batch(form, out_features, in_features, bf16_inputs):
-    """A tiled projection in the fused layer gives the bits quant_kernels.c's product gives, and a row's
+    """A tiled projection in the fused layer gives the bits the tiled kernels' product gives, and a row's
     result does not depend on how many rows are beside it (1, 3, 8 or 13: past MAX_ROWS too). Inputs as
-    bf16 hi + lo carry x to ~2^-17; rounded to bf16 (the bfloat16 plan) the products are those of bf16(x)."""
+    bf16 hi + lo carry x to ~2^-17; rounded to bf16 (the bfloat16 plan) the products are those of bf16(x), but
+    for the nibble forms' (int4 there, MXFP4 always), whose 16-bit activations carry x to 2^-16 of its
+    block's largest."""
     torch.manual_seed(out_features + in_features)
-    make = {"bf16": as_bf16, "int8": quantize_int8, "int4": quantize_int4}[form]
+    make = {"bf16": as_bf16, "int8": quantize_int8, "int4": quantize_int4, "mxfp4": mxfp4_weight}[form]
     weight = make(torch.randn(out_features, in_features))
     linear = QuantizedLinear(weight, None, torch.float32, bf16_inputs=bf16_inputs)
     keep = []
@@ -126,6 +129,7 @@ def test_tiled_rows_are_the_kernels_bits_whatever_the_batch(form, out_features, 
     assert torch.equal(alone, linear(x))
     for rows in (1, 3, 8, 13):
         assert torch.equal(gemv(proj, x[:rows], out_features), alone[:rows])
-    exact_x = x.bfloat16() if bf16_inputs else x
+    nibbles = form == "mxfp4" or (form == "int4" and bf16_inputs)
+    exact_x = x.bfloat16() if bf16_inputs and not nibbles else x
     torch.testing.assert_close(alone, (exact_x.double() @ weight.dequantize().double().T).float(), rtol=1e-4,
                                atol=1e-3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
+import torch.nn.functional as F
 
 from llmbus.testing.prequantized import mxfp4_weight as to_mxfp4
 from llmbus.workers import mxfp4, quant
@@ -70,32 +71,48 @@ def test_our_kernel_takes_strided_rows_and_ragged_outputs():
     torch.testing.assert_close(linear(x), reference(x, w, None), rtol=1e-4, atol=1e-5)
 
 
-def int16_reference(x: torch.Tensor, w: quant.Mxfp4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """What mxfp4_kernels.c computes, exactly (float64): x quantized to 16 bits per block of 32 (d = max|x| /
+def int16_reference(x: torch.Tensor, w: quant.QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What nibble_products.c computes, exactly (float64): x quantized to 16 bits per block of 32 (d = max|x| /
     32767, q = x * (1 / d) rounded half away from zero, in float32), times the weight's exact values."""
-    blocks = x.float().reshape(x.shape[0], -1, mxfp4.BLOCK)
+    k = x.shape[1]
+    blocks = F.pad(x.float(), (0, -k % 32)).reshape(x.shape[0], -1, 32)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 32767
     scaled = (blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d))).double()
     q = scaled.sign() * (scaled.abs() + 0.5).floor()
-    y = (q * d.double()).reshape(x.shape) @ w.dequantize().double().T
+    y = (q * d.double()).reshape(x.shape[0], -1)[:, :k] @ w.dequantize().double().T
     return y if bias is None else y + bias.double()
 
 
-@pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_kernel_multiplies_16_bit_activations(dtype):
-    """MXFP4 weights multiply activations quantized to 16 bits in blocks of 32 (mxfp4_kernels.c): up to float32
-    accumulation, the kernel gives the exact product of those int8 values with the weights' values, every code's
-    value and sign included, in blocks of very different scales, for any number of rows."""
-    w = to_mxfp4(weight(100, 160) * torch.logspace(-3, 1, 160))
+def wide_mxfp4(n: int, k: int) -> quant.Mxfp4Weight:
+    """Every code, blocks of very different scales, and e8m0's subnormal end and a scale far from 1."""
+    w = to_mxfp4(weight(n, k) * torch.logspace(-3, 1, k))
     assert set(w.values.unique().tolist()) == set(range(16))
-    w.scale[0, :2], w.scale[1, 2] = 2.0 ** -127, 2.0 ** 100  # e8m0's subnormal end, and far from 1
+    w.scale[0, :2], w.scale[1, 2] = 2.0 ** -127, 2.0 ** 100
+    return w
+
+
+NIBBLE_FORMS = {"mxfp4": wide_mxfp4, "int4 g32": lambda n, k: quant.quantize_int4(weight(n, k) * 4, 32),
+                "int4 g64": lambda n, k: quant.quantize_int4(weight(n, k), 64)}
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
+@pytest.mark.parametrize("form", NIBBLE_FORMS)
+@pytest.mark.parametrize("k", [160, 100])  # 100: the last block of activations (and group) ragged
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nibble_kernels_multiply_16_bit_activations(form, k, dtype):
+    """MXFP4 and int4 weights multiply activations quantized to 16 bits in blocks of 32 (nibble_products.c)
+    where they enter at bfloat16's precision: up to float32 accumulation, the kernel gives the exact product of
+    those values with the weights' values (int4's offsets against the quantized activations' sums), for any
+    number of rows."""
+    if form == "mxfp4" and k % 32:
+        pytest.skip("MXFP4 is whole blocks of 32")
+    w = NIBBLE_FORMS[form](100, k)
     bias = torch.randn(100)
     for rows in (1, 5, 9, 70):
-        x = torch.randn(rows, 160) * torch.logspace(1, -2, 160)  # a block's values far below its largest, too
+        x = torch.randn(rows, k) * torch.logspace(1, -2, k)  # a block's values far below its largest, too
         # a block whose largest is 32767 / 8: d = 1/8, and q = 8x are halves, which round away from zero
         x[0, 32:64] = torch.cat((torch.arange(-15.5, 15.5) / 8, torch.tensor([32767 / 8])))
-        ours = quant.QuantizedLinear(w, bias, dtype)(x.to(dtype)).double()
+        ours = quant.QuantizedLinear(w, bias, dtype, bf16_inputs=True)(x.to(dtype)).double()
         expected = int16_reference(x.to(dtype), w, bias)
         exact = reference(x.to(dtype).float(), w, bias).double()
         tolerance = 1e-6 if dtype == torch.float32 else 2 ** -8  # float32 sums; bf16 outputs
@@ -120,13 +137,14 @@ def test_mxfp4_scales_pack_as_their_e8m0_bytes():
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
-def test_mxfp4_rows_do_not_depend_on_the_rows_beside_them():
+@pytest.mark.parametrize("form", ["mxfp4", "int4 g32"])
+def test_nibble_rows_do_not_depend_on_the_rows_beside_them(form):
     """A row's result is the same bits alone or among others (each row's blocks are quantized and summed by
     themselves), and a row holding an infinity or a NaN comes out NaN without touching the rest; a zero row
     gives the bias."""
-    w = to_mxfp4(weight(37, 96))  # 37 outputs: not whole tiles of 16
+    w = NIBBLE_FORMS[form](37, 96)  # 37 outputs: not whole tiles of 16
     bias = torch.randn(37)
-    linear = quant.QuantizedLinear(w, bias, torch.float32)
+    linear = quant.QuantizedLinear(w, bias, torch.float32, bf16_inputs=True)
     x = torch.randn(11, 96)
     x[3] = 0
     x[7, 40], x[8, 2] = float("inf"), float("nan")

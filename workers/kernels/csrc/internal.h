@@ -102,6 +102,24 @@ void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out,
 void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int accumulate);
 
+/* nibble_products.c, for the same: whether w computes there (MXFP4, and int4 with bf16-rounded inputs), and
+ * its halves of a product: a row quantized to 16-bit pairs (k_padded / 2 words) and its stats (2 k_padded / 32
+ * floats), and tile t against `inputs` such rows. */
+int nibble_tiled(const Tiled *w);
+void nibble_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats);
+void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
+                    const float *bias, float *y, int64_t y_stride, int accumulate);
+
+/* Rows of k_padded bf16 values a prepared input row of w takes: two where split (hi and lo), else one (a bf16
+ * row, or the nibble products' k_padded / 2 pairs of 16-bit values). */
+static inline int64_t tiled_rows_per_input(const Tiled *w) { return w->split && !nibble_tiled(w) ? 2 : 1; }
+
+/* Floats of sums a prepared row of w takes: int4's group sums per bf16 row (two where split), or the nibble
+ * products' stats. */
+static inline int64_t tiled_sums_per_row(const Tiled *w) {
+    return nibble_tiled(w) ? 2 * (w->k_padded / 32) : (w->split ? 2 : 1) * (w->k_padded / w->group);
+}
+
 /* Which tiled kernel this build has (tiled_kernel_isa): VDPBF16PS's in quant_kernels.c, else the same numbers
  * from FMAs in quant_kernels_avx2.c (also on AVX-512 CPUs without BF16), else none. Plain numbers, as the
  * preprocessor cannot read llmbus_kernels.h's TILED_ISA_* enum: 2 is TILED_ISA_AVX512_BF16, 1 TILED_ISA_AVX2. */

@@ -245,12 +245,11 @@ static inline void gemv(const Proj *weight, const float *bias, const float *x, i
 static inline void tiled_gemv(const Tiled *w, const float *bias, const float *x, int64_t in, int64_t out_features,
                               int64_t rows, float *y, int64_t y_stride, int accumulate, uint16_t *prepared,
                               float *sums) {
-    const int64_t groups = w->k_padded / w->group, tiles = (out_features + QUANT_TILE - 1) / QUANT_TILE;
-    const int64_t per_input = w->split ? 2 : 1; /* prepared rows per input row */
+    const int64_t tiles = (out_features + QUANT_TILE - 1) / QUANT_TILE;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < rows; b++)
-        tiled_prepare_row(w, x + b * in, in, prepared + b * per_input * w->k_padded,
-                          sums == 0 ? 0 : sums + b * per_input * groups);
+        tiled_prepare_row(w, x + b * in, in, prepared + b * tiled_rows_per_input(w) * w->k_padded,
+                          sums == 0 ? 0 : sums + b * tiled_sums_per_row(w));
 #pragma omp for schedule(guided)
     for (int64_t t = 0; t < tiles; t++) tiled_product(w, t, prepared, sums, rows, out_features, bias, y, y_stride,
                                                       accumulate);

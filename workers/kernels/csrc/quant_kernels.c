@@ -14,7 +14,7 @@
  *          scale and low [N/16][G][16] float32: w = q * scale + low.
  *   mxfp4: values as int4's, each nibble an e2m1 code (bit 3 the sign, bits 0..2 the magnitude's index in
  *          0, 0.5, 1, 1.5, 2, 3, 4, 6); scale [N/16][G][16] e8m0 bytes (MXFP4's power of two): w = e2m1 *
- *          2^(scale - 127). mxfp4_kernels.c computes it, against activations quantized to 16 bits.
+ *          2^(scale - 127). nibble_products.c computes it, against activations quantized to 16 bits.
  *   bf16:  values [N/16][K/2][16][2]: each row's pair of columns as VDPBF16PS reads it; one group, no scale.
  * int8 values become bf16 through float32 (exact); int4 values q become the bf16 number 128 + q by
  * OR-ing the bf16 bits of 128 (0x4300) into the nibble, two integer ops for 32 weights, and the group's
@@ -22,7 +22,9 @@
  *
  * Activations: bf16 rows are used as they are. A float32 row x is split into two bf16 rows, hi = bf16(x)
  * and lo = bf16(x - hi), and its result is the sum of theirs: x is then carried to about 2^-17 of
- * itself (hi + lo holds 16 significant bits), against 2^-8 for rounding x to bf16.
+ * itself (hi + lo holds 16 significant bits), against 2^-8 for rounding x to bf16. An int4 product whose
+ * activations would be bf16 (not split) runs in nibble_products.c instead, as MXFP4's always does:
+ * integer products against 16-bit activations (tiled_prepare_row and tiled_product hand it over).
  *
  * Without AVX512-BF16 (an AVX2-only CPU, or AVX-512 without BF16) quant_kernels_avx2.c computes the same
  * layouts with FMAs and the same numbers; this file keeps what both share (preparing the rows, the entry
@@ -190,11 +192,19 @@ void tile_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *
 #endif
 
 void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out, float *sums) {
+    if (nibble_tiled(w)) {
+        nibble_prepare_row(w, x, k, (uint32_t *)out, sums);
+        return;
+    }
     prepare_row(x, 1, (int)w->split, k, w->k_padded, w->group, out, w->kind == TILED_INT4 ? sums : NULL);
 }
 
 void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int accumulate) {
+    if (nibble_tiled(w)) {
+        nibble_product(w, t, (const uint32_t *)rows, sums, inputs, n, bias, y, y_stride, accumulate);
+        return;
+    }
     const int64_t per_input = w->split ? 2 : 1;
     tile_product(w, t, rows, sums, per_input * inputs, per_input, n, bias, y, 1, y_stride, accumulate);
 }

@@ -1,0 +1,270 @@
+/* 4-bit weights against 16-bit activations: y[M, N] = x[M, K] @ dequantize(w)[N, K]^T (+ bias), for the two
+ * nibble forms: MXFP4 (gpt-oss's experts as published, quant.Mxfp4Weight) and int4 (GGUF's Q4_0, Q4_1 and
+ * Q4_K, GPTQ/AWQ's, --quantize int4: quant.Int4Weight) where the activations enter in bfloat16's precision.
+ *
+ * Why integers: on AVX2 the float forms (quant_kernels_avx2.c's FMAs over widened bf16 pairs) spend about 24
+ * vector instructions on a pair of columns of a tile, and a one-row product was bound by them, at twice the
+ * time its bytes take to read. Here a pair costs about 12, and each further row 5: a 256-bit PSHUFB turns an
+ * MXFP4 pair's 32 codes into twice their values (int4's codes are their values), shifts widen them to 16
+ * bits, and VPMADDWD multiplies them with the activations' 16-bit integers and adds each row's two products,
+ * all exact. The activations are quantized in blocks of 32: d = max|x| / 32767, q = round(x / d). That and
+ * float32 accumulation are the only roundings: each block's integer sum is exact, then scaled and added to
+ * its row's float32 total block after block (int4's offset: its group's low times d times the block's sum of
+ * q, the exact sum of the quantized activations). A value is carried to within 2^-16 of its block's largest,
+ * where rounding it to bfloat16 (what the tiled float forms multiply in the bfloat16 plan) carries it to 2^-9
+ * of itself. (llama.cpp quantizes to 8 bits, Q8_0: 8% less time a one-row MXFP4 product here, at 2^-8 of the
+ * block's largest; docs/design-notes.md has the measurements.)
+ *
+ * One implementation for every CPU with a tiled kernel (AVX2 intrinsics; AVX-512 CPUs run them too), so every
+ * such CPU gives the same numbers bit for bit, and a row's result does not depend on the rows beside it.
+ *
+ * Layout: quant_kernels.c's header (values [N/16][K/2][16] bytes, a row's codes of a pair of columns in one
+ * byte, the even column low; G groups of a multiple of 32 columns). MXFP4's scales are its e8m0 bytes [N/16]
+ * [G][16] (2^(byte - 127); byte 0 is 2^-127, a float32 subnormal) and its lookup gives 2e (e the e2m1 value),
+ * so a block's scale is halved to match; int4's are float32 scale and low [N/16][G][16] (w = q * scale +
+ * low). A pair's even and odd values of a row, interleaved as 16-bit pairs, put rows 0..3 and 8..11 in one
+ * vector and 4..7 and 12..15 in the other: the order the group scales are taken in and the totals put back
+ * from (apart, rows_in_order). */
+#include "internal.h"
+
+#include <math.h>
+#include <stdint.h>
+
+#if TILED_KERNEL
+
+enum { TILE = QUANT_TILE, BLOCK = 32, PAIRS = BLOCK / 2, ROW_BLOCK = 4, LARGEST = 32767 };
+
+/* One row of x (float32, or bf16) as 16-bit blocks: each pair of columns' two values in a 32-bit word (the
+ * even column low, VPMADDWD's order), and its stats: each block's d, then each block's sum of q (exact in a
+ * float: at most 2^20). A block holding a NaN or an infinity gets d = NaN, so the rows it reaches come out
+ * NaN, as a float product's would. */
+static void quantize_row(const void *x_row, int x_is_f32, int64_t k, int64_t k_padded, uint32_t *pairs,
+                         float *stats) {
+    float *d = stats, *sums = stats + k_padded / BLOCK;
+    for (int64_t b = 0; b < k_padded / BLOCK; b++) {
+        float values[BLOCK], largest = 0.0f;
+        int finite = 1;
+        for (int j = 0; j < BLOCK; j++) {
+            const int64_t column = b * BLOCK + j;
+            values[j] = column >= k ? 0.0f
+                        : x_is_f32  ? ((const float *)x_row)[column]
+                                    : bf16_to_f32(((const uint16_t *)x_row)[column]);
+            finite &= isfinite(values[j]) != 0;
+            largest = fmaxf(largest, fabsf(values[j]));
+        }
+        const float scale = largest / (float)LARGEST, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < PAIRS; j++) {
+            const int16_t even = finite ? (int16_t)roundf(values[2 * j] * inverse) : 0;
+            const int16_t odd = finite ? (int16_t)roundf(values[2 * j + 1] * inverse) : 0;
+            pairs[b * PAIRS + j] = (uint32_t)(uint16_t)even | (uint32_t)(uint16_t)odd << 16;
+            sum += even + odd;
+        }
+        d[b] = finite ? scale : NAN;
+        sums[b] = (float)sum;
+    }
+}
+
+/* A pair of columns of a tile's 16 rows as 16-bit integers (MXFP4: twice the codes' e2m1 values; int4: the
+ * codes): [0] the even column's and the odd column's of rows 0..3 and 8..11 interleaved, [1] of rows 4..7
+ * and 12..15. One lane-crossing shuffle spreads the bytes to words, one PSHUFB looks MXFP4's 32 codes up,
+ * shifts widen them. */
+static inline __attribute__((always_inline)) void pair_values(const int kind, const uint8_t *pair, __m256i out[2]) {
+    const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pair));
+    /* the low nibble stays in the low byte, the high one moves to the high byte */
+    __m256i codes = _mm256_and_si256(_mm256_or_si256(words, _mm256_slli_epi16(words, 4)), _mm256_set1_epi16(0x0F0F));
+    __m256i even, odd;
+    if (kind == TILED_MXFP4) {
+        __m256i values = _mm256_shuffle_epi8(table, codes);
+        even = _mm256_srai_epi16(_mm256_slli_epi16(values, 8), 8), odd = _mm256_srai_epi16(values, 8);
+    } else {
+        even = _mm256_and_si256(codes, _mm256_set1_epi16(0x00FF)), odd = _mm256_srli_epi16(codes, 8);
+    }
+    out[0] = _mm256_unpacklo_epi16(even, odd), out[1] = _mm256_unpackhi_epi16(even, odd);
+}
+
+/* A tile's 16 float32 values (a row each) in the order the sums hold the rows: 0..3 and 8..11, 4..7 and
+ * 12..15. */
+static inline void apart(__m256 first, __m256 second, __m256 out[2]) {
+    out[0] = _mm256_permute2f128_ps(first, second, 0x20), out[1] = _mm256_permute2f128_ps(first, second, 0x31);
+}
+
+static inline void floats_apart(const float *tile, __m256 out[2]) {
+    apart(_mm256_loadu_ps(tile), _mm256_loadu_ps(tile + 8), out);
+}
+
+/* A tile's 16 e8m0 scales as float32, apart. A byte shifted into a float's exponent is its power of two, but
+ * for byte 0's subnormal 2^-127. */
+static inline void scales_apart(const uint8_t *tile, __m256 out[2]) {
+    const __m256i smallest = _mm256_set1_epi32(0x00400000); /* 2^-127 */
+    __m256 first = _mm256_castsi256_ps(_mm256_max_epi32(
+        _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)tile)), 23), smallest));
+    __m256 second = _mm256_castsi256_ps(_mm256_max_epi32(
+        _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 8))), 23), smallest));
+    apart(first, second, out);
+}
+
+/* apart undone: rows 0..7 and 8..15. */
+static inline void rows_in_order(__m256 v[2]) {
+    __m256 low = _mm256_permute2f128_ps(v[0], v[1], 0x20), high = _mm256_permute2f128_ps(v[0], v[1], 0x31);
+    v[0] = low, v[1] = high;
+}
+
+/* Where tile t of a nibble weight starts. */
+typedef struct {
+    const uint8_t *values;
+    const void *scale; /* MXFP4: uint8 e8m0; int4: float32 */
+    const float *low;  /* int4 only */
+} Nibbles;
+
+/* One tile against `count` consecutive quantized rows from `first`: each row's total, block after block. */
+static inline __attribute__((always_inline)) void block_rows(const int kind, Nibbles w, const uint32_t *pairs,
+                                                            const float *stats, int64_t first, const int count,
+                                                            int64_t k_padded, int64_t group, __m256 total[][2]) {
+    const int64_t blocks = k_padded / BLOCK, stride = k_padded / 2;
+    const uint32_t *x = pairs + first * stride;
+    for (int i = 0; i < count; i++) total[i][0] = total[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i sum[ROW_BLOCK][2];
+        for (int i = 0; i < count; i++) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+        for (int64_t p = b * PAIRS; p < (b + 1) * PAIRS; p++) {
+            __m256i v[2];
+            pair_values(kind, w.values + p * TILE, v);
+            for (int i = 0; i < count; i++) {
+                const __m256i xx = _mm256_set1_epi32((int)x[i * stride + p]);
+                for (int h = 0; h < 2; h++) sum[i][h] = _mm256_add_epi32(sum[i][h], _mm256_madd_epi16(v[h], xx));
+            }
+        }
+        const int64_t g = b * BLOCK / group;
+        __m256 scale[2], low[2];
+        if (kind == TILED_MXFP4) {
+            scales_apart((const uint8_t *)w.scale + g * TILE, scale);
+        } else {
+            floats_apart((const float *)w.scale + g * TILE, scale);
+            floats_apart(w.low + g * TILE, low);
+        }
+        for (int i = 0; i < count; i++) {
+            const float *d = stats + (first + i) * 2 * blocks + b, *q_sum = d + blocks;
+            /* MXFP4's values are doubled */
+            const __m256 block_d = _mm256_set1_ps(kind == TILED_MXFP4 ? 0.5f * *d : *d);
+            for (int h = 0; h < 2; h++) {
+                total[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][h]), _mm256_mul_ps(scale[h], block_d),
+                                              total[i][h]);
+                if (kind == TILED_INT4) /* the offset, times the quantized activations' sum: d * sum(q) */
+                    total[i][h] = _mm256_fmadd_ps(low[h], _mm256_set1_ps(*d * *q_sum), total[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < count; i++) rows_in_order(total[i]);
+}
+
+/* Row `row` of y (y_stride apart), columns column..column+15 (fewer at the edge): v (+ bias), as float32 (added
+ * to y's values with `accumulate`) or bf16. */
+static void store_row(void *y, int y_is_f32, int64_t y_stride, int accumulate, int64_t n, int64_t row,
+                      int64_t column, const __m256 v[2], const float *bias) {
+    float lanes[TILE];
+    _mm256_storeu_ps(lanes, v[0]), _mm256_storeu_ps(lanes + 8, v[1]);
+    const int64_t width = n - column < TILE ? n - column : TILE;
+    for (int64_t j = 0; j < width; j++) {
+        const float out = bias != NULL ? lanes[j] + bias[column + j] : lanes[j];
+        if (y_is_f32) {
+            float *at = (float *)y + row * y_stride + column + j;
+            *at = accumulate ? *at + out : out;
+        } else {
+            ((uint16_t *)y)[row * y_stride + column + j] = f32_to_bf16(out);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void block_tile(const int kind, Nibbles w, int64_t t,
+                                                            const uint32_t *pairs, const float *stats, int64_t m,
+                                                            int64_t n, int64_t k_padded, int64_t group,
+                                                            const float *bias, void *y, int y_is_f32,
+                                                            int64_t y_stride, int accumulate) {
+    const int64_t at = t * (k_padded / group) * TILE; /* the tile's first group scale */
+    w.values += t * (k_padded / 2) * TILE;
+    w.scale = kind == TILED_MXFP4 ? (const void *)((const uint8_t *)w.scale + at)
+                                  : (const void *)((const float *)w.scale + at);
+    w.low = kind == TILED_INT4 ? w.low + at : NULL;
+    for (int64_t first = 0; first < m; first += ROW_BLOCK) {
+        __m256 total[ROW_BLOCK][2];
+        const int64_t count = m - first < ROW_BLOCK ? m - first : ROW_BLOCK;
+        switch (count) { /* constant counts keep the sums in registers */
+#define ROWS_CASE(c) case c: block_rows(kind, w, pairs, stats, first, c, k_padded, group, total); break;
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+#undef ROWS_CASE
+        }
+        for (int64_t i = 0; i < count; i++)
+            store_row(y, y_is_f32, y_stride, accumulate, n, first + i, t * TILE, total[i], bias);
+    }
+}
+
+static inline __attribute__((always_inline)) Nibbles nibbles_of(const Tiled *w) {
+    const Nibbles n = {(const uint8_t *)w->values, w->scale, w->low};
+    return n;
+}
+
+/* internal.h: whether w computes here. */
+int nibble_tiled(const Tiled *w) {
+    return w->kind == TILED_MXFP4 || (w->kind == TILED_INT4 && !w->split && w->group % BLOCK == 0);
+}
+
+/* internal.h: the fused layer's halves of nibble_matmul. */
+void nibble_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats) {
+    quantize_row(x, 1, k, w->k_padded, pairs, stats);
+}
+
+void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
+                    const float *bias, float *y, int64_t y_stride, int accumulate) {
+    if (w->kind == TILED_MXFP4)
+        block_tile(TILED_MXFP4, nibbles_of(w), t, pairs, stats, inputs, n, w->k_padded, w->group, bias, y, 1,
+                   y_stride, accumulate);
+    else
+        block_tile(TILED_INT4, nibbles_of(w), t, pairs, stats, inputs, n, w->k_padded, w->group, bias, y, 1,
+                   y_stride, accumulate);
+}
+
+/* x: m rows of k (bf16, or float32 where x_is_f32; x_stride apart); y: m x n of x's dtype; kind: TILED_MXFP4
+ * (scale: e8m0 bytes, group 32) or TILED_INT4 (scale and low: float32; group a multiple of 32); pairs: scratch
+ * of m * k_padded / 2 words; block_stats: of 2 * m * k_padded / 32 floats. */
+int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
+                  const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
+                  int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
+    if ((kind != TILED_MXFP4 && kind != TILED_INT4) || (kind == TILED_MXFP4 && group != BLOCK) ||
+        group % BLOCK || k_padded % group || k > k_padded)
+        return -2;
+    const int64_t blocks = k_padded / BLOCK, tiles = (n + TILE - 1) / TILE, size = x_is_f32 ? 4 : 2;
+    const Nibbles w = {values, scale, low};
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            quantize_row((const char *)x + i * x_stride * size, x_is_f32, k, k_padded, pairs + i * (k_padded / 2),
+                         block_stats + i * 2 * blocks);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (kind == TILED_MXFP4)
+                block_tile(TILED_MXFP4, w, t, pairs, block_stats, m, n, k_padded, group, bias, y, x_is_f32, n, 0);
+            else
+                block_tile(TILED_INT4, w, t, pairs, block_stats, m, n, k_padded, group, bias, y, x_is_f32, n, 0);
+        }
+    }
+    return 0;
+}
+
+#else
+
+int nibble_tiled(const Tiled *w) { return 0; }
+void nibble_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats) {}
+void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
+                    const float *bias, float *y, int64_t y_stride, int accumulate) {}
+
+int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
+                  const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
+                  int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
+    return -1;
+}
+
+#endif
