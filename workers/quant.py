@@ -49,7 +49,6 @@ INT4_GROUP = 32  # Q4_0/Q4_1's block: the most accurate group, and as fast as 64
 # scales lose measurable perplexity on SmolLM2 and groups of 32 do not (design notes, "Weight-only
 # quantization: an AVX512-BF16 kernel of our own").
 INT8_GROUP = 32
-NIBBLE_BLOCK = 32  # nibble_products.c quantizes activations in blocks of 32: int4 groups must be whole blocks
 TILE = bindings.QUANT_TILE  # output rows per vector in quant_kernels.c
 
 log = structlog.get_logger("llmbus.workers.quant")
@@ -377,10 +376,10 @@ class _KernelPack:
                 self.values.data_ptr(), self.n, self.k_padded,
                 bias_pointer, y.data_ptr(), rows.data_ptr())
         elif self.kind == bindings.TILED_MXFP4 or (self.is_int4 and not (is_f32 and split)
-                                                    and self.group % NIBBLE_BLOCK == 0):
+                                                    and self.group % bindings.NIBBLE_BLOCK == 0):
             # integer products against activations quantized to 16 bits (nibble_products.c): MXFP4 always, int4
             # where x enters at bfloat16's precision (float32's hi + lo rows carry it further: the float form)
-            block_stats = _scratch_of("sums", 2 * m * (self.k_padded // NIBBLE_BLOCK))
+            block_stats = _scratch_of("sums", 2 * m * (self.k_padded // bindings.NIBBLE_BLOCK))
             status = _library().nibble_matmul(
                 x.data_ptr(), is_f32, m, self.k, x.stride(0), self.kind, self.values.data_ptr(),
                 self.scale.data_ptr(), None if self.low is None else self.low.data_ptr(), self.n, self.k_padded,

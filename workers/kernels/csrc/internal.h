@@ -103,8 +103,8 @@ void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float 
                    const float *bias, float *y, int64_t y_stride, int accumulate);
 
 /* nibble_products.c, for the same: whether w computes there (MXFP4, and int4 with bf16-rounded inputs), and
- * its halves of a product: a row quantized to 16-bit pairs (k_padded / 2 words) and its stats (2 k_padded / 32
- * floats), and tile t against `inputs` such rows. */
+ * its halves of a product: a row quantized to 16-bit pairs (k_padded / 2 words) and its stats (2 k_padded /
+ * NIBBLE_BLOCK floats), and tile t against `inputs` such rows. */
 int nibble_tiled(const Tiled *w);
 void nibble_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats);
 void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
@@ -117,7 +117,7 @@ static inline int64_t tiled_rows_per_input(const Tiled *w) { return w->split && 
 /* Floats of sums a prepared row of w takes: int4's group sums per bf16 row (two where split), or the nibble
  * products' stats. */
 static inline int64_t tiled_sums_per_row(const Tiled *w) {
-    return nibble_tiled(w) ? 2 * (w->k_padded / 32) : (w->split ? 2 : 1) * (w->k_padded / w->group);
+    return nibble_tiled(w) ? 2 * (w->k_padded / NIBBLE_BLOCK) : (w->split ? 2 : 1) * (w->k_padded / w->group);
 }
 
 /* Which tiled kernel this build has (tiled_kernel_isa): VDPBF16PS's in quant_kernels.c, else the same numbers

@@ -32,7 +32,7 @@
 
 #if TILED_KERNEL
 
-enum { TILE = QUANT_TILE, BLOCK = 32, PAIRS = BLOCK / 2, ROW_BLOCK = 4, LARGEST = 32767 };
+enum { TILE = QUANT_TILE, BLOCK = NIBBLE_BLOCK, PAIRS = BLOCK / 2, ROW_BLOCK = 4, LARGEST = 32767 };
 
 /* One row of x (float32, or bf16) as 16-bit blocks: each pair of columns' two values in a 32-bit word (the
  * even column low, VPMADDWD's order), and its stats: each block's d, then each block's sum of q (exact in a
