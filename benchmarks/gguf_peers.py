@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _server import READY_TIMEOUT_S, exact_token_prompt, exit_on_sigterm
+from _server import READY_TIMEOUT_S, exact_token_prompt, exit_on_sigterm, load_tokenizer
 from _smollm2 import dense_folder, llama_cpp_dir, package_gguf, peer_gguf
 
 from llmbus.bench import BenchConfig, run_bench
@@ -88,6 +88,38 @@ def measure(url: str, single: list[str], many: list[str], warm: list[str], new_t
         if level.stats["errors"]:
             print(f"warning: {level.label}: {level.stats['error_kinds']}", file=sys.stderr)
     return {"c1": one.levels[0].stats["output_throughput"], "c64": lots.levels[0].stats["output_throughput"]}
+
+
+def add_served_options(p: argparse.ArgumentParser, beside: str) -> None:
+    """``--llama-server`` and the options of ``served_beside_llama_server`` (``beside``: what llama-server
+    serves, for the help)."""
+    p.add_argument("--llama-server", action="store_true", help=f"also serve it, beside llama-server{beside}")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--c1-requests", type=int, default=3)
+    p.add_argument("--served-concurrency", type=int, default=8)
+
+
+def served_beside_llama_server(gguf: str | Path, model_id: str, tokenizer_dir: str, a, tag: str = "") -> None:
+    """llama-server on ``gguf``, then ``llmbus up --model-id model_id --dtype bfloat16``, one after the other:
+    ``a.prompt_tokens``-token prompts (``tokenizer_dir``'s tokenizer), ``a.new_tokens`` new tokens with EOS
+    ignored, c=1 and c=``a.served_concurrency``; prints each one's tokens/s (names ending in ``tag``) and the
+    ratio."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    make = lambda label, n: [exact_token_prompt(tokenizer, a.prompt_tokens, f"{label} {i}")  # noqa: E731
+                             for i in range(n)]
+    single, many, warm = make("single", a.c1_requests + 1), make("request", a.served_concurrency), make("warm-up", 2)
+    results = {}
+    for name, serving in (("llama-server", lambda: LlamaServer(Path(gguf))),
+                          ("llmbus", lambda: Server(["--model-id", model_id, "--dtype", "bfloat16"],
+                                                    ready_timeout=READY_TIMEOUT_S))):
+        with serving() as server:
+            results[name] = r = measure(server.url, single, many, warm, a.new_tokens)
+        print(f"{name + tag:>20}: c=1 {r['c1']:7.2f} tok/s   c={a.served_concurrency} {r['c64']:7.2f} tok/s",
+              flush=True)
+    ours, theirs = results["llmbus"], results["llama-server"]
+    print(f"llmbus / llama-server: c=1 {ours['c1'] / theirs['c1']:.2f}x, "
+          f"c={a.served_concurrency} {ours['c64'] / theirs['c64']:.2f}x")
 
 
 def main() -> None:

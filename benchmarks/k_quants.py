@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from _server import READY_TIMEOUT_S, default_model_dir, exact_token_prompt, load_tokenizer
+from _server import default_model_dir
 from decode_step import LlmbusDecode, best_medians
+from gguf_peers import add_served_options, served_beside_llama_server
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
              vocab_size=32000, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
@@ -84,27 +85,6 @@ def load(folder: str, batches: list[int], context: int, steps: int, keep_q4_k: b
         gguf_checkpoint.KEPT_TYPES = kept
 
 
-def served(gguf: Path, a) -> None:
-    """``--llama-server``: the file served by llama-server and by llmbus, c=1 and c=N."""
-    from gguf_peers import LlamaServer, measure
-
-    from llmbus.testing import Server
-
-    tokenizer = load_tokenizer(str(gguf.parent / "hf"))
-    make = lambda tag, n: [exact_token_prompt(tokenizer, a.prompt_tokens, f"{tag} {i}") for i in range(n)]  # noqa: E731
-    single, many, warm = make("single", a.c1_requests + 1), make("request", a.served_concurrency), make("warm-up", 2)
-    results = {}
-    for name, serving in (("llama-server", lambda: LlamaServer(gguf)),
-                          ("llmbus", lambda: Server(["--model-id", str(gguf), "--dtype", "bfloat16"],
-                                                    ready_timeout=READY_TIMEOUT_S))):
-        with serving() as server:
-            results[name] = r = measure(server.url, single, many, warm, a.new_tokens)
-        print(f"{name:>14}: c=1 {r['c1']:7.2f} tok/s   c={a.served_concurrency} {r['c64']:7.2f} tok/s", flush=True)
-    ours, theirs = results["llmbus"], results["llama-server"]
-    print(f"llmbus / llama-server: c=1 {ours['c1'] / theirs['c1']:.2f}x, "
-          f"c={a.served_concurrency} {ours['c64'] / theirs['c64']:.2f}x")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -113,11 +93,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dry-run", action="store_true", help="tiny shape, 2 layers, batches 1,2, 3 steps, one round")
-    p.add_argument("--llama-server", action="store_true", help="also serve it, beside llama-server")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--c1-requests", type=int, default=3)
-    p.add_argument("--served-concurrency", type=int, default=8)
+    add_served_options(p, " on the same file")
     a = p.parse_args()
     shape, layers = (DRY_SHAPE, 2) if a.dry_run else (SHAPE, a.layers)
     batches = [1, 2] if a.dry_run else [int(b) for b in a.batches.split(",")]
@@ -131,7 +107,7 @@ def main() -> None:
         gguf = write_q4_k_m(shape, layers, Path(scratch))
         print(f"{gguf.name}: {gguf.stat().st_size / 2**20:.1f} MiB", flush=True)
         if a.llama_server:  # first: the servers are processes of their own, and this one keeps what it frees
-            served(gguf, a)
+            served_beside_llama_server(gguf, str(gguf), str(gguf.parent / "hf"), a)
         folder = str(materialize(gguf))
         sides = {}
         for name, keep in (("Q4_K kept", True), ("Q4_K expanded", False)):

@@ -40,8 +40,9 @@ import time
 
 import torch
 
-from _server import READY_TIMEOUT_S, default_model_dir, exact_token_prompt, load_tokenizer
+from _server import default_model_dir
 from decode_step import LlmbusDecode, best_medians
+from gguf_peers import add_served_options, served_beside_llama_server
 
 from llmbus.bus.procfs import rss_bytes
 from llmbus.workers import mxfp4
@@ -134,11 +135,8 @@ def expert_bytes(model) -> tuple[int, int]:
 
 
 def served(mxfp4_dir: str, scratch: str, a) -> None:
-    """``--llama-server``: the MXFP4 checkpoint served by llmbus and by llama-server, c=1 and c=N."""
+    """``--llama-server``: the MXFP4 checkpoint served by llmbus and, converted, by llama-server, c=1 and c=N."""
     from _smollm2 import gguf_from_hf
-    from gguf_peers import LlamaServer, measure
-
-    from llmbus.testing import Server
 
     tokenizer_dir = default_model_dir()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -148,19 +146,7 @@ def served(mxfp4_dir: str, scratch: str, a) -> None:
     converted = gguf_from_hf(mxfp4_dir, gguf, "bf16", pre="gpt-2")
     if converted.returncode != 0:
         raise SystemExit(f"llama.cpp's converter failed:\n{converted.stderr[-3000:]}")
-    tokenizer = load_tokenizer(mxfp4_dir)
-    make = lambda tag, n: [exact_token_prompt(tokenizer, a.prompt_tokens, f"{tag} {i}") for i in range(n)]  # noqa: E731
-    single, many, warm = make("single", a.c1_requests + 1), make("request", a.served_concurrency), make("warm-up", 2)
-    results = {}
-    for name, serving in (("llama-server mxfp4", lambda: LlamaServer(gguf)),
-                          ("llmbus mxfp4", lambda: Server(["--model-id", mxfp4_dir, "--dtype", "bfloat16"],
-                                                          ready_timeout=READY_TIMEOUT_S))):
-        with serving() as server:
-            results[name] = r = measure(server.url, single, many, warm, a.new_tokens)
-        print(f"{name:>20}: c=1 {r['c1']:7.2f} tok/s   c={a.served_concurrency} {r['c64']:7.2f} tok/s", flush=True)
-    ours, theirs = results["llmbus mxfp4"], results["llama-server mxfp4"]
-    print(f"llmbus / llama-server: c=1 {ours['c1'] / theirs['c1']:.2f}x, "
-          f"c={a.served_concurrency} {ours['c64'] / theirs['c64']:.2f}x")
+    served_beside_llama_server(gguf, mxfp4_dir, mxfp4_dir, a, tag=" mxfp4")
 
 
 def main() -> None:
@@ -171,12 +157,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dry-run", action="store_true", help="tiny shape, batches 1,2, 3 steps, one round")
-    p.add_argument("--llama-server", action="store_true", help="also serve it, beside llama-server's MXFP4")
     p.add_argument("--whole-20b", action="store_true", help="gpt-oss-20b's whole shape, MXFP4 kept only")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--c1-requests", type=int, default=3)
-    p.add_argument("--served-concurrency", type=int, default=8)
+    add_served_options(p, "'s MXFP4")
     a = p.parse_args()
     shape = DRY_SHAPE if a.dry_run else dict(SHAPE, vocab_size=201088) if a.whole_20b else SHAPE
     layers = PUBLISHED["gpt-oss-20b"][0] if a.whole_20b else a.layers
