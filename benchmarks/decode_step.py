@@ -103,6 +103,24 @@ def best_medians(sides: dict[str, LlmbusDecode], batches: list[int], steps: int,
     return best
 
 
+def add_timing_options(p, batches: str, steps: int, dry_run: str) -> None:
+    """``best_medians``' options: the batch sizes, each sequence's context, the steps timed, the alternated
+    rounds; and ``--dry-run`` (``dry_run`` its help)."""
+    p.add_argument("--batches", default=batches)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--repeats", type=int, default=3, help="alternating rounds; the best median counts")
+    p.add_argument("--dry-run", action="store_true", help=dry_run)
+
+
+def timing_of(a, dry_batches: list[int]) -> tuple[list[int], int, int, int]:
+    """(batches, steps, repeats, context) of ``add_timing_options``' options; a dry run's are ``dry_batches``,
+    3 steps, one round and 16 tokens of context."""
+    if a.dry_run:
+        return dry_batches, 3, 1, 16
+    return [int(b) for b in a.batches.split(",")], a.steps, a.repeats, a.context
+
+
 class TransformersDecode:
     def __init__(self, model_dir: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM

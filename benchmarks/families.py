@@ -27,7 +27,7 @@ import tempfile
 
 import torch
 
-from decode_step import LlmbusDecode, best_medians
+from decode_step import LlmbusDecode, add_timing_options, best_medians, timing_of
 
 from llmbus.testing.runner_driver import widen_weights
 from llmbus.workers import loader
@@ -94,16 +94,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default="llama,qwen3,phi3,gemma3,mixtral,qwen3_moe")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    p.add_argument("--batches", default="1,64")
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-fallback", action="store_true", help="time the native models only")
-    p.add_argument("--dry-run", action="store_true", help="tiny shape, batches 1,4, 3 steps, one round")
+    add_timing_options(p, "1,64", 16, "tiny shape, batches 1,4, 3 steps, one round")
     a = p.parse_args()
     shape = DRY_SHAPE if a.dry_run else SHAPE
-    batches = [1, 4] if a.dry_run else [int(b) for b in a.batches.split(",")]
-    steps, repeats, context = (3, 1, 16) if a.dry_run else (a.steps, a.repeats, a.context)
+    batches, steps, repeats, context = timing_of(a, [1, 4])
     dtype = getattr(torch, a.dtype)
     configs = family_configs(shape)
     names = a.families.split(",")

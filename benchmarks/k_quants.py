@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from _server import default_model_dir
-from decode_step import LlmbusDecode, best_medians
+from decode_step import LlmbusDecode, add_timing_options, best_medians, timing_of
 from gguf_peers import add_served_options, served_beside_llama_server
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
@@ -88,16 +88,11 @@ def load(folder: str, batches: list[int], context: int, steps: int, keep_q4_k: b
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dry-run", action="store_true", help="tiny shape, 2 layers, batches 1,2, 3 steps, one round")
+    add_timing_options(p, "1,8", 16, "tiny shape, 2 layers, batches 1,2, 3 steps, one round")
     add_served_options(p, " on the same file")
     a = p.parse_args()
     shape, layers = (DRY_SHAPE, 2) if a.dry_run else (SHAPE, a.layers)
-    batches = [1, 2] if a.dry_run else [int(b) for b in a.batches.split(",")]
-    steps, repeats, context = (3, 1, 16) if a.dry_run else (a.steps, a.repeats, a.context)
+    batches, steps, repeats, context = timing_of(a, [1, 2])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bfloat16, hidden {shape['hidden_size']}, "
           f"{layers} layers, vocabulary {shape['vocab_size']}, context {context}, {steps} timed steps, "
           f"best of {repeats}")

@@ -41,7 +41,7 @@ import time
 import torch
 
 from _server import default_model_dir
-from decode_step import LlmbusDecode, best_medians
+from decode_step import LlmbusDecode, add_timing_options, best_medians, timing_of
 from gguf_peers import add_served_options, served_beside_llama_server
 
 from llmbus.bus.procfs import rss_bytes
@@ -152,18 +152,13 @@ def served(mxfp4_dir: str, scratch: str, a) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dry-run", action="store_true", help="tiny shape, batches 1,2, 3 steps, one round")
+    add_timing_options(p, "1,8", 12, "tiny shape, batches 1,2, 3 steps, one round")
     p.add_argument("--whole-20b", action="store_true", help="gpt-oss-20b's whole shape, MXFP4 kept only")
     add_served_options(p, "'s MXFP4")
     a = p.parse_args()
     shape = DRY_SHAPE if a.dry_run else dict(SHAPE, vocab_size=201088) if a.whole_20b else SHAPE
     layers = PUBLISHED["gpt-oss-20b"][0] if a.whole_20b else a.layers
-    batches = [1, 2] if a.dry_run else [int(b) for b in a.batches.split(",")]
-    steps, repeats, context = (3, 1, 16) if a.dry_run else (a.steps, a.repeats, a.context)
+    batches, steps, repeats, context = timing_of(a, [1, 2])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bfloat16, hidden {shape['hidden_size']}, "
           f"{layers} layers of {shape['num_local_experts']} experts (top {shape['num_experts_per_tok']}), "
           f"vocabulary {shape['vocab_size']}, context {context}, {steps} timed steps, best of {repeats}")
