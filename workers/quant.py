@@ -375,22 +375,17 @@ class _KernelPack:
                 x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
                 self.values.data_ptr(), self.n, self.k_padded,
                 bias_pointer, y.data_ptr(), rows.data_ptr())
-        elif self.kind == bindings.TILED_MXFP4 or (self.is_int4 and not (is_f32 and split)
-                                                    and self.group % bindings.NIBBLE_BLOCK == 0):
-            # integer products against activations quantized to 16 bits (nibble_products.c): MXFP4 always, int4
-            # where x enters at bfloat16's precision (float32's hi + lo rows carry it further: the float form)
-            block_stats = _scratch_of("sums", 2 * m * (self.k_padded // bindings.NIBBLE_BLOCK))
-            status = _library().nibble_matmul(
-                x.data_ptr(), is_f32, m, self.k, x.stride(0), self.kind, self.values.data_ptr(),
-                self.scale.data_ptr(), None if self.low is None else self.low.data_ptr(), self.n, self.k_padded,
-                self.group, bias_pointer, y.data_ptr(), rows.data_ptr(), block_stats.data_ptr())
+        elif self.kind == bindings.TILED_MXFP4:
+            status = _library().mxfp4_matmul(
+                x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0), self.values.data_ptr(),
+                self.scale.data_ptr(), self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(),
+                rows.data_ptr(), self._sums(m, prepared).data_ptr())
         elif self.is_int4:
-            sums = _scratch_of("sums", prepared * (self.k_padded // self.group))
             status = _library().int4_matmul(
                 x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
                 self.values.data_ptr(), self.scale.data_ptr(),
                 self.low.data_ptr(), self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(),
-                rows.data_ptr(), sums.data_ptr())
+                rows.data_ptr(), self._sums(m, prepared).data_ptr())
         else:
             status = _library().int8_matmul(
                 x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
@@ -399,6 +394,12 @@ class _KernelPack:
         if status != 0:
             raise RuntimeError(f"quant_kernels.c refused a {m}x{self.k} by {self.n}x{self.k} product ({status})")
         return y
+
+    def _sums(self, m: int, prepared: int) -> torch.Tensor:
+        """Scratch for the kernel's per-row sums: int4's group sums of its ``prepared`` bf16 rows, or, where the
+        product is nibble_products.c's (quant_kernels.c decides), each of the ``m`` rows' block stats."""
+        return _scratch_of("sums", max(prepared * (self.k_padded // self.group),
+                                       2 * m * (self.k_padded // bindings.NIBBLE_BLOCK)))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the int8 or bf16 weight, dequantized to float32."""

@@ -124,13 +124,12 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "gemm_f32": ([_P] * 3 + [_I64] * 3 + [_P], _INT),  # x, w, bias, m, n, k, y
     "tiled_kernel_isa": ([], _INT),
     # x, x is float32, split float32 x, m, k, x stride, values, scale, (int4: low,) n, k padded, group, bias, y,
-    # rows, (int4: sums)
+    # rows, (int4, MXFP4: sums)
     "int8_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
     # x, x is float32, split float32 x, m, k, x stride, values, n, k padded, bias, y, rows
     "bf16_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P], _INT),
     "int4_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
-    # x, x is float32, m, k, x stride, kind, values, scale, low, n, k padded, group, bias, y, pairs, block stats
-    "nibble_matmul": ([_P, _INT, _I64, _I64, _I64, _INT, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
+    "mxfp4_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),  # no low
     "greedy_f32": ([_P, _I64, _I64, _I64, _P, _P], _INT),  # logits, rows, vocab, stride, ids, logprobs
     # logits, raw, rows, vocab, stride, sampled, temperatures, uniforms, scratch, scratch rows, ids, logprobs
     "sample_f32": ([_P, _P, _I64, _I64, _I64] + [_P] * 4 + [_I64] + [_P] * 2, _INT),

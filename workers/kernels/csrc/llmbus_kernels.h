@@ -157,7 +157,7 @@ LLMBUS_API int gemm_f32_runs(void);
 LLMBUS_API int gemm_f32(const float *x, const float *w, const float *bias, int64_t m, int64_t n, int64_t k,
                         float *y);
 
-/* quant_kernels.c: weight-only int8 / int4 / bf16 products, where this build has a tiled kernel
+/* quant_kernels.c: weight-only int8 / int4 / MXFP4 / bf16 products, where this build has a tiled kernel
  * (tiled_kernel_isa: AVX512-BF16's, or AVX2 + FMA's with the same numbers; none: the products return -1). */
 enum { TILED_ISA_NONE = 0, TILED_ISA_AVX2 = 1, TILED_ISA_AVX512_BF16 = 2 };
 LLMBUS_API int tiled_kernel_isa(void);
@@ -172,13 +172,9 @@ LLMBUS_API int int4_matmul(const void *x, int x_is_f32, int split, int64_t m, in
                            int64_t k_padded, int64_t group, const float *bias, void *y, uint16_t *rows,
                            float *sums);
 
-/* nibble_products.c: 4-bit weights (the tiled nibble layout: MXFP4's e2m1 codes with e8m0 scales, int4's
- * with float32 scale and low) against activations quantized to 16 bits in blocks of 32, where this build has
- * a tiled kernel (-1 where not). */
-LLMBUS_API int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
-                             const uint8_t *values, const void *scale, const float *low, int64_t n,
-                             int64_t k_padded, int64_t group, const float *bias, void *y, uint32_t *pairs,
-                             float *block_stats);
+LLMBUS_API int mxfp4_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
+                            const uint8_t *values, const uint8_t *scale, int64_t n, int64_t k_padded, int64_t group,
+                            const float *bias, void *y, uint16_t *rows, float *sums);
 
 /* sampling.c: the greedy choice and the inverse-CDF draw over float32 logits rows. */
 LLMBUS_API int greedy_f32(const float *logits, int64_t rows, int64_t vocab, int64_t stride, int64_t *ids,

@@ -226,9 +226,7 @@ void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const floa
                    y_stride, accumulate);
 }
 
-/* x: m rows of k (bf16, or float32 where x_is_f32; x_stride apart); y: m x n of x's dtype; kind: TILED_MXFP4
- * (scale: e8m0 bytes, group 32) or TILED_INT4 (scale and low: float32; group a multiple of 32); pairs: scratch
- * of m * k_padded / 2 words; block_stats: of 2 * m * k_padded / 32 floats. */
+/* internal.h: x, m rows of k (bf16, or float32 where x_is_f32; x_stride apart), times w; y: m x n of x's dtype. */
 int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
                   const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
                   int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats) {

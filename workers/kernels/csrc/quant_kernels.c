@@ -211,6 +211,11 @@ void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float 
 
 static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
                         int64_t n, const float *bias, void *y, uint16_t *rows, float *sums) {
+    Tiled as_read = *w;
+    as_read.split = x_is_f32 && w->split; /* bf16 rows are never split */
+    if (nibble_tiled(&as_read))
+        return nibble_matmul(x, x_is_f32, m, k, x_stride, (int)w->kind, (const uint8_t *)w->values, w->scale, w->low,
+                             n, w->k_padded, w->group, bias, y, (uint32_t *)rows, sums);
     if (w->k_padded % w->group || w->group % 2 || k > w->k_padded) return -2;
     prepare_rows(x, x_is_f32, (int)w->split, m, k, x_stride, w->k_padded, w->group, rows,
                  w->kind == TILED_INT4 ? sums : NULL);
@@ -236,7 +241,8 @@ static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, 
 
 /* x: m rows of k (bf16, or float32 when x_is_f32, split into hi and lo rows where `split`; y has x's dtype,
  * m x n contiguous); rows: scratch of (x_is_f32 ? 2 : 1) * m * k_padded bf16; sums: (x_is_f32 ? 2 : 1) * m
- * * k_padded / group floats. */
+ * * k_padded / group floats, and at least 2 * m * k_padded / NIBBLE_BLOCK where the product is nibble_tiled's
+ * (int4 with unsplit rows, MXFP4: nibble_products.c's integer products). */
 int int8_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                 const int8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
                 const float *bias, void *y, uint16_t *rows) {
@@ -248,6 +254,14 @@ int int4_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, in
                 const uint8_t *values, const float *scale, const float *low, int64_t n, int64_t k_padded,
                 int64_t group, const float *bias, void *y, uint16_t *rows, float *sums) {
     Tiled w = {values, scale, low, TILED_INT4, k_padded, group, split};
+    return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, sums);
+}
+
+/* scale: e8m0 bytes */
+int mxfp4_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
+                 const uint8_t *values, const uint8_t *scale, int64_t n, int64_t k_padded, int64_t group,
+                 const float *bias, void *y, uint16_t *rows, float *sums) {
+    Tiled w = {values, (const float *)scale, NULL, TILED_MXFP4, k_padded, group, split};
     return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, sums);
 }
 
