@@ -138,14 +138,15 @@ def test_mxfp4_scales_pack_as_their_e8m0_bytes():
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
 @pytest.mark.parametrize("form", ["mxfp4", "int4 g32"])
-def test_nibble_rows_do_not_depend_on_the_rows_beside_them(form):
+@pytest.mark.parametrize("k", [96, 4160])  # 4160: 130 blocks, past a chunk that many rows widen at a time
+def test_nibble_rows_do_not_depend_on_the_rows_beside_them(form, k):
     """A row's result is the same bits alone or among others (each row's blocks are quantized and summed by
-    themselves), and a row holding an infinity or a NaN comes out NaN without touching the rest; a zero row
-    gives the bias."""
-    w = NIBBLE_FORMS[form](37, 96)  # 37 outputs: not whole tiles of 16
+    themselves, whether the weights are widened for each block of rows or once for all of them), and a row
+    holding an infinity or a NaN comes out NaN without touching the rest; a zero row gives the bias."""
+    w = NIBBLE_FORMS[form](37, k)  # 37 outputs: not whole tiles of 16
     bias = torch.randn(37)
     linear = quant.QuantizedLinear(w, bias, torch.float32, bf16_inputs=True)
-    x = torch.randn(11, 96)
+    x = torch.randn(11, k)
     x[3] = 0
     x[7, 40], x[8, 2] = float("inf"), float("nan")
     together = linear(x)
