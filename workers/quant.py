@@ -20,7 +20,7 @@ Q4_0 and Q4_1 are int4 in groups of 32; every float16 of the file is exact in th
 
 ``QuantizedLinear`` computes with ``quant_kernels.c``'s tiled kernel (AVX512-BF16, or the same numbers from
 AVX2 + FMA in ``quant_kernels_avx2.c``; built on first use with the other kernels, ``workers/kernels``) for
-bfloat16 and float32 activations; MXFP4, and int4 with activations at bfloat16's precision, with
+bfloat16 and float32 activations; MXFP4, and int8 and int4 with activations at bfloat16's precision, with
 ``nibble_products.c``'s integer products, the activations quantized to 16 bits in blocks of 32 (one
 implementation for both). Where that kernel cannot run (no compiler, no AVX2 + FMA,
 ``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
@@ -336,7 +336,9 @@ class _KernelPack:
         self.kind = (bindings.TILED_BF16 if isinstance(weight, Bf16Weight)
                      else bindings.TILED_INT4 if self.is_int4
                      else bindings.TILED_MXFP4 if isinstance(weight, Mxfp4Weight) else bindings.TILED_INT8)
-        self.group = weight.group if weight.group is not None else k + k % 2
+        # one scale a row: a group of whole blocks of activations, as the integer products take them
+        block = bindings.NIBBLE_BLOCK
+        self.group = weight.group if weight.group is not None else -(-k // block) * block
         self.k_padded = _groups(k, self.group) * self.group
         self.scale = self.low = None
         if self.kind == bindings.TILED_BF16:  # [T, Kp/2, 16, 2]: 16 rows' pairs of columns, as VDPBF16PS reads
@@ -390,7 +392,8 @@ class _KernelPack:
             status = _library().int8_matmul(
                 x.data_ptr(), is_f32, int(split), m, self.k, x.stride(0),
                 self.values.data_ptr(), self.scale.data_ptr(),
-                self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(), rows.data_ptr())
+                self.n, self.k_padded, self.group, bias_pointer, y.data_ptr(), rows.data_ptr(),
+                self._sums(m, prepared).data_ptr())
         if status != 0:
             raise RuntimeError(f"quant_kernels.c refused a {m}x{self.k} by {self.n}x{self.k} product ({status})")
         return y

@@ -115,8 +115,8 @@ def test_tiled_rows_are_the_kernels_bits_whatever_the_batch(form, out_features, 
     """A tiled projection in the fused layer gives the bits the tiled kernels' product gives, and a row's
     result does not depend on how many rows are beside it (1, 3, 8 or 13: past MAX_ROWS too). Inputs as
     bf16 hi + lo carry x to ~2^-17; rounded to bf16 (the bfloat16 plan) the products are those of bf16(x), but
-    for the nibble forms' (int4 there, MXFP4 always), whose 16-bit activations carry x to 2^-16 of its
-    block's largest."""
+    for the integer forms' (int8 and int4 there, MXFP4 always), whose 16-bit activations carry x to 2^-16 of
+    its block's largest."""
     torch.manual_seed(out_features + in_features)
     make = {"bf16": as_bf16, "int8": quantize_int8, "int4": quantize_int4, "mxfp4": mxfp4_weight}[form]
     weight = make(torch.randn(out_features, in_features))
@@ -129,7 +129,7 @@ def test_tiled_rows_are_the_kernels_bits_whatever_the_batch(form, out_features, 
     assert torch.equal(alone, linear(x))
     for rows in (1, 3, 8, 13):
         assert torch.equal(gemv(proj, x[:rows], out_features), alone[:rows])
-    nibbles = form == "mxfp4" or (form == "int4" and bf16_inputs)
-    exact_x = x.bfloat16() if bf16_inputs and not nibbles else x
+    integers = form == "mxfp4" or (form in ("int8", "int4") and bf16_inputs)
+    exact_x = x.bfloat16() if bf16_inputs and not integers else x
     torch.testing.assert_close(alone, (exact_x.double() @ weight.dequantize().double().T).float(), rtol=1e-4,
                                atol=1e-3)

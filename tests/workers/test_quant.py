@@ -92,7 +92,10 @@ def wide_mxfp4(n: int, k: int) -> quant.Mxfp4Weight:
 
 
 NIBBLE_FORMS = {"mxfp4": wide_mxfp4, "int4 g32": lambda n, k: quant.quantize_int4(weight(n, k) * 4, 32),
-                "int4 g64": lambda n, k: quant.quantize_int4(weight(n, k), 64)}
+                "int4 g64": lambda n, k: quant.quantize_int4(weight(n, k), 64),
+                "int8 g32": lambda n, k: quant.quantize_int8(weight(n, k) * 4, 32),
+                "int8 g16": lambda n, k: quant.quantize_int8(weight(n, k), 16),  # Q6_K's
+                "int8 row": lambda n, k: quant.quantize_int8(weight(n, k), None)}
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
@@ -104,8 +107,8 @@ def test_nibble_kernels_multiply_16_bit_activations(form, k, dtype):
     where they enter at bfloat16's precision: up to float32 accumulation, the kernel gives the exact product of
     those values with the weights' values (int4's offsets against the quantized activations' sums), for any
     number of rows."""
-    if form == "mxfp4" and k % 32:
-        pytest.skip("MXFP4 is whole blocks of 32")
+    if form in ("mxfp4", "int8 g16") and k % 32:
+        pytest.skip("MXFP4 is whole blocks of 32, and int8 in groups of 16 (Q6_K's rows: whole super-blocks)")
     w = NIBBLE_FORMS[form](100, k)
     bias = torch.randn(100)
     for rows in (1, 5, 9, 70):
@@ -137,7 +140,7 @@ def test_mxfp4_scales_pack_as_their_e8m0_bytes():
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
-@pytest.mark.parametrize("form", ["mxfp4", "int4 g32"])
+@pytest.mark.parametrize("form", ["mxfp4", "int4 g32", "int8 g16"])
 @pytest.mark.parametrize("k", [96, 4160])  # 4160: 130 blocks, past a chunk that many rows widen at a time
 def test_nibble_rows_do_not_depend_on_the_rows_beside_them(form, k):
     """A row's result is the same bits alone or among others (each row's blocks are quantized and summed by
@@ -146,14 +149,14 @@ def test_nibble_rows_do_not_depend_on_the_rows_beside_them(form, k):
     w = NIBBLE_FORMS[form](37, k)  # 37 outputs: not whole tiles of 16
     bias = torch.randn(37)
     linear = quant.QuantizedLinear(w, bias, torch.float32, bf16_inputs=True)
-    x = torch.randn(11, k)
+    x = torch.randn(21, k)  # past 16 rows: int8 widens its values once for all rows there too
     x[3] = 0
     x[7, 40], x[8, 2] = float("inf"), float("nan")
     together = linear(x)
-    for row in range(11):
+    for row in range(21):
         alone = linear(x[row:row + 1])
         assert torch.equal(alone, together[row:row + 1]) or (row in (7, 8) and alone.isnan().all()), row
-    assert together[7:9].isnan().all() and not together[[0, 1, 2, 3, 4, 5, 6, 9, 10]].isnan().any()
+    assert together[7:9].isnan().all() and not together[[r for r in range(21) if r not in (7, 8)]].isnan().any()
     assert torch.equal(together[3], bias)
 
 

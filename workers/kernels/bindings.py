@@ -21,7 +21,7 @@ log = structlog.get_logger("llmbus.workers.kernels")
 
 MAX_ROWS = 8  # batch rows one GEMV pass of the fused decode layer serves
 QUANT_TILE = 16  # output rows per vector of quant_kernels.c's weight layout
-NIBBLE_BLOCK = 32  # columns a block of nibble_products.c's 16-bit activations: int4 groups are whole ones
+NIBBLE_BLOCK = 32  # columns a block of nibble_products.c's 16-bit activations: int4 and int8 groups are whole ones
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -124,8 +124,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "gemm_f32": ([_P] * 3 + [_I64] * 3 + [_P], _INT),  # x, w, bias, m, n, k, y
     "tiled_kernel_isa": ([], _INT),
     # x, x is float32, split float32 x, m, k, x stride, values, scale, (int4: low,) n, k padded, group, bias, y,
-    # rows, (int4, MXFP4: sums)
-    "int8_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
+    # rows, sums
+    "int8_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
     # x, x is float32, split float32 x, m, k, x stride, values, n, k padded, bias, y, rows
     "bf16_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _P], _INT),
     "int4_matmul": ([_P, _INT, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),

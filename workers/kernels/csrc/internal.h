@@ -102,13 +102,14 @@ void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out,
 void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int accumulate);
 
-/* nibble_products.c, for the same: whether w computes there (MXFP4, and int4 with bf16-rounded inputs), and
+/* nibble_products.c, for the same: whether w computes there (MXFP4, and int8 and int4 with bf16-rounded inputs:
+ * groups of whole blocks of NIBBLE_BLOCK, or int8's of 16 in whole blocks), and
  * its halves of a product: a row quantized to 16-bit pairs (k_padded / 2 words) and its stats (2 k_padded /
  * NIBBLE_BLOCK floats), and tile t against `inputs` such rows. */
 int nibble_tiled(const Tiled *w);
 /* The whole product there, as quant_kernels.c's entry points hand it over: kind TILED_MXFP4 (scale: e8m0 bytes,
- * group 32) or TILED_INT4 (scale and low: float32; group a multiple of NIBBLE_BLOCK); pairs: scratch of m *
- * k_padded / 2 words; block_stats: of 2 * m * k_padded / NIBBLE_BLOCK floats. */
+ * group 32), TILED_INT4 (scale and low: float32) or TILED_INT8 (scale: float32); pairs: scratch of m * k_padded
+ * / 2 words; block_stats: of 2 * m * k_padded / NIBBLE_BLOCK floats. */
 int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
                   const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
                   int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats);

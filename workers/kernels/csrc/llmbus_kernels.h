@@ -19,7 +19,8 @@ enum { MAX_ROWS = 8 };
 /* Output rows per vector (a tile) of quant_kernels.c's weight layout. */
 enum { QUANT_TILE = 16 };
 
-/* Columns of a block nibble_products.c quantizes activations in (MXFP4's block): int4 groups are whole ones. */
+/* Columns of a block nibble_products.c quantizes activations in (MXFP4's block): int4 groups are whole ones, and
+ * int8's are, or halves (Q6_K's 16). */
 enum { NIBBLE_BLOCK = 32 };
 
 /* A projection's weight [out, in]: float32 rows, or int8 rows with a float32 scale per row and group of
@@ -163,7 +164,7 @@ enum { TILED_ISA_NONE = 0, TILED_ISA_AVX2 = 1, TILED_ISA_AVX512_BF16 = 2 };
 LLMBUS_API int tiled_kernel_isa(void);
 LLMBUS_API int int8_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                            const int8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
-                           const float *bias, void *y, uint16_t *rows);
+                           const float *bias, void *y, uint16_t *rows, float *sums);
 LLMBUS_API int bf16_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                            const uint16_t *values, int64_t n, int64_t k_padded, const float *bias, void *y,
                            uint16_t *rows);

@@ -1,30 +1,33 @@
-/* 4-bit weights against 16-bit activations: y[M, N] = x[M, K] @ dequantize(w)[N, K]^T (+ bias), for the two
- * nibble forms: MXFP4 (gpt-oss's experts as published, quant.Mxfp4Weight) and int4 (GGUF's Q4_0, Q4_1 and
- * Q4_K, GPTQ/AWQ's, --quantize int4: quant.Int4Weight) where the activations enter in bfloat16's precision.
+/* Integer weights against 16-bit activations: y[M, N] = x[M, K] @ dequantize(w)[N, K]^T (+ bias), for the
+ * tiled integer forms where the activations enter in bfloat16's precision (the bfloat16 plan): MXFP4
+ * (gpt-oss's experts as published, quant.Mxfp4Weight), int4 (GGUF's Q4_0, Q4_1 and Q4_K, GPTQ/AWQ's,
+ * --quantize int4: quant.Int4Weight) and int8 (GGUF's Q8_0 and Q6_K, --quantize int8: quant.Int8Weight).
  *
  * Why integers: on AVX2 the float forms (quant_kernels_avx2.c's FMAs over widened bf16 pairs) spend about 24
- * vector instructions on a pair of columns of a tile, and a one-row product was bound by them, at twice the
- * time its bytes take to read. Here a pair costs about 12, and each further row 5: a 256-bit PSHUFB turns an
- * MXFP4 pair's 32 codes into twice their values (int4's codes are their values), shifts widen them to 16
- * bits, and VPMADDWD multiplies them with the activations' 16-bit integers and adds each row's two products,
- * all exact. The activations are quantized in blocks of 32: d = max|x| / 32767, q = round(x / d). That and
- * float32 accumulation are the only roundings: each block's integer sum is exact, then scaled and added to
- * its row's float32 total block after block (int4's offset: its group's low times d times the block's sum of
- * q, the exact sum of the quantized activations). A value is carried to within 2^-16 of its block's largest,
- * where rounding it to bfloat16 (what the tiled float forms multiply in the bfloat16 plan) carries it to 2^-9
- * of itself. (llama.cpp quantizes to 8 bits, Q8_0: 8% less time a one-row MXFP4 product here, at 2^-8 of the
- * block's largest; docs/design-notes.md has the measurements.)
+ * vector instructions on a pair of columns of a 4-bit tile, and a one-row product was bound by them, at twice
+ * the time its bytes take to read. Here a pair costs about 12, and each further row 5: a 256-bit PSHUFB turns
+ * an MXFP4 pair's 32 codes into twice their values (int4's codes are their values; int8's bytes are
+ * sign-extended), shifts widen them to 16 bits, and VPMADDWD multiplies them with the activations' 16-bit
+ * integers and adds each row's two products, all exact. The activations are quantized in blocks of 32:
+ * d = max|x| / 32767, q = round(x / d). That and float32 accumulation are the only roundings: each block's
+ * (int8 in groups of 16: each group's) integer sum is exact, then scaled and added to its row's float32 total
+ * one after the other (int4's offset: its group's low times d times the block's sum of q, the exact sum of the
+ * quantized activations; an int8 sum past 2^24 is rounded to float32 there). A value is carried to within
+ * 2^-16 of its block's largest, where rounding it to bfloat16 (what the tiled float forms multiply) carries it
+ * to 2^-9 of itself. (llama.cpp quantizes to 8 bits, Q8_0: 8% less time a one-row MXFP4 product here, at 2^-8
+ * of the block's largest; docs/design-notes.md has the measurements.)
  *
  * One implementation for every CPU with a tiled kernel (AVX2 intrinsics; AVX-512 CPUs run them too), so every
  * such CPU gives the same numbers bit for bit, and a row's result does not depend on the rows beside it.
  *
- * Layout: quant_kernels.c's header (values [N/16][K/2][16] bytes, a row's codes of a pair of columns in one
- * byte, the even column low; G groups of a multiple of 32 columns). MXFP4's scales are its e8m0 bytes [N/16]
- * [G][16] (2^(byte - 127); byte 0 is 2^-127, a float32 subnormal) and its lookup gives 2e (e the e2m1 value),
- * so a block's scale is halved to match; int4's are float32 scale and low [N/16][G][16] (w = q * scale +
- * low). A pair's even and odd values of a row, interleaved as 16-bit pairs, put rows 0..3 and 8..11 in one
- * vector and 4..7 and 12..15 in the other: the order the group scales are taken in and the totals put back
- * from (apart, rows_in_order). */
+ * Layout: quant_kernels.c's header. 4-bit values [N/16][K/2][16] bytes, a row's codes of a pair of columns in
+ * one byte, the even column low; int8 values [N/16][K/2][2][16], the even column's 16 rows, then the odd
+ * one's. G groups of a multiple of 32 columns (int8: or of 16, with K a multiple of 32). MXFP4's scales are
+ * its e8m0 bytes [N/16][G][16] (2^(byte - 127); byte 0 is 2^-127, a float32 subnormal) and its lookup gives
+ * 2e (e the e2m1 value), so a block's scale is halved to match; int4's are float32 scale and low [N/16][G][16]
+ * (w = q * scale + low), int8's a float32 scale (w = q * scale). A pair's even and odd values of a row,
+ * interleaved as 16-bit pairs, put rows 0..3 and 8..11 in one vector and 4..7 and 12..15 in the other: the
+ * order the group scales are taken in and the totals put back from (apart, rows_in_order). */
 #include "internal.h"
 
 #include <math.h>
@@ -35,7 +38,8 @@
 
 /* CHUNK_BLOCKS: the blocks of a tile a product of many rows widens at a time, 128 KiB of 16-bit values, which
  * stay in L2 while every row passes over them (64 and 256 measured no better on Zen 3, 32 worse). */
-enum { TILE = QUANT_TILE, BLOCK = NIBBLE_BLOCK, PAIRS = BLOCK / 2, ROW_BLOCK = 4, LARGEST = 32767, CHUNK_BLOCKS = 128 };
+enum { TILE = QUANT_TILE, BLOCK = NIBBLE_BLOCK, PAIRS = BLOCK / 2, ROW_BLOCK = 4, LARGEST = 32767, CHUNK_BLOCKS = 128,
+       SHORT_GROUP = 16 };
 
 /* One row of x (float32, or bf16) as 16-bit blocks: each pair of columns' two values in a 32-bit word (the
  * even column low, VPMADDWD's order), and its stats: each block's d, then each block's sum of q (exact in a
@@ -75,6 +79,12 @@ static void quantize_row(const void *x_row, int x_is_f32, int64_t k, int64_t k_p
 static inline __attribute__((always_inline)) void pair_values(const int kind, const uint8_t *pair, __m256i out[2]) {
     const __m256i table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    if (kind == TILED_INT8) { /* the even column's 16 rows, then the odd one's */
+        const __m256i even = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)pair));
+        const __m256i odd = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pair + TILE)));
+        out[0] = _mm256_unpacklo_epi16(even, odd), out[1] = _mm256_unpackhi_epi16(even, odd);
+        return;
+    }
     __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)pair));
     /* the low nibble stays in the low byte, the high one moves to the high byte */
     __m256i codes = _mm256_and_si256(_mm256_or_si256(words, _mm256_slli_epi16(words, 4)), _mm256_set1_epi16(0x0F0F));
@@ -115,44 +125,48 @@ static inline void rows_in_order(__m256 v[2]) {
     v[0] = low, v[1] = high;
 }
 
-/* Where tile t of a nibble weight starts. */
+/* Where tile t of a weight starts. */
 typedef struct {
     const uint8_t *values;
     const void *scale; /* MXFP4: uint8 e8m0; int4: float32 */
     const float *low;  /* int4 only */
 } Nibbles;
 
+/* Bytes of a pair of columns of a tile: int8's two columns of 16 rows, a nibble form's one byte a row. */
+static inline int64_t pair_bytes(const int kind) { return kind == TILED_INT8 ? 2 * TILE : TILE; }
+
 /* One tile against `count` consecutive quantized rows from `first`: blocks from..to-1 added to each row's totals,
  * block after block. A pair's values are widened here, or read from `widened` (the pairs from block `from` on,
  * widened once for every row block of a long product). */
-static inline __attribute__((always_inline)) void block_rows(const int kind, Nibbles w, const __m256i *widened,
+static inline __attribute__((always_inline)) void block_rows(const int kind, const int run, Nibbles w,
+                                                            const __m256i *widened,
                                                             const uint32_t *pairs, const float *stats,
                                                             int64_t first, const int count, int64_t k_padded,
                                                             int64_t group, int64_t from, int64_t to,
                                                             __m256 total[][2]) {
     const int64_t blocks = k_padded / BLOCK, stride = k_padded / 2;
     const uint32_t *x = pairs + first * stride;
-    for (int64_t b = from; b < to; b++) {
+    for (int64_t r = from * PAIRS / run; r < to * PAIRS / run; r++) {
         __m256i sum[ROW_BLOCK][2];
         for (int i = 0; i < count; i++) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
-        for (int64_t p = b * PAIRS; p < (b + 1) * PAIRS; p++) {
+        for (int64_t p = r * run; p < (r + 1) * run; p++) {
             __m256i v[2];
             if (widened != NULL)
                 v[0] = widened[2 * (p - from * PAIRS)], v[1] = widened[2 * (p - from * PAIRS) + 1];
             else
-                pair_values(kind, w.values + p * TILE, v);
+                pair_values(kind, w.values + p * pair_bytes(kind), v);
             for (int i = 0; i < count; i++) {
                 const __m256i xx = _mm256_set1_epi32((int)x[i * stride + p]);
                 for (int h = 0; h < 2; h++) sum[i][h] = _mm256_add_epi32(sum[i][h], _mm256_madd_epi16(v[h], xx));
             }
         }
-        const int64_t g = b * BLOCK / group;
+        const int64_t g = 2 * r * run / group, b = 2 * r * run / BLOCK;
         __m256 scale[2], low[2];
         if (kind == TILED_MXFP4) {
             scales_apart((const uint8_t *)w.scale + g * TILE, scale);
         } else {
             floats_apart((const float *)w.scale + g * TILE, scale);
-            floats_apart(w.low + g * TILE, low);
+            if (kind == TILED_INT4) floats_apart(w.low + g * TILE, low);
         }
         for (int i = 0; i < count; i++) {
             const float *d = stats + (first + i) * 2 * blocks + b, *q_sum = d + blocks;
@@ -169,13 +183,14 @@ static inline __attribute__((always_inline)) void block_rows(const int kind, Nib
 }
 
 /* block_rows with `count` as a constant, which keeps the sums in registers. */
-static inline __attribute__((always_inline)) void rows_of(const int kind, Nibbles w, const __m256i *widened,
-                                                         const uint32_t *pairs, const float *stats, int64_t first,
-                                                         int64_t count, int64_t k_padded, int64_t group,
-                                                         int64_t from, int64_t to, __m256 total[][2]) {
+static inline __attribute__((always_inline)) void rows_of(const int kind, const int run, Nibbles w,
+                                                         const __m256i *widened, const uint32_t *pairs,
+                                                         const float *stats, int64_t first, int64_t count,
+                                                         int64_t k_padded, int64_t group, int64_t from, int64_t to,
+                                                         __m256 total[][2]) {
     switch (count) {
 #define ROWS_CASE(c) \
-    case c: block_rows(kind, w, widened, pairs, stats, first, c, k_padded, group, from, to, total); break;
+    case c: block_rows(kind, run, w, widened, pairs, stats, first, c, k_padded, group, from, to, total); break;
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
 #undef ROWS_CASE
     }
@@ -218,27 +233,30 @@ static __m256 *totals_for(int64_t rows) {
     return scratch.widened != NULL ? scratch.totals : NULL;
 }
 
-static inline __attribute__((always_inline)) void block_tile(const int kind, Nibbles w, int64_t t,
+static inline __attribute__((always_inline)) void block_tile(const int kind, const int run, Nibbles w, int64_t t,
                                                             const uint32_t *pairs, const float *stats, int64_t m,
                                                             int64_t n, int64_t k_padded, int64_t group,
                                                             const float *bias, void *y, int y_is_f32,
                                                             int64_t y_stride, int accumulate) {
     const int64_t at = t * (k_padded / group) * TILE; /* the tile's first group scale */
     const int64_t blocks = k_padded / BLOCK;
-    w.values += t * (k_padded / 2) * TILE;
+    w.values += t * (k_padded / 2) * pair_bytes(kind);
     w.scale = kind == TILED_MXFP4 ? (const void *)((const uint8_t *)w.scale + at)
                                   : (const void *)((const float *)w.scale + at);
     w.low = kind == TILED_INT4 ? w.low + at : NULL;
-    /* Past one block of rows, each chunk of the tile's pairs is widened once for all of them, not once a row
-     * block (22 instructions a pair and block of 4 rows, not 28): the same sums in the same order, so the same
-     * bits. Where the scratch cannot be had, the rows go block by block as a short product's do. */
-    __m256 *totals = m > ROW_BLOCK ? totals_for(m) : NULL;
+    /* Past one block of rows, each chunk of the tile's 4-bit pairs is widened once for all of them, not once a
+     * row block (22 instructions a pair and block of 4 rows, not 28): the same sums in the same order, so the
+     * same bits. int8's bytes widen in 4 instructions, not 8, and storing and reading them back gained only
+     * past 16 rows (Q6_K's groups of 16 lost up to 16, Q8_0's up to 8; 9% and 24% less time at 128). Where
+     * the scratch cannot be had, the rows go block by block as a short product's do. */
+    const int64_t widened_past = kind == TILED_INT8 ? 4 * ROW_BLOCK : ROW_BLOCK;
+    __m256 *totals = m > widened_past ? totals_for(m) : NULL;
     if (totals == NULL) {
         for (int64_t first = 0; first < m; first += ROW_BLOCK) {
             __m256 total[ROW_BLOCK][2];
             const int64_t count = m - first < ROW_BLOCK ? m - first : ROW_BLOCK;
             for (int64_t i = 0; i < count; i++) total[i][0] = total[i][1] = _mm256_setzero_ps();
-            rows_of(kind, w, NULL, pairs, stats, first, count, k_padded, group, 0, blocks, total);
+            rows_of(kind, run, w, NULL, pairs, stats, first, count, k_padded, group, 0, blocks, total);
             for (int64_t i = 0; i < count; i++) {
                 rows_in_order(total[i]);
                 store_row(y, y_is_f32, y_stride, accumulate, n, first + i, t * TILE, total[i], bias);
@@ -250,10 +268,10 @@ static inline __attribute__((always_inline)) void block_tile(const int kind, Nib
     for (int64_t from = 0; from < blocks; from += CHUNK_BLOCKS) {
         const int64_t to = blocks - from < CHUNK_BLOCKS ? blocks : from + CHUNK_BLOCKS;
         for (int64_t p = from * PAIRS; p < to * PAIRS; p++)
-            pair_values(kind, w.values + p * TILE, scratch.widened + 2 * (p - from * PAIRS));
+            pair_values(kind, w.values + p * pair_bytes(kind), scratch.widened + 2 * (p - from * PAIRS));
         for (int64_t first = 0; first < m; first += ROW_BLOCK) {
             const int64_t count = m - first < ROW_BLOCK ? m - first : ROW_BLOCK;
-            rows_of(kind, w, scratch.widened, pairs, stats, first, count, k_padded, group, from, to,
+            rows_of(kind, run, w, scratch.widened, pairs, stats, first, count, k_padded, group, from, to,
                     (__m256(*)[2])(totals + 2 * first));
         }
     }
@@ -268,9 +286,36 @@ static inline __attribute__((always_inline)) Nibbles nibbles_of(const Tiled *w) 
     return n;
 }
 
+/* block_tile with the kind and the run of pairs summed as integers as constants (a block, or int8's group where
+ * it is shorter: Q6_K's 16), each its own function: the compiler's budget for inlining is a function's. */
+#define TILE_FUNCTION(NAME, KIND, RUN)                                                                            \
+    static __attribute__((noinline)) void NAME(Nibbles w, int64_t t, const uint32_t *pairs, const float *stats,   \
+                                               int64_t m, int64_t n, int64_t k_padded, int64_t group,             \
+                                               const float *bias, void *y, int y_is_f32, int64_t y_stride,        \
+                                               int accumulate) {                                                  \
+        block_tile(KIND, RUN, w, t, pairs, stats, m, n, k_padded, group, bias, y, y_is_f32, y_stride, accumulate); \
+    }
+TILE_FUNCTION(mxfp4_tile, TILED_MXFP4, PAIRS)
+TILE_FUNCTION(int4_tile, TILED_INT4, PAIRS)
+TILE_FUNCTION(int8_tile, TILED_INT8, PAIRS)
+TILE_FUNCTION(int8_short_tile, TILED_INT8, SHORT_GROUP / 2)
+#undef TILE_FUNCTION
+
+static void any_tile(int kind, Nibbles w, int64_t t, const uint32_t *pairs, const float *stats, int64_t m, int64_t n,
+                     int64_t k_padded, int64_t group, const float *bias, void *y, int y_is_f32, int64_t y_stride,
+                     int accumulate) {
+    void (*tile)(Nibbles, int64_t, const uint32_t *, const float *, int64_t, int64_t, int64_t, int64_t,
+                 const float *, void *, int, int64_t, int) =
+        kind == TILED_MXFP4 ? mxfp4_tile : kind == TILED_INT4 ? int4_tile : group < BLOCK ? int8_short_tile : int8_tile;
+    tile(w, t, pairs, stats, m, n, k_padded, group, bias, y, y_is_f32, y_stride, accumulate);
+}
+
 /* internal.h: whether w computes here. */
 int nibble_tiled(const Tiled *w) {
-    return w->kind == TILED_MXFP4 || (w->kind == TILED_INT4 && !w->split && w->group % BLOCK == 0);
+    if (w->kind == TILED_MXFP4) return 1;
+    if (w->split || w->k_padded % BLOCK) return 0;
+    return (w->kind == TILED_INT4 && w->group % BLOCK == 0) ||
+           (w->kind == TILED_INT8 && (w->group % BLOCK == 0 || w->group == SHORT_GROUP));
 }
 
 /* internal.h: the fused layer's halves of nibble_matmul. */
@@ -280,20 +325,16 @@ void nibble_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pai
 
 void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
                     const float *bias, float *y, int64_t y_stride, int accumulate) {
-    if (w->kind == TILED_MXFP4)
-        block_tile(TILED_MXFP4, nibbles_of(w), t, pairs, stats, inputs, n, w->k_padded, w->group, bias, y, 1,
-                   y_stride, accumulate);
-    else
-        block_tile(TILED_INT4, nibbles_of(w), t, pairs, stats, inputs, n, w->k_padded, w->group, bias, y, 1,
-                   y_stride, accumulate);
+    any_tile((int)w->kind, nibbles_of(w), t, pairs, stats, inputs, n, w->k_padded, w->group, bias, y, 1, y_stride,
+             accumulate);
 }
 
 /* internal.h: x, m rows of k (bf16, or float32 where x_is_f32; x_stride apart), times w; y: m x n of x's dtype. */
 int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
                   const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
                   int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
-    if ((kind != TILED_MXFP4 && kind != TILED_INT4) || (kind == TILED_MXFP4 && group != BLOCK) ||
-        group % BLOCK || k_padded % group || k > k_padded)
+    const Tiled tiled = {values, (const float *)scale, low, kind, k_padded, group, 0};
+    if (!nibble_tiled(&tiled) || (kind == TILED_MXFP4 && group != BLOCK) || k_padded % group || k > k_padded)
         return -2;
     const int64_t blocks = k_padded / BLOCK, tiles = (n + TILE - 1) / TILE, size = x_is_f32 ? 4 : 2;
     const Nibbles w = {values, scale, low};
@@ -305,10 +346,7 @@ int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_s
                          block_stats + i * 2 * blocks);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            if (kind == TILED_MXFP4)
-                block_tile(TILED_MXFP4, w, t, pairs, block_stats, m, n, k_padded, group, bias, y, x_is_f32, n, 0);
-            else
-                block_tile(TILED_INT4, w, t, pairs, block_stats, m, n, k_padded, group, bias, y, x_is_f32, n, 0);
+            any_tile(kind, w, t, pairs, block_stats, m, n, k_padded, group, bias, y, x_is_f32, n, 0);
         }
     }
     return 0;

@@ -22,9 +22,10 @@
  *
  * Activations: bf16 rows are used as they are. A float32 row x is split into two bf16 rows, hi = bf16(x)
  * and lo = bf16(x - hi), and its result is the sum of theirs: x is then carried to about 2^-17 of
- * itself (hi + lo holds 16 significant bits), against 2^-8 for rounding x to bf16. An int4 product whose
- * activations would be bf16 (not split) runs in nibble_products.c instead, as MXFP4's always does:
- * integer products against 16-bit activations (tiled_prepare_row and tiled_product hand it over).
+ * itself (hi + lo holds 16 significant bits), against 2^-8 for rounding x to bf16. An int8 or int4 product
+ * whose activations would be bf16 (not split) runs in nibble_products.c instead, as MXFP4's always does:
+ * integer products against 16-bit activations (nibble_tiled says which; tiled_prepare_row and tiled_product
+ * hand it over).
  *
  * Without AVX512-BF16 (an AVX2-only CPU, or AVX-512 without BF16) quant_kernels_avx2.c computes the same
  * layouts with FMAs and the same numbers; this file keeps what both share (preparing the rows, the entry
@@ -242,12 +243,12 @@ static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, 
 /* x: m rows of k (bf16, or float32 when x_is_f32, split into hi and lo rows where `split`; y has x's dtype,
  * m x n contiguous); rows: scratch of (x_is_f32 ? 2 : 1) * m * k_padded bf16; sums: (x_is_f32 ? 2 : 1) * m
  * * k_padded / group floats, and at least 2 * m * k_padded / NIBBLE_BLOCK where the product is nibble_tiled's
- * (int4 with unsplit rows, MXFP4: nibble_products.c's integer products). */
+ * (int8 and int4 with unsplit rows, MXFP4: nibble_products.c's integer products). */
 int int8_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                 const int8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
-                const float *bias, void *y, uint16_t *rows) {
+                const float *bias, void *y, uint16_t *rows, float *sums) {
     Tiled w = {values, scale, NULL, TILED_INT8, k_padded, group, split};
-    return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, NULL);
+    return quant_matmul(&w, x, x_is_f32, m, k, x_stride, n, bias, y, rows, sums);
 }
 
 int int4_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
