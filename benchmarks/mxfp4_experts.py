@@ -10,7 +10,7 @@ sinks, alternating sliding and full layers, 32 experts 2880 wide, 4 a token; ``-
 vocabulary, so the experts are most of what a step reads, as in the real model) is written twice: as gpt-oss
 publishes it (experts in MXFP4 blocks, random codes at realistic scales) and with those experts' values
 expanded to bfloat16. Both are loaded by ModelRunner with ``--dtype bfloat16`` (bf16 weights, float32
-activations on a CPU with the tiled kernel): the first keeps its experts as MXFP4 (nibble_products.c's integer
+activations on a CPU with the tiled kernel): the first keeps its experts as MXFP4 (integer_products.c's integer
 products), the second computes them as bf16 tiles; everything else is the same. Their decode steps are timed alternately
 (``decode_step.LlmbusDecode``: a prefill of ``--context`` tokens a sequence, then the median of ``--steps``
 whole steps; the best of ``--repeats`` rounds counts) and the script prints tokens/s, the ratio, and the bytes

@@ -21,7 +21,7 @@ Q4_0 and Q4_1 are int4 in groups of 32; every float16 of the file is exact in th
 ``QuantizedLinear`` computes with ``quant_kernels.c``'s tiled kernel (AVX512-BF16, or the same numbers from
 AVX2 + FMA in ``quant_kernels_avx2.c``; built on first use with the other kernels, ``workers/kernels``) for
 bfloat16 and float32 activations; MXFP4, and int8 and int4 with activations at bfloat16's precision, with
-``nibble_products.c``'s integer products, the activations quantized to 16 bits in blocks of 32 (one
+``integer_products.c``'s integer products, the activations quantized to 16 bits in blocks of 32 (one
 implementation for both). Where that kernel cannot run (no compiler, no AVX2 + FMA,
 ``LLMBUS_CPU_KERNELS=0``, float16) it falls back to torch's CPU ops
 (``_weight_int8pack_mm``, per-row scales, ``_weight_int4pack_mm_for_cpu``), with bf16 scales, and for
@@ -155,7 +155,7 @@ class Bf16Weight:
 
 @dataclass(eq=False)
 class Mxfp4Weight:
-    values: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15 (not its value: nibble_products.c looks it up)
+    values: torch.Tensor  # uint8 [N, K], each an e2m1 code 0..15 (not its value: integer_products.c looks it up)
     scale: torch.Tensor  # float32 [N, G]: each block's power of two
     group: int = mxfp4.BLOCK
     packs: dict = field(default_factory=dict, repr=False)
@@ -337,7 +337,7 @@ class _KernelPack:
                      else bindings.TILED_INT4 if self.is_int4
                      else bindings.TILED_MXFP4 if isinstance(weight, Mxfp4Weight) else bindings.TILED_INT8)
         # one scale a row: a group of whole blocks of activations, as the integer products take them
-        block = bindings.NIBBLE_BLOCK
+        block = bindings.ACTIVATION_BLOCK
         self.group = weight.group if weight.group is not None else -(-k // block) * block
         self.k_padded = _groups(k, self.group) * self.group
         self.scale = self.low = None
@@ -400,9 +400,9 @@ class _KernelPack:
 
     def _sums(self, m: int, prepared: int) -> torch.Tensor:
         """Scratch for the kernel's per-row sums: int4's group sums of its ``prepared`` bf16 rows, or, where the
-        product is nibble_products.c's (quant_kernels.c decides), each of the ``m`` rows' block stats."""
+        product is integer_products.c's (quant_kernels.c decides), each of the ``m`` rows' block stats."""
         return _scratch_of("sums", max(prepared * (self.k_padded // self.group),
-                                       2 * m * (self.k_padded // bindings.NIBBLE_BLOCK)))
+                                       2 * m * (self.k_padded // bindings.ACTIVATION_BLOCK)))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the int8 or bf16 weight, dequantized to float32."""

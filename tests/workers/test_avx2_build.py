@@ -4,7 +4,7 @@ the suite runs on, AVX-512 ones included.
 
 - The AVX2 tiled products (bf16, int8, int4, MXFP4) equal the AVX512-BF16 kernel's bit for bit, where this CPU
   has that kernel to compare with: quant_kernels_avx2.c claims its numbers, not just its accuracy (MXFP4's,
-  nibble_products.c, as int4's with bf16 inputs, is one implementation for both builds, compiled for each).
+  integer_products.c, as int4's with bf16 inputs, is one implementation for both builds, compiled for each).
 - gemm.c's own tests (tests/workers/test_linear.py, the fused layer's large batches), which skip on an
   AVX-512 CPU, in a pytest subprocess of the AVX2 build.
 - SmolLM2 through the real model path in a subprocess of the AVX2 build: float32 (gemm.c for the prompts,

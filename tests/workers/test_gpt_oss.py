@@ -120,7 +120,7 @@ def teacher_forced(runner, prompts: list[list[int]], ref) -> torch.Tensor:
 
 
 def test_bfloat16_keeps_the_mxfp4_experts(gpt_oss):
-    """bfloat16 on CPU: every expert computes from its MXFP4 codes and scales (nibble_products.c, against
+    """bfloat16 on CPU: every expert computes from its MXFP4 codes and scales (integer_products.c, against
     activations quantized to 16 bits), and the model stays as close to float32 as the same values expanded to
     bfloat16 do: on transformers' float32 greedy paths, the mean distance of its log-probabilities from
     transformers' is within 1.25 times the expanded model's (plus 0.01). (Greedy tokens may part where this

@@ -72,7 +72,7 @@ def test_our_kernel_takes_strided_rows_and_ragged_outputs():
 
 
 def int16_reference(x: torch.Tensor, w: quant.QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """What nibble_products.c computes, exactly (float64): x quantized to 16 bits per block of 32 (d = max|x| /
+    """What integer_products.c computes, exactly (float64): x quantized to 16 bits per block of 32 (d = max|x| /
     32767, q = x * (1 / d) rounded half away from zero, in float32), times the weight's exact values."""
     k = x.shape[1]
     blocks = F.pad(x.float(), (0, -k % 32)).reshape(x.shape[0], -1, 32)
@@ -91,7 +91,7 @@ def wide_mxfp4(n: int, k: int) -> quant.Mxfp4Weight:
     return w
 
 
-NIBBLE_FORMS = {"mxfp4": wide_mxfp4, "int4 g32": lambda n, k: quant.quantize_int4(weight(n, k) * 4, 32),
+INTEGER_FORMS = {"mxfp4": wide_mxfp4, "int4 g32": lambda n, k: quant.quantize_int4(weight(n, k) * 4, 32),
                 "int4 g64": lambda n, k: quant.quantize_int4(weight(n, k), 64),
                 "int8 g32": lambda n, k: quant.quantize_int8(weight(n, k) * 4, 32),
                 "int8 g16": lambda n, k: quant.quantize_int8(weight(n, k), 16),  # Q6_K's
@@ -99,17 +99,17 @@ NIBBLE_FORMS = {"mxfp4": wide_mxfp4, "int4 g32": lambda n, k: quant.quantize_int
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
-@pytest.mark.parametrize("form", NIBBLE_FORMS)
+@pytest.mark.parametrize("form", INTEGER_FORMS)
 @pytest.mark.parametrize("k", [160, 100])  # 100: the last block of activations (and group) ragged
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nibble_kernels_multiply_16_bit_activations(form, k, dtype):
-    """MXFP4 and int4 weights multiply activations quantized to 16 bits in blocks of 32 (nibble_products.c)
+def test_integer_products_multiply_16_bit_activations(form, k, dtype):
+    """MXFP4 and int4 weights multiply activations quantized to 16 bits in blocks of 32 (integer_products.c)
     where they enter at bfloat16's precision: up to float32 accumulation, the kernel gives the exact product of
     those values with the weights' values (int4's offsets against the quantized activations' sums), for any
     number of rows."""
     if form in ("mxfp4", "int8 g16") and k % 32:
         pytest.skip("MXFP4 is whole blocks of 32, and int8 in groups of 16 (Q6_K's rows: whole super-blocks)")
-    w = NIBBLE_FORMS[form](100, k)
+    w = INTEGER_FORMS[form](100, k)
     bias = torch.randn(100)
     for rows in (1, 5, 9, 70):
         x = torch.randn(rows, k) * torch.logspace(1, -2, k)  # a block's values far below its largest, too
@@ -142,11 +142,11 @@ def test_mxfp4_scales_pack_as_their_e8m0_bytes():
 @pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
 @pytest.mark.parametrize("form", ["mxfp4", "int4 g32", "int8 g16"])
 @pytest.mark.parametrize("k", [96, 4160])  # 4160: 130 blocks, past a chunk that many rows widen at a time
-def test_nibble_rows_do_not_depend_on_the_rows_beside_them(form, k):
+def test_integer_product_rows_do_not_depend_on_the_rows_beside_them(form, k):
     """A row's result is the same bits alone or among others (each row's blocks are quantized and summed by
     themselves, whether the weights are widened for each block of rows or once for all of them), and a row
     holding an infinity or a NaN comes out NaN without touching the rest; a zero row gives the bias."""
-    w = NIBBLE_FORMS[form](37, k)  # 37 outputs: not whole tiles of 16
+    w = INTEGER_FORMS[form](37, k)  # 37 outputs: not whole tiles of 16
     bias = torch.randn(37)
     linear = quant.QuantizedLinear(w, bias, torch.float32, bf16_inputs=True)
     x = torch.randn(21, k)  # past 16 rows: int8 widens its values once for all rows there too

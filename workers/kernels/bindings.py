@@ -21,7 +21,8 @@ log = structlog.get_logger("llmbus.workers.kernels")
 
 MAX_ROWS = 8  # batch rows one GEMV pass of the fused decode layer serves
 QUANT_TILE = 16  # output rows per vector of quant_kernels.c's weight layout
-NIBBLE_BLOCK = 32  # columns a block of nibble_products.c's 16-bit activations: int4 and int8 groups are whole ones
+# columns a block of integer_products.c's 16-bit activations: int4 and int8 groups are whole ones
+ACTIVATION_BLOCK = 32
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -150,8 +151,8 @@ def abi_expectations() -> dict[str, int]:
             "sizeof(Experts)": ctypes.sizeof(Experts), "sizeof(LayerArgs)": ctypes.sizeof(LayerArgs),
             "sizeof(StepArgs)": ctypes.sizeof(StepArgs), "sizeof(LoraSite)": ctypes.sizeof(LoraSite),
             "sizeof(LayerLora)": ctypes.sizeof(LayerLora),
-            "MAX_ROWS": MAX_ROWS, "QUANT_TILE": QUANT_TILE, "NIBBLE_BLOCK": NIBBLE_BLOCK, "TILED_INT8": TILED_INT8,
-            "TILED_INT4": TILED_INT4, "TILED_BF16": TILED_BF16, "TILED_MXFP4": TILED_MXFP4,
+            "MAX_ROWS": MAX_ROWS, "QUANT_TILE": QUANT_TILE, "ACTIVATION_BLOCK": ACTIVATION_BLOCK,
+            "TILED_INT8": TILED_INT8, "TILED_INT4": TILED_INT4, "TILED_BF16": TILED_BF16, "TILED_MXFP4": TILED_MXFP4,
             "TILED_ISA_AVX2": TILED_ISA_AVX2, "TILED_ISA_AVX512_BF16": TILED_ISA_AVX512_BF16}
 
 

@@ -16,7 +16,7 @@ What differs from Llama, as transformers' GptOssForCausalLM computes it:
 - the experts are published in MXFP4 (``X_blocks``/``X_scales``), which the checkpoint's reader expands
   (``prequantized_checkpoint.Mxfp4CheckpointReader``), or as floats. Where the builder keeps quantized
   weights (bfloat16 on CPU), ``read_quantized`` gives each expert's projections as ``quant.Mxfp4Weight``
-  instead, the stored codes and scales, which nibble_products.c multiplies as integers.
+  instead, the stored codes and scales, which integer_products.c multiplies as integers.
 
 ``GptOssReader`` shows the experts to ``WeightBuilder`` as per-expert projections under Mixtral-like names, so
 tensor parallelism splits each expert's width as it splits any MLP's, and one expert at a time is read (and

@@ -21,7 +21,7 @@ static const AbiEntry ABI[] = {
     {"sizeof(LayerLora)", sizeof(LayerLora)},
     {"MAX_ROWS", MAX_ROWS},
     {"QUANT_TILE", QUANT_TILE},
-    {"NIBBLE_BLOCK", NIBBLE_BLOCK},
+    {"ACTIVATION_BLOCK", ACTIVATION_BLOCK},
     {"TILED_INT8", TILED_INT8},
     {"TILED_INT4", TILED_INT4},
     {"TILED_BF16", TILED_BF16},

@@ -102,29 +102,29 @@ void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out,
 void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int accumulate);
 
-/* nibble_products.c, for the same: whether w computes there (MXFP4, and int8 and int4 with bf16-rounded inputs:
- * groups of whole blocks of NIBBLE_BLOCK, or int8's of 16 in whole blocks), and
+/* integer_products.c, for the same: whether w computes there (MXFP4, and int8 and int4 with bf16-rounded inputs:
+ * groups of whole blocks of ACTIVATION_BLOCK, or int8's of 16 in whole blocks), and
  * its halves of a product: a row quantized to 16-bit pairs (k_padded / 2 words) and its stats (2 k_padded /
- * NIBBLE_BLOCK floats), and tile t against `inputs` such rows. */
-int nibble_tiled(const Tiled *w);
+ * ACTIVATION_BLOCK floats), and tile t against `inputs` such rows. */
+int integer_tiled(const Tiled *w);
 /* The whole product there, as quant_kernels.c's entry points hand it over: kind TILED_MXFP4 (scale: e8m0 bytes,
  * group 32), TILED_INT4 (scale and low: float32) or TILED_INT8 (scale: float32); pairs: scratch of m * k_padded
- * / 2 words; block_stats: of 2 * m * k_padded / NIBBLE_BLOCK floats. */
-int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
+ * / 2 words; block_stats: of 2 * m * k_padded / ACTIVATION_BLOCK floats. */
+int integer_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
                   const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
                   int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats);
-void nibble_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats);
-void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
+void integer_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats);
+void integer_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
                     const float *bias, float *y, int64_t y_stride, int accumulate);
 
 /* Rows of k_padded bf16 values a prepared input row of w takes: two where split (hi and lo), else one (a bf16
- * row, or the nibble products' k_padded / 2 pairs of 16-bit values). */
-static inline int64_t tiled_rows_per_input(const Tiled *w) { return w->split && !nibble_tiled(w) ? 2 : 1; }
+ * row, or the integer products' k_padded / 2 pairs of 16-bit values). */
+static inline int64_t tiled_rows_per_input(const Tiled *w) { return w->split && !integer_tiled(w) ? 2 : 1; }
 
-/* Floats of sums a prepared row of w takes: int4's group sums per bf16 row (two where split), or the nibble
+/* Floats of sums a prepared row of w takes: int4's group sums per bf16 row (two where split), or the integer
  * products' stats. */
 static inline int64_t tiled_sums_per_row(const Tiled *w) {
-    return nibble_tiled(w) ? 2 * (w->k_padded / NIBBLE_BLOCK) : (w->split ? 2 : 1) * (w->k_padded / w->group);
+    return integer_tiled(w) ? 2 * (w->k_padded / ACTIVATION_BLOCK) : (w->split ? 2 : 1) * (w->k_padded / w->group);
 }
 
 /* Which tiled kernel this build has (tiled_kernel_isa): VDPBF16PS's in quant_kernels.c, else the same numbers

@@ -19,9 +19,9 @@ enum { MAX_ROWS = 8 };
 /* Output rows per vector (a tile) of quant_kernels.c's weight layout. */
 enum { QUANT_TILE = 16 };
 
-/* Columns of a block nibble_products.c quantizes activations in (MXFP4's block): int4 groups are whole ones, and
- * int8's are, or halves (Q6_K's 16). */
-enum { NIBBLE_BLOCK = 32 };
+/* Columns of a block integer_products.c quantizes activations in (MXFP4's block): int4 groups are whole ones,
+ * and int8's are, or halves (Q6_K's 16). */
+enum { ACTIVATION_BLOCK = 32 };
 
 /* A projection's weight [out, in]: float32 rows, or int8 rows with a float32 scale per row and group of
  * ``group`` inputs (w = value * scale; quant.py's Int8Weight: scale [out, ceil(in / group)]), or both (the

@@ -14,7 +14,7 @@
  *          scale and low [N/16][G][16] float32: w = q * scale + low.
  *   mxfp4: values as int4's, each nibble an e2m1 code (bit 3 the sign, bits 0..2 the magnitude's index in
  *          0, 0.5, 1, 1.5, 2, 3, 4, 6); scale [N/16][G][16] e8m0 bytes (MXFP4's power of two): w = e2m1 *
- *          2^(scale - 127). nibble_products.c computes it, against activations quantized to 16 bits.
+ *          2^(scale - 127). integer_products.c computes it, against activations quantized to 16 bits.
  *   bf16:  values [N/16][K/2][16][2]: each row's pair of columns as VDPBF16PS reads it; one group, no scale.
  * int8 values become bf16 through float32 (exact); int4 values q become the bf16 number 128 + q by
  * OR-ing the bf16 bits of 128 (0x4300) into the nibble, two integer ops for 32 weights, and the group's
@@ -23,8 +23,8 @@
  * Activations: bf16 rows are used as they are. A float32 row x is split into two bf16 rows, hi = bf16(x)
  * and lo = bf16(x - hi), and its result is the sum of theirs: x is then carried to about 2^-17 of
  * itself (hi + lo holds 16 significant bits), against 2^-8 for rounding x to bf16. An int8 or int4 product
- * whose activations would be bf16 (not split) runs in nibble_products.c instead, as MXFP4's always does:
- * integer products against 16-bit activations (nibble_tiled says which; tiled_prepare_row and tiled_product
+ * whose activations would be bf16 (not split) runs in integer_products.c instead, as MXFP4's always does:
+ * integer products against 16-bit activations (integer_tiled says which; tiled_prepare_row and tiled_product
  * hand it over).
  *
  * Without AVX512-BF16 (an AVX2-only CPU, or AVX-512 without BF16) quant_kernels_avx2.c computes the same
@@ -193,8 +193,8 @@ void tile_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *
 #endif
 
 void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out, float *sums) {
-    if (nibble_tiled(w)) {
-        nibble_prepare_row(w, x, k, (uint32_t *)out, sums);
+    if (integer_tiled(w)) {
+        integer_prepare_row(w, x, k, (uint32_t *)out, sums);
         return;
     }
     prepare_row(x, 1, (int)w->split, k, w->k_padded, w->group, out, w->kind == TILED_INT4 ? sums : NULL);
@@ -202,8 +202,8 @@ void tiled_prepare_row(const Tiled *w, const float *x, int64_t k, uint16_t *out,
 
 void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float *sums, int64_t inputs, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int accumulate) {
-    if (nibble_tiled(w)) {
-        nibble_product(w, t, (const uint32_t *)rows, sums, inputs, n, bias, y, y_stride, accumulate);
+    if (integer_tiled(w)) {
+        integer_product(w, t, (const uint32_t *)rows, sums, inputs, n, bias, y, y_stride, accumulate);
         return;
     }
     const int64_t per_input = w->split ? 2 : 1;
@@ -214,8 +214,8 @@ static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, 
                         int64_t n, const float *bias, void *y, uint16_t *rows, float *sums) {
     Tiled as_read = *w;
     as_read.split = x_is_f32 && w->split; /* bf16 rows are never split */
-    if (nibble_tiled(&as_read))
-        return nibble_matmul(x, x_is_f32, m, k, x_stride, (int)w->kind, (const uint8_t *)w->values, w->scale, w->low,
+    if (integer_tiled(&as_read))
+        return integer_matmul(x, x_is_f32, m, k, x_stride, (int)w->kind, (const uint8_t *)w->values, w->scale, w->low,
                              n, w->k_padded, w->group, bias, y, (uint32_t *)rows, sums);
     if (w->k_padded % w->group || w->group % 2 || k > w->k_padded) return -2;
     prepare_rows(x, x_is_f32, (int)w->split, m, k, x_stride, w->k_padded, w->group, rows,
@@ -242,8 +242,8 @@ static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, 
 
 /* x: m rows of k (bf16, or float32 when x_is_f32, split into hi and lo rows where `split`; y has x's dtype,
  * m x n contiguous); rows: scratch of (x_is_f32 ? 2 : 1) * m * k_padded bf16; sums: (x_is_f32 ? 2 : 1) * m
- * * k_padded / group floats, and at least 2 * m * k_padded / NIBBLE_BLOCK where the product is nibble_tiled's
- * (int8 and int4 with unsplit rows, MXFP4: nibble_products.c's integer products). */
+ * * k_padded / group floats, and at least 2 * m * k_padded / ACTIVATION_BLOCK where the product is integer_tiled's
+ * (int8 and int4 with unsplit rows, MXFP4: integer_products.c's integer products). */
 int int8_matmul(const void *x, int x_is_f32, int split, int64_t m, int64_t k, int64_t x_stride,
                 const int8_t *values, const float *scale, int64_t n, int64_t k_padded, int64_t group,
                 const float *bias, void *y, uint16_t *rows, float *sums) {

@@ -38,8 +38,10 @@
 
 /* CHUNK_BLOCKS: the blocks of a tile a product of many rows widens at a time, 128 KiB of 16-bit values, which
  * stay in L2 while every row passes over them (64 and 256 measured no better on Zen 3, 32 worse). */
-enum { TILE = QUANT_TILE, BLOCK = NIBBLE_BLOCK, PAIRS = BLOCK / 2, ROW_BLOCK = 4, LARGEST = 32767, CHUNK_BLOCKS = 128,
-       SHORT_GROUP = 16 };
+enum {
+    TILE = QUANT_TILE, BLOCK = ACTIVATION_BLOCK, PAIRS = BLOCK / 2, ROW_BLOCK = 4, LARGEST = 32767,
+    CHUNK_BLOCKS = 128, SHORT_GROUP = 16
+};
 
 /* One row of x (float32, or bf16) as 16-bit blocks: each pair of columns' two values in a 32-bit word (the
  * even column low, VPMADDWD's order), and its stats: each block's d, then each block's sum of q (exact in a
@@ -130,7 +132,7 @@ typedef struct {
     const uint8_t *values;
     const void *scale; /* MXFP4: uint8 e8m0; int4: float32 */
     const float *low;  /* int4 only */
-} Nibbles;
+} TileWeights;
 
 /* Bytes of a pair of columns of a tile: int8's two columns of 16 rows, a nibble form's one byte a row. */
 static inline int64_t pair_bytes(const int kind) { return kind == TILED_INT8 ? 2 * TILE : TILE; }
@@ -138,7 +140,7 @@ static inline int64_t pair_bytes(const int kind) { return kind == TILED_INT8 ? 2
 /* One tile against `count` consecutive quantized rows from `first`: blocks from..to-1 added to each row's totals,
  * block after block. A pair's values are widened here, or read from `widened` (the pairs from block `from` on,
  * widened once for every row block of a long product). */
-static inline __attribute__((always_inline)) void block_rows(const int kind, const int run, Nibbles w,
+static inline __attribute__((always_inline)) void block_rows(const int kind, const int run, TileWeights w,
                                                             const __m256i *widened,
                                                             const uint32_t *pairs, const float *stats,
                                                             int64_t first, const int count, int64_t k_padded,
@@ -183,7 +185,7 @@ static inline __attribute__((always_inline)) void block_rows(const int kind, con
 }
 
 /* block_rows with `count` as a constant, which keeps the sums in registers. */
-static inline __attribute__((always_inline)) void rows_of(const int kind, const int run, Nibbles w,
+static inline __attribute__((always_inline)) void rows_of(const int kind, const int run, TileWeights w,
                                                          const __m256i *widened, const uint32_t *pairs,
                                                          const float *stats, int64_t first, int64_t count,
                                                          int64_t k_padded, int64_t group, int64_t from, int64_t to,
@@ -233,7 +235,7 @@ static __m256 *totals_for(int64_t rows) {
     return scratch.widened != NULL ? scratch.totals : NULL;
 }
 
-static inline __attribute__((always_inline)) void block_tile(const int kind, const int run, Nibbles w, int64_t t,
+static inline __attribute__((always_inline)) void block_tile(const int kind, const int run, TileWeights w, int64_t t,
                                                             const uint32_t *pairs, const float *stats, int64_t m,
                                                             int64_t n, int64_t k_padded, int64_t group,
                                                             const float *bias, void *y, int y_is_f32,
@@ -281,15 +283,15 @@ static inline __attribute__((always_inline)) void block_tile(const int kind, con
     }
 }
 
-static inline __attribute__((always_inline)) Nibbles nibbles_of(const Tiled *w) {
-    const Nibbles n = {(const uint8_t *)w->values, w->scale, w->low};
+static inline __attribute__((always_inline)) TileWeights weights_of(const Tiled *w) {
+    const TileWeights n = {(const uint8_t *)w->values, w->scale, w->low};
     return n;
 }
 
 /* block_tile with the kind and the run of pairs summed as integers as constants (a block, or int8's group where
  * it is shorter: Q6_K's 16), each its own function: the compiler's budget for inlining is a function's. */
 #define TILE_FUNCTION(NAME, KIND, RUN)                                                                            \
-    static __attribute__((noinline)) void NAME(Nibbles w, int64_t t, const uint32_t *pairs, const float *stats,   \
+    static __attribute__((noinline)) void NAME(TileWeights w, int64_t t, const uint32_t *pairs, const float *stats,   \
                                                int64_t m, int64_t n, int64_t k_padded, int64_t group,             \
                                                const float *bias, void *y, int y_is_f32, int64_t y_stride,        \
                                                int accumulate) {                                                  \
@@ -301,43 +303,46 @@ TILE_FUNCTION(int8_tile, TILED_INT8, PAIRS)
 TILE_FUNCTION(int8_short_tile, TILED_INT8, SHORT_GROUP / 2)
 #undef TILE_FUNCTION
 
-static void any_tile(int kind, Nibbles w, int64_t t, const uint32_t *pairs, const float *stats, int64_t m, int64_t n,
-                     int64_t k_padded, int64_t group, const float *bias, void *y, int y_is_f32, int64_t y_stride,
-                     int accumulate) {
-    void (*tile)(Nibbles, int64_t, const uint32_t *, const float *, int64_t, int64_t, int64_t, int64_t,
+static void any_tile(int kind, TileWeights w, int64_t t, const uint32_t *pairs, const float *stats, int64_t m,
+                     int64_t n, int64_t k_padded, int64_t group, const float *bias, void *y, int y_is_f32,
+                     int64_t y_stride, int accumulate) {
+    void (*tile)(TileWeights, int64_t, const uint32_t *, const float *, int64_t, int64_t, int64_t, int64_t,
                  const float *, void *, int, int64_t, int) =
-        kind == TILED_MXFP4 ? mxfp4_tile : kind == TILED_INT4 ? int4_tile : group < BLOCK ? int8_short_tile : int8_tile;
+        kind == TILED_MXFP4  ? mxfp4_tile
+        : kind == TILED_INT4 ? int4_tile
+        : group < BLOCK      ? int8_short_tile
+                             : int8_tile;
     tile(w, t, pairs, stats, m, n, k_padded, group, bias, y, y_is_f32, y_stride, accumulate);
 }
 
 /* internal.h: whether w computes here. */
-int nibble_tiled(const Tiled *w) {
+int integer_tiled(const Tiled *w) {
     if (w->kind == TILED_MXFP4) return 1;
     if (w->split || w->k_padded % BLOCK) return 0;
     return (w->kind == TILED_INT4 && w->group % BLOCK == 0) ||
            (w->kind == TILED_INT8 && (w->group % BLOCK == 0 || w->group == SHORT_GROUP));
 }
 
-/* internal.h: the fused layer's halves of nibble_matmul. */
-void nibble_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats) {
+/* internal.h: the fused layer's halves of integer_matmul. */
+void integer_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats) {
     quantize_row(x, 1, k, w->k_padded, pairs, stats);
 }
 
-void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
+void integer_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
                     const float *bias, float *y, int64_t y_stride, int accumulate) {
-    any_tile((int)w->kind, nibbles_of(w), t, pairs, stats, inputs, n, w->k_padded, w->group, bias, y, 1, y_stride,
+    any_tile((int)w->kind, weights_of(w), t, pairs, stats, inputs, n, w->k_padded, w->group, bias, y, 1, y_stride,
              accumulate);
 }
 
 /* internal.h: x, m rows of k (bf16, or float32 where x_is_f32; x_stride apart), times w; y: m x n of x's dtype. */
-int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
+int integer_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
                   const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
                   int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
     const Tiled tiled = {values, (const float *)scale, low, kind, k_padded, group, 0};
-    if (!nibble_tiled(&tiled) || (kind == TILED_MXFP4 && group != BLOCK) || k_padded % group || k > k_padded)
+    if (!integer_tiled(&tiled) || (kind == TILED_MXFP4 && group != BLOCK) || k_padded % group || k > k_padded)
         return -2;
     const int64_t blocks = k_padded / BLOCK, tiles = (n + TILE - 1) / TILE, size = x_is_f32 ? 4 : 2;
-    const Nibbles w = {values, scale, low};
+    const TileWeights w = {values, scale, low};
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -354,12 +359,12 @@ int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_s
 
 #else
 
-int nibble_tiled(const Tiled *w) { return 0; }
-void nibble_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats) {}
-void nibble_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
+int integer_tiled(const Tiled *w) { return 0; }
+void integer_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats) {}
+void integer_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
                     const float *bias, float *y, int64_t y_stride, int accumulate) {}
 
-int nibble_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
+int integer_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
                   const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
                   int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
     return -1;
