@@ -39,7 +39,7 @@ from llmbus.workers.attention.decode_kernel import score_slots
 from llmbus.workers.kernels import bindings
 from llmbus.workers.kernels.bindings import MAX_ROWS, Experts, LayerArgs, LayerLora, LoraSite, Proj, StepArgs
 from llmbus.workers.kv_cache import PagedKVCache
-from llmbus.workers.linear import Linear
+from llmbus.workers.linear import Linear, StackedLinear
 from llmbus.workers.models.moe import SparseMoE
 from llmbus.workers.quant import Int8Weight, _DensePack, _KernelPack, tiled_forms
 from llmbus.workers.weight_builder import SECOND_COPY_SHARE
@@ -115,6 +115,14 @@ def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> Pr
     if (pack := _tiled_pack(projection)) is not None:
         keep.append(pack)
         return Proj(tiled=pack.tiled(projection.split))
+    if isinstance(projection, StackedLinear):  # every part tiled, each pointing to the next
+        parts = [_proj_args(part, keep) for part in projection.parts]
+        if any(part is None or not part.tiled.values for part in parts):
+            return None
+        keep.extend(parts)
+        for part, following, source in zip(parts, parts[1:], projection.parts):
+            part.next, part.rows = ctypes.pointer(following), source.out_features
+        return parts[0]
     if isinstance(projection, Linear) and projection.plain and projection.weight.dtype == torch.float32:
         proj = _dense_proj(projection.weight, keep)
         if bf16 is not None:
@@ -128,6 +136,14 @@ def _proj_args(projection, keep: list, bf16: Bfloat16Copies | None = None) -> Pr
     if copy.plain and copy.weight.dtype == torch.float32:
         proj.dense = _dense_proj(copy.weight, keep).dense  # for the GEMMs of large batches
     return proj
+
+
+def _parts(proj: Proj) -> list[Proj]:
+    """A projection's parts: itself, and those ``next`` links to."""
+    parts = [proj]
+    while parts[-1].next:
+        parts.append(parts[-1].next.contents)
+    return parts
 
 
 def _experts_args(moe: SparseMoE, keep: list, bf16: Bfloat16Copies | None) -> int | None:
@@ -208,7 +224,7 @@ class FusedDecodeLayers:
         # Tiled projections: every step through the same per-row arithmetic, any batch (what makes a row's
         # result independent of its batch); the widest input they prepare as bf16 pairs.
         self._tiled = all(p.tiled.values for p in projections)
-        self._widest_tiled = max([p.tiled.k_padded for p in projections if p.tiled.values]
+        self._widest_tiled = max([part.tiled.k_padded for p in projections for part in _parts(p) if p.tiled.values]
                                  + ([self._head.tiled.k_padded] if self._head is not None else [0]))
         # decode_layer.c's GEMMs (panels exist only where gemm.c runs) for float32 batches past MAX_ROWS
         self._gemm_batches = (not self._tiled and not self._experts and all(p.dense for p in projections)

@@ -49,6 +49,21 @@ def onednn_packs(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+class StackedLinear:
+    """Projections of one input whose outputs are stacked, in order (``Linear``'s call contract): a fused
+    projection whose parts are kept in different forms, as llama.cpp's Q4_K_M puts a Q6_K v beside Q4_K q and
+    k. ``bias`` is the whole projection's, for the fused decode layer; each part adds its own share."""
+
+    __slots__ = ("parts", "bias", "out_features")
+
+    def __init__(self, parts: list, bias: torch.Tensor | None = None):
+        self.parts, self.bias = parts, bias
+        self.out_features = sum(part.out_features for part in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 class Linear:
     """``y = x @ weight.T + bias`` for 2-D ``x``, through gemm.c or the packed weight where there is one.
 

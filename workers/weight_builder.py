@@ -17,6 +17,7 @@ kept and what was converted:
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import torch
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from llmbus.bus.procfs import mem_available_bytes
 from llmbus.workers import quant
-from llmbus.workers.linear import Linear, onednn_packs
+from llmbus.workers.linear import Linear, StackedLinear, onednn_packs
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "safetensors")  # how _stored names float tensors
 QUANT_BLOCK = 32  # the smallest block of the GGUF types kept quantized (a K-quant's is 256: its reader says)
@@ -92,14 +93,8 @@ class WeightBuilder:
             self.report[f"{self._stored(name)} -> {form}"] += 1
 
     def _linear(self, weight_names: list[str], kept: list | None, floats, bias) -> object:
-        if kept is not None:
-            try:
-                weight = _cat(kept)
-            except ValueError:  # parts of different forms (an int8 and an int4 part) cannot be fused
-                weight = None
-            if weight is not None:
-                self._count(weight_names, _KEPT_LABELS[type(weight)])
-                return quant.QuantizedLinear(weight, bias, self.dtype, bf16_inputs=self.bf16_inputs)
+        if kept is not None and (linear := self._kept_linear(weight_names, kept, bias)) is not None:
+            return linear
         dense = floats()
         if self.quantize is not None:
             self._count(weight_names, _FORM_LABELS.get(self.quantize, self.quantize))
@@ -107,6 +102,28 @@ class WeightBuilder:
                                          bf16_inputs=self.bf16_inputs)
         self._count(weight_names, _dtype_label(self.dtype))
         return self._dense_linear(self.place(dense), bias)
+
+    def _kept_linear(self, weight_names: list[str], kept: list, bias: torch.Tensor | None) -> object | None:
+        """A projection of the kept parts: one weight, or, where their forms differ (llama.cpp's Q4_K_M puts a
+        Q6_K v beside Q4_K q and k), each run of parts of one form fused and the runs stacked; None if a run's
+        parts cannot be fused."""
+        try:
+            weights = [_cat(list(run)) for _, run in itertools.groupby(kept, key=lambda w: (type(w), w.group))]
+        except ValueError:  # parts of one form whose inputs differ
+            return None
+        # a fused checkpoint tensor is one name for its parts, all of one form
+        for name, weight in zip(weight_names, kept if len(weight_names) == len(kept) else weights):
+            self._count([name], _KEPT_LABELS[type(weight)])
+        if len(weights) == 1:
+            return quant.QuantizedLinear(weights[0], bias, self.dtype, bf16_inputs=self.bf16_inputs)
+        parts, first = [], 0
+        for weight in weights:
+            rows = weight.shape[0]
+            share = None if bias is None else bias[first:first + rows]
+            parts.append(quant.QuantizedLinear(weight, share, self.dtype, bf16_inputs=self.bf16_inputs))
+            first += rows
+        self.report["fused projections of parts kept in different forms"] += 1
+        return StackedLinear(parts, bias)
 
     def _dense_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         if not self.keep_plain or not onednn_packs(weight):  # gemm.c's projections are plain and unpacked

@@ -77,9 +77,9 @@ def _gemv(library, pack, x, split) -> torch.Tensor:
     proj = bindings.Proj(tiled=pack.tiled(split))
     y = torch.empty(m, pack.n)
     prepared = torch.empty(2 * m * pack.k_padded, dtype=torch.bfloat16)
-    sums = torch.empty(2 * m * (pack.k_padded // pack.group))
-    assert library.gemv_proj(ctypes.byref(proj), x.data_ptr(), k, pack.n, m, y.data_ptr(), prepared.data_ptr(),
-                             sums.data_ptr()) == 0
+    sums = torch.empty(2 * m * pack.k_padded)  # as the fused layer's: enough for any form's
+    assert library.gemv_proj(ctypes.byref(proj), None, x.data_ptr(), k, pack.n, m, y.data_ptr(),
+                             prepared.data_ptr(), sums.data_ptr()) == 0
     return y
 
 

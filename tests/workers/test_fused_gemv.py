@@ -10,6 +10,7 @@ import torch
 
 from llmbus.workers import fused_decode
 from llmbus.workers.kernels import bindings
+from llmbus.workers.linear import StackedLinear
 from llmbus.testing.prequantized import mxfp4_weight
 from llmbus.workers.quant import QuantizedLinear, as_bf16, quantize_int4, quantize_int8, tiled_forms
 
@@ -17,12 +18,13 @@ LIBRARY = bindings.library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler: the fused decode layer is optional")
 
 
-def gemv(proj: bindings.Proj, x: torch.Tensor, out_features: int) -> torch.Tensor:
+def gemv(proj: bindings.Proj, x: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     y = torch.full((x.shape[0], out_features), float("nan"))
-    width = proj.tiled.k_padded or x.shape[1]
+    width = max(part.tiled.k_padded for part in fused_decode._parts(proj)) or x.shape[1]
     prepared, sums = torch.empty(2 * x.shape[0] * width, dtype=torch.bfloat16), torch.empty(2 * x.shape[0] * width)
-    assert LIBRARY.gemv_proj(ctypes.byref(proj), x.data_ptr(), x.shape[1], out_features, x.shape[0],
-                             y.data_ptr(), prepared.data_ptr(), sums.data_ptr()) == 0
+    assert LIBRARY.gemv_proj(ctypes.byref(proj), None if bias is None else bias.data_ptr(), x.data_ptr(),
+                             x.shape[1], out_features, x.shape[0], y.data_ptr(), prepared.data_ptr(),
+                             sums.data_ptr()) == 0
     return y
 
 
@@ -133,3 +135,27 @@ def test_tiled_rows_are_the_kernels_bits_whatever_the_batch(form, out_features, 
     exact_x = x.bfloat16() if bf16_inputs and not integers else x
     torch.testing.assert_close(alone, (exact_x.double() @ weight.dequantize().double().T).float(), rtol=1e-4,
                                atol=1e-3)
+
+
+@pytest.mark.skipif(not tiled_forms(), reason="the tiled kernel needs AVX512-BF16 or AVX2 + FMA")
+@pytest.mark.parametrize("bf16_inputs", [False, True])
+def test_a_projection_stacked_from_parts_of_different_forms_gives_each_parts_bits(bf16_inputs):
+    """A fused projection whose parts are kept in different forms (llama.cpp's Q4_K_M: Q4_K q and k, a Q6_K v)
+    is one C projection of linked parts: each part's outputs, and its share of the bias, are that part's own
+    product's bits, for any number of rows."""
+    torch.manual_seed(3)
+    weights = [quantize_int4(torch.randn(48, 96), 32), quantize_int8(torch.randn(32, 96), 16),
+               as_bf16(torch.randn(21, 96))]  # 21: the last part's outputs are not a whole tile
+    bias = torch.randn(101)
+    shares = bias.split([48, 32, 21])
+    parts = [QuantizedLinear(w, b, torch.float32, bf16_inputs=bf16_inputs) for w, b in zip(weights, shares)]
+    stacked = StackedLinear(parts, bias)
+    keep = []
+    proj = fused_decode._proj_args(stacked, keep)
+    assert [p.tiled.kind for p in fused_decode._parts(proj)] == [bindings.TILED_INT4, bindings.TILED_INT8,
+                                                                  bindings.TILED_BF16]
+    x = torch.randn(11, 96)
+    expected = torch.cat([part(x) for part in parts], dim=1)
+    assert torch.equal(stacked(x), expected)
+    for rows in (1, 3, 8, 11):
+        assert torch.equal(gemv(proj, x[:rows], 101, bias), expected[:rows])

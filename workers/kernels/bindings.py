@@ -43,9 +43,12 @@ class Tiled(ctypes.Structure):
 
 class Proj(ctypes.Structure):
     """A projection's weight: float32 rows, int8 rows with group scales, or both; and a bfloat16 copy; or a
-    tiled form (``tiled.values`` set), which every GEMV of it then reads."""
+    tiled form (``tiled.values`` set), which every GEMV of it then reads, its first ``rows`` outputs only
+    where ``next`` points to the part that gives the rest (parts of different tiled forms)."""
 
-    _fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64), ("bf16", _P), ("tiled", Tiled)]
+
+Proj._fields_ = [("dense", _P), ("values", _P), ("scale", _P), ("group", _I64), ("bf16", _P), ("tiled", Tiled),
+                 ("next", ctypes.POINTER(Proj)), ("rows", _I64)]
 
 
 class Experts(ctypes.Structure):
@@ -116,8 +119,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "decode_layers_f32": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs), _I64, _P], _INT),
     # weight, norm (or null), eps, x, in, out, rows, normed scratch, y, prepared scratch, their sums (tiled)
     "lm_head_f32": ([ctypes.POINTER(Proj), _P, _F32, _P, _I64, _I64, _I64, _P, _P, _P, _P], _INT),
-    # weight, x, in, out, rows, y, prepared scratch, their sums (tiled)
-    "gemv_proj": ([ctypes.POINTER(Proj), _P, _I64, _I64, _I64, _P, _P, _P], _INT),
+    # weight, bias (or null), x, in, out, rows, y, prepared scratch, their sums (tiled)
+    "gemv_proj": ([ctypes.POINTER(Proj), _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
     "decode_layer_reads_bf16": ([], _INT),
     "attention_threads": ([], _I64),
     "decode_layer_panel_floats": ([_I64, _I64], _I64),

@@ -384,15 +384,23 @@ int lm_head_f32(const Proj *weight, const float *norm, float eps, const float *x
         }
         const float *input = norm != 0 ? normed : x;
         if (tiled)
-            tiled_gemv(&weight->tiled, 0, input, in, out_features, rows, y, out_features, 0, prepared, prepared_sums);
+            tiled_parts(weight, 0, input, in, out_features, rows, y, out_features, 0, prepared, prepared_sums);
         else
             gemv(weight, 0, input, in, out_features, rows, y, out_features, 0);
     }
     return 0;
 }
 
-/* y [rows, out] = x [rows, in] W^T for one projection (float32 or int8 rows, or tiled). */
-int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows, float *y,
-              uint16_t *prepared, float *prepared_sums) {
-    return lm_head_f32(weight, 0, 0.0f, x, in, out_features, rows, 0, y, prepared, prepared_sums);
+/* y [rows, out] = x [rows, in] W^T (+ bias) for one projection as a layer computes it (float32 or int8 rows, or
+ * tiled, of parts or not). */
+int gemv_proj(const Proj *weight, const float *bias, const float *x, int64_t in, int64_t out_features, int64_t rows,
+              float *y, uint16_t *prepared, float *prepared_sums) {
+#pragma omp parallel
+    {
+        if (weight->tiled.values != 0)
+            tiled_parts(weight, bias, x, in, out_features, rows, y, out_features, 0, prepared, prepared_sums);
+        else
+            gemv(weight, bias, x, in, out_features, rows, y, out_features, 0);
+    }
+    return 0;
 }

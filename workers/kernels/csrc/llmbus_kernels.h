@@ -41,13 +41,17 @@ typedef struct {
     int64_t split; /* float32 inputs as bf16 hi + lo (~16 significant bits), else rounded to bf16 */
 } Tiled;
 
-typedef struct {
+typedef struct Proj {
     const float *dense;   /* or null: int8 only */
     const int8_t *values; /* or null: float32 only */
     const float *scale;
     int64_t group;
     const uint16_t *bf16; /* or null */
     Tiled tiled;          /* values null, or the form every GEMV of this projection reads */
+    /* A tiled projection stacked from parts of different forms (a GGUF's Q6_K v beside Q4_K q and k): this
+     * part gives the first ``rows`` outputs and ``next`` the rest; null: this part gives them all. */
+    const struct Proj *next;
+    int64_t rows;
 } Proj;
 
 /* A layer's routed experts (Mixtral, Qwen3-MoE; workers/models/moe.py): a float32 router [num_experts,
@@ -148,8 +152,8 @@ LLMBUS_API int decode_layers_f32(const StepArgs *s, const LayerArgs *layers, int
 LLMBUS_API int lm_head_f32(const Proj *weight, const float *norm, float eps, const float *x, int64_t in,
                            int64_t out_features, int64_t rows, float *normed, float *y, uint16_t *prepared,
                            float *prepared_sums);
-LLMBUS_API int gemv_proj(const Proj *weight, const float *x, int64_t in, int64_t out_features, int64_t rows,
-                         float *y, uint16_t *prepared, float *prepared_sums);
+LLMBUS_API int gemv_proj(const Proj *weight, const float *bias, const float *x, int64_t in, int64_t out_features,
+                         int64_t rows, float *y, uint16_t *prepared, float *prepared_sums);
 LLMBUS_API int decode_layer_reads_bf16(void);
 LLMBUS_API int64_t decode_layer_panel_floats(int64_t rows, int64_t widest);
 
