@@ -70,11 +70,14 @@ class LlamaServer:
 
 
 def worker_rss_mib(server: Server) -> float | None:
-    """Resident memory of the (single) worker rank: the launcher descendant started with --rank."""
-    for pid in server.pids:
-        if "--rank" in command_words(pid):
-            rss = rss_bytes(pid)
-            return None if rss is None else rss / 2**20
+    """Resident memory of the (single) worker rank: the launcher descendant started with --rank, or where the
+    group is one rank, the workers service itself (`llmbus workers` runs rank 0 in its own process)."""
+    commands = {pid: command_words(pid) for pid in server.pids}
+    ranks = [pid for pid, words in commands.items() if "--rank" in words]
+    services = [pid for pid, words in commands.items() if "llmbus.workers" in words]
+    for pid in ranks or services:
+        rss = rss_bytes(pid)
+        return None if rss is None else rss / 2**20
     return None
 
 
