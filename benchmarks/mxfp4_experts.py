@@ -53,7 +53,7 @@ SHAPE = dict(hidden_size=2880, num_hidden_layers=2, num_attention_heads=64, num_
              sliding_window=128, max_position_embeddings=131072, bos_token_id=None, eos_token_id=None,
              pad_token_id=None)
 DRY_SHAPE = dict(SHAPE, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                 intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, vocab_size=512)
+                 intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)  # the vocabulary: the tokenizer's
 # (layers, experts) of the published models, each expert three 2880 x 2880 projections
 PUBLISHED = {"gpt-oss-20b": (24, 32), "gpt-oss-120b": (36, 128)}
 SCALE_EXPONENT = -7  # 2^-7 times e2m1 values averaging ~2.5: weights of about 0.02, as a trained layer's
