@@ -123,6 +123,23 @@ def test_integer_products_multiply_16_bit_activations(form, k, dtype):
         assert (exact - expected).abs().max() > 1e-6 * expected.abs().max()  # the check tells them apart
 
 
+@pytest.mark.skipif(not HAS_KERNEL, reason="the tiled kernels do not run here")
+@pytest.mark.parametrize("form", ["mxfp4", "int4 g32", "int8 g16"])
+def test_integer_products_take_blocks_whose_scale_is_subnormal(form):
+    """A block whose largest value is below 2^-113 has a scale (largest / 32767) below 2^-128, whose inverse
+    overflows float32: its values are divided by the scale instead, and the product stays the product (the
+    weights' scales large enough that the block's scale times theirs stays a normal float32)."""
+    big = weight(40, 96) * 2.0 ** 12
+    w = {"mxfp4": to_mxfp4, "int4 g32": lambda b: quant.quantize_int4(b, 32),
+         "int8 g16": lambda b: quant.quantize_int8(b, 16)}[form](big)
+    x = torch.randn(3, 96) * 2.0 ** -118
+    x[1, 32:64] *= 2.0 ** 100  # one ordinary block beside tiny ones
+    ours = quant.QuantizedLinear(w, None, torch.float32, bf16_inputs=True)(x).double()
+    exact = reference(x, w, None).double()
+    assert ours.isfinite().all()
+    torch.testing.assert_close(ours[[0, 2]], exact[[0, 2]], rtol=1e-3, atol=1e-3 * exact[[0, 2]].abs().max().item())
+
+
 def test_mxfp4_scales_pack_as_their_e8m0_bytes():
     """The kernel keeps MXFP4's scales as the bytes gpt-oss publishes (a quarter of float32's memory): every
     e8m0 value goes there and back exactly, and a scale that is no power of two is refused."""

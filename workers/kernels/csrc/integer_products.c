@@ -43,34 +43,79 @@ enum {
     CHUNK_BLOCKS = 128, SHORT_GROUP = 16
 };
 
+/* Block b of a row of x (float32, or bf16) as 4 vectors of float32, zero past column k. */
+static inline void block_values(const void *x_row, int x_is_f32, int64_t k, int64_t b, __m256 v[4]) {
+    const int64_t first = b * BLOCK;
+    if (first + BLOCK <= k) {
+        for (int i = 0; i < 4; i++)
+            v[i] = x_is_f32 ? _mm256_loadu_ps((const float *)x_row + first + 8 * i)
+                            : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                  (const __m128i *)((const uint16_t *)x_row + first + 8 * i))), 16));
+        return;
+    }
+    float values[BLOCK];
+    for (int j = 0; j < BLOCK; j++)
+        values[j] = first + j >= k ? 0.0f
+                    : x_is_f32     ? ((const float *)x_row)[first + j]
+                                   : bf16_to_f32(((const uint16_t *)x_row)[first + j]);
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(values + 8 * i);
+}
+
+/* roundf of each lane (halves away from zero): the truncation, then one away from zero where the part cut off
+ * (exact) is a half or more. */
+static inline __m256 round_half_away(__m256 t) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 cut = _mm256_andnot_ps(sign, _mm256_sub_ps(t, whole));
+    const __m256 far = _mm256_cmp_ps(cut, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m256 step = _mm256_or_ps(_mm256_and_ps(t, sign), _mm256_set1_ps(1.0f));
+    return _mm256_add_ps(whole, _mm256_and_ps(far, step));
+}
+
 /* One row of x (float32, or bf16) as 16-bit blocks: each pair of columns' two values in a 32-bit word (the
- * even column low, VPMADDWD's order), and its stats: each block's d, then each block's sum of q (exact in a
- * float: at most 2^20). A block holding a NaN or an infinity gets d = NaN, so the rows it reaches come out
- * NaN, as a float product's would. */
+ * even column low, VPMADDWD's order: the values in column order), and its stats: each block's d, then each
+ * block's sum of q (exact in a float: at most 2^20). A block holding a NaN or an infinity gets d = NaN, so the
+ * rows it reaches come out NaN, as a float product's would. */
 static void quantize_row(const void *x_row, int x_is_f32, int64_t k, int64_t k_padded, uint32_t *pairs,
                          float *stats) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     float *d = stats, *sums = stats + k_padded / BLOCK;
     for (int64_t b = 0; b < k_padded / BLOCK; b++) {
-        float values[BLOCK], largest = 0.0f;
-        int finite = 1;
-        for (int j = 0; j < BLOCK; j++) {
-            const int64_t column = b * BLOCK + j;
-            values[j] = column >= k ? 0.0f
-                        : x_is_f32  ? ((const float *)x_row)[column]
-                                    : bf16_to_f32(((const uint16_t *)x_row)[column]);
-            finite &= isfinite(values[j]) != 0;
-            largest = fmaxf(largest, fabsf(values[j]));
+        __m256 v[4], finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), largest = _mm256_setzero_ps();
+        block_values(x_row, x_is_f32, k, b, v);
+        for (int i = 0; i < 4; i++) {
+            const __m256 size = _mm256_and_ps(v[i], magnitude);
+            finite = _mm256_and_ps(finite, _mm256_cmp_ps(size, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+            largest = _mm256_max_ps(largest, size);
         }
-        const float scale = largest / (float)LARGEST, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < PAIRS; j++) {
-            const int16_t even = finite ? (int16_t)roundf(values[2 * j] * inverse) : 0;
-            const int16_t odd = finite ? (int16_t)roundf(values[2 * j + 1] * inverse) : 0;
-            pairs[b * PAIRS + j] = (uint32_t)(uint16_t)even | (uint32_t)(uint16_t)odd << 16;
-            sum += even + odd;
+        __m256i *out = (__m256i *)(pairs + b * PAIRS);
+        if (_mm256_movemask_ps(finite) != 0xFF) {
+            _mm256_storeu_si256(out, _mm256_setzero_si256()), _mm256_storeu_si256(out + 1, _mm256_setzero_si256());
+            d[b] = NAN, sums[b] = 0.0f;
+            continue;
         }
-        d[b] = finite ? scale : NAN;
-        sums[b] = (float)sum;
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        const float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+        const float scale = top / (float)LARGEST, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        /* Below 2^-128 a scale's inverse overflows: such a block divides by it instead, and its subnormal
+         * scale's rounding can take a value just past LARGEST, which is clamped. */
+        const int tiny = isinf(inverse);
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256 t = tiny ? _mm256_div_ps(v[i], _mm256_set1_ps(scale))
+                                  : _mm256_mul_ps(v[i], _mm256_set1_ps(inverse));
+            q[i] = _mm256_cvttps_epi32(round_half_away(t));
+            q[i] = _mm256_max_epi32(_mm256_min_epi32(q[i], _mm256_set1_epi32(LARGEST)), _mm256_set1_epi32(-LARGEST));
+            sum = _mm256_add_epi32(sum, q[i]);
+        }
+        /* packs works within 128-bit lanes: the 64-bit quarters back in column order */
+        _mm256_storeu_si256(out, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+        _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+        __m128i total = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4E));
+        total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xB1));
+        d[b] = scale, sums[b] = (float)_mm_cvtsi128_si32(total);
     }
 }
 
