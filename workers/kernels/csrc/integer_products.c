@@ -374,20 +374,19 @@ void integer_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pa
 }
 
 void integer_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
-                    const float *bias, float *y, int64_t y_stride, int accumulate) {
+                     const float *bias, float *y, int64_t y_stride, int accumulate) {
     any_tile((int)w->kind, weights_of(w), t, pairs, stats, inputs, n, w->k_padded, w->group, bias, y, 1, y_stride,
              accumulate);
 }
 
 /* internal.h: x, m rows of k (bf16, or float32 where x_is_f32; x_stride apart), times w; y: m x n of x's dtype. */
-int integer_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
-                  const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
-                  int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
-    const Tiled tiled = {values, (const float *)scale, low, kind, k_padded, group, 0};
-    if (!integer_tiled(&tiled) || (kind == TILED_MXFP4 && group != BLOCK) || k_padded % group || k > k_padded)
-        return -2;
+int integer_matmul(const Tiled *tiled, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+                   int64_t n, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
+    const int kind = (int)tiled->kind;
+    const int64_t k_padded = tiled->k_padded, group = tiled->group;
+    if ((kind == TILED_MXFP4 && group != BLOCK) || k_padded % group || k > k_padded) return -2;
     const int64_t blocks = k_padded / BLOCK, tiles = (n + TILE - 1) / TILE, size = x_is_f32 ? 4 : 2;
-    const TileWeights w = {values, scale, low};
+    const TileWeights w = weights_of(tiled);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -407,11 +406,10 @@ int integer_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_
 int integer_tiled(const Tiled *w) { return 0; }
 void integer_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats) {}
 void integer_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
-                    const float *bias, float *y, int64_t y_stride, int accumulate) {}
+                     const float *bias, float *y, int64_t y_stride, int accumulate) {}
 
-int integer_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
-                  const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
-                  int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
+int integer_matmul(const Tiled *tiled, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride,
+                   int64_t n, const float *bias, void *y, uint32_t *pairs, float *block_stats) {
     return -1;
 }
 

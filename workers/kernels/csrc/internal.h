@@ -107,15 +107,14 @@ void tiled_product(const Tiled *w, int64_t t, const uint16_t *rows, const float 
  * its halves of a product: a row quantized to 16-bit pairs (k_padded / 2 words) and its stats (2 k_padded /
  * ACTIVATION_BLOCK floats), and tile t against `inputs` such rows. */
 int integer_tiled(const Tiled *w);
-/* The whole product there, as quant_kernels.c's entry points hand it over: kind TILED_MXFP4 (scale: e8m0 bytes,
- * group 32), TILED_INT4 (scale and low: float32) or TILED_INT8 (scale: float32); pairs: scratch of m * k_padded
- * / 2 words; block_stats: of 2 * m * k_padded / ACTIVATION_BLOCK floats. */
-int integer_matmul(const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int kind,
-                  const uint8_t *values, const void *scale, const float *low, int64_t n, int64_t k_padded,
-                  int64_t group, const float *bias, void *y, uint32_t *pairs, float *block_stats);
+/* The whole product there, as quant_kernels.c's entry points hand over a w integer_tiled takes: kind TILED_MXFP4
+ * (scale: e8m0 bytes, group 32), TILED_INT4 (scale and low: float32) or TILED_INT8 (scale: float32); pairs:
+ * scratch of m * k_padded / 2 words; block_stats: of 2 * m * k_padded / ACTIVATION_BLOCK floats. */
+int integer_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, int64_t k, int64_t x_stride, int64_t n,
+                   const float *bias, void *y, uint32_t *pairs, float *block_stats);
 void integer_prepare_row(const Tiled *w, const float *x, int64_t k, uint32_t *pairs, float *stats);
 void integer_product(const Tiled *w, int64_t t, const uint32_t *pairs, const float *stats, int64_t inputs, int64_t n,
-                    const float *bias, float *y, int64_t y_stride, int accumulate);
+                     const float *bias, float *y, int64_t y_stride, int accumulate);
 
 /* Rows of k_padded bf16 values a prepared input row of w takes: two where split (hi and lo), else one (a bf16
  * row, or the integer products' k_padded / 2 pairs of 16-bit values). */
@@ -139,7 +138,8 @@ static inline int64_t tiled_sums_per_row(const Tiled *w) {
 #endif
 
 #if TILED_KERNEL
-/* Where tile t of w (16 output rows) starts: its values, and its group scales and lows where it has them. */
+/* Where tile t of w (16 output rows; int8, int4 or bf16: MXFP4 multiplies in integer_products.c only) starts: its
+ * values, and its group scales and lows where it has them. */
 typedef struct {
     const void *values;
     const float *scale, *low;
@@ -147,7 +147,7 @@ typedef struct {
 
 static inline TileAt tile_at(const Tiled *w, int64_t t) {
     const int64_t groups = w->k_padded / w->group;
-    const int64_t bytes = w->kind == TILED_INT4 || w->kind == TILED_MXFP4 ? w->k_padded / 2 * QUANT_TILE
+    const int64_t bytes = w->kind == TILED_INT4 ? w->k_padded / 2 * QUANT_TILE
                         : w->kind == TILED_INT8 ? w->k_padded * QUANT_TILE : w->k_padded * QUANT_TILE * 2;
     TileAt at = {(const uint8_t *)w->values + t * bytes, w->kind == TILED_BF16 ? 0 : w->scale + t * groups * QUANT_TILE,
                  w->kind == TILED_INT4 ? w->low + t * groups * QUANT_TILE : 0};

@@ -215,8 +215,7 @@ static int quant_matmul(const Tiled *w, const void *x, int x_is_f32, int64_t m, 
     Tiled as_read = *w;
     as_read.split = x_is_f32 && w->split; /* bf16 rows are never split */
     if (integer_tiled(&as_read))
-        return integer_matmul(x, x_is_f32, m, k, x_stride, (int)w->kind, (const uint8_t *)w->values, w->scale, w->low,
-                             n, w->k_padded, w->group, bias, y, (uint32_t *)rows, sums);
+        return integer_matmul(&as_read, x, x_is_f32, m, k, x_stride, n, bias, y, (uint32_t *)rows, sums);
     if (w->k_padded % w->group || w->group % 2 || k > w->k_padded) return -2;
     prepare_rows(x, x_is_f32, (int)w->split, m, k, x_stride, w->k_padded, w->group, rows,
                  w->kind == TILED_INT4 ? sums : NULL);
