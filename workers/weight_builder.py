@@ -247,10 +247,8 @@ class WeightBuilder:
 
 
 def _cat(parts: list) -> quant.QuantizedWeight:
-    kinds = {type(p) for p in parts}
-    if len(kinds) != 1:
-        raise ValueError("parts of different quantized forms")
-    return parts[0] if len(parts) == 1 else kinds.pop().cat(parts)
+    """Parts of one form (``_kept_linear`` groups them) as one weight."""
+    return parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
 
 
 _FORM_LABELS = {"bf16": "bfloat16"}
